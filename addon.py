@@ -1,0 +1,334 @@
+"""slotkeeper: a mitmproxy addon that pins every agent session to its own llama-server KV-cache slot.
+
+    mitmdump -s addon.py --mode reverse:http://127.0.0.1:8080@127.0.0.1:8081 --set connection_strategy=lazy
+
+This file is the thin adapter (options, hooks, commands). Decisions live in the pure package `slotlogic`;
+I/O (httpx to llama-server, the locked state file) lives in `drivers/`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `mitmdump -s` from any cwd
+
+from mitmproxy import command, ctx, exceptions, http
+
+from drivers.flow_state import FlowInfo, SSETap
+from drivers.server_runtime import ServerRuntime
+from drivers.state_store import default_state_dir
+from slotlogic import core, rewrite, sidecalls
+from slotlogic import session as sess
+from slotlogic.observe import Observation, StreamObserver, observe_json
+from slotlogic.ranking import Policy
+
+log = logging.getLogger("slotkeeper")
+MARKERS = {"hit": ":zap:", "partial": ":large_orange_diamond:", "miss": ":snail:", "error": ":x:",
+           "unknown": ":warning:"}
+LOCAL_PREFIX = "/_slots/"
+
+
+class SlotKeeper:
+    def __init__(self) -> None:
+        self.cfg = core.Config()
+        self.state_dir: Path = default_state_dir()
+        self.runtimes: dict[str, ServerRuntime] = {}
+        self.flows: dict[str, FlowInfo] = {}
+        self.log_file: str | None = None
+        self.flush_interval = 2.0
+        self.probe_interval = 15.0
+
+    # ------------------------------------------------------------------------------------------- options
+
+    def load(self, loader: Any) -> None:
+        loader.add_option("slots_policy", str, "auto",
+                          "How a new session's slot is chosen: auto (prefix-aware, busy-aware), seed (seed "
+                          "000's ranking), off (observe and log only, rewrite nothing).",
+                          choices=[p.value for p in Policy])
+        loader.add_option("slots_state_dir", str, "",
+                          "Directory of the shared state files (one per upstream server). Default: "
+                          "$XDG_STATE_HOME/slotkeeper (~/.local/state/slotkeeper).")
+        loader.add_option("slots_ttl", int, 120,
+                          "Seconds after its last request that a session's claim on its slot expires.")
+        loader.add_option("slots_override_client", bool, False,
+                          "Replace a client's own valid id_slot instead of respecting it.")
+        loader.add_option("slots_session_headers", Sequence[str], list(sess.DEFAULT_SESSION_HEADERS),
+                          "Request headers that carry a session id, most reliable first (repeat --set).")
+        loader.add_option("slots_side_patterns", Sequence[str], list(sidecalls.DEFAULT_SIDE_PATTERNS),
+                          "Regexes on the system prompt that mark side calls (compaction, titles); they go "
+                          "to one reserved slot when the server has 2 or more slots.")
+        loader.add_option("slots_side_slot", int, -1,
+                          "The slot reserved for side calls; -1 = the highest slot id.")
+        loader.add_option("slots_probe_interval", int, 15,
+                          "Seconds between background /props probes that detect a restarted or resized "
+                          "server (0 = only when a cache loss needs explaining).")
+        loader.add_option("slots_log_file", str, "",
+                          "Append one JSON line per completion request to this file (hashes, counts).")
+
+    def configure(self, updated: set[str]) -> None:
+        if not updated & {"slots_policy", "slots_state_dir", "slots_ttl", "slots_override_client",
+                          "slots_session_headers", "slots_side_patterns", "slots_side_slot",
+                          "slots_probe_interval", "slots_log_file"}:
+            return
+        o = ctx.options
+        try:
+            policy = Policy(o.slots_policy)
+        except ValueError:
+            raise exceptions.OptionsError(
+                f"slots_policy must be one of {[p.value for p in Policy]}, not {o.slots_policy!r}") from None
+        if o.slots_ttl <= 0:
+            raise exceptions.OptionsError("slots_ttl must be a positive number of seconds")
+        if o.slots_side_slot < -1:
+            raise exceptions.OptionsError("slots_side_slot must be -1 (automatic) or a slot id")
+        if o.slots_probe_interval < 0:
+            raise exceptions.OptionsError("slots_probe_interval must be ≥ 0")
+        try:
+            patterns = tuple(sidecalls.compile_patterns(o.slots_side_patterns))
+        except ValueError as e:
+            raise exceptions.OptionsError(f"slots_side_patterns: {e}") from None
+        headers = tuple(h.strip().lower() for h in o.slots_session_headers if h.strip())
+        self.cfg = core.Config(policy=policy, ttl=float(o.slots_ttl),
+                               override_client=o.slots_override_client, header_names=headers,
+                               side_patterns=patterns, side_slot=o.slots_side_slot)
+        self.state_dir = Path(o.slots_state_dir).expanduser() if o.slots_state_dir else default_state_dir()
+        self.probe_interval = float(o.slots_probe_interval)
+        self.log_file = o.slots_log_file or None
+        for rt in self.runtimes.values():
+            rt.reconfigure(self.cfg, self.state_dir)
+            rt.probe_interval = self.probe_interval
+
+    def runtime(self, upstream: str) -> ServerRuntime:
+        rt = self.runtimes.get(upstream)
+        if rt is None:
+            rt = ServerRuntime(upstream, self.state_dir, self.cfg, flush_interval=self.flush_interval,
+                               probe_interval=self.probe_interval)
+            self.runtimes[upstream] = rt
+        return rt
+
+    # ------------------------------------------------------------------------------------------- hooks
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response or flow.error:
+            return
+        if flow.request.path.startswith(LOCAL_PREFIX):
+            self.answer_local(flow)
+            return
+        original = flow.request.raw_content
+        original_headers = flow.request.headers.copy()
+        try:
+            await self._request(flow)
+        except Exception as e:  # fail open: the original request goes out untouched
+            flow.request.headers = original_headers
+            flow.request.raw_content = original
+            self.flows.pop(flow.id, None)
+            log.warning("slotkeeper: internal error on %s %s, forwarded unchanged: %r",
+                        flow.request.method, flow.request.path, e)
+
+    async def _request(self, flow: http.HTTPFlow) -> None:
+        req = flow.request
+        if req.method != "POST":
+            return
+        upstream = f"{req.scheme}://{req.host}:{req.port}"
+        body = parse_json(req)
+        rt = self.runtime(upstream)
+        now = time.time()
+        plan = core.plan(self.cfg, rt.table, req.method, req.path, req.headers, body, now,
+                         total_slots=rt.total_slots, known_prompts=rt.marks)
+        if plan.kind == "pass":
+            if plan.route.value != "other":
+                log.info("slotkeeper: %s %s passed through: %s", req.method, req.path, plan.reason)
+            return
+        info = FlowInfo(plan=plan, upstream=upstream, started=time.monotonic(), reason=plan.reason)
+        self.flows[flow.id] = info
+        assert plan.session is not None and isinstance(body, dict)
+        rt.remember_prompt(plan.session.key, sess.prompt_mark(body))
+        if plan.kind == "observe":
+            return
+        slot = plan.slot
+        if plan.kind == "need_slot":
+            choice = await rt.new_session(plan, now)
+            if choice is None:
+                info.reason = "unpinned: server unknown"
+                return
+            slot, info.reason = choice.slot, choice.reason
+        assert slot is not None
+        total = rt.total_slots or slot + 1
+        result = rewrite.pin(body, slot, total, override_client=self.cfg.override_client)
+        info.slot = result.slot
+        if result.client_slot_kept and result.slot != slot:
+            info.reason = "client-id_slot"
+        if not plan.side and (plan.kind == "pin" or plan.session.key in rt.table.sessions):
+            rt.use(plan.session.key, now)
+        if result.changed:
+            req.headers.pop("transfer-encoding", None)  # pitfall P5: let mitmproxy set Content-Length
+            req.content = json.dumps(result.body, ensure_ascii=False, separators=(",", ":")).encode()
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        info = self.flows.get(flow.id)
+        if info is None or flow.response is None:
+            return
+        try:
+            if info.slot is not None:
+                flow.response.headers["x-slot-id"] = str(info.slot)
+            if info.plan.session is not None:
+                flow.response.headers["x-slot-session"] = info.plan.session.short
+            if "text/event-stream" in flow.response.headers.get("content-type", ""):
+                info.stream = StreamObserver()
+                flow.response.stream = SSETap(info.stream)
+        except Exception as e:
+            log.warning("slotkeeper: could not prepare response observation: %r", e)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        info = self.flows.pop(flow.id, None)
+        if info is None or flow.response is None:
+            return
+        try:
+            if info.stream is not None:
+                obs = info.stream.obs
+            elif flow.response.raw_content is not None:
+                obs = observe_json(flow.response.get_content(strict=False) or b"")
+            else:
+                obs = Observation()
+            if flow.response.status_code >= 400 and obs.error_type is None:
+                obs.error_type = f"http-{flow.response.status_code}"
+            self.finish(flow, info, obs)
+        except Exception as e:
+            log.warning("slotkeeper: could not read the response of %s: %r", flow.request.path, e)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        info = self.flows.pop(flow.id, None)
+        if info is None:
+            return
+        obs = info.stream.obs if info.stream else Observation()
+        obs.error_type = obs.error_type or "transport"
+        obs.error_message = flow.error.msg if flow.error else None
+        self.finish(flow, info, obs)
+
+    def done(self) -> None:
+        for rt in self.runtimes.values():
+            rt.flush_sync()
+        self.log_summary()
+
+    # ------------------------------------------------------------------------------------------- reporting
+
+    def finish(self, flow: http.HTTPFlow, info: FlowInfo, obs: Observation) -> None:
+        plan = info.plan
+        rt = self.runtimes.get(info.upstream)
+        slot = obs.id_slot if obs.id_slot is not None else info.slot
+        key = plan.session.key if plan.session else "-"
+        short = plan.session.short if plan.session else "-"
+        source = plan.session.source if plan.session else "-"
+        stats = rt.record(key, source, slot, obs) if rt and plan.session else None
+        reuse = f"{100 * obs.reuse:.0f}%" if obs.reuse is not None else "?"
+        took = time.monotonic() - info.started
+        line = (f"slotkeeper: {flow.request.path} session={short} ({source}) slot={fmt(slot)} "
+                f"why={info.reason} cache_n={fmt(obs.cache_n)} prompt_n={fmt(obs.prompt_n)} reuse={reuse} "
+                f"{took:.2f}s")
+        if obs.error_type:
+            line += f" error={obs.error_type}"
+        log.info(line)
+        flow.comment = (f"s={short} slot={fmt(slot)} {info.reason} | cache {fmt(obs.cache_n)}"
+                        f"/{fmt((obs.cache_n or 0) + (obs.prompt_n or 0))} {reuse}")
+        flow.marked = MARKERS[obs.outcome]
+        flow.metadata["slotkeeper"] = {
+            "session": key, "source": source, "slot": slot, "reason": info.reason, "side": plan.side,
+            "cache_n": obs.cache_n, "prompt_n": obs.prompt_n, "outcome": obs.outcome,
+        }
+        self.warn_about(obs, info, rt, stats)
+        if self.log_file:
+            self.write_jsonl({"t": time.time(), "path": flow.request.path, "upstream": info.upstream,
+                              "session": key, "source": source, "slot": slot, "reason": info.reason,
+                              "cache_n": obs.cache_n, "prompt_n": obs.prompt_n, "error": obs.error_type,
+                              "seconds": round(took, 4)})
+
+    def warn_about(self, obs: Observation, info: FlowInfo, rt: ServerRuntime | None, stats: Any) -> None:
+        if obs.error_type == "exceed_context_size_error":
+            log.warning("slotkeeper: request of %s tokens exceeds the per-slot context n_ctx=%s on %s. "
+                        "Without unified KV each slot gets -c / -np tokens: raise -c, lower -np, or use "
+                        "--kv-unified-per-slot N.", fmt(obs.n_prompt_tokens), fmt(obs.n_ctx), info.upstream)
+        if (rt is not None and info.plan.kind == "pin" and info.reason == "known" and info.slot is not None
+                and obs.cache_n == 0 and stats is not None and stats.requests > 1):
+            with contextlib.suppress(RuntimeError):
+                asyncio.get_running_loop().create_task(rt.explain_cache_loss(info.slot))
+
+    def write_jsonl(self, record: dict[str, Any]) -> None:
+        try:
+            fd = os.open(self.log_file or "", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            log.warning("slotkeeper: cannot write %s: %r", self.log_file, e)
+
+    def summary_lines(self) -> list[str]:
+        lines = []
+        for rt in self.runtimes.values():
+            if not rt.stats:
+                continue
+            lines.append(f"slotkeeper: sessions on {rt.upstream}")
+            lines.append(f"  {'session':8} {'slot':>4} {'reqs':>5} {'prefill':>8} {'cached':>8} {'reuse':>6} "
+                         f"{'saved_s':>8}")
+            for key, s in rt.stats.items():
+                reuse = f"{100 * s.reuse:.0f}%" if s.reuse is not None else "?"
+                lines.append(f"  {key[:8]:8} {fmt(s.slot):>4} {s.requests:>5} {s.prefill:>8} {s.cached:>8} "
+                             f"{reuse:>6} {s.saved_s:>8.1f}")
+        return lines
+
+    def log_summary(self) -> None:
+        for line in self.summary_lines():
+            log.info(line)
+
+    # ------------------------------------------------------------------------------------------- local API
+
+    def answer_local(self, flow: http.HTTPFlow) -> None:
+        path = flow.request.path.split("?", 1)[0]
+        if path == "/_slots/health":
+            body: Any = {"ok": True}
+        elif path == "/_slots/status":
+            body = self.status_data()
+        else:
+            flow.response = http.Response.make(404, b'{"error":"unknown slotkeeper endpoint"}',
+                                               {"content-type": "application/json"})
+            return
+        flow.response = http.Response.make(200, json.dumps(body, indent=1),
+                                           {"content-type": "application/json"})
+
+    def status_data(self) -> dict[str, Any]:
+        return {"policy": self.cfg.policy.value, "ttl": self.cfg.ttl, "state_dir": str(self.state_dir),
+                "servers": [rt.status() for rt in self.runtimes.values()]}
+
+    @command.command("slots.status")
+    def status_command(self) -> str:
+        """The slot table and per-session summary as text."""
+        return json.dumps(self.status_data(), indent=1) + "\n" + "\n".join(self.summary_lines())
+
+
+def parse_json(req: http.Request) -> Any:
+    """The request body as JSON, or None (no body, streamed body, bad encoding, not JSON)."""
+    if req.raw_content is None:
+        return None
+    try:
+        content = req.get_content(strict=True)
+    except ValueError:
+        return None
+    if not content:
+        return None
+    try:
+        return json.loads(content)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def fmt(v: object) -> str:
+    return "-" if v is None else str(v)
+
+
+addons = [SlotKeeper()]

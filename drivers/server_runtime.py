@@ -1,0 +1,286 @@
+"""The async driver for one upstream llama-server: performs what `slotlogic` decides.
+
+It owns the I/O that the pure core must not do: `/props` and `/slots` look-ups for a new session, the
+locked state-file transaction that claims a slot, the coalesced flush of `last_used` touches (at most one
+write per `flush_interval`), and a background `/props` probe that notices a restarted server (new
+`media_marker`) or a resized pool (new `total_slots`). `/props` never wakes a sleeping server; `/slots` is
+only asked when a new session needs a slot or a cache loss needs explaining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from drivers.llama_client import LlamaClient, server_identity
+from drivers.state_store import StateStore
+from slotlogic import core
+from slotlogic import state as st
+from slotlogic.observe import Observation
+from slotlogic.ranking import Choice
+from slotlogic.session import PromptMark
+
+log = logging.getLogger("slotkeeper")
+MAX_MARKS = 512
+SESSION_KEEP_SECONDS = 7 * 24 * 3600
+
+
+@dataclass
+class SessionStats:
+    requests: int = 0
+    prefill: int = 0
+    cached: int = 0
+    saved_s: float = 0.0
+    slot: int | None = None
+    source: str = ""
+
+    def add(self, obs: Observation) -> None:
+        self.requests += 1
+        if obs.prompt_n is not None:
+            self.prefill += obs.prompt_n
+        if obs.cache_n is not None:
+            self.cached += obs.cache_n
+            if obs.prompt_per_second:
+                self.saved_s += obs.cache_n / obs.prompt_per_second
+
+    @property
+    def reuse(self) -> float | None:
+        total = self.prefill + self.cached
+        return self.cached / total if total else None
+
+
+class ServerRuntime:
+    def __init__(self, upstream: str, state_dir: str | Path, cfg: core.Config, *,
+                 flush_interval: float = 2.0, probe_interval: float = 15.0) -> None:
+        self.upstream = upstream
+        self.cfg = cfg
+        self.client = LlamaClient(upstream)
+        self.store = StateStore(state_dir, upstream)
+        self.table = st.SessionTable(ttl=cfg.ttl)
+        self.flush_interval = flush_interval
+        self.probe_interval = probe_interval
+        self.total_slots: int | None = None
+        self.media_marker: str | None = None
+        self.n_ctx: int | None = None
+        self.marks: OrderedDict[str, PromptMark] = OrderedDict()
+        self.stats: dict[str, SessionStats] = {}
+        self.warned: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._last_probe = 0.0
+        self._probe_now = False
+        self._seeded_from_file = False
+
+    # --------------------------------------------------------------------------------------- configuration
+
+    def reconfigure(self, cfg: core.Config, state_dir: str | Path) -> None:
+        self.cfg = cfg
+        self.table.ttl = cfg.ttl
+        if Path(state_dir) != self.store.dir:
+            self.store = StateStore(state_dir, self.upstream)
+
+    # --------------------------------------------------------------------------------------- hot path helpers
+
+    def remember_prompt(self, key: str, mark: PromptMark | None) -> None:
+        if mark is None:
+            return
+        self.marks[key] = mark
+        self.marks.move_to_end(key)
+        while len(self.marks) > MAX_MARKS:
+            self.marks.popitem(last=False)
+
+    def use(self, key: str, now: float) -> None:
+        """Count one request of a pinned session; the touch is flushed later by the background task."""
+        self.table.use(key, now)
+        self.kick()
+
+    def kick(self) -> None:
+        """Make sure the background flusher/prober runs (no I/O here)."""
+        if self._task is None or self._task.done():
+            with contextlib.suppress(RuntimeError):
+                self._task = asyncio.get_running_loop().create_task(self._background())
+
+    # --------------------------------------------------------------------------------------- new sessions
+
+    async def identity(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]] | None]:
+        props = await self.client.props()
+        if props is None:
+            return None, None
+        return props, await self.client.slots()
+
+    def _seed_total_from_file(self) -> None:
+        """Last known slot count from the state file, for the hash fallback after a proxy restart."""
+        if self.total_slots is None and not self._seeded_from_file:
+            self._seeded_from_file = True
+            self.total_slots = self.store.read().total_slots
+
+    async def new_session(self, plan: core.Plan, now: float) -> Choice | None:
+        """Choose and claim a slot for `plan.session`. None: no slot count known at all (pass unpinned)."""
+        assert plan.session is not None
+        props, live = await self.identity()
+        if props is None:
+            self._seed_total_from_file()
+            choice = core.fallback(plan.session.key, self.total_slots)
+            if choice is None:
+                log.warning("slotkeeper: %s unreachable (/props) and no slot count known: request for "
+                            "session %s passes unpinned", self.upstream, plan.session.short)
+                return None
+            log.warning("slotkeeper: %s /props unreachable: session %s pinned by hash fallback to slot %d "
+                        "of %d (last known count)", self.upstream, plan.session.short, choice.slot,
+                        self.total_slots)
+            self.table.assign(plan.session.key, choice.slot, now, prefix=plan.prefix, reason=choice.reason)
+            return choice
+        marker, total, n_ctx = server_identity(props)
+        if total is None:
+            return None
+        if live is None and "no-slots" not in self.warned:
+            self.warned.add("no-slots")
+            log.warning("slotkeeper: %s /slots unavailable (started with --no-slots?): choosing slots from "
+                        "the state file alone, without cached-token counts", self.upstream)
+        async with self.store.transaction() as state:
+            self._apply_events(st.observe_server(state, marker, total, n_ctx))
+            choice = core.assign(self.cfg, state, plan.session.key, plan.prefix, live, total, now)
+            st.prune(state, now, SESSION_KEEP_SECONDS)
+        self.media_marker, self.total_slots, self.n_ctx = marker, total, n_ctx
+        self.table.assign(plan.session.key, choice.slot, now, prefix=plan.prefix, reason=choice.reason)
+        return choice
+
+    def _apply_events(self, events: list[str]) -> None:
+        if "restart" in events:
+            log.warning("slotkeeper: %s restarted (new media_marker): every slot is empty; sessions keep "
+                        "their slots and prefill once", self.upstream)
+        if "resize" in events:
+            log.warning("slotkeeper: %s slot pool resized to a new total_slots: re-pinning every session "
+                        "into range", self.upstream)
+            self.table.forget_all()
+
+    # --------------------------------------------------------------------------------------- background
+
+    async def _background(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.flush_interval)
+                await self.flush()
+                due = time.monotonic() - self._last_probe >= self.probe_interval
+                if self.probe_interval > 0 and (due or self._probe_now):
+                    await self.probe()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the background task must never die silently
+            log.warning("slotkeeper: background task for %s failed: %r; it restarts on the next request",
+                        self.upstream, e)
+
+    async def flush(self) -> None:
+        touches = self.table.drain()
+        if not touches:
+            return
+        try:
+            async with self.store.transaction() as state:
+                for key, a in touches.items():
+                    st.touch(state, key, a.slot, a.last_used, requests=a.requests, prefix=a.prefix)
+        except Exception as e:
+            log.warning("slotkeeper: could not write the state file %s: %r (touches kept for retry)",
+                        self.store.path, e)
+            self.table.dirty.update(touches)
+
+    def flush_sync(self) -> None:
+        touches = self.table.drain()
+        if not touches:
+            return
+        try:
+            with self.store.transaction_sync() as state:
+                for key, a in touches.items():
+                    st.touch(state, key, a.slot, a.last_used, requests=a.requests, prefix=a.prefix)
+        except Exception as e:
+            log.warning("slotkeeper: final state flush to %s failed: %r", self.store.path, e)
+
+    async def probe(self) -> None:
+        """`/props` only (never wakes a sleeping server): restart and resize detection."""
+        self._last_probe = time.monotonic()
+        self._probe_now = False
+        props = await self.client.props()
+        if props is None:
+            return
+        marker, total, n_ctx = server_identity(props)
+        changed = (marker and self.media_marker and marker != self.media_marker) or (
+            total and self.total_slots and total != self.total_slots)
+        if changed or self.media_marker is None:
+            async with self.store.transaction() as state:
+                self._apply_events(st.observe_server(state, marker, total, n_ctx))
+        self.media_marker = marker or self.media_marker
+        self.total_slots = total or self.total_slots
+        self.n_ctx = n_ctx or self.n_ctx
+
+    def request_probe(self) -> None:
+        self._probe_now = True
+        self.kick()
+
+    async def explain_cache_loss(self, slot: int) -> None:
+        """A known session's pinned slot came back cold: restart? idle clearing (unified KV)? say which."""
+        old_marker = self.media_marker
+        await self.probe()
+        if self.media_marker != old_marker:
+            return  # a restart explains it; already logged
+        live = await self.client.slots()
+        if live is None or "unified" in self.warned:
+            return
+        now = time.time()
+        for entry in live:
+            sid = entry.get("id")
+            if sid == slot or entry.get("is_processing") or not isinstance(sid, int):
+                continue
+            holders = [k for k, a in self.table.sessions.items()
+                       if a.slot == sid and a.requests > 0 and now - a.last_used < self.cfg.ttl]
+            if holders and entry.get("n_prompt_tokens") == 0:
+                self.warned.add("unified")
+                log.warning(
+                    "slotkeeper: %s empties idle slots (slot %d was used by a live session and now holds 0 "
+                    "tokens): the server runs with unified KV and --cache-idle-slots (the default when -np "
+                    "is not given), which defeats pinning. Start llama-server with an explicit -np N "
+                    "(without -kvu) or with --no-cache-idle-slots.", self.upstream, sid)
+                return
+
+    # --------------------------------------------------------------------------------------- stats
+
+    def record(self, key: str, source: str, slot: int | None, obs: Observation) -> SessionStats:
+        s = self.stats.setdefault(key, SessionStats())
+        s.add(obs)
+        s.slot = slot if slot is not None else s.slot
+        s.source = source
+        return s
+
+    def status(self) -> dict[str, Any]:
+        state = self.store.read()
+        now = time.time()
+        slots = []
+        for sid in range(self.total_slots or state.total_slots or 0):
+            rec = state.slots.get(sid)
+            slots.append({"id": sid, "session": rec.owner[:8] if rec and rec.owner else None,
+                          "last_used_s_ago": round(now - rec.last_used, 1) if rec else None,
+                          "claimed": bool(rec and now - rec.last_used < self.cfg.ttl)})
+        return {
+            "upstream": self.upstream,
+            "media_marker": self.media_marker,
+            "total_slots": self.total_slots,
+            "n_ctx_per_slot": self.n_ctx,
+            "state_file": str(self.store.path),
+            "slots": slots,
+            "sessions": {k[:8]: {"slot": s.slot, "requests": s.requests, "prefill_tokens": s.prefill,
+                                 "cached_tokens": s.cached,
+                                 "reuse_pct": round(100 * s.reuse, 1) if s.reuse is not None else None,
+                                 "saved_s": round(s.saved_s, 2), "source": s.source}
+                         for k, s in self.stats.items()},
+        }
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RuntimeError):
+                await self._task
+        await self.flush()
+        await self.client.aclose()

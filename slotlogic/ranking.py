@@ -1,0 +1,126 @@
+"""Slot choice for a session the proxy has not pinned yet.
+
+Rule 1: everything that decides *which slot a new session gets* lives in this file.
+Rule 2: no I/O. Inputs are snapshots (`SlotView` per slot: live `/slots` numbers merged with what the
+        state file says about claims); the output is a `Choice` with the slot and a one-word reason that
+        goes into the log line and the mitmweb comment.
+Rule 3: never return a slot outside `0 … total_slots-1`.
+
+Theory of operation
+-------------------
+A slot is *claimed* when some session (of any proxy process sharing the state file) used it within the
+TTL; otherwise it is *free*, whatever it still holds. Policies:
+
+`seed` (seed 000, verbatim): free before claimed; among free, fewest cached tokens, then lowest id; among
+claimed, oldest `last_used`, then fewest tokens, then lowest id.
+
+`auto` (default) ranks by a tuple, smallest first, each element a reason llama-server gives us:
+  1. busy slots last: a request pinned to a busy slot is *deferred* until that slot frees (§1.3),
+     and deferred unpinned requests can starve behind it;
+  2. free before claimed: a live session's cache is worth more than an expired one's;
+  3. the reserved side-call slot after every other slot (sessions use it only when nothing else is left);
+  4. among free slots: one whose last content starts with the same shared prefix (system prompt +
+     tools) first — the new session reuses that prefix in-slot, while a request pinned to an *empty*
+     slot never even consults llama-server's RAM prompt cache (#28139) — then empty slots (nothing
+     lost), then the fewest cached tokens (least lost);
+     among claimed slots (we must evict a live session): the owner with the fewest requests first
+     (a subagent or one-shot call is cheaper to evict than a long-lived session and less likely to be
+     back), then the coldest, then the same prefix, then the fewest tokens;
+  5. lowest id, for determinism.
+
+`hash_slot` is the fallback when the server cannot be asked (seed 000): a stable digest of the session
+key modulo the last known slot count, so every proxy process agrees without coordination.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Policy(Enum):
+    AUTO = "auto"
+    SEED = "seed"
+    OFF = "off"
+
+
+@dataclass(frozen=True)
+class SlotView:
+    id: int
+    n_tokens: int | None = None      # `/slots` n_prompt_tokens; None when unknown
+    busy: bool = False               # `/slots` is_processing
+    last_used: float | None = None   # newest claim by any session, from the state file
+    owner: str | None = None         # session key of that claim
+    owner_requests: int = 0          # how many requests the owner sent (short-lived owners are cheap)
+    prefix: str | None = None        # prefix signature of the last content pinned here
+
+
+@dataclass(frozen=True)
+class Choice:
+    slot: int
+    reason: str
+
+
+def is_claimed(view: SlotView, now: float, ttl: float) -> bool:
+    return view.last_used is not None and now - view.last_used < ttl
+
+
+def _tokens(view: SlotView) -> int:
+    return view.n_tokens if view.n_tokens is not None else 0
+
+
+def _empty(view: SlotView) -> bool:
+    return view.n_tokens == 0 or (view.n_tokens is None and view.last_used is None)
+
+
+def seed_key(view: SlotView, now: float, ttl: float) -> tuple[int, float, int, int]:
+    if not is_claimed(view, now, ttl):
+        return (0, 0.0, _tokens(view), view.id)
+    return (1, view.last_used or 0.0, _tokens(view), view.id)
+
+
+def auto_key(view: SlotView, now: float, ttl: float, prefix: str | None,
+             reserved: int | None) -> tuple[object, ...]:
+    claimed = is_claimed(view, now, ttl)
+    same_prefix = prefix is not None and view.prefix == prefix and _tokens(view) > 0
+    if not claimed:
+        content = 0 if same_prefix else 1 if _empty(view) else 2
+        inner: tuple[object, ...] = (content, _tokens(view), view.last_used or 0.0)
+    else:
+        inner = (view.owner_requests, view.last_used or 0.0, 0 if same_prefix else 1, _tokens(view))
+    return (view.busy, claimed, view.id == reserved, *inner, view.id)
+
+
+def _reason(view: SlotView, now: float, ttl: float, prefix: str | None) -> str:
+    if view.busy:
+        return "all-busy"
+    if is_claimed(view, now, ttl):
+        return "evict-cheapest"
+    if prefix is not None and view.prefix == prefix and _tokens(view) > 0:
+        return "free-same-prefix"
+    if _empty(view):
+        return "free-empty"
+    return "free-fewest-tokens"
+
+
+def choose(policy: Policy, slots: Sequence[SlotView], now: float, ttl: float, *,
+           prefix: str | None = None, reserved: int | None = None) -> Choice:
+    """The slot for a new session. `slots` must be non-empty and list every slot id once."""
+    if not slots:
+        raise ValueError("no slots to choose from")
+    if policy is Policy.SEED:
+        best = min(slots, key=lambda v: seed_key(v, now, ttl))
+        return Choice(best.id, "seed-claimed-coldest" if is_claimed(best, now, ttl) else "seed-free")
+    if policy is Policy.AUTO:
+        best = min(slots, key=lambda v: auto_key(v, now, ttl, prefix, reserved))
+        return Choice(best.id, _reason(best, now, ttl, prefix))
+    raise ValueError(f"policy {policy.value!r} does not choose slots")
+
+
+def hash_slot(session_key: str, total_slots: int) -> int:
+    """Seed 000's fallback: stable across processes and restarts."""
+    if total_slots < 1:
+        raise ValueError("total_slots must be ≥ 1")
+    return int(hashlib.sha256(session_key.encode()).hexdigest(), 16) % total_slots

@@ -1,0 +1,47 @@
+"""The body rewrite: the only change slotkeeper makes to a request.
+
+Rules (llama-server.md §1.1, §1.4, §2.2):
+- `id_slot` must be an integer in `0 … total_slots-1`; anything else (strings, floats, negatives,
+  out-of-range) is either ignored or wrapped differently by different server builds, so we replace it.
+- A client's own valid `id_slot` is kept unless the operator asked us to override clients.
+- `cache_prompt: true` is added when absent or null; any explicit value is the client's choice.
+- Every other key is left exactly as it was (the rewrite is idempotent, so replays re-apply it safely).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+def valid_client_slot(body: dict[str, Any], total_slots: int) -> int | None:
+    """The client's own `id_slot` when it is a usable integer slot, else None."""
+    value = body.get("id_slot")
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    if 0 <= value < total_slots:
+        return value
+    return None
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    body: dict[str, Any]
+    slot: int
+    changed: bool
+    client_slot_kept: bool
+
+
+def pin(body: dict[str, Any], slot: int, total_slots: int, *, override_client: bool = False) -> Rewrite:
+    """Return a copy of `body` pinned to `slot` (or to the client's own valid slot)."""
+    if not 0 <= slot < max(total_slots, 1):
+        raise ValueError(f"slot {slot} out of range for {total_slots} slots")
+    out = dict(body)
+    client = valid_client_slot(body, total_slots)
+    kept = client is not None and not override_client
+    final = client if kept and client is not None else slot
+    out["id_slot"] = final
+    if out.get("cache_prompt") is None:  # absent or null (the server treats null as absent)
+        out["cache_prompt"] = True
+    changed = out != body
+    return Rewrite(body=out, slot=final, changed=changed, client_slot_kept=kept)

@@ -1,0 +1,252 @@
+"""Who sent this request: the session key (clients.md, "Session-key sources").
+
+Sources, most to least reliable:
+1. a header from a configurable list (Claude Code, pi with affinity headers, OpenCode, …);
+2. the body: `metadata.user_id` (JSON with `session_id`, or the legacy `…_session_<uuid>` form),
+   `prompt_cache_key` / `promptCacheKey`, `user`;
+3. the content. Chat-like bodies: the *conversation root* = leading system/developer messages + tools +
+   the first user message. Two windows of one project share the system prompt but not the first user
+   message; a subagent starts a fresh conversation and so is its own session. Prompt-like bodies
+   (`/completion`, `/infill`): the *continuation rule* (this prompt extends the last prompt a known
+   session sent), else the prompt itself starts a new session.
+
+Keys are SHA-256 digests (16 hex): no prompt text or raw header value is ever stored or logged.
+The same module computes the *prefix signature* (system prompt + tools) that lets the slot chooser
+prefer a slot already holding the same shared prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from slotlogic.endpoints import CHAT_PATHS, RESPONSES_PATHS, normalise_path
+
+DEFAULT_SESSION_HEADERS = (
+    "x-claude-code-session-id",
+    "x-session-affinity",
+    "session_id",
+    "x-session-id",
+    "x-opencode-session",
+    "x-conversation-id",
+)
+SYSTEM_ROLES = frozenset({"system", "developer"})
+
+
+def digest(*parts: str) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode("utf-8", "surrogatepass"))
+        h.update(b"\x00")
+    return h.hexdigest()[:16]
+
+
+def canonical(value: Any) -> str:
+    """Canonical JSON: sorted keys, array order kept, no whitespace."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+@dataclass(frozen=True)
+class SessionId:
+    key: str     # 16 hex digest, the identity used everywhere
+    source: str  # e.g. "header:x-session-affinity", "body:prompt_cache_key", "content:root"
+
+    @property
+    def short(self) -> str:
+        return self.key[:8]
+
+
+@dataclass(frozen=True)
+class PromptMark:
+    """What the continuation rule remembers of a session's last prompt: its length and digest."""
+
+    length: int
+    digest: str
+
+
+# ---------------------------------------------------------------------------------------------------
+# Extracting text from the different body shapes
+
+
+def message_text(content: Any) -> str:
+    """A message's content as text: strings as-is, part arrays joined, anything else canonical JSON."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            else:
+                out.append(canonical(part))
+        return "\n".join(out)
+    if content is None:
+        return ""
+    return canonical(content)
+
+
+def _messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        return []
+    return [m for m in msgs if isinstance(m, Mapping)]
+
+
+def system_text(body: Mapping[str, Any], path: str) -> str | None:
+    """The leading system/developer text of a chat or responses body, None when there is none."""
+    p = normalise_path(path)
+    if p in RESPONSES_PATHS:
+        instr = body.get("instructions")
+        return instr if isinstance(instr, str) else None
+    parts = []
+    for m in _messages(body):
+        if m.get("role") not in SYSTEM_ROLES:
+            break
+        parts.append(message_text(m.get("content")))
+    return "\n".join(parts) if parts else None
+
+
+def first_user_text(body: Mapping[str, Any], path: str) -> str | None:
+    p = normalise_path(path)
+    if p in RESPONSES_PATHS:
+        inp = body.get("input")
+        if isinstance(inp, str):
+            return inp
+        if isinstance(inp, list):
+            for item in inp:
+                if isinstance(item, Mapping) and item.get("role", "user") == "user":
+                    return message_text(item.get("content"))
+        return None
+    for m in _messages(body):
+        if m.get("role") == "user":
+            return message_text(m.get("content"))
+    return None
+
+
+def prompt_text(body: Mapping[str, Any]) -> str | None:
+    """The raw prompt of `/completion`-style and `/infill` bodies, as one string."""
+    if "prompt" in body:
+        prompt = body["prompt"]
+        return prompt if isinstance(prompt, str) else canonical(prompt)
+    if "input_prefix" in body or "input_extra" in body:
+        return canonical([body.get("input_extra"), body.get("input_prefix")])
+    return None
+
+
+def is_chat_like(body: Mapping[str, Any], path: str) -> bool:
+    p = normalise_path(path)
+    return p in CHAT_PATHS or p in RESPONSES_PATHS or ("messages" in body and "prompt" not in body)
+
+
+def prefix_signature(body: Mapping[str, Any], path: str) -> str | None:
+    """Digest of the shared prefix (system prompt + tools + template kwargs); None without a system prompt."""
+    system = system_text(body, path)
+    if system is None:
+        return None
+    return digest("prefix", system, canonical(body.get("tools")), canonical(body.get("chat_template_kwargs")))
+
+
+def prompt_mark(body: Mapping[str, Any]) -> PromptMark | None:
+    text = prompt_text(body)
+    if text is None:
+        return None
+    return PromptMark(len(text), digest("prompt", text))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Resolution
+
+
+def _header_key(headers: Mapping[str, str], names: Iterable[str]) -> SessionId | None:
+    lowered = {k.lower(): v for k, v in headers.items()}
+    for name in names:
+        value = lowered.get(name.lower())
+        if value and value.strip():
+            return SessionId(digest("header", value.strip()), f"header:{name.lower()}")
+    return None
+
+
+def _user_id_session(user_id: Any) -> str | None:
+    """`metadata.user_id`: JSON `{"session_id": …}` (Claude Code ≥ 2.1.78) or `…_session_<uuid>`."""
+    if not isinstance(user_id, str) or not user_id:
+        return None
+    if user_id.lstrip().startswith("{"):
+        try:
+            parsed = json.loads(user_id)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, Mapping):
+            sid = parsed.get("session_id")
+            if isinstance(sid, str) and sid:
+                return sid
+    if "_session_" in user_id:
+        tail = user_id.rsplit("_session_", 1)[1]
+        return tail or None
+    return None
+
+
+def _body_key(body: Mapping[str, Any]) -> SessionId | None:
+    metadata = body.get("metadata")
+    if isinstance(metadata, Mapping):
+        sid = _user_id_session(metadata.get("user_id"))
+        if sid:
+            return SessionId(digest("body", sid), "body:metadata.user_id")
+    for field in ("prompt_cache_key", "promptCacheKey", "user"):
+        value = body.get(field)
+        if isinstance(value, str) and value.strip():
+            return SessionId(digest("body", value.strip()), f"body:{field}")
+    return None
+
+
+def conversation_root(body: Mapping[str, Any], path: str) -> SessionId | None:
+    system = system_text(body, path)
+    first = first_user_text(body, path)
+    if system is None and first is None:
+        return None
+    root = digest("root", system or "", canonical(body.get("tools")), first or "")
+    return SessionId(root, "content:root")
+
+
+def continuation(body: Mapping[str, Any], known: Mapping[str, PromptMark]) -> SessionId | None:
+    """The known session whose last prompt this prompt extends (the longest such prompt wins)."""
+    text = prompt_text(body)
+    if text is None:
+        return None
+    best: tuple[int, str] | None = None
+    by_length: dict[int, list[tuple[str, PromptMark]]] = {}
+    for key, mark in known.items():
+        if mark.length <= len(text):
+            by_length.setdefault(mark.length, []).append((key, mark))
+    for length in sorted(by_length, reverse=True):
+        head = digest("prompt", text[:length])
+        for key, mark in by_length[length]:
+            if mark.digest == head and (best is None or length > best[0]):
+                best = (length, key)
+        if best is not None:
+            break
+    if best is None:
+        return None
+    return SessionId(best[1], "content:continuation")
+
+
+def resolve(headers: Mapping[str, str], body: Mapping[str, Any], path: str, *,
+            header_names: Iterable[str] = DEFAULT_SESSION_HEADERS,
+            known_prompts: Mapping[str, PromptMark] | None = None) -> SessionId:
+    """The session of a request. Always returns a key: at worst the digest of the whole body."""
+    found = _header_key(headers, header_names) or _body_key(body)
+    if found:
+        return found
+    if is_chat_like(body, path):
+        root = conversation_root(body, path)
+        if root:
+            return root
+    cont = continuation(body, known_prompts or {})
+    if cont:
+        return cont
+    text = prompt_text(body)
+    if text is not None:
+        return SessionId(digest("prompt", text), "content:prompt")
+    return SessionId(digest("body", canonical(body)), "content:body")

@@ -1,0 +1,258 @@
+"""What slotkeeper knows about one llama-server's slot space, as plain data.
+
+Rule 1: pure. The driver (`drivers/state_store.py`) reads the JSON under a file lock, calls these
+        functions and writes the result back atomically; nothing here touches a file or a clock.
+Rule 2: tolerant. A state file written by another version, or damaged by hand, yields the parts that
+        make sense and drops the rest; it never raises.
+
+Two maps, both keyed so that any proxy process sharing the file can act on them:
+- slots:    slot id → the newest claim (`last_used`, `owner` session, the owner's request count and the
+            prefix signature of the content pinned there);
+- sessions: session key → the slot it was given, so a restarted proxy keeps its sessions on their slots.
+A session *owns* its slot while the slot's newest claim is its own. When another session takes the slot
+(after the TTL), the old session's entry remains, and on its return it sees it lost the slot and gets a
+new one through the ranking.
+
+`SessionTable` is the in-memory side: the hot path (a known, live session) is a dict lookup, and the
+`last_used` touches it produces are collected here and flushed by the driver at most every 2 s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from slotlogic.ranking import SlotView
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SlotRecord:
+    last_used: float
+    owner: str | None = None
+    requests: int = 0
+    prefix: str | None = None
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    slot: int
+    last_used: float
+    requests: int = 0
+    prefix: str | None = None
+
+
+@dataclass
+class ServerState:
+    upstream: str
+    media_marker: str | None = None
+    total_slots: int | None = None
+    n_ctx: int | None = None
+    slots: dict[int, SlotRecord] = field(default_factory=dict)
+    sessions: dict[str, SessionRecord] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------
+# (de)serialisation
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _str(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def from_dict(data: Any, upstream: str) -> ServerState:
+    st = ServerState(upstream=upstream)
+    if not isinstance(data, dict):
+        return st
+    st.media_marker = _str(data.get("media_marker"))
+    total = _int(data.get("total_slots"))
+    st.total_slots = total if total and total > 0 else None
+    st.n_ctx = _int(data.get("n_ctx"))
+    slots = data.get("slots")
+    if isinstance(slots, dict):
+        for k, v in slots.items():
+            try:
+                sid = int(k)
+            except (TypeError, ValueError):
+                continue
+            if not isinstance(v, dict) or sid < 0 or _num(v.get("last_used")) is None:
+                continue
+            st.slots[sid] = SlotRecord(last_used=_num(v["last_used"]) or 0.0, owner=_str(v.get("owner")),
+                                       requests=_int(v.get("requests")) or 0, prefix=_str(v.get("prefix")))
+    sessions = data.get("sessions")
+    if isinstance(sessions, dict):
+        for k, v in sessions.items():
+            if not isinstance(k, str) or not isinstance(v, dict):
+                continue
+            slot, used = _int(v.get("slot")), _num(v.get("last_used"))
+            if slot is None or slot < 0 or used is None:
+                continue
+            st.sessions[k] = SessionRecord(slot=slot, last_used=used, requests=_int(v.get("requests")) or 0,
+                                           prefix=_str(v.get("prefix")))
+    return st
+
+
+def to_dict(st: ServerState) -> dict[str, Any]:
+    return {
+        "version": FORMAT_VERSION,
+        "upstream": st.upstream,
+        "media_marker": st.media_marker,
+        "total_slots": st.total_slots,
+        "n_ctx": st.n_ctx,
+        "slots": {str(k): {"last_used": v.last_used, "owner": v.owner, "requests": v.requests,
+                           "prefix": v.prefix} for k, v in sorted(st.slots.items())},
+        "sessions": {k: {"slot": v.slot, "last_used": v.last_used, "requests": v.requests,
+                         "prefix": v.prefix} for k, v in sorted(st.sessions.items())},
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# transitions
+
+
+def observe_server(st: ServerState, media_marker: str | None, total_slots: int | None,
+                   n_ctx: int | None = None) -> list[str]:
+    """Fold in the server's identity from `/props`; returns the events seen ("restart", "resize")."""
+    events = []
+    if media_marker and st.media_marker and media_marker != st.media_marker:
+        events.append("restart")
+        # Every slot is empty after a restart: what we knew of their content is void. Claims stay, so
+        # sessions keep their slots (and their spread) and simply re-prefill once.
+        st.slots = {k: replace(v, prefix=None) for k, v in st.slots.items()}
+    if media_marker:
+        st.media_marker = media_marker
+    if total_slots and total_slots > 0:
+        if st.total_slots and total_slots != st.total_slots:
+            events.append("resize")
+        st.total_slots = total_slots
+        st.slots = {k: v for k, v in st.slots.items() if k < total_slots}
+        st.sessions = {k: v for k, v in st.sessions.items() if v.slot < total_slots}
+    if n_ctx:
+        st.n_ctx = n_ctx
+    return events
+
+
+def owned_slot(st: ServerState, session: str) -> int | None:
+    """The slot `session` still owns (its claim is the slot's newest), else None."""
+    rec = st.sessions.get(session)
+    if rec is None or (st.total_slots is not None and rec.slot >= st.total_slots):
+        return None
+    slot = st.slots.get(rec.slot)
+    if slot is None or slot.owner in (None, session):
+        return rec.slot
+    return None
+
+
+def claim(st: ServerState, session: str, slot: int, now: float, *, prefix: str | None = None,
+          requests: int = 1) -> None:
+    st.slots[slot] = SlotRecord(last_used=now, owner=session, requests=requests, prefix=prefix)
+    st.sessions[session] = SessionRecord(slot=slot, last_used=now, requests=requests, prefix=prefix)
+
+
+def touch(st: ServerState, session: str, slot: int, when: float, *, requests: int,
+          prefix: str | None) -> None:
+    """Merge one coalesced touch: only refreshes a slot the session still owns (or nobody claimed)."""
+    current = st.slots.get(slot)
+    if current is not None and current.owner not in (None, session) and current.last_used >= when:
+        return  # someone else claimed the slot after us; their claim stands
+    last = max(when, current.last_used if current and current.owner == session else 0.0)
+    st.slots[slot] = SlotRecord(last_used=last, owner=session, requests=requests,
+                                prefix=prefix or (current.prefix if current else None))
+    st.sessions[session] = SessionRecord(slot=slot, last_used=last, requests=requests, prefix=prefix)
+
+
+def prune(st: ServerState, now: float, keep_seconds: float) -> None:
+    """Forget sessions unseen for `keep_seconds` so the file stays small."""
+    st.sessions = {k: v for k, v in st.sessions.items() if now - v.last_used < keep_seconds}
+
+
+def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None) -> list[SlotView]:
+    """One `SlotView` per slot id: `/slots` numbers (when reachable) merged with the claims."""
+    by_id: dict[int, dict[str, Any]] = {}
+    for entry in live or []:
+        sid = _int(entry.get("id")) if isinstance(entry, dict) else None
+        if sid is not None:
+            by_id[sid] = entry
+    out = []
+    for sid in range(total_slots):
+        entry = by_id.get(sid, {})
+        rec = st.slots.get(sid)
+        n_tokens = _int(entry.get("n_prompt_tokens"))
+        if live is not None and entry and n_tokens is None:
+            n_tokens = 0  # a slot that never ran a task lists no counters: it is empty
+        out.append(SlotView(
+            id=sid,
+            n_tokens=n_tokens,
+            busy=bool(entry.get("is_processing", False)),
+            last_used=rec.last_used if rec else None,
+            owner=rec.owner if rec else None,
+            owner_requests=rec.requests if rec else 0,
+            prefix=rec.prefix if rec else None,
+        ))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# in-memory side: the hot path
+
+
+@dataclass
+class Assignment:
+    slot: int
+    last_used: float
+    requests: int = 0
+    prefix: str | None = None
+    reason: str = "known"
+
+
+@dataclass
+class SessionTable:
+    """This process's sessions on one server. A live entry answers a request with a dict lookup."""
+
+    ttl: float
+    sessions: dict[str, Assignment] = field(default_factory=dict)
+    dirty: set[str] = field(default_factory=set)
+
+    def live(self, key: str, now: float) -> Assignment | None:
+        a = self.sessions.get(key)
+        if a is None or now - a.last_used >= self.ttl:
+            return None
+        return a
+
+    def assign(self, key: str, slot: int, now: float, *, prefix: str | None, reason: str,
+               requests: int = 0) -> Assignment:
+        a = Assignment(slot=slot, last_used=now, requests=requests, prefix=prefix, reason=reason)
+        self.sessions[key] = a
+        return a
+
+    def use(self, key: str, now: float) -> Assignment:
+        """Record one request of a known session; marks it for the next coalesced flush."""
+        a = self.sessions[key]
+        a.last_used = now
+        a.requests += 1
+        self.dirty.add(key)
+        return a
+
+    def drain(self) -> dict[str, Assignment]:
+        """The touches to flush, emptied."""
+        out = {k: replace(self.sessions[k]) for k in self.dirty if k in self.sessions}
+        self.dirty.clear()
+        return out
+
+    def forget_all(self) -> None:
+        """After a resize: every assignment may be out of range; re-choose on the next request."""
+        self.sessions.clear()
+        self.dirty.clear()
+
+    def release(self, key: str) -> bool:
+        self.dirty.discard(key)
+        return self.sessions.pop(key, None) is not None
