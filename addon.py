@@ -166,7 +166,7 @@ class SlotKeeper:
         info.slot = result.slot
         if result.client_slot_kept and result.slot != slot:
             info.reason = "client-id_slot"
-        if not plan.side and (plan.kind == "pin" or plan.session.key in rt.table.sessions):
+        if plan.session.key in rt.table.sessions:  # side calls on the reserved slot are not sessions
             rt.use(plan.session.key, now)
         if result.changed:
             req.headers.pop("transfer-encoding", None)  # pitfall P5: let mitmproxy set Content-Length

@@ -144,10 +144,12 @@ class ServerRuntime:
                         "the state file alone, without cached-token counts", self.upstream)
         async with self.store.transaction() as state:
             self._apply_events(st.observe_server(state, marker, total, n_ctx))
-            choice = core.assign(self.cfg, state, plan.session.key, plan.prefix, live, total, now)
+            choice = core.assign(self.cfg, state, plan.session.key, plan.prefix, live, total, now,
+                                 side=plan.side)
             st.prune(state, now, SESSION_KEEP_SECONDS)
         self.media_marker, self.total_slots, self.n_ctx = marker, total, n_ctx
-        self.table.assign(plan.session.key, choice.slot, now, prefix=plan.prefix, reason=choice.reason)
+        if choice.reason != "side-call":
+            self.table.assign(plan.session.key, choice.slot, now, prefix=plan.prefix, reason=choice.reason)
         return choice
 
     def _apply_events(self, events: list[str]) -> None:

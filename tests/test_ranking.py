@@ -1,0 +1,91 @@
+"""Slot ranking: seed 000's rule as a table, and the auto policy's levers."""
+
+import pytest
+
+from slotlogic.ranking import Choice, Policy, SlotView, choose, hash_slot
+
+NOW, TTL = 1000.0, 120.0
+FRESH, STALE = NOW - 10, NOW - 500  # claimed (within TTL) / abandoned
+
+
+def v(i, tokens=0, last=None, busy=False, owner=None, reqs=0, prefix=None):
+    return SlotView(id=i, n_tokens=tokens, busy=busy, last_used=last, owner=owner, owner_requests=reqs,
+                    prefix=prefix)
+
+
+SEED_CASES = [
+    # (slots, expected slot, why)
+    ([v(0), v(1), v(2)], 0, "all empty and free: lowest id"),
+    ([v(0, 500), v(1, 100), v(2, 300)], 1, "free: fewest cached tokens"),
+    ([v(0, 10, FRESH), v(1, 900, STALE), v(2, 500)], 2, "free before claimed, then fewest tokens"),
+    ([v(0, 10, FRESH), v(1, 900, STALE)], 1, "an abandoned claim counts as free"),
+    ([v(0, 10, NOW - 5), v(1, 900, NOW - 50), v(2, 5, NOW - 20)], 1, "all claimed: oldest last_used"),
+    ([v(0, 300, FRESH), v(1, 100, FRESH), v(2, 200, FRESH)], 1, "claimed, same age: fewest tokens"),
+    ([v(0, 100, FRESH), v(1, 100, FRESH)], 0, "full tie: lowest id"),
+    ([v(0, 5, busy=True), v(1, 50)], 0, "seed ignores busy (verbatim rule)"),
+]
+
+
+@pytest.mark.parametrize(("slots", "expected", "why"), SEED_CASES, ids=[c[2] for c in SEED_CASES])
+def test_seed_ranking_table(slots, expected, why):
+    assert choose(Policy.SEED, slots, NOW, TTL).slot == expected, why
+
+
+def test_seed_reason_says_free_or_claimed():
+    assert choose(Policy.SEED, [v(0)], NOW, TTL) == Choice(0, "seed-free")
+    assert choose(Policy.SEED, [v(0, 1, FRESH)], NOW, TTL) == Choice(0, "seed-claimed-coldest")
+
+
+AUTO_CASES = [
+    ([v(0, 50, busy=True), v(1, 900, FRESH)], 1, "evict-cheapest", "never a busy slot while an idle one exists"),
+    ([v(0), v(1, 800, STALE, prefix="P")], 1, "free-same-prefix", "free slot holding our prefix beats empty"),
+    ([v(0, 800, STALE, prefix="Q"), v(1)], 1, "free-empty", "empty beats a free slot with other content"),
+    ([v(0, 800, STALE, prefix="Q"), v(1, 300, STALE, prefix="Q")], 1, "free-fewest-tokens",
+     "free, foreign content: lose the fewest tokens"),
+    ([v(0, 100, FRESH, owner="a", reqs=9), v(1, 900, STALE, prefix="Q")], 1, "free-fewest-tokens",
+     "free before claimed"),
+    ([v(0, 900, NOW - 50, owner="a", reqs=12), v(1, 200, NOW - 5, owner="b", reqs=2)], 1, "evict-cheapest",
+     "all claimed: a short-lived owner is evicted before a long-lived one"),
+    ([v(0, 900, NOW - 50, owner="a", reqs=3), v(1, 200, NOW - 5, owner="b", reqs=3)], 0, "evict-cheapest",
+     "all claimed, equal request counts: the coldest"),
+    ([v(0, 1, busy=True), v(1, 1, busy=True)], 0, "all-busy", "everything busy: still a valid slot"),
+]
+
+
+@pytest.mark.parametrize(("slots", "expected", "reason", "why"), AUTO_CASES, ids=[c[3] for c in AUTO_CASES])
+def test_auto_ranking(slots, expected, reason, why):
+    assert choose(Policy.AUTO, slots, NOW, TTL, prefix="P") == Choice(expected, reason), why
+
+
+def test_auto_uses_reserved_side_slot_last():
+    slots = [v(0, 500, FRESH, owner="a", reqs=5), v(1), v(2)]
+    assert choose(Policy.AUTO, slots, NOW, TTL, reserved=2).slot == 1
+    only_reserved_free = [v(0, 500, FRESH, owner="a", reqs=5), v(1, 500, FRESH, owner="b", reqs=5), v(2)]
+    assert choose(Policy.AUTO, only_reserved_free, NOW, TTL, reserved=2).slot == 2
+
+
+def test_auto_beats_seed_on_the_empty_slot_trap():
+    """Seed picks the empty slot (fewest tokens); auto picks the free slot that already holds the prefix."""
+    slots = [v(0, 0), v(1, 700, STALE, prefix="P")]
+    assert choose(Policy.SEED, slots, NOW, TTL).slot == 0
+    assert choose(Policy.AUTO, slots, NOW, TTL, prefix="P").slot == 1
+
+
+def test_unknown_token_counts_do_not_crash():
+    slots = [SlotView(0, None, last_used=FRESH), SlotView(1, None)]
+    assert choose(Policy.AUTO, slots, NOW, TTL).slot == 1
+    assert choose(Policy.SEED, slots, NOW, TTL).slot == 1
+
+
+def test_off_and_empty_are_refused():
+    with pytest.raises(ValueError):
+        choose(Policy.OFF, [v(0)], NOW, TTL)
+    with pytest.raises(ValueError):
+        choose(Policy.AUTO, [], NOW, TTL)
+
+
+def test_hash_slot_is_stable_and_in_range():
+    assert hash_slot("abc", 4) == hash_slot("abc", 4)
+    assert {hash_slot(f"s{i}", 4) for i in range(50)} == {0, 1, 2, 3}
+    with pytest.raises(ValueError):
+        hash_slot("abc", 0)

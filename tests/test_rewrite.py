@@ -1,0 +1,67 @@
+"""The body rewrite: only `id_slot` and `cache_prompt` may change, and only as documented."""
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as s
+
+from slotlogic.rewrite import pin, valid_client_slot
+
+json_values = s.recursive(
+    s.none() | s.booleans() | s.integers() | s.floats(allow_nan=False, allow_infinity=False) | s.text(),
+    lambda children: s.lists(children, max_size=4) | s.dictionaries(s.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(body=s.dictionaries(s.text(max_size=12), json_values, max_size=8), slot=s.integers(0, 7),
+       override=s.booleans())
+def test_any_json_object_stays_valid_and_identical_but_for_two_fields(body, slot, override):
+    out = pin(body, slot, 8, override_client=override)
+    reparsed = json.loads(json.dumps(out.body))
+    assert isinstance(reparsed["id_slot"], int) and 0 <= reparsed["id_slot"] < 8
+    assert {k: v for k, v in out.body.items() if k not in ("id_slot", "cache_prompt")} == \
+        {k: v for k, v in body.items() if k not in ("id_slot", "cache_prompt")}
+    if body.get("cache_prompt") is not None:
+        assert out.body["cache_prompt"] == body["cache_prompt"]
+    else:
+        assert out.body["cache_prompt"] is True
+    assert pin(out.body, slot, 8, override_client=override).body == out.body  # idempotent
+
+
+def test_adds_both_fields():
+    out = pin({"prompt": "x"}, 2, 4)
+    assert out.body == {"prompt": "x", "id_slot": 2, "cache_prompt": True}
+    assert out.changed and out.slot == 2 and not out.client_slot_kept
+
+
+def test_keeps_explicit_cache_prompt_false():
+    assert pin({"cache_prompt": False}, 1, 4).body["cache_prompt"] is False
+
+
+def test_null_cache_prompt_counts_as_absent():
+    assert pin({"cache_prompt": None}, 1, 4).body["cache_prompt"] is True
+
+
+def test_respects_valid_client_slot_unless_overridden():
+    assert pin({"id_slot": 3}, 1, 4).slot == 3
+    assert pin({"id_slot": 3}, 1, 4).client_slot_kept
+    assert pin({"id_slot": 3}, 1, 4, override_client=True).slot == 1
+
+
+@pytest.mark.parametrize("bad", ["3", 3.0, -1, -2, 7, True, None, [1]])
+def test_replaces_unusable_client_slots(bad):
+    assert valid_client_slot({"id_slot": bad}, 4) is None
+    out = pin({"id_slot": bad}, 1, 4)
+    assert out.body["id_slot"] == 1 and type(out.body["id_slot"]) is int
+
+
+def test_unchanged_when_already_pinned():
+    body = {"id_slot": 1, "cache_prompt": True}
+    assert not pin(body, 1, 4).changed
+
+
+def test_refuses_out_of_range_target():
+    with pytest.raises(ValueError):
+        pin({}, 4, 4)
