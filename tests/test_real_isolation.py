@@ -1,0 +1,146 @@
+"""Slot isolation end to end: real llama-server, real mitmdump process with the addon, real HTTP.
+
+The "without the addon" baseline runs llama-server with `-sps 0 --cache-ram 0`, the configuration seed
+000 tells its users to run: slot choice is then pure LRU and nothing rescues a misrouted request, so the
+cost of routing is visible. (With the stock RAM cache the server rescues some misroutes; the benchmark,
+`make bench`, compares against stock defaults.)
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from drivers.llama_server import LlamaServer
+from drivers.proxy import MitmProxy
+from tests.real_helpers import ask, conversation, extend, jsonl
+
+pytestmark = pytest.mark.real
+
+
+def run_alternating(base: str, rounds: int = 3) -> dict[str, list]:
+    """Two sessions take turns; each turn is two requests (a tool call and its follow-up), like an agent."""
+    convs = {"A": conversation("Task A: rename the config loader."),
+             "B": conversation("Task B: fix the flaky upload test.")}
+    turns: dict[str, list] = {"A": [], "B": []}
+    n = 0
+    for _ in range(rounds):
+        for name, msgs in convs.items():
+            for _ in range(2):
+                turns[name].append(ask(base, msgs))
+                n += 1
+                extend(msgs, n)
+    return turns
+
+
+def test_two_sessions_keep_their_caches_and_stock_lru_does_not(tmp_path):
+    with LlamaServer(slots=2, ctx_per_slot=4096, sps=0.0, cache_ram_mib=0, log_path=str(tmp_path / "s1.log")) as srv, \
+            MitmProxy(srv.url, {"slots_state_dir": str(tmp_path / "state")}, log_path=str(tmp_path / "p.log")) as px:
+        pinned = run_alternating(px.url)
+    with LlamaServer(slots=2, ctx_per_slot=4096, sps=0.0, cache_ram_mib=0, log_path=str(tmp_path / "s2.log")) as srv:
+        stock = run_alternating(srv.url)
+
+    for name in ("A", "B"):
+        turns = pinned[name]
+        assert len({t.slot for t in turns}) == 1, f"session {name} moved between slots"
+        cached = [t.cache_n for t in turns[1:]]
+        assert cached == sorted(cached) and cached[-1] > cached[0], f"{name}: cache_n must grow turn by turn"
+        assert all(t.cache_n > t.prompt_n for t in turns[1:]), f"{name}: only the new turn is prefilled"
+    assert pinned["A"][0].slot != pinned["B"][0].slot
+
+    prefill_pinned = sum(t.prompt_n for ts in pinned.values() for t in ts)
+    prefill_stock = sum(t.prompt_n for ts in stock.values() for t in ts)
+    assert prefill_stock > 2 * prefill_pinned, (prefill_stock, prefill_pinned)
+    log = (tmp_path / "p.log").read_text()
+    assert "why=known cache_n=" in log and "You are a careful" not in log  # no prompt text in logs
+
+
+def test_streamed_responses_are_observed_through_the_proxy(tmp_path):
+    with LlamaServer(slots=2, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
+            MitmProxy(srv.url, {"slots_state_dir": str(tmp_path / "state"),
+                                "slots_log_file": str(tmp_path / "req.jsonl")}) as px:
+        msgs = conversation("Task S: stream please.")
+        first = ask(px.url, msgs, stream=True)
+        extend(msgs, 1)
+        second = ask(px.url, msgs, stream=True)
+    assert first.slot == second.slot and second.cache_n > first.prompt_n - 5
+    records = jsonl(tmp_path / "req.jsonl")
+    assert [(r["cache_n"], r["prompt_n"]) for r in records] == [(first.cache_n, first.prompt_n),
+                                                               (second.cache_n, second.prompt_n)]
+
+
+def test_restarted_proxy_keeps_its_sessions_on_their_slots(tmp_path):
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl")}
+    with LlamaServer(slots=4, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv:
+        convs = [conversation(f"Task {c}: restart test.") for c in "ABC"]
+        with MitmProxy(srv.url, opts) as px:
+            before = [ask(px.url, m).slot for m in convs]
+        for i, m in enumerate(convs):
+            extend(m, i)
+        with MitmProxy(srv.url, opts) as px:
+            after = [ask(px.url, m) for m in convs]
+    assert len(set(before)) == 3 and [t.slot for t in after] == before
+    assert all(t.cache_n > 300 for t in after)
+    reasons = [r["reason"] for r in jsonl(tmp_path / "req.jsonl")]
+    assert reasons[3:] == ["resumed"] * 3
+
+
+def test_two_proxies_sharing_a_state_dir_never_collide(tmp_path):
+    opts = {"slots_state_dir": str(tmp_path / "state")}
+    with LlamaServer(slots=4, ctx_per_slot=2048, log_path=str(tmp_path / "s.log")) as srv, \
+            MitmProxy(srv.url, opts) as p1, MitmProxy(srv.url, opts) as p2:
+        slots = []
+        for i in range(4):
+            r = httpx.post((p1 if i % 2 else p2).url + "/v1/chat/completions", timeout=120,
+                           json={"messages": [{"role": "user", "content": f"session {i}"}], "max_tokens": 1})
+            slots.append(int(r.headers["x-slot-id"]))
+    assert sorted(slots) == [0, 1, 2, 3]
+
+
+def test_server_restart_is_detected(tmp_path):
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_probe_interval": 1}
+    log = tmp_path / "p.log"
+    with LlamaServer(slots=2, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
+            MitmProxy(srv.url, opts, log_path=str(log)) as px:
+        msgs = conversation("Task R: survive a restart.")
+        first = ask(px.url, msgs)
+        extend(msgs, 1)
+        srv.restart()
+        deadline = time.monotonic() + 20
+        while "restarted" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        cold = ask(px.url, msgs)
+        extend(msgs, 2)
+        warm = ask(px.url, msgs)
+    assert "restarted (new media_marker)" in log.read_text()
+    assert cold.slot == first.slot == warm.slot
+    assert cold.cache_n == 0 and warm.cache_n > cold.prompt_n - 5
+
+
+def test_warnings_that_save_hours(tmp_path):
+    """Unified KV with idle-slot clearing defeats pinning; an oversized prompt names the fix; /v1/messages
+    is passed through and said to be unpinnable."""
+    log = tmp_path / "p.log"
+    with LlamaServer(slots=2, ctx_per_slot=2048, kv_unified=True, log_path=str(tmp_path / "s.log")) as srv, \
+            MitmProxy(srv.url, {"slots_state_dir": str(tmp_path / "state"), "slots_probe_interval": 0},
+                      log_path=str(log)) as px:
+        a, b = conversation("Task A: unified."), conversation("Task B: unified.")
+        ask(px.url, a)
+        ask(px.url, b)
+        extend(a, 1)
+        lost = ask(px.url, a)  # B's launch cleared A's idle slot
+        deadline = time.monotonic() + 15
+        while "empties idle slots" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        too_long = [{"role": "user", "content": "word " * 2600}]
+        r = httpx.post(px.url + "/v1/chat/completions", json={"messages": too_long, "max_tokens": 1}, timeout=60)
+        m = httpx.post(px.url + "/v1/messages", timeout=60,
+                       json={"model": "x", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        time.sleep(0.5)
+    text = log.read_text()
+    assert lost.cache_n == 0
+    assert "empties idle slots" in text and "--no-cache-idle-slots" in text
+    assert r.status_code == 400 and "exceeds the per-slot context n_ctx=2048" in text
+    assert m.status_code == 200 and "not pinnable on this server" in text
