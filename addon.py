@@ -22,11 +22,14 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `mitmdump -s` from any cwd
 
 from mitmproxy import command, ctx, exceptions, http
+from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
+from drivers.checkpoints import CheckpointSettings
 from drivers.flow_state import FlowInfo, SSETap
 from drivers.server_runtime import ServerRuntime
 from drivers.state_store import default_state_dir
 from slotlogic import core, rewrite, sidecalls
+from slotlogic import prefix as pfx
 from slotlogic import session as sess
 from slotlogic.observe import Observation, StreamObserver, observe_json
 from slotlogic.ranking import Policy
@@ -46,6 +49,8 @@ class SlotKeeper:
         self.log_file: str | None = None
         self.flush_interval = 2.0
         self.probe_interval = 15.0
+        self.checkpoints: CheckpointSettings | None = None
+        self.fronted: set[str] = set()
 
     # ------------------------------------------------------------------------------------------- options
 
@@ -71,13 +76,29 @@ class SlotKeeper:
         loader.add_option("slots_probe_interval", int, 15,
                           "Seconds between background /props probes that detect a restarted or resized "
                           "server (0 = only when a cache loss needs explaining).")
+        loader.add_option("slots_prefix_cache", str, "",
+                          "Prefix checkpoints for new sessions: off, memory (warm, no disk), disk (save, "
+                          "restore, verify). Empty = disk when slots_save_dir is set, else off.",
+                          choices=["", "off", "memory", "disk"])
+        loader.add_option("slots_save_dir", str, "",
+                          "llama-server's --slot-save-path (the same directory), for checkpoint files and their "
+                          "cleanup.")
+        loader.add_option("slots_server_id", str, "",
+                          "Your name for the llama-server build; part of the checkpoint fingerprint (bump it "
+                          "after an upgrade to force one clean rebuild).")
+        loader.add_option("slots_prefix_markers", Sequence[str], list(pfx.DEFAULT_MARKERS),
+                          "Where the shared system-prompt prefix ends: the earliest of these strings.")
+        loader.add_option("slots_checkpoint_ttl_days", int, 30,
+                          "Cleanup keeps checkpoint files used within this many days.")
+        loader.add_option("slots_checkpoint_keep", int, 3,
+                          "Cleanup always keeps this many most recently used checkpoint files.")
+        loader.add_option("slots_checkpoint_max_mb", int, 0,
+                          "Cap on checkpoint files in slots_save_dir (0 = no cap); the oldest go first.")
         loader.add_option("slots_log_file", str, "",
                           "Append one JSON line per completion request to this file (hashes, counts).")
 
     def configure(self, updated: set[str]) -> None:
-        if not updated & {"slots_policy", "slots_state_dir", "slots_ttl", "slots_override_client",
-                          "slots_session_headers", "slots_side_patterns", "slots_side_slot",
-                          "slots_probe_interval", "slots_log_file"}:
+        if not any(name.startswith("slots_") or name == "mode" for name in updated):
             return
         o = ctx.options
         try:
@@ -96,21 +117,43 @@ class SlotKeeper:
         except ValueError as e:
             raise exceptions.OptionsError(f"slots_side_patterns: {e}") from None
         headers = tuple(h.strip().lower() for h in o.slots_session_headers if h.strip())
+        markers = tuple(m.encode().decode("unicode_escape") for m in o.slots_prefix_markers if m)
+        mode = o.slots_prefix_cache or ("disk" if o.slots_save_dir else "off")
+        if mode not in ("off", "memory", "disk"):
+            raise exceptions.OptionsError(f"slots_prefix_cache must be off, memory or disk, not {mode!r}")
+        if mode == "disk" and o.slots_save_dir and not os.path.isdir(os.path.expanduser(o.slots_save_dir)):
+            raise exceptions.OptionsError(f"slots_save_dir {o.slots_save_dir!r} is not a directory")
+        if min(o.slots_checkpoint_ttl_days, o.slots_checkpoint_keep, o.slots_checkpoint_max_mb) < 0:
+            raise exceptions.OptionsError("slots_checkpoint_* options must be ≥ 0")
+        self.checkpoints = CheckpointSettings(
+            mode=mode, save_dir=os.path.expanduser(o.slots_save_dir) if o.slots_save_dir else None,
+            server_id=o.slots_server_id, markers=markers or pfx.DEFAULT_MARKERS,
+            ttl_days=float(o.slots_checkpoint_ttl_days), keep_recent=o.slots_checkpoint_keep,
+            max_mb=o.slots_checkpoint_max_mb)
+        self.fronted = fronted_upstreams(o.mode)
         self.cfg = core.Config(policy=policy, ttl=float(o.slots_ttl),
                                override_client=o.slots_override_client, header_names=headers,
-                               side_patterns=patterns, side_slot=o.slots_side_slot)
+                               side_patterns=patterns, side_slot=o.slots_side_slot,
+                               markers=markers or pfx.DEFAULT_MARKERS)
         self.state_dir = Path(o.slots_state_dir).expanduser() if o.slots_state_dir else default_state_dir()
         self.probe_interval = float(o.slots_probe_interval)
         self.log_file = o.slots_log_file or None
-        for rt in self.runtimes.values():
+        for upstream, rt in self.runtimes.items():
             rt.reconfigure(self.cfg, self.state_dir)
             rt.probe_interval = self.probe_interval
+            rt.enable_checkpoints(self.checkpoint_settings(upstream), self.state_dir)
+
+    def checkpoint_settings(self, upstream: str) -> CheckpointSettings | None:
+        """Checkpoints act only for a server this proxy fronts in reverse mode (never for other hosts)."""
+        return self.checkpoints if upstream in self.fronted else None
 
     def runtime(self, upstream: str) -> ServerRuntime:
         rt = self.runtimes.get(upstream)
         if rt is None:
             rt = ServerRuntime(upstream, self.state_dir, self.cfg, flush_interval=self.flush_interval,
                                probe_interval=self.probe_interval)
+            rt.enable_checkpoints(self.checkpoint_settings(upstream), self.state_dir)
+            rt.log_event = self.write_jsonl
             self.runtimes[upstream] = rt
         return rt
 
@@ -245,7 +288,7 @@ class SlotKeeper:
         }
         self.warn_about(obs, info, rt, stats)
         if self.log_file:
-            self.write_jsonl({"t": time.time(), "path": flow.request.path, "upstream": info.upstream,
+            self.write_jsonl({"kind": "request", "path": flow.request.path, "upstream": info.upstream,
                               "session": key, "source": source, "slot": slot, "reason": info.reason,
                               "cache_n": obs.cache_n, "prompt_n": obs.prompt_n, "error": obs.error_type,
                               "seconds": round(took, 4)})
@@ -261,6 +304,9 @@ class SlotKeeper:
                 asyncio.get_running_loop().create_task(rt.explain_cache_loss(info.slot))
 
     def write_jsonl(self, record: dict[str, Any]) -> None:
+        if not self.log_file:
+            return
+        record = {"t": time.time(), **record}
         try:
             fd = os.open(self.log_file or "", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             with os.fdopen(fd, "a") as f:
@@ -305,6 +351,15 @@ class SlotKeeper:
         return {"policy": self.cfg.policy.value, "ttl": self.cfg.ttl, "state_dir": str(self.state_dir),
                 "servers": [rt.status() for rt in self.runtimes.values()]}
 
+    @command.command("slots.cleanup")
+    def cleanup_command(self) -> str:
+        """Delete stale prefix-checkpoint files now (only prefix-<16 hex>.bin in slots_save_dir)."""
+        deleted: list[str] = []
+        for rt in self.runtimes.values():
+            if rt.checkpoints is not None:
+                deleted += rt.checkpoints.cleanup_sync()
+        return "deleted: " + (", ".join(deleted) or "nothing")
+
     @command.command("slots.status")
     def status_command(self) -> str:
         """The slot table and per-session summary as text."""
@@ -325,6 +380,20 @@ def parse_json(req: http.Request) -> Any:
         return json.loads(content)
     except (ValueError, UnicodeDecodeError):
         return None
+
+
+def fronted_upstreams(modes: Sequence[str]) -> set[str]:
+    """`scheme://host:port` of every reverse-mode upstream in the `mode` option."""
+    out = set()
+    for spec in modes:
+        try:
+            m = ProxyMode.parse(spec)
+        except ValueError:
+            continue
+        if isinstance(m, ReverseMode):
+            host, port = m.address
+            out.add(f"{m.scheme}://{host}:{port}")
+    return out
 
 
 def fmt(v: object) -> str:

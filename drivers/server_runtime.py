@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from drivers.checkpoints import CheckpointManager, CheckpointSettings
 from drivers.llama_client import LlamaClient, server_identity
 from drivers.state_store import StateStore
 from slotlogic import core
@@ -75,6 +76,15 @@ class ServerRuntime:
         self._last_probe = 0.0
         self._probe_now = False
         self._seeded_from_file = False
+        self.checkpoints: CheckpointManager | None = None
+        self.log_event: Any = None  # callable(dict) for the JSONL log, set by the addon
+
+    def enable_checkpoints(self, settings: CheckpointSettings | None, state_dir: str | Path) -> None:
+        """Prefix checkpoints for this upstream (None or mode off: disabled)."""
+        if settings is None or settings.mode == "off":
+            self.checkpoints = None
+        else:
+            self.checkpoints = CheckpointManager(self.client, Path(state_dir), settings)
 
     # --------------------------------------------------------------------------------------- configuration
 
@@ -144,18 +154,47 @@ class ServerRuntime:
                         "the state file alone, without cached-token counts", self.upstream)
         async with self.store.transaction() as state:
             self._apply_events(st.observe_server(state, marker, total, n_ctx))
+            before = st.views(state, total, live)
             choice = core.assign(self.cfg, state, plan.session.key, plan.prefix, live, total, now,
                                  side=plan.side)
             st.prune(state, now, SESSION_KEEP_SECONDS)
         self.media_marker, self.total_slots, self.n_ctx = marker, total, n_ctx
-        if choice.reason != "side-call":
-            self.table.assign(plan.session.key, choice.slot, now, prefix=plan.prefix, reason=choice.reason)
+        if choice.reason == "side-call":
+            return choice
+        self.table.assign(plan.session.key, choice.slot, now, prefix=plan.prefix, reason=choice.reason)
+        if self.checkpoints is not None and plan.stable is not None:
+            view = before[choice.slot]
+            holds = view.prefix == plan.prefix and (view.n_tokens or 0) > 0
+            await self.warm_slot(choice.slot, plan, props, holds)
+        elif self.checkpoints is not None and "no-marker" not in self.warned:
+            self.warned.add("no-marker")
+            log.info("slotkeeper: prefix-cache: no stable-prefix marker in the system prompt of session %s "
+                     "(markers: %s); no checkpoint for it", plan.session.short,
+                     ", ".join(repr(m) for m in self.cfg.markers))
         return choice
+
+    async def warm_slot(self, slot: int, plan: core.Plan, props: dict[str, Any], holds: bool) -> None:
+        """Restore or warm the shared prefix into the new session's slot; fail open on anything."""
+        assert self.checkpoints is not None and plan.stable is not None
+        started = time.monotonic()
+        try:
+            orch = await self.checkpoints.prepare(slot, plan.stable, props, holds_prefix=holds)
+        except Exception as e:
+            log.warning("slotkeeper: prefix-cache failed for slot %d: %r; request proceeds without it", slot, e)
+            return
+        if self.log_event is not None:
+            self.log_event({"kind": "checkpoint", "upstream": self.upstream, "slot": slot,
+                            "outcome": orch.outcome, "prompt_n": orch.spent_prefill,
+                            "identical": orch.identical, "divergent": orch.divergent,
+                            "seconds": round(time.monotonic() - started, 4)})
 
     def _apply_events(self, events: list[str]) -> None:
         if "restart" in events:
             log.warning("slotkeeper: %s restarted (new media_marker): every slot is empty; sessions keep "
                         "their slots and prefill once", self.upstream)
+            if self.checkpoints is not None:
+                # Route every session through the slow path once, so its prefix is restored first.
+                self.table.forget_all()
         if "resize" in events:
             log.warning("slotkeeper: %s slot pool resized to a new total_slots: re-pinning every session "
                         "into range", self.upstream)

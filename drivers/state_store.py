@@ -1,4 +1,4 @@
-"""The state file driver: one JSON file per upstream server, shared by every proxy process.
+"""Private JSON files shared by every proxy process: the per-server state and the checkpoint index.
 
 - Cross-process safety: `filelock.AsyncFileLock`, a *fresh object per acquisition* (one shared instance is
   re-entrant per instance, so two coroutines would both "hold" it: mitmproxy.md P19), plus an asyncio
@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 from filelock import AsyncFileLock, FileLock
 
@@ -39,11 +40,16 @@ def state_file_name(upstream: str) -> str:
     return f"state-{safe}-{hashlib.sha256(upstream.encode()).hexdigest()[:8]}.json"
 
 
-class StateStore:
-    def __init__(self, directory: str | Path, upstream: str) -> None:
-        self.dir = Path(directory)
-        self.upstream = upstream
-        self.path = self.dir / state_file_name(upstream)
+class CorruptFile(ValueError):
+    """The file exists but is not valid JSON (it has been moved aside)."""
+
+
+class JsonFile:
+    """One locked, atomically written, private JSON document."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.dir = self.path.parent
         self.lock_path = str(self.path) + ".lock"
         self._locks: dict[int, asyncio.Lock] = {}
 
@@ -55,37 +61,34 @@ class StateStore:
             lock = self._locks[loop_id] = asyncio.Lock()
         return lock
 
-    def _ensure_dir(self) -> None:
+    def ensure_dir(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):
             os.chmod(self.dir, 0o700)
 
-    def read(self) -> st.ServerState:
-        """Read without the lock (only for status views and tests); tolerant of anything."""
+    def load(self) -> Any:
+        """The document, None when missing; raises CorruptFile (after moving it aside) when damaged."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
-            return st.ServerState(upstream=self.upstream)
+            return None
         try:
-            return st.from_dict(json.loads(raw), self.upstream)
+            return json.loads(raw)
         except (ValueError, UnicodeDecodeError):
-            self._quarantine()
-            return st.ServerState(upstream=self.upstream)
+            dest = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+            with contextlib.suppress(OSError):
+                os.replace(self.path, dest)
+            log.warning("slotkeeper: %s was not valid JSON; moved aside to %s", self.path, dest)
+            raise CorruptFile(str(self.path)) from None
 
-    def _quarantine(self) -> None:
-        dest = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
-        with contextlib.suppress(OSError):
-            os.replace(self.path, dest)
-            log.warning("slotkeeper: state file %s was not valid JSON; moved aside to %s", self.path, dest)
-
-    def write(self, state: st.ServerState) -> None:
-        self._ensure_dir()
-        data = json.dumps(st.to_dict(state), indent=1, sort_keys=True).encode()
+    def save(self, data: Any) -> None:
+        self.ensure_dir()
+        raw = json.dumps(data, indent=1, sort_keys=True).encode()
         fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.dir)
         try:
             os.fchmod(fd, 0o600)
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                f.write(raw)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
@@ -95,21 +98,48 @@ class StateStore:
             raise
 
     @contextlib.asynccontextmanager
+    async def locked(self) -> AsyncIterator[None]:
+        self.ensure_dir()
+        async with self._local(), AsyncFileLock(self.lock_path, timeout=LOCK_TIMEOUT, mode=0o600):
+            yield
+
+    @contextlib.contextmanager
+    def locked_sync(self) -> Iterator[None]:
+        """Blocking variant for shutdown (`done` must stay sync: mitmproxy.md P9)."""
+        self.ensure_dir()
+        with FileLock(self.lock_path, timeout=LOCK_TIMEOUT, mode=0o600):
+            yield
+
+
+class StateStore:
+    """The per-upstream `ServerState`, read and written under the file lock."""
+
+    def __init__(self, directory: str | Path, upstream: str) -> None:
+        self.upstream = upstream
+        self.file = JsonFile(Path(directory) / state_file_name(upstream))
+        self.dir, self.path = self.file.dir, self.file.path
+
+    def read(self) -> st.ServerState:
+        """Read without the lock (status views, the hash fallback); tolerant of anything."""
+        try:
+            return st.from_dict(self.file.load(), self.upstream)
+        except CorruptFile:
+            return st.ServerState(upstream=self.upstream)
+
+    def write(self, state: st.ServerState) -> None:
+        self.file.save(st.to_dict(state))
+
+    @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[st.ServerState]:
         """Locked read-modify-write. The state is written back only when the body completes."""
-        self._ensure_dir()
-        async with self._local():
-            lock = AsyncFileLock(self.lock_path, timeout=LOCK_TIMEOUT, mode=0o600)
-            async with lock:
-                state = self.read()
-                yield state
-                self.write(state)
+        async with self.file.locked():
+            state = self.read()
+            yield state
+            self.write(state)
 
     @contextlib.contextmanager
     def transaction_sync(self) -> Iterator[st.ServerState]:
-        """Blocking variant for shutdown (`done` must stay sync: mitmproxy.md P9)."""
-        self._ensure_dir()
-        with FileLock(self.lock_path, timeout=LOCK_TIMEOUT, mode=0o600):
+        with self.file.locked_sync():
             state = self.read()
             yield state
             self.write(state)

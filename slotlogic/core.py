@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from slotlogic import prefix as pfx
 from slotlogic import ranking, sidecalls
 from slotlogic import session as sess
 from slotlogic import state as st
@@ -35,6 +36,7 @@ class Config:
     side_patterns: tuple[re.Pattern[str], ...] = field(
         default_factory=lambda: tuple(sidecalls.compile_patterns(sidecalls.DEFAULT_SIDE_PATTERNS)))
     side_slot: int = -1
+    markers: tuple[str, ...] = pfx.DEFAULT_MARKERS
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Plan:
     side: bool = False
     slot: int | None = None
     route: Route = Route.OTHER
+    stable: pfx.StablePrefix | None = None  # the shared prefix a checkpoint can warm, when extractable
 
 
 def plan(cfg: Config, table: st.SessionTable, method: str, path: str, headers: Mapping[str, str],
@@ -59,7 +62,10 @@ def plan(cfg: Config, table: st.SessionTable, method: str, path: str, headers: M
     if not isinstance(body, dict):
         return Plan("pass", "body is not a JSON object", route=route)
     key = sess.resolve(headers, body, path, header_names=cfg.header_names, known_prompts=known_prompts)
-    prefix = sess.prefix_signature(body, path)
+    stable = pfx.extract(body, cfg.markers)
+    # What the ranking compares slot contents by: the stable prefix when there is one (two projects'
+    # windows share it), else the whole system prompt + tools.
+    prefix = stable.signature if stable else sess.prefix_signature(body, path)
     if route is Route.UNPINNABLE:
         return Plan("observe", "not pinnable on this server (/v1/messages drops id_slot)", key, prefix,
                     route=route)
@@ -73,7 +79,7 @@ def plan(cfg: Config, table: st.SessionTable, method: str, path: str, headers: M
     live = table.live(key.key, now)
     if live is not None and (total_slots is None or live.slot < total_slots):
         return Plan("pin", "known", key, prefix, side=side, slot=live.slot, route=route)
-    return Plan("need_slot", "new session", key, prefix, side=side, route=route)
+    return Plan("need_slot", "new session", key, prefix, side=side, route=route, stable=stable)
 
 
 def assign(cfg: Config, state: st.ServerState, session_key: str, prefix: str | None,
