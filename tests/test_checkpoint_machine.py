@@ -1,0 +1,95 @@
+"""The checkpoint state machine driven by recorded llama-server answers (no server)."""
+
+import pytest
+
+from slotlogic.checkpoint import Orchestrator, Phase, Result
+from slotlogic.prefix import StablePrefix
+
+P = StablePrefix("You are pi.", "system", None, None)
+# Answers as llama-server gives them (reference/llama-server.md §4.3, §4.5; live build).
+RESTORED = Result(200, {"id_slot": 1, "filename": "f.bin", "n_restored": 291, "n_read": 6710068})
+RESTORE_400 = Result(400, {"error": {"code": 400, "message": "Unable to restore slot: No available space in KV "
+                                     "cache or invalid slot save file", "type": "invalid_request_error"}})
+NO_SAVE_PATH = Result(501, {"error": {"code": 501, "message": "This server does not support slots action. Start "
+                                      "it with `--slot-save-path`", "type": "not_supported_error"}})
+TIMEOUT = Result(0, None)
+SAVED = Result(200, {"id_slot": 1, "filename": "f.bin", "n_saved": 291, "n_written": 6710068})
+ERASED = Result(200, {"id_slot": 1, "n_erased": 291})
+
+
+def chat(cache_n, prompt_n):
+    return Result(200, {"choices": [], "timings": {"cache_n": cache_n, "prompt_n": prompt_n}})
+
+
+def run(orch, answers):
+    kinds = []
+    for answer in answers:
+        action = orch.next_action()
+        assert action is not None, f"machine finished early after {kinds}"
+        assert action.slot == orch.slot
+        kinds.append(action.kind)
+        orch.feed(answer)
+    assert orch.next_action() is None and orch.phase is Phase.DONE
+    return kinds
+
+
+def test_hit_needs_no_action():
+    o = Orchestrator(2, P, "f.bin", persist=True, holds_prefix=True, file_known=True)
+    assert run(o, []) == [] and o.outcome == "hit"
+
+
+def test_restore_and_verify():
+    o = Orchestrator(1, P, "f.bin", persist=True, file_known=True)
+    kinds = run(o, [RESTORED, chat(290, 1), chat(288, 7)])
+    assert kinds == ["restore", "verify", "verify"] and o.outcome == "restored"
+    assert o.identical == (290, 291) and o.divergent == (288, 295) and o.spent_prefill == 8
+    assert "RESTORE verified: identical 290/291, divergent probe 288/295" in o.lines
+
+
+def test_restore_400_falls_back_to_cold_build_and_save():
+    o = Orchestrator(1, P, "f.bin", persist=True, file_known=True)
+    assert run(o, [RESTORE_400, chat(0, 291), SAVED]) == ["restore", "warm", "save"]
+    assert o.outcome == "warmed-saved" and o.saved_tokens == 291 and o.spent_prefill == 291
+    assert any(line.startswith("no checkpoint (restore HTTP 400") for line in o.lines)
+
+
+def test_no_save_path_is_reported_and_warm_slot_kept():
+    o = Orchestrator(1, P, "f.bin", persist=True, file_known=True)
+    assert run(o, [NO_SAVE_PATH, chat(0, 291), NO_SAVE_PATH]) == ["restore", "warm", "save"]
+    assert o.missing_save_path and o.outcome == "warmed"
+
+
+def test_verification_below_gate_erases_and_rebuilds():
+    o = Orchestrator(1, P, "f.bin", persist=True, file_known=True)
+    kinds = run(o, [RESTORED, chat(10, 281), ERASED, chat(0, 291), SAVED])
+    assert kinds == ["restore", "verify", "erase", "warm", "save"]
+    assert o.file_bad and o.outcome == "warmed-saved"
+
+
+def test_divergent_probe_zero_is_loud_but_kept():
+    o = Orchestrator(1, P, "f.bin", persist=True, file_known=True)
+    assert run(o, [RESTORED, chat(290, 1), chat(0, 296)]) == ["restore", "verify", "verify"]
+    assert o.outcome == "restored-unverified" and any("divergent probe 0/296" in line for line in o.lines)
+
+
+@pytest.mark.parametrize("answers", [[TIMEOUT], [RESTORE_400]])
+def test_warm_up_failure_fails_open(answers):
+    o = Orchestrator(0, P, "f.bin", persist=False)
+    assert run(o, answers) == ["warm"] and o.outcome == "failed"
+
+
+def test_memory_mode_warms_without_saving():
+    o = Orchestrator(0, P, "f.bin", persist=False, file_known=True)
+    assert run(o, [chat(0, 291)]) == ["warm"] and o.outcome == "warmed"
+    assert "cache=MISS → warming slot=0 (cold)" in o.lines
+
+
+def test_verification_timeout_keeps_restore():
+    o = Orchestrator(1, P, "f.bin", persist=True, file_known=True)
+    assert run(o, [RESTORED, TIMEOUT]) == ["restore", "verify"] and o.outcome == "restored-unverified"
+
+
+def test_feeding_a_finished_machine_is_an_error():
+    o = Orchestrator(1, P, "f.bin", persist=True, holds_prefix=True)
+    with pytest.raises(RuntimeError):
+        o.feed(SAVED)

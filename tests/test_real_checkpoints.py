@@ -1,0 +1,91 @@
+"""Prefix checkpoints end to end on a real llama-server with --slot-save-path, through a real mitmdump."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from drivers.llama_server import LlamaServer
+from drivers.proxy import MitmProxy
+from tests.real_helpers import SYSTEM, ask, jsonl
+
+pytestmark = pytest.mark.real
+
+
+def conv(first: str, cwd: str = "/home/u/proj") -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM + f"\n<cwd>{cwd}</cwd>"}, {"role": "user", "content": first}]
+
+
+def checkpoints(log: Path) -> list[dict]:
+    return [r for r in jsonl(log) if r.get("kind") == "checkpoint"]
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    return tmp_path, slots
+
+
+def proxy_opts(tmp: Path, slots: Path) -> dict[str, object]:
+    return {"slots_state_dir": str(tmp / "state"), "slots_save_dir": str(slots),
+            "slots_log_file": str(tmp / "req.jsonl"), "slots_probe_interval": 0}
+
+
+def test_new_sessions_start_warm_and_a_restarted_server_restores(dirs):
+    tmp, slots = dirs
+    log = tmp / "req.jsonl"
+    srv = LlamaServer(slots=4, ctx_per_slot=4096, slot_save_path=str(slots), log_path=str(tmp / "s.log"))
+    with srv, MitmProxy(srv.url, proxy_opts(tmp, slots), log_path=str(tmp / "p.log")) as px:
+        a = ask(px.url, conv("Task A: first window."))
+        b = ask(px.url, conv("Task B: second window, other project.", cwd="/srv/other"))
+        first, second = checkpoints(log)
+        assert first["outcome"] == "warmed-saved" and second["outcome"] == "restored"
+        prefix_tokens = first["prompt_n"]
+        assert a.slot != b.slot
+        assert a.cache_n >= 0.9 * prefix_tokens and b.cache_n >= 0.9 * prefix_tokens  # both start warm
+        assert len(list(slots.glob("prefix-*.bin"))) == 1
+
+        srv.restart()  # a new process: every slot is empty, only the files survive
+        c = ask(px.url, conv("Task C: after the restart."))
+    third = checkpoints(log)[2]
+    assert third["outcome"] == "restored"
+    assert c.cache_n >= 0.9 * prefix_tokens, (c, prefix_tokens)  # the first request after a restart
+    assert c.prompt_n <= 0.1 * prefix_tokens + 60  # ≤ 10% of the prefix + its own user message
+    text = (tmp / "p.log").read_text()
+    assert "prefix-cache SAVED prefix-" in text and "prefix-cache RESTORE verified: identical" in text
+
+
+def test_corrupt_or_stale_checkpoint_is_detected_erased_and_rebuilt(dirs):
+    tmp, slots = dirs
+    log = tmp / "req.jsonl"
+    srv = LlamaServer(slots=2, ctx_per_slot=4096, slot_save_path=str(slots), log_path=str(tmp / "s.log"))
+    with srv, MitmProxy(srv.url, proxy_opts(tmp, slots), log_path=str(tmp / "p.log")) as px:
+        ask(px.url, conv("Task A: build the checkpoint."))
+        (good,) = slots.glob("prefix-*.bin")
+
+        # 1) garbage bytes: the restore fails (400), the slot is rebuilt cold and the file rewritten
+        good.write_bytes(b"ggsq" + b"\x00" * 64)
+        srv.restart()
+        r1 = ask(px.url, conv("Task B: garbage file."))
+        # 2) a valid file of another prefix under this name: restore succeeds, the identical gate catches it
+        other = tmp / "other.bin"
+        shutil.copy(good, other)
+        ask(px.url, [{"role": "system", "content": "Unrelated assistant prompt. " * 30 + "\n<cwd>/x"},
+                     {"role": "user", "content": "other"}])
+        (other_file,) = set(slots.glob("prefix-*.bin")) - {good}
+        shutil.copy(other_file, good)
+        srv.restart()
+        r2 = ask(px.url, conv("Task C: stale file."))
+        srv.restart()
+        r3 = ask(px.url, conv("Task D: the rebuilt file restores again."))
+    outcomes = [c["outcome"] for c in checkpoints(log)]
+    assert outcomes[1] == "warmed-saved"  # garbage: restore 400 → cold → saved anew
+    assert outcomes[3] == "warmed-saved"  # stale: verify failed → erase → cold → saved anew
+    assert outcomes[4] == "restored"
+    assert r1.prompt_n > 0 and r2.prompt_n > 0 and r3.cache_n > 250
+    text = (tmp / "p.log").read_text()
+    assert "RESTORE rejected: identical" in text and "no checkpoint (restore HTTP 400" in text
+    assert "Traceback" not in text
