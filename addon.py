@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ from drivers.state_store import default_state_dir
 from slotlogic import core, rewrite, sidecalls
 from slotlogic import prefix as pfx
 from slotlogic import session as sess
+from slotlogic import state as st
 from slotlogic.observe import Observation, StreamObserver, observe_json
 from slotlogic.ranking import Policy
 
@@ -51,6 +53,7 @@ class SlotKeeper:
         self.probe_interval = 15.0
         self.checkpoints: CheckpointSettings | None = None
         self.fronted: set[str] = set()
+        self.keep_streams = False
 
     # ------------------------------------------------------------------------------------------- options
 
@@ -94,6 +97,9 @@ class SlotKeeper:
                           "Cleanup always keeps this many most recently used checkpoint files.")
         loader.add_option("slots_checkpoint_max_mb", int, 0,
                           "Cap on checkpoint files in slots_save_dir (0 = no cap); the oldest go first.")
+        loader.add_option("slots_keep_streams", bool, False,
+                          "Keep a copy of streamed SSE bodies in the flow (for -w recordings, mitmweb and "
+                          "server replay on mitmproxy 11; on 12.x store_streamed_bodies does the same).")
         loader.add_option("slots_log_file", str, "",
                           "Append one JSON line per completion request to this file (hashes, counts).")
 
@@ -138,23 +144,32 @@ class SlotKeeper:
         self.state_dir = Path(o.slots_state_dir).expanduser() if o.slots_state_dir else default_state_dir()
         self.probe_interval = float(o.slots_probe_interval)
         self.log_file = o.slots_log_file or None
-        for upstream, rt in self.runtimes.items():
+        self.keep_streams = o.slots_keep_streams
+        for rt in self.runtimes.values():
+            if rt.offline:
+                continue
             rt.reconfigure(self.cfg, self.state_dir)
             rt.probe_interval = self.probe_interval
-            rt.enable_checkpoints(self.checkpoint_settings(upstream), self.state_dir)
+            rt.enable_checkpoints(self.checkpoint_settings(rt.upstream), self.state_dir)
 
     def checkpoint_settings(self, upstream: str) -> CheckpointSettings | None:
         """Checkpoints act only for a server this proxy fronts in reverse mode (never for other hosts)."""
         return self.checkpoints if upstream in self.fronted else None
 
-    def runtime(self, upstream: str) -> ServerRuntime:
-        rt = self.runtimes.get(upstream)
+    def runtime(self, upstream: str, *, offline: bool = False) -> ServerRuntime:
+        """The driver for one upstream. Saved flows (`mitmdump -nr`) get a separate offline runtime with a
+        throw-away state dir: a replay never touches the network or the live state."""
+        key = f"replay:{upstream}" if offline else upstream
+        rt = self.runtimes.get(key)
         if rt is None:
-            rt = ServerRuntime(upstream, self.state_dir, self.cfg, flush_interval=self.flush_interval,
+            state_dir = Path(tempfile.mkdtemp(prefix="slotkeeper-replay-")) if offline else self.state_dir
+            rt = ServerRuntime(upstream, state_dir, self.cfg, flush_interval=self.flush_interval,
                                probe_interval=self.probe_interval)
-            rt.enable_checkpoints(self.checkpoint_settings(upstream), self.state_dir)
+            rt.offline = offline
+            if not offline:
+                rt.enable_checkpoints(self.checkpoint_settings(upstream), self.state_dir)
             rt.log_event = self.write_jsonl
-            self.runtimes[upstream] = rt
+            self.runtimes[key] = rt
         return rt
 
     # ------------------------------------------------------------------------------------------- hooks
@@ -182,8 +197,12 @@ class SlotKeeper:
             return
         upstream = f"{req.scheme}://{req.host}:{req.port}"
         body = parse_json(req)
-        rt = self.runtime(upstream)
-        now = time.time()
+        recorded = flow.metadata.get("slotkeeper") if not flow.live else None
+        if isinstance(recorded, dict) and isinstance(body, dict):
+            body = restore_client_fields(body, recorded.get("client"))  # undo our own rewrite
+        rt = self.runtime(upstream, offline=not flow.live)
+        # The request's own start time: live it is now; replaying saved flows it keeps the recorded clock.
+        now = req.timestamp_start or time.time()
         plan = core.plan(self.cfg, rt.table, req.method, req.path, req.headers, body, now,
                          total_slots=rt.total_slots, known_prompts=rt.marks)
         if plan.kind == "pass":
@@ -193,12 +212,14 @@ class SlotKeeper:
         info = FlowInfo(plan=plan, upstream=upstream, started=time.monotonic(), reason=plan.reason)
         self.flows[flow.id] = info
         assert plan.session is not None and isinstance(body, dict)
+        info.client_fields = {k: body.get(k) for k in ("id_slot", "cache_prompt")}
         rt.remember_prompt(plan.session.key, sess.prompt_mark(body))
         if plan.kind == "observe":
             return
         slot = plan.slot
         if plan.kind == "need_slot":
-            choice = await rt.new_session(plan, now)
+            choice, info.facts = await rt.new_session(
+                plan, now, facts=recorded.get("facts") if isinstance(recorded, dict) else None)
             if choice is None:
                 info.reason = "unpinned: server unknown"
                 return
@@ -224,9 +245,15 @@ class SlotKeeper:
                 flow.response.headers["x-slot-id"] = str(info.slot)
             if info.plan.session is not None:
                 flow.response.headers["x-slot-session"] = info.plan.session.short
-            if "text/event-stream" in flow.response.headers.get("content-type", ""):
+            if flow.live and is_sse(flow.response):
                 info.stream = StreamObserver()
-                flow.response.stream = SSETap(info.stream)
+                keep = None
+                if self.keep_streams:
+                    response = flow.response
+
+                    def keep(body: bytes, response: http.Response = response) -> None:
+                        response.data.content = body  # raw bytes, headers untouched (mitmproxy.md §2.6)
+                flow.response.stream = SSETap(info.stream, keep)
         except Exception as e:
             log.warning("slotkeeper: could not prepare response observation: %r", e)
 
@@ -237,6 +264,11 @@ class SlotKeeper:
         try:
             if info.stream is not None:
                 obs = info.stream.obs
+            elif flow.response.raw_content is not None and is_sse(flow.response):
+                replayed = StreamObserver()  # a saved stream (kept copy): parse it as the live tap did
+                replayed.feed(flow.response.get_content(strict=False) or b"")
+                replayed.feed(b"")
+                obs = replayed.obs
             elif flow.response.raw_content is not None:
                 obs = observe_json(flow.response.get_content(strict=False) or b"")
             else:
@@ -285,6 +317,7 @@ class SlotKeeper:
         flow.metadata["slotkeeper"] = {
             "session": key, "source": source, "slot": slot, "reason": info.reason, "side": plan.side,
             "cache_n": obs.cache_n, "prompt_n": obs.prompt_n, "outcome": obs.outcome,
+            "client": info.client_fields, "facts": info.facts,
         }
         self.warn_about(obs, info, rt, stats)
         if self.log_file:
@@ -351,6 +384,39 @@ class SlotKeeper:
         return {"policy": self.cfg.policy.value, "ttl": self.cfg.ttl, "state_dir": str(self.state_dir),
                 "servers": [rt.status() for rt in self.runtimes.values()]}
 
+    @command.command("slots.release")
+    def release_command(self, session: str) -> str:
+        """Forget a session (its 8-hex id from the log): its slot is free for the next new session."""
+        done = []
+        for rt in self.live_runtimes():
+            with rt.store.transaction_sync() as state:
+                for key in st.match_sessions(list({*state.sessions, *rt.table.sessions}), session):
+                    rt.table.release(key)
+                    slot = st.release(state, key)
+                    done.append(f"{key[:8]} (slot {fmt(slot)}) on {rt.upstream}")
+        return "released: " + (", ".join(done) or f"no session matches {session!r}")
+
+    @command.command("slots.pin")
+    def pin_command(self, session: str, slot: int) -> str:
+        """Move a known session (its 8-hex id from the log) to a slot of your choice."""
+        done = []
+        now = time.time()
+        for rt in self.live_runtimes():
+            total = rt.total_slots or 0
+            if not 0 <= slot < total:
+                return f"slot {slot} is out of range 0..{total - 1} on {rt.upstream}"
+            with rt.store.transaction_sync() as state:
+                for key in st.match_sessions(list({*state.sessions, *rt.table.sessions}), session):
+                    known = rt.table.sessions.get(key)
+                    rt.table.assign(key, slot, now, prefix=known.prefix if known else None, reason="manual",
+                                    requests=known.requests if known else 0)
+                    st.claim(state, key, slot, now, prefix=known.prefix if known else None)
+                    done.append(f"{key[:8]} → slot {slot} on {rt.upstream}")
+        return "pinned: " + (", ".join(done) or f"no session matches {session!r}")
+
+    def live_runtimes(self) -> list[ServerRuntime]:
+        return [rt for rt in self.runtimes.values() if not rt.offline]
+
     @command.command("slots.cleanup")
     def cleanup_command(self) -> str:
         """Delete stale prefix-checkpoint files now (only prefix-<16 hex>.bin in slots_save_dir)."""
@@ -380,6 +446,24 @@ def parse_json(req: http.Request) -> Any:
         return json.loads(content)
     except (ValueError, UnicodeDecodeError):
         return None
+
+
+def is_sse(response: http.Response) -> bool:
+    return "text/event-stream" in response.headers.get("content-type", "")
+
+
+def restore_client_fields(body: dict[str, Any], client: Any) -> dict[str, Any]:
+    """A saved flow holds the body we sent upstream; put back what the client itself had sent."""
+    if not isinstance(client, dict):
+        return body
+    out = dict(body)
+    for field in ("id_slot", "cache_prompt"):
+        if field in client:
+            if client[field] is None:
+                out.pop(field, None)
+            else:
+                out[field] = client[field]
+    return out
 
 
 def fronted_upstreams(modes: Sequence[str]) -> set[str]:

@@ -7,6 +7,7 @@ which breaks dataclasses defined in the script itself; and because none of it ne
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,15 +27,23 @@ class FlowInfo:
     slot: int | None = None
     reason: str = ""
     stream: StreamObserver | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    client_fields: dict[str, Any] = field(default_factory=dict)  # id_slot/cache_prompt as the client sent
+    facts: dict[str, Any] | None = None  # server facts behind a new-session decision (replayed offline)
 
 
 class SSETap:
-    """The stream callable: observes SSE events and returns every chunk unchanged (never breaks a stream)."""
+    """The stream callable: observes SSE events and returns every chunk unchanged (never breaks a stream).
 
-    def __init__(self, observer: StreamObserver) -> None:
+    With `keep` set, a copy of the body is handed to `keep` at the end of the stream, so `-w` recordings,
+    mitmweb and server replay have it on mitmproxy 11 (12.x has `store_streamed_bodies` for this)."""
+
+    def __init__(self, observer: StreamObserver, keep: Callable[[bytes], None] | None = None,
+                 max_copy: int = 16 << 20) -> None:
         self.observer = observer
         self.failed = False
+        self.keep = keep
+        self.copy: bytearray | None = bytearray() if keep else None
+        self.max_copy = max_copy
 
     def __call__(self, chunk: bytes) -> bytes:
         if not self.failed:
@@ -43,4 +52,15 @@ class SSETap:
             except Exception as e:  # an exception here would drop the chunk (pitfall P2)
                 self.failed = True
                 log.warning("slotkeeper: SSE observer failed (%r); the stream continues unobserved", e)
+        if self.copy is not None:
+            try:
+                if chunk:
+                    if len(self.copy) + len(chunk) <= self.max_copy:
+                        self.copy += chunk
+                elif self.keep is not None:
+                    self.keep(bytes(self.copy))
+                    self.copy = None
+            except Exception as e:
+                self.copy = None
+                log.warning("slotkeeper: could not keep a copy of the stream: %r", e)
         return chunk

@@ -29,6 +29,8 @@ from slotlogic.session import PromptMark
 
 log = logging.getLogger("slotkeeper")
 MAX_MARKS = 512
+FACT_KEYS = ("total_slots", "media_marker", "build_info", "model_path", "default_generation_settings")
+SLOT_FACT_KEYS = ("id", "n_ctx", "is_processing", "n_prompt_tokens")
 SESSION_KEEP_SECONDS = 7 * 24 * 3600
 
 
@@ -77,6 +79,7 @@ class ServerRuntime:
         self._probe_now = False
         self._seeded_from_file = False
         self.checkpoints: CheckpointManager | None = None
+        self.offline = False  # replaying saved flows: no network, no background task, no checkpoints
         self.log_event: Any = None  # callable(dict) for the JSONL log, set by the addon
 
     def enable_checkpoints(self, settings: CheckpointSettings | None, state_dir: str | Path) -> None:
@@ -111,6 +114,8 @@ class ServerRuntime:
 
     def kick(self) -> None:
         """Make sure the background flusher/prober runs (no I/O here)."""
+        if self.offline:
+            return
         if self._task is None or self._task.done():
             with contextlib.suppress(RuntimeError):
                 self._task = asyncio.get_running_loop().create_task(self._background())
@@ -129,25 +134,37 @@ class ServerRuntime:
             self._seeded_from_file = True
             self.total_slots = self.store.read().total_slots
 
-    async def new_session(self, plan: core.Plan, now: float) -> Choice | None:
-        """Choose and claim a slot for `plan.session`. None: no slot count known at all (pass unpinned)."""
+    async def new_session(self, plan: core.Plan, now: float,
+                          facts: dict[str, Any] | None = None) -> tuple[Choice | None, dict[str, Any] | None]:
+        """Choose and claim a slot for `plan.session`; also returns the server facts the choice used.
+
+        Choice None: no slot count known at all (the request passes unpinned). Offline (replay of saved
+        flows) the facts recorded with the flow stand in for `/props` and `/slots`."""
         assert plan.session is not None
-        props, live = await self.identity()
+        if self.offline:
+            props, live = (facts or {}).get("props"), (facts or {}).get("slots")
+            if props is None:
+                props = {"total_slots": self.total_slots or 4}
+        else:
+            props, live = await self.identity()
         if props is None:
             self._seed_total_from_file()
             choice = core.fallback(plan.session.key, self.total_slots)
             if choice is None:
                 log.warning("slotkeeper: %s unreachable (/props) and no slot count known: request for "
                             "session %s passes unpinned", self.upstream, plan.session.short)
-                return None
+                return None, None
             log.warning("slotkeeper: %s /props unreachable: session %s pinned by hash fallback to slot %d "
                         "of %d (last known count)", self.upstream, plan.session.short, choice.slot,
                         self.total_slots)
             self.table.assign(plan.session.key, choice.slot, now, prefix=plan.prefix, reason=choice.reason)
-            return choice
+            return choice, None
+        facts = {"props": {k: props.get(k) for k in FACT_KEYS if k in props},
+                 "slots": [{k: e.get(k) for k in SLOT_FACT_KEYS if k in e} for e in live] if live is not None
+                 else None}
         marker, total, n_ctx = server_identity(props)
         if total is None:
-            return None
+            return None, None
         if live is None and "no-slots" not in self.warned:
             self.warned.add("no-slots")
             log.warning("slotkeeper: %s /slots unavailable (started with --no-slots?): choosing slots from "
@@ -160,8 +177,10 @@ class ServerRuntime:
             st.prune(state, now, SESSION_KEEP_SECONDS)
         self.media_marker, self.total_slots, self.n_ctx = marker, total, n_ctx
         if choice.reason == "side-call":
-            return choice
+            return choice, facts
         self.table.assign(plan.session.key, choice.slot, now, prefix=plan.prefix, reason=choice.reason)
+        if self.offline:
+            return choice, facts
         if self.checkpoints is not None and plan.stable is not None:
             view = before[choice.slot]
             holds = view.prefix == plan.prefix and (view.n_tokens or 0) > 0
@@ -171,7 +190,7 @@ class ServerRuntime:
             log.info("slotkeeper: prefix-cache: no stable-prefix marker in the system prompt of session %s "
                      "(markers: %s); no checkpoint for it", plan.session.short,
                      ", ".join(repr(m) for m in self.cfg.markers))
-        return choice
+        return choice, facts
 
     async def warm_slot(self, slot: int, plan: core.Plan, props: dict[str, Any], holds: bool) -> None:
         """Restore or warm the shared prefix into the new session's slot; fail open on anything."""

@@ -170,6 +170,23 @@ def touch(st: ServerState, session: str, slot: int, when: float, *, requests: in
     st.sessions[session] = SessionRecord(slot=slot, last_used=last, requests=requests, prefix=prefix)
 
 
+def release(st: ServerState, session: str) -> int | None:
+    """Forget `session`; its slot becomes free at once (no TTL wait). Returns the slot it had."""
+    rec = st.sessions.pop(session, None)
+    if rec is None:
+        return None
+    slot = st.slots.get(rec.slot)
+    if slot is not None and slot.owner == session:
+        st.slots[rec.slot] = replace(slot, owner=None, last_used=0.0, requests=0)
+    return rec.slot
+
+
+def match_sessions(keys: list[str], wanted: str) -> list[str]:
+    """Session keys starting with `wanted` (the 8-hex short form in logs is enough)."""
+    wanted = wanted.strip().lower()
+    return [k for k in keys if wanted and k.startswith(wanted)]
+
+
 def prune(st: ServerState, now: float, keep_seconds: float) -> None:
     """Forget sessions unseen for `keep_seconds` so the file stays small."""
     st.sessions = {k: v for k, v in st.sessions.items() if now - v.last_used < keep_seconds}

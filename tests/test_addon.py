@@ -237,3 +237,44 @@ async def test_state_survives_and_is_flushed_on_done(keeper, tmp_path):
     state = json.loads(next((tmp_path / "state").glob("state-*.json")).read_text())
     ((_key, rec),) = state["sessions"].items()
     assert rec["slot"] == sent(f)["id_slot"] and rec["requests"] >= 2
+
+
+async def test_release_and_pin_commands(keeper, tmp_path):
+    f = flow(chat())
+    await keeper.request(f)
+    short = keeper.flows[f.id].plan.session.short
+    slot = sent(f)["id_slot"]
+    target = (slot + 1) % 4
+    assert keeper.pin_command(short, target).startswith(f"pinned: {short} → slot {target}")
+    g = flow(chat())
+    await keeper.request(g)
+    assert sent(g)["id_slot"] == target and keeper.flows[g.id].reason == "known"
+    assert "out of range" in keeper.pin_command(short, 9)
+    assert keeper.release_command(short).startswith(f"released: {short} (slot {target})")
+    state = json.loads(next((tmp_path / "state").glob("state-*.json")).read_text())
+    assert state["sessions"] == {} and state["slots"][str(target)]["owner"] is None
+    assert "no session matches" in keeper.release_command("ffffffff")
+    h = flow(chat())
+    await keeper.request(h)
+    assert keeper.flows[h.id].reason != "known"  # a released session starts over
+
+
+async def test_saved_flows_replay_offline_with_the_same_decisions(keeper, fake_llama, tmp_path):
+    """A flow saved with -w carries the rewritten body; replaying it (flow.live False) must undo our rewrite,
+    reuse the recorded server facts instead of the network and reach the same decision."""
+    live = flow(chat())
+    await keeper.request(live)
+    live.response = http.Response.make(200, b'{"timings":{"cache_n":0,"prompt_n":40}}', {})
+    keeper.response(live)
+    meta = live.metadata["slotkeeper"]
+    assert meta["client"] == {"id_slot": None, "cache_prompt": None} and meta["facts"]["props"]["total_slots"] == 4
+
+    saved = live.copy()
+    saved.live = False
+    saved.response = None
+    fake_llama.calls.clear()
+    await keeper.request(saved)
+    info = keeper.flows[saved.id]
+    assert fake_llama.calls == []  # no network in replay
+    assert (info.slot, info.reason) == (meta["slot"], meta["reason"])
+    assert "replay:" + UP in keeper.runtimes
