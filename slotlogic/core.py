@@ -62,23 +62,22 @@ def plan(cfg: Config, table: st.SessionTable, method: str, path: str, headers: M
     if not isinstance(body, dict):
         return Plan("pass", "body is not a JSON object", route=route)
     key = sess.resolve(headers, body, path, header_names=cfg.header_names, known_prompts=known_prompts)
-    stable = pfx.extract(body, cfg.markers)
-    # What the ranking compares slot contents by: the stable prefix when there is one (two projects'
-    # windows share it), else the whole system prompt + tools.
-    prefix = stable.signature if stable else sess.prefix_signature(body, path)
     if route is Route.UNPINNABLE:
-        return Plan("observe", "not pinnable on this server (/v1/messages drops id_slot)", key, prefix,
-                    route=route)
+        return Plan("observe", "not pinnable on this server (/v1/messages drops id_slot)", key, route=route)
     if cfg.policy is Policy.OFF:
-        return Plan("observe", "policy off", key, prefix, route=route)
+        return Plan("observe", "policy off", key, route=route)
     side = sidecalls.is_side_call(sess.system_text(body, path), cfg.side_patterns)
     if side and total_slots:
         reserved = sidecalls.side_slot(total_slots, cfg.side_slot)
         if reserved is not None:
-            return Plan("pin", "side-call", key, prefix, side=True, slot=reserved, route=route)
+            return Plan("pin", "side-call", key, side=True, slot=reserved, route=route)
     live = table.live(key.key, now)
     if live is not None and (total_slots is None or live.slot < total_slots):
-        return Plan("pin", "known", key, prefix, side=side, slot=live.slot, route=route)
+        return Plan("pin", "known", key, live.prefix, side=side, slot=live.slot, route=route)  # the hot path
+    stable = pfx.extract(body, cfg.markers)
+    # What the ranking compares slot contents by: the stable prefix when there is one (windows of two
+    # projects share it), else the whole system prompt + tools.
+    prefix = stable.signature if stable else sess.prefix_signature(body, path)
     return Plan("need_slot", "new session", key, prefix, side=side, route=route, stable=stable)
 
 
