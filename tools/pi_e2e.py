@@ -82,10 +82,14 @@ def run_config(name: str, sessions: int, turns: int, slots: int, work: Path) -> 
         if server is not None:
             server.stop()
     per = {w.name: w.assistant_usage() for w in windows}
+    log = work / "requests.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    proxy_prefill = sum(r.get("prompt_n") or 0 for r in records if r.get("kind") == "checkpoint")
     return {"config": name, "wall_s": round(wall, 1), "returncodes": {k: [r.returncode for r in v]
                                                                         for k, v in results.items()},
             "turns": per,
             "prefill": sum(u["prompt_n"] or 0 for rows in per.values() for u in rows),
+            "checkpoint_prefill": proxy_prefill,  # warm-ups and verification probes the proxy itself sent
             "cached": sum(u["cache_n"] or 0 for rows in per.values() for u in rows)}
 
 
@@ -104,7 +108,8 @@ def main() -> None:
     text = json.dumps(report, indent=1)
     print(text)
     for r in report:
-        print(f"\n{r['config']}: prefill {r['prefill']} cached {r['cached']} wall {r['wall_s']} s")
+        print(f"\n{r['config']}: prefill {r['prefill']} (+{r['checkpoint_prefill']} by checkpoint warm-ups) "
+              f"cached {r['cached']} wall {r['wall_s']} s")
         for w, rows in r["turns"].items():
             print(f"  {w}: " + "  ".join(f"{u['prompt_n']}/{u['cache_n']}" for u in rows) + "   (prompt_n/cache_n)")
     if a.out:
