@@ -45,5 +45,14 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench $(ARGS)
 
+# Re-record recordings/*.mitm from real pi and synthetic traffic (real llama-server, ~5 min), then goldens.
+record: $(STAMP)
+	$(BIN)/python tools/record.py $(ARGS)
+	$(MAKE) golden
+
+# Accept the current offline slot decisions as recordings/*.golden.json (review the diff before committing).
+golden: $(STAMP)
+	UPDATE_GOLDEN=1 $(BIN)/pytest -q -p no:cacheprovider tests/test_replay.py
+
 clean:
 	rm -rf .venv .venv312 .pytest_cache .ruff_cache

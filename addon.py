@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -175,7 +176,7 @@ class SlotKeeper:
     # ------------------------------------------------------------------------------------------- hooks
 
     async def request(self, flow: http.HTTPFlow) -> None:
-        if flow.response or flow.error:
+        if flow.live and (flow.response or flow.error):  # a saved flow (-nr) carries its recorded answer
             return
         if flow.request.path.startswith(LOCAL_PREFIX):
             self.answer_local(flow)
@@ -245,7 +246,7 @@ class SlotKeeper:
                 flow.response.headers["x-slot-id"] = str(info.slot)
             if info.plan.session is not None:
                 flow.response.headers["x-slot-session"] = info.plan.session.short
-            if flow.live and is_sse(flow.response):
+            if flow.live and is_sse(flow.response) and not flow.response.raw_content:  # else: body already here
                 info.stream = StreamObserver()
                 keep = None
                 if self.keep_streams:
@@ -290,14 +291,18 @@ class SlotKeeper:
 
     def done(self) -> None:
         for rt in self.runtimes.values():
-            rt.flush_sync()
+            if not rt.offline:
+                rt.flush_sync()
         self.log_summary()
+        for rt in self.runtimes.values():
+            if rt.offline:  # a replay's throw-away state
+                shutil.rmtree(rt.store.dir, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------- reporting
 
     def finish(self, flow: http.HTTPFlow, info: FlowInfo, obs: Observation) -> None:
         plan = info.plan
-        rt = self.runtimes.get(info.upstream)
+        rt = self.runtimes.get(info.upstream if flow.live else f"replay:{info.upstream}")
         slot = obs.id_slot if obs.id_slot is not None else info.slot
         key = plan.session.key if plan.session else "-"
         short = plan.session.short if plan.session else "-"
@@ -331,8 +336,8 @@ class SlotKeeper:
             log.warning("slotkeeper: request of %s tokens exceeds the per-slot context n_ctx=%s on %s. "
                         "Without unified KV each slot gets -c / -np tokens: raise -c, lower -np, or use "
                         "--kv-unified-per-slot N.", fmt(obs.n_prompt_tokens), fmt(obs.n_ctx), info.upstream)
-        if (rt is not None and info.plan.kind == "pin" and info.reason == "known" and info.slot is not None
-                and obs.cache_n == 0 and stats is not None and stats.requests > 1):
+        if (rt is not None and not rt.offline and info.plan.kind == "pin" and info.reason == "known"
+                and info.slot is not None and obs.cache_n == 0 and stats is not None and stats.requests > 1):
             with contextlib.suppress(RuntimeError):
                 asyncio.get_running_loop().create_task(rt.explain_cache_loss(info.slot))
 

@@ -65,6 +65,7 @@ class CheckpointManager:
     state_dir: Path
     settings: CheckpointSettings
     current: set[str] = field(default_factory=set)
+    building: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # cold builds in flight
     warned: set[str] = field(default_factory=set)
     cleaned: bool = False
 
@@ -112,6 +113,24 @@ class CheckpointManager:
         fp = self.fingerprint(prefix, props)
         name = pfx.file_name(fp)
         self.current.add(name)
+        pending = self.building.get(name)
+        if pending is not None and not holds_prefix and self.persist:
+            # Sessions that start together share a prefix: wait for the one cold build, then restore it
+            # instead of prefilling the same prefix once per session.
+            log.info("slotkeeper: prefix-cache waiting for the build of %s in progress", name)
+            await asyncio.shield(pending)
+        own: asyncio.Future[None] | None = None
+        if self.persist and not holds_prefix and name not in self.building:
+            own = self.building[name] = asyncio.get_running_loop().create_future()
+        try:
+            return await self._prepare(slot, prefix, props, facts, fp, name, holds_prefix)
+        finally:
+            if own is not None:
+                self.building.pop(name, None)
+                own.set_result(None)
+
+    async def _prepare(self, slot: int, prefix: pfx.StablePrefix, props: dict[str, Any], facts: ServerFacts,
+                       fp: str, name: str, holds_prefix: bool) -> Orchestrator:
         orch = Orchestrator(slot, prefix, name, persist=self.persist, holds_prefix=holds_prefix,
                             file_known=self.persist and self.file_known(name, facts))
         log.info("slotkeeper: prefix-cache fingerprint=%s… slot=%d", fp[:16], slot)

@@ -21,6 +21,7 @@ from drivers.llama_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ADDON = ROOT / "addon.py"
+WEB_COLUMNS = ("index", "icon", "method", "path", "status", "size", "time", "comment")
 
 
 def mitm_binary(name: str = "mitmdump") -> str:
@@ -44,7 +45,7 @@ def mitm_argv(upstream: str, port: int, options: dict[str, object] | None = None
              "--set", "connection_strategy=lazy", "--set", "flow_detail=0"]
     if web:
         argv += ["--set", f"web_port={web_port or free_port()}", "--set", "web_open_browser=false",
-                 "--set", "web_columns=index,icon,method,path,status,size,time,comment"]
+                 *(a for c in WEB_COLUMNS for a in ("--set", f"web_columns={c}"))]  # a list option: one --set each
     for key, value in (options or {}).items():
         if isinstance(value, list | tuple):
             for item in value:

@@ -131,11 +131,13 @@ class StateStore:
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[st.ServerState]:
-        """Locked read-modify-write. The state is written back only when the body completes."""
+        """Locked read-modify-write. The state is written back only when the body completes.
+
+        The file I/O (and its fsync) runs in a worker thread: a slow disk must never stall other flows."""
         async with self.file.locked():
-            state = self.read()
+            state = await asyncio.to_thread(self.read)
             yield state
-            self.write(state)
+            await asyncio.to_thread(self.write, state)
 
     @contextlib.contextmanager
     def transaction_sync(self) -> Iterator[st.ServerState]:

@@ -1,0 +1,353 @@
+"""Decision replay of real recordings (recordings/*.mitm, made by `make record`): offline, no server, fast.
+
+Why: the recordings hold what real pi windows, synthetic agents and a restarted llama-server really sent and
+answered, and, per flow, the decision the live proxy took (`flow.metadata["slotkeeper"]`). Replaying them
+through the addon and through `slotlogic` alone must (1) reproduce the live decisions, (2) match the golden
+file `recordings/<name>.golden.json` (a changed decision fails with a unified diff; `make golden` updates it on
+purpose), and (3) pass every recorded SSE stream through the tap byte for byte, whatever the chunking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import difflib
+import json
+import logging
+import os
+import random
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mitmproxy import http, io
+from mitmproxy.test import taddons
+
+import addon as addon_module
+from drivers.flow_state import SSETap
+from drivers.llama_client import LlamaClient, server_identity
+from slotlogic import core
+from slotlogic import session as sess
+from slotlogic import state as st
+from slotlogic.observe import StreamObserver
+
+RECORDINGS = Path(__file__).resolve().parent.parent / "recordings"
+REQUIRED = ("pi_two_windows", "agents_subagent", "server_restart")
+NAMES = sorted(p.stem for p in RECORDINGS.glob("*.mitm"))
+UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
+SECRET_HEADERS = ("authorization", "proxy-authorization", "x-api-key", "api-key", "cookie", "set-cookie",
+                  "x-goog-api-key")
+GOLDEN_FIELDS = ("index", "path", "session", "source", "slot", "reason", "cache_n", "prompt_n", "outcome")
+
+
+def load(name: str) -> list[http.HTTPFlow]:
+    with (RECORDINGS / f"{name}.mitm").open("rb") as fp:
+        flows = [f for f in io.FlowReader(fp).stream() if isinstance(f, http.HTTPFlow)]
+    assert flows, f"{name}.mitm holds no HTTP flows"
+    return flows
+
+
+@contextlib.contextmanager
+def addon_context(keeper: addon_module.SlotKeeper) -> Iterator[taddons.context]:
+    """`taddons.context`, minus a leak: its Master installs a root log handler bound to the current event loop
+    and never removes it, so a warning logged after that loop closed (the next `asyncio.run`) would raise."""
+    tctx = taddons.context(keeper)
+    try:
+        yield tctx
+    finally:
+        tctx.master._legacy_log_events.uninstall()
+
+
+@dataclass
+class Replayed:
+    """One flow after offline replay: the live record, the offline record and what went upstream."""
+
+    flow: http.HTTPFlow
+    recorded_body: bytes
+    live: dict[str, Any]
+    offline: dict[str, Any]
+    decided_slot: int | None
+    decided_reason: str
+
+
+async def replay(name: str, state_dir: Path) -> list[Replayed]:
+    """Every flow of a recording through the addon's hooks, in file order, as `mitmdump -nr` does."""
+    flows = load(name)
+    keeper = addon_module.SlotKeeper()
+    out = []
+
+    async def no_network(*_: object) -> None:
+        raise AssertionError("offline replay must not ask the server")
+
+    with pytest.MonkeyPatch.context() as mp, addon_context(keeper) as tctx:
+        mp.setattr(LlamaClient, "props", no_network)  # the addon fails open: a call would leave the body as
+        mp.setattr(LlamaClient, "slots", no_network)  # recorded minus our fields, which the tests catch
+        tctx.configure(keeper, slots_state_dir=str(state_dir), slots_probe_interval=0)
+        for f in flows:
+            assert not f.live
+            live = copy.deepcopy(f.metadata.get("slotkeeper"))
+            recorded_body = f.request.raw_content or b""
+            await keeper.request(f)
+            info = keeper.flows.get(f.id)
+            keeper.responseheaders(f)
+            keeper.response(f)
+            out.append(Replayed(f, recorded_body, live or {}, f.metadata.get("slotkeeper") or {},
+                                info.slot if info else None, info.reason if info else ""))
+    assert keeper.runtimes and all(rt.offline for rt in keeper.runtimes.values())
+    return out
+
+
+def golden_rows(replayed: list[Replayed]) -> list[dict[str, Any]]:
+    rows = []
+    for i, r in enumerate(replayed):
+        m = r.offline
+        rows.append({"index": i, "path": r.flow.request.path, "session": (m.get("session") or "-")[:8],
+                     "source": m.get("source"), "slot": m.get("slot"), "reason": m.get("reason"),
+                     "cache_n": m.get("cache_n"), "prompt_n": m.get("prompt_n"), "outcome": m.get("outcome")})
+    return rows
+
+
+def golden_text(rows: list[dict[str, Any]]) -> str:
+    """One JSON object per line (a readable diff), the whole file still valid JSON."""
+    return "[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n]\n"
+
+
+@pytest.fixture(scope="module")
+def replays(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Replayed]]:
+    """Each recording replayed once per module (the assertions below share the result)."""
+    out = {}
+    for name in NAMES:
+        out[name] = asyncio.run(replay(name, tmp_path_factory.mktemp(f"state-{name}")))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the files
+
+
+def test_required_recordings_exist_and_are_small_and_scrubbed() -> None:
+    assert set(REQUIRED) <= set(NAMES), f"missing recordings: {set(REQUIRED) - set(NAMES)}; run `make record`"
+    total = sum((RECORDINGS / f"{n}.mitm").stat().st_size for n in NAMES)
+    assert total < 5 << 20, f"recordings take {total} bytes; keep them well under 5 MB"
+    for name in NAMES:
+        for f in load(name):
+            for msg in (f.request, f.response):
+                for header in SECRET_HEADERS:
+                    assert msg is None or msg.headers.get(header, "<scrubbed>") == "<scrubbed>", (name, header)
+            assert not f.request.path.startswith("/_slots/"), "the addon's own answers are not recordings"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_streamed_bodies_are_in_the_recording_in_request_order(name: str) -> None:
+    flows = load(name)
+    starts = [f.request.timestamp_start for f in flows]
+    assert starts == sorted(starts), "file order must be request order (tools/record.py sorts on scrub)"
+    streamed = [f for f in flows if f.response and "text/event-stream" in f.response.headers.get("content-type", "")]
+    assert streamed, "every recording is of streaming clients"
+    for f in streamed:
+        body = f.response.get_content(strict=False) or b""
+        assert body.rstrip().endswith(b"data: [DONE]"), f"stream of {f.request.path} was not kept whole"
+
+
+# ------------------------------------------------------------------------------------------------ decisions
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_offline_replay_reproduces_the_live_decisions(name: str, replays: dict[str, list[Replayed]]) -> None:
+    """Recorded from a fresh state dir by one proxy, so offline = live: session, slot, reason, counts."""
+    for i, r in enumerate(replays[name]):
+        assert r.live, f"flow {i} of {name} has no live slotkeeper metadata"
+        for key in ("session", "source", "slot", "reason", "cache_n", "prompt_n", "outcome"):
+            assert r.offline.get(key) == r.live.get(key), f"{name} flow {i}: {key} live {r.live.get(key)!r} " \
+                                                         f"!= offline {r.offline.get(key)!r}"
+        assert (r.decided_slot, r.decided_reason) == (r.live["slot"], r.live["reason"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_offline_rewrite_sends_the_recorded_body(name: str, replays: dict[str, list[Replayed]]) -> None:
+    """The body the addon would send now is byte for byte the body that went upstream when recorded."""
+    for i, r in enumerate(replays[name]):
+        assert r.flow.request.raw_content == r.recorded_body, f"{name} flow {i}: rewritten body differs"
+        sent = json.loads(r.recorded_body)
+        assert sent["id_slot"] == r.decided_slot and sent["cache_prompt"] is True
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decisions_match_the_golden_file(name: str, replays: dict[str, list[Replayed]]) -> None:
+    path = RECORDINGS / f"{name}.golden.json"
+    actual = golden_text(golden_rows(replays[name]))
+    if UPDATE:
+        path.write_text(actual)
+    assert path.exists(), f"{path.name} is missing: run `make golden`"
+    expected = path.read_text()
+    if actual != expected:
+        diff = "\n".join(difflib.unified_diff(expected.splitlines(), actual.splitlines(),
+                                              f"{path.name} (golden)", "offline replay", lineterm=""))
+        pytest.fail(f"slot decisions changed for {name}; if intended, run `make golden`\n{diff}", pytrace=False)
+    assert [tuple(r) for r in json.loads(expected)] == [GOLDEN_FIELDS] * len(replays[name])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_replay_logs_the_same_lines_as_live(name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`mitmdump -nr` prints the live log's per-request lines (order aside: live logs at completion)."""
+    live_log = RECORDINGS / f"{name}.live.log"
+
+    def lines(text: str) -> Counter[str]:
+        return Counter(re.sub(r" \d+\.\d+s", "", ln) for ln in text.splitlines() if " session=" in ln)
+
+    with caplog.at_level(logging.INFO, logger="slotkeeper"):
+        asyncio.run(replay(name, tmp_path))
+    offline = "\n".join(r.getMessage() for r in caplog.records)
+    assert lines(offline) == lines(live_log.read_text())
+    assert sum(lines(offline).values()) == len(load(name))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_slotlogic_alone_reaches_the_same_decisions(name: str) -> None:
+    """The pure core, fed only the recorded facts (no runtime, no files), picks the recorded slots."""
+    cfg = core.Config()
+    table = st.SessionTable(ttl=cfg.ttl)
+    state = st.ServerState(upstream="recorded")
+    total: int | None = None
+    marks: dict[str, sess.PromptMark] = {}
+    for i, f in enumerate(load(name)):
+        meta = f.metadata["slotkeeper"]
+        body = addon_module.restore_client_fields(json.loads(f.request.get_content()), meta["client"])
+        now = f.request.timestamp_start
+        plan = core.plan(cfg, table, f.request.method, f.request.path, f.request.headers, body, now,
+                         total_slots=total, known_prompts=marks)
+        assert plan.session is not None and plan.session.key == meta["session"], f"flow {i}: session key"
+        assert plan.session.source == meta["source"]
+        mark = sess.prompt_mark(body)
+        if mark is not None:
+            marks[plan.session.key] = mark
+        if plan.kind == "need_slot":
+            facts = meta["facts"]
+            assert facts and facts.get("props"), f"flow {i}: a new-session decision without recorded facts"
+            marker, total, n_ctx = server_identity(facts["props"])
+            assert total is not None
+            st.observe_server(state, marker, total, n_ctx)
+            choice = core.assign(cfg, state, plan.session.key, plan.prefix, facts["slots"], total, now,
+                                 side=plan.side)
+            if choice.reason != "side-call":
+                table.assign(plan.session.key, choice.slot, now, prefix=plan.prefix, reason=choice.reason)
+            slot, reason = choice.slot, choice.reason
+        else:
+            slot, reason = plan.slot, plan.reason
+        if plan.session.key in table.sessions:
+            table.use(plan.session.key, now)
+        assert (slot, reason) == (meta["slot"], meta["reason"]), f"{name} flow {i}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_session_keeps_one_slot_and_live_sessions_never_share(name: str) -> None:
+    """The point of slotkeeper, checked on real traffic: a session stays on its slot (even across a server
+    restart), and, with no more sessions than slots in a recording, no two sessions share one."""
+    flows = load(name)
+    slots: dict[str, set[int]] = {}
+    for f in flows:
+        m = f.metadata["slotkeeper"]
+        if not m["side"]:
+            slots.setdefault(m["session"], set()).add(m["slot"])
+    assert all(len(s) == 1 for s in slots.values()), slots
+    assert len(slots) <= 4
+    owners = [next(iter(s)) for s in slots.values()]
+    assert len(owners) == len(set(owners)), f"two sessions shared a slot: {slots}"
+    follow_ups = [f.metadata["slotkeeper"] for f in flows if f.metadata["slotkeeper"]["reason"] == "known"]
+    assert follow_ups and any(m["cache_n"] for m in follow_ups), "no follow-up request reused its cache"
+
+
+# ------------------------------------------------------------------------------------------------ the SSE tap
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_recorded_streams_pass_the_tap_byte_for_byte(name: str, seed: int) -> None:
+    """Any chunking (1 byte up to whole events) gives the client the same bytes and the same numbers."""
+    rng = random.Random(f"{name}:{seed}")
+    checked = 0
+    for f in load(name):
+        if f.response is None or "text/event-stream" not in f.response.headers.get("content-type", ""):
+            continue
+        body = f.response.get_content(strict=False) or b""
+        kept: list[bytes] = []
+        tap = SSETap(StreamObserver(), kept.append)
+        out, pos = [], 0
+        while pos < len(body):
+            size = 1 if rng.random() < 0.2 else rng.randint(1, 300)
+            out.append(tap(body[pos:pos + size]))
+            pos += size
+        out.append(tap(b""))
+        assert b"".join(out) == body and kept == [body]
+        meta = f.metadata["slotkeeper"]
+        obs = tap.observer.obs
+        assert (obs.cache_n, obs.prompt_n) == (meta["cache_n"], meta["prompt_n"])
+        assert obs.prompt_n is not None and obs.events > 1
+        checked += 1
+    assert checked
+
+
+# ------------------------------------------------------------------------------------------------ the scenarios
+
+
+def test_pi_windows_are_two_sessions_with_warm_second_turns() -> None:
+    metas = [f.metadata["slotkeeper"] for f in load("pi_two_windows")]
+    sessions = Counter(m["session"] for m in metas)
+    assert len(sessions) == 2 and set(sessions.values()) == {2}
+    assert {m["source"] for m in metas} == {"content:root"}  # pi sends no session header
+    second = [m for m in metas if m["reason"] == "known"]
+    assert len(second) == 2 and all(m["cache_n"] > 0 and m["outcome"] in ("hit", "partial") for m in second)
+
+
+def test_agents_run_has_a_subagent_as_its_own_session() -> None:
+    flows = load("agents_subagent")
+    sessions = {f.metadata["slotkeeper"]["session"] for f in flows}
+    subagent = [f for f in flows if "You are a subagent" in json.dumps(json.loads(f.request.get_content()))]
+    assert len(sessions) == 4 and subagent
+    assert len({f.metadata["slotkeeper"]["session"] for f in subagent}) == 1
+
+
+def test_restart_empties_slots_but_sessions_keep_them(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    """Across the restart the recorded facts change media_marker; known sessions come back cold on their own
+    slot, and a session that starts after the restart makes the offline replay notice it too."""
+    flows = load("server_restart")
+    markers = [f.metadata["slotkeeper"]["facts"]["props"]["media_marker"] for f in flows
+               if f.metadata["slotkeeper"]["facts"]]
+    assert len(set(markers)) == 2, "new sessions before and after the restart saw two server identities"
+    cold = [f.metadata["slotkeeper"] for f in flows
+            if f.metadata["slotkeeper"]["reason"] == "known" and f.metadata["slotkeeper"]["cache_n"] == 0]
+    assert cold, "a known session's first request after the restart found its slot empty"
+    with caplog.at_level(logging.WARNING, logger="slotkeeper"):
+        asyncio.run(replay("server_restart", tmp_path))
+    assert "restarted (new media_marker)" in caplog.text
+
+
+async def test_a_recorded_stream_served_by_server_replay_is_observed(tmp_path: Path) -> None:
+    """`mitmdump -S` (docs/debugging.md) answers a live request with a recorded SSE body that is already
+    complete at `responseheaders`: the addon must read its numbers from that body, not wait for stream chunks
+    that never come."""
+    recorded = next(f for f in load("pi_two_windows") if f.metadata["slotkeeper"]["reason"] == "known")
+    served = recorded.copy()
+    served.live = True
+    served.metadata.clear()
+    answer, served.response = served.response, None
+    keeper = addon_module.SlotKeeper()
+
+    async def unreachable(*_: object) -> None:
+        return None  # the fake server's upstream is dead
+
+    with pytest.MonkeyPatch.context() as mp, addon_context(keeper) as tctx:
+        mp.setattr(LlamaClient, "props", unreachable)
+        tctx.configure(keeper, slots_probe_interval=0, slots_state_dir=str(tmp_path))
+        await keeper.request(served)
+        served.response = answer  # what server playback does after our request hook
+        keeper.responseheaders(served)
+        keeper.response(served)
+    meta = served.metadata["slotkeeper"]
+    assert (meta["cache_n"], meta["prompt_n"]) == (recorded.metadata["slotkeeper"]["cache_n"],
+                                                   recorded.metadata["slotkeeper"]["prompt_n"])
+    assert meta["cache_n"] > 0
