@@ -173,7 +173,7 @@ class ServerRuntime:
             self._apply_events(st.observe_server(state, marker, total, n_ctx))
             before = st.views(state, total, live)
             choice = core.assign(self.cfg, state, plan.session.key, plan.prefix, live, total, now,
-                                 side=plan.side)
+                                 side=plan.side, done=self.table.done_times())
             st.prune(state, now, SESSION_KEEP_SECONDS)
         self.media_marker, self.total_slots, self.n_ctx = marker, total, n_ctx
         if choice.reason == "side-call":
@@ -308,6 +308,9 @@ class ServerRuntime:
     # --------------------------------------------------------------------------------------- stats
 
     def record(self, key: str, source: str, slot: int | None, obs: Observation) -> SessionStats:
+        a = self.table.sessions.get(key)
+        if a is not None:
+            a.done = time.time()
         s = self.stats.setdefault(key, SessionStats())
         s.add(obs)
         s.slot = slot if slot is not None else s.slot

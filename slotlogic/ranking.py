@@ -23,8 +23,10 @@ claimed, oldest `last_used`, then fewest tokens, then lowest id.
      tools) first — the new session reuses that prefix in-slot, while a request pinned to an *empty*
      slot never even consults llama-server's RAM prompt cache (#28139) — then empty slots (nothing
      lost), then the fewest cached tokens (least lost);
-     among claimed slots (we must evict a live session): the owner with the fewest requests first
-     (a subagent or one-shot call is cheaper to evict than a long-lived session and less likely to be
+     among claimed slots (we must evict a live session): first an idle owner whose answer completed
+     within SPAWN_WINDOW — a new session right after an answer is that agent's subagent, and the agent
+     waits for it, so its next request is the furthest away; then the owner with the fewest requests (a
+     subagent or one-shot call is cheaper to evict than a long-lived session and less likely to be
      back), then the coldest, then the same prefix, then the fewest tokens;
   5. lowest id, for determinism.
 
@@ -55,6 +57,10 @@ class SlotView:
     owner: str | None = None         # session key of that claim
     owner_requests: int = 0          # how many requests the owner sent (short-lived owners are cheap)
     prefix: str | None = None        # prefix signature of the last content pinned here
+    owner_done: float | None = None  # when the owner's last response completed (this process's knowledge)
+
+
+SPAWN_WINDOW = 3.0  # seconds: a new session this soon after a session's answer is likely its subagent
 
 
 @dataclass(frozen=True)
@@ -89,15 +95,22 @@ def auto_key(view: SlotView, now: float, ttl: float, prefix: str | None,
         content = 0 if same_prefix else 1 if _empty(view) else 2
         inner: tuple[object, ...] = (content, _tokens(view), view.last_used or 0.0)
     else:
-        inner = (view.owner_requests, view.last_used or 0.0, 0 if same_prefix else 1, _tokens(view))
+        inner = (0 if _spawned_from(view, now) else 1, view.owner_requests, view.last_used or 0.0,
+                 0 if same_prefix else 1, _tokens(view))
     return (view.busy, claimed, view.id == reserved, *inner, view.id)
+
+
+def _spawned_from(view: SlotView, now: float) -> bool:
+    """The owner answered moments ago and is idle: an agent that just called a subagent waits for it, so
+    its slot is the one whose next request is furthest away (Belady's choice among live sessions)."""
+    return (not view.busy and view.owner_done is not None and 0.0 <= now - view.owner_done <= SPAWN_WINDOW)
 
 
 def _reason(view: SlotView, now: float, ttl: float, prefix: str | None) -> str:
     if view.busy:
         return "all-busy"
     if is_claimed(view, now, ttl):
-        return "evict-cheapest"
+        return "evict-waiting-parent" if _spawned_from(view, now) else "evict-cheapest"
     if prefix is not None and view.prefix == prefix and _tokens(view) > 0:
         return "free-same-prefix"
     if _empty(view):

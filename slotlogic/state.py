@@ -19,6 +19,7 @@ new one through the ranking.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -192,8 +193,10 @@ def prune(st: ServerState, now: float, keep_seconds: float) -> None:
     st.sessions = {k: v for k, v in st.sessions.items() if now - v.last_used < keep_seconds}
 
 
-def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None) -> list[SlotView]:
-    """One `SlotView` per slot id: `/slots` numbers (when reachable) merged with the claims."""
+def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
+          done: Mapping[str, float] | None = None) -> list[SlotView]:
+    """One `SlotView` per slot id: `/slots` numbers (when reachable) merged with the claims, and when each
+    owner's last answer completed (`done`, this process's knowledge)."""
     by_id: dict[int, dict[str, Any]] = {}
     for entry in live or []:
         sid = _int(entry.get("id")) if isinstance(entry, dict) else None
@@ -214,6 +217,7 @@ def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None) 
             owner=rec.owner if rec else None,
             owner_requests=rec.requests if rec else 0,
             prefix=rec.prefix if rec else None,
+            owner_done=(done or {}).get(rec.owner) if rec and rec.owner else None,
         ))
     return out
 
@@ -229,6 +233,7 @@ class Assignment:
     requests: int = 0
     prefix: str | None = None
     reason: str = "known"
+    done: float | None = None  # when its last response completed
 
 
 @dataclass
@@ -258,6 +263,9 @@ class SessionTable:
         a.requests += 1
         self.dirty.add(key)
         return a
+
+    def done_times(self) -> dict[str, float]:
+        return {k: a.done for k, a in self.sessions.items() if a.done is not None}
 
     def drain(self) -> dict[str, Assignment]:
         """The touches to flush, emptied."""

@@ -89,3 +89,14 @@ def test_hash_slot_is_stable_and_in_range():
     assert {hash_slot(f"s{i}", 4) for i in range(50)} == {0, 1, 2, 3}
     with pytest.raises(ValueError):
         hash_slot("abc", 0)
+
+
+def test_auto_gives_a_subagent_its_waiting_parents_slot():
+    """All slots claimed; the owner of slot 2 answered 1 s ago and is idle: it is waiting for the subagent that
+    just started, so its next request is the furthest away. A busy or long-ago answer does not count."""
+    slots = [SlotView(0, 900, last_used=NOW - 60, owner="a", owner_requests=1, owner_done=NOW - 50),
+             SlotView(1, 900, busy=True, last_used=NOW - 2, owner="b", owner_requests=9, owner_done=NOW - 0.5),
+             SlotView(2, 1200, last_used=NOW - 3, owner="p", owner_requests=9, owner_done=NOW - 1)]
+    assert choose(Policy.AUTO, slots, NOW, TTL) == Choice(2, "evict-waiting-parent")
+    stale = [*slots[:2], SlotView(2, 1200, last_used=NOW - 3, owner="p", owner_requests=9, owner_done=NOW - 10)]
+    assert choose(Policy.AUTO, stale, NOW, TTL) == Choice(0, "evict-cheapest")
