@@ -1,0 +1,163 @@
+"""`make bench` / `python -m bench`: prefill and latency of each configuration on each workload, plus the
+proxy's per-request overhead, in one table (stdout, `latest.json`, `latest.md`) and one plot (`latest.png`).
+
+Loop: for each workload, for each configuration, stand up a fresh llama-server (+ proxy), replay the
+workload's deterministic sessions, record what the server reports. The physical limit of a workload is
+computed on the server of its first configuration run (`stock` by default), in that run's start order.
+The default knobs are sized to finish in well under 10 minutes on 2 CPU cores with SmolLM2-135M.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import configs, limit, overhead, report
+from bench.client import RequestRecord, run_workload
+from bench.workload import WORKLOADS, Workload, generate
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_WORKLOADS = ["agents", "fits", "pi"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench", description="Benchmark slotkeeper's slot policies "
+                                 "against stock llama-server; writes latest.json, latest.md, latest.png.")
+    ap.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                    help=f"comma-separated, from {', '.join(WORKLOADS)}")
+    ap.add_argument("--configs", default=",".join(configs.DEFAULT_CONFIGS),
+                    help=f"comma-separated, from {', '.join(configs.CONFIGS)}")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sessions", type=int, default=None,
+                    help="sessions per workload (default: the workload's own, agents 6, fits 3)")
+    ap.add_argument("--turns", type=int, default=None,
+                    help="requests per main conversation (default: the workload's own, agents 3, fits 2)")
+    ap.add_argument("--subagent-turns", type=int, default=3, help="requests per subagent (agents only)")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="llama-server compute threads (default: 2 on an idle machine, else 1; see "
+                         "bench/configs.py)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--overhead-requests", type=int, default=600, help="requests per overhead target")
+    a = ap.parse_args(argv)
+    a.workloads = _pick(ap, a.workloads, WORKLOADS, "workload")
+    a.configs = _pick(ap, a.configs, configs.CONFIGS, "configuration")
+    return a
+
+
+def _pick(ap: argparse.ArgumentParser, value: str, registry: dict[str, Any], what: str) -> list[str]:
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in registry]
+    if unknown:
+        ap.error(f"unknown {what}(s) {', '.join(unknown)}; choose from {', '.join(registry)}")
+    return names
+
+
+def build_workload(name: str, a: argparse.Namespace) -> Workload:
+    spec = WORKLOADS[name]
+    return generate(name, seed=a.seed, sessions=a.sessions or spec.sessions, turns=a.turns or spec.turns,
+                    subagent_turns=a.subagent_turns if spec.subagents else 0, max_tokens=a.max_tokens)
+
+
+def compute_limit(server_url: str, wl: Workload, records: list[RequestRecord], source: str) -> dict[str, Any]:
+    """The workload's physical limit, in the start order of `records` (one run of the workload)."""
+    specs = wl.by_key()
+    ordered = [specs[(r.session, r.index)] for r in records]
+    lim = limit.workload_limit(server_url, [(s.messages, wl.tools) for s in ordered])
+    lim["order_from"] = source
+    lim["start_s"] = [r.start_s for r in records]
+    seen = [r for r in records if r.prompt_n is not None and r.cache_n is not None]
+    lim["server_prompt_tokens"] = sum((r.prompt_n or 0) + (r.cache_n or 0) for r in seen)
+    lim["server_prompt_tokens_complete"] = len(seen) == len(records)
+    return lim
+
+
+def log(t0: float, msg: str) -> None:
+    print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    a.threads = a.threads or configs.default_threads()
+    t0 = time.monotonic()
+    started = dt.datetime.now().isoformat(timespec="seconds")
+    notes: list[str] = []
+    rows: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
+    limits: dict[str, dict[str, Any]] = {}
+    log_dir = Path(tempfile.mkdtemp(prefix="slotkeeper-bench-logs-"))
+    load_start = os.getloadavg()
+    log(t0, f"workloads {a.workloads}, configs {a.configs}, seed {a.seed}, llama-server threads {a.threads}; "
+            f"server/proxy logs in {log_dir}")
+
+    for wl_name in a.workloads:
+        spec = WORKLOADS[wl_name]
+        if spec.not_wired:
+            log(t0, spec.not_wired)
+            notes.append(spec.not_wired)
+            continue
+        wl = build_workload(wl_name, a)
+        wl_rows: list[dict[str, Any]] = []
+        for cfg_name in a.configs:
+            cfg = configs.CONFIGS[cfg_name]
+            with configs.stand_up(cfg, log_dir, tag=f"{wl_name}-", threads=a.threads) as stack:
+                records, wall = asyncio.run(run_workload(stack.url, wl, cfg_name))
+                if wl_name not in limits:
+                    limits[wl_name] = compute_limit(stack.server_url, wl, records, cfg_name)
+            row = report.run_row(wl_name, cfg_name, records, wall, limits[wl_name]["limit_tokens"])
+            wl_rows.append(row)
+            runs.append({"workload": wl_name, "config": cfg_name, "wall_s": wall,
+                         "records": [r.to_dict() for r in records]})
+            log(t0, f"{wl_name}/{cfg_name}: {row['requests']} requests, prefill {row['prefill']}, "
+                    f"reuse {report.fmt('reuse_pct', row['reuse_pct'])}%, "
+                    f"x limit {report.fmt('ratio_to_limit', row['ratio_to_limit'])}, wall {wall:.1f}s, "
+                    f"errors {row['errors']}")
+            for r in records:
+                if r.error:
+                    log(t0, f"  error {r.session}#{r.index}: {r.error}")
+                    break
+        lim = limits[wl_name]
+        if lim["server_prompt_tokens_complete"] and lim["server_prompt_tokens"] != lim["prompt_tokens"]:
+            notes.append(f"{wl_name}: /apply-template+/tokenize gives {lim['prompt_tokens']} prompt tokens but "
+                         f"the server reported {lim['server_prompt_tokens']} (prompt_n+cache_n)")
+        rows += [report.limit_row(wl_name, lim), *wl_rows]
+        notes.append(f"{wl_name}: limit computed in the start order of the `{lim['order_from']}` run "
+                     f"({lim['requests']} requests, {lim['prompt_tokens']} prompt tokens in total)")
+
+    ov = None
+    if not a.skip_overhead:
+        body_wl = build_workload("agents", a)
+        log(t0, f"proxy overhead: {a.overhead_requests} requests per target (direct, noop, addon)")
+        ov = overhead.measure(body_wl.body(body_wl.sessions[0].requests[0]), requests=a.overhead_requests,
+                              log_dir=log_dir)
+
+    elapsed = time.monotonic() - t0
+    load = f"load average (1/5/15 min) {load_start} at start, {os.getloadavg()} at end on {os.cpu_count()} CPUs"
+    notes.append(load + " (timings and TTFT are only comparable between runs on an otherwise idle machine)")
+    knobs = {k: (",".join(v) if isinstance(v, list) else v) for k, v in vars(a).items() if k != "out"}
+    meta = {"started": started, "elapsed_s": elapsed, "knobs": knobs, "python": sys.version.split()[0],
+            "slots": configs.SLOTS, "ctx_per_slot": configs.CTX_PER_SLOT, "log_dir": str(log_dir)}
+    report.write_all(a.out, meta, rows, runs, limits, ov, notes)
+
+    print()
+    print(report.text_table(rows, report.COLUMNS))
+    if ov:
+        print()
+        print(report.overhead_text(ov))
+    for n in notes:
+        print(f"note: {n}")
+    print(f"\nwrote {a.out}/latest.json, latest.md, latest.png")
+    print(f"elapsed: {elapsed:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

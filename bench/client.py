@@ -1,0 +1,159 @@
+"""Streaming chat client for the benchmark: runs session scripts concurrently and records per-request stats.
+
+Why streamed: agent clients stream, and with `stream_options.include_usage` llama-server puts its `timings`
+(`cache_n`, `prompt_n`: what the server itself reused and prefilled) on the extra chunk whose `choices`
+is `[]`; without it they ride on the `finish_reason` chunk. We keep the last `timings`/`usage` seen, so
+both layouts work. One HTTP write can carry several SSE events and one event can be split across writes,
+hence `SSEParser`.
+
+Concurrency model: one asyncio task (and one keep-alive `httpx.AsyncClient`) per session; a session's
+requests are sequential with think time in between, sessions run at the same time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+
+from bench.workload import RequestSpec, Workload
+
+REQUEST_TIMEOUT_S = 300.0
+
+
+class SSEParser:
+    """Incremental `text/event-stream` parser that yields the `data` payload of each complete event.
+
+    Handles events split across chunks, several events per chunk, `\\r\\n` line ends, comment lines
+    (`: ping`) and multi-line data. `data: [DONE]` is not yielded; it sets `done`.
+    """
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.done = False
+
+    def feed(self, chunk: bytes) -> list[str]:
+        self._buf += chunk
+        # Normalise line ends, but keep a trailing lone \r: its \n may be in the next chunk.
+        tail = b"\r" if self._buf.endswith(b"\r") else b""
+        body = self._buf[: len(self._buf) - len(tail)].replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *events, rest = body.split(b"\n\n")
+        self._buf = rest + tail
+        out: list[str] = []
+        for event in events:
+            data = self._data(event)
+            if data is None:
+                continue
+            if data.strip() == "[DONE]":
+                self.done = True
+                continue
+            out.append(data)
+        return out
+
+    def flush(self) -> list[str]:
+        """Payload of a final event that was not terminated by a blank line (if any)."""
+        rest, self._buf = self._buf, b""
+        data = self._data(rest.replace(b"\r\n", b"\n"))
+        if data is None or data.strip() == "[DONE]":
+            self.done = self.done or data is not None
+            return []
+        return [data]
+
+    @staticmethod
+    def _data(event: bytes) -> str | None:
+        lines = [ln for ln in event.decode("utf-8", "replace").split("\n") if ln.startswith("data:")]
+        if not lines:
+            return None
+        return "\n".join(ln[5:].removeprefix(" ") for ln in lines)
+
+
+@dataclass
+class RequestRecord:
+    """What one request cost, as the server reported it (`timings`) and as the client saw it."""
+
+    config: str
+    workload: str
+    session: str
+    index: int
+    start_s: float  # relative to the workload run's start
+    ttft_s: float | None  # request sent -> first SSE data event
+    total_s: float
+    status: int | None
+    prompt_n: int | None = None
+    cache_n: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
+    prompt_tokens: int | None = None  # usage.prompt_tokens
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def apply_event(rec: RequestRecord, event: dict[str, Any]) -> None:
+    """Keep the latest `timings` and `usage` of a chat chunk (the final one wins)."""
+    timings = event.get("timings")
+    if isinstance(timings, dict):
+        rec.prompt_n = timings.get("prompt_n", rec.prompt_n)
+        rec.cache_n = timings.get("cache_n", rec.cache_n)
+    usage = event.get("usage")
+    if isinstance(usage, dict):
+        rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
+        details = usage.get("prompt_tokens_details") or {}
+        rec.cached_tokens = details.get("cached_tokens", rec.cached_tokens)
+    if "error" in event:
+        rec.error = json.dumps(event["error"])[:300]
+
+
+async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], rec: RequestRecord) -> None:
+    """POST a streamed chat request and fill `rec` (timing, status, server timings, errors)."""
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            rec.status = resp.status_code
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                return
+            parser = SSEParser()
+            async for chunk in resp.aiter_raw():
+                for data in parser.feed(chunk):
+                    if rec.ttft_s is None:
+                        rec.ttft_s = time.perf_counter() - t0
+                    try:
+                        apply_event(rec, json.loads(data))
+                    except json.JSONDecodeError:
+                        rec.error = f"bad SSE data: {data[:120]!r}"
+            for data in parser.flush():
+                apply_event(rec, json.loads(data))
+            if rec.prompt_n is None and rec.error is None:
+                rec.error = "no timings in stream"
+    except (httpx.HTTPError, OSError) as e:
+        rec.error = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        rec.total_s = time.perf_counter() - t0
+
+
+async def run_session(base_url: str, workload: Workload, specs: list[RequestSpec], config: str,
+                      t_start: float, out: list[RequestRecord]) -> None:
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        for spec in specs:
+            await asyncio.sleep(spec.think_s)
+            rec = RequestRecord(config, workload.name, spec.session, spec.index,
+                                start_s=time.perf_counter() - t_start, ttft_s=None, total_s=0.0, status=None)
+            await send(client, url, workload.body(spec), rec)
+            out.append(rec)
+
+
+async def run_workload(base_url: str, workload: Workload, config: str) -> tuple[list[RequestRecord], float]:
+    """All sessions of `workload` concurrently against `base_url`; returns records (start order) and wall s."""
+    records: list[RequestRecord] = []
+    t_start = time.perf_counter()
+    await asyncio.gather(*(run_session(base_url, workload, s.requests, config, t_start, records)
+                           for s in workload.sessions))
+    wall = time.perf_counter() - t_start
+    return sorted(records, key=lambda r: r.start_s), wall

@@ -1,0 +1,73 @@
+"""The registry of benchmarked configurations, and how to stand each one up.
+
+Every configuration gets a *fresh* llama-server (`-np 4`, 8K context per slot, server defaults otherwise),
+so no KV cache or RAM prompt cache survives from the previous one, and (if proxied) a fresh mitmdump with
+its own empty `slots_state_dir`. A new configuration is one `BenchConfig(...)` line in `CONFIGS`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from drivers.llama_server import LlamaServer
+from drivers.proxy import MitmProxy
+
+SLOTS = 4
+CTX_PER_SLOT = 8192
+# llama.cpp compute threads. 2 (one per core) is fastest on an idle machine. But when anything else is busy
+# (another llama-server, tests), 2 threads on 2 cores stall llama.cpp's spinning thread barrier: 8 decode
+# tokens measured 7.5 s instead of 0.24 s with 1 thread, and prefill 70 instead of 100 tokens/s. So the
+# default follows the load at start-up; `--threads` pins it, and the run's JSON records the choice.
+IDLE_LOAD = 0.7
+
+
+def default_threads() -> int:
+    return 2 if os.getloadavg()[0] < IDLE_LOAD else 1
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    proxy: bool  # False: the client talks to llama-server directly
+    options: dict[str, object] = field(default_factory=dict)  # addon options (`--set key=value`)
+    description: str = ""
+
+
+CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
+    BenchConfig("stock", proxy=False, description="llama-server defaults, no proxy"),
+    BenchConfig("off", proxy=True, options={"slots_policy": "off"}, description="proxy, observe only"),
+    BenchConfig("seed", proxy=True, options={"slots_policy": "seed"}, description="proxy, seed ranking"),
+    BenchConfig("auto", proxy=True, options={"slots_policy": "auto"}, description="proxy, auto policy"),
+    # Enable once the addon has the option:
+    # BenchConfig("auto+ckpt", proxy=True, options={"slots_policy": "auto", "slots_prefix_cache": "memory"}),
+]}
+DEFAULT_CONFIGS = ["stock", "off", "seed", "auto"]
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Where the client sends requests (`url`) and where the server itself is (`server_url`)."""
+
+    url: str
+    server_url: str
+
+
+@contextlib.contextmanager
+def stand_up(cfg: BenchConfig, log_dir: Path, tag: str = "", threads: int = 2) -> Iterator[Stack]:
+    """A fresh llama-server (and proxy, if the config has one); logs go to `log_dir/<tag><name>.*.log`."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{tag}{cfg.name}"
+    with LlamaServer(slots=SLOTS, ctx_per_slot=CTX_PER_SLOT, threads=threads,
+                     log_path=str(log_dir / f"{stem}.llama.log")) as server:
+        if not cfg.proxy:
+            yield Stack(server.url, server.url)
+            return
+        with tempfile.TemporaryDirectory(prefix=f"slotkeeper-bench-{cfg.name}-") as state_dir, \
+                MitmProxy(server.url, {**cfg.options, "slots_state_dir": state_dir},
+                          log_path=str(log_dir / f"{stem}.mitm.log")) as proxy:
+            yield Stack(proxy.url, server.url)

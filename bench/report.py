@@ -1,0 +1,153 @@
+"""Metrics and output: the results table (stdout, JSON, Markdown) and the prefill-over-time plot (PNG).
+
+All cache numbers come from what llama-server itself reported per request (`timings.prompt_n`,
+`timings.cache_n`), never from client-side guesses; the limit row comes from `bench.limit`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.client import RequestRecord
+from bench.overhead import percentile
+
+COLUMNS = [("workload", "workload"), ("config", "config"), ("requests", "requests"),
+           ("prefill", "prefill tok"), ("cached", "cached tok"), ("reuse_pct", "reuse %"),
+           ("ratio_to_limit", "x limit"), ("wall_s", "wall s"), ("ttft_p50_ms", "TTFT p50 ms"),
+           ("ttft_p95_ms", "TTFT p95 ms"), ("errors", "errors")]
+OVERHEAD_COLUMNS = [("target", "target"), ("requests", "requests"), ("rps", "req/s"), ("p50_ms", "p50 ms"),
+                    ("p99_ms", "p99 ms"), ("added_p50_ms", "added p50 ms"), ("added_p99_ms", "added p99 ms"),
+                    ("errors", "errors")]
+
+
+def run_row(workload: str, config: str, records: list[RequestRecord], wall_s: float,
+            limit_tokens: int | None) -> dict[str, Any]:
+    """One table row for a configuration x workload run."""
+    ok = [r for r in records if r.error is None and r.prompt_n is not None]
+    prefill = sum(r.prompt_n or 0 for r in ok)
+    cached = sum(r.cache_n or 0 for r in ok)
+    ttfts = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
+    return {"workload": workload, "config": config, "requests": len(records), "prefill": prefill,
+            "cached": cached, "reuse_pct": 100.0 * cached / (cached + prefill) if cached + prefill else None,
+            "ratio_to_limit": prefill / limit_tokens if limit_tokens else None, "wall_s": wall_s,
+            "ttft_p50_ms": percentile(ttfts, 50) if ttfts else None,
+            "ttft_p95_ms": percentile(ttfts, 95) if ttfts else None,
+            "errors": len(records) - len(ok)}
+
+
+def limit_row(workload: str, limit: dict[str, Any]) -> dict[str, Any]:
+    total, need = limit["prompt_tokens"], limit["limit_tokens"]
+    return {"workload": workload, "config": "limit", "requests": limit["requests"], "prefill": need,
+            "cached": total - need, "reuse_pct": 100.0 * (total - need) / total if total else None,
+            "ratio_to_limit": 1.0, "wall_s": None, "ttft_p50_ms": None, "ttft_p95_ms": None, "errors": 0}
+
+
+def fmt(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if key == "ratio_to_limit":
+            return f"{value:.2f}"
+        if key.endswith("_ms") and abs(value) < 10:
+            return f"{value:.2f}"
+        return f"{value:.1f}" if key in ("reuse_pct", "wall_s") else f"{value:.0f}"
+    return str(value)
+
+
+def text_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
+    cells = [[h for _, h in columns]] + [[fmt(k, r.get(k)) for k, _ in columns] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+             for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def md_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
+    out = ["| " + " | ".join(h for _, h in columns) + " |",
+           "|" + "|".join("---" if i < 2 else "---:" for i in range(len(columns))) + "|"]
+    out += ["| " + " | ".join(fmt(k, r.get(k)) for k, _ in columns) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def overhead_text(overhead: dict[str, Any], markdown: bool = False) -> str:
+    table = (md_table if markdown else text_table)(overhead["rows"], OVERHEAD_COLUMNS)
+    per_round = ", ".join(f"{d:.2f}" for d in overhead["addon_cost_per_round_ms"])
+    verdict = "within" if overhead["within_target"] else "OVER"
+    return (f"{table}\n\naddon cost over no-op addon (p50): {overhead['addon_cost_p50_ms']:.3f} ms "
+            f"({verdict} the {overhead['target_ms']} ms target); per round: {per_round}")
+
+
+def render_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], overhead: dict[str, Any] | None,
+                    notes: list[str]) -> str:
+    parts = ["# slotkeeper benchmark", "",
+             f"Run {meta['started']}, elapsed {meta['elapsed_s']:.0f} s, seed {meta['knobs']['seed']}; knobs: "
+             + ", ".join(f"`{k}={v}`" for k, v in meta["knobs"].items()), "",
+             "Prefill/cached tokens are Σ`timings.prompt_n` / Σ`timings.cache_n` as reported by llama-server; "
+             "`x limit` is prefill divided by the physical limit (the `limit` row). Wall time includes the "
+             "clients' think time; TTFT is request sent -> first SSE data event.", "",
+             md_table(rows, COLUMNS), ""]
+    if overhead:
+        parts += ["## Proxy overhead (trivial upstream, keep-alive, one session's body repeated)", "",
+                  overhead_text(overhead, markdown=True), ""]
+    if notes:
+        parts += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(parts)
+
+
+def plot(path: Path, runs: list[dict[str, Any]], limits: dict[str, dict[str, Any]]) -> None:
+    """Prefill tokens per request over time, one line per configuration (left), and its running sum (right);
+    one row of panels per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in runs))
+    if not workloads:
+        return
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(15, 4 * len(workloads)), squeeze=False,
+                             gridspec_kw={"width_ratios": [2, 1]})
+    for (ax, cum), wl in zip(axes, workloads, strict=True):
+        for run in (r for r in runs if r["workload"] == wl):
+            recs = [r for r in run["records"] if r["prompt_n"] is not None]
+            xs, ys = [r["start_s"] for r in recs], [r["prompt_n"] for r in recs]
+            (line,) = ax.plot(xs, ys, marker="o", markersize=3, linewidth=1, label=run["config"])
+            cum.step(xs, _cumsum(ys), where="post", color=line.get_color(), label=run["config"])
+        lim = limits.get(wl)
+        if lim and lim.get("start_s"):
+            label = f"limit (order of {lim['order_from']})"
+            ax.plot(lim["start_s"], lim["per_request"], linestyle="--", color="black", linewidth=1, label=label)
+            cum.step(lim["start_s"], _cumsum(lim["per_request"]), where="post", linestyle="--", color="black",
+                     label=label)
+        ax.set_title(f"{wl}: prefill tokens per request")
+        ax.set_xlabel("request start (s since workload start)")
+        ax.set_ylabel("prompt_n (tokens prefilled)")
+        cum.set_title(f"{wl}: cumulative prefill")
+        cum.set_xlabel("request start (s)")
+        cum.set_ylabel("Σ prompt_n")
+        for a in (ax, cum):
+            a.grid(alpha=0.3)
+            a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    total, out = 0, []
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def write_all(out_dir: Path, meta: dict[str, Any], rows: list[dict[str, Any]], runs: list[dict[str, Any]],
+              limits: dict[str, dict[str, Any]], overhead: dict[str, Any] | None, notes: list[str]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {"meta": meta, "rows": rows, "overhead": overhead, "limits": limits, "notes": notes, "runs": runs}
+    (out_dir / "latest.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out_dir / "latest.md").write_text(render_markdown(meta, rows, overhead, notes))
+    plot(out_dir / "latest.png", runs, limits)
