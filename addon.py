@@ -182,11 +182,11 @@ class SlotKeeper:
             self.answer_local(flow)
             return
         original = flow.request.raw_content
-        original_headers = flow.request.headers.copy()
+        original_fields = flow.request.headers.fields  # an immutable tuple: a free snapshot
         try:
             await self._request(flow)
         except Exception as e:  # fail open: the original request goes out untouched
-            flow.request.headers = original_headers
+            flow.request.headers.fields = original_fields
             flow.request.raw_content = original
             self.flows.pop(flow.id, None)
             log.warning("slotkeeper: internal error on %s %s, forwarded unchanged: %r",
@@ -204,7 +204,7 @@ class SlotKeeper:
         rt = self.runtime(upstream, offline=not flow.live)
         # The request's own start time: live it is now; replaying saved flows it keeps the recorded clock.
         now = req.timestamp_start or time.time()
-        plan = core.plan(self.cfg, rt.table, req.method, req.path, req.headers, body, now,
+        plan = core.plan(self.cfg, rt.table, req.method, req.path, LowerHeaders(req.headers), body, now,
                          total_slots=rt.total_slots, known_prompts=rt.marks)
         if plan.kind == "pass":
             if plan.route.value != "other":
@@ -235,7 +235,9 @@ class SlotKeeper:
             rt.use(plan.session.key, now)
         if result.changed:
             req.headers.pop("transfer-encoding", None)  # pitfall P5: let mitmproxy set Content-Length
-            req.content = json.dumps(result.body, ensure_ascii=False, separators=(",", ":")).encode()
+            raw = req.get_content(strict=False) or b""
+            req.content = rewrite.splice(raw, body, result) or json.dumps(
+                result.body, ensure_ascii=False, separators=(",", ":")).encode()
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         info = self.flows.get(flow.id)
@@ -451,6 +453,18 @@ def parse_json(req: http.Request) -> Any:
         return json.loads(content)
     except (ValueError, UnicodeDecodeError):
         return None
+
+
+class LowerHeaders(dict[str, str]):
+    """Request headers as a plain dict with lower-case names, built straight from the raw fields (mitmproxy's
+    multidict look-ups are slow on the hot path). First value wins, as for `Headers.get`."""
+
+    lowercase_keys = True
+
+    def __init__(self, headers: http.Headers) -> None:
+        super().__init__()
+        for k, v in headers.fields:
+            self.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
 
 
 def is_sse(response: http.Response) -> bool:

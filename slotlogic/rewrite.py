@@ -45,3 +45,18 @@ def pin(body: dict[str, Any], slot: int, total_slots: int, *, override_client: b
         out["cache_prompt"] = True
     changed = out != body
     return Rewrite(body=out, slot=final, changed=changed, client_slot_kept=kept)
+
+
+def splice(raw: bytes, body: dict[str, Any], result: Rewrite) -> bytes | None:
+    """The rewritten body as bytes without re-encoding the whole document: when the client sent neither
+    field, append them before the closing brace of its own bytes (a 60 KB prompt is not re-serialised on
+    every request). None when that is not safe; the caller then serialises `result.body`."""
+    if "id_slot" in body or "cache_prompt" in body:
+        return None
+    end = raw.rstrip()
+    if not end.endswith(b"}"):
+        return None
+    extra = f'"id_slot":{result.body["id_slot"]},"cache_prompt":{"true" if result.body["cache_prompt"] else "false"}'
+    head = end[:-1].rstrip()
+    sep = b"" if head.endswith(b"{") else b","
+    return head + sep + extra.encode() + b"}"

@@ -161,7 +161,7 @@ def prompt_mark(body: Mapping[str, Any]) -> PromptMark | None:
 
 
 def _header_key(headers: Mapping[str, str], names: Iterable[str]) -> SessionId | None:
-    lowered = {k.lower(): v for k, v in headers.items()}
+    lowered = headers if getattr(headers, "lowercase_keys", False) else {k.lower(): v for k, v in headers.items()}
     for name in names:
         value = lowered.get(name.lower())
         if value and value.strip():
@@ -206,8 +206,21 @@ def conversation_root(body: Mapping[str, Any], path: str) -> SessionId | None:
     first = first_user_text(body, path)
     if system is None and first is None:
         return None
-    root = digest("root", system or "", canonical(body.get("tools")), first or "")
+    root = digest("root", system or "", tool_names(body.get("tools")), first or "")
     return SessionId(root, "content:root")
+
+
+def tool_names(tools: Any) -> str:
+    """The tool set by name: enough to tell two conversation roots apart, and cheap on the hot path
+    (the full schemas are hashed only for the prefix signature, off the hot path)."""
+    if not isinstance(tools, list):
+        return ""
+    names = []
+    for t in tools:
+        fn = t.get("function") if isinstance(t, Mapping) else None
+        name = fn.get("name") if isinstance(fn, Mapping) else (t.get("name") if isinstance(t, Mapping) else None)
+        names.append(name if isinstance(name, str) else "?")
+    return "\x1f".join(names)
 
 
 def continuation(body: Mapping[str, Any], known: Mapping[str, PromptMark]) -> SessionId | None:
