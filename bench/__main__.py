@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import configs, limit, overhead, report
+from bench import configs, limit, overhead, report, restart
 from bench.client import RequestRecord, run_workload
 from bench.workload import WORKLOADS, Workload, generate
 
@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "bench/configs.py)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--skip-restart", action="store_true", help="skip the server-restart scenario")
     ap.add_argument("--overhead-requests", type=int, default=600, help="requests per overhead target")
     a = ap.parse_args(argv)
     a.workloads = _pick(ap, a.workloads, WORKLOADS, "workload")
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                 records, wall = asyncio.run(run_workload(stack.url, wl, cfg_name))
                 if wl_name not in limits:
                     limits[wl_name] = compute_limit(stack.server_url, wl, records, cfg_name)
-            row = report.run_row(wl_name, cfg_name, records, wall, limits[wl_name]["limit_tokens"])
+                warmup = stack.proxy_prefill()
+            row = report.run_row(wl_name, cfg_name, records, wall, limits[wl_name]["limit_tokens"], warmup)
             wl_rows.append(row)
             runs.append({"workload": wl_name, "config": cfg_name, "wall_s": wall,
                          "records": [r.to_dict() for r in records]})
@@ -132,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"{wl_name}: limit computed in the start order of the `{lim['order_from']}` run "
                      f"({lim['requests']} requests, {lim['prompt_tokens']} prompt tokens in total)")
 
+    restart_rows = None
+    if not a.skip_restart and any(configs.CONFIGS[c].checkpoints for c in a.configs):
+        log(t0, "server-restart scenario (auto vs auto+ckpt)")
+        restart_rows = restart.measure(log_dir, a.threads, a.seed, a.max_tokens)
+        notes.append("restart: a 2-session fits workload; llama-server restarted after the first turn; the "
+                     "proxy's /props probe (1 s) noticed it before the next request")
+
     ov = None
     if not a.skip_overhead:
         body_wl = build_workload("agents", a)
@@ -145,10 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     knobs = {k: (",".join(v) if isinstance(v, list) else v) for k, v in vars(a).items() if k != "out"}
     meta = {"started": started, "elapsed_s": elapsed, "knobs": knobs, "python": sys.version.split()[0],
             "slots": configs.SLOTS, "ctx_per_slot": configs.CTX_PER_SLOT, "log_dir": str(log_dir)}
-    report.write_all(a.out, meta, rows, runs, limits, ov, notes)
+    report.write_all(a.out, meta, rows, runs, limits, ov, notes, restart_rows)
 
     print()
     print(report.text_table(rows, report.COLUMNS))
+    if restart_rows:
+        print()
+        print(restart.text(restart_rows))
     if ov:
         print()
         print(report.overhead_text(ov))

@@ -8,6 +8,7 @@ its own empty `slots_state_dir`. A new configuration is one `BenchConfig(...)` l
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ class BenchConfig:
     proxy: bool  # False: the client talks to llama-server directly
     options: dict[str, object] = field(default_factory=dict)  # addon options (`--set key=value`)
     description: str = ""
+    checkpoints: bool = False  # the server gets a --slot-save-path and the proxy slots_save_dir = it
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
@@ -43,18 +45,32 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("off", proxy=True, options={"slots_policy": "off"}, description="proxy, observe only"),
     BenchConfig("seed", proxy=True, options={"slots_policy": "seed"}, description="proxy, seed ranking"),
     BenchConfig("auto", proxy=True, options={"slots_policy": "auto"}, description="proxy, auto policy"),
-    # Enable once the addon has the option:
-    # BenchConfig("auto+ckpt", proxy=True, options={"slots_policy": "auto", "slots_prefix_cache": "memory"}),
+    BenchConfig("auto+ckpt", proxy=True, options={"slots_policy": "auto", "slots_prefix_cache": "disk"},
+                description="proxy, auto policy, prefix checkpoints on disk", checkpoints=True),
 ]}
-DEFAULT_CONFIGS = ["stock", "off", "seed", "auto"]
+DEFAULT_CONFIGS = ["stock", "off", "seed", "auto", "auto+ckpt"]
 
 
 @dataclass(frozen=True)
 class Stack:
-    """Where the client sends requests (`url`) and where the server itself is (`server_url`)."""
+    """Where the client sends requests (`url`), where the server itself is (`server_url`), and the proxy's
+    JSON-lines log (its checkpoint warm-ups prefill tokens the clients never see; they are counted too)."""
 
     url: str
     server_url: str
+    proxy_log: Path | None = None
+    server: LlamaServer | None = None
+
+    def proxy_prefill(self) -> int:
+        """Tokens the proxy itself made the server prefill (checkpoint warm-ups and verification probes)."""
+        if self.proxy_log is None or not self.proxy_log.exists():
+            return 0
+        total = 0
+        for line in self.proxy_log.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("kind") == "checkpoint":
+                total += rec.get("prompt_n") or 0
+        return total
 
 
 @contextlib.contextmanager
@@ -62,12 +78,18 @@ def stand_up(cfg: BenchConfig, log_dir: Path, tag: str = "", threads: int = 2) -
     """A fresh llama-server (and proxy, if the config has one); logs go to `log_dir/<tag><name>.*.log`."""
     log_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{tag}{cfg.name}"
-    with LlamaServer(slots=SLOTS, ctx_per_slot=CTX_PER_SLOT, threads=threads,
-                     log_path=str(log_dir / f"{stem}.llama.log")) as server:
-        if not cfg.proxy:
-            yield Stack(server.url, server.url)
-            return
-        with tempfile.TemporaryDirectory(prefix=f"slotkeeper-bench-{cfg.name}-") as state_dir, \
-                MitmProxy(server.url, {**cfg.options, "slots_state_dir": state_dir},
-                          log_path=str(log_dir / f"{stem}.mitm.log")) as proxy:
-            yield Stack(proxy.url, server.url)
+    with tempfile.TemporaryDirectory(prefix=f"slotkeeper-bench-{cfg.name}-") as tmp:
+        slot_dir = Path(tmp) / "slots"
+        slot_dir.mkdir()
+        with LlamaServer(slots=SLOTS, ctx_per_slot=CTX_PER_SLOT, threads=threads,
+                         slot_save_path=str(slot_dir) if cfg.checkpoints else None,
+                         log_path=str(log_dir / f"{stem}.llama.log")) as server:
+            if not cfg.proxy:
+                yield Stack(server.url, server.url, server=server)
+                return
+            options = {**cfg.options, "slots_state_dir": str(Path(tmp) / "state"),
+                       "slots_log_file": str(log_dir / f"{stem}.requests.jsonl")}
+            if cfg.checkpoints:
+                options["slots_save_dir"] = str(slot_dir)
+            with MitmProxy(server.url, options, log_path=str(log_dir / f"{stem}.mitm.log")) as proxy:
+                yield Stack(proxy.url, server.url, Path(str(options["slots_log_file"])), server)

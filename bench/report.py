@@ -14,7 +14,8 @@ from bench.client import RequestRecord
 from bench.overhead import percentile
 
 COLUMNS = [("workload", "workload"), ("config", "config"), ("requests", "requests"),
-           ("prefill", "prefill tok"), ("cached", "cached tok"), ("reuse_pct", "reuse %"),
+           ("prefill", "prefill tok"), ("warmup", "of which proxy warm-up"), ("cached", "cached tok"),
+           ("reuse_pct", "reuse %"),
            ("ratio_to_limit", "x limit"), ("wall_s", "wall s"), ("ttft_p50_ms", "TTFT p50 ms"),
            ("ttft_p95_ms", "TTFT p95 ms"), ("errors", "errors")]
 OVERHEAD_COLUMNS = [("target", "target"), ("requests", "requests"), ("rps", "req/s"), ("p50_ms", "p50 ms"),
@@ -23,13 +24,15 @@ OVERHEAD_COLUMNS = [("target", "target"), ("requests", "requests"), ("rps", "req
 
 
 def run_row(workload: str, config: str, records: list[RequestRecord], wall_s: float,
-            limit_tokens: int | None) -> dict[str, Any]:
-    """One table row for a configuration x workload run."""
+            limit_tokens: int | None, warmup: int = 0) -> dict[str, Any]:
+    """One table row for a configuration x workload run. `warmup`: tokens the proxy itself had the server
+    prefill (checkpoint warm-ups and probes); they count in `prefill`, so no configuration hides work."""
     ok = [r for r in records if r.error is None and r.prompt_n is not None]
-    prefill = sum(r.prompt_n or 0 for r in ok)
+    prefill = sum(r.prompt_n or 0 for r in ok) + warmup
     cached = sum(r.cache_n or 0 for r in ok)
     ttfts = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
     return {"workload": workload, "config": config, "requests": len(records), "prefill": prefill,
+            "warmup": warmup,
             "cached": cached, "reuse_pct": 100.0 * cached / (cached + prefill) if cached + prefill else None,
             "ratio_to_limit": prefill / limit_tokens if limit_tokens else None, "wall_s": wall_s,
             "ttft_p50_ms": percentile(ttfts, 50) if ttfts else None,
@@ -81,14 +84,19 @@ def overhead_text(overhead: dict[str, Any], markdown: bool = False) -> str:
 
 
 def render_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], overhead: dict[str, Any] | None,
-                    notes: list[str]) -> str:
+                    notes: list[str], restart_rows: list[dict[str, Any]] | None = None) -> str:
     parts = ["# slotkeeper benchmark", "",
              f"Run {meta['started']}, elapsed {meta['elapsed_s']:.0f} s, seed {meta['knobs']['seed']}; knobs: "
              + ", ".join(f"`{k}={v}`" for k, v in meta["knobs"].items()), "",
-             "Prefill/cached tokens are Σ`timings.prompt_n` / Σ`timings.cache_n` as reported by llama-server; "
+             "Prefill/cached tokens are Σ`timings.prompt_n` / Σ`timings.cache_n` as reported by llama-server "
+             "(prefill includes what the proxy's own checkpoint warm-ups and probes made the server prefill); "
              "`x limit` is prefill divided by the physical limit (the `limit` row). Wall time includes the "
              "clients' think time; TTFT is request sent -> first SSE data event.", "",
              md_table(rows, COLUMNS), ""]
+    if restart_rows:
+        from bench import restart  # local: restart imports configs, which report need not load otherwise
+
+        parts += ["## After a llama-server restart (first requests)", "", restart.text(restart_rows, True), ""]
     if overhead:
         parts += ["## Proxy overhead (trivial upstream, keep-alive, one session's body repeated)", "",
                   overhead_text(overhead, markdown=True), ""]
@@ -145,9 +153,11 @@ def _cumsum(values: list[int]) -> list[int]:
 
 
 def write_all(out_dir: Path, meta: dict[str, Any], rows: list[dict[str, Any]], runs: list[dict[str, Any]],
-              limits: dict[str, dict[str, Any]], overhead: dict[str, Any] | None, notes: list[str]) -> None:
+              limits: dict[str, dict[str, Any]], overhead: dict[str, Any] | None, notes: list[str],
+              restart_rows: list[dict[str, Any]] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    doc = {"meta": meta, "rows": rows, "overhead": overhead, "limits": limits, "notes": notes, "runs": runs}
+    doc = {"meta": meta, "rows": rows, "overhead": overhead, "limits": limits, "notes": notes, "runs": runs,
+           "restart": restart_rows}
     (out_dir / "latest.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (out_dir / "latest.md").write_text(render_markdown(meta, rows, overhead, notes))
+    (out_dir / "latest.md").write_text(render_markdown(meta, rows, overhead, notes, restart_rows))
     plot(out_dir / "latest.png", runs, limits)
