@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import configs, limit, overhead, report, restart
+from bench import configs, limit, overhead, pi_workload, report, restart
 from bench.client import RequestRecord, run_workload
 from bench.workload import WORKLOADS, Workload, generate
 
@@ -105,16 +105,34 @@ def main(argv: list[str] | None = None) -> int:
             log(t0, spec.not_wired)
             notes.append(spec.not_wired)
             continue
+        if wl_name == "pi" and (why := pi_workload.unavailable()):
+            log(t0, why)
+            notes.append(why)
+            continue
         wl = build_workload(wl_name, a)
         wl_rows: list[dict[str, Any]] = []
+        flows = log_dir / "pi-flows.mitm"
         for cfg_name in a.configs:
             cfg = configs.CONFIGS[cfg_name]
-            with configs.stand_up(cfg, log_dir, tag=f"{wl_name}-", threads=a.threads) as stack:
-                records, wall = asyncio.run(run_workload(stack.url, wl, cfg_name))
-                if wl_name not in limits:
-                    limits[wl_name] = compute_limit(stack.server_url, wl, records, cfg_name)
+            capture = wl_name == "pi" and cfg.proxy and not flows.exists()
+            with configs.stand_up(cfg, log_dir, tag=f"{wl_name}-", threads=a.threads,
+                                  extra=["-w", str(flows)] if capture else None) as stack:
+                if wl_name == "pi":
+                    records, wall = pi_workload.run(stack.url, cfg_name, log_dir / f"pi-{cfg_name}",
+                                                    a.sessions or spec.sessions, a.turns or spec.turns)
+                else:
+                    records, wall = asyncio.run(run_workload(stack.url, wl, cfg_name))
+                    if wl_name not in limits:
+                        limits[wl_name] = compute_limit(stack.server_url, wl, records, cfg_name)
                 warmup = stack.proxy_prefill()
-            row = report.run_row(wl_name, cfg_name, records, wall, limits[wl_name]["limit_tokens"], warmup)
+            if wl_name == "pi" and capture and wl_name not in limits:
+                with configs.stand_up(configs.CONFIGS["stock"], log_dir, tag="pi-limit-", threads=a.threads) as st:
+                    limits[wl_name] = limit.workload_limit(st.server_url, pi_workload.bodies_from_flows(flows))
+                    limits[wl_name]["order_from"] = f"{cfg_name} (saved flows)"
+                    limits[wl_name]["server_prompt_tokens_complete"] = False
+                    limits[wl_name]["server_prompt_tokens"] = 0
+            lim_tokens = limits[wl_name]["limit_tokens"] if wl_name in limits else None
+            row = report.run_row(wl_name, cfg_name, records, wall, lim_tokens, warmup)
             wl_rows.append(row)
             runs.append({"workload": wl_name, "config": cfg_name, "wall_s": wall,
                          "records": [r.to_dict() for r in records]})
@@ -126,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
                 if r.error:
                     log(t0, f"  error {r.session}#{r.index}: {r.error}")
                     break
-        lim = limits[wl_name]
+        lim = limits.get(wl_name)
+        if lim is None:
+            rows += wl_rows
+            notes.append(f"{wl_name}: no physical limit (no proxied configuration saved the prompts)")
+            continue
         if lim["server_prompt_tokens_complete"] and lim["server_prompt_tokens"] != lim["prompt_tokens"]:
             notes.append(f"{wl_name}: /apply-template+/tokenize gives {lim['prompt_tokens']} prompt tokens but "
                          f"the server reported {lim['server_prompt_tokens']} (prompt_n+cache_n)")

@@ -74,7 +74,8 @@ class Stack:
 
 
 @contextlib.contextmanager
-def stand_up(cfg: BenchConfig, log_dir: Path, tag: str = "", threads: int = 2) -> Iterator[Stack]:
+def stand_up(cfg: BenchConfig, log_dir: Path, tag: str = "", threads: int = 2,
+             extra: list[str] | None = None) -> Iterator[Stack]:
     """A fresh llama-server (and proxy, if the config has one); logs go to `log_dir/<tag><name>.*.log`."""
     log_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{tag}{cfg.name}"
@@ -91,5 +92,6 @@ def stand_up(cfg: BenchConfig, log_dir: Path, tag: str = "", threads: int = 2) -
                        "slots_log_file": str(log_dir / f"{stem}.requests.jsonl")}
             if cfg.checkpoints:
                 options["slots_save_dir"] = str(slot_dir)
-            with MitmProxy(server.url, options, log_path=str(log_dir / f"{stem}.mitm.log")) as proxy:
+            with MitmProxy(server.url, options, log_path=str(log_dir / f"{stem}.mitm.log"),
+                           extra=extra) as proxy:
                 yield Stack(proxy.url, server.url, Path(str(options["slots_log_file"])), server)

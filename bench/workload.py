@@ -95,8 +95,7 @@ class WorkloadSpec:
 WORKLOADS: dict[str, WorkloadSpec] = {w.name: w for w in [
     WorkloadSpec("agents", 6, 3, True, "6 concurrent agent sessions on 4 slots, each with a 3-turn subagent"),
     WorkloadSpec("fits", 3, 2, False, "3 concurrent agent sessions on 4 slots, no subagents"),
-    WorkloadSpec("pi", 3, 3, False, "3 concurrent real pi sessions (drivers/pi_client.py)",
-                 not_wired="pi workload: not yet wired (waiting for drivers/pi_client.py); skipped"),
+    WorkloadSpec("pi", 3, 2, False, "3 concurrent real pi sessions (bench/pi_workload.py)"),
 ]}
 
 

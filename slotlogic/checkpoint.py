@@ -163,39 +163,43 @@ class Orchestrator:
         self.lines.append(f"cache=MISS → warming slot={self.slot} (cold)")
         return "fail"
 
-    def _on_verify_identical(self, r: Result) -> str:
+    def _probe(self, r: Result) -> tuple[int, int] | None:
+        """(cache_n, total) of a verification request, its prefill counted; None when it did not run."""
         t = r.timings() if r.ok else None
         if t is None:
+            return None
+        self.spent_prefill += t[1]
+        return t[0], t[0] + t[1]
+
+    def _on_verify_identical(self, r: Result) -> str:
+        self.identical = self._probe(r)
+        if self.identical is None:
             self.lines.append(f"RESTORE verification failed to run ({self._why(r)}); keeping the slot as is")
             self.outcome = "restored-unverified"
             return "fail"
-        cache_n, prompt_n = t
-        self.spent_prefill += prompt_n
-        self.identical = (cache_n, cache_n + prompt_n)
-        if cache_n < self.gate * (cache_n + prompt_n):
+        cache_n, total = self.identical
+        if cache_n < self.gate * total:
             self.file_bad = True
-            self.lines.append(f"RESTORE rejected: identical {cache_n}/{cache_n + prompt_n} < "
+            self.lines.append(f"RESTORE rejected: identical {cache_n}/{total} < "
                               f"{self.gate:.0%} from cache → erase + cold rebuild")
             return "low"
         return "ok"
 
     def _on_verify_divergent(self, r: Result) -> str:
-        t = r.timings() if r.ok else None
         ident = f"identical {self.identical[0]}/{self.identical[1]}" if self.identical else "identical ?"
-        if t is None:
+        self.divergent = self._probe(r)
+        if self.divergent is None:
             self.lines.append(f"RESTORE verified: {ident}, divergent probe did not run ({self._why(r)})")
             self.outcome = "restored"
             return "fail"
-        cache_n, prompt_n = t
-        self.spent_prefill += prompt_n
-        self.divergent = (cache_n, cache_n + prompt_n)
+        cache_n, total = self.divergent
         if cache_n == 0:
-            self.lines.append(f"RESTORE {ident} but divergent probe 0/{cache_n + prompt_n}: the server cannot "
+            self.lines.append(f"RESTORE {ident} but divergent probe 0/{total}: the server cannot "
                               "resume from this state (SWA/hybrid model without checkpoints? "
                               "--checkpoint-min-step too large?); keeping it")
             self.outcome = "restored-unverified"
             return "low"
-        self.lines.append(f"RESTORE verified: {ident}, divergent probe {cache_n}/{cache_n + prompt_n}")
+        self.lines.append(f"RESTORE verified: {ident}, divergent probe {cache_n}/{total}")
         self.outcome = "restored"
         return "ok"
 
