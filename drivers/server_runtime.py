@@ -171,9 +171,9 @@ class ServerRuntime:
                         "the state file alone, without cached-token counts", self.upstream)
         async with self.store.transaction() as state:
             self._apply_events(st.observe_server(state, marker, total, n_ctx))
-            before = st.views(state, total, live)
+            before = st.views(state, total, live, self.table.sessions)
             choice = core.assign(self.cfg, state, plan.session.key, plan.prefix, live, total, now,
-                                 side=plan.side, done=self.table.done_times())
+                                 side=plan.side, local=self.table.sessions)
             st.prune(state, now, SESSION_KEEP_SECONDS)
         self.media_marker, self.total_slots, self.n_ctx = marker, total, n_ctx
         if choice.reason == "side-call":

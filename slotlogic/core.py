@@ -83,7 +83,7 @@ def plan(cfg: Config, table: st.SessionTable, method: str, path: str, headers: M
 
 def assign(cfg: Config, state: st.ServerState, session_key: str, prefix: str | None,
            live_slots: Sequence[dict[str, Any]] | None, total_slots: int, now: float, *,
-           side: bool = False, done: Mapping[str, float] | None = None) -> Choice:
+           side: bool = False, local: Mapping[str, st.Assignment] | None = None) -> Choice:
     """Choose and claim a slot for a session the table does not hold (under the state file lock).
 
     A side call learns the slot count here on a server's first request; it gets the reserved slot and
@@ -91,7 +91,7 @@ def assign(cfg: Config, state: st.ServerState, session_key: str, prefix: str | N
     reserved = sidecalls.side_slot(total_slots, cfg.side_slot)
     if side and reserved is not None:
         return Choice(reserved, "side-call")
-    views = st.views(state, total_slots, list(live_slots) if live_slots is not None else None, done)
+    views = st.views(state, total_slots, list(live_slots) if live_slots is not None else None, local)
     owned = st.owned_slot(state, session_key)
     if owned is not None and owned < total_slots:
         view = views[owned]

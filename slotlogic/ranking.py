@@ -25,9 +25,10 @@ claimed, oldest `last_used`, then fewest tokens, then lowest id.
      lost), then the fewest cached tokens (least lost);
      among claimed slots (we must evict a live session): first an idle owner whose answer completed
      within SPAWN_WINDOW — a new session right after an answer is that agent's subagent, and the agent
-     waits for it, so its next request is the furthest away; then the owner with the fewest requests (a
-     subagent or one-shot call is cheaper to evict than a long-lived session and less likely to be
-     back), then the coldest, then the same prefix, then the fewest tokens;
+     waits for it, so its next request is the furthest away (and a subagent never evicts another
+     agent's working session while its own parent sits idle); then the coldest owner (spreads new
+     sessions over the slots instead of piling them onto one), then the fewest requests, then the same
+     prefix, then the fewest tokens;
   5. lowest id, for determinism.
 
 `hash_slot` is the fallback when the server cannot be asked (seed 000): a stable digest of the session
@@ -95,7 +96,7 @@ def auto_key(view: SlotView, now: float, ttl: float, prefix: str | None,
         content = 0 if same_prefix else 1 if _empty(view) else 2
         inner: tuple[object, ...] = (content, _tokens(view), view.last_used or 0.0)
     else:
-        inner = (0 if _spawned_from(view, now) else 1, view.owner_requests, view.last_used or 0.0,
+        inner = (0 if _spawned_from(view, now) else 1, view.last_used or 0.0, view.owner_requests,
                  0 if same_prefix else 1, _tokens(view))
     return (view.busy, claimed, view.id == reserved, *inner, view.id)
 

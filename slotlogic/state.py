@@ -194,9 +194,10 @@ def prune(st: ServerState, now: float, keep_seconds: float) -> None:
 
 
 def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
-          done: Mapping[str, float] | None = None) -> list[SlotView]:
-    """One `SlotView` per slot id: `/slots` numbers (when reachable) merged with the claims, and when each
-    owner's last answer completed (`done`, this process's knowledge)."""
+          local: Mapping[str, Assignment] | None = None) -> list[SlotView]:
+    """One `SlotView` per slot id: `/slots` numbers (when reachable) merged with the claims. `local` is this
+    process's own session table: fresher than the file (touches reach it only every 2 s), and the only
+    place that knows when an owner's last answer completed."""
     by_id: dict[int, dict[str, Any]] = {}
     for entry in live or []:
         sid = _int(entry.get("id")) if isinstance(entry, dict) else None
@@ -206,6 +207,9 @@ def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
     for sid in range(total_slots):
         entry = by_id.get(sid, {})
         rec = st.slots.get(sid)
+        mine = (local or {}).get(rec.owner) if rec and rec.owner else None
+        if mine is not None and mine.slot == sid:
+            rec = replace(rec, last_used=max(rec.last_used, mine.last_used), requests=max(rec.requests, mine.requests))
         n_tokens = _int(entry.get("n_prompt_tokens"))
         if live is not None and entry and n_tokens is None:
             n_tokens = 0  # a slot that never ran a task lists no counters: it is empty
@@ -217,7 +221,7 @@ def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
             owner=rec.owner if rec else None,
             owner_requests=rec.requests if rec else 0,
             prefix=rec.prefix if rec else None,
-            owner_done=(done or {}).get(rec.owner) if rec and rec.owner else None,
+            owner_done=mine.done if mine is not None and mine.slot == sid else None,
         ))
     return out
 
@@ -263,9 +267,6 @@ class SessionTable:
         a.requests += 1
         self.dirty.add(key)
         return a
-
-    def done_times(self) -> dict[str, float]:
-        return {k: a.done for k, a in self.sessions.items() if a.done is not None}
 
     def drain(self) -> dict[str, Assignment]:
         """The touches to flush, emptied."""

@@ -44,10 +44,10 @@ AUTO_CASES = [
      "free, foreign content: lose the fewest tokens"),
     ([v(0, 100, FRESH, owner="a", reqs=9), v(1, 900, STALE, prefix="Q")], 1, "free-fewest-tokens",
      "free before claimed"),
-    ([v(0, 900, NOW - 50, owner="a", reqs=12), v(1, 200, NOW - 5, owner="b", reqs=2)], 1, "evict-cheapest",
-     "all claimed: a short-lived owner is evicted before a long-lived one"),
-    ([v(0, 900, NOW - 50, owner="a", reqs=3), v(1, 200, NOW - 5, owner="b", reqs=3)], 0, "evict-cheapest",
-     "all claimed, equal request counts: the coldest"),
+    ([v(0, 900, NOW - 50, owner="a", reqs=12), v(1, 200, NOW - 5, owner="b", reqs=2)], 0, "evict-cheapest",
+     "all claimed: the coldest owner, which spreads new sessions over the slots"),
+    ([v(0, 900, NOW - 20, owner="a", reqs=12), v(1, 200, NOW - 20, owner="b", reqs=2)], 1, "evict-cheapest",
+     "all claimed, equally cold: a short-lived owner before a long-lived one"),
     ([v(0, 1, busy=True), v(1, 1, busy=True)], 0, "all-busy", "everything busy: still a valid slot"),
 ]
 
