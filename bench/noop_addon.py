@@ -1,7 +1,8 @@
 """A mitmproxy addon that does nothing: the baseline for the slotkeeper addon's own per-request cost.
 
-Loaded with `mitmdump -s bench/noop_addon.py`. Its `request` hook is async, like slotkeeper's, so mitmproxy's
-async hook dispatch is in the baseline too and the measured delta is the addon's own work.
+Loaded with `mitmdump -s bench/noop_addon.py`. It defines the same hooks as slotkeeper (an async `request`,
+sync `responseheaders`/`response`/`error`), so mitmproxy's hook dispatch is in the baseline too and the
+measured delta is the addon's own work.
 """
 
 from __future__ import annotations
@@ -11,6 +12,15 @@ from typing import Any
 
 class Noop:
     async def request(self, flow: Any) -> None:
+        return None
+
+    def responseheaders(self, flow: Any) -> None:
+        return None
+
+    def response(self, flow: Any) -> None:
+        return None
+
+    def error(self, flow: Any) -> None:
         return None
 
 

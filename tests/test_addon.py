@@ -32,7 +32,8 @@ def flow(body, path="/v1/chat/completions", method="POST", headers=None, raw: by
 def keeper(tmp_path, fake_llama):
     k = addon_module.SlotKeeper()
     with taddons.context(k) as tctx:
-        tctx.configure(k, slots_state_dir=str(tmp_path / "state"), slots_probe_interval=0)
+        tctx.configure(k, slots_state_dir=str(tmp_path / "state"), slots_probe_interval=0,
+                       slots_log_requests="mitmproxy")  # caplog sees the per-request line
         k.runtime(UP).client = fake_llama
         yield k
 

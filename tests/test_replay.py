@@ -87,7 +87,7 @@ async def replay(name: str, state_dir: Path) -> list[Replayed]:
     with pytest.MonkeyPatch.context() as mp, addon_context(keeper) as tctx:
         mp.setattr(LlamaClient, "props", no_network)  # the addon fails open: a call would leave the body as
         mp.setattr(LlamaClient, "slots", no_network)  # recorded minus our fields, which the tests catch
-        tctx.configure(keeper, slots_state_dir=str(state_dir), slots_probe_interval=0)
+        tctx.configure(keeper, slots_state_dir=str(state_dir), slots_probe_interval=0, slots_log_requests="mitmproxy")
         for f in flows:
             assert not f.live
             live = copy.deepcopy(f.metadata.get("slotkeeper"))
