@@ -209,6 +209,11 @@ class SlotKeeper:
         recorded = flow.metadata.get("slotkeeper") if not flow.live else None
         if isinstance(recorded, dict) and isinstance(body, dict):
             body = restore_client_fields(body, recorded.get("client"))  # undo our own rewrite
+            client = recorded.get("client")
+            if isinstance(client, dict) and client.get("id_slot") is None and client.get("cache_prompt") is None:
+                original = rewrite.unsplice(req.get_content(strict=False) or b"")
+                if original is not None:
+                    req.content = original  # the bytes the client sent, so the replayed rewrite matches
         rt = self.runtime(upstream, offline=not flow.live)
         # The request's own start time: live it is now; replaying saved flows it keeps the recorded clock.
         now = req.timestamp_start or time.time()

@@ -10,6 +10,7 @@ Rules (llama-server.md §1.1, §1.4, §2.2):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,3 +61,15 @@ def splice(raw: bytes, body: dict[str, Any], result: Rewrite) -> bytes | None:
     head = end[:-1].rstrip()
     sep = b"" if head.endswith(b"{") else b","
     return head + sep + extra.encode() + b"}"
+
+
+_SPLICED = re.compile(rb'(,?)"id_slot":\d+,"cache_prompt":(?:true|false)\}\s*$')
+
+
+def unsplice(raw: bytes) -> bytes | None:
+    """Undo `splice`: the client's own bytes from a body we rewrote (replaying a saved flow). None when the
+    body does not end with our two fields."""
+    m = _SPLICED.search(raw)
+    if m is None:
+        return None
+    return raw[: m.start()] + b"}"

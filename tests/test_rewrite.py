@@ -65,3 +65,17 @@ def test_unchanged_when_already_pinned():
 def test_refuses_out_of_range_target():
     with pytest.raises(ValueError):
         pin({}, 4, 4)
+
+
+def test_splice_appends_and_unsplice_restores():
+    from slotlogic.rewrite import splice, unsplice
+
+    raw = b'{"messages": [], "x": "}"} \n'
+    body = json.loads(raw)
+    out = splice(raw, body, pin(body, 2, 4))
+    assert json.loads(out) == {**body, "id_slot": 2, "cache_prompt": True}
+    assert unsplice(out) == b'{"messages": [], "x": "}"}'
+    assert splice(b"{}", {}, pin({}, 1, 4)) == b'{"id_slot":1,"cache_prompt":true}'
+    assert unsplice(b'{"id_slot":1,"cache_prompt":true}') == b"{}"
+    assert splice(b'{"id_slot": 9}', {"id_slot": 9}, pin({"id_slot": 9}, 1, 4)) is None  # dumps instead
+    assert unsplice(b'{"a": 1}') is None
