@@ -40,7 +40,7 @@ def test_shape_and_subagent_position() -> None:
 def test_no_subagents_when_disabled() -> None:
     w = generate("fits", seed=0, sessions=3, turns=4, subagent_turns=0, max_tokens=8)
     assert all(r.session == s.id for s in w.sessions for r in s.requests)
-    assert WORKLOADS["fits"].subagents is False and WORKLOADS["pi"].not_wired
+    assert WORKLOADS["fits"].subagents is False and WORKLOADS["pi"].not_wired is None  # pi runs real pi
 
 
 def test_sessions_differ_and_share_system_prompt() -> None:
