@@ -149,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             rows += wl_rows
             notes.append(f"{wl_name}: no physical limit (no proxied configuration saved the prompts)")
             continue
+        for row in wl_rows:  # rows run before the limit was known (pi: it comes from a later, proxied run)
+            if row["ratio_to_limit"] is None and lim["limit_tokens"]:
+                row["ratio_to_limit"] = row["prefill"] / lim["limit_tokens"]
         if lim["server_prompt_tokens_complete"] and lim["server_prompt_tokens"] != lim["prompt_tokens"]:
             notes.append(f"{wl_name}: /apply-template+/tokenize gives {lim['prompt_tokens']} prompt tokens but "
                          f"the server reported {lim['server_prompt_tokens']} (prompt_n+cache_n)")
