@@ -89,3 +89,16 @@ def test_corrupt_or_stale_checkpoint_is_detected_erased_and_rebuilt(dirs):
     text = (tmp / "p.log").read_text()
     assert "RESTORE rejected: identical" in text and "no checkpoint (restore HTTP 400" in text
     assert "Traceback" not in text
+
+
+def test_missing_slot_save_path_is_reported_and_the_request_still_served(tmp_path):
+    """Persistence asked for, but llama-server was started without --slot-save-path: one clear warning."""
+    log = tmp_path / "p.log"
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_prefix_cache": "disk", "slots_probe_interval": 0}
+    with LlamaServer(slots=2, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
+            MitmProxy(srv.url, opts, log_path=str(log)) as px:
+        first = ask(px.url, conv("Task A: no save path."))
+        second = ask(px.url, conv("Task B: no save path either."))
+    text = log.read_text()
+    assert text.count("has no --slot-save-path") == 1 and "slots_save_dir=DIR" in text
+    assert first.cache_n > 0 and second.prompt_n > 0  # warmed in memory, requests served
