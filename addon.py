@@ -205,15 +205,15 @@ class SlotKeeper:
         if req.method != "POST":
             return
         upstream = f"{req.scheme}://{req.host}:{req.port}"
-        body = parse_json(req)
+        content, body = read_json(req)  # decoded once: a gzip body is not inflated twice on the hot path
         recorded = flow.metadata.get("slotkeeper") if not flow.live else None
         if isinstance(recorded, dict) and isinstance(body, dict):
             body = restore_client_fields(body, recorded.get("client"))  # undo our own rewrite
             client = recorded.get("client")
             if isinstance(client, dict) and client.get("id_slot") is None and client.get("cache_prompt") is None:
-                original = rewrite.unsplice(req.get_content(strict=False) or b"")
+                original = rewrite.unsplice(content)
                 if original is not None:
-                    req.content = original  # the bytes the client sent, so the replayed rewrite matches
+                    req.content = content = original  # the client's bytes, so the replayed rewrite matches
         rt = self.runtime(upstream, offline=not flow.live)
         # The request's own start time: live it is now; replaying saved flows it keeps the recorded clock.
         now = req.timestamp_start or time.time()
@@ -248,8 +248,7 @@ class SlotKeeper:
             rt.use(plan.session.key, now)
         if result.changed:
             req.headers.pop("transfer-encoding", None)  # pitfall P5: let mitmproxy set Content-Length
-            raw = req.get_content(strict=False) or b""
-            req.content = rewrite.splice(raw, body, result) or json.dumps(
+            req.content = rewrite.splice(content, body, result) or json.dumps(
                 result.body, ensure_ascii=False, separators=(",", ":")).encode()
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -452,20 +451,20 @@ class SlotKeeper:
         return json.dumps(self.status_data(), indent=1) + "\n" + "\n".join(self.summary_lines())
 
 
-def parse_json(req: http.Request) -> Any:
-    """The request body as JSON, or None (no body, streamed body, bad encoding, not JSON)."""
+def read_json(req: http.Request) -> tuple[bytes, Any]:
+    """The decoded body and its JSON, or (b"", None) for no body, a streamed body, a bad encoding or non-JSON."""
     if req.raw_content is None:
-        return None
+        return b"", None
     try:
         content = req.get_content(strict=True)
     except ValueError:
-        return None
+        return b"", None
     if not content:
-        return None
+        return b"", None
     try:
-        return json.loads(content)
+        return content, json.loads(content)
     except (ValueError, UnicodeDecodeError):
-        return None
+        return content, None
 
 
 class LowerHeaders(dict[str, str]):
