@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `mitmdump -s` 
 from mitmproxy import command, ctx, exceptions, http
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
+from drivers import raw_headers
 from drivers.checkpoints import CheckpointSettings
 from drivers.flow_state import FlowInfo, RequestLog, SSETap
 from drivers.server_runtime import ServerRuntime
@@ -247,20 +248,22 @@ class SlotKeeper:
         if plan.session.key in rt.table.sessions:  # side calls on the reserved slot are not sessions
             rt.use(plan.session.key, now)
         if result.changed:
-            req.headers.pop("transfer-encoding", None)  # pitfall P5: let mitmproxy set Content-Length
-            req.content = rewrite.splice(content, body, result) or json.dumps(
-                result.body, ensure_ascii=False, separators=(",", ":")).encode()
+            raw_headers.set_content(req, rewrite.splice(content, body, result) or json.dumps(
+                result.body, ensure_ascii=False, separators=(",", ":")).encode())
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         info = self.flows.get(flow.id)
         if info is None or flow.response is None:
             return
         try:
+            added = []
             if info.slot is not None:
-                flow.response.headers["x-slot-id"] = str(info.slot)
+                added.append((b"x-slot-id", str(info.slot).encode()))
             if info.plan.session is not None:
-                flow.response.headers["x-slot-session"] = info.plan.session.short
-            if flow.live and is_sse(flow.response) and not flow.response.raw_content:  # else: body already here
+                added.append((b"x-slot-session", info.plan.session.short.encode()))
+            flow.response.headers.fields += tuple(added)
+            # A streamed response has no body yet; a saved flow's body is already here (parsed in `response`).
+            if flow.live and raw_headers.is_sse(flow.response) and not flow.response.raw_content:
                 info.stream = StreamObserver()
                 keep = None
                 if self.keep_streams:
@@ -279,13 +282,13 @@ class SlotKeeper:
         try:
             if info.stream is not None:
                 obs = info.stream.obs
-            elif flow.response.raw_content is not None and is_sse(flow.response):
+            elif flow.response.raw_content is not None and raw_headers.is_sse(flow.response):
                 replayed = StreamObserver()  # a saved stream (kept copy): parse it as the live tap did
-                replayed.feed(flow.response.get_content(strict=False) or b"")
+                replayed.feed(response_body(flow.response))
                 replayed.feed(b"")
                 obs = replayed.obs
             elif flow.response.raw_content is not None:
-                obs = observe_json(flow.response.get_content(strict=False) or b"")
+                obs = observe_json(response_body(flow.response))
             else:
                 obs = Observation()
             if flow.response.status_code >= 400 and obs.error_type is None:
@@ -304,6 +307,7 @@ class SlotKeeper:
         self.finish(flow, info, obs)
 
     def done(self) -> None:
+        self.request_log.flush()
         for rt in self.runtimes.values():
             if not rt.offline:
                 rt.flush_sync()
@@ -453,10 +457,8 @@ class SlotKeeper:
 
 def read_json(req: http.Request) -> tuple[bytes, Any]:
     """The decoded body and its JSON, or (b"", None) for no body, a streamed body, a bad encoding or non-JSON."""
-    if req.raw_content is None:
-        return b"", None
     try:
-        content = req.get_content(strict=True)
+        content = raw_headers.content(req)
     except ValueError:
         return b"", None
     if not content:
@@ -469,7 +471,7 @@ def read_json(req: http.Request) -> tuple[bytes, Any]:
 
 class LowerHeaders(dict[str, str]):
     """Request headers as a plain dict with lower-case names, built straight from the raw fields (mitmproxy's
-    multidict look-ups are slow on the hot path). First value wins, as for `Headers.get`."""
+    multidict look-ups are slow on the hot path). The first value of a repeated header wins."""
 
     lowercase_keys = True
 
@@ -479,8 +481,12 @@ class LowerHeaders(dict[str, str]):
             self.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
 
 
-def is_sse(response: http.Response) -> bool:
-    return "text/event-stream" in response.headers.get("content-type", "")
+def response_body(response: http.Response) -> bytes:
+    """The decoded response body; the raw bytes when the encoding is bad (observation only)."""
+    try:
+        return raw_headers.content(response) or b""
+    except ValueError:
+        return response.raw_content or b""
 
 
 def restore_client_fields(body: dict[str, Any], client: Any) -> dict[str, Any]:

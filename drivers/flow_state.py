@@ -6,6 +6,7 @@ which breaks dataclasses defined in the script itself; and because none of it ne
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import time
@@ -70,14 +71,16 @@ class SSETap:
 
 class RequestLog:
     """The one line per request. `direct` writes it to stdout with mitmproxy's time prefix, skipping
-    mitmproxy's log pipeline (a terminal handler plus a cross-thread event per record, ~0.15 ms a line);
-    `mitmproxy` sends it through `logging` like every other line (mitmweb's event log shows it); `off`."""
+    mitmproxy's log pipeline (a terminal handler plus a cross-thread event per record, ~0.15 ms a line),
+    and flushes once per event-loop turn, after the response is on its way; `mitmproxy` sends it through
+    `logging` like every other line (mitmweb's event log shows it); `off`."""
 
     SHOWN_AT = frozenset({"info", "debug"})
 
     def __init__(self, mode: str, verbosity: str) -> None:
         self.mode = mode
         self.quiet = verbosity not in self.SHOWN_AT
+        self.pending: list[str] = []
 
     def emit(self, line: str) -> None:
         if self.mode == "mitmproxy":
@@ -85,8 +88,17 @@ class RequestLog:
         elif self.mode == "direct" and not self.quiet:
             now = time.time()
             stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
-            try:
-                sys.stdout.write(f"[{stamp}] {line}\n")
-                sys.stdout.flush()
-            except (OSError, ValueError):
-                pass
+            self.pending.append(f"[{stamp}] {line}\n")
+            if len(self.pending) == 1:
+                try:
+                    asyncio.get_running_loop().call_soon(self.flush)
+                except RuntimeError:  # no loop (a test, shutdown): write now
+                    self.flush()
+
+    def flush(self) -> None:
+        lines, self.pending = self.pending, []
+        try:
+            sys.stdout.write("".join(lines))
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,11 +88,13 @@ def message_text(content: Any) -> str:
     return canonical(content)
 
 
-def _messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+def _messages(body: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """The message objects, lazily: callers stop at the first few, so a long conversation costs nothing."""
     msgs = body.get("messages")
-    if not isinstance(msgs, list):
-        return []
-    return [m for m in msgs if isinstance(m, Mapping)]
+    if isinstance(msgs, list):
+        for m in msgs:
+            if isinstance(m, Mapping):
+                yield m
 
 
 def system_text(body: Mapping[str, Any], path: str) -> str | None:
