@@ -238,7 +238,8 @@ class SlotKeeper:
             if choice is None:
                 info.reason = "unpinned: server unknown"
                 return
-            slot, info.reason = choice.slot, choice.reason
+            slot = choice.slot
+            info.reason = f"displaced:{choice.reason}" if plan.reason == "displaced" else choice.reason
         assert slot is not None
         total = rt.total_slots or slot + 1
         result = rewrite.pin(body, slot, total, override_client=self.cfg.override_client)

@@ -171,9 +171,10 @@ class ServerRuntime:
                         "the state file alone, without cached-token counts", self.upstream)
         async with self.store.transaction() as state:
             self._apply_events(st.observe_server(state, marker, total, n_ctx))
-            before = st.views(state, total, live, self.table.sessions)
+            before = st.views(state, total, live, self.table)
             choice = core.assign(self.cfg, state, plan.session.key, plan.prefix, live, total, now,
-                                 side=plan.side, local=self.table.sessions)
+                                 side=plan.side, local=self.table,
+                                 displaced_from=plan.slot if plan.reason == "displaced" else None)
             st.prune(state, now, SESSION_KEEP_SECONDS)
         self.media_marker, self.total_slots, self.n_ctx = marker, total, n_ctx
         if choice.reason == "side-call":
@@ -308,9 +309,7 @@ class ServerRuntime:
     # --------------------------------------------------------------------------------------- stats
 
     def record(self, key: str, source: str, slot: int | None, obs: Observation) -> SessionStats:
-        a = self.table.sessions.get(key)
-        if a is not None:
-            a.done = time.time()
+        self.table.answered(key, slot, time.time())
         s = self.stats.setdefault(key, SessionStats())
         s.add(obs)
         s.slot = slot if slot is not None else s.slot

@@ -2,7 +2,8 @@
 
 Rule 1: pure. The adapter (`addon.py`) supplies the facts (method, path, headers, parsed body, the
         in-memory `SessionTable`, the clock) and performs what the returned `Plan` says.
-Rule 2: a known, live session is answered here without any I/O: that is the hot path.
+Rule 2: a known, live session is answered here without any I/O: that is the hot path. A known session
+        whose slot another session used since (it was *displaced*) is re-placed like a new one.
 Rule 3: a new session gets `Plan.need_slot`; the adapter then fetches `/props` + `/slots`, takes the state
         file lock and calls `assign`, which is also pure.
 
@@ -48,7 +49,7 @@ class Plan:
     session: sess.SessionId | None = None
     prefix: str | None = None
     side: bool = False
-    slot: int | None = None
+    slot: int | None = None  # pin: the slot; need_slot of a displaced session: the slot it was on
     route: Route = Route.OTHER
     stable: pfx.StablePrefix | None = None  # the shared prefix a checkpoint can warm, when extractable
 
@@ -72,19 +73,26 @@ def plan(cfg: Config, table: st.SessionTable, method: str, path: str, headers: M
         if reserved is not None:
             return Plan("pin", "side-call", key, side=True, slot=reserved, route=route)
     live = table.live(key.key, now)
+    reason, displaced_from = "new session", None
     if live is not None and (total_slots is None or live.slot < total_slots):
-        return Plan("pin", "known", key, live.prefix, side=side, slot=live.slot, route=route)  # the hot path
+        if not table.displaced(key.key, live.slot):
+            return Plan("pin", "known", key, live.prefix, side=side, slot=live.slot, route=route)  # the hot path
+        # Another session ran on this slot since: our conversation is no longer there, so staying has no
+        # value of its own; choose again, like a new session (its own slot is one of the candidates).
+        reason, displaced_from = "displaced", live.slot
     stable = pfx.extract(body, cfg.markers)
     # What the ranking compares slot contents by: the stable prefix when there is one (windows of two
     # projects share it), else the whole system prompt + tools.
     prefix = stable.signature if stable else sess.prefix_signature(body, path)
-    return Plan("need_slot", "new session", key, prefix, side=side, route=route, stable=stable)
+    return Plan("need_slot", reason, key, prefix, side=side, slot=displaced_from, route=route, stable=stable)
 
 
 def assign(cfg: Config, state: st.ServerState, session_key: str, prefix: str | None,
            live_slots: Sequence[dict[str, Any]] | None, total_slots: int, now: float, *,
-           side: bool = False, local: Mapping[str, st.Assignment] | None = None) -> Choice:
-    """Choose and claim a slot for a session the table does not hold (under the state file lock).
+           side: bool = False, local: st.SessionTable | None = None,
+           displaced_from: int | None = None) -> Choice:
+    """Choose and claim a slot for a session the table does not hold, or one displaced from
+    `displaced_from` (under the state file lock).
 
     A side call learns the slot count here on a server's first request; it gets the reserved slot and
     claims nothing (side calls are not sessions)."""
@@ -101,8 +109,14 @@ def assign(cfg: Config, state: st.ServerState, session_key: str, prefix: str | N
             st.claim(state, session_key, owned, now, prefix=prefix, requests=(rec.requests if rec else 0) + 1)
             return Choice(owned, "resumed")
     choice = ranking.choose(cfg.policy, views, now, cfg.ttl, prefix=prefix,
-                            reserved=reserved if cfg.policy is Policy.AUTO else None)
-    st.claim(state, session_key, choice.slot, now, prefix=prefix, requests=1)
+                            reserved=reserved if cfg.policy is Policy.AUTO else None,
+                            spawn=displaced_from is None)
+    if (displaced_from is not None and displaced_from < total_slots and choice.slot != displaced_from
+            and not ranking.worth_moving(views[choice.slot], views[displaced_from], now, cfg.ttl)):
+        choice = Choice(displaced_from, "shared")
+    rec = state.sessions.get(session_key)
+    requests = (rec.requests if rec else 0) + 1 if displaced_from is not None else 1
+    st.claim(state, session_key, choice.slot, now, prefix=prefix, requests=requests)
     return choice
 
 

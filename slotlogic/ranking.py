@@ -26,10 +26,13 @@ claimed, oldest `last_used`, then fewest tokens, then lowest id.
      among claimed slots (we must evict a live session): first an idle owner whose answer completed
      within SPAWN_WINDOW — a new session right after an answer is that agent's subagent, and the agent
      waits for it, so its next request is the furthest away (and a subagent never evicts another
-     agent's working session while its own parent sits idle); then the coldest owner (spreads new
-     sessions over the slots instead of piling them onto one), then the fewest requests, then the same
-     prefix, then the fewest tokens;
+     agent's working session while its own parent sits idle); then the coldest owner (last request or
+     answer longest ago; spreads new sessions over the slots instead of piling them onto one), then the
+     fewest requests, then the same prefix, then the fewest tokens;
   5. lowest id, for determinism.
+
+A *displaced* session (its slot ran another session since its last request) is ranked like a new one,
+but leaves its slot only when `worth_moving` says the target costs little (see there).
 
 `hash_slot` is the fallback when the server cannot be asked (seed 000): a stable digest of the session
 key modulo the last known slot count, so every proxy process agrees without coordination.
@@ -62,6 +65,7 @@ class SlotView:
 
 
 SPAWN_WINDOW = 3.0  # seconds: a new session this soon after a session's answer is likely its subagent
+COLD_AFTER = 5.0    # seconds idle before a live owner's slot may be taken over by a displaced session
 
 
 @dataclass(frozen=True)
@@ -89,16 +93,39 @@ def seed_key(view: SlotView, now: float, ttl: float) -> tuple[int, float, int, i
 
 
 def auto_key(view: SlotView, now: float, ttl: float, prefix: str | None,
-             reserved: int | None) -> tuple[object, ...]:
+             reserved: int | None, spawn: bool = True) -> tuple[object, ...]:
     claimed = is_claimed(view, now, ttl)
     same_prefix = prefix is not None and view.prefix == prefix and _tokens(view) > 0
     if not claimed:
         content = 0 if same_prefix else 1 if _empty(view) else 2
         inner: tuple[object, ...] = (content, _tokens(view), view.last_used or 0.0)
     else:
-        inner = (0 if _spawned_from(view, now) else 1, view.last_used or 0.0, view.owner_requests,
+        inner = (0 if spawn and _spawned_from(view, now) else 1, activity(view), view.owner_requests,
                  0 if same_prefix else 1, _tokens(view))
     return (view.busy, claimed, view.id == reserved, *inner, view.id)
+
+
+def activity(view: SlotView) -> float:
+    """When the slot's owner was last seen: its last request, or its last answer if that came later."""
+    return max(view.last_used or 0.0, view.owner_done or 0.0)
+
+
+def worth_moving(target: SlotView, own: SlotView, now: float, ttl: float) -> bool:
+    """Whether a displaced session (another session ran on its slot since) should move to `target`.
+
+    Its conversation is gone from its slot either way. Staying evicts the displacer, which just ran and
+    will be back soon; moving evicts `target`'s owner. So it moves only where that costs little: a free
+    slot, or one whose owner has been idle for a long time compared with the displacer (a parent waiting
+    for its subagent, an agent its user left). Otherwise two sessions share one slot, and the damage
+    stays on that slot instead of cascading through the others."""
+    if target.id == own.id or target.busy:
+        return False
+    if not is_claimed(target, now, ttl):
+        return True
+    idle_target = now - activity(target)
+    if own.busy:  # staying would also queue behind the displacer
+        return idle_target >= COLD_AFTER
+    return idle_target >= max(COLD_AFTER, 3 * (now - activity(own)))
 
 
 def _spawned_from(view: SlotView, now: float) -> bool:
@@ -107,11 +134,11 @@ def _spawned_from(view: SlotView, now: float) -> bool:
     return (not view.busy and view.owner_done is not None and 0.0 <= now - view.owner_done <= SPAWN_WINDOW)
 
 
-def _reason(view: SlotView, now: float, ttl: float, prefix: str | None) -> str:
+def _reason(view: SlotView, now: float, ttl: float, prefix: str | None, spawn: bool = True) -> str:
     if view.busy:
         return "all-busy"
     if is_claimed(view, now, ttl):
-        return "evict-waiting-parent" if _spawned_from(view, now) else "evict-cheapest"
+        return "evict-waiting-parent" if spawn and _spawned_from(view, now) else "evict-cheapest"
     if prefix is not None and view.prefix == prefix and _tokens(view) > 0:
         return "free-same-prefix"
     if _empty(view):
@@ -120,16 +147,17 @@ def _reason(view: SlotView, now: float, ttl: float, prefix: str | None) -> str:
 
 
 def choose(policy: Policy, slots: Sequence[SlotView], now: float, ttl: float, *,
-           prefix: str | None = None, reserved: int | None = None) -> Choice:
-    """The slot for a new session. `slots` must be non-empty and list every slot id once."""
+           prefix: str | None = None, reserved: int | None = None, spawn: bool = True) -> Choice:
+    """The slot for a new session. `slots` must be non-empty and list every slot id once. `spawn=False`
+    for a displaced session: it is no subagent, so "the owner that just answered is its parent" is void."""
     if not slots:
         raise ValueError("no slots to choose from")
     if policy is Policy.SEED:
         best = min(slots, key=lambda v: seed_key(v, now, ttl))
         return Choice(best.id, "seed-claimed-coldest" if is_claimed(best, now, ttl) else "seed-free")
     if policy is Policy.AUTO:
-        best = min(slots, key=lambda v: auto_key(v, now, ttl, prefix, reserved))
-        return Choice(best.id, _reason(best, now, ttl, prefix))
+        best = min(slots, key=lambda v: auto_key(v, now, ttl, prefix, reserved, spawn))
+        return Choice(best.id, _reason(best, now, ttl, prefix, spawn))
     raise ValueError(f"policy {policy.value!r} does not choose slots")
 
 

@@ -19,7 +19,6 @@ new one through the ranking.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -194,22 +193,36 @@ def prune(st: ServerState, now: float, keep_seconds: float) -> None:
 
 
 def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
-          local: Mapping[str, Assignment] | None = None) -> list[SlotView]:
+          local: SessionTable | None = None) -> list[SlotView]:
     """One `SlotView` per slot id: `/slots` numbers (when reachable) merged with the claims. `local` is this
-    process's own session table: fresher than the file (touches reach it only every 2 s), and the only
-    place that knows when an owner's last answer completed."""
+    process's own session table: fresher than the file (touches reach it only every 2 s), the only place
+    that knows when an owner's last answer completed, and the only place that knows which session ran on
+    a slot *last* (a known session pinned back to its slot claims nothing in the file)."""
     by_id: dict[int, dict[str, Any]] = {}
     for entry in live or []:
         sid = _int(entry.get("id")) if isinstance(entry, dict) else None
         if sid is not None:
             by_id[sid] = entry
+    sessions = local.sessions if local is not None else {}
     out = []
     for sid in range(total_slots):
         entry = by_id.get(sid, {})
-        rec = st.slots.get(sid)
-        mine = (local or {}).get(rec.owner) if rec and rec.owner else None
-        if mine is not None and mine.slot == sid:
-            rec = replace(rec, last_used=max(rec.last_used, mine.last_used), requests=max(rec.requests, mine.requests))
+        rec = st.slots.get(sid)  # the newest claim in the file, by any process
+        holder = local.holders.get(sid) if local is not None else None
+        mine = sessions.get(holder) if holder is not None else None
+        if (mine is not None and mine.slot == sid
+                and (rec is None or rec.owner == holder or rec.last_used <= mine.last_used)):
+            same = rec is not None and rec.owner == holder
+            rec = SlotRecord(last_used=max(mine.last_used, rec.last_used if same and rec else 0.0), owner=holder,
+                             requests=max(mine.requests, rec.requests if same and rec else 0),
+                             prefix=mine.prefix if mine.prefix is not None else (rec.prefix if rec else None))
+        else:  # the file's owner, with what this process knows about it (fresher last use, answer time)
+            mine = sessions.get(rec.owner) if rec is not None and rec.owner else None
+            if mine is not None and mine.slot == sid and rec is not None:
+                rec = replace(rec, last_used=max(rec.last_used, mine.last_used),
+                              requests=max(rec.requests, mine.requests))
+            else:
+                mine = None
         n_tokens = _int(entry.get("n_prompt_tokens"))
         if live is not None and entry and n_tokens is None:
             n_tokens = 0  # a slot that never ran a task lists no counters: it is empty
@@ -221,7 +234,7 @@ def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
             owner=rec.owner if rec else None,
             owner_requests=rec.requests if rec else 0,
             prefix=rec.prefix if rec else None,
-            owner_done=mine.done if mine is not None and mine.slot == sid else None,
+            owner_done=mine.done if mine is not None else None,
         ))
     return out
 
@@ -247,6 +260,12 @@ class SessionTable:
     ttl: float
     sessions: dict[str, Assignment] = field(default_factory=dict)
     dirty: set[str] = field(default_factory=set)
+    holders: dict[int, str] = field(default_factory=dict)  # slot -> the session whose request ran there last
+
+    def displaced(self, key: str, slot: int) -> bool:
+        """Another session ran on `slot` since `key` last did: the slot no longer holds key's conversation."""
+        holder = self.holders.get(slot)
+        return holder is not None and holder != key
 
     def live(self, key: str, now: float) -> Assignment | None:
         a = self.sessions.get(key)
@@ -258,6 +277,7 @@ class SessionTable:
                requests: int = 0) -> Assignment:
         a = Assignment(slot=slot, last_used=now, requests=requests, prefix=prefix, reason=reason)
         self.sessions[key] = a
+        self.holders[slot] = key
         return a
 
     def use(self, key: str, now: float) -> Assignment:
@@ -267,6 +287,16 @@ class SessionTable:
         a.requests += 1
         self.dirty.add(key)
         return a
+
+    def answered(self, key: str, slot: int | None, now: float) -> None:
+        """A response of `key` completed on `slot`: the slot now holds key's conversation. Completion, not
+        start, decides: requests pinned to one busy slot wait and may run in any order."""
+        a = self.sessions.get(key)
+        if a is None:
+            return
+        a.done = now
+        if slot is not None and slot == a.slot:
+            self.holders[slot] = key
 
     def drain(self) -> dict[str, Assignment]:
         """The touches to flush, emptied."""
@@ -278,7 +308,11 @@ class SessionTable:
         """After a resize: every assignment may be out of range; re-choose on the next request."""
         self.sessions.clear()
         self.dirty.clear()
+        self.holders.clear()
 
     def release(self, key: str) -> bool:
         self.dirty.discard(key)
-        return self.sessions.pop(key, None) is not None
+        a = self.sessions.pop(key, None)
+        if a is not None and self.holders.get(a.slot) == key:
+            del self.holders[a.slot]
+        return a is not None

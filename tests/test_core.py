@@ -69,3 +69,60 @@ def test_fallback():
     assert core.fallback("k", None) is None
     c = core.fallback("k", 4)
     assert c is not None and 0 <= c.slot < 4 and c.reason == "hash-fallback"
+
+
+def two_sessions_and_a_displacer(table: st.SessionTable, state: st.ServerState, t_b: float) -> None:
+    """A ran on slot 0 at t=0 and answered at 1; B ran on slot 1 at t_b and answered 1 s later; C, new,
+    then took slot 0 at 20 and answered at 21. S works on slot 2, the side-call slot of a 3-slot server."""
+    for key, slot, t in (("A", 0, 0.0), ("B", 1, t_b), ("S", 2, 20.5), ("C", 0, 20.0)):
+        st.claim(state, key, slot, t)
+        table.assign(key, slot, t, prefix=None, reason="x")
+        table.answered(key, slot, t + 1)
+
+
+def test_a_known_session_whose_slot_ran_another_session_is_displaced():
+    table = st.SessionTable(120)
+    first = plan(table=table)
+    assert first.session is not None
+    key = first.session.key
+    table.assign(key, 2, 0.0, prefix=None, reason="x")
+    table.answered(key, 2, 1.0)
+    assert plan(table=table, now=5.0).reason == "known"
+    table.assign("other", 2, 6.0, prefix=None, reason="x")  # another session was placed on slot 2
+    moved = plan(table=table, now=10.0)
+    assert (moved.kind, moved.reason, moved.slot) == ("need_slot", "displaced", 2)
+    table.answered("someone-else", 2, 11.0)  # not a session of this table: changes nothing
+    table.answered(key, 3, 11.0)  # an answer from another slot does not make slot 2 ours again
+    assert plan(table=table, now=12.0).reason == "displaced"
+    table.answered(key, 2, 12.0)
+    assert plan(table=table, now=13.0).reason == "known"
+
+
+def test_a_displaced_session_moves_to_a_long_idle_owners_slot():
+    """B has been idle for 21 s, the displacer C answered 1 s ago: A takes B's slot, not its own back."""
+    table, state = st.SessionTable(120), st.ServerState("u", total_slots=3)
+    two_sessions_and_a_displacer(table, state, t_b=0.0)
+    choice = core.assign(core.Config(), state, "A", None, [], 3, 22.0, local=table, displaced_from=0)
+    assert choice == core.Choice(1, "evict-cheapest")
+    assert state.slots[1].owner == "A"
+
+
+def test_a_displaced_session_shares_its_slot_rather_than_evict_an_active_one():
+    """B answered 2 s ago (an agent between two tool calls): A stays on its slot, which C shares with it, so
+    the damage stays on one slot instead of cascading to B and on."""
+    table, state = st.SessionTable(120), st.ServerState("u", total_slots=3)
+    two_sessions_and_a_displacer(table, state, t_b=19.0)
+    choice = core.assign(core.Config(), state, "A", None, [], 3, 22.0, local=table, displaced_from=0)
+    assert choice == core.Choice(0, "shared")
+    assert state.slots[0].owner == "A"
+
+
+def test_a_displaced_session_takes_a_free_slot_and_ignores_the_spawn_rule():
+    """A free slot is always worth it. And C answered moments ago, which for a *new* session would make C
+    look like a waiting parent; a displaced session is nobody's subagent."""
+    table, state = st.SessionTable(120), st.ServerState("u", total_slots=4)
+    two_sessions_and_a_displacer(table, state, t_b=19.0)
+    choice = core.assign(core.Config(), state, "A", None, [], 4, 22.0, local=table, displaced_from=0)
+    assert choice == core.Choice(3, "free-empty")
+    newcomer = core.assign(core.Config(), state, "D", None, [], 4, 22.5, local=table)
+    assert newcomer.reason == "evict-waiting-parent"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from slotlogic.ranking import Choice, Policy, SlotView, choose, hash_slot
+from slotlogic.ranking import Choice, Policy, SlotView, choose, hash_slot, worth_moving
 
 NOW, TTL = 1000.0, 120.0
 FRESH, STALE = NOW - 10, NOW - 500  # claimed (within TTL) / abandoned
@@ -100,3 +100,20 @@ def test_auto_gives_a_subagent_its_waiting_parents_slot():
     assert choose(Policy.AUTO, slots, NOW, TTL) == Choice(2, "evict-waiting-parent")
     stale = [*slots[:2], SlotView(2, 1200, last_used=NOW - 3, owner="p", owner_requests=9, owner_done=NOW - 10)]
     assert choose(Policy.AUTO, stale, NOW, TTL) == Choice(0, "evict-cheapest")
+
+
+def test_worth_moving_only_to_free_or_long_idle_slots():
+    own = SlotView(0, 900, last_used=NOW - 2, owner="c", owner_requests=1, owner_done=NOW - 1)
+    assert not worth_moving(own, own, NOW, TTL)
+    assert worth_moving(SlotView(1, 900), own, NOW, TTL)  # nobody's
+    assert worth_moving(SlotView(1, 900, last_used=STALE, owner="x"), own, NOW, TTL)  # expired claim
+    assert not worth_moving(SlotView(1, 0, busy=True), own, NOW, TTL)
+    recent = SlotView(1, 900, last_used=NOW - 30, owner="b", owner_done=NOW - 4)
+    assert not worth_moving(recent, own, NOW, TTL)  # idle 4 s: an agent between two calls
+    cold = SlotView(1, 900, last_used=NOW - 30, owner="b", owner_done=NOW - 6)
+    assert worth_moving(cold, own, NOW, TTL)
+    idle_displacer = SlotView(0, 900, last_used=NOW - 10, owner="c", owner_done=NOW - 3)
+    assert not worth_moving(cold, idle_displacer, NOW, TTL)  # 6 s is not long next to the displacer's 3 s
+    busy_displacer = SlotView(0, 900, busy=True, last_used=NOW - 1, owner="c")
+    assert worth_moving(cold, busy_displacer, NOW, TTL)  # staying would queue behind it
+    assert not worth_moving(recent, busy_displacer, NOW, TTL)
