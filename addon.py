@@ -246,6 +246,8 @@ class SlotKeeper:
         info.slot = result.slot
         if result.client_slot_kept and result.slot != slot:
             info.reason = "client-id_slot"
+        if plan.side:
+            rt.table.side_call(now)
         if plan.session.key in rt.table.sessions:  # side calls on the reserved slot are not sessions
             rt.use(plan.session.key, now)
         if result.changed:

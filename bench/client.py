@@ -3,8 +3,8 @@
 Why streamed: agent clients stream, and with `stream_options.include_usage` llama-server puts its `timings`
 (`cache_n`, `prompt_n`: what the server itself reused and prefilled) on the extra chunk whose `choices`
 is `[]`; without it they ride on the `finish_reason` chunk. We keep the last `timings`/`usage` seen, so
-both layouts work. One HTTP write can carry several SSE events and one event can be split across writes,
-hence `SSEParser`.
+both layouts work. One HTTP write can carry several SSE events and one event can be split across writes:
+the addon's own incremental parser (`slotlogic.observe.SSEParser`) handles both.
 
 Concurrency model: one asyncio task (and one keep-alive `httpx.AsyncClient`) per session; a session's
 requests are sequential with think time in between, sessions run at the same time.
@@ -21,54 +21,9 @@ from typing import Any
 import httpx
 
 from bench.workload import RequestSpec, Workload
+from slotlogic.observe import SSEParser
 
 REQUEST_TIMEOUT_S = 300.0
-
-
-class SSEParser:
-    """Incremental `text/event-stream` parser that yields the `data` payload of each complete event.
-
-    Handles events split across chunks, several events per chunk, `\\r\\n` line ends, comment lines
-    (`: ping`) and multi-line data. `data: [DONE]` is not yielded; it sets `done`.
-    """
-
-    def __init__(self) -> None:
-        self._buf = b""
-        self.done = False
-
-    def feed(self, chunk: bytes) -> list[str]:
-        self._buf += chunk
-        # Normalise line ends, but keep a trailing lone \r: its \n may be in the next chunk.
-        tail = b"\r" if self._buf.endswith(b"\r") else b""
-        body = self._buf[: len(self._buf) - len(tail)].replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        *events, rest = body.split(b"\n\n")
-        self._buf = rest + tail
-        out: list[str] = []
-        for event in events:
-            data = self._data(event)
-            if data is None:
-                continue
-            if data.strip() == "[DONE]":
-                self.done = True
-                continue
-            out.append(data)
-        return out
-
-    def flush(self) -> list[str]:
-        """Payload of a final event that was not terminated by a blank line (if any)."""
-        rest, self._buf = self._buf, b""
-        data = self._data(rest.replace(b"\r\n", b"\n"))
-        if data is None or data.strip() == "[DONE]":
-            self.done = self.done or data is not None
-            return []
-        return [data]
-
-    @staticmethod
-    def _data(event: bytes) -> str | None:
-        lines = [ln for ln in event.decode("utf-8", "replace").split("\n") if ln.startswith("data:")]
-        if not lines:
-            return None
-        return "\n".join(ln[5:].removeprefix(" ") for ln in lines)
 
 
 @dataclass
@@ -93,8 +48,11 @@ class RequestRecord:
         return asdict(self)
 
 
-def apply_event(rec: RequestRecord, event: dict[str, Any]) -> None:
+def apply_event(rec: RequestRecord, event: Any) -> None:
     """Keep the latest `timings` and `usage` of a chat chunk (the final one wins)."""
+    if not isinstance(event, dict):
+        rec.error = f"unexpected SSE data: {json.dumps(event)[:120]}"
+        return
     timings = event.get("timings")
     if isinstance(timings, dict):
         rec.prompt_n = timings.get("prompt_n", rec.prompt_n)
@@ -119,15 +77,12 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], rec: R
                 return
             parser = SSEParser()
             async for chunk in resp.aiter_raw():
-                for data in parser.feed(chunk):
+                for event in parser.feed(chunk):
                     if rec.ttft_s is None:
                         rec.ttft_s = time.perf_counter() - t0
-                    try:
-                        apply_event(rec, json.loads(data))
-                    except json.JSONDecodeError:
-                        rec.error = f"bad SSE data: {data[:120]!r}"
-            for data in parser.flush():
-                apply_event(rec, json.loads(data))
+                    apply_event(rec, event)
+            for event in parser.close():
+                apply_event(rec, event)
             if rec.prompt_n is None and rec.error is None:
                 rec.error = "no timings in stream"
     except (httpx.HTTPError, OSError) as e:

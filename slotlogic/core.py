@@ -109,7 +109,8 @@ def assign(cfg: Config, state: st.ServerState, session_key: str, prefix: str | N
             st.claim(state, session_key, owned, now, prefix=prefix, requests=(rec.requests if rec else 0) + 1)
             return Choice(owned, "resumed")
     choice = ranking.choose(cfg.policy, views, now, cfg.ttl, prefix=prefix,
-                            reserved=reserved if cfg.policy is Policy.AUTO else None,
+                            reserved=reserved if cfg.policy is Policy.AUTO and (local is None or local.reserving(now))
+                            else None,
                             spawn=displaced_from is None)
     if (displaced_from is not None and displaced_from < total_slots and choice.slot != displaced_from
             and not ranking.worth_moving(views[choice.slot], views[displaced_from], now, cfg.ttl)):

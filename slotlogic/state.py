@@ -261,6 +261,15 @@ class SessionTable:
     sessions: dict[str, Assignment] = field(default_factory=dict)
     dirty: set[str] = field(default_factory=set)
     holders: dict[int, str] = field(default_factory=dict)  # slot -> the session whose request ran there last
+    last_side_call: float | None = None
+
+    def side_call(self, now: float) -> None:
+        self.last_side_call = now
+
+    def reserving(self, now: float) -> bool:
+        """Whether the side-call slot is kept back: only while side calls come (within the TTL). A reservation
+        nobody uses would cost every session a quarter of a 4-slot server."""
+        return self.last_side_call is not None and now - self.last_side_call < self.ttl
 
     def displaced(self, key: str, slot: int) -> bool:
         """Another session ran on `slot` since `key` last did: the slot no longer holds key's conversation."""

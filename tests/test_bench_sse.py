@@ -1,10 +1,11 @@
-"""SSE parsing and timings extraction of the benchmark client (llama-server chat stream layouts)."""
+"""The benchmark client's stream handling: llama-server's chat stream layouts through the addon's SSE parser."""
 
 from __future__ import annotations
 
 import json
 
-from bench.client import RequestRecord, SSEParser, apply_event
+from bench.client import RequestRecord, apply_event
+from slotlogic.observe import SSEParser
 
 CHUNK = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
 FINAL = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
@@ -19,21 +20,20 @@ def stream(*events: dict) -> bytes:
 
 def parse_all(chunks: list[bytes]) -> tuple[list[dict], SSEParser]:
     p = SSEParser()
-    out = [json.loads(d) for c in chunks for d in p.feed(c)]
-    out += [json.loads(d) for d in p.flush()]
+    out = [e for c in chunks for e in p.feed(c)]
+    out += list(p.close())
     return out, p
 
 
 def test_several_events_in_one_chunk_and_done_skipped() -> None:
-    events, p = parse_all([stream(CHUNK, FINAL, USAGE)])
+    events, _ = parse_all([stream(CHUNK, FINAL, USAGE)])
     assert events == [CHUNK, FINAL, USAGE]
-    assert p.done
 
 
 def test_events_split_at_every_byte() -> None:
     raw = stream(CHUNK, FINAL, USAGE)
-    events, p = parse_all([raw[i:i + 1] for i in range(len(raw))])
-    assert events == [CHUNK, FINAL, USAGE] and p.done
+    events, _ = parse_all([raw[i:i + 1] for i in range(len(raw))])
+    assert events == [CHUNK, FINAL, USAGE]
 
 
 def test_crlf_split_between_chunks_comments_and_multiline_data() -> None:
@@ -59,3 +59,9 @@ def test_error_event_is_recorded() -> None:
     rec = RequestRecord("c", "w", "s0", 0, 0.0, None, 0.0, 200)
     apply_event(rec, {"error": {"code": 500, "message": "boom"}})
     assert rec.error is not None and "boom" in rec.error
+
+
+def test_non_object_data_is_an_error_not_a_crash() -> None:
+    rec = RequestRecord("c", "w", "s0", 0, 0.0, None, 0.0, 200)
+    apply_event(rec, [1, 2])
+    assert rec.error is not None and "unexpected" in rec.error

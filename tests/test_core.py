@@ -1,5 +1,9 @@
 """The request plan and the claim, as pure functions."""
 
+import copy
+
+import pytest
+
 from slotlogic import core
 from slotlogic import state as st
 from slotlogic.ranking import Policy
@@ -98,23 +102,19 @@ def test_a_known_session_whose_slot_ran_another_session_is_displaced():
     assert plan(table=table, now=13.0).reason == "known"
 
 
-def test_a_displaced_session_moves_to_a_long_idle_owners_slot():
-    """B has been idle for 21 s, the displacer C answered 1 s ago: A takes B's slot, not its own back."""
+@pytest.mark.parametrize(("t_b", "expected"), [
+    # B idle for 21 s, the displacer C answered 1 s ago: A takes B's slot rather than its own back.
+    (0.0, core.Choice(1, "evict-cheapest")),
+    # B answered 2 s ago (an agent between two tool calls): A stays on its slot, which C shares with it, so
+    # the damage stays on one slot instead of cascading to B and on.
+    (19.0, core.Choice(0, "shared")),
+], ids=["moves-to-a-long-idle-owner", "shares-rather-than-evict-an-active-one"])
+def test_a_displaced_session_moves_only_where_it_costs_little(t_b, expected):
     table, state = st.SessionTable(120), st.ServerState("u", total_slots=3)
-    two_sessions_and_a_displacer(table, state, t_b=0.0)
+    two_sessions_and_a_displacer(table, state, t_b=t_b)
     choice = core.assign(core.Config(), state, "A", None, [], 3, 22.0, local=table, displaced_from=0)
-    assert choice == core.Choice(1, "evict-cheapest")
-    assert state.slots[1].owner == "A"
-
-
-def test_a_displaced_session_shares_its_slot_rather_than_evict_an_active_one():
-    """B answered 2 s ago (an agent between two tool calls): A stays on its slot, which C shares with it, so
-    the damage stays on one slot instead of cascading to B and on."""
-    table, state = st.SessionTable(120), st.ServerState("u", total_slots=3)
-    two_sessions_and_a_displacer(table, state, t_b=19.0)
-    choice = core.assign(core.Config(), state, "A", None, [], 3, 22.0, local=table, displaced_from=0)
-    assert choice == core.Choice(0, "shared")
-    assert state.slots[0].owner == "A"
+    assert choice == expected
+    assert state.slots[expected.slot].owner == "A"
 
 
 def test_a_displaced_session_takes_a_free_slot_and_ignores_the_spawn_rule():
@@ -126,3 +126,19 @@ def test_a_displaced_session_takes_a_free_slot_and_ignores_the_spawn_rule():
     assert choice == core.Choice(3, "free-empty")
     newcomer = core.assign(core.Config(), state, "D", None, [], 4, 22.5, local=table)
     assert newcomer.reason == "evict-waiting-parent"
+
+
+def test_the_side_call_slot_is_held_back_only_while_side_calls_come():
+    """Slot 2 (the highest, kept for side calls) has the coldest owner. Without side calls it is an ordinary
+    slot and the new session evicts it; after a side call it is used last; a TTL later it is ordinary again."""
+    table, state = st.SessionTable(120), st.ServerState("u", total_slots=3)
+    for key, slot, t in (("A", 2, 0.0), ("B", 0, 10.0), ("C", 1, 20.0)):
+        st.claim(state, key, slot, t)
+        table.assign(key, slot, t, prefix=None, reason="x")
+        table.answered(key, slot, t + 1)
+    pick = lambda now: core.assign(core.Config(), copy.deepcopy(state), "N", None, [], 3, now,  # noqa: E731
+                                   local=table).slot
+    assert pick(30.0) == 2
+    table.side_call(30.0)
+    assert table.reserving(31.0) and pick(31.0) == 0
+    assert not table.reserving(150.0)
