@@ -261,6 +261,7 @@ class SessionTable:
     sessions: dict[str, Assignment] = field(default_factory=dict)
     dirty: set[str] = field(default_factory=set)
     holders: dict[int, str] = field(default_factory=dict)  # slot -> the session whose request ran there last
+    running: dict[int, str] = field(default_factory=dict)  # slot -> the session whose request went there last
     last_side_call: float | None = None
 
     def side_call(self, now: float) -> None:
@@ -272,9 +273,9 @@ class SessionTable:
         return self.last_side_call is not None and now - self.last_side_call < self.ttl
 
     def displaced(self, key: str, slot: int) -> bool:
-        """Another session ran on `slot` since `key` last did: the slot no longer holds key's conversation."""
-        holder = self.holders.get(slot)
-        return holder is not None and holder != key
+        """Another session ran on `slot` since `key` last did, or has a request on its way there (ours would
+        queue behind it): either way the slot will not hold key's conversation when ours runs."""
+        return self.holders.get(slot, key) != key or self.running.get(slot, key) != key
 
     def live(self, key: str, now: float) -> Assignment | None:
         a = self.sessions.get(key)
@@ -287,6 +288,7 @@ class SessionTable:
         a = Assignment(slot=slot, last_used=now, requests=requests, prefix=prefix, reason=reason)
         self.sessions[key] = a
         self.holders[slot] = key
+        self.running[slot] = key
         return a
 
     def use(self, key: str, now: float) -> Assignment:
@@ -294,6 +296,7 @@ class SessionTable:
         a = self.sessions[key]
         a.last_used = now
         a.requests += 1
+        self.running[a.slot] = key
         self.dirty.add(key)
         return a
 
@@ -306,6 +309,8 @@ class SessionTable:
         a.done = now
         if slot is not None and slot == a.slot:
             self.holders[slot] = key
+            if self.running.get(slot) == key:
+                del self.running[slot]
 
     def drain(self) -> dict[str, Assignment]:
         """The touches to flush, emptied."""
@@ -318,10 +323,13 @@ class SessionTable:
         self.sessions.clear()
         self.dirty.clear()
         self.holders.clear()
+        self.running.clear()
 
     def release(self, key: str) -> bool:
         self.dirty.discard(key)
         a = self.sessions.pop(key, None)
-        if a is not None and self.holders.get(a.slot) == key:
-            del self.holders[a.slot]
+        if a is not None:
+            for where in (self.holders, self.running):
+                if where.get(a.slot) == key:
+                    del where[a.slot]
         return a is not None

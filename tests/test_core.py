@@ -93,6 +93,8 @@ def test_a_known_session_whose_slot_ran_another_session_is_displaced():
     table.answered(key, 2, 1.0)
     assert plan(table=table, now=5.0).reason == "known"
     table.assign("other", 2, 6.0, prefix=None, reason="x")  # another session was placed on slot 2
+    assert plan(table=table, now=7.0).reason == "displaced"  # ours would queue behind its request
+    table.answered("other", 2, 8.0)
     moved = plan(table=table, now=10.0)
     assert (moved.kind, moved.reason, moved.slot) == ("need_slot", "displaced", 2)
     table.answered("someone-else", 2, 11.0)  # not a session of this table: changes nothing
