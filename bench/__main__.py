@@ -40,8 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--turns", type=int, default=None,
                     help="requests per main conversation (default: the workload's own, agents 3, fits 2)")
     ap.add_argument("--subagent-turns", type=int, default=3, help="requests per subagent (agents only)")
-    ap.add_argument("--max-tokens", type=int, default=1,
-                    help="tokens generated per request (assistant turns are scripted; 1 keeps decode out of the way)")
+    ap.add_argument("--max-tokens", type=int, default=4,
+                    help="tokens generated per request (assistant turns are scripted: decode only shapes timing)")
     ap.add_argument("--threads", type=int, default=None,
                     help="llama-server compute threads (default: 2 on an idle machine, else 1; see "
                          "bench/configs.py)")
