@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-restart", action="store_true", help="skip the server-restart scenario")
-    ap.add_argument("--overhead-requests", type=int, default=1500, help="requests per overhead target")
+    ap.add_argument("--overhead-requests", type=int, default=1000, help="requests per overhead target")
     a = ap.parse_args(argv)
     a.workloads = _pick(ap, a.workloads, WORKLOADS, "workload")
     a.configs = _pick(ap, a.configs, configs.CONFIGS, "configuration")

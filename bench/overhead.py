@@ -73,7 +73,7 @@ def _wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 1
     raise TimeoutError("fake upstream did not start")
 
 
-def measure(body: dict[str, Any], requests: int = 1500, rounds: int = 6,
+def measure(body: dict[str, Any], requests: int = 1000, rounds: int = 6,
             log_dir: Path | None = None) -> dict[str, Any]:
     """Requests interleaved over the three targets, in `rounds` blocks (a p50 per block shows the spread);
     returns per-target stats and the addon's cost."""
