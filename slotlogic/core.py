@@ -108,15 +108,16 @@ def assign(cfg: Config, state: st.ServerState, session_key: str, prefix: str | N
             rec = state.sessions.get(session_key)
             st.claim(state, session_key, owned, now, prefix=prefix, requests=(rec.requests if rec else 0) + 1)
             return Choice(owned, "resumed")
-    choice = ranking.choose(cfg.policy, views, now, cfg.ttl, prefix=prefix,
-                            reserved=reserved if cfg.policy is Policy.AUTO and (local is None or local.reserving(now))
-                            else None,
+    held_back = reserved if cfg.policy is Policy.AUTO and (local is None or local.reserving(now)) else None
+    choice = ranking.choose(cfg.policy, views, now, cfg.ttl, prefix=prefix, reserved=held_back,
                             spawn=displaced_from is None)
-    if (displaced_from is not None and displaced_from < total_slots and choice.slot != displaced_from
-            and not ranking.worth_moving(views[choice.slot], views[displaced_from], now, cfg.ttl)):
-        choice = Choice(displaced_from, "shared")
-    rec = state.sessions.get(session_key)
-    requests = (rec.requests if rec else 0) + 1 if displaced_from is not None else 1
+    requests = 1
+    if displaced_from is not None and displaced_from < total_slots:
+        if choice.slot != displaced_from and not ranking.worth_moving(views[choice.slot], views[displaced_from],
+                                                                      now, cfg.ttl):
+            choice = Choice(displaced_from, "shared")
+        rec = state.sessions.get(session_key)
+        requests = (rec.requests if rec else 0) + 1
     st.claim(state, session_key, choice.slot, now, prefix=prefix, requests=requests)
     return choice
 
