@@ -54,6 +54,7 @@ class SlotKeeper:
         self.flush_interval = 2.0
         self.probe_interval = 15.0
         self.checkpoints: CheckpointSettings | None = None
+        self.page_max_mb = 8192
         self.fronted: set[str] = set()
         self.keep_streams = False
         self.request_log = RequestLog("mitmproxy", "info")
@@ -89,6 +90,12 @@ class SlotKeeper:
         loader.add_option("slots_save_dir", str, "",
                           "llama-server's --slot-save-path (the same directory), for checkpoint files and their "
                           "cleanup.")
+        loader.add_option("slots_paging", bool, True,
+                          "Session paging (needs slots_save_dir): before a slot goes to another session, save "
+                          "its holder's conversation there; when that session returns, restore it instead of "
+                          "prefilling it again.")
+        loader.add_option("slots_page_max_mb", int, 8192,
+                          "Cap on session page files in slots_save_dir; the least recently saved go first.")
         loader.add_option("slots_server_id", str, "",
                           "Your name for the llama-server build; part of the checkpoint fingerprint (bump it "
                           "after an upgrade to force one clean rebuild).")
@@ -136,6 +143,10 @@ class SlotKeeper:
             raise exceptions.OptionsError(f"slots_prefix_cache must be off, memory or disk, not {mode!r}")
         if mode == "disk" and o.slots_save_dir and not os.path.isdir(os.path.expanduser(o.slots_save_dir)):
             raise exceptions.OptionsError(f"slots_save_dir {o.slots_save_dir!r} is not a directory")
+        if o.slots_paging and o.slots_save_dir and not os.path.isdir(os.path.expanduser(o.slots_save_dir)):
+            raise exceptions.OptionsError(f"slots_save_dir {o.slots_save_dir!r} is not a directory")
+        if o.slots_page_max_mb < 1:
+            raise exceptions.OptionsError("slots_page_max_mb must be ≥ 1 (turn paging off with slots_paging)")
         if min(o.slots_checkpoint_ttl_days, o.slots_checkpoint_keep, o.slots_checkpoint_max_mb) < 0:
             raise exceptions.OptionsError("slots_checkpoint_* options must be ≥ 0")
         self.checkpoints = CheckpointSettings(
@@ -147,7 +158,9 @@ class SlotKeeper:
         self.cfg = core.Config(policy=policy, ttl=float(o.slots_ttl),
                                override_client=o.slots_override_client, header_names=headers,
                                side_patterns=patterns, side_slot=o.slots_side_slot,
-                               markers=markers or pfx.DEFAULT_MARKERS)
+                               markers=markers or pfx.DEFAULT_MARKERS,
+                               paging=bool(o.slots_paging and o.slots_save_dir))
+        self.page_max_mb = o.slots_page_max_mb
         self.state_dir = Path(o.slots_state_dir).expanduser() if o.slots_state_dir else default_state_dir()
         self.probe_interval = float(o.slots_probe_interval)
         self.log_file = o.slots_log_file or None
@@ -161,10 +174,15 @@ class SlotKeeper:
             rt.reconfigure(self.cfg, self.state_dir)
             rt.probe_interval = self.probe_interval
             rt.enable_checkpoints(self.checkpoint_settings(rt.upstream), self.state_dir)
+            rt.enable_paging(self.page_dir(rt.upstream), self.page_max_mb)
 
     def checkpoint_settings(self, upstream: str) -> CheckpointSettings | None:
         """Checkpoints act only for a server this proxy fronts in reverse mode (never for other hosts)."""
         return self.checkpoints if upstream in self.fronted else None
+
+    def page_dir(self, upstream: str) -> str | None:
+        """Paging, like checkpoints, acts only for a server this proxy fronts in reverse mode."""
+        return self.checkpoints.save_dir if self.checkpoints and upstream in self.fronted else None
 
     def runtime(self, upstream: str, *, offline: bool = False) -> ServerRuntime:
         """The driver for one upstream. Saved flows (`mitmdump -nr`) get a separate offline runtime with a
@@ -178,6 +196,7 @@ class SlotKeeper:
             rt.offline = offline
             if not offline:
                 rt.enable_checkpoints(self.checkpoint_settings(upstream), self.state_dir)
+                rt.enable_paging(self.page_dir(upstream), self.page_max_mb)
             rt.log_event = self.write_jsonl
             self.runtimes[key] = rt
         return rt
@@ -197,6 +216,7 @@ class SlotKeeper:
         except Exception as e:  # fail open: the original request goes out untouched
             flow.request.headers.fields = original_fields
             flow.request.raw_content = original
+            self.release(flow)
             self.flows.pop(flow.id, None)
             log.warning("slotkeeper: internal error on %s %s, forwarded unchanged: %r",
                         flow.request.method, flow.request.path, e)
@@ -234,7 +254,7 @@ class SlotKeeper:
         slot = plan.slot
         if plan.kind == "need_slot":
             choice, info.facts = await rt.new_session(
-                plan, now, facts=recorded.get("facts") if isinstance(recorded, dict) else None)
+                plan, now, facts=recorded.get("facts") if isinstance(recorded, dict) else None, flow_id=flow.id)
             if choice is None:
                 info.reason = "unpinned: server unknown"
                 return
@@ -254,10 +274,18 @@ class SlotKeeper:
             raw_headers.set_content(req, rewrite.splice(content, body, result) or json.dumps(
                 result.body, ensure_ascii=False, separators=(",", ":")).encode())
 
+    def release(self, flow: http.HTTPFlow) -> None:
+        """Let the next pager of this flow's slot go: the request has reached the server, or never will."""
+        info = self.flows.get(flow.id)
+        rt = self.runtimes.get(info.upstream) if info is not None and flow.live else None
+        if rt is not None and rt.pager is not None:
+            rt.release_slot(flow.id)
+
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         info = self.flows.get(flow.id)
         if info is None or flow.response is None:
             return
+        self.release(flow)
         try:
             added = []
             if info.slot is not None:
@@ -301,6 +329,7 @@ class SlotKeeper:
             log.warning("slotkeeper: could not read the response of %s: %r", flow.request.path, e)
 
     def error(self, flow: http.HTTPFlow) -> None:
+        self.release(flow)
         info = self.flows.pop(flow.id, None)
         if info is None:
             return
@@ -419,6 +448,9 @@ class SlotKeeper:
                 for key in st.match_sessions(list({*state.sessions, *rt.table.sessions}), session):
                     rt.table.release(key)
                     slot = st.release(state, key)
+                    page = state.pages.pop(key, None)
+                    if page is not None and rt.pager is not None:
+                        rt.pager.delete([page.file])
                     done.append(f"{key[:8]} (slot {fmt(slot)}) on {rt.upstream}")
         return "released: " + (", ".join(done) or f"no session matches {session!r}")
 

@@ -37,16 +37,21 @@ class BenchConfig:
     proxy: bool  # False: the client talks to llama-server directly
     options: dict[str, object] = field(default_factory=dict)  # addon options (`--set key=value`)
     description: str = ""
-    checkpoints: bool = False  # the server gets a --slot-save-path and the proxy slots_save_dir = it
+    save_dir: bool = False  # the server gets a --slot-save-path and the proxy slots_save_dir = it
+    checkpoints: bool = False  # prefix checkpoints on (they need save_dir)
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("stock", proxy=False, description="llama-server defaults, no proxy"),
     BenchConfig("off", proxy=True, options={"slots_policy": "off"}, description="proxy, observe only"),
     BenchConfig("seed", proxy=True, options={"slots_policy": "seed"}, description="proxy, seed ranking"),
-    BenchConfig("auto", proxy=True, options={"slots_policy": "auto"}, description="proxy, auto policy"),
+    BenchConfig("auto-pin", proxy=True, options={"slots_policy": "auto", "slots_paging": "false"},
+                description="proxy, auto policy, pinning only (no save dir: no paging, no checkpoints)"),
+    BenchConfig("auto", proxy=True, options={"slots_policy": "auto", "slots_prefix_cache": "off"},
+                description="proxy, auto policy with session paging (save dir, checkpoints off)", save_dir=True),
     BenchConfig("auto+ckpt", proxy=True, options={"slots_policy": "auto", "slots_prefix_cache": "disk"},
-                description="proxy, auto policy, prefix checkpoints on disk", checkpoints=True),
+                description="proxy, auto policy, session paging and prefix checkpoints on disk", save_dir=True,
+                checkpoints=True),
 ]}
 DEFAULT_CONFIGS = ["stock", "off", "seed", "auto", "auto+ckpt"]
 
@@ -83,14 +88,14 @@ def stand_up(cfg: BenchConfig, log_dir: Path, tag: str = "", threads: int = 2,
         slot_dir = Path(tmp) / "slots"
         slot_dir.mkdir()
         with LlamaServer(slots=SLOTS, ctx_per_slot=CTX_PER_SLOT, threads=threads,
-                         slot_save_path=str(slot_dir) if cfg.checkpoints else None,
+                         slot_save_path=str(slot_dir) if cfg.save_dir else None,
                          log_path=str(log_dir / f"{stem}.llama.log")) as server:
             if not cfg.proxy:
                 yield Stack(server.url, server.url, server=server)
                 return
             options = {**cfg.options, "slots_state_dir": str(Path(tmp) / "state"),
                        "slots_log_file": str(log_dir / f"{stem}.requests.jsonl")}
-            if cfg.checkpoints:
+            if cfg.save_dir:
                 options["slots_save_dir"] = str(slot_dir)
             with MitmProxy(server.url, options, log_path=str(log_dir / f"{stem}.mitm.log"),
                            extra=extra) as proxy:

@@ -55,7 +55,7 @@ def measure(log_dir: Path, threads: int, seed: int, max_tokens: int,
     for name in names:
         base = configs.CONFIGS[name]
         cfg = configs.BenchConfig(base.name, base.proxy, {**base.options, "slots_probe_interval": 1},
-                                  base.description, base.checkpoints)
+                                  base.description, base.save_dir, base.checkpoints)
         with configs.stand_up(cfg, log_dir, tag="restart-", threads=threads) as stack:
             assert stack.server is not None
             asyncio.run(_ask(stack.url, wl, 0, 0, name))

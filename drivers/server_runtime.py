@@ -14,14 +14,15 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from drivers.checkpoints import CheckpointManager, CheckpointSettings
 from drivers.llama_client import LlamaClient, server_identity
+from drivers.pager import Pager
 from drivers.state_store import StateStore
-from slotlogic import core
+from slotlogic import core, paging
 from slotlogic import state as st
 from slotlogic.observe import Observation
 from slotlogic.ranking import Choice
@@ -62,7 +63,8 @@ class ServerRuntime:
     def __init__(self, upstream: str, state_dir: str | Path, cfg: core.Config, *,
                  flush_interval: float = 2.0, probe_interval: float = 15.0) -> None:
         self.upstream = upstream
-        self.cfg = cfg
+        self.paging_wanted = cfg.paging
+        self.cfg = replace(cfg, paging=False)  # until enable_paging finds a save dir
         self.client = LlamaClient(upstream)
         self.store = StateStore(state_dir, upstream)
         self.table = st.SessionTable(ttl=cfg.ttl)
@@ -79,6 +81,8 @@ class ServerRuntime:
         self._probe_now = False
         self._seeded_from_file = False
         self.checkpoints: CheckpointManager | None = None
+        self.pager: Pager | None = None
+        self._swept = False
         self.offline = False  # replaying saved flows: no network, no background task, no checkpoints
         self.log_event: Any = None  # callable(dict) for the JSONL log, set by the addon
 
@@ -89,10 +93,21 @@ class ServerRuntime:
         else:
             self.checkpoints = CheckpointManager(self.client, Path(state_dir), settings)
 
+    def enable_paging(self, save_dir: str | None, max_mb: int) -> None:
+        """Session paging through `save_dir` (llama-server's --slot-save-path); None: off."""
+        if save_dir and self.paging_wanted and not self.offline:
+            if self.pager is None or self.pager.save_dir != Path(save_dir):
+                self.pager = Pager(self.client, save_dir, max_mb * 1024 * 1024)
+            self.pager.max_bytes = max_mb * 1024 * 1024
+        else:
+            self.pager = None
+        self.cfg = replace(self.cfg, paging=self.pager is not None)
+
     # --------------------------------------------------------------------------------------- configuration
 
     def reconfigure(self, cfg: core.Config, state_dir: str | Path) -> None:
-        self.cfg = cfg
+        self.paging_wanted = cfg.paging
+        self.cfg = replace(cfg, paging=cfg.paging and self.pager is not None)
         self.table.ttl = cfg.ttl
         if Path(state_dir) != self.store.dir:
             self.store = StateStore(state_dir, self.upstream)
@@ -134,13 +149,15 @@ class ServerRuntime:
             self._seeded_from_file = True
             self.total_slots = self.store.read().total_slots
 
-    async def new_session(self, plan: core.Plan, now: float,
-                          facts: dict[str, Any] | None = None) -> tuple[Choice | None, dict[str, Any] | None]:
+    async def new_session(self, plan: core.Plan, now: float, facts: dict[str, Any] | None = None,
+                          flow_id: str = "") -> tuple[Choice | None, dict[str, Any] | None]:
         """Choose and claim a slot for `plan.session`; also returns the server facts the choice used.
 
         Choice None: no slot count known at all (the request passes unpinned). Offline (replay of saved
         flows) the facts recorded with the flow stand in for `/props` and `/slots`."""
         assert plan.session is not None
+        if self.pager is not None:
+            await self.pager.settled(plan.session.key)  # its page-out is in flight: page it back in after
         if self.offline:
             props, live = (facts or {}).get("props"), (facts or {}).get("slots")
             if props is None:
@@ -175,14 +192,25 @@ class ServerRuntime:
             choice = core.assign(self.cfg, state, plan.session.key, plan.prefix, live, total, now,
                                  side=plan.side, local=self.table,
                                  displaced_from=plan.slot if plan.reason == "displaced" else None)
-            st.prune(state, now, SESSION_KEEP_SECONDS)
+            dropped = st.prune(state, now, SESSION_KEEP_SECONDS)
+            page_plan = None
+            if self.pager is not None and choice.reason != "side-call":
+                page_plan = paging.plan(before[choice.slot], plan.session.key, state.pages, self.upstream,
+                                        paging.model_id(props))
+        if self.pager is not None and dropped:
+            self.pager.delete(dropped)
         self.media_marker, self.total_slots, self.n_ctx = marker, total, n_ctx
         if choice.reason == "side-call":
             return choice, facts
         self.table.assign(plan.session.key, choice.slot, now, prefix=plan.prefix, reason=choice.reason)
         if self.offline:
             return choice, facts
-        if self.checkpoints is not None and plan.stable is not None:
+        paged_in = False
+        if page_plan is not None:
+            paged_in = await self.page(page_plan, props, flow_id)
+            if paged_in:
+                choice = Choice(choice.slot, choice.reason + "+paged-in")
+        if self.checkpoints is not None and plan.stable is not None and not paged_in:
             view = before[choice.slot]
             holds = view.prefix == plan.prefix and (view.n_tokens or 0) > 0
             await self.warm_slot(choice.slot, plan, props, holds)
@@ -192,6 +220,62 @@ class ServerRuntime:
                      "(markers: %s); no checkpoint for it", plan.session.short,
                      ", ".join(repr(m) for m in self.cfg.markers))
         return choice, facts
+
+    async def page(self, page_plan: paging.PagePlan, props: dict[str, Any], flow_id: str) -> bool:
+        """Page the slot's holder out and this session in (see drivers/pager.py for the lock); True when the
+        session's conversation is back in the slot. Fails open: trouble only costs the prefill."""
+        assert self.pager is not None
+        if page_plan.empty and not self.pager.busy(page_plan.slot):
+            return False
+        if not await self.pager.hold(page_plan.slot, flow_id):
+            return False
+        if page_plan.empty:
+            return False  # nothing to move, but our request must still go after the page-in before it
+        saving = None
+        if page_plan.save_for is not None:
+            saving = self.pager.saving[page_plan.save_for] = asyncio.Event()
+        try:
+            out = await self.pager.run(page_plan)
+            model = paging.model_id(props)
+            doomed: list[str] = []
+            async with self.store.transaction() as state:
+                if out.saved_tokens is not None and page_plan.save_for and page_plan.save_file:
+                    paging.saved(state.pages, page_plan.save_for, page_plan.save_file, out.saved_tokens,
+                                 out.saved_bytes, time.time(), model)
+                if out.restore_failed and page_plan.restore_for:
+                    state.pages.pop(page_plan.restore_for, None)
+                keep = frozenset(k for k in (page_plan.save_for, page_plan.restore_for) if k)
+                for key in paging.over_budget(state.pages, self.pager.max_bytes, keep=keep):
+                    doomed.append(state.pages.pop(key).file)
+                if not self._swept:
+                    self._swept = True
+                    doomed += paging.orphans(self.pager.files(), state.pages, time.time(), SESSION_KEEP_SECONDS)
+            self.pager.delete(doomed)
+        except Exception as e:
+            log.warning("slotkeeper: paging on slot %d failed: %r; the request proceeds without it",
+                        page_plan.slot, e)
+            return False
+        finally:
+            if saving is not None:
+                saving.set()
+                if self.pager.saving.get(page_plan.save_for or "") is saving:
+                    del self.pager.saving[page_plan.save_for or ""]
+        if out.missing_save_path and "page-save-path" not in self.warned:
+            self.warned.add("page-save-path")
+            log.warning("slotkeeper: llama-server answered 501 to slot save/restore: start it with "
+                        "--slot-save-path equal to slots_save_dir, or set slots_paging=false")
+        if self.log_event is not None:
+            self.log_event({"kind": "page", "upstream": self.upstream, "slot": page_plan.slot,
+                            "out": page_plan.save_for[:8] if page_plan.save_for else None,
+                            "out_tokens": out.saved_tokens,
+                            "in": page_plan.restore_for[:8] if page_plan.restore_for else None,
+                            "in_tokens": out.restored_tokens, "seconds": round(out.seconds, 4)})
+        return out.restored_tokens is not None
+
+    def release_slot(self, flow_id: str) -> None:
+        """The flow's request reached the server (or ended): the next pager of its slot may go."""
+        if self.pager is not None:
+            self.pager.release(flow_id)
 
     async def warm_slot(self, slot: int, plan: core.Plan, props: dict[str, Any], holds: bool) -> None:
         """Restore or warm the shared prefix into the new session's slot; fail open on anything."""
@@ -212,8 +296,8 @@ class ServerRuntime:
         if "restart" in events:
             log.warning("slotkeeper: %s restarted (new media_marker): every slot is empty; sessions keep "
                         "their slots and prefill once", self.upstream)
-            if self.checkpoints is not None:
-                # Route every session through the slow path once, so its prefix is restored first.
+            if self.checkpoints is not None or self.pager is not None:
+                # Route every session through the slow path once, so its page or prefix is restored first.
                 self.table.forget_all()
         if "resize" in events:
             log.warning("slotkeeper: %s slot pool resized to a new total_slots: re-pinning every session "

@@ -38,6 +38,7 @@ class Config:
         default_factory=lambda: tuple(sidecalls.compile_patterns(sidecalls.DEFAULT_SIDE_PATTERNS)))
     side_slot: int = -1
     markers: tuple[str, ...] = pfx.DEFAULT_MARKERS
+    paging: bool = False  # sessions are paged out/in through slot files (slotlogic.paging)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def assign(cfg: Config, state: st.ServerState, session_key: str, prefix: str | N
     requests = 1
     if displaced_from is not None and displaced_from < total_slots:
         if choice.slot != displaced_from and not ranking.worth_moving(views[choice.slot], views[displaced_from],
-                                                                      now, cfg.ttl):
+                                                                      now, cfg.ttl, paging=cfg.paging):
             choice = Choice(displaced_from, "shared")
         rec = state.sessions.get(session_key)
         requests = (rec.requests if rec else 0) + 1

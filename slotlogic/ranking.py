@@ -110,18 +110,23 @@ def activity(view: SlotView) -> float:
     return max(view.last_used or 0.0, view.owner_done or 0.0)
 
 
-def worth_moving(target: SlotView, own: SlotView, now: float, ttl: float) -> bool:
+def worth_moving(target: SlotView, own: SlotView, now: float, ttl: float, *, paging: bool = False) -> bool:
     """Whether a displaced session (another session ran on its slot since) should move to `target`.
 
     Its conversation is gone from its slot either way. Staying evicts the displacer, which just ran and
     will be back soon; moving evicts `target`'s owner. So it moves only where that costs little: a free
     slot, or one whose owner has been idle for a long time compared with the displacer (a parent waiting
     for its subagent, an agent its user left). Otherwise two sessions share one slot, and the damage
-    stays on that slot instead of cascading through the others."""
+    stays on that slot instead of cascading through the others.
+
+    With session paging, whoever is evicted comes back from a file in milliseconds, so what is left to
+    weigh is waiting: it moves to a free slot, or away from its own slot while that one is busy."""
     if target.id == own.id or target.busy:
         return False
     if not is_claimed(target, now, ttl):
         return True
+    if paging:
+        return own.busy
     idle_target = now - activity(target)
     if own.busy:  # staying would also queue behind the displacer
         return idle_target >= COLD_AFTER

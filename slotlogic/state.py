@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from slotlogic.paging import FILE_RE as PAGE_FILE_RE
+from slotlogic.paging import PageRecord
 from slotlogic.ranking import SlotView
 
 FORMAT_VERSION = 1
@@ -51,6 +53,7 @@ class ServerState:
     n_ctx: int | None = None
     slots: dict[int, SlotRecord] = field(default_factory=dict)
     sessions: dict[str, SessionRecord] = field(default_factory=dict)
+    pages: dict[str, PageRecord] = field(default_factory=dict)  # session key -> its paged-out conversation
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -98,6 +101,16 @@ def from_dict(data: Any, upstream: str) -> ServerState:
                 continue
             st.sessions[k] = SessionRecord(slot=slot, last_used=used, requests=_int(v.get("requests")) or 0,
                                            prefix=_str(v.get("prefix")))
+    pages = data.get("pages")
+    if isinstance(pages, dict):
+        for k, v in pages.items():
+            if not isinstance(k, str) or not isinstance(v, dict):
+                continue
+            file, n, saved = _str(v.get("file")), _int(v.get("n_tokens")), _num(v.get("saved"))
+            if file is None or not PAGE_FILE_RE.match(file) or n is None or saved is None:
+                continue
+            st.pages[k] = PageRecord(file=file, n_tokens=n, saved=saved, bytes=_int(v.get("bytes")) or 0,
+                                     model=_str(v.get("model")) or "")
     return st
 
 
@@ -112,6 +125,8 @@ def to_dict(st: ServerState) -> dict[str, Any]:
                            "prefix": v.prefix} for k, v in sorted(st.slots.items())},
         "sessions": {k: {"slot": v.slot, "last_used": v.last_used, "requests": v.requests,
                          "prefix": v.prefix} for k, v in sorted(st.sessions.items())},
+        "pages": {k: {"file": v.file, "n_tokens": v.n_tokens, "saved": v.saved, "bytes": v.bytes,
+                      "model": v.model} for k, v in sorted(st.pages.items())},
     }
 
 
@@ -187,9 +202,12 @@ def match_sessions(keys: list[str], wanted: str) -> list[str]:
     return [k for k in keys if wanted and k.startswith(wanted)]
 
 
-def prune(st: ServerState, now: float, keep_seconds: float) -> None:
-    """Forget sessions unseen for `keep_seconds` so the file stays small."""
+def prune(st: ServerState, now: float, keep_seconds: float) -> list[str]:
+    """Forget sessions unseen for `keep_seconds` so the file stays small; returns the page files of the
+    forgotten sessions (the driver deletes them)."""
     st.sessions = {k: v for k, v in st.sessions.items() if now - v.last_used < keep_seconds}
+    gone = [k for k in st.pages if k not in st.sessions]
+    return [st.pages.pop(k).file for k in gone]
 
 
 def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,

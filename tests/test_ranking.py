@@ -117,3 +117,15 @@ def test_worth_moving_only_to_free_or_long_idle_slots():
     busy_displacer = SlotView(0, 900, busy=True, last_used=NOW - 1, owner="c")
     assert worth_moving(cold, busy_displacer, NOW, TTL)  # staying would queue behind it
     assert not worth_moving(recent, busy_displacer, NOW, TTL)
+
+
+def test_with_paging_a_displaced_session_leaves_only_a_busy_slot_or_for_a_free_one():
+    own = SlotView(0, 900, last_used=NOW - 2, owner="c", owner_done=NOW - 1)
+    cold = SlotView(1, 900, last_used=NOW - 30, owner="b", owner_done=NOW - 6)
+    recent = SlotView(1, 900, last_used=NOW - 1, owner="b", owner_done=NOW - 0.5)
+    busy_own = SlotView(0, 900, busy=True, last_used=NOW - 1, owner="c")
+    assert not worth_moving(cold, own, NOW, TTL, paging=True)  # staying pages the displacer out: no churn
+    assert worth_moving(recent, busy_own, NOW, TTL, paging=True)  # any idle slot beats queueing
+    assert not worth_moving(recent, busy_own, NOW, TTL)  # without paging the recent owner would lose a lot
+    assert worth_moving(SlotView(2, 0), own, NOW, TTL, paging=True)  # a free slot evicts nobody
+    assert not worth_moving(SlotView(2, 0, busy=True), busy_own, NOW, TTL, paging=True)

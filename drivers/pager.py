@@ -1,0 +1,141 @@
+"""The async driver for session paging: performs a `slotlogic.paging.PagePlan` against llama-server.
+
+Order matters more than speed here (a save or restore takes milliseconds): llama-server runs slot tasks and
+completions of one slot one after another, deferring whatever arrives while the slot is busy, so a page-in
+is only useful if the session's own request reaches the slot before anybody else's. Hence one lock per slot:
+taken before the save/restore and held until that request's response headers arrive (by then the server
+has queued it). Only slow-path requests (new, displaced or paged sessions) take it; the hot path never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from drivers.llama_client import LlamaClient
+from slotlogic.paging import PagePlan
+
+log = logging.getLogger("slotkeeper")
+ACTION_TIMEOUT = 120.0
+LOCK_WAIT = 300.0  # longer than any sane request; a leaked hold only delays, never blocks, a slot
+SAVE_WAIT = 60.0  # a save waits for the slot's running request; re-prefilling would usually take longer
+
+
+@dataclass
+class PageOutcome:
+    saved_tokens: int | None = None
+    saved_bytes: int = 0
+    restored_tokens: int | None = None
+    restore_failed: bool = False  # a failed restore leaves the slot empty (llama-server.md §4.5)
+    missing_save_path: bool = False
+    seconds: float = 0.0
+
+
+class Pager:
+    def __init__(self, client: LlamaClient, save_dir: str, max_bytes: int) -> None:
+        self.client = client
+        self.save_dir = Path(save_dir)
+        self.max_bytes = max_bytes
+        self.locks: dict[int, asyncio.Lock] = {}
+        self.holding: dict[str, asyncio.Lock] = {}  # flow id -> the slot lock it holds
+        self.saving: dict[str, asyncio.Event] = {}  # session key -> set once its page-out is recorded
+
+    def busy(self, slot: int) -> bool:
+        lock = self.locks.get(slot)
+        return lock is not None and lock.locked()
+
+    async def hold(self, slot: int, flow_id: str) -> bool:
+        """Take `slot`'s lock for `flow_id` (released by `release` at its response headers or its end)."""
+        lock = self.locks.setdefault(slot, asyncio.Lock())
+        try:
+            await asyncio.wait_for(lock.acquire(), LOCK_WAIT)
+        except TimeoutError:
+            log.warning("slotkeeper: paging lock of slot %d not released within %.0f s; going ahead without "
+                        "paging", slot, LOCK_WAIT)
+            return False
+        self.holding[flow_id] = lock
+        return True
+
+    async def settled(self, session_key: str) -> None:
+        """Wait (at most SAVE_WAIT) while `session_key` is being paged out, so it can be paged back in."""
+        event = self.saving.get(session_key)
+        if event is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), SAVE_WAIT)
+
+    def release(self, flow_id: str) -> None:
+        lock = self.holding.pop(flow_id, None)
+        if lock is not None and lock.locked():
+            lock.release()
+
+    async def run(self, plan: PagePlan) -> PageOutcome:
+        """Save the slot's holder, then restore the session's page. Never raises for HTTP trouble."""
+        out = PageOutcome()
+        started = time.monotonic()
+        if plan.save_file is not None:
+            status, data = await self._action(plan.slot, "save", plan.save_file)
+            if status == 200 and isinstance(data, dict) and isinstance(data.get("n_saved"), int):
+                out.saved_tokens = data["n_saved"]
+                written = data.get("n_written")
+                out.saved_bytes = written if isinstance(written, int) else self._size(plan.save_file)
+            else:
+                out.missing_save_path = status == 501
+                log.warning("slotkeeper: page-out of slot %d failed (%s); that session will prefill on return",
+                            plan.slot, _why(status, data))
+        if plan.restore_file is not None:
+            if not (self.save_dir / plan.restore_file).exists():
+                log.info("slotkeeper: page %s is gone from %s; the session prefills", plan.restore_file,
+                         self.save_dir)
+            else:
+                status, data = await self._action(plan.slot, "restore", plan.restore_file)
+                if status == 200 and isinstance(data, dict) and isinstance(data.get("n_restored"), int):
+                    out.restored_tokens = data["n_restored"]
+                else:
+                    out.restore_failed = True
+                    out.missing_save_path |= status == 501
+                    log.warning("slotkeeper: page-in to slot %d failed (%s); the session prefills", plan.slot,
+                                _why(status, data))
+        out.seconds = time.monotonic() - started
+        return out
+
+    async def _action(self, slot: int, action: str, filename: str) -> tuple[int, Any]:
+        return await self.client.post_json(f"/slots/{slot}?action={action}", {"filename": filename},
+                                           ACTION_TIMEOUT)
+
+    def _size(self, name: str) -> int:
+        with contextlib.suppress(OSError):
+            return (self.save_dir / name).stat().st_size
+        return 0
+
+    def delete(self, names: list[str]) -> None:
+        for name in names:
+            try:
+                os.unlink(self.save_dir / name)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("slotkeeper: could not delete page %s: %r", name, e)
+
+    def files(self) -> dict[str, float]:
+        """Page-looking files in the save dir (name → mtime), for the orphan sweep."""
+        out: dict[str, float] = {}
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.save_dir):
+                if entry.is_file() and entry.name.startswith("page-"):
+                    out[entry.name] = entry.stat().st_mtime
+        return out
+
+
+def _why(status: int, data: Any) -> str:
+    if status == 0:
+        return "server unreachable or timed out"
+    msg = data.get("error") if isinstance(data, dict) else None
+    if isinstance(msg, dict):
+        msg = msg.get("message")
+    return f"HTTP {status}" + (f": {msg}" if msg else "")

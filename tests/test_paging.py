@@ -1,0 +1,83 @@
+"""Session paging decisions (pure): what to save, what to restore, what to delete."""
+
+from slotlogic import paging
+from slotlogic import state as st
+from slotlogic.paging import PageRecord
+from slotlogic.ranking import SlotView
+
+U, M = "http://127.0.0.1:8080", "/m.gguf|b1"
+
+
+def rec(key: str, n: int = 900, saved: float = 1.0, size: int = 100, model: str = M) -> PageRecord:
+    return PageRecord(paging.page_file(U, key), n, saved, size, model)
+
+
+def test_page_file_is_private_stable_and_per_server():
+    name = paging.page_file(U, "sess-a")
+    assert paging.FILE_RE.match(name) and "sess" not in name
+    assert name == paging.page_file(U, "sess-a")
+    assert name != paging.page_file("http://other:8080", "sess-a") != paging.page_file(U, "sess-b")
+
+
+def test_another_sessions_conversation_is_saved_before_the_slot_changes_hands():
+    p = paging.plan(SlotView(2, 1300, owner="b"), "a", {}, U, M)
+    assert (p.slot, p.save_for, p.save_file, p.restore_file) == (2, "b", paging.page_file(U, "b"), None)
+    assert not p.empty
+    # still computing the holder's first prompt: the server defers the save until it is done
+    assert paging.plan(SlotView(2, 0, busy=True, owner="b"), "a", {}, U, M).save_for == "b"
+
+
+def test_nothing_worth_saving():
+    assert paging.plan(SlotView(2, 1300, owner="a"), "a", {}, U, M).empty  # our own conversation
+    assert paging.plan(SlotView(2, 1300), "a", {}, U, M).empty  # nobody's
+    assert paging.plan(SlotView(2, 10, owner="b"), "a", {}, U, M).empty  # too short to matter
+    assert paging.plan(SlotView(2, None, owner="b"), "a", {}, U, M).empty  # unknown size (no /slots)
+
+
+def test_a_returning_session_is_paged_in_unless_the_slot_still_holds_it():
+    pages = {"a": rec("a", 1200)}
+    p = paging.plan(SlotView(1, 1400, owner="b"), "a", pages, U, M)
+    assert (p.save_for, p.restore_for, p.restore_file, p.restore_tokens) == ("b", "a", pages["a"].file, 1200)
+    # after a server restart the slot is empty although the state still says it is ours
+    assert paging.plan(SlotView(1, 0, owner="a"), "a", pages, U, M).restore_for == "a"
+    # it kept running on its slot after the page was written: the slot has more than the page
+    assert paging.plan(SlotView(1, 1500, owner="a"), "a", pages, U, M).empty
+
+
+def test_a_page_from_another_model_or_build_is_never_restored():
+    pages = {"a": rec("a", model="/other.gguf|b1")}
+    assert paging.plan(SlotView(1, 0), "a", pages, U, M).restore_file is None
+
+
+def test_budget_drops_the_least_recently_saved_but_keeps_the_ones_in_use():
+    pages = {"old": rec("old", saved=1, size=60), "mid": rec("mid", saved=2, size=60), "new": rec("new", saved=3,
+                                                                                                size=60)}
+    assert paging.over_budget(pages, 200) == []
+    assert paging.over_budget(pages, 100) == ["old", "mid"]
+    assert paging.over_budget(pages, 100, keep=frozenset({"old"})) == ["mid", "new"]
+
+
+def test_orphans_are_old_unreferenced_page_files_only():
+    pages = {"a": rec("a")}
+    files = {pages["a"].file: 0.0, paging.page_file(U, "gone"): 0.0, paging.page_file(U, "young"): 95.0,
+             "prefix-0123.bin": 0.0, "notes.txt": 0.0}
+    assert paging.orphans(files, pages, 100.0, 10.0) == [paging.page_file(U, "gone")]
+
+
+def test_pages_survive_the_state_file_and_go_with_forgotten_sessions():
+    s = st.ServerState(U, total_slots=4)
+    st.claim(s, "a", 0, 100.0)
+    st.claim(s, "b", 1, 10.0)
+    paging.saved(s.pages, "a", paging.page_file(U, "a"), 900, 1000, 100.0, M)
+    paging.saved(s.pages, "b", paging.page_file(U, "b"), 800, 1000, 10.0, M)
+    back = st.from_dict(st.to_dict(s), U)
+    assert back == s
+    assert st.prune(back, 120.0, 50.0) == [paging.page_file(U, "b")]
+    assert set(back.pages) == {"a"}
+
+
+def test_damaged_page_entries_are_dropped():
+    junk = {"pages": {"a": {"file": "../../etc/passwd", "n_tokens": 5, "saved": 1.0},
+                      "b": {"file": paging.page_file(U, "b"), "n_tokens": "x", "saved": 1.0},
+                      "c": "no", "d": {"file": paging.page_file(U, "d"), "n_tokens": 70, "saved": 2.0}}}
+    assert set(st.from_dict(junk, U).pages) == {"d"}

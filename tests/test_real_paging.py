@@ -1,0 +1,52 @@
+"""Session paging end to end: real llama-server with --slot-save-path, real mitmdump with the addon."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from drivers.llama_server import LlamaServer
+from drivers.proxy import MitmProxy
+from slotlogic import paging
+from tests.real_helpers import ask, conversation, extend, jsonl
+
+pytestmark = pytest.mark.real
+
+
+def test_an_evicted_session_is_paged_back_in_instead_of_prefilled(tmp_path):
+    """Two slots, three sessions. C must evict the coldest owner, B: B's conversation is saved first. B
+    returns: it shares its slot with C (nothing is free), C is paged out and B paged in, so B prefills only
+    its new turn. Then C returns and gets its own conversation back the same way."""
+    save = tmp_path / "slots"
+    save.mkdir()
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
+            "slots_save_dir": str(save), "slots_prefix_cache": "off"}
+    convs = {c: conversation(f"Task {c}: paging test, keep the whole conversation.") for c in "ABC"}
+    with LlamaServer(slots=2, ctx_per_slot=2048, slot_save_path=str(save), log_path=str(tmp_path / "s.log")) as srv, \
+            MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
+        first = {c: ask(px.url, convs[c]) for c in "AB"}
+        extend(convs["A"], 1)
+        ask(px.url, convs["A"])
+        time.sleep(3.5)  # A's answer is no longer "just now": C is nobody's subagent, B is the coldest owner
+        first["C"] = ask(px.url, convs["C"])
+        extend(convs["B"], 2)
+        back_b = ask(px.url, convs["B"])
+        extend(convs["C"], 3)
+        back_c = ask(px.url, convs["C"])
+    records = jsonl(tmp_path / "req.jsonl")
+    reqs = [(r["session"][:8], r["slot"], r["reason"]) for r in records if r["kind"] == "request"]
+    pages = [r for r in records if r["kind"] == "page"]
+    assert first["C"].slot == first["B"].slot and reqs[3][2] == "evict-cheapest", reqs
+    b_before = first["B"].cache_n + first["B"].prompt_n
+    assert back_b.slot == first["B"].slot and reqs[4][2] == "displaced:shared+paged-in", reqs
+    assert back_b.cache_n >= b_before - 2, (back_b, b_before)  # its whole first turn came back from the file
+    c_before = first["C"].cache_n + first["C"].prompt_n
+    assert reqs[5][2] == "displaced:shared+paged-in" and back_c.cache_n >= c_before - 2, (reqs, back_c)
+    assert [(p["out"] is not None, p["in"] is not None) for p in pages] == [(True, False), (True, True),
+                                                                           (True, True)], pages
+    state = json.loads(next((tmp_path / "state").glob("state-*.json")).read_text())
+    files = sorted(p.name for p in save.iterdir())
+    assert sorted(p["file"] for p in state["pages"].values()) == files and len(files) == 2
+    assert all(paging.FILE_RE.match(f) for f in files)
