@@ -84,6 +84,7 @@ class Pager:
                 out.saved_tokens = data["n_saved"]
                 written = data.get("n_written")
                 out.saved_bytes = written if isinstance(written, int) else self._size(plan.save_file)
+                self._private(plan.save_file)
             else:
                 out.missing_save_path = status == 501
                 log.warning("slotkeeper: page-out of slot %d failed (%s); that session will prefill on return",
@@ -107,6 +108,12 @@ class Pager:
     async def _action(self, slot: int, action: str, filename: str) -> tuple[int, Any]:
         return await self.client.post_json(f"/slots/{slot}?action={action}", {"filename": filename},
                                            ACTION_TIMEOUT)
+
+    def _private(self, name: str) -> None:
+        """A page holds a conversation's tokens: 0600, when this process owns the file (same user as the
+        server); otherwise the server's umask decides and the README says to keep the directory private."""
+        with contextlib.suppress(OSError):
+            os.chmod(self.save_dir / name, 0o600)
 
     def _size(self, name: str) -> int:
         with contextlib.suppress(OSError):

@@ -31,10 +31,13 @@ PLAN = PagePlan(1, "b", "page-bbbbbbbbbbbbbbbbbbbb.bin", "a", "page-aaaaaaaaaaaa
 
 async def test_save_then_restore(tmp_path):
     (tmp_path / PLAN.restore_file).write_bytes(b"x")
+    (tmp_path / PLAN.save_file).write_bytes(b"kv")  # as llama-server writes it, with its umask
+    (tmp_path / PLAN.save_file).chmod(0o644)
     server = Slots()
     out = await Pager(server, str(tmp_path), 1 << 30).run(PLAN)  # type: ignore[arg-type]
     assert [c[0] for c in server.calls] == ["save", "restore"] and all(c[1] == 1 for c in server.calls)
     assert (out.saved_tokens, out.saved_bytes, out.restored_tokens, out.restore_failed) == (900, 4096, 700, False)
+    assert (tmp_path / PLAN.save_file).stat().st_mode & 0o777 == 0o600  # a page holds a conversation
 
 
 async def test_a_page_file_gone_from_disk_is_not_asked_for(tmp_path):

@@ -50,3 +50,4 @@ def test_an_evicted_session_is_paged_back_in_instead_of_prefilled(tmp_path):
     files = sorted(p.name for p in save.iterdir())
     assert sorted(p["file"] for p in state["pages"].values()) == files and len(files) == 2
     assert all(paging.FILE_RE.match(f) for f in files)
+    assert all((save / f).stat().st_mode & 0o777 == 0o600 for f in files)  # a page holds a conversation
