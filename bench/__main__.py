@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                     if wl_name not in limits:
                         limits[wl_name] = compute_limit(stack.server_url, wl, records, cfg_name)
                 warmup = stack.proxy_prefill()
+                paging = stack.proxy_paging() if cfg.save_dir else None
             if wl_name == "pi" and capture and wl_name not in limits:
                 with configs.stand_up(configs.CONFIGS["stock"], log_dir, tag="pi-limit-", threads=a.threads) as st:
                     limits[wl_name] = limit.workload_limit(st.server_url, pi_workload.bodies_from_flows(flows))
@@ -135,14 +136,16 @@ def main(argv: list[str] | None = None) -> int:
                     limits[wl_name]["server_prompt_tokens_complete"] = False
                     limits[wl_name]["server_prompt_tokens"] = 0
             lim_tokens = limits[wl_name]["limit_tokens"] if wl_name in limits else None
-            row = report.run_row(wl_name, cfg_name, records, wall, lim_tokens, warmup)
+            row = report.run_row(wl_name, cfg_name, records, wall, lim_tokens, warmup, paging)
             wl_rows.append(row)
             runs.append({"workload": wl_name, "config": cfg_name, "wall_s": wall,
                          "records": [r.to_dict() for r in records]})
             log(t0, f"{wl_name}/{cfg_name}: {row['requests']} requests, prefill {row['prefill']}, "
                     f"reuse {report.fmt('reuse_pct', row['reuse_pct'])}%, "
                     f"x limit {report.fmt('ratio_to_limit', row['ratio_to_limit'])}, wall {wall:.1f}s, "
-                    f"errors {row['errors']}")
+                    f"errors {row['errors']}"
+                    + (f", paging: {paging['page_ins']} in ({paging['paged_in_tokens']} tok), "
+                       f"{paging['page_outs']} out, server {paging['paging_ms']:.0f} ms" if paging else ""))
             for r in records:
                 if r.error:
                     log(t0, f"  error {r.session}#{r.index}: {r.error}")

@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from drivers.llama_server import LlamaServer
 from drivers.proxy import MitmProxy
@@ -66,16 +67,24 @@ class Stack:
     proxy_log: Path | None = None
     server: LlamaServer | None = None
 
+    def _proxy_events(self, kind: str) -> list[dict[str, Any]]:
+        if self.proxy_log is None or not self.proxy_log.exists():
+            return []
+        records = (json.loads(line) for line in self.proxy_log.read_text().splitlines())
+        return [rec for rec in records if rec.get("kind") == kind]
+
     def proxy_prefill(self) -> int:
         """Tokens the proxy itself made the server prefill (checkpoint warm-ups and verification probes)."""
-        if self.proxy_log is None or not self.proxy_log.exists():
-            return 0
-        total = 0
-        for line in self.proxy_log.read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("kind") == "checkpoint":
-                total += rec.get("prompt_n") or 0
-        return total
+        return sum(rec.get("prompt_n") or 0 for rec in self._proxy_events("checkpoint"))
+
+    def proxy_paging(self) -> dict[str, Any]:
+        """What session paging did: page-ins and the tokens they restored (no prefill), page-outs, and the
+        server's own time for the file writes and reads."""
+        events = self._proxy_events("page")
+        ins = [e["in_tokens"] for e in events if isinstance(e.get("in_tokens"), int)]
+        return {"page_ins": len(ins), "paged_in_tokens": sum(ins),
+                "page_outs": sum(1 for e in events if isinstance(e.get("out_tokens"), int)),
+                "paging_ms": round(sum(e.get("server_ms") or 0.0 for e in events), 1)}
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from bench.overhead import percentile
 
 COLUMNS = [("workload", "workload"), ("config", "config"), ("requests", "requests"),
            ("prefill", "prefill tok"), ("warmup", "of which proxy warm-up"), ("cached", "cached tok"),
-           ("reuse_pct", "reuse %"),
+           ("paged_in_tokens", "paged-in tok"), ("reuse_pct", "reuse %"),
            ("ratio_to_limit", "x limit"), ("wall_s", "wall s"), ("ttft_p50_ms", "TTFT p50 ms"),
            ("ttft_p95_ms", "TTFT p95 ms"), ("errors", "errors")]
 OVERHEAD_COLUMNS = [("target", "target"), ("requests", "requests"), ("rps", "req/s"), ("p50_ms", "p50 ms"),
@@ -24,9 +24,11 @@ OVERHEAD_COLUMNS = [("target", "target"), ("requests", "requests"), ("rps", "req
 
 
 def run_row(workload: str, config: str, records: list[RequestRecord], wall_s: float,
-            limit_tokens: int | None, warmup: int = 0) -> dict[str, Any]:
+            limit_tokens: int | None, warmup: int = 0, paging: dict[str, Any] | None = None) -> dict[str, Any]:
     """One table row for a configuration x workload run. `warmup`: tokens the proxy itself had the server
-    prefill (checkpoint warm-ups and probes); they count in `prefill`, so no configuration hides work."""
+    prefill (checkpoint warm-ups and probes); they count in `prefill`, so no configuration hides work.
+    `paging`: what session paging restored from files instead of prefilling (`cached` includes it, since
+    the server reports restored tokens as cache hits), with its page-in/out counts and seconds."""
     ok = [r for r in records if r.error is None and r.prompt_n is not None]
     prefill = sum(r.prompt_n or 0 for r in ok) + warmup
     cached = sum(r.cache_n or 0 for r in ok)
@@ -37,7 +39,7 @@ def run_row(workload: str, config: str, records: list[RequestRecord], wall_s: fl
             "ratio_to_limit": prefill / limit_tokens if limit_tokens else None, "wall_s": wall_s,
             "ttft_p50_ms": percentile(ttfts, 50) if ttfts else None,
             "ttft_p95_ms": percentile(ttfts, 95) if ttfts else None,
-            "errors": len(records) - len(ok)}
+            "errors": len(records) - len(ok), **(paging or {})}
 
 
 def limit_row(workload: str, limit: dict[str, Any]) -> dict[str, Any]:

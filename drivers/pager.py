@@ -34,7 +34,8 @@ class PageOutcome:
     restored_tokens: int | None = None
     restore_failed: bool = False  # a failed restore leaves the slot empty (llama-server.md §4.5)
     missing_save_path: bool = False
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time, including the wait for a busy slot's running request
+    server_ms: float = 0.0  # what the server spent writing and reading the files (its timings)
 
 
 class Pager:
@@ -82,6 +83,7 @@ class Pager:
             status, data = await self._action(plan.slot, "save", plan.save_file)
             if status == 200 and isinstance(data, dict) and isinstance(data.get("n_saved"), int):
                 out.saved_tokens = data["n_saved"]
+                out.server_ms += _ms(data, "save_ms")
                 written = data.get("n_written")
                 out.saved_bytes = written if isinstance(written, int) else self._size(plan.save_file)
                 self._private(plan.save_file)
@@ -97,6 +99,7 @@ class Pager:
                 status, data = await self._action(plan.slot, "restore", plan.restore_file)
                 if status == 200 and isinstance(data, dict) and isinstance(data.get("n_restored"), int):
                     out.restored_tokens = data["n_restored"]
+                    out.server_ms += _ms(data, "restore_ms")
                 else:
                     out.restore_failed = True
                     out.missing_save_path |= status == 501
@@ -137,6 +140,12 @@ class Pager:
                 if entry.is_file() and entry.name.startswith("page-"):
                     out[entry.name] = entry.stat().st_mtime
         return out
+
+
+def _ms(data: dict[str, Any], key: str) -> float:
+    timings = data.get("timings")
+    value = timings.get(key) if isinstance(timings, dict) else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
 def _why(status: int, data: Any) -> str:

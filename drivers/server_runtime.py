@@ -269,7 +269,8 @@ class ServerRuntime:
                             "out": page_plan.save_for[:8] if page_plan.save_for else None,
                             "out_tokens": out.saved_tokens,
                             "in": page_plan.restore_for[:8] if page_plan.restore_for else None,
-                            "in_tokens": out.restored_tokens, "seconds": round(out.seconds, 4)})
+                            "in_tokens": out.restored_tokens, "seconds": round(out.seconds, 4),
+                            "server_ms": round(out.server_ms, 2)})
         return out.restored_tokens is not None
 
     def release_slot(self, flow_id: str) -> None:

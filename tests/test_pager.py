@@ -23,7 +23,9 @@ class Slots:
         status = self.status[action]
         if status != 200:
             return status, {"error": {"message": "nope"}}
-        return 200, ({"n_saved": 900, "n_written": 4096} if action == "save" else {"n_restored": 700})
+        if action == "save":
+            return 200, {"n_saved": 900, "n_written": 4096, "timings": {"save_ms": 12.5}}
+        return 200, {"n_restored": 700, "timings": {"restore_ms": 7.5}}
 
 
 PLAN = PagePlan(1, "b", "page-bbbbbbbbbbbbbbbbbbbb.bin", "a", "page-aaaaaaaaaaaaaaaaaaaa.bin", 700)
@@ -37,6 +39,7 @@ async def test_save_then_restore(tmp_path):
     out = await Pager(server, str(tmp_path), 1 << 30).run(PLAN)  # type: ignore[arg-type]
     assert [c[0] for c in server.calls] == ["save", "restore"] and all(c[1] == 1 for c in server.calls)
     assert (out.saved_tokens, out.saved_bytes, out.restored_tokens, out.restore_failed) == (900, 4096, 700, False)
+    assert out.server_ms == 20.0
     assert (tmp_path / PLAN.save_file).stat().st_mode & 0o777 == 0o600  # a page holds a conversation
 
 
