@@ -31,7 +31,7 @@ from drivers.checkpoints import CheckpointSettings
 from drivers.flow_state import FlowInfo, RequestLog, SSETap
 from drivers.server_runtime import ServerRuntime
 from drivers.state_store import default_state_dir
-from slotlogic import core, rewrite, sidecalls
+from slotlogic import core, fastpath, rewrite, sidecalls
 from slotlogic import prefix as pfx
 from slotlogic import session as sess
 from slotlogic import state as st
@@ -55,6 +55,7 @@ class SlotKeeper:
         self.probe_interval = 15.0
         self.checkpoints: CheckpointSettings | None = None
         self.page_max_mb = 8192
+        self.session_headers = frozenset(h.encode() for h in sess.DEFAULT_SESSION_HEADERS)
         self.fronted: set[str] = set()
         self.keep_streams = False
         self.request_log = RequestLog("mitmproxy", "info")
@@ -161,6 +162,7 @@ class SlotKeeper:
                                markers=markers or pfx.DEFAULT_MARKERS,
                                paging=bool(o.slots_paging and o.slots_save_dir))
         self.page_max_mb = o.slots_page_max_mb
+        self.session_headers = frozenset(h.encode("latin-1") for h in headers)
         self.state_dir = Path(o.slots_state_dir).expanduser() if o.slots_state_dir else default_state_dir()
         self.probe_interval = float(o.slots_probe_interval)
         self.log_file = o.slots_log_file or None
@@ -226,24 +228,30 @@ class SlotKeeper:
         if req.method != "POST":
             return
         upstream = f"{req.scheme}://{req.host}:{req.port}"
-        content, body = read_json(req)  # decoded once: a gzip body is not inflated twice on the hot path
-        recorded = flow.metadata.get("slotkeeper") if not flow.live else None
-        if isinstance(recorded, dict) and isinstance(body, dict):
-            body = restore_client_fields(body, recorded.get("client"))  # undo our own rewrite
-            client = recorded.get("client")
-            if isinstance(client, dict) and client.get("id_slot") is None and client.get("cache_prompt") is None:
-                original = rewrite.unsplice(content)
-                if original is not None:
-                    req.content = content = original  # the client's bytes, so the replayed rewrite matches
         rt = self.runtime(upstream, offline=not flow.live)
         # The request's own start time: live it is now; replaying saved flows it keeps the recorded clock.
         now = req.timestamp_start or time.time()
-        plan = core.plan(self.cfg, rt.table, req.method, req.path, LowerHeaders(req.headers), body, now,
-                         total_slots=rt.total_slots, known_prompts=rt.marks)
-        if plan.kind == "pass":
-            if plan.route.value != "other":
-                log.info("slotkeeper: %s %s passed through: %s", req.method, req.path, plan.reason)
-            return
+        recorded = flow.metadata.get("slotkeeper") if not flow.live else None
+        known = self.recognise(flow, rt, now) if flow.live and rt.shapes else None
+        if known is not None:
+            content, body, plan = known
+        else:
+            content, body = read_json(req)  # decoded once: a gzip body is not inflated twice on the hot path
+            if isinstance(recorded, dict) and isinstance(body, dict):
+                body = restore_client_fields(body, recorded.get("client"))  # undo our own rewrite
+                client = recorded.get("client")
+                if isinstance(client, dict) and client.get("id_slot") is None and client.get("cache_prompt") is None:
+                    original = rewrite.unsplice(content)
+                    if original is not None:
+                        req.content = content = original  # the client's bytes, so the replayed rewrite matches
+            plan = core.plan(self.cfg, rt.table, req.method, req.path, LowerHeaders(req.headers), body, now,
+                             total_slots=rt.total_slots, known_prompts=rt.marks)
+            if plan.kind == "pass":
+                if plan.route.value != "other":
+                    log.info("slotkeeper: %s %s passed through: %s", req.method, req.path, plan.reason)
+                return
+            if flow.live and plan.session is not None and fastpath.fields_absent(body):
+                rt.shapes.learn(req.path, content, plan.session, plan.side)
         info = FlowInfo(plan=plan, upstream=upstream, started=time.monotonic(), reason=plan.reason)
         self.flows[flow.id] = info
         assert plan.session is not None and isinstance(body, dict)
@@ -280,6 +288,24 @@ class SlotKeeper:
         rt = self.runtimes.get(info.upstream) if info is not None and flow.live else None
         if rt is not None and rt.pager is not None:
             rt.release_slot(flow.id)
+
+    def recognise(self, flow: http.HTTPFlow, rt: ServerRuntime, now: float
+                  ) -> tuple[bytes, dict[str, Any], core.Plan] | None:
+        """The hot path without a parse (slotlogic/fastpath.py): a known session's next chat request, with
+        an empty stand-in for the body (the byte match proved it carries no id_slot/cache_prompt)."""
+        req = flow.request
+        if any(k.lower() in self.session_headers for k, _ in req.headers.fields):
+            return None  # a header names the session: the full path reads it
+        try:
+            content = raw_headers.content(req)
+        except ValueError:
+            return None
+        shape = rt.shapes.match(req.path, content) if content else None
+        if shape is None:
+            return None
+        plan = core.plan_known_body(self.cfg, rt.table, req.path, shape.key, shape.side, now,
+                                    total_slots=rt.total_slots)
+        return None if plan is None or content is None else (content, {}, plan)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         info = self.flows.get(flow.id)

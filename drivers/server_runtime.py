@@ -24,6 +24,7 @@ from drivers.pager import Pager
 from drivers.state_store import StateStore
 from slotlogic import core, paging
 from slotlogic import state as st
+from slotlogic.fastpath import ShapeIndex
 from slotlogic.observe import Observation
 from slotlogic.ranking import Choice
 from slotlogic.session import PromptMark
@@ -82,6 +83,7 @@ class ServerRuntime:
         self._seeded_from_file = False
         self.checkpoints: CheckpointManager | None = None
         self.pager: Pager | None = None
+        self.shapes = ShapeIndex()  # known sessions' request shapes: the hot path without a parse
         self._swept = False
         self.offline = False  # replaying saved flows: no network, no background task, no checkpoints
         self.log_event: Any = None  # callable(dict) for the JSONL log, set by the addon

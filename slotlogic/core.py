@@ -69,15 +69,12 @@ def plan(cfg: Config, table: st.SessionTable, method: str, path: str, headers: M
     if cfg.policy is Policy.OFF:
         return Plan("observe", "policy off", key, route=route)
     side = sidecalls.is_side_call(sess.system_text(body, path), cfg.side_patterns)
-    if side and total_slots:
-        reserved = sidecalls.side_slot(total_slots, cfg.side_slot)
-        if reserved is not None:
-            return Plan("pin", "side-call", key, side=True, slot=reserved, route=route)
+    placed = _placed(cfg, table, key, side, now, total_slots, route)
+    if placed is not None:
+        return placed  # the hot path
     live = table.live(key.key, now)
     reason, displaced_from = "new session", None
     if live is not None and (total_slots is None or live.slot < total_slots):
-        if not table.displaced(key.key, live.slot):
-            return Plan("pin", "known", key, live.prefix, side=side, slot=live.slot, route=route)  # the hot path
         # Another session ran on this slot since: our conversation is no longer there, so staying has no
         # value of its own; choose again, like a new session (its own slot is one of the candidates).
         reason, displaced_from = "displaced", live.slot
@@ -86,6 +83,33 @@ def plan(cfg: Config, table: st.SessionTable, method: str, path: str, headers: M
     # projects share it), else the whole system prompt + tools.
     prefix = stable.signature if stable else sess.prefix_signature(body, path)
     return Plan("need_slot", reason, key, prefix, side=side, slot=displaced_from, route=route, stable=stable)
+
+
+def _placed(cfg: Config, table: st.SessionTable, key: sess.SessionId, side: bool, now: float,
+            total_slots: int | None, route: Route) -> Plan | None:
+    """A side call, or a known session still on its slot: answered without I/O. None: it needs a slot."""
+    if side and total_slots:
+        reserved = sidecalls.side_slot(total_slots, cfg.side_slot)
+        if reserved is not None:
+            return Plan("pin", "side-call", key, side=True, slot=reserved, route=route)
+    live = table.live(key.key, now)
+    if live is not None and (total_slots is None or live.slot < total_slots) and not table.displaced(key.key,
+                                                                                                   live.slot):
+        return Plan("pin", "known", key, live.prefix, side=side, slot=live.slot, route=route)
+    return None
+
+
+def plan_known_body(cfg: Config, table: st.SessionTable, path: str, key: sess.SessionId, side: bool, now: float,
+                    *, total_slots: int | None) -> Plan | None:
+    """`plan` for a chat body that `fastpath.ShapeIndex` recognised as a known session's next request (same
+    root, same top-level fields): the same answer `plan` gives it, without the parse; None when that answer
+    is not a cheap one (a new slot is needed), so the caller parses and calls `plan`."""
+    route = classify("POST", path)
+    if route is not Route.PINNABLE:
+        return None
+    if cfg.policy is Policy.OFF:
+        return Plan("observe", "policy off", key, route=route)
+    return _placed(cfg, table, key, side, now, total_slots, route)
 
 
 def assign(cfg: Config, state: st.ServerState, session_key: str, prefix: str | None,

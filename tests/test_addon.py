@@ -59,6 +59,45 @@ async def test_new_session_is_pinned_and_known_session_costs_no_io(keeper, fake_
     assert transactions == []  # no lock, no disk: touches are flushed later
 
 
+async def test_a_known_sessions_next_turn_skips_the_parse_and_gets_the_same_rewrite(keeper, monkeypatch):
+    first = chat("task A")
+    f1 = flow(first)
+    await keeper.request(f1)
+    parsed = []
+    real = addon_module.read_json
+    monkeypatch.setattr(addon_module, "read_json", lambda req: parsed.append(1) or real(req))
+    later = chat("task A") | {"messages": [*first["messages"], {"role": "assistant", "content": "done"}]}
+    f2 = flow(later)
+    await keeper.request(f2)
+    assert parsed == [] and keeper.flows[f2.id].reason == "known"
+    assert f2.request.content == json.dumps(later).encode()[:-1] + b',"id_slot":%d,"cache_prompt":true}' % (
+        sent(f1)["id_slot"])
+    assert keeper.flows[f2.id].client_fields == {"id_slot": None, "cache_prompt": None}
+    # a session header names the session: that request is parsed (and its key comes from the header)
+    f3 = flow(later, headers={"x-session-id": "abc"})
+    await keeper.request(f3)
+    assert parsed == [1]
+    # the client's own id_slot among the new messages: parsed, and respected
+    f4 = flow(later | {"messages": [*later["messages"], {"role": "user", "content": "x"}], "id_slot": 2})
+    await keeper.request(f4)
+    assert parsed == [1, 1] and sent(f4)["id_slot"] == 2
+
+
+async def test_a_displaced_session_is_parsed_and_placed_again(keeper, monkeypatch):
+    a, b = chat("task A"), chat("task B")
+    fa = flow(a)
+    await keeper.request(fa)
+    await keeper.request(flow(b))
+    rt = keeper.runtime(UP)
+    rt.table.holders[sent(fa)["id_slot"]] = "someone-else"
+    parsed = []
+    real = addon_module.read_json
+    monkeypatch.setattr(addon_module, "read_json", lambda req: parsed.append(1) or real(req))
+    again = flow(a)
+    await keeper.request(again)
+    assert parsed == [1] and keeper.flows[again.id].reason.startswith("displaced:")
+
+
 async def test_two_sessions_two_slots(keeper):
     a, b = flow(chat("task A")), flow(chat("task B"))
     await keeper.request(a)
@@ -196,11 +235,15 @@ async def test_context_overflow_warning(keeper, caplog):
 
 
 async def test_side_call_goes_to_reserved_slot(keeper):
-    f = flow(chat(first="summarise") | {"messages": [
+    side = chat(first="summarise") | {"messages": [
         {"role": "system", "content": "You are a context summarization assistant."},
-        {"role": "user", "content": "..."}]})
+        {"role": "user", "content": "..."}]}
+    f = flow(side)
     await keeper.request(f)
     assert sent(f)["id_slot"] == 3 and keeper.flows[f.id].reason == "side-call"
+    again = flow(side)
+    await keeper.request(again)  # recognised from its bytes: still a side call
+    assert sent(again)["id_slot"] == 3 and keeper.flows[again.id].reason == "side-call"
 
 
 async def test_local_status_endpoint(keeper):

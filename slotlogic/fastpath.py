@@ -1,0 +1,189 @@
+"""A known session's next chat request, recognised from its bytes without parsing them.
+
+Why: `json.loads` of the request body was half the hot path's cost, and it grows with the conversation
+(an agent's body is soon 100 KB+, ~350 µs to parse). But an agent's next request repeats the bytes of its
+previous one: the same *head* (every top-level key before `messages`, the system prompt and the messages
+up to the first user message: the whole conversation root) and the same *tail* (everything after the
+`messages` array: tools, stream options), with new messages in between. A body with a known session's head
+and tail has that session's key, side-call status and top-level fields; what it adds sits inside the
+messages array. The one thing there that could change the rewrite is a client's own `id_slot` or
+`cache_prompt`, and a byte search rules both out: a JSON string cannot hold `"id_slot"` unescaped, so a
+miss is proof, and a hit just takes the slow path.
+
+Rule 1: pure. `ShapeIndex.learn` runs after a full parse on the slow path; `match` runs on the hot path
+        (a few dict probes, two `startswith`/`endswith` and two `find`s over the new bytes).
+Rule 2: only sessions recognised by their conversation root on a chat route, with no session header
+        (headers and body keys name sessions the content cannot), are learned; anything unusual is simply
+        not learned and keeps taking the full parse.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from json.decoder import scanstring  # type: ignore[attr-defined]
+from typing import Any
+
+from slotlogic.endpoints import CHAT_PATHS, normalise_path
+from slotlogic.session import SessionId
+
+WINDOW = 32        # bytes before the end of the head that index it (the end of the first user message)
+MAX_SHAPES = 256   # sessions remembered; the least recently matched go first
+MAX_TRIES = 3      # learns of one session without a match in between: its bodies do not repeat, stop
+_CLIENT_KEYS = (b'"id_slot"', b'"cache_prompt"')
+_WS = " \t\n\r"
+_scan = json.JSONDecoder().scan_once
+
+
+@dataclass
+class Shape:
+    key: SessionId
+    side: bool
+    path: str
+    head: bytes
+    tail: bytes
+
+
+def locate(text: str) -> tuple[int, int] | None:
+    """(end of the first user message, start of the `]` closing `messages`) as offsets in `text`, a JSON
+    object; None when the body is not a plain object with one `messages` array holding a user message."""
+    try:
+        return _locate(text)
+    except (ValueError, IndexError, StopIteration):
+        return None
+
+
+def _ws(s: str, i: int) -> int:
+    while s[i] in _WS:
+        i += 1
+    return i
+
+
+def _locate(s: str) -> tuple[int, int] | None:
+    i = _ws(s, 0)
+    if s[i] != "{":
+        return None
+    i, found = i + 1, None
+    while True:
+        i = _ws(s, i)
+        if s[i] == "}" and found is None:
+            return None
+        if s[i] != '"':
+            return None
+        name, i = scanstring(s, i + 1)
+        i = _ws(s, i)
+        if s[i] != ":":
+            return None
+        i = _ws(s, i + 1)
+        if name == "messages":
+            if found is not None or s[i] != "[":
+                return None  # a repeated key: json.loads keeps the last one; not worth the subtlety
+            found, i = _messages(s, i + 1)
+            if found is None:
+                return None
+        else:
+            _, i = _scan(s, i)
+        i = _ws(s, i)
+        if s[i] == ",":
+            i += 1
+            continue
+        if s[i] == "}" and found is not None and not s[i + 1:].strip(_WS):
+            return found
+        return None
+
+
+def _messages(s: str, i: int) -> tuple[tuple[int, int] | None, int]:
+    first_user = None
+    while True:
+        i = _ws(s, i)
+        if s[i] == "]":
+            return ((first_user, i) if first_user is not None else None), i + 1
+        value, i = _scan(s, i)
+        if first_user is None and isinstance(value, dict) and value.get("role") == "user":
+            first_user = i
+        i = _ws(s, i)
+        if s[i] == ",":
+            i += 1
+        elif s[i] != "]":
+            return None, i
+
+
+class ShapeIndex:
+    def __init__(self, limit: int = MAX_SHAPES) -> None:
+        self.limit = limit
+        self.shapes: OrderedDict[str, Shape] = OrderedDict()   # session key -> its shape
+        self.by_sig: dict[tuple[int, bytes], Shape] = {}       # (len(head), head[-WINDOW:]) -> shape
+        self.ends: dict[int, int] = {}                         # len(head) -> how many shapes have it
+        self.tries: dict[str, int] = {}                        # session key -> learns since its last match
+
+    def learn(self, path: str, content: bytes, key: SessionId, side: bool) -> Shape | None:
+        """Remember the shape of a fully parsed body of `key` (recognised by its conversation root)."""
+        if key.source != "content:root" or normalise_path(path) not in CHAT_PATHS:
+            return None
+        tries = self.tries.get(key.key, 0)
+        if tries >= MAX_TRIES:
+            return None
+        if len(self.tries) > 4 * self.limit:
+            self.tries.clear()
+        self.tries[key.key] = tries + 1
+        try:
+            text = content.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        found = locate(text)
+        if found is None:
+            return None
+        head_end = len(text[: found[0]].encode())
+        tail_start = head_end + len(text[found[0]: found[1]].encode())
+        if head_end < WINDOW:
+            return None
+        self.forget(key.key)
+        shape = Shape(key, side, path, content[:head_end], content[tail_start:])
+        self.shapes[key.key] = shape
+        self.by_sig[(head_end, shape.head[-WINDOW:])] = shape
+        self.ends[head_end] = self.ends.get(head_end, 0) + 1
+        while len(self.shapes) > self.limit:
+            self.forget(next(iter(self.shapes)))
+        return shape
+
+    def forget(self, key: str) -> None:
+        shape = self.shapes.pop(key, None)
+        if shape is None:
+            return
+        sig = (len(shape.head), shape.head[-WINDOW:])
+        if self.by_sig.get(sig) is shape:
+            del self.by_sig[sig]
+        n = self.ends.get(len(shape.head), 0) - 1
+        if n > 0:
+            self.ends[len(shape.head)] = n
+        else:
+            self.ends.pop(len(shape.head), None)
+
+    def match(self, path: str, content: bytes) -> Shape | None:
+        """The known session whose head and tail `content` repeats, with no client `id_slot`/`cache_prompt`
+        among the new bytes; None sends the request down the full parse."""
+        size = len(content)
+        for end in self.ends:
+            if end > size:
+                continue
+            shape = self.by_sig.get((end, content[end - WINDOW: end]))
+            if shape is None or shape.path != path:
+                continue
+            stop = size - len(shape.tail)
+            if stop < end or not content.endswith(shape.tail) or not content.startswith(shape.head):
+                continue
+            if any(content.find(k, end, stop) >= 0 for k in _CLIENT_KEYS):
+                return None
+            self.shapes.move_to_end(shape.key.key)
+            self.tries.pop(shape.key.key, None)
+            return shape
+        return None
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def fields_absent(body: dict[str, Any]) -> bool:
+    """Whether a parsed body leaves both rewrite fields to us (the only bodies worth learning)."""
+    return "id_slot" not in body and "cache_prompt" not in body
