@@ -274,6 +274,7 @@ class SlotKeeper:
         info.slot = result.slot
         if result.client_slot_kept and result.slot != slot:
             info.reason = "client-id_slot"
+        rt.table.dispatch("" if info.reason == "side-call" else plan.session.key, result.slot)
         if plan.side:
             rt.table.side_call(now)
         if plan.session.key in rt.table.sessions:  # side calls on the reserved slot are not sessions

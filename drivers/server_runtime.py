@@ -26,7 +26,7 @@ from slotlogic import core, paging
 from slotlogic import state as st
 from slotlogic.fastpath import ShapeIndex
 from slotlogic.observe import Observation
-from slotlogic.ranking import Choice
+from slotlogic.ranking import Choice, SlotView
 from slotlogic.session import PromptMark
 
 log = logging.getLogger("slotkeeper")
@@ -83,6 +83,7 @@ class ServerRuntime:
         self._seeded_from_file = False
         self.checkpoints: CheckpointManager | None = None
         self.pager: Pager | None = None
+        self.pages: dict[str, paging.PageRecord] = {}  # the page index as of the last state transaction
         self.shapes = ShapeIndex()  # known sessions' request shapes: the hot path without a parse
         self._swept = False
         self.offline = False  # replaying saved flows: no network, no background task, no checkpoints
@@ -195,10 +196,7 @@ class ServerRuntime:
                                  side=plan.side, local=self.table,
                                  displaced_from=plan.slot if plan.reason == "displaced" else None)
             dropped = st.prune(state, now, SESSION_KEEP_SECONDS)
-            page_plan = None
-            if self.pager is not None and choice.reason != "side-call":
-                page_plan = paging.plan(before[choice.slot], plan.session.key, state.pages, self.upstream,
-                                        paging.model_id(props))
+            self.pages = dict(state.pages)
         if self.pager is not None and dropped:
             self.pager.delete(dropped)
         self.media_marker, self.total_slots, self.n_ctx = marker, total, n_ctx
@@ -208,8 +206,8 @@ class ServerRuntime:
         if self.offline:
             return choice, facts
         paged_in = False
-        if page_plan is not None:
-            paged_in = await self.page(page_plan, props, flow_id)
+        if self.pager is not None:
+            paged_in = await self.page(choice.slot, plan.session.key, before[choice.slot], props, flow_id)
             if paged_in:
                 choice = Choice(choice.slot, choice.reason + "+paged-in")
         if self.checkpoints is not None and plan.stable is not None and not paged_in:
@@ -223,14 +221,24 @@ class ServerRuntime:
                      ", ".join(repr(m) for m in self.cfg.markers))
         return choice, facts
 
-    async def page(self, page_plan: paging.PagePlan, props: dict[str, Any], flow_id: str) -> bool:
+    def page_plan(self, slot: int, key: str, view: SlotView, model: str) -> paging.PagePlan:
+        holder, tokens = paging.holder_of(slot, view, self.table.dispatched)
+        rec = self.pages.get(key)
+        holds_own = (slot not in self.table.dispatched and view.owner == key and rec is not None
+                     and (view.n_tokens or 0) >= rec.n_tokens)  # a restarted proxy, its session still there
+        return paging.plan(slot, key, holder, tokens, self.pages, self.upstream, model, holds_own=holds_own)
+
+    async def page(self, slot: int, key: str, view: SlotView, props: dict[str, Any], flow_id: str) -> bool:
         """Page the slot's holder out and this session in (see drivers/pager.py for the lock); True when the
-        session's conversation is back in the slot. Fails open: trouble only costs the prefill."""
+        session's conversation is back in the slot. What to do is decided once the lock is held: by then
+        every request sent to the slot before is settled. Fails open: trouble only costs the prefill."""
         assert self.pager is not None
-        if page_plan.empty and not self.pager.busy(page_plan.slot):
+        model = paging.model_id(props)
+        if self.page_plan(slot, key, view, model).empty and not self.pager.busy(slot):
             return False
-        if not await self.pager.hold(page_plan.slot, flow_id):
+        if not await self.pager.hold(slot, flow_id):
             return False
+        page_plan = self.page_plan(slot, key, view, model)
         if page_plan.empty:
             return False  # nothing to move, but our request must still go after the page-in before it
         saving = None
@@ -238,7 +246,6 @@ class ServerRuntime:
             saving = self.pager.saving[page_plan.save_for] = asyncio.Event()
         try:
             out = await self.pager.run(page_plan)
-            model = paging.model_id(props)
             doomed: list[str] = []
             async with self.store.transaction() as state:
                 if out.saved_tokens is not None and page_plan.save_for and page_plan.save_file:
@@ -252,6 +259,7 @@ class ServerRuntime:
                 if not self._swept:
                     self._swept = True
                     doomed += paging.orphans(self.pager.files(), state.pages, time.time(), SESSION_KEEP_SECONDS)
+                self.pages = dict(state.pages)
             self.pager.delete(doomed)
         except Exception as e:
             log.warning("slotkeeper: paging on slot %d failed: %r; the request proceeds without it",

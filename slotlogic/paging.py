@@ -7,9 +7,10 @@ slot (`POST /slots/{id}?action=save|restore`): on SmolLM2, 1,353 tokens took 15 
 restore, against 8.3 s to prefill. So before a slot is handed to another session, its holder is *paged
 out*; when a session comes back to a slot that no longer holds its conversation, it is *paged in*.
 
-Rule 1: pure. `plan` looks at one slot (`SlotView`) and the page index (in the shared state file) and says
-        which file to save and which to restore; the driver (`drivers/pager.py`) performs the calls, then
-        folds the outcome back with `saved` / `restored`.
+Rule 1: pure. `holder_of` says whose conversation a slot holds, `plan` which file to save and which to
+        restore; the driver (`drivers/pager.py`) performs the calls under the slot's lock, deciding only
+        once it holds the lock (what ran on the slot before is settled then), and records the outcome
+        with `saved` in the page index (in the shared state file).
 Rule 2: never a wrong answer. A restored file only sets what the slot holds: llama-server still compares
         the request's tokens with the restored ones and reuses just the common prefix. A stale or foreign
         file therefore costs prefill, never correctness; only a file from another model or build could
@@ -68,20 +69,33 @@ def model_id(props: Mapping[str, object]) -> str:
     return f"{props.get('model_path')}|{props.get('build_info')}"
 
 
-def plan(view: SlotView, session_key: str, pages: Mapping[str, PageRecord], upstream: str, model: str, *,
+def holder_of(slot: int, view: SlotView, dispatched: Mapping[int, str]) -> tuple[str | None, int | None]:
+    """Whose conversation the slot will hold when a save reaches it, and its size when known.
+
+    llama-server runs a slot's requests and slot tasks in arrival order (a save waits for the requests
+    queued before it), so that is the session whose request this process sent there last (`dispatched`).
+    Only when this process sent nothing there since it started (or since a server restart) does the
+    snapshot's owner (the state file, other processes) stand in, with `/slots`' token count (a request
+    sent since the snapshot makes that count stale, so then the size is unknown)."""
+    holder = dispatched.get(slot)
+    if holder is None:
+        return view.owner, view.n_tokens
+    return (holder, None) if holder else (None, None)  # "": a side call ran there last, nobody's conversation
+
+
+def plan(slot: int, session_key: str, holder: str | None, holder_tokens: int | None,
+         pages: Mapping[str, PageRecord], upstream: str, model: str, *, holds_own: bool = False,
          min_tokens: int = MIN_TOKENS) -> PagePlan:
-    """Page out the slot's holder if it is another session with a conversation worth keeping (a busy slot
-    is still computing the holder's request: llama-server defers the save until it is done, so the page
-    gets the finished conversation); page in `session_key` unless the slot already holds (at least) what
-    its page holds."""
+    """Page out the slot's holder if it is another session with a conversation worth keeping (unknown size
+    counts as worth it: a save costs milliseconds); page in `session_key` unless the slot holds its
+    conversation already (it was the last to run there, or `holds_own`)."""
     save_for = save_file = None
-    if view.owner not in (None, session_key) and (view.busy or (view.n_tokens or 0) >= min_tokens):
-        save_for, save_file = view.owner, page_file(upstream, view.owner)
+    if holder not in (None, "", session_key) and (holder_tokens is None or holder_tokens >= min_tokens):
+        save_for, save_file = holder, page_file(upstream, holder)
     rec = pages.get(session_key)
-    holds_own = view.owner == session_key and (view.n_tokens or 0) >= (rec.n_tokens if rec else 0)
-    if rec is None or rec.model != model or holds_own or rec.n_tokens < min_tokens:
-        return PagePlan(view.id, save_for, save_file)
-    return PagePlan(view.id, save_for, save_file, session_key, rec.file, rec.n_tokens)
+    if rec is None or rec.model != model or holds_own or holder == session_key or rec.n_tokens < min_tokens:
+        return PagePlan(slot, save_for, save_file)
+    return PagePlan(slot, save_for, save_file, session_key, rec.file, rec.n_tokens)
 
 
 def saved(pages: dict[str, PageRecord], session_key: str, file: str, n_tokens: int, n_bytes: int,

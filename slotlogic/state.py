@@ -280,6 +280,7 @@ class SessionTable:
     dirty: set[str] = field(default_factory=set)
     holders: dict[int, str] = field(default_factory=dict)  # slot -> the session whose request ran there last
     running: dict[int, str] = field(default_factory=dict)  # slot -> the session whose request went there last
+    dispatched: dict[int, str] = field(default_factory=dict)  # slot -> whose request left the proxy for it last
     last_side_call: float | None = None
 
     def side_call(self, now: float) -> None:
@@ -330,6 +331,11 @@ class SessionTable:
             if self.running.get(slot) == key:
                 del self.running[slot]
 
+    def dispatch(self, key: str, slot: int) -> None:
+        """A request pinned to `slot` leaves the proxy now ("" for a side call: nobody's conversation). Unlike
+        `running` (set when the slot is chosen), this follows the order in which the server receives them."""
+        self.dispatched[slot] = key
+
     def drain(self) -> dict[str, Assignment]:
         """The touches to flush, emptied."""
         out = {k: replace(self.sessions[k]) for k in self.dirty if k in self.sessions}
@@ -342,12 +348,13 @@ class SessionTable:
         self.dirty.clear()
         self.holders.clear()
         self.running.clear()
+        self.dispatched.clear()
 
     def release(self, key: str) -> bool:
         self.dirty.discard(key)
         a = self.sessions.pop(key, None)
         if a is not None:
-            for where in (self.holders, self.running):
+            for where in (self.holders, self.running, self.dispatched):
                 if where.get(a.slot) == key:
                     del where[a.slot]
         return a is not None

@@ -70,6 +70,8 @@ async def test_a_known_sessions_next_turn_skips_the_parse_and_gets_the_same_rewr
     f2 = flow(later)
     await keeper.request(f2)
     assert parsed == [] and keeper.flows[f2.id].reason == "known"
+    rt = keeper.runtime(UP)  # the order requests leave the proxy in: what paging saves on a slot later
+    assert rt.table.dispatched == {sent(f1)["id_slot"]: keeper.flows[f2.id].plan.session.key}
     assert f2.request.content == json.dumps(later).encode()[:-1] + b',"id_slot":%d,"cache_prompt":true}' % (
         sent(f1)["id_slot"])
     assert keeper.flows[f2.id].client_fields == {"id_slot": None, "cache_prompt": None}

@@ -19,34 +19,45 @@ def test_page_file_is_private_stable_and_per_server():
     assert name != paging.page_file("http://other:8080", "sess-a") != paging.page_file(U, "sess-b")
 
 
+def test_the_holder_is_whoever_this_proxy_sent_to_the_slot_last():
+    view = SlotView(2, 1300, owner="b")
+    assert paging.holder_of(2, view, {}) == ("b", 1300)  # nothing sent since start: the snapshot stands in
+    assert paging.holder_of(2, view, {2: "c"}) == ("c", None)  # c went there after the snapshot: size unknown
+    assert paging.holder_of(2, view, {2: "b"}) == ("b", None)
+    assert paging.holder_of(2, view, {2: ""}) == (None, None)  # a side call: nobody's conversation
+    assert paging.holder_of(2, view, {1: "c"}) == ("b", 1300)
+
+
 def test_another_sessions_conversation_is_saved_before_the_slot_changes_hands():
-    p = paging.plan(SlotView(2, 1300, owner="b"), "a", {}, U, M)
+    p = paging.plan(2, "a", "b", 1300, {}, U, M)
     assert (p.slot, p.save_for, p.save_file, p.restore_file) == (2, "b", paging.page_file(U, "b"), None)
     assert not p.empty
-    # still computing the holder's first prompt: the server defers the save until it is done
-    assert paging.plan(SlotView(2, 0, busy=True, owner="b"), "a", {}, U, M).save_for == "b"
+    # size unknown (sent there after the /slots snapshot, or no /slots at all): a save costs milliseconds
+    assert paging.plan(2, "a", "b", None, {}, U, M).save_for == "b"
 
 
 def test_nothing_worth_saving():
-    assert paging.plan(SlotView(2, 1300, owner="a"), "a", {}, U, M).empty  # our own conversation
-    assert paging.plan(SlotView(2, 1300), "a", {}, U, M).empty  # nobody's
-    assert paging.plan(SlotView(2, 10, owner="b"), "a", {}, U, M).empty  # too short to matter
-    assert paging.plan(SlotView(2, None, owner="b"), "a", {}, U, M).empty  # unknown size (no /slots)
+    assert paging.plan(2, "a", "a", 1300, {}, U, M).empty  # our own conversation
+    assert paging.plan(2, "a", None, 1300, {}, U, M).empty  # nobody's
+    assert paging.plan(2, "a", "", None, {}, U, M).empty  # a side call's
+    assert paging.plan(2, "a", "b", 10, {}, U, M).empty  # too short to matter
 
 
 def test_a_returning_session_is_paged_in_unless_the_slot_still_holds_it():
     pages = {"a": rec("a", 1200)}
-    p = paging.plan(SlotView(1, 1400, owner="b"), "a", pages, U, M)
+    p = paging.plan(1, "a", "b", 1400, pages, U, M)
     assert (p.save_for, p.restore_for, p.restore_file, p.restore_tokens) == ("b", "a", pages["a"].file, 1200)
-    # after a server restart the slot is empty although the state still says it is ours
-    assert paging.plan(SlotView(1, 0, owner="a"), "a", pages, U, M).restore_for == "a"
-    # it kept running on its slot after the page was written: the slot has more than the page
-    assert paging.plan(SlotView(1, 1500, owner="a"), "a", pages, U, M).empty
+    # after a server restart every slot is empty and nothing has been sent since
+    assert paging.plan(1, "a", None, 0, pages, U, M).restore_for == "a"
+    # its own request was the last to go there
+    assert paging.plan(1, "a", "a", None, pages, U, M).empty
+    # a restarted proxy whose session is still in its slot (the caller saw it in /slots)
+    assert paging.plan(1, "a", "a", 1500, pages, U, M, holds_own=True).empty
 
 
 def test_a_page_from_another_model_or_build_is_never_restored():
     pages = {"a": rec("a", model="/other.gguf|b1")}
-    assert paging.plan(SlotView(1, 0), "a", pages, U, M).restore_file is None
+    assert paging.plan(1, "a", None, 0, pages, U, M).restore_file is None
 
 
 def test_budget_drops_the_least_recently_saved_but_keeps_the_ones_in_use():
