@@ -142,9 +142,8 @@ class SlotKeeper:
         mode = o.slots_prefix_cache or ("disk" if o.slots_save_dir else "off")
         if mode not in ("off", "memory", "disk"):
             raise exceptions.OptionsError(f"slots_prefix_cache must be off, memory or disk, not {mode!r}")
-        if mode == "disk" and o.slots_save_dir and not os.path.isdir(os.path.expanduser(o.slots_save_dir)):
-            raise exceptions.OptionsError(f"slots_save_dir {o.slots_save_dir!r} is not a directory")
-        if o.slots_paging and o.slots_save_dir and not os.path.isdir(os.path.expanduser(o.slots_save_dir)):
+        uses_dir = mode == "disk" or o.slots_paging
+        if uses_dir and o.slots_save_dir and not os.path.isdir(os.path.expanduser(o.slots_save_dir)):
             raise exceptions.OptionsError(f"slots_save_dir {o.slots_save_dir!r} is not a directory")
         if o.slots_page_max_mb < 1:
             raise exceptions.OptionsError("slots_page_max_mb must be ≥ 1 (turn paging off with slots_paging)")
@@ -302,11 +301,9 @@ class SlotKeeper:
         except ValueError:
             return None
         shape = rt.shapes.match(req.path, content) if content else None
-        if shape is None:
-            return None
-        plan = core.plan_known_body(self.cfg, rt.table, req.path, shape.key, shape.side, now,
-                                    total_slots=rt.total_slots)
-        return None if plan is None or content is None else (content, {}, plan)
+        plan = shape and core.plan_known_body(self.cfg, rt.table, req.path, shape.key, shape.side, now,
+                                              total_slots=rt.total_slots)
+        return (content, {}, plan) if plan and content else None
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         info = self.flows.get(flow.id)

@@ -20,7 +20,7 @@ from typing import Any
 
 from drivers.checkpoints import CheckpointManager, CheckpointSettings
 from drivers.llama_client import LlamaClient, server_identity
-from drivers.pager import Pager
+from drivers.pager import PageOutcome, Pager
 from drivers.state_store import StateStore
 from slotlogic import core, paging
 from slotlogic import state as st
@@ -246,21 +246,7 @@ class ServerRuntime:
             saving = self.pager.saving[page_plan.save_for] = asyncio.Event()
         try:
             out = await self.pager.run(page_plan)
-            doomed: list[str] = []
-            async with self.store.transaction() as state:
-                if out.saved_tokens is not None and page_plan.save_for and page_plan.save_file:
-                    paging.saved(state.pages, page_plan.save_for, page_plan.save_file, out.saved_tokens,
-                                 out.saved_bytes, time.time(), model)
-                if out.restore_failed and page_plan.restore_for:
-                    state.pages.pop(page_plan.restore_for, None)
-                keep = frozenset(k for k in (page_plan.save_for, page_plan.restore_for) if k)
-                for key in paging.over_budget(state.pages, self.pager.max_bytes, keep=keep):
-                    doomed.append(state.pages.pop(key).file)
-                if not self._swept:
-                    self._swept = True
-                    doomed += paging.orphans(self.pager.files(), state.pages, time.time(), SESSION_KEEP_SECONDS)
-                self.pages = dict(state.pages)
-            self.pager.delete(doomed)
+            await self._record_pages(page_plan, out, model)
         except Exception as e:
             log.warning("slotkeeper: paging on slot %d failed: %r; the request proceeds without it",
                         page_plan.slot, e)
@@ -282,6 +268,26 @@ class ServerRuntime:
                             "in_tokens": out.restored_tokens, "seconds": round(out.seconds, 4),
                             "server_ms": round(out.server_ms, 2)})
         return out.restored_tokens is not None
+
+    async def _record_pages(self, page_plan: paging.PagePlan, out: PageOutcome, model: str) -> None:
+        """The page index after a paging step, in the state file: the new page, a failed one dropped, the
+        budget applied (and, once per process, orphaned page files swept); their files deleted."""
+        assert self.pager is not None
+        doomed: list[str] = []
+        async with self.store.transaction() as state:
+            if out.saved_tokens is not None and page_plan.save_for and page_plan.save_file:
+                paging.saved(state.pages, page_plan.save_for, page_plan.save_file, out.saved_tokens,
+                             out.saved_bytes, time.time(), model)
+            if out.restore_failed and page_plan.restore_for:
+                state.pages.pop(page_plan.restore_for, None)
+            keep = frozenset(k for k in (page_plan.save_for, page_plan.restore_for) if k)
+            doomed += [state.pages.pop(gone).file for gone in paging.over_budget(state.pages, self.pager.max_bytes,
+                                                                                 keep=keep)]
+            if not self._swept:
+                self._swept = True
+                doomed += paging.orphans(self.pager.files(), state.pages, time.time(), SESSION_KEEP_SECONDS)
+            self.pages = dict(state.pages)
+        self.pager.delete(doomed)
 
     def release_slot(self, flow_id: str) -> None:
         """The flow's request reached the server (or ended): the next pager of its slot may go."""
