@@ -22,11 +22,11 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m drivers.stack --llama-url '$(LLAMA_URL)' --llama-port $(LLAMA_PORT) \
+	$(BIN)/python -m launch.stack --llama-url '$(LLAMA_URL)' --llama-port $(LLAMA_PORT) \
 		--proxy-port $(PROXY_PORT) --slots $(SLOTS) $(ARGS)
 
 web: $(STAMP)
-	$(BIN)/python -m drivers.stack --web --llama-url '$(LLAMA_URL)' --llama-port $(LLAMA_PORT) \
+	$(BIN)/python -m launch.stack --web --llama-url '$(LLAMA_URL)' --llama-port $(LLAMA_PORT) \
 		--proxy-port $(PROXY_PORT) --slots $(SLOTS) $(ARGS)
 
 test: $(STAMP)

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from drivers.llama_server import LlamaServer
-from drivers.proxy import MitmProxy
+from launch.llama_server import LlamaServer
+from launch.mitmdump import MitmProxy
 
 SLOTS = 4
 CTX_PER_SLOT = 8192

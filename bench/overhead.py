@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from drivers.llama_server import free_port
-from drivers.proxy import MitmProxy
+from launch.llama_server import free_port
+from launch.mitmdump import MitmProxy
 
 NOOP_ADDON = Path(__file__).resolve().parent / "noop_addon.py"
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,8 +9,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from drivers.llama_server import LlamaServer
-from drivers.pi_client import PiSession, PiUnavailable, ensure_pi_installed, node_available
+from launch.llama_server import LlamaServer
+from launch.pi import PiSession, PiUnavailable, ensure_pi_installed, node_available
 
 pytestmark = [
     pytest.mark.real,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from drivers.llama_server import LlamaServer
-from drivers.proxy import MitmProxy
+from launch.llama_server import LlamaServer
+from launch.mitmdump import MitmProxy
 from tests.real_helpers import SYSTEM, ask, jsonl
 
 pytestmark = pytest.mark.real

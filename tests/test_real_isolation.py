@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from drivers.llama_server import LlamaServer
-from drivers.proxy import MitmProxy
+from launch.llama_server import LlamaServer
+from launch.mitmdump import MitmProxy
 from tests.real_helpers import ask, conversation, extend, jsonl
 
 pytestmark = pytest.mark.real

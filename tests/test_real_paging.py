@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from drivers.llama_server import LlamaServer
-from drivers.proxy import MitmProxy
+from launch.llama_server import LlamaServer
+from launch.mitmdump import MitmProxy
 from slotlogic import paging
 from tests.real_helpers import ask, conversation, extend, jsonl
 

@@ -46,9 +46,9 @@ from mitmproxy import http, io  # noqa: E402
 
 from bench.client import run_workload  # noqa: E402
 from bench.workload import SessionScript, Workload, generate  # noqa: E402
-from drivers.llama_server import LlamaServer  # noqa: E402
-from drivers.pi_client import PI_VERSION, PiSession, ensure_pi_installed, run_sessions_concurrently  # noqa: E402
-from drivers.proxy import MitmProxy, mitm_argv  # noqa: E402
+from launch.llama_server import LlamaServer  # noqa: E402
+from launch.mitmdump import MitmProxy, mitm_argv  # noqa: E402
+from launch.pi import PI_VERSION, PiSession, ensure_pi_installed, run_sessions_concurrently  # noqa: E402
 
 OUT = ROOT / "recordings"
 PREFERRED_PORT = 8080
@@ -174,7 +174,7 @@ def record_pi(server: LlamaServer, rec: Recording, work: Path) -> dict[str, Any]
     failed = [(name, r.returncode, r.stderr[-300:]) for name, rs in results.items() for r in rs if r.returncode]
     if failed:
         raise RuntimeError(f"pi turns failed: {failed}")
-    return {"client": f"pi {PI_VERSION} (tools/pi, drivers/pi_client.py), 2 windows x 2 turns, one project",
+    return {"client": f"pi {PI_VERSION} (tools/pi, launch/pi.py), 2 windows x 2 turns, one project",
             "argv": [arg.replace(str(work), "<work>") for arg in windows[0].history[-1].argv]}
 
 
@@ -237,7 +237,7 @@ def record(name: str, port: int | None, work_root: Path) -> dict[str, Any]:
             "server": {"url": server.url, "build_info": props.get("build_info"),
                        "model": Path(str(props.get("model_path"))).name, "total_slots": props.get("total_slots"),
                        "n_ctx_per_slot": (props.get("default_generation_settings") or {}).get("n_ctx"),
-                       "runner": f"xllamacpp {metadata.version('xllamacpp')} (drivers/llama_server.py)"},
+                       "runner": f"xllamacpp {metadata.version('xllamacpp')} (launch/llama_server.py)"},
             "proxy": {"mitmproxy": mitmproxy.version.VERSION, "python": sys.version.split()[0],
                       "command": proxy_command(server.url, rec)},
             "recorded": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

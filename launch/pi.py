@@ -18,7 +18,6 @@ Facts measured with pi 0.73.1 against llama-server + SmolLM2-135M (see tools/pi/
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -173,22 +172,6 @@ class PiSession:
             self._finish(prompt, argv, started, None, out, err)
             raise subprocess.TimeoutExpired(argv, timeout, out, err) from None
         return self._finish(prompt, argv, started, proc.returncode, out, err)
-
-    async def arun_turn(self, prompt: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        """asyncio variant of `run_turn`, for driving several windows from one event loop."""
-        argv = self.argv(prompt)
-        started = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=self.cwd, env=self.env(), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
-        try:
-            out_b, err_b = await asyncio.wait_for(proc.communicate(), timeout)
-        except TimeoutError:
-            _kill_group(proc.pid)
-            out_b, err_b = await proc.communicate()
-            self._finish(prompt, argv, started, None, out_b.decode(), err_b.decode())
-            raise subprocess.TimeoutExpired(argv, timeout, out_b.decode(), err_b.decode()) from None
-        return self._finish(prompt, argv, started, proc.returncode, out_b.decode(), err_b.decode())
 
     def session_file(self) -> Path | None:
         """The newest session JSONL pi wrote for this window (None before the first turn)."""

