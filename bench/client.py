@@ -4,7 +4,7 @@ Why streamed: agent clients stream, and with `stream_options.include_usage` llam
 (`cache_n`, `prompt_n`: what the server itself reused and prefilled) on the extra chunk whose `choices`
 is `[]`; without it they ride on the `finish_reason` chunk. We keep the last `timings`/`usage` seen, so
 both layouts work. One HTTP write can carry several SSE events and one event can be split across writes:
-the addon's own incremental parser (`slotlogic.observe.SSEParser`) handles both.
+the addon's own incremental parser (`slotlogic.answers.SSEParser`) handles both.
 
 Concurrency model: one asyncio task (and one keep-alive `httpx.AsyncClient`) per session; a session's
 requests are sequential with think time in between, sessions run at the same time.
@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from bench.workload import RequestSpec, Workload
-from slotlogic.observe import SSEParser
+from slotlogic.answers import SSEParser
 
 REQUEST_TIMEOUT_S = 300.0
 

@@ -3,7 +3,7 @@
 Why: against a real model the proxy's ~1 ms disappears in prefill noise. This upstream answers in
 microseconds so the measured difference is the proxy. It speaks just enough HTTP/1.1 (keep-alive,
 Content-Length bodies) and sets TCP_NODELAY and writes each response in one `write`, which avoids the
-40 ms Nagle/delayed-ACK stall that would otherwise dominate (see the mitmproxy reference, §3.4).
+40 ms Nagle/delayed-ACK stall that would otherwise dominate (docs/mitmproxy.md).
 It runs as a subprocess so its event loop does not compete with the client for the GIL.
 """
 

@@ -1,8 +1,9 @@
 """Run mitmdump (or mitmweb) with the slotkeeper addon as a child process, for `make run`, tests and bench.
 
 The flags are the ones the README documents: reverse mode with an explicit `http://` scheme and a loopback
-listen address (mitmproxy pitfall P15), `connection_strategy=lazy` so a dead upstream gives a 502 instead of
-a silently closed connection (P13), and `flow_detail=0` so only the addon's own lines are printed (P16).
+listen address (a bare `@port` binds every interface), `connection_strategy=lazy` so a dead upstream gives a
+502 instead of a silently closed connection, and `flow_detail=0` so only the addon's own lines are printed
+(docs/mitmproxy.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which llama-server routes honour `id_slot` and `cache_prompt` (llama-server.md §2).
+"""Which llama-server routes honour `id_slot` and `cache_prompt` (docs/llama-server.md).
 
 `/v1/messages` (Anthropic) copies only a whitelist of keys, so both fields are dropped there: we pass it
 through and say so instead of pretending to pin it.

@@ -2,8 +2,7 @@
 
 Rule 1: everything that decides *which slot a new session gets* lives in this file.
 Rule 2: no I/O. Inputs are snapshots (`SlotView` per slot: live `/slots` numbers merged with what the
-        state file says about claims); the output is a `Choice` with the slot and a one-word reason that
-        goes into the log line and the mitmweb comment.
+        state file says about claims); the output is a `Choice`: the slot and a `Why`.
 Rule 3: never return a slot outside `0 … total_slots-1`.
 
 Theory of operation
@@ -15,7 +14,7 @@ TTL; otherwise it is *free*, whatever it still holds. Policies:
 claimed, oldest `last_used`, then fewest tokens, then lowest id.
 
 `auto` (default) ranks by a tuple, smallest first, each element a reason llama-server gives us:
-  1. busy slots last: a request pinned to a busy slot is *deferred* until that slot frees (§1.3),
+  1. busy slots last: a request pinned to a busy slot is *deferred* until that slot frees (docs/llama-server.md),
      and deferred unpinned requests can starve behind it;
   2. free before claimed: a live session's cache is worth more than an expired one's;
   3. the reserved side-call slot after every other slot (sessions use it only when nothing else is left);
@@ -45,6 +44,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from slotlogic.reasons import Why
+
 
 class Policy(Enum):
     AUTO = "auto"
@@ -71,7 +72,7 @@ COLD_AFTER = 5.0    # seconds idle before a live owner's slot may be taken over 
 @dataclass(frozen=True)
 class Choice:
     slot: int
-    reason: str
+    why: Why
 
 
 def is_claimed(view: SlotView, now: float, ttl: float) -> bool:
@@ -139,16 +140,16 @@ def _spawned_from(view: SlotView, now: float) -> bool:
     return (not view.busy and view.owner_done is not None and 0.0 <= now - view.owner_done <= SPAWN_WINDOW)
 
 
-def _reason(view: SlotView, now: float, ttl: float, prefix: str | None, spawn: bool = True) -> str:
+def _reason(view: SlotView, now: float, ttl: float, prefix: str | None, spawn: bool = True) -> Why:
     if view.busy:
-        return "all-busy"
+        return Why.ALL_BUSY
     if is_claimed(view, now, ttl):
-        return "evict-waiting-parent" if spawn and _spawned_from(view, now) else "evict-cheapest"
+        return Why.EVICT_WAITING_PARENT if spawn and _spawned_from(view, now) else Why.EVICT_CHEAPEST
     if prefix is not None and view.prefix == prefix and _tokens(view) > 0:
-        return "free-same-prefix"
+        return Why.FREE_SAME_PREFIX
     if _empty(view):
-        return "free-empty"
-    return "free-fewest-tokens"
+        return Why.FREE_EMPTY
+    return Why.FREE_FEWEST_TOKENS
 
 
 def choose(policy: Policy, slots: Sequence[SlotView], now: float, ttl: float, *,
@@ -159,7 +160,7 @@ def choose(policy: Policy, slots: Sequence[SlotView], now: float, ttl: float, *,
         raise ValueError("no slots to choose from")
     if policy is Policy.SEED:
         best = min(slots, key=lambda v: seed_key(v, now, ttl))
-        return Choice(best.id, "seed-claimed-coldest" if is_claimed(best, now, ttl) else "seed-free")
+        return Choice(best.id, Why.SEED_CLAIMED_COLDEST if is_claimed(best, now, ttl) else Why.SEED_FREE)
     if policy is Policy.AUTO:
         best = min(slots, key=lambda v: auto_key(v, now, ttl, prefix, reserved, spawn))
         return Choice(best.id, _reason(best, now, ttl, prefix, spawn))

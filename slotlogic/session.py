@@ -1,4 +1,4 @@
-"""Who sent this request: the session key (clients.md, "Session-key sources").
+"""Who sent this request: the session key (docs/clients.md).
 
 Sources, most to least reliable:
 1. a header from a configurable list (Claude Code, pi with affinity headers, OpenCode, …);

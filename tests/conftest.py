@@ -1,14 +1,23 @@
-"""Shared fixtures: a fake llama-server client for addon unit tests (fault injection, no sockets)."""
+"""Shared fixtures: a scripted llama-server client for fault injection, and the addon chain as mitmproxy runs it."""
 
 from __future__ import annotations
 
+import inspect
+import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from mitmproxy import http
+from mitmproxy.test import taddons, tflow
+
+import addon as addon_module
+
+UP = "http://127.0.0.1:8080"
 
 
 class FakeLlama:
-    """Stands in for `drivers.llama_client.LlamaClient`: canned /props and /slots, counts every call."""
+    """Stands in for `drivers.llama_http.LlamaClient`: canned /props and /slots, counts every call."""
 
     def __init__(self, total: int = 4, marker: str = "<__media_a__>", n_ctx: int = 8192) -> None:
         self.props_data: dict[str, Any] | None = {
@@ -29,6 +38,10 @@ class FakeLlama:
         self.calls.append("slots")
         return self.slots_data
 
+    async def post_json(self, path: str, body: Any, timeout: float) -> tuple[int, Any]:
+        self.calls.append(f"post {path}")
+        return 0, None
+
     async def aclose(self) -> None:
         pass
 
@@ -36,3 +49,67 @@ class FakeLlama:
 @pytest.fixture
 def fake_llama() -> FakeLlama:
     return FakeLlama()
+
+
+class Proxy:
+    """slotkeeper's addons in a `taddons` context, their hooks called in chain order as mitmproxy does."""
+
+    def __init__(self, tctx: taddons.context, addons: list[Any]) -> None:
+        self.tctx = tctx
+        self.addons = addons
+        self.rt = addons[0].rt
+
+    def configure(self, **options: Any) -> None:
+        self.tctx.configure(self.addons[0], **options)  # every addon's `configure` sees the change
+
+    async def hook(self, name: str, flow: http.HTTPFlow) -> None:
+        for a in self.addons:
+            fn = getattr(a, name, None)
+            if fn is not None:
+                result = fn(flow)
+                if inspect.isawaitable(result):
+                    await result
+
+    async def request(self, flow: http.HTTPFlow) -> http.HTTPFlow:
+        await self.hook("request", flow)
+        return flow
+
+    async def answer(self, flow: http.HTTPFlow, response: http.Response) -> http.HTTPFlow:
+        flow.response = response
+        await self.hook("responseheaders", flow)
+        await self.hook("response", flow)
+        return flow
+
+    def command(self, name: str, *args: str) -> Any:
+        return self.tctx.master.commands.call_strings(name, list(args))
+
+    async def settle(self) -> None:
+        for up in self.rt.upstreams.values():
+            await up.settle()
+
+
+@pytest.fixture
+def proxy(tmp_path, fake_llama) -> Iterator[Proxy]:
+    addons = addon_module.make_addons()
+    addons[0].rt.make_client = lambda url: fake_llama
+    with taddons.context(*addons) as tctx:
+        p = Proxy(tctx, addons)
+        p.configure(slots_state_dir=str(tmp_path / "state"), slots_probe_interval=0,
+                    slots_log_requests="mitmproxy")  # caplog sees the per-request line
+        yield p
+
+
+def chat(first: str = "task A", system: str = "You are a coding agent. " * 20, **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": first}],
+            **extra}
+
+
+def flow(body: Any, path: str = "/v1/chat/completions", method: str = "POST", headers: dict[str, str] | None = None,
+         raw: bytes | None = None) -> http.HTTPFlow:
+    content = raw if raw is not None else json.dumps(body).encode()
+    req = http.Request.make(method, UP + path, content, {"content-type": "application/json", **(headers or {})})
+    return tflow.tflow(req=req)
+
+
+def sent(f: http.HTTPFlow) -> dict[str, Any]:
+    return json.loads(f.request.get_content())

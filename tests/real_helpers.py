@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,15 @@ def ask(base: str, msgs: list[dict[str, str]], *, stream: bool = False, timeout:
     return Turn(int(slot) if slot is not None else None, timings["cache_n"], timings["prompt_n"])
 
 
-def jsonl(path: Path) -> list[dict]:
+def jsonl(path: Path, settle: float = 0.5) -> list[dict]:
+    """The proxy's JSONL log once it has stopped growing (records are written a moment after the request)."""
+    size, deadline = -1, time.monotonic() + 10
+    while time.monotonic() < deadline:
+        now = path.stat().st_size if path.exists() else 0
+        if now == size:
+            break
+        size = now
+        time.sleep(settle)
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from bench.client import RequestRecord, apply_event
-from slotlogic.observe import SSEParser
+from slotlogic.answers import SSEParser
 
 CHUNK = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
 FINAL = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}

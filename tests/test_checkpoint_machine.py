@@ -2,11 +2,12 @@
 
 import pytest
 
-from slotlogic.checkpoint import Orchestrator, Phase, Result
+from slotlogic import wording
+from slotlogic.checkpoint_machine import Orchestrator, Outcome, Phase, Result
 from slotlogic.prefix import StablePrefix
 
 P = StablePrefix("You are pi.", "system", None, None)
-# Answers as llama-server gives them (reference/llama-server.md §4.3, §4.5; live build).
+# Answers as llama-server gives them (docs/llama-server.md; the live build).
 RESTORED = Result(200, {"id_slot": 1, "filename": "f.bin", "n_restored": 291, "n_read": 6710068})
 RESTORE_400 = Result(400, {"error": {"code": 400, "message": "Unable to restore slot: No available space in KV "
                                      "cache or invalid slot save file", "type": "invalid_request_error"}})
@@ -21,13 +22,17 @@ def chat(cache_n, prompt_n):
     return Result(200, {"choices": [], "timings": {"cache_n": cache_n, "prompt_n": prompt_n}})
 
 
+def lines(orch):
+    return [wording.note(n) for n in orch.notes]
+
+
 def run(orch, answers):
     kinds = []
     for answer in answers:
         action = orch.next_action()
         assert action is not None, f"machine finished early after {kinds}"
         assert action.slot == orch.slot
-        kinds.append(action.kind)
+        kinds.append(action.kind.value)
         orch.feed(answer)
     assert orch.next_action() is None and orch.phase is Phase.DONE
     return kinds
@@ -35,58 +40,58 @@ def run(orch, answers):
 
 def test_hit_needs_no_action():
     o = Orchestrator(2, P, "f.bin", persist=True, holds_prefix=True, file_known=True)
-    assert run(o, []) == [] and o.outcome == "hit"
+    assert run(o, []) == [] and o.outcome is Outcome.HIT
 
 
 def test_restore_and_verify():
     o = Orchestrator(1, P, "f.bin", persist=True, file_known=True)
     kinds = run(o, [RESTORED, chat(290, 1), chat(288, 7)])
-    assert kinds == ["restore", "verify", "verify"] and o.outcome == "restored"
+    assert kinds == ["restore", "verify", "verify"] and o.outcome is Outcome.RESTORED
     assert o.identical == (290, 291) and o.divergent == (288, 295) and o.spent_prefill == 8
-    assert "RESTORE verified: identical 290/291, divergent probe 288/295" in o.lines
+    assert "RESTORE verified: identical 290/291, divergent probe 288/295" in lines(o)
 
 
 def test_restore_400_falls_back_to_cold_build_and_save():
     o = Orchestrator(1, P, "f.bin", persist=True, file_known=True)
     assert run(o, [RESTORE_400, chat(0, 291), SAVED]) == ["restore", "warm", "save"]
-    assert o.outcome == "warmed-saved" and o.saved_tokens == 291 and o.spent_prefill == 291
-    assert any(line.startswith("no checkpoint (restore HTTP 400") for line in o.lines)
+    assert o.outcome is Outcome.WARMED_SAVED and o.saved_tokens == 291 and o.spent_prefill == 291
+    assert any(line.startswith("no checkpoint (restore HTTP 400") for line in lines(o))
 
 
 def test_no_save_path_is_reported_and_warm_slot_kept():
     o = Orchestrator(1, P, "f.bin", persist=True, file_known=True)
     assert run(o, [NO_SAVE_PATH, chat(0, 291), NO_SAVE_PATH]) == ["restore", "warm", "save"]
-    assert o.missing_save_path and o.outcome == "warmed"
+    assert o.missing_save_path and o.outcome is Outcome.WARMED
 
 
 def test_verification_below_gate_erases_and_rebuilds():
     o = Orchestrator(1, P, "f.bin", persist=True, file_known=True)
     kinds = run(o, [RESTORED, chat(10, 281), ERASED, chat(0, 291), SAVED])
     assert kinds == ["restore", "verify", "erase", "warm", "save"]
-    assert o.file_bad and o.outcome == "warmed-saved"
+    assert o.file_bad and o.outcome is Outcome.WARMED_SAVED
 
 
 def test_divergent_probe_zero_is_loud_but_kept():
     o = Orchestrator(1, P, "f.bin", persist=True, file_known=True)
     assert run(o, [RESTORED, chat(290, 1), chat(0, 296)]) == ["restore", "verify", "verify"]
-    assert o.outcome == "restored-unverified" and any("divergent probe 0/296" in line for line in o.lines)
+    assert o.outcome is Outcome.RESTORED_UNVERIFIED and any("divergent probe 0/296" in line for line in lines(o))
 
 
 @pytest.mark.parametrize("answers", [[TIMEOUT], [RESTORE_400]])
 def test_warm_up_failure_fails_open(answers):
     o = Orchestrator(0, P, "f.bin", persist=False)
-    assert run(o, answers) == ["warm"] and o.outcome == "failed"
+    assert run(o, answers) == ["warm"] and o.outcome is Outcome.FAILED
 
 
 def test_memory_mode_warms_without_saving():
     o = Orchestrator(0, P, "f.bin", persist=False, file_known=True)
-    assert run(o, [chat(0, 291)]) == ["warm"] and o.outcome == "warmed"
-    assert "cache=MISS → warming slot=0 (cold)" in o.lines
+    assert run(o, [chat(0, 291)]) == ["warm"] and o.outcome is Outcome.WARMED
+    assert "cache=MISS → warming slot=0 (cold)" in lines(o)
 
 
 def test_verification_timeout_keeps_restore():
     o = Orchestrator(1, P, "f.bin", persist=True, file_known=True)
-    assert run(o, [RESTORED, TIMEOUT]) == ["restore", "verify"] and o.outcome == "restored-unverified"
+    assert run(o, [RESTORED, TIMEOUT]) == ["restore", "verify"] and o.outcome is Outcome.RESTORED_UNVERIFIED
 
 
 def test_feeding_a_finished_machine_is_an_error():

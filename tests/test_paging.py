@@ -1,7 +1,7 @@
 """Session paging decisions (pure): what to save, what to restore, what to delete."""
 
 from slotlogic import paging
-from slotlogic import state as st
+from slotlogic import shared as st
 from slotlogic.paging import PageRecord
 from slotlogic.ranking import SlotView
 

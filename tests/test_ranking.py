@@ -3,6 +3,7 @@
 import pytest
 
 from slotlogic.ranking import Choice, Policy, SlotView, choose, hash_slot, worth_moving
+from slotlogic.reasons import Why
 
 NOW, TTL = 1000.0, 120.0
 FRESH, STALE = NOW - 10, NOW - 500  # claimed (within TTL) / abandoned
@@ -32,8 +33,8 @@ def test_seed_ranking_table(slots, expected, why):
 
 
 def test_seed_reason_says_free_or_claimed():
-    assert choose(Policy.SEED, [v(0)], NOW, TTL) == Choice(0, "seed-free")
-    assert choose(Policy.SEED, [v(0, 1, FRESH)], NOW, TTL) == Choice(0, "seed-claimed-coldest")
+    assert choose(Policy.SEED, [v(0)], NOW, TTL) == Choice(0, Why("seed-free"))
+    assert choose(Policy.SEED, [v(0, 1, FRESH)], NOW, TTL) == Choice(0, Why("seed-claimed-coldest"))
 
 
 AUTO_CASES = [
@@ -54,7 +55,7 @@ AUTO_CASES = [
 
 @pytest.mark.parametrize(("slots", "expected", "reason", "why"), AUTO_CASES, ids=[c[3] for c in AUTO_CASES])
 def test_auto_ranking(slots, expected, reason, why):
-    assert choose(Policy.AUTO, slots, NOW, TTL, prefix="P") == Choice(expected, reason), why
+    assert choose(Policy.AUTO, slots, NOW, TTL, prefix="P") == Choice(expected, Why(reason)), why
 
 
 def test_auto_uses_reserved_side_slot_last():
@@ -97,9 +98,9 @@ def test_auto_gives_a_subagent_its_waiting_parents_slot():
     slots = [SlotView(0, 900, last_used=NOW - 60, owner="a", owner_requests=1, owner_done=NOW - 50),
              SlotView(1, 900, busy=True, last_used=NOW - 2, owner="b", owner_requests=9, owner_done=NOW - 0.5),
              SlotView(2, 1200, last_used=NOW - 3, owner="p", owner_requests=9, owner_done=NOW - 1)]
-    assert choose(Policy.AUTO, slots, NOW, TTL) == Choice(2, "evict-waiting-parent")
+    assert choose(Policy.AUTO, slots, NOW, TTL) == Choice(2, Why("evict-waiting-parent"))
     stale = [*slots[:2], SlotView(2, 1200, last_used=NOW - 3, owner="p", owner_requests=9, owner_done=NOW - 10)]
-    assert choose(Policy.AUTO, stale, NOW, TTL) == Choice(0, "evict-cheapest")
+    assert choose(Policy.AUTO, stale, NOW, TTL) == Choice(0, Why("evict-cheapest"))
 
 
 def test_worth_moving_only_to_free_or_long_idle_slots():

@@ -29,12 +29,15 @@ from mitmproxy import http, io
 from mitmproxy.test import taddons
 
 import addon as addon_module
-from drivers.flow_state import SSETap
-from drivers.llama_client import LlamaClient, server_identity
-from slotlogic import core
-from slotlogic import session as sess
-from slotlogic import state as st
-from slotlogic.observe import StreamObserver
+from drivers.llama_http import LlamaClient
+from mitm.sse_tap import SSETap
+from slotlogic import shared
+from slotlogic.answers import StreamObserver
+from slotlogic.decisions import NeedSlot, Pin, Replay, RequestFacts
+from slotlogic.keeper import Keeper
+from slotlogic.server import ServerInfo
+from slotlogic.settings import Settings
+from tests.conftest import Proxy
 
 RECORDINGS = Path(__file__).resolve().parent.parent / "recordings"
 REQUIRED = ("pi_two_windows", "agents_subagent", "server_restart")
@@ -53,12 +56,12 @@ def load(name: str) -> list[http.HTTPFlow]:
 
 
 @contextlib.contextmanager
-def addon_context(keeper: addon_module.SlotKeeper) -> Iterator[taddons.context]:
+def addon_context(addons: list[Any]) -> Iterator[Proxy]:
     """`taddons.context`, minus a leak: its Master installs a root log handler bound to the current event loop
     and never removes it, so a warning logged after that loop closed (the next `asyncio.run`) would raise."""
-    tctx = taddons.context(keeper)
+    tctx = taddons.context(*addons)
     try:
-        yield tctx
+        yield Proxy(tctx, addons)
     finally:
         tctx.master._legacy_log_events.uninstall()
 
@@ -71,34 +74,29 @@ class Replayed:
     recorded_body: bytes
     live: dict[str, Any]
     offline: dict[str, Any]
-    decided_slot: int | None
-    decided_reason: str
 
 
 async def replay(name: str, state_dir: Path) -> list[Replayed]:
-    """Every flow of a recording through the addon's hooks, in file order, as `mitmdump -nr` does."""
+    """Every flow of a recording through the addons' hooks, in file order, as `mitmdump -nr` does."""
     flows = load(name)
-    keeper = addon_module.SlotKeeper()
     out = []
 
     async def no_network(*_: object) -> None:
         raise AssertionError("offline replay must not ask the server")
 
-    with pytest.MonkeyPatch.context() as mp, addon_context(keeper) as tctx:
+    with pytest.MonkeyPatch.context() as mp, addon_context(addon_module.make_addons()) as proxy:
         mp.setattr(LlamaClient, "props", no_network)  # the addon fails open: a call would leave the body as
         mp.setattr(LlamaClient, "slots", no_network)  # recorded minus our fields, which the tests catch
-        tctx.configure(keeper, slots_state_dir=str(state_dir), slots_probe_interval=0, slots_log_requests="mitmproxy")
+        proxy.configure(slots_state_dir=str(state_dir), slots_probe_interval=0, slots_log_requests="mitmproxy")
         for f in flows:
             assert not f.live
             live = copy.deepcopy(f.metadata.get("slotkeeper"))
             recorded_body = f.request.raw_content or b""
-            await keeper.request(f)
-            info = keeper.flows.get(f.id)
-            keeper.responseheaders(f)
-            keeper.response(f)
-            out.append(Replayed(f, recorded_body, live or {}, f.metadata.get("slotkeeper") or {},
-                                info.slot if info else None, info.reason if info else ""))
-    assert keeper.runtimes and all(rt.offline for rt in keeper.runtimes.values())
+            await proxy.request(f)
+            await proxy.hook("responseheaders", f)
+            await proxy.hook("response", f)
+            out.append(Replayed(f, recorded_body, live or {}, f.metadata.get("slotkeeper") or {}))
+        assert proxy.rt.replays and not proxy.rt.upstreams
     return out
 
 
@@ -164,7 +162,6 @@ def test_offline_replay_reproduces_the_live_decisions(name: str, replays: dict[s
         for key in ("session", "source", "slot", "reason", "cache_n", "prompt_n", "outcome"):
             assert r.offline.get(key) == r.live.get(key), f"{name} flow {i}: {key} live {r.live.get(key)!r} " \
                                                          f"!= offline {r.offline.get(key)!r}"
-        assert (r.decided_slot, r.decided_reason) == (r.live["slot"], r.live["reason"])
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -173,7 +170,7 @@ def test_offline_rewrite_sends_the_recorded_body(name: str, replays: dict[str, l
     for i, r in enumerate(replays[name]):
         assert r.flow.request.raw_content == r.recorded_body, f"{name} flow {i}: rewritten body differs"
         sent = json.loads(r.recorded_body)
-        assert sent["id_slot"] == r.decided_slot and sent["cache_prompt"] is True
+        assert sent["id_slot"] == r.offline["slot"] and sent["cache_prompt"] is True
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -208,39 +205,27 @@ def test_replay_logs_the_same_lines_as_live(name: str, tmp_path: Path, caplog: p
 
 @pytest.mark.parametrize("name", NAMES)
 def test_slotlogic_alone_reaches_the_same_decisions(name: str) -> None:
-    """The pure core, fed only the recorded facts (no runtime, no files), picks the recorded slots."""
-    cfg = core.Config()
-    table = st.SessionTable(ttl=cfg.ttl)
-    state = st.ServerState(upstream="recorded")
-    total: int | None = None
-    marks: dict[str, sess.PromptMark] = {}
+    """The pure core, fed only the recorded facts (no driver, no files), picks the recorded slots."""
+    k = Keeper(Settings(), "recorded")
+    state = shared.ServerState(upstream="recorded")
     for i, f in enumerate(load(name)):
         meta = f.metadata["slotkeeper"]
-        body = addon_module.restore_client_fields(json.loads(f.request.get_content()), meta["client"])
         now = f.request.timestamp_start
-        plan = core.plan(cfg, table, f.request.method, f.request.path, f.request.headers, body, now,
-                         total_slots=total, known_prompts=marks)
-        assert plan.session is not None and plan.session.key == meta["session"], f"flow {i}: session key"
-        assert plan.session.source == meta["source"]
-        mark = sess.prompt_mark(body)
-        if mark is not None:
-            marks[plan.session.key] = mark
-        if plan.kind == "need_slot":
-            facts = meta["facts"]
-            assert facts and facts.get("props"), f"flow {i}: a new-session decision without recorded facts"
-            marker, total, n_ctx = server_identity(facts["props"])
-            assert total is not None
-            st.observe_server(state, marker, total, n_ctx)
-            choice = core.assign(cfg, state, plan.session.key, plan.prefix, facts["slots"], total, now,
-                                 side=plan.side)
-            if choice.reason != "side-call":
-                table.assign(plan.session.key, choice.slot, now, prefix=plan.prefix, reason=choice.reason)
-            slot, reason = choice.slot, choice.reason
-        else:
-            slot, reason = plan.slot, plan.reason
-        if plan.session.key in table.sessions:
-            table.use(plan.session.key, now)
-        assert (slot, reason) == (meta["slot"], meta["reason"]), f"{name} flow {i}"
+        facts = RequestFacts(f.request.method, f.request.path, f.request.headers.fields, f.request.get_content(), now,
+                             Replay(meta["client"], meta["facts"]))
+        decision = k.request(facts)
+        assert not isinstance(decision, Pin) or decision.ticket.session.key == meta["session"]
+        if isinstance(decision, NeedSlot):
+            assert decision.ticket.session.key == meta["session"], f"flow {i}: session key"
+            recorded = meta["facts"]
+            assert recorded and recorded.get("props"), f"flow {i}: a new-session decision without recorded facts"
+            info = ServerInfo.parse(recorded["props"])
+            assert info is not None
+            placed = k.assign(decision, state, info, recorded["slots"], now)
+            decision = k.pin(decision, placed.slot, placed.why, now)
+        assert isinstance(decision, Pin)
+        assert decision.ticket.session.source == meta["source"]
+        assert (decision.ticket.slot, decision.ticket.reason) == (meta["slot"], meta["reason"]), f"{name} flow {i}"
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -335,18 +320,14 @@ async def test_a_recorded_stream_served_by_server_replay_is_observed(tmp_path: P
     served.live = True
     served.metadata.clear()
     answer, served.response = served.response, None
-    keeper = addon_module.SlotKeeper()
-
     async def unreachable(*_: object) -> None:
         return None  # the fake server's upstream is dead
 
-    with pytest.MonkeyPatch.context() as mp, addon_context(keeper) as tctx:
+    with pytest.MonkeyPatch.context() as mp, addon_context(addon_module.make_addons()) as proxy:
         mp.setattr(LlamaClient, "props", unreachable)
-        tctx.configure(keeper, slots_probe_interval=0, slots_state_dir=str(tmp_path))
-        await keeper.request(served)
-        served.response = answer  # what server playback does after our request hook
-        keeper.responseheaders(served)
-        keeper.response(served)
+        proxy.configure(slots_probe_interval=0, slots_state_dir=str(tmp_path))
+        await proxy.request(served)
+        await proxy.answer(served, answer)  # what server playback does after our request hook
     meta = served.metadata["slotkeeper"]
     assert (meta["cache_n"], meta["prompt_n"]) == (recorded.metadata["slotkeeper"]["cache_n"],
                                                    recorded.metadata["slotkeeper"]["prompt_n"])

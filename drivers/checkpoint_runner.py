@@ -1,0 +1,191 @@
+"""Runs `slotlogic.checkpoint_machine.Orchestrator` against llama-server: prefix checkpoints.
+
+It performs the actions the pure state machine asks for (`POST /slots/{id}?action=restore|save|erase`,
+pinned warm-up and verification requests, each with a 120 s timeout), keeps the checkpoint index (one
+private JSON file in the state dir: per file the fingerprint, `build_info`, `model_path`, `total_slots`,
+per-slot `n_ctx`, created and last-used times), refuses files whose sidecar does not match the running
+server, and runs the stale-file cleanup once per process and on command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from drivers.llama_http import LlamaClient
+from drivers.store_file import CorruptFile, JsonFile
+from slotlogic import __version__, checkpoint_cleanup
+from slotlogic import prefix as pfx
+from slotlogic.checkpoint_machine import Action, Orchestrator, Outcome, Result
+from slotlogic.events import (
+    CheckpointForeign,
+    CheckpointIndexCorrupt,
+    CheckpointStarted,
+    CheckpointStep,
+    CheckpointWaiting,
+    Event,
+    Failed,
+    FilesDeleted,
+    NoSavePath,
+    Stage,
+)
+from slotlogic.server import ServerInfo
+from slotlogic.settings import CheckpointMode, Settings
+
+ACTION_TIMEOUT = 120.0
+INDEX_FILE = "checkpoints.json"
+
+
+class CheckpointRunner:
+    def __init__(self, client: LlamaClient, state_dir: Path, settings: Settings, emit: Callable[[Event], None],
+                 upstream: str = "") -> None:
+        self.client = client
+        self.settings = settings
+        self.emit = emit
+        self.upstream = upstream
+        self.index = JsonFile(Path(state_dir) / INDEX_FILE, emit)
+        self.current: set[str] = set()
+        self.building: dict[str, asyncio.Future[None]] = {}  # cold builds in flight
+        self.warned: set[str] = set()
+        self.cleaned = False
+
+    @property
+    def persist(self) -> bool:
+        return self.settings.checkpoints is CheckpointMode.DISK
+
+    def fingerprint(self, prefix: pfx.StablePrefix, info: ServerInfo) -> str:
+        size = mtime = None
+        if info.model_path and os.path.exists(info.model_path):
+            stat = os.stat(info.model_path)
+            size, mtime = stat.st_size, stat.st_mtime
+        return pfx.fingerprint(prefix, model_path=info.model_path, model_size=size, model_mtime=mtime,
+                               build_info=info.build_info, server_id=self.settings.server_id,
+                               addon_version=__version__)
+
+    def read_index(self) -> dict[str, Any] | None:
+        """The index (empty when missing); None when corrupt."""
+        try:
+            data = self.index.load()
+        except CorruptFile:
+            return None
+        return data if isinstance(data, dict) else {}
+
+    def file_known(self, name: str, info: ServerInfo) -> bool:
+        entry = (self.read_index() or {}).get(name)
+        if not isinstance(entry, dict):
+            return False
+        mismatch = tuple(k for k, v in info.identity.items() if entry.get(k) != v)
+        if mismatch:
+            self.emit(CheckpointForeign(self.upstream, name, mismatch))
+            return False
+        return not self.settings.save_dir or (Path(self.settings.save_dir) / name).exists()
+
+    async def prepare(self, slot: int, prefix: pfx.StablePrefix, info: ServerInfo, *,
+                      holds_prefix: bool) -> Orchestrator:
+        """Make `slot` hold `prefix` before a new session's first request. Never raises for HTTP trouble."""
+        fp = self.fingerprint(prefix, info)
+        name = pfx.file_name(fp)
+        self.current.add(name)
+        pending = self.building.get(name)
+        if pending is not None and not holds_prefix and self.persist:
+            # Sessions that start together share a prefix: wait for the one cold build, then restore it
+            # instead of prefilling the same prefix once per session.
+            self.emit(CheckpointWaiting(self.upstream, name))
+            await asyncio.shield(pending)
+        own: asyncio.Future[None] | None = None
+        if self.persist and not holds_prefix and name not in self.building:
+            own = self.building[name] = asyncio.get_running_loop().create_future()
+        try:
+            return await self._prepare(slot, prefix, info, fp, name, holds_prefix)
+        finally:
+            if own is not None:
+                self.building.pop(name, None)
+                own.set_result(None)
+
+    async def _prepare(self, slot: int, prefix: pfx.StablePrefix, info: ServerInfo, fp: str, name: str,
+                       holds_prefix: bool) -> Orchestrator:
+        orch = Orchestrator(slot, prefix, name, persist=self.persist, holds_prefix=holds_prefix,
+                            file_known=self.persist and self.file_known(name, info))
+        self.emit(CheckpointStarted(self.upstream, fp, slot))
+        while (action := orch.next_action()) is not None:
+            orch.feed(await self.perform(action))
+        for note in orch.notes:
+            self.emit(CheckpointStep(self.upstream, note))
+        if orch.missing_save_path and "save-path" not in self.warned:
+            self.warned.add("save-path")
+            self.emit(NoSavePath(self.upstream, paging=False))
+        if self.persist:
+            await self.record(name, fp, info, orch)
+            if not self.cleaned:
+                self.cleaned = True
+                await self.cleanup()
+        return orch
+
+    async def perform(self, action: Action) -> Result:
+        if action.kind.slot_action:
+            body = {"filename": action.filename} if action.filename else None
+            status, data = await self.client.post_json(f"/slots/{action.slot}?action={action.kind.value}", body,
+                                                        ACTION_TIMEOUT)
+            return Result(status, data)
+        body = dict(action.body or {})
+        body.update({"id_slot": action.slot, "cache_prompt": True, "max_tokens": 1, "temperature": 0.0,
+                     "stream": False})
+        status, data = await self.client.post_json("/v1/chat/completions", body, ACTION_TIMEOUT)
+        return Result(status, data)
+
+    async def record(self, name: str, fp: str, info: ServerInfo, orch: Orchestrator) -> None:
+        now = time.time()
+        try:
+            async with self.index.locked():
+                data = self.read_index()
+                if data is None:
+                    return  # corrupt index: leave it for the operator (cleanup is disabled too)
+                entry = data.get(name) if isinstance(data.get(name), dict) else None
+                restored = orch.outcome is not None and orch.outcome.restored
+                if orch.outcome is Outcome.WARMED_SAVED or (entry is None and restored):
+                    entry = {"fingerprint": fp, **info.identity, "created": now,
+                             "n_saved": orch.saved_tokens or orch.restored_tokens}
+                if entry is not None:
+                    entry["last_used"] = now
+                    data[name] = entry
+                    self.index.save(data)
+        except Exception as e:  # the index is a convenience: never fail the request for it
+            self.emit(Failed(self.upstream, Stage.CHECKPOINT_INDEX, type(e).__name__))
+
+    async def cleanup(self) -> list[str]:
+        return await asyncio.to_thread(self.cleanup_sync)
+
+    def cleanup_sync(self) -> list[str]:
+        """Delete stale `prefix-*.bin` files from the save dir (see slotlogic.checkpoint_cleanup)."""
+        s = self.settings
+        if not s.save_dir or not os.path.isdir(s.save_dir):
+            return []
+        index = self.read_index()
+        if index is None:
+            self.emit(CheckpointIndexCorrupt(self.upstream, str(self.index.path)))
+            return []
+        files = []
+        for entry in os.scandir(s.save_dir):
+            if entry.is_file() and pfx.FILE_RE.match(entry.name):
+                st = entry.stat()
+                files.append(checkpoint_cleanup.FileInfo(entry.name, st.st_size, st.st_mtime))
+        doomed = checkpoint_cleanup.plan_cleanup(files, index, current=self.current, now=time.time(),
+                                                 ttl_days=s.checkpoint_ttl_days, keep_recent=s.checkpoint_keep,
+                                                 max_bytes=s.checkpoint_max_bytes)
+        for name in doomed:
+            try:
+                os.unlink(os.path.join(s.save_dir, name))
+            except OSError as e:
+                self.emit(Failed(self.upstream, Stage.DELETE, type(e).__name__))
+        if doomed:
+            self.emit(FilesDeleted(self.upstream, "prefix-cache cleanup", tuple(doomed)))
+            with self.index.locked_sync():
+                data = self.read_index() or {}
+                for name in doomed:
+                    data.pop(name, None)
+                self.index.save(data)
+        return doomed

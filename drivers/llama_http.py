@@ -1,0 +1,78 @@
+"""The few llama-server calls slotkeeper makes, all off the hot path, over httpx.
+
+Every call has a timeout (3 s for `/props` and `/slots`: `/slots` can hang while a big prompt is prefilled,
+docs/llama-server.md) and returns None instead of raising when the server cannot be reached or answers
+nonsense: the caller falls back, it never crashes. One `httpx.AsyncClient` per event loop: a client bound to
+a loop that has closed cannot be used again (docs/mitmproxy.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+import httpx
+
+from slotlogic.server import parse_slots
+
+logging.getLogger("httpx").setLevel(logging.WARNING)
+logging.getLogger("httpcore").setLevel(logging.WARNING)
+
+STATS_TIMEOUT = 3.0
+
+
+class LlamaClient:
+    def __init__(self, base_url: str, *, timeout: float = STATS_TIMEOUT) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self._clients: dict[int, httpx.AsyncClient] = {}
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(id(loop))
+        if client is None or client.is_closed:
+            client = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout)
+            self._clients[id(loop)] = client
+        return client
+
+    async def get_json(self, path: str, timeout: float | None = None) -> Any | None:
+        try:
+            r = await self._client().get(path, timeout=timeout or self.timeout)
+        except (httpx.HTTPError, OSError):
+            return None
+        if r.status_code != 200:
+            return None
+        try:
+            return r.json()
+        except ValueError:
+            return None
+
+    async def props(self) -> dict[str, Any] | None:
+        data = await self.get_json("/props")
+        return data if isinstance(data, dict) else None
+
+    async def slots(self) -> list[dict[str, Any]] | None:
+        return parse_slots(await self.get_json("/slots"))
+
+    async def post_json(self, path: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
+        """POST and return (status, parsed JSON or None); status 0 when the server was unreachable."""
+        # Serialised here, ASCII-escaped: a lone surrogate in a prompt must not raise inside httpx.
+        raw = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
+        try:
+            r = await self._client().post(path, content=raw, timeout=timeout,
+                                          headers={"content-type": "application/json"})
+        except (httpx.HTTPError, OSError):
+            return 0, None
+        try:
+            return r.status_code, r.json()
+        except ValueError:
+            return r.status_code, None
+
+    async def aclose(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            with contextlib.suppress(RuntimeError):  # its loop is gone
+                await c.aclose()

@@ -1,0 +1,148 @@
+"""Performs a `slotlogic.paging.PagePlan` against llama-server: session paging's slot saves and restores.
+
+Order matters more than speed here (a save or restore takes milliseconds): llama-server runs slot tasks and
+completions of one slot one after another, deferring whatever arrives while the slot is busy, so a page-in
+is only useful if the session's own request reaches the slot before anybody else's. Hence one lock per slot:
+taken before the save/restore and held until that request's response headers arrive (by then the server
+has queued it). Only slow-path requests (new, displaced or paged sessions) take it; the hot path never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from drivers.llama_http import LlamaClient
+from slotlogic.checkpoint_machine import Failure
+from slotlogic.events import Event, Failed, PageFailed, PageGone, PagingLockTimeout, Stage
+from slotlogic.paging import PagePlan
+
+ACTION_TIMEOUT = 120.0
+LOCK_WAIT = 300.0  # longer than any sane request; a leaked hold only delays, never blocks, a slot
+SAVE_WAIT = 60.0  # a save waits for the slot's running request; re-prefilling would usually take longer
+
+
+@dataclass
+class PageOutcome:
+    saved_tokens: int | None = None
+    saved_bytes: int = 0
+    restored_tokens: int | None = None
+    restore_failed: bool = False  # a failed restore leaves the slot empty (docs/llama-server.md)
+    missing_save_path: bool = False
+    seconds: float = 0.0  # wall time, including the wait for a busy slot's running request
+    server_ms: float = 0.0  # what the server spent writing and reading the files (its timings)
+
+
+class PageRunner:
+    def __init__(self, client: LlamaClient, save_dir: str, max_bytes: int, emit: Callable[[Event], None],
+                 upstream: str = "") -> None:
+        self.client = client
+        self.save_dir = Path(save_dir)
+        self.max_bytes = max_bytes
+        self.emit = emit
+        self.upstream = upstream
+        self.locks: dict[int, asyncio.Lock] = {}
+        self.holding: dict[str, asyncio.Lock] = {}  # flow id -> the slot lock it holds
+        self.saving: dict[str, asyncio.Event] = {}  # session key -> set once its page-out is recorded
+
+    def busy(self, slot: int) -> bool:
+        lock = self.locks.get(slot)
+        return lock is not None and lock.locked()
+
+    async def hold(self, slot: int, flow_id: str) -> bool:
+        """Take `slot`'s lock for `flow_id` (let go by `unlock` at its response headers or its end)."""
+        lock = self.locks.setdefault(slot, asyncio.Lock())
+        try:
+            await asyncio.wait_for(lock.acquire(), LOCK_WAIT)
+        except TimeoutError:
+            self.emit(PagingLockTimeout(self.upstream, slot, LOCK_WAIT))
+            return False
+        self.holding[flow_id] = lock
+        return True
+
+    async def settled(self, session_key: str) -> None:
+        """Wait (at most SAVE_WAIT) while `session_key` is being paged out, so it can be paged back in."""
+        event = self.saving.get(session_key)
+        if event is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), SAVE_WAIT)
+
+    def unlock(self, flow_id: str) -> None:
+        lock = self.holding.pop(flow_id, None)
+        if lock is not None and lock.locked():
+            lock.release()
+
+    async def run(self, plan: PagePlan) -> PageOutcome:
+        """Save the slot's holder, then restore the session's page. Never raises for HTTP trouble."""
+        out = PageOutcome()
+        started = time.monotonic()
+        if plan.save_file is not None:
+            status, data = await self._action(plan.slot, "save", plan.save_file)
+            if status == 200 and isinstance(data, dict) and isinstance(data.get("n_saved"), int):
+                out.saved_tokens = data["n_saved"]
+                out.server_ms += _ms(data, "save_ms")
+                written = data.get("n_written")
+                out.saved_bytes = written if isinstance(written, int) else self._size(plan.save_file)
+                self._private(plan.save_file)
+            else:
+                out.missing_save_path = status == 501
+                self.emit(PageFailed(self.upstream, plan.slot, "out", Failure.of(status, data)))
+        if plan.restore_file is not None:
+            if not (self.save_dir / plan.restore_file).exists():
+                self.emit(PageGone(self.upstream, plan.restore_file))
+            else:
+                status, data = await self._action(plan.slot, "restore", plan.restore_file)
+                if status == 200 and isinstance(data, dict) and isinstance(data.get("n_restored"), int):
+                    out.restored_tokens = data["n_restored"]
+                    out.server_ms += _ms(data, "restore_ms")
+                else:
+                    out.restore_failed = True
+                    out.missing_save_path |= status == 501
+                    self.emit(PageFailed(self.upstream, plan.slot, "in", Failure.of(status, data)))
+        out.seconds = time.monotonic() - started
+        return out
+
+    async def _action(self, slot: int, action: str, filename: str) -> tuple[int, Any]:
+        return await self.client.post_json(f"/slots/{slot}?action={action}", {"filename": filename},
+                                           ACTION_TIMEOUT)
+
+    def _private(self, name: str) -> None:
+        """A page holds a conversation's tokens: 0600, when this process owns the file (same user as the
+        server); otherwise the server's umask decides and the README says to keep the directory private."""
+        with contextlib.suppress(OSError):
+            os.chmod(self.save_dir / name, 0o600)
+
+    def _size(self, name: str) -> int:
+        with contextlib.suppress(OSError):
+            return (self.save_dir / name).stat().st_size
+        return 0
+
+    def delete(self, names: list[str]) -> None:
+        for name in names:
+            try:
+                os.unlink(self.save_dir / name)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self.emit(Failed(self.upstream, Stage.DELETE, type(e).__name__))
+
+    def files(self) -> dict[str, float]:
+        """Page-looking files in the save dir (name → mtime), for the orphan sweep."""
+        out: dict[str, float] = {}
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.save_dir):
+                if entry.is_file() and entry.name.startswith("page-"):
+                    out[entry.name] = entry.stat().st_mtime
+        return out
+
+
+def _ms(data: dict[str, Any], key: str) -> float:
+    timings = data.get("timings")
+    value = timings.get(key) if isinstance(timings, dict) else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0

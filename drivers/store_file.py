@@ -1,0 +1,156 @@
+"""Private JSON files shared by every proxy process on this machine: the per-server state and the checkpoint
+index.
+
+- Cross-process safety: `filelock.AsyncFileLock`, a *fresh object per acquisition* (one shared instance is
+  re-entrant per instance, so two coroutines would both "hold" it: docs/mitmproxy.md), plus an asyncio
+  lock so coroutines of one process queue politely instead of spinning on the file.
+- Atomic writes: temp file in the same directory, fsync, `os.replace`. Mode 0600, directory 0700.
+- A damaged file is moved aside (`.corrupt-<time>`) and logged, never silently lost, never a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from filelock import AsyncFileLock, FileLock
+
+from slotlogic import shared
+from slotlogic.events import CorruptMovedAside, Event
+
+LOCK_TIMEOUT = 10.0
+Emit = Callable[[Event], None]
+
+
+def _drop(_: Event) -> None:
+    pass
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "slotkeeper"
+
+
+def state_file_name(upstream: str) -> str:
+    """Flat, stable file name per upstream (its own slot space)."""
+    safe = "".join(c if c.isalnum() else "-" for c in upstream.split("://", 1)[-1]).strip("-")[:48]
+    return f"state-{safe}-{hashlib.sha256(upstream.encode()).hexdigest()[:8]}.json"
+
+
+class CorruptFile(ValueError):
+    """The file exists but is not valid JSON (it has been moved aside)."""
+
+
+class JsonFile:
+    """One locked, atomically written, private JSON document."""
+
+    def __init__(self, path: str | Path, emit: Emit = _drop) -> None:
+        self.path = Path(path)
+        self.emit = emit
+        self.dir = self.path.parent
+        self.lock_path = str(self.path) + ".lock"
+        self._locks: dict[int, asyncio.Lock] = {}
+
+    def _local(self) -> asyncio.Lock:
+        # asyncio locks bind to one loop; tests (and reloads) may run several loops in one process.
+        loop_id = id(asyncio.get_running_loop())
+        lock = self._locks.get(loop_id)
+        if lock is None:
+            lock = self._locks[loop_id] = asyncio.Lock()
+        return lock
+
+    def ensure_dir(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.chmod(self.dir, 0o700)
+
+    def load(self) -> Any:
+        """The document, None when missing; raises CorruptFile (after moving it aside) when damaged."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            dest = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+            with contextlib.suppress(OSError):
+                os.replace(self.path, dest)
+            self.emit(CorruptMovedAside("", str(self.path), str(dest)))
+            raise CorruptFile(str(self.path)) from None
+
+    def save(self, data: Any) -> None:
+        self.ensure_dir()
+        raw = json.dumps(data, indent=1, sort_keys=True).encode()
+        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.dir)
+        try:
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    @contextlib.asynccontextmanager
+    async def locked(self) -> AsyncIterator[None]:
+        self.ensure_dir()
+        async with self._local(), AsyncFileLock(self.lock_path, timeout=LOCK_TIMEOUT, mode=0o600):
+            yield
+
+    @contextlib.contextmanager
+    def locked_sync(self) -> Iterator[None]:
+        """Blocking variant for shutdown (`done` must stay sync: docs/mitmproxy.md)."""
+        self.ensure_dir()
+        with FileLock(self.lock_path, timeout=LOCK_TIMEOUT, mode=0o600):
+            yield
+
+
+class StateFile:
+    """The per-upstream `ServerState`, read and written under the file lock."""
+
+    def __init__(self, directory: str | Path, upstream: str, emit: Emit = _drop) -> None:
+        self.upstream = upstream
+        self.file = JsonFile(Path(directory) / state_file_name(upstream), emit)
+        self.last = shared.ServerState(upstream=upstream)  # as of the last transaction: for sync views
+        self.dir, self.path = self.file.dir, self.file.path
+
+    def read(self) -> shared.ServerState:
+        """Read without the lock (status views, the hash fallback); tolerant of anything."""
+        try:
+            return shared.from_dict(self.file.load(), self.upstream)
+        except CorruptFile:
+            return shared.ServerState(upstream=self.upstream)
+
+    def write(self, state: shared.ServerState) -> None:
+        self.file.save(shared.to_dict(state))
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[shared.ServerState]:
+        """Locked read-modify-write. The state is written back only when the body completes.
+
+        The file I/O (and its fsync) runs in a worker thread: a slow disk must never stall other flows."""
+        async with self.file.locked():
+            state = await asyncio.to_thread(self.read)
+            yield state
+            await asyncio.to_thread(self.write, state)
+            self.last = state
+
+    @contextlib.contextmanager
+    def transaction_sync(self) -> Iterator[shared.ServerState]:
+        with self.file.locked_sync():
+            state = self.read()
+            yield state
+            self.write(state)
+            self.last = state

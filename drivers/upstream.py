@@ -1,0 +1,402 @@
+"""One llama-server behind the proxy: performs what its `slotlogic.keeper.Keeper` decides.
+
+It owns the I/O the pure core must not do: `/props` and `/slots` look-ups for a new session, the locked
+state-file transaction that claims a slot, session paging and prefix checkpoints through their runners, the
+coalesced flush of `last_used` touches (at most one write per `flush_interval`), and a background `/props`
+probe that notices a restarted server (new `media_marker`) or a resized pool (new `total_slots`). `/props`
+never wakes a sleeping server; `/slots` is only asked when a new session needs a slot or a cache loss needs
+explaining.
+
+The order of one request that the core cannot answer from memory (`NeedSlot`):
+1. wait while this session is being paged out (so it can be paged back in);
+2. `/props` + `/slots` (or the facts recorded with a replayed flow); no answer: the hash fallback;
+3. under the state lock: `Keeper.assign` claims a slot;
+4. under that slot's paging lock: `Keeper.page_plan`, then the page-out/page-in;
+5. the prefix checkpoint, when nothing was paged in;
+6. `Keeper.pin`: the body that goes out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from drivers.checkpoint_runner import CheckpointRunner
+from drivers.llama_http import LlamaClient
+from drivers.page_runner import PageOutcome, PageRunner
+from drivers.store_file import StateFile
+from slotlogic import shared
+from slotlogic.answers import Observation
+from slotlogic.decisions import Decision, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
+from slotlogic.events import (
+    CheckpointDone,
+    Event,
+    Failed,
+    IdleSlotsCleared,
+    NoPrefixMarker,
+    NoSavePath,
+    NoSlotsEndpoint,
+    Paged,
+    Stage,
+)
+from slotlogic.keeper import Keeper
+from slotlogic.paging import PagePlan
+from slotlogic.ranking import SlotView
+from slotlogic.server import ServerInfo
+from slotlogic.settings import CheckpointMode, Settings
+
+Emit = Callable[[Event], None]
+
+
+class Upstream:
+    def __init__(self, url: str, settings: Settings, state_dir: str | Path, emit: Emit, *,
+                 offline: bool = False, client: LlamaClient | None = None) -> None:
+        self.url = url
+        self.offline = offline  # replaying saved flows: no network, no background task, no slot files
+        self.emit = emit
+        self.client = client or LlamaClient(url)
+        self.keeper = Keeper(settings, url)
+        self.state_dir = Path(state_dir)
+        self.store = StateFile(self.state_dir, url, emit)
+        self.settings = settings
+        self.pages: PageRunner | None = None
+        self.checkpoints: CheckpointRunner | None = None
+        self._runners(settings)
+        self.warned: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._side_tasks: set[asyncio.Task[None]] = set()
+        self._last_probe = 0.0
+        self._swept = False
+        self._file_total: int | None = None
+        self._file_total_read = False
+
+    @classmethod
+    def for_replay(cls, url: str, settings: Settings, emit: Emit) -> Upstream:
+        """Saved flows (`mitmdump -nr`) get an offline upstream with a throw-away state dir: a replay never
+        touches the network, the live state or any slot file."""
+        quiet = replace(settings, checkpoints=CheckpointMode.OFF, paging=False, save_dir=None)
+        return cls(url, quiet, tempfile.mkdtemp(prefix="slotkeeper-replay-"), emit, offline=True)
+
+    def _runners(self, s: Settings) -> None:
+        """Paging and checkpoint runners for these settings (a runner whose settings stay is kept: its slot
+        locks may be held)."""
+        if self.offline:
+            return
+        if s.paging and s.save_dir:
+            if self.pages is None or self.pages.save_dir != Path(s.save_dir):
+                self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
+            self.pages.max_bytes = s.page_max_bytes
+        else:
+            self.pages = None
+        if s.checkpoints is CheckpointMode.OFF:
+            self.checkpoints = None
+        elif self.checkpoints is None or self.checkpoints.settings != s or self.checkpoints.index.dir != self.state_dir:
+            self.checkpoints = CheckpointRunner(self.client, self.state_dir, s, self.emit, self.url)
+
+    def reconfigure(self, settings: Settings, state_dir: str | Path) -> None:
+        """New settings replace the old whole; the sessions this process knows stay."""
+        if self.offline:
+            return
+        self.settings = settings
+        self.keeper.reconfigure(settings)
+        if Path(state_dir) != self.state_dir:
+            self.state_dir = Path(state_dir)
+            self.store = StateFile(self.state_dir, self.url, self.emit)
+        self._runners(settings)
+
+    # ------------------------------------------------------------------------------------------- requests
+
+    async def decide(self, facts: RequestFacts, flow_id: str) -> Decision:
+        """The decision for one request; a `NeedSlot` is resolved here, so the result is never one."""
+        decision = self.keeper.request(facts)
+        if isinstance(decision, NeedSlot):
+            decision = await self._place(decision, facts, flow_id)
+        if self.keeper.table.dirty:
+            self.kick()
+        return decision
+
+    async def _place(self, need: NeedSlot, facts: RequestFacts, flow_id: str) -> Pin | Observe:
+        key, now = need.ticket.session.key, facts.now
+        if self.pages is not None:
+            await self.pages.settled(key)  # its page-out is in flight: page it back in after
+        if self.offline:
+            recorded = (facts.replay.facts if facts.replay else None) or {}
+            props = recorded.get("props") or {"total_slots": self.keeper.total_slots or 4}
+            live = recorded.get("slots")
+        else:
+            props = await self.client.props()
+            live = await self.client.slots() if props is not None else None
+        info = ServerInfo.parse(props)
+        if info is None:
+            decision, event = self.keeper.fallback(need, now, await self._last_known_total())
+            self.emit(event)
+            return decision
+        if live is None and not self.offline and "no-slots" not in self.warned:
+            self.warned.add("no-slots")
+            self.emit(NoSlotsEndpoint(self.url))
+        async with self.store.transaction() as state:
+            placement = self.keeper.assign(need, state, info, live, now)
+        for event in placement.events:
+            self.emit(event)
+        if self.pages is not None and placement.dropped_pages:
+            self.pages.delete(placement.dropped_pages)
+        if placement.side or self.offline:
+            return self.keeper.pin(need, placement.slot, placement.why, now)
+        paged_in = False
+        if self.pages is not None:
+            paged_in = await self._page(placement.slot, key, placement.view, flow_id)
+        if self.checkpoints is not None and need.stable is not None and not paged_in:
+            await self._warm(placement.slot, need, info, self.keeper.holds_prefix(need, placement.view))
+        elif self.checkpoints is not None and need.stable is None and "no-marker" not in self.warned:
+            self.warned.add("no-marker")
+            self.emit(NoPrefixMarker(self.url, need.ticket.session.short, self.settings.markers))
+        return self.keeper.pin(need, placement.slot, placement.why, now, paged_in=paged_in)
+
+    async def _last_known_total(self) -> int | None:
+        """The slot count in the state file, for the hash fallback after a proxy restart (read once)."""
+        if not self._file_total_read:
+            self._file_total_read = True
+            self._file_total = (await asyncio.to_thread(self.store.read)).total_slots
+        return self._file_total
+
+    async def _page(self, slot: int, key: str, view: SlotView, flow_id: str) -> bool:
+        """Page the slot's holder out and this session in; True when the session's conversation is back in
+        the slot. What to do is decided once the lock is held. Fails open: trouble only costs the prefill."""
+        assert self.pages is not None
+        if self.keeper.page_plan(slot, key, view).empty and not self.pages.busy(slot):
+            return False
+        if not await self.pages.hold(slot, flow_id):
+            return False
+        plan = self.keeper.page_plan(slot, key, view)
+        if plan.empty:
+            return False  # nothing to move, but our request must still go after the page-in before it
+        saving = None
+        if plan.save_for is not None:
+            saving = self.pages.saving[plan.save_for] = asyncio.Event()
+        try:
+            out = await self.pages.run(plan)
+            await self._record_pages(plan, out)
+        except Exception as e:
+            self.emit(Failed(self.url, Stage.PAGING, type(e).__name__, slot=plan.slot))
+            return False
+        finally:
+            if saving is not None:
+                saving.set()
+                if self.pages.saving.get(plan.save_for or "") is saving:
+                    del self.pages.saving[plan.save_for or ""]
+        if out.missing_save_path and "page-save-path" not in self.warned:
+            self.warned.add("page-save-path")
+            self.emit(NoSavePath(self.url, paging=True))
+        self.emit(Paged(self.url, plan.slot, plan.save_for[:8] if plan.save_for else None, out.saved_tokens,
+                        plan.restore_for[:8] if plan.restore_for else None, out.restored_tokens, out.seconds,
+                        out.server_ms))
+        return out.restored_tokens is not None
+
+    async def _record_pages(self, plan: PagePlan, out: PageOutcome) -> None:
+        """The page index after a paging step, in the state file; the files it drops deleted."""
+        assert self.pages is not None
+        files = None
+        if not self._swept:  # once per process: page files no state refers to
+            self._swept = True
+            files = await asyncio.to_thread(self.pages.files)
+        async with self.store.transaction() as state:
+            doomed = self.keeper.pages_recorded(state, plan, out.saved_tokens, out.saved_bytes, out.restore_failed,
+                                                time.time(), self.pages.max_bytes, files)
+        self.pages.delete(doomed)
+
+    async def _warm(self, slot: int, need: NeedSlot, info: ServerInfo, holds: bool) -> None:
+        """Restore or warm the shared prefix into the new session's slot; fail open on anything."""
+        assert self.checkpoints is not None and need.stable is not None
+        started = time.monotonic()
+        try:
+            orch = await self.checkpoints.prepare(slot, need.stable, info, holds_prefix=holds)
+        except Exception as e:
+            self.emit(Failed(self.url, Stage.CHECKPOINT, type(e).__name__, slot=slot))
+            return
+        if orch.outcome is not None:
+            self.emit(CheckpointDone(self.url, slot, orch.outcome, orch.spent_prefill, orch.identical,
+                                     orch.divergent, time.monotonic() - started))
+
+    def unlock(self, flow_id: str) -> None:
+        """The flow's request reached the server (its response headers came), or never will: the next pager
+        of its slot may go."""
+        if self.pages is not None:
+            self.pages.unlock(flow_id)
+
+    # ------------------------------------------------------------------------------------------- answers
+
+    def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float) -> Report:
+        report = self.keeper.answered(ticket, obs, path=path, seconds=seconds, now=time.time())
+        for event in self.keeper.warnings(report):
+            self.emit(event)
+        if not self.offline and report.slot is not None and self.keeper.lost_cache(report):
+            self._spawn(self.explain_cache_loss(report.slot))
+        return report
+
+    async def explain_cache_loss(self, slot: int) -> None:
+        """A known session's pinned slot came back cold: restart? idle clearing (unified KV)? say which."""
+        before = self.keeper.server.media_marker if self.keeper.server else None
+        await self.probe()
+        if (self.keeper.server.media_marker if self.keeper.server else None) != before:
+            return  # a restart explains it; already logged
+        live = await self.client.slots()
+        if live is None or "unified" in self.warned:
+            return
+        cleared = self.keeper.idle_cleared(live, slot, time.time())
+        if cleared is not None:
+            self.warned.add("unified")
+            self.emit(IdleSlotsCleared(self.url, cleared))
+
+    # ------------------------------------------------------------------------------------------- background
+
+    def kick(self) -> None:
+        """Make sure the background flusher/prober runs (no I/O here)."""
+        if self.offline:
+            return
+        if self._task is None or self._task.done():
+            with contextlib.suppress(RuntimeError):
+                self._task = asyncio.get_running_loop().create_task(self._background())
+
+    def _spawn(self, coro: Any) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:
+            coro.close()
+            return
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    async def _background(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.settings.flush_interval)
+                await self.flush()
+                probe = self.settings.probe_interval
+                if probe > 0 and time.monotonic() - self._last_probe >= probe:
+                    await self.probe()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the background task must never die silently
+            self.emit(Failed(self.url, Stage.BACKGROUND, type(e).__name__))
+
+    async def flush(self) -> None:
+        touches = self.keeper.table.drain()
+        if not touches:
+            return
+        try:
+            async with self.store.transaction() as state:
+                for key, a in touches.items():
+                    shared.touch(state, key, a.slot, a.last_used, requests=a.requests, prefix=a.prefix)
+        except Exception as e:
+            self.emit(Failed(self.url, Stage.STATE_WRITE, type(e).__name__))
+            self.keeper.table.dirty.update(touches)
+
+    def flush_sync(self) -> None:
+        """The last flush at shutdown (`done` must stay sync)."""
+        touches = self.keeper.table.drain()
+        if not touches or self.offline:
+            return
+        try:
+            with self.store.transaction_sync() as state:
+                for key, a in touches.items():
+                    shared.touch(state, key, a.slot, a.last_used, requests=a.requests, prefix=a.prefix)
+        except Exception as e:
+            self.emit(Failed(self.url, Stage.FINAL_FLUSH, type(e).__name__))
+
+    async def probe(self) -> None:
+        """`/props` only (never wakes a sleeping server): restart and resize detection."""
+        self._last_probe = time.monotonic()
+        info = ServerInfo.parse(await self.client.props())
+        if info is None:
+            return
+        k = self.keeper
+        known = k.server
+        changed = known is None or (info.media_marker and known.media_marker
+                                    and info.media_marker != known.media_marker) or (
+            k.total_slots is not None and info.total_slots != k.total_slots)
+        if changed:
+            async with self.store.transaction() as state:
+                events = k.note_server(state, info)
+            for event in events:
+                self.emit(event)
+        else:
+            k.server, k.total_slots = info, info.total_slots
+
+    # ------------------------------------------------------------------------------------------- commands
+
+    async def status(self) -> dict[str, Any]:
+        """The status view, from a fresh read of the state file (in a worker thread)."""
+        return self.keeper.status(await asyncio.to_thread(self.store.read), time.time())
+
+    def status_now(self) -> dict[str, Any]:
+        """The status view from memory (the state as of the last transaction): for sync callers."""
+        return self.keeper.status(self.store.last, time.time())
+
+    def release(self, wanted: str) -> list[str]:
+        """Forget the sessions whose key starts with `wanted`: their slots are free for the next new session.
+        This process forgets them at once; the state file follows in the background (never a blocking lock
+        on the event loop)."""
+        keys = shared.match_sessions(list({*self.store.last.sessions, *self.keeper.table.sessions}), wanted)
+        if not keys:
+            return []
+        slots = {k: (self.keeper.table.sessions[k].slot if k in self.keeper.table.sessions
+                     else self.store.last.sessions[k].slot) for k in keys}
+        self.keeper.forget(keys)
+        self._spawn(self._release_in_file(keys))
+        return [f"{k[:8]} (slot {slots[k]}) on {self.url}" for k in keys]
+
+    async def _release_in_file(self, keys: list[str]) -> None:
+        doomed = []
+        async with self.store.transaction() as state:
+            for key in keys:
+                shared.forget_session(state, key)
+                page = state.pages.pop(key, None)
+                if page is not None:
+                    doomed.append(page.file)
+        if self.pages is not None:
+            self.pages.delete(doomed)
+
+    def move(self, wanted: str, slot: int) -> list[str]:
+        """Move the sessions whose key starts with `wanted` to `slot` from their next request on (the state
+        file follows in the background)."""
+        keys = shared.match_sessions(list({*self.store.last.sessions, *self.keeper.table.sessions}), wanted)
+        now = time.time()
+        moved = {key: self.keeper.move(key, slot, now) for key in keys}
+        if moved:
+            self._spawn(self._claim_in_file(moved, slot, now))
+        return [f"{k[:8]} → slot {slot} on {self.url}" for k in keys]
+
+    async def _claim_in_file(self, moved: dict[str, str | None], slot: int, now: float) -> None:
+        async with self.store.transaction() as state:
+            for key, prefix in moved.items():
+                shared.claim(state, key, slot, now, prefix=prefix)
+
+    async def settle(self) -> None:
+        """Wait for the background work a command or an answer started (tests, shutdown)."""
+        while self._side_tasks:
+            await asyncio.gather(*list(self._side_tasks), return_exceptions=True)
+
+    async def cleanup(self) -> list[str]:
+        return await self.checkpoints.cleanup() if self.checkpoints is not None else []
+
+    # ------------------------------------------------------------------------------------------- shutdown
+
+    def close_sync(self) -> None:
+        """At `done`: the last touches written; a replay's throw-away state removed."""
+        if self.offline:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+            return
+        self.flush_sync()
+        for task in (self._task, *self._side_tasks):
+            if task is not None:
+                task.cancel()
+
+    async def aclose(self) -> None:
+        await self.client.aclose()

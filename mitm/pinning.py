@@ -1,0 +1,247 @@
+"""The pinning addon: each completion request goes to its session's slot; each answer is read.
+
+Its options are the core's: how slots are chosen, where the shared state lives, checkpoints and paging.
+`configure` validates them once and builds one frozen `Settings`; the hooks are guards plus one call to the
+request's `Upstream` (drivers/upstream.py), which asks the pure core (slotlogic/keeper.py) and performs what
+it decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mitmproxy import ctx, exceptions, http
+from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
+
+from drivers.store_file import default_state_dir
+from mitm import flows
+from mitm.runtime import Open, Runtime, guarded
+from mitm.sse_tap import SSETap
+from slotlogic import prefix as pfx
+from slotlogic import session as sess
+from slotlogic import sidecalls
+from slotlogic.answers import Observation, StreamObserver, observe_json
+from slotlogic.decisions import Forward, Observe, Pin
+from slotlogic.events import Failed, PassedThrough, Stage
+from slotlogic.ranking import Policy
+from slotlogic.settings import CheckpointMode, Settings
+
+log = logging.getLogger("slotkeeper")
+
+
+class Pinning:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def load(self, loader: Any) -> None:
+        loader.add_option("slots_policy", str, "auto",
+                          "How a new session's slot is chosen: auto (prefix-aware, busy-aware), seed (seed "
+                          "000's ranking), off (observe and log only, rewrite nothing).",
+                          choices=[p.value for p in Policy])
+        loader.add_option("slots_state_dir", str, "",
+                          "Directory of the shared state files (one per upstream server). Default: "
+                          "$XDG_STATE_HOME/slotkeeper (~/.local/state/slotkeeper).")
+        loader.add_option("slots_ttl", int, 120,
+                          "Seconds after its last request that a session's claim on its slot expires.")
+        loader.add_option("slots_override_client", bool, False,
+                          "Replace a client's own valid id_slot instead of respecting it.")
+        loader.add_option("slots_session_headers", Sequence[str], list(sess.DEFAULT_SESSION_HEADERS),
+                          "Request headers that carry a session id, most reliable first (repeat --set).")
+        loader.add_option("slots_side_patterns", Sequence[str], list(sidecalls.DEFAULT_SIDE_PATTERNS),
+                          "Regexes on the system prompt that mark side calls (compaction, titles); they go "
+                          "to one reserved slot when the server has 2 or more slots.")
+        loader.add_option("slots_side_slot", int, -1,
+                          "The slot reserved for side calls; -1 = the highest slot id.")
+        loader.add_option("slots_probe_interval", int, 15,
+                          "Seconds between background /props probes that detect a restarted or resized "
+                          "server (0 = only when a cache loss needs explaining).")
+        loader.add_option("slots_prefix_cache", str, "",
+                          "Prefix checkpoints for new sessions: off, memory (warm, no disk), disk (save, "
+                          "restore, verify). Empty = disk when slots_save_dir is set, else off.",
+                          choices=["", *(m.value for m in CheckpointMode)])
+        loader.add_option("slots_save_dir", str, "",
+                          "llama-server's --slot-save-path (the same directory), for checkpoint files and their "
+                          "cleanup.")
+        loader.add_option("slots_paging", bool, True,
+                          "Session paging (needs slots_save_dir): before a slot goes to another session, save "
+                          "its holder's conversation there; when that session returns, restore it instead of "
+                          "prefilling it again.")
+        loader.add_option("slots_page_max_mb", int, 8192,
+                          "Cap on session page files in slots_save_dir; the least recently saved go first.")
+        loader.add_option("slots_server_id", str, "",
+                          "Your name for the llama-server build; part of the checkpoint fingerprint (bump it "
+                          "after an upgrade to force one clean rebuild).")
+        loader.add_option("slots_prefix_markers", Sequence[str], list(pfx.DEFAULT_MARKERS),
+                          "Where the shared system-prompt prefix ends: the earliest of these strings.")
+        loader.add_option("slots_checkpoint_ttl_days", int, 30,
+                          "Cleanup keeps checkpoint files used within this many days.")
+        loader.add_option("slots_checkpoint_keep", int, 3,
+                          "Cleanup always keeps this many most recently used checkpoint files.")
+        loader.add_option("slots_checkpoint_max_mb", int, 0,
+                          "Cap on checkpoint files in slots_save_dir (0 = no cap); the oldest go first.")
+        loader.add_option("slots_keep_streams", bool, False,
+                          "Keep a copy of streamed SSE bodies in the flow (for -w recordings, mitmweb and "
+                          "server replay on mitmproxy 11; on 12.x store_streamed_bodies does the same).")
+
+    def configure(self, updated: set[str]) -> None:
+        if not any(name.startswith("slots_") or name == "mode" for name in updated):
+            return
+        settings, state_dir = build_settings(ctx.options)
+        self.rt.configure(settings, state_dir, fronted_upstreams(ctx.options.mode))
+
+    # ------------------------------------------------------------------------------------------- hooks
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if (flow.live and (flow.response or flow.error)) or flow.request.method != "POST":
+            return  # answered already (the local API), or a saved flow (-nr) that carries its answer
+        original = flow.request.raw_content, flow.request.headers.fields
+        upstream = self.rt.upstream(flows.upstream_url(flow), live=flow.live)
+        try:
+            decision = await upstream.decide(flows.request_facts(flow), flow.id)
+            flows.apply(flow, decision)
+        except Exception as e:  # fail open: the original request goes out untouched
+            flow.request.raw_content, flow.request.headers.fields = original
+            upstream.unlock(flow.id)
+            self.rt.emit(Failed(upstream.url, Stage.REQUEST, type(e).__name__, flow.request.method,
+                                flow.request.path))
+            return
+        if isinstance(decision, Pin | Observe):
+            self.rt.open[flow.id] = Open(decision.ticket, upstream, time.monotonic())
+        elif isinstance(decision, Forward) and decision.completion_route:
+            self.rt.emit(PassedThrough(upstream.url, flow.request.method, flow.request.path, decision.reason))
+
+    @guarded(Stage.RESPONSE_HEADERS)
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        req = self.rt.open.get(flow.id)
+        if req is None or flow.response is None:
+            return
+        req.upstream.unlock(flow.id)
+        # A streamed response has no body yet; a saved flow's body is already here (read in `response`).
+        if flow.live and flows.is_sse(flow.response) and not flow.response.raw_content:
+            req.stream = StreamObserver()
+            flow.response.stream = SSETap(req.stream, self._keeper_of(flow.response) if
+                                          req.upstream.settings.keep_streams else None,
+                                          on_error=self._stream_error(req.upstream.url))
+
+    @guarded(Stage.RESPONSE)
+    def response(self, flow: http.HTTPFlow) -> None:
+        req = self.rt.open.pop(flow.id, None)
+        if req is None or flow.response is None:
+            return
+        self._finish(flow, req, observe_response(flow.response, req.stream))
+
+    @guarded(Stage.RESPONSE)
+    def error(self, flow: http.HTTPFlow) -> None:
+        req = self.rt.open.pop(flow.id, None)
+        if req is None:
+            return
+        req.upstream.unlock(flow.id)
+        obs = req.stream.obs if req.stream else Observation()
+        obs.error_type = obs.error_type or "transport"
+        self._finish(flow, req, obs)
+
+    def done(self) -> None:
+        for up in self.rt.all_upstreams():
+            up.close_sync()
+
+    # ------------------------------------------------------------------------------------------- helpers
+
+    def _finish(self, flow: http.HTTPFlow, req: Open, obs: Observation) -> None:
+        report = req.upstream.answered(req.ticket, obs, path=flow.request.path,
+                                       seconds=time.monotonic() - req.started)
+        flow.metadata["slotkeeper"] = report.metadata
+        self.rt.finished(flow.id, report)
+
+    @staticmethod
+    def _keeper_of(response: http.Response) -> Any:
+        def keep(body: bytes) -> None:
+            response.data.content = body  # raw bytes, headers untouched
+        return keep
+
+    def _stream_error(self, url: str) -> Any:
+        stages = {"observer": Stage.OBSERVER, "copy": Stage.STREAM_COPY}
+
+        def on_error(part: str, kind: str) -> None:
+            self.rt.emit(Failed(url, stages[part], kind))
+        return on_error
+
+
+def observe_response(response: http.Response, stream: StreamObserver | None) -> Observation:
+    """The server's numbers from an answer: the live stream's observer, a saved stream's kept copy, or a
+    JSON body."""
+    if stream is not None:
+        obs = stream.obs
+    elif response.raw_content is not None and flows.is_sse(response):
+        replayed = StreamObserver()  # a saved stream (kept copy): parse it as the live tap did
+        replayed.feed(flows.response_body(response))
+        replayed.feed(b"")
+        obs = replayed.obs
+    elif response.raw_content is not None:
+        obs = observe_json(flows.response_body(response))
+    else:
+        obs = Observation()
+    if response.status_code >= 400 and obs.error_type is None:
+        obs.error_type = f"http-{response.status_code}"
+    return obs
+
+
+def build_settings(o: Any) -> tuple[Settings, Path]:
+    """The options as one frozen `Settings` (and the state dir), or `OptionsError` naming the bad option."""
+    try:
+        policy = Policy(o.slots_policy)
+    except ValueError:
+        raise exceptions.OptionsError(
+            f"slots_policy must be one of {[p.value for p in Policy]}, not {o.slots_policy!r}") from None
+    if o.slots_ttl <= 0:
+        raise exceptions.OptionsError("slots_ttl must be a positive number of seconds")
+    if o.slots_side_slot < -1:
+        raise exceptions.OptionsError("slots_side_slot must be -1 (automatic) or a slot id")
+    if o.slots_probe_interval < 0:
+        raise exceptions.OptionsError("slots_probe_interval must be ≥ 0")
+    try:
+        patterns = tuple(sidecalls.compile_patterns(o.slots_side_patterns))
+    except ValueError as e:
+        raise exceptions.OptionsError(f"slots_side_patterns: {e}") from None
+    headers = tuple(h.strip().lower() for h in o.slots_session_headers if h.strip())
+    markers = tuple(m.encode().decode("unicode_escape") for m in o.slots_prefix_markers if m)
+    save_dir = os.path.expanduser(o.slots_save_dir) if o.slots_save_dir else None
+    try:
+        mode = CheckpointMode(o.slots_prefix_cache or ("disk" if save_dir else "off"))
+    except ValueError:
+        raise exceptions.OptionsError(
+            f"slots_prefix_cache must be off, memory or disk, not {o.slots_prefix_cache!r}") from None
+    if save_dir and (mode is CheckpointMode.DISK or o.slots_paging) and not os.path.isdir(save_dir):
+        raise exceptions.OptionsError(f"slots_save_dir {o.slots_save_dir!r} is not a directory")
+    if o.slots_page_max_mb < 1:
+        raise exceptions.OptionsError("slots_page_max_mb must be ≥ 1 (turn paging off with slots_paging)")
+    if min(o.slots_checkpoint_ttl_days, o.slots_checkpoint_keep, o.slots_checkpoint_max_mb) < 0:
+        raise exceptions.OptionsError("slots_checkpoint_* options must be ≥ 0")
+    settings = Settings(
+        policy=policy, ttl=float(o.slots_ttl), override_client=o.slots_override_client, session_headers=headers,
+        side_patterns=patterns, side_slot=o.slots_side_slot, markers=markers or pfx.DEFAULT_MARKERS,
+        checkpoints=mode, save_dir=save_dir, paging=bool(o.slots_paging and save_dir),
+        page_max_bytes=o.slots_page_max_mb << 20, server_id=o.slots_server_id,
+        checkpoint_ttl_days=float(o.slots_checkpoint_ttl_days), checkpoint_keep=o.slots_checkpoint_keep,
+        checkpoint_max_bytes=o.slots_checkpoint_max_mb << 20, probe_interval=float(o.slots_probe_interval),
+        keep_streams=o.slots_keep_streams)
+    state_dir = Path(o.slots_state_dir).expanduser() if o.slots_state_dir else default_state_dir()
+    return settings, state_dir
+
+
+def fronted_upstreams(modes: Sequence[str]) -> frozenset[str]:
+    """`scheme://host:port` of every reverse-mode upstream in the `mode` option."""
+    out = set()
+    for spec in modes:
+        try:
+            m = ProxyMode.parse(spec)
+        except ValueError:
+            continue
+        if isinstance(m, ReverseMode):
+            host, port = m.address
+            out.add(f"{m.scheme}://{host}:{port}")
+    return frozenset(out)

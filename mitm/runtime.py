@@ -1,0 +1,109 @@
+"""What slotkeeper's mitmproxy addons share, the way mitmproxy's own addons share the master.
+
+One `Runtime` object is handed to every addon in `addon.py`: the settings (rebuilt whole when an option
+changes), one `drivers.upstream.Upstream` per llama-server, the open requests (their tickets, between the
+request hook and the end of the answer), the finished reports (for the views that render them), and the
+event sink through which every log line leaves (`slotlogic.wording` words it).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from drivers.llama_http import LlamaClient
+from drivers.store_file import default_state_dir
+from drivers.upstream import Upstream
+from slotlogic import wording
+from slotlogic.answers import StreamObserver
+from slotlogic.decisions import Report, Ticket
+from slotlogic.events import Event, Failed, Stage
+from slotlogic.settings import Settings
+
+log = logging.getLogger("slotkeeper")
+MAX_REPORTS = 1024  # finished reports kept for the views of the same flow (they read them at once)
+LEVELS = {wording.Level.INFO: logging.INFO, wording.Level.WARNING: logging.WARNING}
+
+
+@dataclass(slots=True)
+class Open:
+    """A request between its request hook and the end of its answer (live objects: never in metadata)."""
+
+    ticket: Ticket
+    upstream: Upstream
+    started: float
+    stream: StreamObserver | None = None
+
+
+@dataclass
+class Runtime:
+    settings: Settings = field(default_factory=Settings)
+    state_dir: Path = field(default_factory=default_state_dir)
+    fronted: frozenset[str] = frozenset()
+    upstreams: dict[str, Upstream] = field(default_factory=dict)
+    replays: dict[str, Upstream] = field(default_factory=dict)
+    open: dict[str, Open] = field(default_factory=dict)
+    reports: OrderedDict[str, Report] = field(default_factory=OrderedDict)
+    listeners: list[Callable[[Event], None]] = field(default_factory=list)
+    make_client: Callable[[str], LlamaClient] = LlamaClient  # the seam for fault injection in tests
+
+    def configure(self, settings: Settings, state_dir: Path, fronted: frozenset[str]) -> None:
+        self.settings, self.state_dir, self.fronted = settings, state_dir, fronted
+        for url, up in self.upstreams.items():
+            up.reconfigure(self.settings_for(url), state_dir)
+
+    def settings_for(self, url: str) -> Settings:
+        return self.settings.for_upstream(url in self.fronted)
+
+    def upstream(self, url: str, *, live: bool = True) -> Upstream:
+        """The driver for one server; saved flows get an offline one of their own."""
+        pool = self.upstreams if live else self.replays
+        up = pool.get(url)
+        if up is None:
+            settings = self.settings_for(url)
+            up = (Upstream(url, settings, self.state_dir, self.emit, client=self.make_client(url)) if live
+                  else Upstream.for_replay(url, settings, self.emit))
+            pool[url] = up
+        return up
+
+    def all_upstreams(self) -> list[Upstream]:
+        return [*self.upstreams.values(), *self.replays.values()]
+
+    def finished(self, flow_id: str, report: Report) -> None:
+        self.reports[flow_id] = report
+        while len(self.reports) > MAX_REPORTS:
+            self.reports.popitem(last=False)
+
+    def emit(self, event: Event) -> None:
+        """Every event is logged (if it has a line) and handed to the listeners (the JSONL log)."""
+        if wording.logged(event):
+            level, text = wording.event_line(event)
+            log.log(LEVELS[level], text)
+        for listener in self.listeners:
+            listener(event)
+
+    def status(self, upstreams: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"policy": self.settings.policy.value, "ttl": self.settings.ttl, "servers": upstreams}
+
+
+class _HasRuntime(Protocol):
+    rt: Runtime
+
+
+def guarded(stage: Stage) -> Callable[[Callable[[Any, Any], None]], Callable[[Any, Any], None]]:
+    """A synchronous hook that never raises: a failure is one line naming the exception's type. (mitmproxy's
+    own "Addon error" would print the exception's message, and a message can quote a prompt.)"""
+    def wrap(hook: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+        @functools.wraps(hook)
+        def guard(self: _HasRuntime, flow: Any) -> None:
+            try:
+                hook(self, flow)
+            except Exception as e:
+                self.rt.emit(Failed("", stage, type(e).__name__, path=flow.request.path))
+        return guard
+    return wrap

@@ -1,0 +1,165 @@
+"""Reading cache reuse out of llama-server answers (docs/llama-server.md, "Answers").
+
+- JSON bodies: `timings.cache_n` / `prompt_n` (native and OAI), `usage.prompt_tokens_details.cached_tokens`
+  (OAI), `usage.input_tokens_details.cached_tokens` (responses), `usage.cache_read_input_tokens`
+  (Anthropic), `id_slot` (native, or `__verbose.id_slot`), errors such as `exceed_context_size_error`.
+- SSE streams: transport chunks are not events. `SSEParser` keeps a line buffer, splits events on a blank
+  line (CRLF normalised) and yields the JSON of each `data:` payload, skipping `[DONE]`. The *last*
+  event carrying timings wins; `/completion` partial chunks carry `id_slot: -1`, only the final one the
+  real slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Observation:
+    cache_n: int | None = None
+    prompt_n: int | None = None
+    id_slot: int | None = None
+    prompt_per_second: float | None = None
+    error_type: str | None = None
+    error_message: str | None = None
+    n_prompt_tokens: int | None = None  # from exceed_context_size_error
+    n_ctx: int | None = None
+    events: int = 0
+
+    @property
+    def reuse(self) -> float | None:
+        if self.cache_n is None or self.prompt_n is None or self.cache_n + self.prompt_n == 0:
+            return None
+        return self.cache_n / (self.cache_n + self.prompt_n)
+
+    @property
+    def outcome(self) -> str:
+        """hit / partial / miss / error / unknown, for the mitmweb marker."""
+        if self.error_type:
+            return "error"
+        r = self.reuse
+        if r is None:
+            return "unknown"
+        if r >= 0.8:
+            return "hit"
+        if r > 0.0:
+            return "partial"
+        return "miss"
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def absorb(obs: Observation, obj: Any) -> None:
+    """Fold one JSON object (a whole body or one SSE event) into `obs`; later values win."""
+    if not isinstance(obj, dict):
+        return
+    timings = obj.get("timings")
+    if isinstance(timings, dict):
+        if _int(timings.get("cache_n")) is not None:
+            obs.cache_n = timings["cache_n"]
+        if _int(timings.get("prompt_n")) is not None:
+            obs.prompt_n = timings["prompt_n"]
+        pps = timings.get("prompt_per_second")
+        if isinstance(pps, int | float) and not isinstance(pps, bool) and pps > 0:
+            obs.prompt_per_second = float(pps)
+    usage = obj.get("usage")
+    if isinstance(usage, dict) and obs.cache_n is None:
+        for details in ("prompt_tokens_details", "input_tokens_details"):
+            d = usage.get(details)
+            if isinstance(d, dict) and _int(d.get("cached_tokens")) is not None:
+                obs.cache_n = d["cached_tokens"]
+        if _int(usage.get("cache_read_input_tokens")) is not None:
+            obs.cache_n = usage["cache_read_input_tokens"]
+            if _int(usage.get("input_tokens")) is not None:
+                obs.prompt_n = usage["input_tokens"]
+    slot = _int(obj.get("id_slot"))
+    if slot is not None and slot >= 0:
+        obs.id_slot = slot
+    verbose = obj.get("__verbose")
+    if isinstance(verbose, dict):
+        absorb(obs, {k: verbose[k] for k in ("id_slot", "timings") if k in verbose})
+    message = obj.get("message")
+    if obj.get("type") == "message_start" and isinstance(message, dict):
+        absorb(obs, message)
+    err = obj.get("error")
+    if isinstance(err, dict):
+        obs.error_type = str(err.get("type") or err.get("code") or "error")
+        msg = err.get("message")
+        obs.error_message = msg[:300] if isinstance(msg, str) else None
+        obs.n_prompt_tokens = _int(err.get("n_prompt_tokens"))
+        obs.n_ctx = _int(err.get("n_ctx"))
+
+
+def observe_json(raw: bytes) -> Observation:
+    obs = Observation()
+    with contextlib.suppress(ValueError, UnicodeDecodeError):
+        absorb(obs, json.loads(raw))
+    return obs
+
+
+@dataclass
+class SSEParser:
+    """Incremental SSE parser: feed transport chunks, get parsed `data:` JSON payloads."""
+
+    _buf: bytearray = field(default_factory=bytearray)
+    _data: list[bytes] = field(default_factory=list)
+    max_buffer: int = 4 << 20  # a single line longer than this is dropped, not accumulated forever
+
+    def feed(self, chunk: bytes) -> Iterator[Any]:
+        self._buf += chunk
+        while True:
+            nl = self._buf.find(b"\n")
+            if nl < 0:
+                if len(self._buf) > self.max_buffer:
+                    self._buf.clear()
+                return
+            line = bytes(self._buf[:nl]).rstrip(b"\r")
+            del self._buf[: nl + 1]
+            yield from self._line(line)
+
+    def close(self) -> Iterator[Any]:
+        """End of stream: a final event without its blank line still counts."""
+        if self._buf:
+            line = bytes(self._buf).rstrip(b"\r")
+            self._buf.clear()
+            yield from self._line(line)
+        yield from self._dispatch()
+
+    def _line(self, line: bytes) -> Iterator[Any]:
+        if not line:
+            yield from self._dispatch()
+        elif line.startswith(b"data:"):
+            payload = line[5:]
+            self._data.append(payload[1:] if payload.startswith(b" ") else payload)
+
+    def _dispatch(self) -> Iterator[Any]:
+        if not self._data:
+            return
+        payload = b"\n".join(self._data)
+        self._data.clear()
+        if payload.strip() == b"[DONE]":
+            return
+        try:
+            yield json.loads(payload)
+        except (ValueError, UnicodeDecodeError):
+            return
+
+
+@dataclass
+class StreamObserver:
+    """Observe an SSE stream event by event; never alters or drops a byte (the caller passes chunks on)."""
+
+    parser: SSEParser = field(default_factory=SSEParser)
+    obs: Observation = field(default_factory=Observation)
+
+    def feed(self, chunk: bytes) -> None:
+        events = self.parser.feed(chunk) if chunk else self.parser.close()
+        for event in events:
+            self.obs.events += 1
+            absorb(self.obs, event)

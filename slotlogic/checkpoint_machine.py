@@ -1,0 +1,311 @@
+"""Prefix-checkpoint orchestration as a sans-IO state machine (seed 001, wired into slot choice).
+
+Rule 1: everything that decides *what to do to a slot so a new session starts warm* lives here.
+Rule 2: no I/O. `Orchestrator.next_action()` returns an action (restore, verify, warm, save, erase) for
+        the driver to perform against llama-server; the driver feeds the HTTP outcome back with `feed()`.
+        Tests replay recorded server answers (success, 400 on restore, 501 without --slot-save-path,
+        timeouts, failed verification) without a server.
+Rule 3: fail open. Whatever happens, the machine ends in DONE and the user's request goes out as it
+        would without checkpoints; a failure only costs the prefill the request would have paid anyway.
+
+Theory of operation
+-------------------
+START:    the slot already holds the prefix (in-process knowledge, confirmed alive) → DONE (hit);
+          persistence on and a matching file known → RESTORING; otherwise → WARMING (cold).
+RESTORING → VERIFY_IDENTICAL on 200. Any failure → WARMING (a failed restore wipes the slot).
+VERIFY_IDENTICAL: the warm-up request re-sent must come back ≥ `gate` (90%) from cache, else the file is
+          bad → ERASING → WARMING (then SAVING overwrites the file).
+VERIFY_DIVERGENT: the prefix plus a non-empty user message must show `cache_n > 0`; if not, say so
+          loudly and keep the restore (a rebuild would produce the same state).
+WARMING → SAVING when persistence is on, else DONE. SAVING failure (501: no --slot-save-path) → DONE with
+          a warning; the slot is warm anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from slotlogic.prefix import StablePrefix
+
+PROBE_USER = "Reply with OK."
+
+
+class Phase(Enum):
+    START = "start"
+    RESTORING = "restoring"
+    VERIFY_IDENTICAL = "verify-identical"
+    VERIFY_DIVERGENT = "verify-divergent"
+    ERASING = "erasing"
+    WARMING = "warming"
+    SAVING = "saving"
+    DONE = "done"
+
+
+class Outcome(Enum):
+    """How a prefix preparation ended (the JSONL log's `outcome`)."""
+
+    HIT = "hit"                                   # the slot held the prefix already
+    RESTORED = "restored"                         # a file restored and verified
+    RESTORED_UNVERIFIED = "restored-unverified"   # restored, but a verification could not confirm it
+    WARMED_SAVED = "warmed-saved"                 # prefilled and saved to a file
+    WARMED = "warmed"                             # prefilled, nothing persisted
+    FAILED = "failed"
+
+    @property
+    def restored(self) -> bool:
+        return self in (Outcome.RESTORED, Outcome.RESTORED_UNVERIFIED)
+
+
+class NoteKind(Enum):
+    """One step of the machine worth a log line (the text is `slotlogic.wording`'s)."""
+
+    HIT = "hit"
+    COLD = "cold"
+    RESTORED = "restored"
+    NO_FILE = "no-file"
+    VERIFY_DID_NOT_RUN = "verify-did-not-run"
+    REJECTED = "rejected"
+    DIVERGENT_DID_NOT_RUN = "divergent-did-not-run"
+    CANNOT_RESUME = "cannot-resume"
+    VERIFIED = "verified"
+    WARM_FAILED = "warm-failed"
+    WARMED = "warmed"
+    SAVED = "saved"
+    SAVE_FAILED = "save-failed"
+
+
+@dataclass(frozen=True)
+class Note:
+    kind: NoteKind
+    slot: int
+    filename: str = ""
+    tokens: int | None = None                    # n_restored / n_saved / prompt_n of a warm-up
+    cached: int | None = None                    # cache_n of a warm-up
+    identical: tuple[int, int] | None = None     # (cache_n, total) of the identical gate
+    divergent: tuple[int, int] | None = None
+    gate: float = 0.0
+    failure: Failure | None = None               # why an HTTP step failed
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An HTTP step that did not succeed: status 0 = unreachable or timed out; the server's error type."""
+
+    status: int
+    error_type: str | None = None
+
+    @classmethod
+    def of(cls, status: int, data: Any) -> Failure:
+        err = data.get("error") if isinstance(data, dict) else None
+        kind = err.get("type") if isinstance(err, dict) else None
+        return cls(status, kind if isinstance(kind, str) else None)
+
+
+class ActionKind(Enum):
+    RESTORE = "restore"
+    SAVE = "save"
+    ERASE = "erase"
+    WARM = "warm"
+    VERIFY = "verify"
+
+    @property
+    def slot_action(self) -> bool:
+        """A `POST /slots/{id}?action=…` call (the rest are pinned chat completions)."""
+        return self in (ActionKind.RESTORE, ActionKind.SAVE, ActionKind.ERASE)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One HTTP call for the driver: restore | save | erase (POST /slots/{slot}?action=…), or warm | verify
+    (a chat completion pinned to `slot`, body given)."""
+
+    kind: ActionKind
+    slot: int
+    filename: str | None = None
+    body: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Result:
+    """What the driver saw: HTTP status (0 = unreachable or timed out) and the parsed JSON answer."""
+
+    status: int
+    data: Any = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+    def failure(self) -> Failure:
+        return Failure.of(self.status, self.data)
+
+    def timings(self) -> tuple[int, int] | None:
+        t = self.data.get("timings") if isinstance(self.data, dict) else None
+        if isinstance(t, dict) and isinstance(t.get("cache_n"), int) and isinstance(t.get("prompt_n"), int):
+            return t["cache_n"], t["prompt_n"]
+        return None
+
+
+# (phase, verdict) → next phase. Verdicts: ok, fail, low (verification below its bar).
+TRANSITIONS: dict[tuple[Phase, str], Phase] = {
+    (Phase.RESTORING, "ok"): Phase.VERIFY_IDENTICAL,
+    (Phase.RESTORING, "fail"): Phase.WARMING,
+    (Phase.VERIFY_IDENTICAL, "ok"): Phase.VERIFY_DIVERGENT,
+    (Phase.VERIFY_IDENTICAL, "low"): Phase.ERASING,
+    (Phase.VERIFY_IDENTICAL, "fail"): Phase.DONE,
+    (Phase.VERIFY_DIVERGENT, "ok"): Phase.DONE,
+    (Phase.VERIFY_DIVERGENT, "low"): Phase.DONE,
+    (Phase.VERIFY_DIVERGENT, "fail"): Phase.DONE,
+    (Phase.ERASING, "ok"): Phase.WARMING,
+    (Phase.ERASING, "fail"): Phase.WARMING,
+    (Phase.WARMING, "ok"): Phase.SAVING,  # or DONE when persistence is off (see _after_warm)
+    (Phase.WARMING, "fail"): Phase.DONE,
+    (Phase.SAVING, "ok"): Phase.DONE,
+    (Phase.SAVING, "fail"): Phase.DONE,
+}
+
+
+@dataclass
+class Orchestrator:
+    slot: int
+    prefix: StablePrefix
+    filename: str
+    persist: bool
+    holds_prefix: bool = False
+    file_known: bool = False
+    gate: float = 0.9
+    phase: Phase = Phase.START
+    outcome: Outcome | None = None
+    notes: list[Note] = field(default_factory=list)  # what happened, in order (logged by the driver)
+    spent_prefill: int = 0                            # prompt_n paid by warm-ups and probes
+    saved_tokens: int | None = None                   # n_saved of a successful save
+    restored_tokens: int | None = None
+    identical: tuple[int, int] | None = None          # (cache_n, total) of the identical gate
+    divergent: tuple[int, int] | None = None
+    missing_save_path: bool = False
+    file_bad: bool = False
+
+    def __post_init__(self) -> None:
+        if self.holds_prefix:
+            self.outcome = Outcome.HIT
+            self._note(NoteKind.HIT)
+            self.phase = Phase.DONE
+        elif self.persist and self.file_known:
+            self.phase = Phase.RESTORING
+        else:
+            self._note(NoteKind.COLD)
+            self.phase = Phase.WARMING
+
+    # -------------------------------------------------------------------------------- driver interface
+
+    def next_action(self) -> Action | None:
+        p, s = self.phase, self.slot
+        if p is Phase.RESTORING:
+            return Action(ActionKind.RESTORE, s, filename=self.filename)
+        if p is Phase.VERIFY_IDENTICAL:
+            return Action(ActionKind.VERIFY, s, body=self.prefix.warmup_body())
+        if p is Phase.VERIFY_DIVERGENT:
+            return Action(ActionKind.VERIFY, s, body=self.prefix.warmup_body(PROBE_USER))
+        if p is Phase.ERASING:
+            return Action(ActionKind.ERASE, s)
+        if p is Phase.WARMING:
+            return Action(ActionKind.WARM, s, body=self.prefix.warmup_body())
+        if p is Phase.SAVING:
+            return Action(ActionKind.SAVE, s, filename=self.filename)
+        return None
+
+    def feed(self, result: Result) -> None:
+        phase = self.phase
+        if phase in (Phase.START, Phase.DONE):
+            raise RuntimeError(f"no action pending in phase {phase.value}")
+        verdict = getattr(self, f"_on_{phase.name.lower()}")(result)
+        nxt = TRANSITIONS[(phase, verdict)]
+        if phase is Phase.WARMING and verdict == "ok" and not self.persist:
+            nxt = Phase.DONE
+        self.phase = nxt
+        if nxt is Phase.DONE and self.outcome is None:
+            self.outcome = Outcome.WARMED if phase is Phase.WARMING and verdict == "ok" else Outcome.FAILED
+
+    # -------------------------------------------------------------------------------- per-phase verdicts
+
+    def _on_restoring(self, r: Result) -> str:
+        if r.ok:
+            n = r.data.get("n_restored") if isinstance(r.data, dict) else None
+            self.restored_tokens = n if isinstance(n, int) else None
+            self._note(NoteKind.RESTORED, filename=self.filename, tokens=self.restored_tokens)
+            return "ok"
+        self.missing_save_path |= r.status == 501
+        self._note(NoteKind.NO_FILE, failure=r.failure())
+        self._note(NoteKind.COLD)
+        return "fail"
+
+    def _probe(self, r: Result) -> tuple[int, int] | None:
+        """(cache_n, total) of a verification request, its prefill counted; None when it did not run."""
+        t = r.timings() if r.ok else None
+        if t is None:
+            return None
+        self.spent_prefill += t[1]
+        return t[0], t[0] + t[1]
+
+    def _on_verify_identical(self, r: Result) -> str:
+        self.identical = self._probe(r)
+        if self.identical is None:
+            self._note(NoteKind.VERIFY_DID_NOT_RUN, failure=r.failure())
+            self.outcome = Outcome.RESTORED_UNVERIFIED
+            return "fail"
+        cache_n, total = self.identical
+        if cache_n < self.gate * total:
+            self.file_bad = True
+            self._note(NoteKind.REJECTED, identical=self.identical, gate=self.gate)
+            return "low"
+        return "ok"
+
+    def _on_verify_divergent(self, r: Result) -> str:
+        self.divergent = self._probe(r)
+        if self.divergent is None:
+            self._note(NoteKind.DIVERGENT_DID_NOT_RUN, identical=self.identical, failure=r.failure())
+            self.outcome = Outcome.RESTORED
+            return "fail"
+        if self.divergent[0] == 0:
+            self._note(NoteKind.CANNOT_RESUME, identical=self.identical, divergent=self.divergent)
+            self.outcome = Outcome.RESTORED_UNVERIFIED
+            return "low"
+        self._note(NoteKind.VERIFIED, identical=self.identical, divergent=self.divergent)
+        self.outcome = Outcome.RESTORED
+        return "ok"
+
+    def _on_erasing(self, r: Result) -> str:
+        return "ok" if r.ok else "fail"
+
+    def _on_warming(self, r: Result) -> str:
+        t = r.timings() if r.ok else None
+        if t is None:
+            self._note(NoteKind.WARM_FAILED, failure=r.failure())
+            self.outcome = Outcome.FAILED
+            return "fail"
+        self.spent_prefill += t[1]
+        self._note(NoteKind.WARMED, tokens=t[1], cached=t[0])
+        return "ok"
+
+    def _on_saving(self, r: Result) -> str:
+        if r.ok:
+            n = r.data.get("n_saved") if isinstance(r.data, dict) else None
+            self.saved_tokens = n if isinstance(n, int) else None
+            self._note(NoteKind.SAVED, filename=self.filename, tokens=self.saved_tokens)
+            self.outcome = Outcome.WARMED_SAVED
+            return "ok"
+        self.missing_save_path |= r.status == 501
+        self._note(NoteKind.SAVE_FAILED, failure=r.failure())
+        self.outcome = Outcome.WARMED
+        return "fail"
+
+    # -------------------------------------------------------------------------------- helpers
+
+    def _note(self, kind: NoteKind, **kw: Any) -> None:
+        self.notes.append(Note(kind, self.slot, **kw))
+
+    @property
+    def done(self) -> bool:
+        return self.phase is Phase.DONE

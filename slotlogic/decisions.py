@@ -1,0 +1,118 @@
+"""The types that cross the boundary of the core: a request's facts in, a decision out, a report at the end.
+
+(Plain slotted dataclasses: a request of a known session builds four of them, and a frozen dataclass's
+`__init__` costs several times as much. Nothing changes them after they are made but the core itself.)
+
+`Keeper.request` answers every request with exactly one of:
+- `Forward`:  not ours (not a completion route, not a JSON object); forwarded untouched, not observed;
+- `Observe`:  a completion request that goes out without a slot of ours (policy off, a route that ignores
+              `id_slot`, an unknown server); its answer is still read and logged;
+- `Pin`:      goes out with `body` (the client's bytes plus `id_slot` and `cache_prompt`);
+- `NeedSlot`: the core cannot answer from memory; the driver asks the server and the shared state, then
+              calls `Keeper.assign` and `Keeper.pin` (or `Keeper.fallback`), which end in `Pin` or `Observe`.
+`Pin`, `Observe` and `NeedSlot` carry the request's `Ticket`: what the proxy decided about it, kept until the
+answer completes and turned into a `Report` (the per-request line, the mitmweb comment, the flow's metadata).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from slotlogic.answers import Observation
+from slotlogic.endpoints import Route
+from slotlogic.prefix import StablePrefix
+from slotlogic.reasons import Passed, Unpinned, Why, render
+from slotlogic.session import SessionId
+
+Fields = tuple[tuple[bytes, bytes], ...]
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A saved flow replayed offline: what it carried besides its (rewritten) body."""
+
+    client: Mapping[str, Any] | None   # id_slot / cache_prompt as the client had sent them
+    facts: Mapping[str, Any] | None    # the `/props` and `/slots` facts behind its decision
+
+
+@dataclass(slots=True)
+class RequestFacts:
+    method: str
+    path: str
+    fields: Fields                      # the raw header fields (mitmproxy's tuple)
+    content: bytes | None               # the decoded body; None when absent, streamed or badly encoded
+    now: float                          # the request's own start time
+    replay: Replay | None = None
+
+
+@dataclass(slots=True)
+class Ticket:
+    """What the proxy decided about one request."""
+
+    session: SessionId
+    route: Route
+    side: bool = False
+    slot: int | None = None
+    why: Why | None = None
+    unpinned: Unpinned | None = None
+    displaced: bool = False
+    paged_in: bool = False
+    client: dict[str, Any] = field(default_factory=dict)   # id_slot / cache_prompt as the client sent them
+    facts: dict[str, Any] | None = None                    # server facts behind a new session's decision
+
+    @property
+    def reason(self) -> str:
+        return render(self.why, self.unpinned, displaced=self.displaced, paged_in=self.paged_in)
+
+
+@dataclass(slots=True)
+class Forward:
+    reason: Passed
+    completion_route: bool   # worth a log line: a completion route whose body we cannot read
+
+
+@dataclass(slots=True)
+class Observe:
+    ticket: Ticket
+    body: bytes | None = None   # replay only: the client's own bytes
+
+
+@dataclass(slots=True)
+class Pin:
+    ticket: Ticket
+    body: bytes | None          # None: the body already is what goes out (the client set both fields)
+
+
+@dataclass(slots=True)
+class NeedSlot:
+    ticket: Ticket
+    body: dict[str, Any]        # the parsed request
+    content: bytes              # the client's bytes, for the splice
+    prefix: str | None          # what slot contents are compared by (stable prefix or system prompt + tools)
+    stable: StablePrefix | None  # the shared prefix a checkpoint can warm
+    displaced_from: int | None = None
+
+
+Decision = Forward | Observe | Pin | NeedSlot
+
+
+@dataclass(slots=True)
+class Report:
+    """A finished request, as the log line, the mitmweb view and the flow's metadata show it."""
+
+    ticket: Ticket
+    obs: Observation
+    slot: int | None
+    path: str
+    upstream: str
+    seconds: float
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """`flow.metadata["slotkeeper"]`: JSON-like only (mitmproxy saves it with the flow)."""
+        t = self.ticket
+        return {"session": t.session.key, "source": t.session.source, "slot": self.slot, "reason": t.reason,
+                "side": t.side, "cache_n": self.obs.cache_n, "prompt_n": self.obs.prompt_n,
+                "outcome": self.obs.outcome, "client": t.client, "facts": t.facts}

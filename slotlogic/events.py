@@ -1,0 +1,190 @@
+"""What happened, as typed records: the drivers and the core emit these, `slotlogic.wording` words them.
+
+Rule 1: no prompt text can get into a log line, because no event has a field for it: sessions are 8-hex
+        digests, failures are an exception's type name or an HTTP status and the server's error *type*,
+        never a message or a body.
+Rule 2: nothing decides on an event; they are output only (the log, the JSONL file, the status view).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from slotlogic.checkpoint_machine import Failure, Note, Outcome
+from slotlogic.reasons import Passed
+
+
+class Stage(Enum):
+    """Where something failed that the proxy worked around (fail open)."""
+
+    REQUEST = "request"
+    RESPONSE_HEADERS = "response-headers"
+    RESPONSE = "response"
+    OBSERVER = "observer"              # the SSE observer inside the stream callable
+    STREAM_COPY = "stream-copy"        # the kept copy of a streamed body
+    LOG_FILE = "log-file"
+    STATE_WRITE = "state-write"        # the coalesced flush of last-use touches
+    FINAL_FLUSH = "final-flush"
+    BACKGROUND = "background"
+    PAGING = "paging"
+    CHECKPOINT = "checkpoint"
+    CHECKPOINT_INDEX = "checkpoint-index"
+    DELETE = "delete"                  # a page or checkpoint file the proxy meant to delete
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base class: every event names the server it concerns ("" when none)."""
+
+    upstream: str
+
+
+@dataclass(frozen=True)
+class PassedThrough(Event):
+    method: str
+    path: str
+    reason: Passed
+
+
+@dataclass(frozen=True)
+class Failed(Event):
+    stage: Stage
+    kind: str                      # the exception's type name, or "HTTP 400 <error type>"
+    method: str = ""
+    path: str = ""
+    slot: int | None = None
+
+
+@dataclass(frozen=True)
+class ServerRestarted(Event):
+    pass
+
+
+@dataclass(frozen=True)
+class PoolResized(Event):
+    total_slots: int
+
+
+@dataclass(frozen=True)
+class Unreachable(Event):
+    """`/props` did not answer: the session is pinned by the hash fallback, or (no count known) not at all."""
+
+    session: str
+    slot: int | None = None
+    total_slots: int | None = None
+
+
+@dataclass(frozen=True)
+class NoSlotsEndpoint(Event):
+    pass
+
+
+@dataclass(frozen=True)
+class NoPrefixMarker(Event):
+    session: str
+    markers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class NoSavePath(Event):
+    """llama-server answered 501 to a slot save/restore: it runs without --slot-save-path."""
+
+    paging: bool  # noticed while paging (else while checkpointing)
+
+
+@dataclass(frozen=True)
+class PageFailed(Event):
+    slot: int
+    direction: str                 # "out" or "in"
+    failure: Failure
+
+
+@dataclass(frozen=True)
+class PageGone(Event):
+    file: str
+
+
+@dataclass(frozen=True)
+class PagingLockTimeout(Event):
+    slot: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Paged(Event):
+    """One paging step on a slot (the JSONL log's `page` record)."""
+
+    slot: int
+    out: str | None                # 8-hex session paged out
+    out_tokens: int | None
+    into: str | None               # 8-hex session paged in
+    in_tokens: int | None
+    seconds: float
+    server_ms: float
+
+
+@dataclass(frozen=True)
+class CheckpointStep(Event):
+    note: Note
+
+
+@dataclass(frozen=True)
+class CheckpointStarted(Event):
+    fingerprint: str
+    slot: int
+
+
+@dataclass(frozen=True)
+class CheckpointWaiting(Event):
+    file: str
+
+
+@dataclass(frozen=True)
+class CheckpointForeign(Event):
+    """A checkpoint file exists but another server configuration wrote it."""
+
+    file: str
+    differ: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CheckpointDone(Event):
+    """One prefix preparation (the JSONL log's `checkpoint` record)."""
+
+    slot: int
+    outcome: Outcome
+    prompt_n: int
+    identical: tuple[int, int] | None
+    divergent: tuple[int, int] | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CheckpointIndexCorrupt(Event):
+    path: str
+
+
+@dataclass(frozen=True)
+class FilesDeleted(Event):
+    what: str                      # "prefix-cache cleanup"
+    files: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CorruptMovedAside(Event):
+    path: str
+    moved_to: str
+
+
+@dataclass(frozen=True)
+class ContextOverflow(Event):
+    n_prompt_tokens: int | None
+    n_ctx: int | None
+
+
+@dataclass(frozen=True)
+class IdleSlotsCleared(Event):
+    """The server empties idle slots (unified KV + --cache-idle-slots), which defeats pinning."""
+
+    slot: int

@@ -1,0 +1,390 @@
+"""slotkeeper's core for one upstream server: a request's facts in, a typed decision out (h11 style).
+
+Rule 1: pure. No sockets, files, clocks or mitmproxy: the driver (`drivers/upstream.py`) passes the request's
+        facts, the server's answers (`/props`, `/slots`) and the shared state in, and performs what comes out.
+Rule 2: a known, live session is answered from memory (`request` returns `Pin`): no I/O, no lock, and, for an
+        agent's next turn, not even a parse of the body (`slotlogic.fastpath`). That is the hot path.
+Rule 3: everything else that needs the server or the shared state comes out as `NeedSlot`; the driver then
+        calls, in this order: `assign` (under the state lock; claims a slot), `page_plan` (under that slot's
+        paging lock), `pin` (the rewrite). Or `fallback` when the server cannot be asked.
+Rule 4: the answer comes back through `answered`, which moves the slot bookkeeping on (whose conversation a
+        slot holds now) and returns the `Report` every view of the request is rendered from.
+
+Theory of operation: a request is classified by route (`endpoints`), its session resolved from headers, body
+or content (`session`), side calls spotted (`sidecalls`), and the session table consulted (`table`). A session
+whose slot ran another session since its last answer is *displaced* and is placed again like a new one
+(`placement`, `ranking`). The rewrite (`rewrite`) only ever adds `id_slot` and `cache_prompt`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from slotlogic import paging, placement, rewrite, shared, sidecalls
+from slotlogic import prefix as pfx
+from slotlogic import session as sess
+from slotlogic.answers import Observation
+from slotlogic.decisions import (
+    Decision,
+    Fields,
+    Forward,
+    NeedSlot,
+    Observe,
+    Pin,
+    Replay,
+    Report,
+    RequestFacts,
+    Ticket,
+)
+from slotlogic.endpoints import Route, classify
+from slotlogic.events import ContextOverflow, Event, PoolResized, ServerRestarted, Unreachable
+from slotlogic.fastpath import ShapeIndex, fields_absent
+from slotlogic.ranking import Policy, SlotView
+from slotlogic.reasons import Passed, Unpinned, Why
+from slotlogic.server import ServerInfo, slot_facts
+from slotlogic.settings import SESSION_KEEP_SECONDS, CheckpointMode, Settings
+from slotlogic.stats import SessionStats
+from slotlogic.table import SessionTable
+
+MAX_MARKS = 512  # prompts remembered for the continuation rule of raw `/completion` bodies
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A new or displaced session's slot, claimed in the shared state."""
+
+    slot: int
+    why: Why
+    view: SlotView               # the slot as it was before this claim (its owner, its tokens, its prefix)
+    dropped_pages: list[str]     # page files of sessions the state forgot (the driver deletes them)
+    events: list[Event]
+
+    @property
+    def side(self) -> bool:
+        return self.why is Why.SIDE_CALL
+
+
+class LowerHeaders(dict[str, str]):
+    """Request headers as a plain dict with lower-case names, built from the raw fields (mitmproxy's multidict
+    look-ups are slow). The first value of a repeated header wins."""
+
+    lowercase_keys = True
+
+    def __init__(self, fields: Fields) -> None:
+        super().__init__()
+        for k, v in fields:
+            self.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
+
+
+class Keeper:
+    def __init__(self, settings: Settings, upstream: str = "") -> None:
+        self.settings = settings
+        self.upstream = upstream
+        self.table = SessionTable(ttl=settings.ttl)
+        self.shapes = ShapeIndex()  # known sessions' request shapes: the hot path without a parse
+        self.marks: OrderedDict[str, sess.PromptMark] = OrderedDict()
+        self.stats: dict[str, SessionStats] = {}
+        self.server: ServerInfo | None = None   # the last `/props` seen
+        self.total_slots: int | None = None     # the last known slot count
+        self.pages: dict[str, paging.PageRecord] = {}  # the page index as of the last state transaction
+        self._headers = settings.header_bytes
+
+    def reconfigure(self, settings: Settings) -> None:
+        """A changed option: the new settings replace the old whole; what the proxy learned stays."""
+        self.settings = settings
+        self.table.ttl = settings.ttl
+        self._headers = settings.header_bytes
+
+    # ------------------------------------------------------------------------------------------- requests
+
+    def request(self, facts: RequestFacts) -> Decision:
+        route = classify(facts.method, facts.path)
+        if route is Route.OTHER:
+            return Forward(Passed.NOT_COMPLETION, completion_route=False)
+        if facts.replay is None and self.shapes and facts.content:
+            known = self._recognise(facts, route)
+            if known is not None:
+                return known
+        content = facts.content or b""
+        body = _parse(content)
+        original = None
+        if facts.replay is not None and isinstance(body, dict):
+            body, original = _undo_rewrite(body, content, facts.replay)
+            content = original or content
+        if not isinstance(body, dict):
+            return Forward(Passed.NOT_JSON_OBJECT, completion_route=True)
+        s = self.settings
+        key = sess.resolve(LowerHeaders(facts.fields), body, facts.path, header_names=s.session_headers,
+                           known_prompts=self.marks)
+        ticket = Ticket(key, route, client={k: body.get(k) for k in ("id_slot", "cache_prompt")})
+        self._remember_prompt(key.key, sess.prompt_mark(body))
+        if route is Route.UNPINNABLE:
+            ticket.unpinned = Unpinned.ROUTE
+            return Observe(ticket, original)
+        ticket.side = sidecalls.is_side_call(sess.system_text(body, facts.path), s.side_patterns)
+        if facts.replay is None and fields_absent(body):
+            self.shapes.learn(facts.path, content, key, ticket.side)
+        if s.policy is Policy.OFF:
+            ticket.unpinned = Unpinned.POLICY_OFF
+            return Observe(ticket, original)
+        slot = self._placed(ticket, facts.now)
+        if slot is not None:
+            return self._pin(ticket, body, content, slot, facts.now)
+        live = self.table.live(key.key, facts.now)
+        displaced_from = None
+        if live is not None and (self.total_slots is None or live.slot < self.total_slots):
+            # Another session ran on this slot since: our conversation is no longer there, so staying has no
+            # value of its own; choose again, like a new session (its own slot is one of the candidates).
+            ticket.displaced, displaced_from = True, live.slot
+        stable = pfx.extract(body, s.markers)
+        # What the ranking compares slot contents by: the stable prefix when there is one (windows of two
+        # projects share it), else the whole system prompt + tools.
+        prefix = stable.signature if stable else sess.prefix_signature(body, facts.path)
+        return NeedSlot(ticket, body, content, prefix, stable, displaced_from)
+
+    def _recognise(self, facts: RequestFacts, route: Route) -> Decision | None:
+        """The hot path without a parse (`slotlogic.fastpath`): a known session's next chat request, with an
+        empty stand-in for the body (the byte match proved it carries no id_slot/cache_prompt)."""
+        if route is not Route.PINNABLE:
+            return None
+        if any(k.lower() in self._headers for k, _ in facts.fields):
+            return None  # a header names the session: the full path reads it
+        content = facts.content or b""
+        shape = self.shapes.match(facts.path, content)
+        if shape is None:
+            return None
+        ticket = Ticket(shape.key, route, side=shape.side, client={"id_slot": None, "cache_prompt": None})
+        if self.settings.policy is Policy.OFF:
+            ticket.unpinned = Unpinned.POLICY_OFF
+            return Observe(ticket)
+        slot = self._placed(ticket, facts.now)
+        return self._pin(ticket, {}, content, slot, facts.now) if slot is not None else None
+
+    def _placed(self, ticket: Ticket, now: float) -> int | None:
+        """A side call, or a known session still on its slot: the slot, with no I/O. None: it needs a slot."""
+        total = self.total_slots
+        if ticket.side and total:
+            reserved = sidecalls.side_slot(total, self.settings.side_slot)
+            if reserved is not None:
+                ticket.why = Why.SIDE_CALL
+                return reserved
+        key = ticket.session.key
+        live = self.table.live(key, now)
+        if live is not None and (total is None or live.slot < total) and not self.table.displaced(key, live.slot):
+            ticket.why = Why.KNOWN
+            return live.slot
+        return None
+
+    def _pin(self, ticket: Ticket, body: dict[str, Any], content: bytes, slot: int, now: float) -> Pin:
+        total = self.total_slots or slot + 1
+        result = rewrite.pin(body, slot, total, override_client=self.settings.override_client)
+        ticket.slot = result.slot
+        if result.client_slot_kept and result.slot != slot:
+            ticket.why = Why.CLIENT_SLOT
+        key = ticket.session.key
+        self.table.dispatch("" if ticket.why is Why.SIDE_CALL else key, result.slot)
+        if ticket.side:
+            self.table.side_call(now)
+        if key in self.table.sessions:  # side calls on the reserved slot are not sessions
+            self.table.use(key, now)
+        if not result.changed:
+            return Pin(ticket, None)
+        return Pin(ticket, rewrite.splice(content, body, result) or json.dumps(
+            result.body, ensure_ascii=False, separators=(",", ":")).encode())
+
+    def _remember_prompt(self, key: str, mark: sess.PromptMark | None) -> None:
+        if mark is None:
+            return
+        self.marks[key] = mark
+        self.marks.move_to_end(key)
+        while len(self.marks) > MAX_MARKS:
+            self.marks.popitem(last=False)
+
+    # ------------------------------------------------------------------------------------------- new slots
+
+    def note_server(self, state: shared.ServerState, info: ServerInfo) -> list[Event]:
+        """Fold a `/props` answer into the shared state and this process's memory."""
+        change = shared.note_server(state, info)
+        events: list[Event] = []
+        if change.restarted:
+            events.append(ServerRestarted(self.upstream))
+            if self.settings.checkpoints is not CheckpointMode.OFF or self.settings.paging:
+                # Route every session through the slow path once, so its page or prefix is restored first.
+                self.table.forget_all()
+        if change.resized:
+            events.append(PoolResized(self.upstream, info.total_slots))
+            self.table.forget_all()
+        self.server = info
+        self.total_slots = info.total_slots
+        return events
+
+    def assign(self, need: NeedSlot, state: shared.ServerState, info: ServerInfo,
+               live: Sequence[dict[str, Any]] | None, now: float) -> Placement:
+        """Claim a slot for `need` in `state` (the caller holds the state lock and writes it back)."""
+        events = self.note_server(state, info)
+        total = info.total_slots
+        before = shared.views(state, total, list(live) if live is not None else None, self.table)
+        ticket = need.ticket
+        ticket.facts = {"props": dict(info.raw or {}), "slots": slot_facts(live)}
+        choice = placement.assign(self.settings, state, ticket.session.key, need.prefix, live, total, now,
+                                  side=ticket.side, local=self.table, displaced_from=need.displaced_from)
+        dropped = shared.prune(state, now, SESSION_KEEP_SECONDS)
+        self.pages = dict(state.pages)
+        if choice.why is not Why.SIDE_CALL:
+            self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix)
+        return Placement(choice.slot, choice.why, before[choice.slot], dropped, events)
+
+    def fallback(self, need: NeedSlot, now: float, last_known_total: int | None) -> tuple[Pin | Observe, Event]:
+        """The server did not answer `/props`: pin by a stable hash over the last known slot count (every
+        proxy process agrees without asking), or send the request unpinned when no count was ever known."""
+        total = self.total_slots or last_known_total
+        ticket = need.ticket
+        choice = placement.fallback(ticket.session.key, total)
+        if choice is None or total is None:
+            ticket.unpinned = Unpinned.SERVER_UNKNOWN
+            return Observe(ticket), Unreachable(self.upstream, ticket.session.short)
+        self.total_slots = total
+        self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix)
+        return self.pin(need, choice.slot, choice.why, now), Unreachable(self.upstream, ticket.session.short,
+                                                                         choice.slot, total)
+
+    def page_plan(self, slot: int, session_key: str, view: SlotView) -> paging.PagePlan:
+        """What to page out of and into `slot` before `session_key`'s request goes there. Asked once the slot's
+        paging lock is held: by then every request sent to the slot before has reached the server."""
+        model = self.server.model_id if self.server else ""
+        holder, tokens = paging.holder_of(slot, view, self.table.dispatched)
+        rec = self.pages.get(session_key)
+        holds_own = (slot not in self.table.dispatched and view.owner == session_key and rec is not None
+                     and (view.n_tokens or 0) >= rec.n_tokens)  # a restarted proxy, its session still there
+        return paging.plan(slot, session_key, holder, tokens, self.pages, self.upstream, model, holds_own=holds_own)
+
+    def pages_recorded(self, state: shared.ServerState, plan: paging.PagePlan, saved_tokens: int | None,
+                       saved_bytes: int, restore_failed: bool, now: float, budget: int,
+                       files: Mapping[str, float] | None) -> list[str]:
+        """The page index after a paging step (the new page, a failed one dropped, the budget applied and,
+        given the save dir's page files, orphans swept); returns the files to delete."""
+        model = self.server.model_id if self.server else ""
+        if saved_tokens is not None and plan.save_for and plan.save_file:
+            paging.saved(state.pages, plan.save_for, plan.save_file, saved_tokens, saved_bytes, now, model)
+        if restore_failed and plan.restore_for:
+            state.pages.pop(plan.restore_for, None)
+        keep = frozenset(k for k in (plan.save_for, plan.restore_for) if k)
+        doomed = [state.pages.pop(gone).file for gone in paging.over_budget(state.pages, budget, keep=keep)]
+        if files is not None:
+            doomed += paging.orphans(files, state.pages, now, SESSION_KEEP_SECONDS)
+        self.pages = dict(state.pages)
+        return doomed
+
+    def holds_prefix(self, need: NeedSlot, view: SlotView) -> bool:
+        """The chosen slot still holds the new session's stable prefix (no checkpoint work needed)."""
+        return view.prefix == need.prefix and (view.n_tokens or 0) > 0
+
+    def pin(self, need: NeedSlot, slot: int, why: Why, now: float, *, paged_in: bool = False) -> Pin:
+        need.ticket.why = why
+        need.ticket.paged_in = paged_in
+        return self._pin(need.ticket, need.body, need.content, slot, now)
+
+    # ------------------------------------------------------------------------------------------- answers
+
+    def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float, now: float) -> Report:
+        slot = obs.id_slot if obs.id_slot is not None else ticket.slot
+        key = ticket.session.key
+        self.table.answered(key, slot, now)
+        self.stats.setdefault(key, SessionStats()).add(obs, slot, ticket.session.source)
+        return Report(ticket, obs, slot, path, self.upstream, seconds)
+
+    def warnings(self, report: Report) -> list[Event]:
+        obs = report.obs
+        if obs.error_type == "exceed_context_size_error":
+            return [ContextOverflow(self.upstream, obs.n_prompt_tokens, obs.n_ctx)]
+        return []
+
+    def lost_cache(self, report: Report) -> bool:
+        """A known session came back to its own slot and found nothing there: worth explaining."""
+        t = report.ticket
+        stats = self.stats.get(t.session.key)
+        return (t.why is Why.KNOWN and not t.displaced and not t.paged_in and t.slot is not None
+                and report.obs.cache_n == 0 and stats is not None and stats.requests > 1)
+
+    def idle_cleared(self, live: Sequence[dict[str, Any]], cold_slot: int, now: float) -> int | None:
+        """A slot other than `cold_slot` that a live session of ours used and that now holds 0 tokens: the
+        server empties idle slots (unified KV + --cache-idle-slots). None when nothing shows that."""
+        for entry in live:
+            sid = entry.get("id")
+            if sid == cold_slot or entry.get("is_processing") or not isinstance(sid, int):
+                continue
+            holders = [k for k, a in self.table.sessions.items()
+                       if a.slot == sid and a.requests > 0 and now - a.last_used < self.settings.ttl]
+            if holders and entry.get("n_prompt_tokens") == 0:
+                return sid
+        return None
+
+    # ------------------------------------------------------------------------------------------- views
+
+    def status(self, state: shared.ServerState, now: float) -> dict[str, Any]:
+        """The status view of this server: its slots' claims (from the shared state) and this process's
+        sessions. Hashes and counts only."""
+        slots = []
+        for sid in range(self.total_slots or state.total_slots or 0):
+            rec = state.slots.get(sid)
+            slots.append({"id": sid, "session": rec.owner[:8] if rec and rec.owner else None,
+                          "last_used_s_ago": round(now - rec.last_used, 1) if rec else None,
+                          "claimed": bool(rec and now - rec.last_used < self.settings.ttl)})
+        server = self.server
+        return {
+            "upstream": self.upstream,
+            "media_marker": server.media_marker if server else None,
+            "total_slots": self.total_slots,
+            "n_ctx_per_slot": server.n_ctx if server else None,
+            "slots": slots,
+            "sessions": {k[:8]: {"slot": s.slot, "requests": s.requests, "prefill_tokens": s.prefill,
+                                 "cached_tokens": s.cached,
+                                 "reuse_pct": round(100 * s.reuse, 1) if s.reuse is not None else None,
+                                 "saved_s": round(s.saved_s, 2), "source": s.source}
+                         for k, s in self.stats.items()},
+        }
+
+    # ------------------------------------------------------------------------------------------- commands
+
+    def forget(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self.table.forget(key)
+
+    def move(self, key: str, slot: int, now: float) -> str | None:
+        """The slots.pin command: `key` goes to `slot` from its next request on; returns its prefix."""
+        known = self.table.sessions.get(key)
+        prefix = known.prefix if known else None
+        self.table.assign(key, slot, now, prefix=prefix, requests=known.requests if known else 0)
+        return prefix
+
+
+def _parse(content: bytes) -> Any:
+    if not content:
+        return None
+    try:
+        return json.loads(content)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _undo_rewrite(body: dict[str, Any], content: bytes, replay: Replay) -> tuple[dict[str, Any], bytes | None]:
+    """A saved flow holds the body we sent upstream: put back what the client itself had sent, and its bytes
+    when our rewrite was the splice (so the replayed rewrite gives the recorded bytes again)."""
+    client = replay.client
+    if not isinstance(client, Mapping):
+        return body, None
+    out = dict(body)
+    for name in ("id_slot", "cache_prompt"):
+        if name in client:
+            if client[name] is None:
+                out.pop(name, None)
+            else:
+                out[name] = client[name]
+    original = None
+    if client.get("id_slot") is None and client.get("cache_prompt") is None:
+        original = rewrite.unsplice(content)
+    return out, original

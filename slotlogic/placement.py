@@ -1,0 +1,58 @@
+"""A slot for a session this process cannot answer from memory, claimed in the shared state.
+
+Rule 1: pure. The driver holds the state file's lock, reads `/slots`, and calls `assign`, which changes the
+        `ServerState` it is given (the claim) and returns a `Choice`; the driver writes the state back.
+Rule 2: a session keeps the slot the state file says it still owns (a restarted proxy keeps its sessions
+        where they were); otherwise `ranking.choose` picks, and the claim is recorded at once so that every
+        other proxy process sharing the file sees it.
+Rule 3: a side call claims nothing (it is nobody's conversation); it gets the reserved slot when there is one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from slotlogic import ranking, shared, sidecalls
+from slotlogic.ranking import Choice, Policy
+from slotlogic.reasons import Why
+from slotlogic.settings import Settings
+from slotlogic.table import SessionTable
+
+
+def assign(cfg: Settings, state: shared.ServerState, session_key: str, prefix: str | None,
+           live_slots: Sequence[dict[str, Any]] | None, total_slots: int, now: float, *,
+           side: bool = False, local: SessionTable | None = None, displaced_from: int | None = None) -> Choice:
+    """Choose and claim a slot for a session the table does not hold, or one displaced from
+    `displaced_from`. A side call learns the slot count here on a server's first request."""
+    reserved = sidecalls.side_slot(total_slots, cfg.side_slot)
+    if side and reserved is not None:
+        return Choice(reserved, Why.SIDE_CALL)
+    views = shared.views(state, total_slots, list(live_slots) if live_slots is not None else None, local)
+    owned = shared.owned_slot(state, session_key)
+    if owned is not None and owned < total_slots:
+        view = views[owned]
+        claimed_by_other = view.owner not in (None, session_key) and ranking.is_claimed(view, now, cfg.ttl)
+        if not claimed_by_other and (not view.busy or all(v.busy for v in views)):
+            rec = state.sessions.get(session_key)
+            shared.claim(state, session_key, owned, now, prefix=prefix, requests=(rec.requests if rec else 0) + 1)
+            return Choice(owned, Why.RESUMED)
+    held_back = reserved if cfg.policy is Policy.AUTO and (local is None or local.reserving(now)) else None
+    choice = ranking.choose(cfg.policy, views, now, cfg.ttl, prefix=prefix, reserved=held_back,
+                            spawn=displaced_from is None)
+    requests = 1
+    if displaced_from is not None and displaced_from < total_slots:
+        if choice.slot != displaced_from and not ranking.worth_moving(views[choice.slot], views[displaced_from],
+                                                                      now, cfg.ttl, paging=cfg.paging):
+            choice = Choice(displaced_from, Why.SHARED)
+        rec = state.sessions.get(session_key)
+        requests = (rec.requests if rec else 0) + 1
+    shared.claim(state, session_key, choice.slot, now, prefix=prefix, requests=requests)
+    return choice
+
+
+def fallback(session_key: str, total_slots: int | None) -> Choice | None:
+    """No server facts: seed 000's stable hash over the last known slot count; None if never known."""
+    if not total_slots:
+        return None
+    return Choice(ranking.hash_slot(session_key, total_slots), Why.HASH_FALLBACK)

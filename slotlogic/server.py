@@ -1,0 +1,78 @@
+"""What llama-server says about itself: `/props` and `/slots`, parsed in this one place.
+
+Rule 1: tolerant. A field that is missing or of the wrong type is None; a `/props` answer without a usable
+        `total_slots` is no answer at all (`ServerInfo.parse` returns None), because nothing can be pinned
+        without it.
+Rule 2: only what slot keeping needs is kept, and the parts recorded with a new session's decision
+        (`facts`) are exactly what an offline replay needs to reach the same decision.
+
+Facts used (docs/llama-server.md): `media_marker` is new in every server process, so a changed value means
+a restart (every slot is empty); `total_slots` is the slot count (`id_slot` must stay below it);
+`default_generation_settings.n_ctx` is the per-slot context; `build_info` and `model_path` name what wrote a
+slot file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+PROPS_FACTS = ("total_slots", "media_marker", "build_info", "model_path", "default_generation_settings")
+SLOT_FACTS = ("id", "n_ctx", "is_processing", "n_prompt_tokens")
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _str(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    total_slots: int
+    media_marker: str | None = None
+    n_ctx: int | None = None          # per slot
+    build_info: str | None = None
+    model_path: str | None = None
+    raw: Mapping[str, Any] | None = None  # the `/props` keys in PROPS_FACTS, for the recorded facts
+
+    @classmethod
+    def parse(cls, props: Any) -> ServerInfo | None:
+        if not isinstance(props, Mapping):
+            return None
+        total = _int(props.get("total_slots"))
+        if total is None or total <= 0:
+            return None
+        dgs = props.get("default_generation_settings")
+        return cls(total_slots=total, media_marker=_str(props.get("media_marker")),
+                   n_ctx=_int(dgs.get("n_ctx")) if isinstance(dgs, Mapping) else None,
+                   build_info=_str(props.get("build_info")), model_path=_str(props.get("model_path")),
+                   raw={k: props[k] for k in PROPS_FACTS if k in props})
+
+    @property
+    def model_id(self) -> str:
+        """Which model and build wrote a slot file: a page is restored only into the same."""
+        return f"{self.model_path}|{self.build_info}"
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """What a slot file's sidecar records and a restore must match."""
+        return {"build_info": self.build_info, "model_path": self.model_path, "total_slots": self.total_slots,
+                "n_ctx": self.n_ctx}
+
+
+def slot_facts(live: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The `/slots` fields slot choice reads, as recorded with a decision."""
+    if live is None:
+        return None
+    return [{k: e.get(k) for k in SLOT_FACTS if k in e} for e in live]
+
+
+def parse_slots(data: Any) -> list[dict[str, Any]] | None:
+    """A `/slots` answer as a list of per-slot objects; None for anything else (disabled, an error)."""
+    if isinstance(data, list) and all(isinstance(x, dict) for x in data):
+        return data
+    return None

@@ -1,0 +1,63 @@
+"""Everything the proxy was told to do for one upstream, built once and never changed afterwards.
+
+Rule 1: frozen. The mitmproxy side validates its options once (`configure`) and builds one `Settings` per
+        upstream; a changed option builds a new object, which replaces the old one whole. Nothing flips a
+        flag on a live object.
+Rule 2: what a server may get depends on whether this proxy fronts it in reverse mode: prefix checkpoints and
+        session paging act only there (`for_upstream`), never on a host a regular-mode client happens to name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+from slotlogic import prefix as pfx
+from slotlogic import session as sess
+from slotlogic import sidecalls
+from slotlogic.ranking import Policy
+
+
+class CheckpointMode(Enum):
+    OFF = "off"
+    MEMORY = "memory"  # warm the prefix into a new session's slot, keep no file
+    DISK = "disk"      # also save it to, and restore it from, llama-server's --slot-save-path
+
+
+SESSION_KEEP_SECONDS = 7 * 24 * 3600  # the state file forgets a session (and deletes its page) after this
+
+
+@dataclass(frozen=True)
+class Settings:
+    policy: Policy = Policy.AUTO
+    ttl: float = 120.0
+    override_client: bool = False
+    session_headers: tuple[str, ...] = sess.DEFAULT_SESSION_HEADERS
+    side_patterns: tuple[re.Pattern[str], ...] = field(
+        default_factory=lambda: tuple(sidecalls.compile_patterns(sidecalls.DEFAULT_SIDE_PATTERNS)))
+    side_slot: int = -1
+    markers: tuple[str, ...] = pfx.DEFAULT_MARKERS
+    checkpoints: CheckpointMode = CheckpointMode.OFF
+    save_dir: str | None = None        # llama-server's --slot-save-path, as this machine sees it
+    paging: bool = False               # session paging through save_dir (needs it)
+    page_max_bytes: int = 8192 << 20
+    server_id: str = ""
+    checkpoint_ttl_days: float = 30.0
+    checkpoint_keep: int = 3
+    checkpoint_max_bytes: int = 0
+    probe_interval: float = 15.0
+    flush_interval: float = 2.0
+    keep_streams: bool = False
+
+    @property
+    def header_bytes(self) -> frozenset[bytes]:
+        """The session header names as the raw header fields spell them (lower-case bytes)."""
+        return frozenset(h.encode("latin-1") for h in self.session_headers)
+
+    def for_upstream(self, fronted: bool) -> Settings:
+        """The settings for one server: no checkpoints and no slot files unless this proxy fronts it in
+        reverse mode."""
+        if fronted:
+            return self
+        return replace(self, save_dir=None, paging=False, checkpoints=CheckpointMode.OFF)

@@ -1,0 +1,265 @@
+"""What every proxy process shares about one llama-server's slot space: the state file's content, as data.
+
+Rule 1: pure. The driver (`drivers/store_file.py`) reads the JSON under a file lock, calls these
+        functions and writes the result back atomically; nothing here touches a file or a clock.
+Rule 2: tolerant. A state file written by another version, or damaged by hand, yields the parts that
+        make sense and drops the rest; it never raises.
+
+Two maps, both keyed so that any proxy process sharing the file can act on them:
+- slots:    slot id → the newest claim (`last_used`, `owner` session, the owner's request count and the
+            prefix signature of the content pinned there);
+- sessions: session key → the slot it was given, so a restarted proxy keeps its sessions on their slots.
+A session *owns* its slot while the slot's newest claim is its own. When another session takes the slot
+(after the TTL), the old session's entry remains, and on its return it sees it lost the slot and gets a
+new one through the ranking.
+
+The in-memory side of the same facts is `slotlogic.table.SessionTable`: the hot path reads it, never this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from slotlogic.paging import FILE_RE as PAGE_FILE_RE
+from slotlogic.paging import PageRecord
+from slotlogic.ranking import SlotView
+from slotlogic.server import ServerInfo
+from slotlogic.table import SessionTable
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SlotRecord:
+    last_used: float
+    owner: str | None = None
+    requests: int = 0
+    prefix: str | None = None
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    slot: int
+    last_used: float
+    requests: int = 0
+    prefix: str | None = None
+
+
+@dataclass
+class ServerState:
+    upstream: str
+    media_marker: str | None = None
+    total_slots: int | None = None
+    n_ctx: int | None = None
+    slots: dict[int, SlotRecord] = field(default_factory=dict)
+    sessions: dict[str, SessionRecord] = field(default_factory=dict)
+    pages: dict[str, PageRecord] = field(default_factory=dict)  # session key -> its paged-out conversation
+
+
+# ---------------------------------------------------------------------------------------------------
+# (de)serialisation
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _str(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def from_dict(data: Any, upstream: str) -> ServerState:
+    st = ServerState(upstream=upstream)
+    if not isinstance(data, dict):
+        return st
+    st.media_marker = _str(data.get("media_marker"))
+    total = _int(data.get("total_slots"))
+    st.total_slots = total if total and total > 0 else None
+    st.n_ctx = _int(data.get("n_ctx"))
+    slots = data.get("slots")
+    if isinstance(slots, dict):
+        for k, v in slots.items():
+            try:
+                sid = int(k)
+            except (TypeError, ValueError):
+                continue
+            if not isinstance(v, dict) or sid < 0 or _num(v.get("last_used")) is None:
+                continue
+            st.slots[sid] = SlotRecord(last_used=_num(v["last_used"]) or 0.0, owner=_str(v.get("owner")),
+                                       requests=_int(v.get("requests")) or 0, prefix=_str(v.get("prefix")))
+    sessions = data.get("sessions")
+    if isinstance(sessions, dict):
+        for k, v in sessions.items():
+            if not isinstance(k, str) or not isinstance(v, dict):
+                continue
+            slot, used = _int(v.get("slot")), _num(v.get("last_used"))
+            if slot is None or slot < 0 or used is None:
+                continue
+            st.sessions[k] = SessionRecord(slot=slot, last_used=used, requests=_int(v.get("requests")) or 0,
+                                           prefix=_str(v.get("prefix")))
+    pages = data.get("pages")
+    if isinstance(pages, dict):
+        for k, v in pages.items():
+            if not isinstance(k, str) or not isinstance(v, dict):
+                continue
+            file, n, saved = _str(v.get("file")), _int(v.get("n_tokens")), _num(v.get("saved"))
+            if file is None or not PAGE_FILE_RE.match(file) or n is None or saved is None:
+                continue
+            st.pages[k] = PageRecord(file=file, n_tokens=n, saved=saved, bytes=_int(v.get("bytes")) or 0,
+                                     model=_str(v.get("model")) or "")
+    return st
+
+
+def to_dict(st: ServerState) -> dict[str, Any]:
+    return {
+        "version": FORMAT_VERSION,
+        "upstream": st.upstream,
+        "media_marker": st.media_marker,
+        "total_slots": st.total_slots,
+        "n_ctx": st.n_ctx,
+        "slots": {str(k): {"last_used": v.last_used, "owner": v.owner, "requests": v.requests,
+                           "prefix": v.prefix} for k, v in sorted(st.slots.items())},
+        "sessions": {k: {"slot": v.slot, "last_used": v.last_used, "requests": v.requests,
+                         "prefix": v.prefix} for k, v in sorted(st.sessions.items())},
+        "pages": {k: {"file": v.file, "n_tokens": v.n_tokens, "saved": v.saved, "bytes": v.bytes,
+                      "model": v.model} for k, v in sorted(st.pages.items())},
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# transitions
+
+
+@dataclass(frozen=True)
+class ServerChange:
+    """What a `/props` answer says happened to the server since the state last saw it."""
+
+    restarted: bool = False  # a new process: every slot is empty
+    resized: bool = False    # a new slot count: claims out of range are void
+
+
+def note_server(st: ServerState, info: ServerInfo) -> ServerChange:
+    """Fold in the server's identity from `/props`."""
+    marker, total = info.media_marker, info.total_slots
+    restarted = bool(marker and st.media_marker and marker != st.media_marker)
+    if restarted:
+        # Every slot is empty after a restart: what we knew of their content is void. Claims stay, so
+        # sessions keep their slots (and their spread) and simply re-prefill once.
+        st.slots = {k: replace(v, prefix=None) for k, v in st.slots.items()}
+    if marker:
+        st.media_marker = marker
+    resized = bool(st.total_slots and total != st.total_slots)
+    st.total_slots = total
+    st.slots = {k: v for k, v in st.slots.items() if k < total}
+    st.sessions = {k: v for k, v in st.sessions.items() if v.slot < total}
+    if info.n_ctx:
+        st.n_ctx = info.n_ctx
+    return ServerChange(restarted=restarted, resized=resized)
+
+
+def owned_slot(st: ServerState, session: str) -> int | None:
+    """The slot `session` still owns (its claim is the slot's newest), else None."""
+    rec = st.sessions.get(session)
+    if rec is None or (st.total_slots is not None and rec.slot >= st.total_slots):
+        return None
+    slot = st.slots.get(rec.slot)
+    if slot is None or slot.owner in (None, session):
+        return rec.slot
+    return None
+
+
+def claim(st: ServerState, session: str, slot: int, now: float, *, prefix: str | None = None,
+          requests: int = 1) -> None:
+    st.slots[slot] = SlotRecord(last_used=now, owner=session, requests=requests, prefix=prefix)
+    st.sessions[session] = SessionRecord(slot=slot, last_used=now, requests=requests, prefix=prefix)
+
+
+def touch(st: ServerState, session: str, slot: int, when: float, *, requests: int,
+          prefix: str | None) -> None:
+    """Merge one coalesced touch: only refreshes a slot the session still owns (or nobody claimed)."""
+    current = st.slots.get(slot)
+    if current is not None and current.owner not in (None, session) and current.last_used >= when:
+        return  # someone else claimed the slot after us; their claim stands
+    last = max(when, current.last_used if current and current.owner == session else 0.0)
+    st.slots[slot] = SlotRecord(last_used=last, owner=session, requests=requests,
+                                prefix=prefix or (current.prefix if current else None))
+    st.sessions[session] = SessionRecord(slot=slot, last_used=last, requests=requests, prefix=prefix)
+
+
+def forget_session(st: ServerState, session: str) -> int | None:
+    """Forget `session`; its slot becomes free at once (no TTL wait). Returns the slot it had."""
+    rec = st.sessions.pop(session, None)
+    if rec is None:
+        return None
+    slot = st.slots.get(rec.slot)
+    if slot is not None and slot.owner == session:
+        st.slots[rec.slot] = replace(slot, owner=None, last_used=0.0, requests=0)
+    return rec.slot
+
+
+def match_sessions(keys: list[str], wanted: str) -> list[str]:
+    """Session keys starting with `wanted` (the 8-hex short form in logs is enough)."""
+    wanted = wanted.strip().lower()
+    return [k for k in keys if wanted and k.startswith(wanted)]
+
+
+def prune(st: ServerState, now: float, keep_seconds: float) -> list[str]:
+    """Forget sessions unseen for `keep_seconds` so the file stays small; returns the page files of the
+    forgotten sessions (the driver deletes them)."""
+    st.sessions = {k: v for k, v in st.sessions.items() if now - v.last_used < keep_seconds}
+    gone = [k for k in st.pages if k not in st.sessions]
+    return [st.pages.pop(k).file for k in gone]
+
+
+def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
+          local: SessionTable | None = None) -> list[SlotView]:
+    """One `SlotView` per slot id: `/slots` numbers (when reachable) merged with the claims. `local` is this
+    process's own session table: fresher than the file (touches reach it only every 2 s), the only place
+    that knows when an owner's last answer completed, and the only place that knows which session ran on
+    a slot *last* (a known session pinned back to its slot claims nothing in the file)."""
+    by_id: dict[int, dict[str, Any]] = {}
+    for entry in live or []:
+        sid = _int(entry.get("id")) if isinstance(entry, dict) else None
+        if sid is not None:
+            by_id[sid] = entry
+    sessions = local.sessions if local is not None else {}
+    out = []
+    for sid in range(total_slots):
+        entry = by_id.get(sid, {})
+        rec = st.slots.get(sid)  # the newest claim in the file, by any process
+        holder = local.holders.get(sid) if local is not None else None
+        mine = sessions.get(holder) if holder is not None else None
+        if (mine is not None and mine.slot == sid
+                and (rec is None or rec.owner == holder or rec.last_used <= mine.last_used)):
+            same = rec is not None and rec.owner == holder
+            rec = SlotRecord(last_used=max(mine.last_used, rec.last_used if same and rec else 0.0), owner=holder,
+                             requests=max(mine.requests, rec.requests if same and rec else 0),
+                             prefix=mine.prefix if mine.prefix is not None else (rec.prefix if rec else None))
+        else:  # the file's owner, with what this process knows about it (fresher last use, answer time)
+            mine = sessions.get(rec.owner) if rec is not None and rec.owner else None
+            if mine is not None and mine.slot == sid and rec is not None:
+                rec = replace(rec, last_used=max(rec.last_used, mine.last_used),
+                              requests=max(rec.requests, mine.requests))
+            else:
+                mine = None
+        n_tokens = _int(entry.get("n_prompt_tokens"))
+        if live is not None and entry and n_tokens is None:
+            n_tokens = 0  # a slot that never ran a task lists no counters: it is empty
+        out.append(SlotView(
+            id=sid,
+            n_tokens=n_tokens,
+            busy=bool(entry.get("is_processing", False)),
+            last_used=rec.last_used if rec else None,
+            owner=rec.owner if rec else None,
+            owner_requests=rec.requests if rec else 0,
+            prefix=rec.prefix if rec else None,
+            owner_done=mine.done if mine is not None else None,
+        ))
+    return out
+
+

@@ -1,0 +1,33 @@
+"""Per-session counters for the status view and the summary at shutdown: the server's own numbers, added up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slotlogic.answers import Observation
+
+
+@dataclass
+class SessionStats:
+    requests: int = 0
+    prefill: int = 0
+    cached: int = 0
+    saved_s: float = 0.0   # prefill seconds the cached tokens would have cost at the server's own speed
+    slot: int | None = None
+    source: str = ""
+
+    def add(self, obs: Observation, slot: int | None, source: str) -> None:
+        self.requests += 1
+        if obs.prompt_n is not None:
+            self.prefill += obs.prompt_n
+        if obs.cache_n is not None:
+            self.cached += obs.cache_n
+            if obs.prompt_per_second:
+                self.saved_s += obs.cache_n / obs.prompt_per_second
+        self.slot = slot if slot is not None else self.slot
+        self.source = source
+
+    @property
+    def reuse(self) -> float | None:
+        total = self.prefill + self.cached
+        return self.cached / total if total else None

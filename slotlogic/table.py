@@ -1,0 +1,113 @@
+"""This process's sessions on one server, in memory: the hot path is a lookup here.
+
+Rule 1: pure; the clock is passed in.
+Rule 2: a live entry (used within the TTL, not displaced) answers a known session's request with no I/O.
+        Its `last_used` touches collect in `dirty` and the driver flushes them to the shared state at most
+        every few seconds.
+
+Three slot maps follow three moments of a request, because llama-server runs a slot's work in arrival order
+and a request pinned to a busy slot waits:
+- `running`:    slot -> the session whose request was assigned there last (set when the slot is chosen);
+- `dispatched`: slot -> the session whose request left the proxy for it last ("" for a side call, which is
+                nobody's conversation); what a save on that slot would write;
+- `holders`:    slot -> the session whose answer completed there last: the conversation the slot holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass
+class Assignment:
+    slot: int
+    last_used: float
+    requests: int = 0
+    prefix: str | None = None
+    done: float | None = None  # when its last response completed
+
+
+@dataclass
+class SessionTable:
+    ttl: float
+    sessions: dict[str, Assignment] = field(default_factory=dict)
+    dirty: set[str] = field(default_factory=set)
+    holders: dict[int, str] = field(default_factory=dict)
+    running: dict[int, str] = field(default_factory=dict)
+    dispatched: dict[int, str] = field(default_factory=dict)
+    last_side_call: float | None = None
+
+    def side_call(self, now: float) -> None:
+        self.last_side_call = now
+
+    def reserving(self, now: float) -> bool:
+        """Whether the side-call slot is kept back: only while side calls come (within the TTL). A reservation
+        nobody uses would cost every session a quarter of a 4-slot server."""
+        return self.last_side_call is not None and now - self.last_side_call < self.ttl
+
+    def displaced(self, key: str, slot: int) -> bool:
+        """Another session ran on `slot` since `key` last did, or has a request on its way there (ours would
+        queue behind it): either way the slot will not hold key's conversation when ours runs."""
+        return self.holders.get(slot, key) != key or self.running.get(slot, key) != key
+
+    def live(self, key: str, now: float) -> Assignment | None:
+        a = self.sessions.get(key)
+        if a is None or now - a.last_used >= self.ttl:
+            return None
+        return a
+
+    def assign(self, key: str, slot: int, now: float, *, prefix: str | None, requests: int = 0) -> Assignment:
+        a = Assignment(slot=slot, last_used=now, requests=requests, prefix=prefix)
+        self.sessions[key] = a
+        self.holders[slot] = key
+        self.running[slot] = key
+        return a
+
+    def use(self, key: str, now: float) -> Assignment:
+        """Record one request of a known session; marks it for the next coalesced flush."""
+        a = self.sessions[key]
+        a.last_used = now
+        a.requests += 1
+        self.running[a.slot] = key
+        self.dirty.add(key)
+        return a
+
+    def answered(self, key: str, slot: int | None, now: float) -> None:
+        """A response of `key` completed on `slot`: the slot now holds key's conversation. Completion, not
+        start, decides: requests pinned to one busy slot wait and may run in any order."""
+        a = self.sessions.get(key)
+        if a is None:
+            return
+        a.done = now
+        if slot is not None and slot == a.slot:
+            self.holders[slot] = key
+            if self.running.get(slot) == key:
+                del self.running[slot]
+
+    def dispatch(self, key: str, slot: int) -> None:
+        """A request pinned to `slot` leaves the proxy now ("" for a side call)."""
+        self.dispatched[slot] = key
+
+    def drain(self) -> dict[str, Assignment]:
+        """The touches to flush, emptied."""
+        out = {k: replace(self.sessions[k]) for k in self.dirty if k in self.sessions}
+        self.dirty.clear()
+        return out
+
+    def forget_all(self) -> None:
+        """After a restart or resize: re-choose every session on its next request."""
+        self.sessions.clear()
+        self.dirty.clear()
+        self.holders.clear()
+        self.running.clear()
+        self.dispatched.clear()
+
+    def forget(self, key: str) -> bool:
+        """Drop one session (a command, or the state file says another process took its slot)."""
+        self.dirty.discard(key)
+        a = self.sessions.pop(key, None)
+        if a is not None:
+            for where in (self.holders, self.running, self.dispatched):
+                if where.get(a.slot) == key:
+                    del where[a.slot]
+        return a is not None

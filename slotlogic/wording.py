@@ -1,0 +1,234 @@
+"""Every line slotkeeper prints, made from typed records in this one place.
+
+Rule 1: output only. Nothing reads these strings back; rewording a line changes what a user reads, never
+        what the proxy does.
+Rule 2: only what the records hold can be printed, and they hold no prompt text (see `slotlogic.events`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from enum import Enum
+from typing import Any
+
+from slotlogic import events as ev
+from slotlogic.checkpoint_machine import Failure, Note, NoteKind
+from slotlogic.decisions import Report
+from slotlogic.stats import SessionStats
+
+PREFIX = "slotkeeper: "
+MARKERS = {"hit": ":zap:", "partial": ":large_orange_diamond:", "miss": ":snail:", "error": ":x:",
+           "unknown": ":warning:"}
+
+
+class Level(Enum):
+    INFO = "info"
+    WARNING = "warning"
+
+
+def fmt(v: object) -> str:
+    return "-" if v is None else str(v)
+
+
+# ------------------------------------------------------------------------------------------- one request
+
+
+def request_line(r: Report) -> str:
+    """The one line per request: `session=… slot=… why=… cache_n=… prompt_n=… reuse=…`."""
+    t, obs = r.ticket, r.obs
+    reuse = f"{100 * obs.reuse:.0f}%" if obs.reuse is not None else "?"
+    line = (f"{PREFIX}{r.path} session={t.session.short} ({t.session.source}) slot={fmt(r.slot)} "
+            f"why={t.reason} cache_n={fmt(obs.cache_n)} prompt_n={fmt(obs.prompt_n)} reuse={reuse} "
+            f"{r.seconds:.2f}s")
+    if obs.error_type:
+        line += f" error={obs.error_type}"
+    return line
+
+
+def comment(r: Report) -> str:
+    """The flow's comment in mitmweb."""
+    obs = r.obs
+    reuse = f"{100 * obs.reuse:.0f}%" if obs.reuse is not None else "?"
+    return (f"s={r.ticket.session.short} slot={fmt(r.slot)} {r.ticket.reason} | cache {fmt(obs.cache_n)}"
+            f"/{fmt((obs.cache_n or 0) + (obs.prompt_n or 0))} {reuse}")
+
+
+def marker(r: Report) -> str:
+    return MARKERS[r.obs.outcome]
+
+
+def request_record(r: Report) -> dict[str, Any]:
+    """The JSONL log's `request` record."""
+    t = r.ticket
+    return {"kind": "request", "path": r.path, "upstream": r.upstream, "session": t.session.key,
+            "source": t.session.source, "slot": r.slot, "reason": t.reason, "cache_n": r.obs.cache_n,
+            "prompt_n": r.obs.prompt_n, "error": r.obs.error_type, "seconds": round(r.seconds, 4)}
+
+
+def summary(upstream: str, stats: dict[str, SessionStats]) -> list[str]:
+    if not stats:
+        return []
+    lines = [f"{PREFIX}sessions on {upstream}",
+             f"  {'session':8} {'slot':>4} {'reqs':>5} {'prefill':>8} {'cached':>8} {'reuse':>6} {'saved_s':>8}"]
+    for key, s in stats.items():
+        reuse = f"{100 * s.reuse:.0f}%" if s.reuse is not None else "?"
+        lines.append(f"  {key[:8]:8} {fmt(s.slot):>4} {s.requests:>5} {s.prefill:>8} {s.cached:>8} {reuse:>6} "
+                     f"{s.saved_s:>8.1f}")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------- events
+
+
+def failure(f: Failure | None) -> str:
+    if f is None:
+        return "?"
+    if f.status == 0:
+        return "timeout or unreachable"
+    return f"HTTP {f.status}" + (f": {f.error_type}" if f.error_type else "")
+
+
+def _pair(p: tuple[int, int] | None) -> str:
+    return f"{p[0]}/{p[1]}" if p else "?"
+
+
+def note(n: Note) -> str:
+    """One step of the prefix-checkpoint machine."""
+    k = n.kind
+    ident = f"identical {_pair(n.identical)}"
+    if k is NoteKind.HIT:
+        return f"cache=HIT (slot {n.slot} already holds this prefix)"
+    if k is NoteKind.COLD:
+        return f"cache=MISS → warming slot={n.slot} (cold)"
+    if k is NoteKind.RESTORED:
+        return f"RESTORE {n.filename}: n_restored={n.tokens}"
+    if k is NoteKind.NO_FILE:
+        return f"no checkpoint (restore {failure(n.failure)}) → cold build"
+    if k is NoteKind.VERIFY_DID_NOT_RUN:
+        return f"RESTORE verification failed to run ({failure(n.failure)}); keeping the slot as is"
+    if k is NoteKind.REJECTED:
+        return f"RESTORE rejected: {ident} < {n.gate:.0%} from cache → erase + cold rebuild"
+    if k is NoteKind.DIVERGENT_DID_NOT_RUN:
+        return f"RESTORE verified: {ident}, divergent probe did not run ({failure(n.failure)})"
+    if k is NoteKind.CANNOT_RESUME:
+        return (f"RESTORE {ident} but divergent probe 0/{n.divergent[1] if n.divergent else '?'}: the server "
+                "cannot resume from this state (SWA/hybrid model without checkpoints? --checkpoint-min-step too "
+                "large?); keeping it")
+    if k is NoteKind.VERIFIED:
+        return f"RESTORE verified: {ident}, divergent probe {_pair(n.divergent)}"
+    if k is NoteKind.WARM_FAILED:
+        return f"warm-up failed ({failure(n.failure)}); request proceeds cold"
+    if k is NoteKind.WARMED:
+        return f"warm-up done: prompt_n={n.tokens} cache_n={n.cached}"
+    if k is NoteKind.SAVED:
+        return f"SAVED {n.filename}: n_saved={n.tokens}"
+    return f"save failed ({failure(n.failure)}); the slot is warm, nothing persisted"
+
+
+def _on(upstream: str) -> str:
+    return f" on {upstream}" if upstream else ""
+
+
+_EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
+    ev.PassedThrough: lambda e: (Level.INFO, f"{e.method} {e.path} passed through: {e.reason.value}"),
+    ev.Failed: lambda e: (Level.WARNING, _failed(e)),
+    ev.ServerRestarted: lambda e: (Level.WARNING, f"{e.upstream} restarted (new media_marker): every slot is "
+                                                  "empty; sessions keep their slots and prefill once"),
+    ev.PoolResized: lambda e: (Level.WARNING, f"{e.upstream} slot pool resized to {e.total_slots} slots: "
+                                              "re-pinning every session into range"),
+    ev.Unreachable: lambda e: (Level.WARNING, _unreachable(e)),
+    ev.NoSlotsEndpoint: lambda e: (Level.WARNING, f"{e.upstream} /slots unavailable (started with --no-slots?): "
+                                                  "choosing slots from the state file alone, without cached-token "
+                                                  "counts"),
+    ev.NoPrefixMarker: lambda e: (Level.INFO, f"prefix-cache: no stable-prefix marker in the system prompt of "
+                                              f"session {e.session} (markers: "
+                                              f"{', '.join(repr(m) for m in e.markers)}); no checkpoint for it"),
+    ev.NoSavePath: lambda e: (Level.WARNING, _no_save_path(e)),
+    ev.PageFailed: lambda e: (Level.WARNING, f"page-{e.direction} on slot {e.slot} failed ({failure(e.failure)}); "
+                                             "that session will prefill"),
+    ev.PageGone: lambda e: (Level.INFO, f"page {e.file} is gone from the save dir; the session prefills"),
+    ev.PagingLockTimeout: lambda e: (Level.WARNING, f"paging lock of slot {e.slot} not released within "
+                                                    f"{e.seconds:.0f} s; going ahead without paging"),
+    ev.CheckpointStep: lambda e: (Level.INFO, f"prefix-cache {note(e.note)}"),
+    ev.CheckpointStarted: lambda e: (Level.INFO, f"prefix-cache fingerprint={e.fingerprint[:16]}… slot={e.slot}"),
+    ev.CheckpointWaiting: lambda e: (Level.INFO, f"prefix-cache waiting for the build of {e.file} in progress"),
+    ev.CheckpointForeign: lambda e: (Level.INFO, f"prefix-cache {e.file} was saved by another server configuration "
+                                                 f"({', '.join(e.differ)} differ); not restored"),
+    ev.CheckpointIndexCorrupt: lambda e: (Level.WARNING, f"prefix-cache index {e.path} is corrupt: cleanup "
+                                                         "disabled"),
+    ev.FilesDeleted: lambda e: (Level.INFO, f"{e.what} deleted {len(e.files)} file(s): {', '.join(e.files)}"),
+    ev.CorruptMovedAside: lambda e: (Level.WARNING, f"{e.path} was not valid JSON; moved aside to {e.moved_to}"),
+    ev.ContextOverflow: lambda e: (Level.WARNING, f"request of {fmt(e.n_prompt_tokens)} tokens exceeds the "
+                                                  f"per-slot context n_ctx={fmt(e.n_ctx)} on {e.upstream}. Without "
+                                                  "unified KV each slot gets -c / -np tokens: raise -c, lower -np, "
+                                                  "or use --kv-unified-per-slot N."),
+    ev.IdleSlotsCleared: lambda e: (Level.WARNING, f"{e.upstream} empties idle slots (slot {e.slot} was used by a "
+                                                   "live session and now holds 0 tokens): the server runs with "
+                                                   "unified KV and --cache-idle-slots (the default when -np is not "
+                                                   "given), which defeats pinning. Start llama-server with an "
+                                                   "explicit -np N (without -kvu) or with --no-cache-idle-slots."),
+}
+
+_STAGES = {
+    ev.Stage.REQUEST: "internal error on {method} {path}, forwarded unchanged",
+    ev.Stage.RESPONSE_HEADERS: "could not prepare response observation of {path}",
+    ev.Stage.RESPONSE: "could not read the response of {path}",
+    ev.Stage.OBSERVER: "SSE observer failed; the stream continues unobserved",
+    ev.Stage.STREAM_COPY: "could not keep a copy of the stream",
+    ev.Stage.LOG_FILE: "cannot write the JSONL log file",
+    ev.Stage.STATE_WRITE: "could not write the state file (touches kept for retry)",
+    ev.Stage.FINAL_FLUSH: "final state flush failed",
+    ev.Stage.BACKGROUND: "background task failed; it restarts on the next request",
+    ev.Stage.PAGING: "paging on slot {slot} failed; the request proceeds without it",
+    ev.Stage.CHECKPOINT: "prefix-cache failed for slot {slot}; the request proceeds without it",
+    ev.Stage.CHECKPOINT_INDEX: "prefix-cache index update failed",
+    ev.Stage.DELETE: "could not delete a file in the save dir",
+}
+
+
+def _failed(e: ev.Failed) -> str:
+    what = _STAGES[e.stage].format(method=e.method, path=e.path, slot=fmt(e.slot))
+    return f"{what}{_on(e.upstream) if e.stage is not ev.Stage.REQUEST else ''}: {e.kind}"
+
+
+def _unreachable(e: ev.Unreachable) -> str:
+    if e.slot is None:
+        return (f"{e.upstream} unreachable (/props) and no slot count known: request for session {e.session} "
+                "passes unpinned")
+    return (f"{e.upstream} /props unreachable: session {e.session} pinned by hash fallback to slot {e.slot} of "
+            f"{e.total_slots} (last known count)")
+
+
+def _no_save_path(e: ev.NoSavePath) -> str:
+    if e.paging:
+        return ("llama-server answered 501 to slot save/restore: start it with --slot-save-path equal to "
+                "slots_save_dir, or set slots_paging=false")
+    return ("llama-server has no --slot-save-path (save/restore answered 501): start it with --slot-save-path DIR "
+            "and set slots_save_dir=DIR, or use slots_prefix_cache=memory")
+
+
+def event_line(event: ev.Event) -> tuple[Level, str]:
+    level, text = _EVENTS[type(event)](event)
+    return level, PREFIX + text
+
+
+def event_record(event: ev.Event) -> dict[str, Any] | None:
+    """The JSONL log's record of an event, for the ones it keeps (paging and checkpoint steps)."""
+    if isinstance(event, ev.Paged):
+        return {"kind": "page", "upstream": event.upstream, "slot": event.slot, "out": event.out,
+                "out_tokens": event.out_tokens, "in": event.into, "in_tokens": event.in_tokens,
+                "seconds": round(event.seconds, 4), "server_ms": round(event.server_ms, 2)}
+    if isinstance(event, ev.CheckpointDone):
+        return {"kind": "checkpoint", "upstream": event.upstream, "slot": event.slot,
+                "outcome": event.outcome.value, "prompt_n": event.prompt_n, "identical": event.identical,
+                "divergent": event.divergent, "seconds": round(event.seconds, 4)}
+    return None
+
+
+def logged(event: ev.Event) -> bool:
+    """Whether an event has a log line (some exist only for the JSONL file)."""
+    return type(event) in _EVENTS
+
+
+def lines(events: Iterable[ev.Event]) -> list[str]:
+    return [event_line(e)[1] for e in events if logged(e)]

@@ -1,0 +1,181 @@
+"""The core's one entry: request facts in, typed decisions out; answers back in, reports out (no I/O)."""
+
+import json
+
+import pytest
+
+from slotlogic import keeper as keeper_module
+from slotlogic import shared
+from slotlogic.answers import Observation
+from slotlogic.decisions import Forward, NeedSlot, Observe, Pin, Replay, RequestFacts
+from slotlogic.events import ContextOverflow, PoolResized, ServerRestarted, Unreachable
+from slotlogic.keeper import Keeper
+from slotlogic.ranking import Policy
+from slotlogic.reasons import Passed, Unpinned, Why
+from slotlogic.server import ServerInfo
+from slotlogic.settings import CheckpointMode, Settings
+
+SYS = "You are a coding agent. " * 4
+CHAT = "/v1/chat/completions"
+FREE = [{"id": i, "n_prompt_tokens": 0, "is_processing": False} for i in range(4)]
+
+
+def chat(first="hi", system=SYS, **extra):
+    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": first}], **extra}
+
+
+def facts(body=None, *, path=CHAT, method="POST", headers=(), now=0.0, raw=None, replay=None):
+    content = raw if raw is not None else json.dumps(chat() if body is None else body).encode()
+    fields = tuple((k.encode(), v.encode()) for k, v in headers)
+    return RequestFacts(method, path, fields, content, now, replay)
+
+
+def server(total=4, marker="m1"):
+    return ServerInfo(total_slots=total, media_marker=marker, model_path="/m.gguf", build_info="b0",
+                      raw={"total_slots": total, "media_marker": marker})
+
+
+def make(total=4, **settings):
+    k = Keeper(Settings(**settings), "http://up")
+    k.note_server(shared.ServerState("http://up"), server(total))
+    return k
+
+
+def place(k, decision, state=None, live=FREE, now=0.0, total=4):
+    """What the driver does with a NeedSlot: assign under the (here in-memory) state, then pin."""
+    assert isinstance(decision, NeedSlot)
+    state = state if state is not None else shared.ServerState("http://up")
+    placed = k.assign(decision, state, server(total), live, now)
+    return k.pin(decision, placed.slot, placed.why, now)
+
+
+def sent(pin):
+    return json.loads(pin.body)
+
+
+def test_routes_and_bodies_that_are_not_ours():
+    k = make()
+    assert k.request(facts(method="GET")) == Forward(Passed.NOT_COMPLETION, completion_route=False)
+    assert isinstance(k.request(facts(path="/v1/embeddings")), Forward)
+    assert k.request(facts(raw=b"[1, 2]")) == Forward(Passed.NOT_JSON_OBJECT, completion_route=True)
+    assert k.request(facts(raw=b"not json")).reason is Passed.NOT_JSON_OBJECT
+    messages = k.request(facts(path="/v1/messages"))
+    assert isinstance(messages, Observe) and messages.ticket.unpinned is Unpinned.ROUTE
+    off = make(policy=Policy.OFF).request(facts())
+    assert isinstance(off, Observe) and off.ticket.reason == "policy off" and off.body is None
+
+
+def test_a_new_session_needs_a_slot_then_is_known():
+    k = make()
+    first = place(k, k.request(facts()))
+    assert first.ticket.why in (Why.FREE_EMPTY, Why.FREE_SAME_PREFIX) and sent(first)["cache_prompt"] is True
+    again = k.request(facts(now=10.0))
+    assert isinstance(again, Pin) and again.ticket.why is Why.KNOWN and again.ticket.slot == first.ticket.slot
+    assert sent(again)["id_slot"] == first.ticket.slot
+
+
+def test_a_known_sessions_next_turn_is_not_parsed_and_gets_the_same_bytes(monkeypatch):
+    k = make()
+    body = chat()
+    place(k, k.request(facts(body)))
+    later = body | {"messages": [*body["messages"], {"role": "assistant", "content": "done"}]}
+    slow = Keeper(Settings(), "x").request  # a keeper that never saw the session parses everything
+    parsed = []
+    real = keeper_module.json.loads
+    monkeypatch.setattr(keeper_module.json, "loads", lambda *a, **kw: parsed.append(1) or real(*a, **kw))
+    hot = k.request(facts(later, now=5.0))
+    assert parsed == [] and isinstance(hot, Pin) and hot.ticket.why is Why.KNOWN
+    assert hot.body == json.dumps(later).encode()[:-1] + b',"id_slot":%d,"cache_prompt":true}' % hot.ticket.slot
+    assert isinstance(slow(facts(later)), NeedSlot) and parsed == [1]
+    # a header naming the session, or the client's own id_slot among the new bytes: parsed
+    k.request(facts(later, headers=[("x-session-id", "abc")], now=6.0))
+    assert parsed == [1, 1]
+    own = later | {"messages": [*later["messages"], {"role": "user", "content": "x"}], "id_slot": 2}
+    decided = k.request(facts(own, now=7.0))
+    assert parsed == [1, 1, 1] and real(decided.body)["id_slot"] == 2
+
+
+def test_side_calls_go_to_the_reserved_slot():
+    side = chat(system="You are a context summarization assistant. Summarize.")
+    pin = make().request(facts(side))
+    assert isinstance(pin, Pin) and (pin.ticket.slot, pin.ticket.why, pin.ticket.side) == (3, Why.SIDE_CALL, True)
+    assert make(side_slot=1).request(facts(side)).ticket.slot == 1
+    assert isinstance(make(total=1).request(facts(side)), NeedSlot)  # one slot: nothing to reserve
+
+
+def test_a_known_session_whose_slot_ran_another_session_is_displaced():
+    k = make()
+    mine = place(k, k.request(facts()))
+    slot = mine.ticket.slot
+    k.answered(mine.ticket, Observation(cache_n=0, prompt_n=10), path=CHAT, seconds=1.0, now=1.0)
+    assert k.request(facts(now=5.0)).ticket.why is Why.KNOWN
+    k.move("other", slot, 6.0)  # another session was put on our slot
+    again = k.request(facts(now=7.0))
+    assert isinstance(again, NeedSlot) and again.ticket.displaced and again.displaced_from == slot
+    placed = place(k, again, now=7.0)
+    assert placed.ticket.reason.startswith("displaced:")
+
+
+def test_a_resized_or_restarted_server_is_noted():
+    k = make(checkpoints=CheckpointMode.MEMORY)
+    place(k, k.request(facts()))
+    state = shared.ServerState("http://up", media_marker="m1", total_slots=4)
+    assert k.note_server(state, server(4, "m2")) == [ServerRestarted("http://up")]
+    assert isinstance(k.request(facts(now=1.0)), NeedSlot)  # checkpoints: its prefix is restored first
+    assert k.note_server(state, server(2, "m2")) == [PoolResized("http://up", 2)]
+
+
+def test_the_client_keeps_its_own_slot_unless_overridden():
+    k = make()
+    own = place(k, k.request(facts(chat(id_slot=2))))
+    assert sent(own)["id_slot"] == 2 and own.ticket.why in (Why.CLIENT_SLOT, Why.FREE_EMPTY)
+    k2 = make(override_client=True)
+    moved = place(k2, k2.request(facts(chat("other", id_slot=2))))
+    assert moved.ticket.why is not Why.CLIENT_SLOT and sent(moved)["id_slot"] == moved.ticket.slot
+
+
+def test_the_fallback_pins_by_hash_or_sends_unpinned():
+    k = Keeper(Settings(), "http://up")  # never saw the server
+    decision, event = k.fallback(k.request(facts()), 0.0, None)
+    assert isinstance(decision, Observe) and decision.ticket.reason == "unpinned: server unknown"
+    assert event == Unreachable("http://up", decision.ticket.session.short)
+    pin, event = k.fallback(k.request(facts(chat("other"))), 0.0, 4)
+    assert isinstance(pin, Pin) and pin.ticket.why is Why.HASH_FALLBACK and event.total_slots == 4
+
+
+def test_a_saved_flow_is_decided_from_its_recorded_facts_and_the_clients_own_bytes():
+    k = make()
+    live = place(k, k.request(facts()))
+    replayer = Keeper(Settings(), "http://up")
+    recorded = Replay(client={"id_slot": None, "cache_prompt": None}, facts={"props": {"total_slots": 4}})
+    need = replayer.request(facts(raw=live.body, replay=recorded))
+    assert isinstance(need, NeedSlot) and need.content == json.dumps(chat()).encode()
+    assert "id_slot" not in need.body and need.ticket.client == {"id_slot": None, "cache_prompt": None}
+
+
+def test_answers_move_the_bookkeeping_on_and_report():
+    k = make()
+    pin = place(k, k.request(facts()))
+    obs = Observation(cache_n=90, prompt_n=10)
+    report = k.answered(pin.ticket, obs, path=CHAT, seconds=0.5, now=1.0)
+    assert report.metadata["slot"] == pin.ticket.slot and report.metadata["outcome"] == "hit"
+    assert report.metadata["session"] == pin.ticket.session.key and report.metadata["cache_n"] == 90
+    again = k.request(facts(now=2.0))
+    cold = k.answered(again.ticket, Observation(cache_n=0, prompt_n=100), path=CHAT, seconds=0.5, now=3.0)
+    assert k.lost_cache(cold)
+    overflow = Observation(error_type="exceed_context_size_error", n_prompt_tokens=9000, n_ctx=4096)
+    assert k.warnings(k.answered(again.ticket, overflow, path=CHAT, seconds=0.1, now=4.0)) == [
+        ContextOverflow("http://up", 9000, 4096)]
+
+
+@pytest.mark.parametrize("total", [None, 2])
+def test_a_session_on_a_slot_out_of_range_is_placed_again(total):
+    k = make()
+    pin = place(k, k.request(facts()), live=[{"id": i, "n_prompt_tokens": 0, "is_processing": i != 3}
+                                             for i in range(4)])
+    assert pin.ticket.slot == 3
+    if total:
+        k.note_server(shared.ServerState("http://up"), server(total))
+        assert isinstance(k.request(facts(now=1.0)), NeedSlot)
+    else:
+        assert isinstance(k.request(facts(now=1.0)), Pin)

@@ -1,0 +1,54 @@
+"""The local API: GET only, loopback only by default, every error answered here as JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import chat, flow
+
+
+def api(path, method="GET", peer=("127.0.0.1", 50000)):
+    f = flow(None, path=path, method=method, raw=b"")
+    f.client_conn.peername = peer
+    return f
+
+
+async def test_status_and_health(proxy):
+    await proxy.request(flow(chat()))
+    f = await proxy.request(api("/_slots/status"))
+    data = json.loads(f.response.content)
+    assert f.response.status_code == 200 and data["policy"] == "auto"
+    (server,) = data["servers"]
+    assert server["total_slots"] == 4 and sum(1 for s in server["slots"] if s["session"]) == 1
+    assert "state_dir" not in data and "state_file" not in server  # no absolute paths
+    assert json.loads((await proxy.request(api("/_slots/health"))).response.content) == {"ok": True}
+
+
+@pytest.mark.parametrize(("path", "method", "peer", "status"), [
+    ("/_slots/nope", "GET", ("127.0.0.1", 1), 404),
+    ("/_slots/status", "POST", ("127.0.0.1", 1), 405),
+    ("/_slots/status", "GET", ("10.1.2.3", 1), 403),
+    ("/_slots/status", "GET", ("::ffff:127.0.0.1", 1), 200),
+    ("/_slots/status", "GET", ("::1", 1), 200),
+])
+async def test_methods_and_clients(proxy, fake_llama, path, method, peer, status):
+    f = await proxy.request(api(path, method, peer))
+    assert f.response.status_code == status
+    assert ("error" in json.loads(f.response.content)) == (status != 200)
+    assert fake_llama.calls == []  # never forwarded
+
+
+async def test_the_allowed_networks_can_be_widened(proxy):
+    proxy.configure(slots_api_allow=["10.0.0.0/8"])
+    assert (await proxy.request(api("/_slots/health", peer=("10.1.2.3", 1)))).response.status_code == 200
+
+
+async def test_an_unreadable_state_file_is_an_answer_not_a_forwarded_request(proxy, tmp_path):
+    await proxy.request(flow(chat()))
+    (state_file,) = (tmp_path / "state").glob("state-*.json")
+    state_file.unlink()
+    state_file.mkdir()  # reading it now fails
+    f = await proxy.request(api("/_slots/status"))
+    assert f.response.status_code == 500 and "status unavailable" in json.loads(f.response.content)["error"]

@@ -1,0 +1,98 @@
+"""The paging driver with a scripted server client: outcomes, failures, and the per-slot order."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from drivers.page_runner import PageRunner
+from slotlogic import wording
+from slotlogic.paging import PagePlan
+
+
+class Slots:
+    """Answers `/slots/{id}?action=save|restore` like llama-server, or with the status it is told to."""
+
+    def __init__(self, save: int = 200, restore: int = 200) -> None:
+        self.status = {"save": save, "restore": restore}
+        self.calls: list[tuple[str, int, str]] = []
+
+    async def post_json(self, path: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
+        slot, action = int(path.split("/")[2].split("?")[0]), path.split("action=")[1]
+        assert body is not None
+        self.calls.append((action, slot, body["filename"]))
+        status = self.status[action]
+        if status != 200:
+            return status, {"error": {"message": "nope"}}
+        if action == "save":
+            return 200, {"n_saved": 900, "n_written": 4096, "timings": {"save_ms": 12.5}}
+        return 200, {"n_restored": 700, "timings": {"restore_ms": 7.5}}
+
+
+def runner(server, tmp_path, events=None) -> PageRunner:
+    return PageRunner(server, str(tmp_path), 1 << 30, (events if events is not None else []).append)
+
+
+PLAN = PagePlan(1, "b", "page-bbbbbbbbbbbbbbbbbbbb.bin", "a", "page-aaaaaaaaaaaaaaaaaaaa.bin", 700)
+
+
+async def test_save_then_restore(tmp_path):
+    (tmp_path / PLAN.restore_file).write_bytes(b"x")
+    (tmp_path / PLAN.save_file).write_bytes(b"kv")  # as llama-server writes it, with its umask
+    (tmp_path / PLAN.save_file).chmod(0o644)
+    server = Slots()
+    out = await runner(server, tmp_path).run(PLAN)  # type: ignore[arg-type]
+    assert [c[0] for c in server.calls] == ["save", "restore"] and all(c[1] == 1 for c in server.calls)
+    assert (out.saved_tokens, out.saved_bytes, out.restored_tokens, out.restore_failed) == (900, 4096, 700, False)
+    assert out.server_ms == 20.0
+    assert (tmp_path / PLAN.save_file).stat().st_mode & 0o777 == 0o600  # a page holds a conversation
+
+
+async def test_a_page_file_gone_from_disk_is_not_asked_for(tmp_path):
+    server = Slots()
+    out = await runner(server, tmp_path).run(PLAN)  # type: ignore[arg-type]
+    assert [c[0] for c in server.calls] == ["save"] and out.restored_tokens is None and not out.restore_failed
+
+
+async def test_failures_are_reported_not_raised(tmp_path):
+    (tmp_path / PLAN.restore_file).write_bytes(b"x")
+    events: list = []
+    out = await runner(Slots(save=501, restore=400), tmp_path, events).run(PLAN)  # type: ignore[arg-type]
+    assert out.saved_tokens is None and out.missing_save_path and out.restore_failed
+    assert [(e.direction, e.failure.status) for e in events] == [("out", 501), ("in", 400)]
+    assert wording.event_line(events[1])[1].endswith("page-in on slot 1 failed (HTTP 400); that session will "
+                                                      "prefill")
+
+
+async def test_the_next_pager_of_a_slot_waits_for_the_previous_request_to_reach_the_server(tmp_path):
+    pager = runner(Slots(), tmp_path)  # type: ignore[arg-type]
+    assert await pager.hold(1, "flow-1") and pager.busy(1)
+    second = asyncio.create_task(pager.hold(1, "flow-2"))
+    other_slot = await pager.hold(2, "flow-3")  # other slots are independent
+    await asyncio.sleep(0.05)
+    assert other_slot and not second.done()
+    pager.unlock("flow-1")
+    assert await asyncio.wait_for(second, 1)
+    pager.unlock("flow-2")
+    pager.unlock("flow-2")  # twice (responseheaders, then error) is harmless
+    assert not pager.busy(1)
+
+
+async def test_a_session_being_paged_out_is_waited_for(tmp_path):
+    pager = runner(Slots(), tmp_path)  # type: ignore[arg-type]
+    event = pager.saving["b"] = asyncio.Event()
+    waiter = asyncio.create_task(pager.settled("b"))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    event.set()
+    await asyncio.wait_for(waiter, 1)
+    await asyncio.wait_for(pager.settled("nobody"), 1)
+
+
+def test_delete_and_files(tmp_path):
+    pager = runner(Slots(), tmp_path)  # type: ignore[arg-type]
+    (tmp_path / "page-aaaaaaaaaaaaaaaaaaaa.bin").write_bytes(b"x")
+    (tmp_path / "prefix-1.bin").write_bytes(b"x")
+    assert list(pager.files()) == ["page-aaaaaaaaaaaaaaaaaaaa.bin"]
+    pager.delete(["page-aaaaaaaaaaaaaaaaaaaa.bin", "page-missing.bin"])
+    assert pager.files() == {} and (tmp_path / "prefix-1.bin").exists()

@@ -1,0 +1,222 @@
+"""The pinning addon in mitmproxy's own test harness (taddons/tflow), with a scripted server client."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+
+import pytest
+from mitmproxy import exceptions, http
+from mitmproxy.test import taddons
+
+import addon as addon_module
+from drivers import store_file
+from slotlogic.answers import StreamObserver
+from tests.conftest import UP, chat, flow, sent
+
+
+async def test_a_new_session_is_pinned_and_a_known_one_costs_no_io(proxy, fake_llama, monkeypatch):
+    f1 = await proxy.request(flow(chat()))
+    assert sent(f1)["id_slot"] in range(4) and sent(f1)["cache_prompt"] is True
+    assert fake_llama.calls == ["props", "slots"]
+    transactions = []
+    real = store_file.StateFile.transaction
+    monkeypatch.setattr(store_file.StateFile, "transaction", lambda self: transactions.append(1) or real(self))
+    first = chat()
+    later = first | {"messages": [*first["messages"], {"role": "assistant", "content": "done"}]}
+    f2 = await proxy.request(flow(later))
+    assert f2.request.content == json.dumps(later).encode()[:-1] + b',"id_slot":%d,"cache_prompt":true}' % (
+        sent(f1)["id_slot"])
+    assert fake_llama.calls == ["props", "slots"]  # no network for a known session
+    assert transactions == []  # no lock, no disk: touches are flushed later
+
+
+async def test_two_sessions_get_two_slots(proxy):
+    a = await proxy.request(flow(chat("task A")))
+    b = await proxy.request(flow(chat("task B")))
+    assert sent(a)["id_slot"] != sent(b)["id_slot"]
+
+
+async def test_the_clients_own_slot_is_respected_unless_overridden(proxy, caplog):
+    f = await proxy.request(flow(chat(id_slot=2)))
+    assert sent(f)["id_slot"] == 2
+    proxy.configure(slots_override_client=True)
+    g = await proxy.request(flow(chat("other", id_slot=2)))
+    with caplog.at_level(logging.INFO):
+        await proxy.answer(g, http.Response.make(200, b'{"timings":{"cache_n":0,"prompt_n":5}}', {}))
+    assert "why=free" in caplog.text and g.metadata["slotkeeper"]["slot"] == sent(g)["id_slot"]
+
+
+async def test_a_gzip_body_is_rewritten_and_stays_gzip(proxy):
+    f = flow(chat(), headers={"content-encoding": "gzip"})  # make() gzips the body for us
+    assert f.request.raw_content[:2] == b"\x1f\x8b"
+    await proxy.request(f)
+    assert f.request.headers["content-encoding"] == "gzip"
+    assert json.loads(gzip.decompress(f.request.raw_content))["id_slot"] in range(4)
+
+
+async def test_a_chunked_body_gets_a_content_length(proxy):
+    f = flow(chat(), headers={"transfer-encoding": "chunked"})
+    f.request.headers.pop("content-length", None)
+    await proxy.request(f)
+    assert "transfer-encoding" not in f.request.headers
+    assert int(f.request.headers["content-length"]) == len(f.request.raw_content)
+    assert "id_slot" in sent(f)
+
+
+@pytest.mark.parametrize(("method", "path", "raw"), [
+    ("GET", "/slots", b""),
+    ("POST", "/v1/chat/completions", b"not json"),
+    ("POST", "/v1/chat/completions", b"[1, 2]"),
+    ("POST", "/v1/embeddings", json.dumps(chat()).encode()),
+    ("POST", "/tokenize", b'{"content": "x"}'),
+])
+async def test_untouched(proxy, fake_llama, method, path, raw):
+    f = flow(None, path=path, method=method, raw=raw)
+    before = f.request.raw_content
+    await proxy.request(f)
+    assert f.request.raw_content == before and fake_llama.calls == []
+
+
+async def test_the_messages_route_passes_through_and_says_why(proxy, caplog):
+    f = flow({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5}, path="/v1/messages")
+    before = f.request.raw_content
+    await proxy.request(f)
+    assert f.request.raw_content == before
+    with caplog.at_level(logging.INFO):
+        await proxy.answer(f, http.Response.make(200, b'{"usage":{"cache_read_input_tokens":3,"input_tokens":2}}',
+                                                 {"content-type": "application/json"}))
+    assert "not pinnable" in caplog.text and "cache_n=3" in caplog.text
+
+
+async def test_policy_off_observes_only(proxy, fake_llama, caplog):
+    proxy.configure(slots_policy="off")
+    f = flow(chat())
+    before = f.request.raw_content
+    await proxy.request(f)
+    assert f.request.raw_content == before and fake_llama.calls == []
+    with caplog.at_level(logging.INFO):
+        await proxy.answer(f, http.Response.make(200, b'{"timings":{"cache_n":0,"prompt_n":50}}', {}))
+    assert "why=policy off" in caplog.text and "prompt_n=50" in caplog.text
+
+
+async def test_an_internal_error_fails_open_and_logs_no_prompt_text(proxy, fake_llama, caplog):
+    fake_llama.fail = RuntimeError("boom: TOP SECRET prompt")
+    f = flow(chat("TOP SECRET task"))
+    before_body, before_headers = f.request.raw_content, f.request.headers.copy()
+    with caplog.at_level(logging.WARNING):
+        await proxy.request(f)
+    assert f.request.raw_content == before_body and f.request.headers == before_headers
+    assert "forwarded unchanged: RuntimeError" in caplog.text and "SECRET" not in caplog.text
+
+
+async def test_an_unreachable_server_sends_unpinned_until_a_slot_count_is_known(proxy, fake_llama, caplog):
+    fake_llama.props_data = None
+    with caplog.at_level(logging.WARNING):
+        f = await proxy.request(flow(chat()))
+    assert "id_slot" not in sent(f) and "passes unpinned" in caplog.text
+
+
+async def test_an_unreachable_server_pins_by_hash_over_the_last_known_count(proxy, fake_llama, caplog):
+    await proxy.request(flow(chat()))  # the server answered once: 4 slots
+    fake_llama.props_data = None
+    with caplog.at_level(logging.WARNING):
+        g = await proxy.request(flow(chat("other")))
+    assert sent(g)["id_slot"] in range(4) and "hash fallback" in caplog.text
+
+
+async def test_an_sse_stream_passes_byte_for_byte_and_is_observed(proxy, caplog):
+    f = await proxy.request(flow(chat(stream=True)))
+    f.response = http.Response.make(200, b"", {"content-type": "text/event-stream"})
+    f.response.content = None
+    await proxy.hook("responseheaders", f)
+    assert callable(f.response.stream)
+    assert f.response.headers["x-slot-id"] == str(sent(f)["id_slot"])
+    stream = (b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
+              b'data: {"choices":[],"timings":{"cache_n":120,"prompt_n":8}}\n\ndata: [DONE]\n\n')
+    out = b"".join(f.response.stream(stream[i:i + 7]) for i in range(0, len(stream), 7))
+    out += f.response.stream(b"")
+    assert out == stream
+    with caplog.at_level(logging.INFO):
+        await proxy.hook("response", f)
+    assert "cache_n=120 prompt_n=8 reuse=94%" in caplog.text
+    assert f.marked == ":zap:" and "slot=" in f.comment and f.metadata["slotkeeper"]["cache_n"] == 120
+
+
+async def test_a_broken_observer_never_breaks_the_stream(proxy, monkeypatch, caplog):
+    f = await proxy.request(flow(chat(stream=True)))
+    f.response = http.Response.make(200, b"", {"content-type": "text/event-stream"})
+    f.response.content = None
+    monkeypatch.setattr(StreamObserver, "feed", lambda self, chunk: 1 / 0)
+    await proxy.hook("responseheaders", f)
+    with caplog.at_level(logging.WARNING):
+        assert f.response.stream(b"data: 1\n\n") == b"data: 1\n\n"
+        assert f.response.stream(b"more") == b"more"
+    assert caplog.text.count("SSE observer failed") == 1 and "ZeroDivisionError" in caplog.text
+
+
+async def test_a_context_overflow_is_explained(proxy, caplog):
+    f = await proxy.request(flow(chat()))
+    err = {"error": {"code": 400, "type": "exceed_context_size_error", "message": "x",
+                     "n_prompt_tokens": 9000, "n_ctx": 4096}}
+    with caplog.at_level(logging.WARNING):
+        await proxy.answer(f, http.Response.make(400, json.dumps(err), {"content-type": "application/json"}))
+    assert "9000 tokens exceeds the per-slot context n_ctx=4096" in caplog.text and f.marked == ":x:"
+
+
+async def test_side_calls_go_to_the_reserved_slot(proxy):
+    side = chat(first="summarise") | {"messages": [
+        {"role": "system", "content": "You are a context summarization assistant."},
+        {"role": "user", "content": "..."}]}
+    for _ in range(2):  # the second is recognised from its bytes: still a side call
+        f = await proxy.request(flow(side))
+        await proxy.answer(f, http.Response.make(200, b"{}", {}))
+        assert sent(f)["id_slot"] == 3 and f.metadata["slotkeeper"]["reason"] == "side-call"
+
+
+@pytest.mark.parametrize(("opt", "value"), [("slots_policy", "bogus"), ("slots_ttl", 0),
+                                            ("slots_side_patterns", ["("]), ("slots_side_slot", -5),
+                                            ("slots_prefix_cache", "bogus"), ("slots_save_dir", "/nonexistent")])
+def test_bad_options_are_refused(opt, value):
+    addons = addon_module.make_addons()
+    with taddons.context(*addons) as tctx, pytest.raises(exceptions.OptionsError):
+        tctx.configure(addons[1], **{opt: value})
+
+
+def test_options_from_strings_build_one_settings_object():
+    addons = addon_module.make_addons()
+    with taddons.context(*addons) as tctx:
+        tctx.options.set("slots_policy=seed", "slots_ttl=30", "slots_session_headers=X-A",
+                         "slots_session_headers=x-b")
+        s = addons[1].rt.settings
+        assert s.policy.value == "seed" and s.ttl == 30 and s.session_headers == ("x-a", "x-b")
+
+
+async def test_the_state_is_flushed_at_shutdown(proxy, tmp_path):
+    f = await proxy.request(flow(chat()))
+    await proxy.request(flow(chat()))
+    for a in proxy.addons:
+        if hasattr(a, "done"):
+            a.done()
+    state = json.loads(next((tmp_path / "state").glob("state-*.json")).read_text())
+    ((_key, rec),) = state["sessions"].items()
+    assert rec["slot"] == sent(f)["id_slot"] and rec["requests"] >= 2
+
+
+async def test_a_saved_flow_replays_offline_with_the_same_decision(proxy, fake_llama):
+    """A flow saved with -w carries the rewritten body; replaying it (flow.live False) undoes our rewrite,
+    reuses the recorded server facts instead of the network and reaches the same decision."""
+    live = await proxy.request(flow(chat()))
+    await proxy.answer(live, http.Response.make(200, b'{"timings":{"cache_n":0,"prompt_n":40}}', {}))
+    meta = live.metadata["slotkeeper"]
+    assert meta["client"] == {"id_slot": None, "cache_prompt": None} and meta["facts"]["props"]["total_slots"] == 4
+    saved = live.copy()
+    saved.live = False
+    fake_llama.calls.clear()
+    await proxy.request(saved)
+    await proxy.answer(saved, live.response)
+    assert fake_llama.calls == []  # no network in replay
+    replayed = saved.metadata["slotkeeper"]
+    assert (replayed["slot"], replayed["reason"]) == (meta["slot"], meta["reason"])
+    assert saved.request.raw_content == live.request.raw_content and UP in proxy.rt.replays

@@ -1,0 +1,90 @@
+"""Slot choice with the shared state: resume, rank, claim; displaced sessions; the hash fallback."""
+
+import copy
+
+import pytest
+
+from slotlogic import placement
+from slotlogic import shared as st
+from slotlogic.ranking import Choice
+from slotlogic.reasons import Why
+from slotlogic.settings import Settings
+from slotlogic.table import SessionTable
+
+
+def test_assign_resumes_owned_slot_after_proxy_restart():
+    state = st.ServerState("u", total_slots=4)
+    st.claim(state, "k", 2, 0.0, requests=5)
+    choice = placement.assign(Settings(), state, "k", None, [], 4, 60.0)
+    assert (choice.slot, choice.why) == (2, Why.RESUMED) and state.sessions["k"].requests == 6
+
+
+def test_assign_does_not_resume_a_slot_taken_by_a_live_session():
+    state = st.ServerState("u", total_slots=2)
+    st.claim(state, "k", 0, 0.0)
+    st.claim(state, "other", 0, 50.0)
+    choice = placement.assign(Settings(), state, "k", None, [], 2, 60.0)
+    assert choice.slot == 1 and state.slots[1].owner == "k"
+
+
+def test_assign_claims_distinct_slots_in_a_row():
+    state = st.ServerState("u", total_slots=3)
+    got = [placement.assign(Settings(), state, f"s{i}", None, [], 3, float(i)).slot for i in range(3)]
+    assert sorted(got) == [0, 1, 2]
+
+
+def test_fallback():
+    assert placement.fallback("k", None) is None
+    c = placement.fallback("k", 4)
+    assert c is not None and 0 <= c.slot < 4 and c.why is Why.HASH_FALLBACK
+
+
+def two_sessions_and_a_displacer(table: SessionTable, state: st.ServerState, t_b: float) -> None:
+    """A ran on slot 0 at t=0 and answered at 1; B ran on slot 1 at t_b and answered 1 s later; C, new,
+    then took slot 0 at 20 and answered at 21. S works on slot 2, the side-call slot of a 3-slot server."""
+    for key, slot, t in (("A", 0, 0.0), ("B", 1, t_b), ("S", 2, 20.5), ("C", 0, 20.0)):
+        st.claim(state, key, slot, t)
+        table.assign(key, slot, t, prefix=None)
+        table.answered(key, slot, t + 1)
+
+
+@pytest.mark.parametrize(("t_b", "expected"), [
+    # B idle for 21 s, the displacer C answered 1 s ago: A takes B's slot rather than its own back.
+    (0.0, Choice(1, Why.EVICT_CHEAPEST)),
+    # B answered 2 s ago (an agent between two tool calls): A stays on its slot, which C shares with it, so
+    # the damage stays on one slot instead of cascading to B and on.
+    (19.0, Choice(0, Why.SHARED)),
+], ids=["moves-to-a-long-idle-owner", "shares-rather-than-evict-an-active-one"])
+def test_a_displaced_session_moves_only_where_it_costs_little(t_b, expected):
+    table, state = SessionTable(120), st.ServerState("u", total_slots=3)
+    two_sessions_and_a_displacer(table, state, t_b=t_b)
+    choice = placement.assign(Settings(), state, "A", None, [], 3, 22.0, local=table, displaced_from=0)
+    assert choice == expected
+    assert state.slots[expected.slot].owner == "A"
+
+
+def test_a_displaced_session_takes_a_free_slot_and_ignores_the_spawn_rule():
+    """A free slot is always worth it. And C answered moments ago, which for a *new* session would make C
+    look like a waiting parent; a displaced session is nobody's subagent."""
+    table, state = SessionTable(120), st.ServerState("u", total_slots=4)
+    two_sessions_and_a_displacer(table, state, t_b=19.0)
+    choice = placement.assign(Settings(), state, "A", None, [], 4, 22.0, local=table, displaced_from=0)
+    assert choice == Choice(3, Why.FREE_EMPTY)
+    newcomer = placement.assign(Settings(), state, "D", None, [], 4, 22.5, local=table)
+    assert newcomer.why is Why.EVICT_WAITING_PARENT
+
+
+def test_the_side_call_slot_is_held_back_only_while_side_calls_come():
+    """Slot 2 (the highest, kept for side calls) has the coldest owner. Without side calls it is an ordinary
+    slot and the new session evicts it; after a side call it is used last; a TTL later it is ordinary again."""
+    table, state = SessionTable(120), st.ServerState("u", total_slots=3)
+    for key, slot, t in (("A", 2, 0.0), ("B", 0, 10.0), ("C", 1, 20.0)):
+        st.claim(state, key, slot, t)
+        table.assign(key, slot, t, prefix=None)
+        table.answered(key, slot, t + 1)
+    pick = lambda now: placement.assign(Settings(), copy.deepcopy(state), "N", None, [], 3, now,  # noqa: E731
+                                        local=table).slot
+    assert pick(30.0) == 2
+    table.side_call(30.0)
+    assert table.reserving(31.0) and pick(31.0) == 0
+    assert not table.reserving(150.0)

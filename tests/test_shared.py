@@ -1,0 +1,75 @@
+"""The shared state model: tolerant parsing, restart/resize, ownership, coalesced touches, views."""
+
+from slotlogic import shared as st
+from slotlogic.server import ServerInfo
+
+
+def test_round_trip():
+    s = st.ServerState("http://u", media_marker="m", total_slots=4, n_ctx=8192)
+    st.claim(s, "a", 2, 100.0, prefix="P", requests=3)
+    back = st.from_dict(st.to_dict(s), "http://u")
+    assert back == s
+
+
+def test_garbage_never_raises():
+    for junk in (None, [], "x", {"slots": [1]}, {"slots": {"x": {}, "-1": {"last_used": 1}, "2": "no"}},
+                 {"sessions": {"a": {"slot": "1"}, "b": {"slot": 1, "last_used": True}}},
+                 {"total_slots": -3, "media_marker": 5}):
+        s = st.from_dict(junk, "u")
+        assert s.slots == {} and s.sessions == {} and s.total_slots is None
+
+
+def test_restart_forgets_content_but_keeps_claims():
+    s = st.ServerState("u", media_marker="m1", total_slots=2)
+    st.claim(s, "a", 1, 10.0, prefix="P")
+    assert st.note_server(s, ServerInfo(2, "m2")) == st.ServerChange(restarted=True)
+    assert s.slots[1].prefix is None and s.slots[1].owner == "a" and st.owned_slot(s, "a") == 1
+
+
+def test_resize_drops_out_of_range():
+    s = st.ServerState("u", media_marker="m", total_slots=4)
+    st.claim(s, "a", 3, 10.0)
+    st.claim(s, "b", 1, 10.0)
+    assert st.note_server(s, ServerInfo(2, "m")) == st.ServerChange(resized=True)
+    assert st.owned_slot(s, "a") is None and 3 not in s.slots and st.owned_slot(s, "b") == 1
+
+
+def test_first_observation_is_not_an_event():
+    assert st.note_server(st.ServerState("u"), ServerInfo(4, "m", 8192)) == st.ServerChange()
+
+
+def test_ownership_lost_when_another_session_claims():
+    s = st.ServerState("u", total_slots=2)
+    st.claim(s, "a", 0, 10.0)
+    st.claim(s, "b", 0, 200.0)
+    assert st.owned_slot(s, "a") is None and st.owned_slot(s, "b") == 0
+
+
+def test_touch_refreshes_own_slot_only():
+    s = st.ServerState("u", total_slots=2)
+    st.claim(s, "a", 0, 10.0)
+    st.touch(s, "a", 0, 50.0, requests=4, prefix=None)
+    assert s.slots[0].last_used == 50.0 and s.sessions["a"].requests == 4
+    st.claim(s, "b", 0, 60.0)
+    st.touch(s, "a", 0, 55.0, requests=5, prefix=None)  # older than b's claim: b keeps it
+    assert s.slots[0].owner == "b"
+
+
+def test_views_merge_live_numbers_and_claims():
+    s = st.ServerState("u", total_slots=3)
+    st.claim(s, "a", 1, 10.0, prefix="P", requests=2)
+    live = [{"id": 0, "n_ctx": 1}, {"id": 1, "n_prompt_tokens": 700, "is_processing": True}]
+    views = st.views(s, 3, live)
+    assert [v.id for v in views] == [0, 1, 2]
+    assert views[0].n_tokens == 0  # listed, never ran a task: empty
+    assert views[1].n_tokens == 700 and views[1].busy and views[1].owner == "a" and views[1].prefix == "P"
+    assert views[2].n_tokens is None  # not listed at all
+    assert all(v.n_tokens is None for v in st.views(s, 3, None))
+
+
+def test_prune_keeps_recent_sessions():
+    s = st.ServerState("u")
+    st.claim(s, "old", 0, 0.0)
+    st.claim(s, "new", 1, 900.0)
+    st.prune(s, 1000.0, 500.0)
+    assert set(s.sessions) == {"new"}

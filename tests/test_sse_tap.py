@@ -1,0 +1,39 @@
+"""The stream callable never changes, drops or delays a byte, whatever fails inside it."""
+
+from mitm.sse_tap import SSETap
+from slotlogic.answers import StreamObserver
+
+STREAM = b'data: {"choices":[]}\n\ndata: {"timings":{"cache_n":5,"prompt_n":1}}\n\ndata: [DONE]\n\n'
+
+
+def test_bytes_pass_and_numbers_are_read():
+    kept: list[bytes] = []
+    tap = SSETap(StreamObserver(), kept.append)
+    out = b"".join(tap(STREAM[i:i + 3]) for i in range(0, len(STREAM), 3)) + tap(b"")
+    assert out == STREAM and kept == [STREAM] and tap.observer.obs.cache_n == 5
+
+
+def test_failures_inside_are_reported_once_and_never_escape():
+    class Broken(StreamObserver):
+        def feed(self, chunk: bytes) -> None:
+            raise ValueError("TOP SECRET")
+
+    errors: list[tuple[str, str]] = []
+
+    def keep(body: bytes) -> None:
+        raise OSError("no")
+
+    tap = SSETap(Broken(), keep, on_error=lambda part, kind: errors.append((part, kind)))
+    assert tap(b"data: 1\n\n") == b"data: 1\n\n" and tap(b"x") == b"x" and tap(b"") == b""
+    assert errors == [("observer", "ValueError"), ("copy", "OSError")]
+    angry = SSETap(Broken(), on_error=lambda part, kind: 1 / 0)  # even a failing reporter
+    assert angry(b"y") == b"y"
+
+
+def test_the_kept_copy_is_capped():
+    kept: list[bytes] = []
+    tap = SSETap(StreamObserver(), kept.append, max_copy=10)
+    tap(b"0123456789")
+    tap(b"more")
+    tap(b"")
+    assert kept == [b"0123456789"]

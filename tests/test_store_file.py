@@ -1,0 +1,81 @@
+"""The state file driver: private, atomic, tolerant of damage, serialised across processes."""
+
+import asyncio
+import json
+import multiprocessing
+import os
+import stat
+
+from drivers.store_file import StateFile
+from slotlogic import placement
+from slotlogic import shared as st
+from slotlogic.settings import Settings
+
+
+async def test_transaction_writes_private_file(tmp_path):
+    store = StateFile(tmp_path / "sk", "http://127.0.0.1:8080")
+    async with store.transaction() as s:
+        st.claim(s, "a", 1, 5.0)
+    assert stat.S_IMODE(os.stat(store.path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(store.dir).st_mode) == 0o700
+    assert json.loads(store.path.read_text())["sessions"]["a"]["slot"] == 1
+    assert [p.name for p in store.dir.iterdir() if p.suffix == ".tmp"] == []
+
+
+async def test_failed_transaction_keeps_the_old_file(tmp_path):
+    store = StateFile(tmp_path, "u")
+    async with store.transaction() as s:
+        st.claim(s, "a", 0, 1.0)
+    try:
+        async with store.transaction() as s:
+            st.claim(s, "b", 1, 2.0)
+            raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+    assert set(store.read().sessions) == {"a"}
+
+
+async def test_corrupt_file_is_moved_aside_not_lost(tmp_path):
+    store = StateFile(tmp_path, "u")
+    store.dir.mkdir(exist_ok=True)
+    store.path.write_text("{not json")
+    async with store.transaction() as s:
+        assert s.sessions == {}
+        st.claim(s, "a", 0, 1.0)
+    kept = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert len(kept) == 1 and kept[0].read_text() == "{not json"
+    assert "a" in store.read().sessions
+
+
+async def test_concurrent_coroutines_serialise(tmp_path):
+    stores = [StateFile(tmp_path, "u") for _ in range(2)]  # two objects, as two addon instances would be
+
+    async def claim_one(store, key):
+        async with store.transaction() as s:
+            choice = placement.assign(Settings(), s, key, None, [], 8, 100.0)
+            await asyncio.sleep(0.01)  # widen the race window
+            return choice.slot
+
+    slots = await asyncio.gather(*(claim_one(stores[i % 2], f"s{i}") for i in range(8)))
+    assert sorted(slots) == list(range(8))
+
+
+def _claim_in_process(directory: str, keys: list[str], out: "multiprocessing.Queue[int]") -> None:
+    async def run() -> None:
+        store = StateFile(directory, "http://shared")
+        for key in keys:
+            async with store.transaction() as s:
+                out.put(placement.assign(Settings(), s, key, None, [], 6, 100.0).slot)
+    asyncio.run(run())
+
+
+def test_two_processes_never_share_a_slot_while_one_is_free(tmp_path):
+    q: multiprocessing.Queue[int] = multiprocessing.Queue()
+    procs = [multiprocessing.Process(target=_claim_in_process, args=(str(tmp_path), [f"p{n}-{i}" for i in range(3)], q))
+             for n in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    slots = sorted(q.get(timeout=5) for _ in range(6))
+    assert slots == [0, 1, 2, 3, 4, 5]

@@ -1,0 +1,134 @@
+"""The driver of one server: what it asks the server, what it writes to the state file, what it reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from drivers import store_file
+from drivers.upstream import Upstream
+from slotlogic import events as ev
+from slotlogic.answers import Observation
+from slotlogic.decisions import Observe, Pin, Replay, RequestFacts
+from slotlogic.reasons import Why
+from slotlogic.settings import Settings
+from tests.conftest import UP, FakeLlama, chat
+
+CHAT = "/v1/chat/completions"
+
+
+def facts(body=None, now=0.0, replay=None):
+    return RequestFacts("POST", CHAT, (), json.dumps(body or chat()).encode(), now, replay)
+
+
+@pytest.fixture
+def seen():
+    return []
+
+
+@pytest.fixture
+def up(tmp_path, fake_llama, seen):
+    return Upstream(UP, Settings(probe_interval=0), tmp_path / "state", seen.append, client=fake_llama)
+
+
+def state_file(tmp_path):
+    return json.loads(next((tmp_path / "state").glob("state-*.json")).read_text())
+
+
+async def test_a_new_session_asks_the_server_once_and_claims_in_the_file(up, fake_llama, tmp_path, monkeypatch):
+    pin = await up.decide(facts(), "f1")
+    assert isinstance(pin, Pin) and fake_llama.calls == ["props", "slots"]
+    assert state_file(tmp_path)["sessions"][pin.ticket.session.key]["slot"] == pin.ticket.slot
+    transactions = []
+    real = store_file.StateFile.transaction
+    monkeypatch.setattr(store_file.StateFile, "transaction", lambda self: transactions.append(1) or real(self))
+    again = await up.decide(facts(now=1.0), "f2")
+    assert again.ticket.why is Why.KNOWN and fake_llama.calls == ["props", "slots"] and transactions == []
+
+
+async def test_an_unreachable_server_falls_back_to_the_slot_count_in_the_file(tmp_path, seen):
+    first = Upstream(UP, Settings(), tmp_path / "state", seen.append, client=FakeLlama())
+    await first.decide(facts(), "f1")
+    dead = FakeLlama()
+    dead.props_data = None
+    restarted = Upstream(UP, Settings(), tmp_path / "state", seen.append, client=dead)  # a restarted proxy
+    pin = await restarted.decide(facts(chat("other")), "f2")
+    assert isinstance(pin, Pin) and pin.ticket.why is Why.HASH_FALLBACK
+    assert seen[-1] == ev.Unreachable(UP, pin.ticket.session.short, pin.ticket.slot, 4)
+    never = Upstream(UP, Settings(), tmp_path / "empty", seen.append, client=dead)
+    assert isinstance(await never.decide(facts(), "f3"), Observe)
+
+
+async def test_the_probe_notices_a_restart_and_a_resize(up, fake_llama, seen):
+    await up.decide(facts(), "f1")
+    fake_llama.props_data = {**fake_llama.props_data, "media_marker": "<__media_b__>"}
+    await up.probe()
+    assert ev.ServerRestarted(UP) in seen
+    fake_llama.props_data = {**fake_llama.props_data, "total_slots": 2}
+    fake_llama.slots_data = fake_llama.slots_data[:2]
+    await up.probe()
+    assert ev.PoolResized(UP, 2) in seen
+    again = await up.decide(facts(now=1.0), "f2")
+    assert again.ticket.why is not Why.KNOWN and again.ticket.slot in (0, 1)  # placed again, in range
+
+
+async def test_touches_are_flushed_and_kept_when_the_file_cannot_be_written(up, tmp_path, seen, monkeypatch):
+    pin = await up.decide(facts(), "f1")
+    for t in (1.0, 2.0):
+        await up.decide(facts(now=t), "f")
+    await up.flush()
+    assert state_file(tmp_path)["sessions"][pin.ticket.session.key]["requests"] >= 2
+    await up.decide(facts(now=3.0), "f")
+
+    def broken(self, state):
+        raise OSError("disk full")
+    monkeypatch.setattr(store_file.StateFile, "write", broken)
+    await up.flush()
+    assert ev.Failed(UP, ev.Stage.STATE_WRITE, "OSError") in seen and up.keeper.table.dirty
+
+
+async def test_a_replay_upstream_never_asks_the_server_and_cleans_up(seen):
+    replay = Upstream.for_replay(UP, Settings(), seen.append)
+    replay.client = None  # any call would fail
+    recorded = Replay({"id_slot": None, "cache_prompt": None}, {"props": {"total_slots": 4}, "slots": None})
+    pin = await replay.decide(facts(replay=recorded), "f1")
+    assert isinstance(pin, Pin) and pin.ticket.slot in range(4)
+    directory = replay.state_dir
+    replay.close_sync()
+    assert not os.path.exists(directory)
+
+
+async def test_commands_act_in_memory_at_once_and_in_the_file_soon(up, tmp_path):
+    pin = await up.decide(facts(), "f1")
+    short = pin.ticket.session.short
+    target = (pin.ticket.slot + 1) % 4
+    assert up.move(short, target) == [f"{short} → slot {target} on {UP}"]
+    assert (await up.decide(facts(now=1.0), "f2")).ticket.slot == target
+    await up.settle()
+    assert state_file(tmp_path)["slots"][str(target)]["owner"] == pin.ticket.session.key
+    assert up.release(short) == [f"{short} (slot {target}) on {UP}"] and up.release("ffffffff") == []
+    await up.settle()
+    assert state_file(tmp_path)["sessions"] == {}
+
+
+async def test_a_known_session_that_comes_back_cold_gets_an_explanation(up, fake_llama, seen):
+    a = await up.decide(facts(chat("A"), now=time.time()), "fa")
+    b = await up.decide(facts(chat("B"), now=time.time()), "fb")
+    for pin in (a, b):
+        up.answered(pin.ticket, Observation(cache_n=0, prompt_n=100), path=CHAT, seconds=1.0)
+    again = await up.decide(facts(chat("A"), now=time.time()), "fa2")
+    fake_llama.slots_data[b.ticket.slot]["n_prompt_tokens"] = 0  # B's slot was emptied while idle
+    up.answered(again.ticket, Observation(cache_n=0, prompt_n=120), path=CHAT, seconds=1.0)
+    await up.settle()
+    assert ev.IdleSlotsCleared(UP, b.ticket.slot) in seen
+
+
+async def test_new_settings_replace_the_old_and_keep_the_sessions(up, tmp_path):
+    pin = await up.decide(facts(), "f1")
+    up.reconfigure(Settings(ttl=5.0, probe_interval=0), tmp_path / "state")
+    assert up.keeper.settings.ttl == 5.0
+    assert (await up.decide(facts(now=1.0), "f2")).ticket.slot == pin.ticket.slot
+    assert (await up.decide(facts(now=100.0), "f3")).ticket.why is not Why.KNOWN  # expired under the new TTL
