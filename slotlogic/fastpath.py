@@ -3,18 +3,22 @@
 Why: `json.loads` of the request body was half the hot path's cost, and it grows with the conversation
 (an agent's body is soon 100 KB+, ~350 µs to parse). But an agent's next request repeats the bytes of its
 previous one: the same *head* (every top-level key before `messages`, the system prompt and the messages
-up to the first user message: the whole conversation root) and the same *tail* (everything after the
-`messages` array: tools, stream options), with new messages in between. A body with a known session's head
-and tail has that session's key, side-call status and top-level fields; what it adds sits inside the
-messages array. The one thing there that could change the rewrite is a client's own `id_slot` or
-`cache_prompt`, and a byte search rules both out: a JSON string cannot hold `"id_slot"` unescaped, so a
-miss is proof, and a hit just takes the slow path.
+up to the first user message: the whole conversation root), the same *tail* (everything after the
+`messages` array: tools, stream options), and, in between, the messages it sent last time followed by new
+ones. A body like that has the session's key, side-call status and top-level fields; what it adds is only
+messages.
 
-Rule 1: pure. `ShapeIndex.learn` runs after a full parse on the slow path; `match` runs on the hot path
-        (a few dict probes, two `startswith`/`endswith` and two `find`s over the new bytes).
-Rule 2: only sessions recognised by their conversation root on a chat route, with no session header
+Rule 1: pure. `ShapeIndex.learn` runs after a full parse on the slow path; `match` runs on the hot path.
+Rule 2: only a body that provably continues the messages array is taken: its middle must start with the
+        middle the session sent last time (bytes compared, no parse), and the new bytes after it must be
+        `, {message}` items and nothing else, checked with the JSON scanner. Anything else (a top-level key
+        between the messages and the tail, invalid JSON, a backslash-u escape anywhere in the new bytes, messages
+        that were edited rather than appended) takes the full parse. So a match always names the session, and
+        carries exactly the top-level fields, that the full parse would find.
+Rule 3: only sessions recognised by their conversation root on a chat route, with no session header
         (headers and body keys name sessions the content cannot), are learned; anything unusual is simply
-        not learned and keeps taking the full parse.
+        not learned and keeps taking the full parse. Memory is bounded: at most `MAX_SHAPES` sessions and
+        `MAX_BYTES` of remembered middles, the least recently matched forgotten first.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from slotlogic.session import SessionId
 
 WINDOW = 32        # bytes before the end of the head that index it (the end of the first user message)
 MAX_SHAPES = 256   # sessions remembered; the least recently matched go first
+MAX_BYTES = 64 << 20  # remembered middles (the conversations after their first user message), all sessions
 MAX_TRIES = 3      # learns of one session without a match in between: its bodies do not repeat, stop
-_CLIENT_KEYS = (b'"id_slot"', b'"cache_prompt"')
 _WS = " \t\n\r"
 _scan = json.JSONDecoder().scan_once
 
@@ -43,6 +47,7 @@ class Shape:
     path: str
     head: bytes
     tail: bytes
+    middle: bytes  # the messages after the first user message as sent last time (from its comma, no trailing space)
 
 
 def locate(text: str) -> tuple[int, int] | None:
@@ -116,6 +121,7 @@ class ShapeIndex:
         self.by_sig: dict[tuple[int, bytes], Shape] = {}       # (len(head), head[-WINDOW:]) -> shape
         self.ends: dict[int, int] = {}                         # len(head) -> how many shapes have it
         self.tries: dict[str, int] = {}                        # session key -> learns since its last match
+        self.bytes = 0                                         # len(middle) summed over the shapes
 
     def learn(self, path: str, content: bytes, key: SessionId, side: bool) -> Shape | None:
         """Remember the shape of a fully parsed body of `key` (recognised by its conversation root)."""
@@ -139,18 +145,24 @@ class ShapeIndex:
         if head_end < WINDOW:
             return None
         self.forget(key.key)
-        shape = Shape(key, side, path, content[:head_end], content[tail_start:])
+        shape = Shape(key, side, path, content[:head_end], content[tail_start:],
+                      content[head_end:tail_start].rstrip())
         self.shapes[key.key] = shape
         self.by_sig[(head_end, shape.head[-WINDOW:])] = shape
         self.ends[head_end] = self.ends.get(head_end, 0) + 1
-        while len(self.shapes) > self.limit:
-            self.forget(next(iter(self.shapes)))
+        self.bytes += len(shape.middle)
+        self._bound()
         return shape
+
+    def _bound(self) -> None:
+        while len(self.shapes) > self.limit or (self.bytes > MAX_BYTES and len(self.shapes) > 1):
+            self.forget(next(iter(self.shapes)))
 
     def forget(self, key: str) -> None:
         shape = self.shapes.pop(key, None)
         if shape is None:
             return
+        self.bytes -= len(shape.middle)
         sig = (len(shape.head), shape.head[-WINDOW:])
         if self.by_sig.get(sig) is shape:
             del self.by_sig[sig]
@@ -161,8 +173,8 @@ class ShapeIndex:
             self.ends.pop(len(shape.head), None)
 
     def match(self, path: str, content: bytes) -> Shape | None:
-        """The known session whose head and tail `content` repeats, with no client `id_slot`/`cache_prompt`
-        among the new bytes; None sends the request down the full parse."""
+        """The known session whose head, last middle and tail `content` repeats, with nothing but whole new
+        messages in between; None sends the request down the full parse."""
         size = len(content)
         for end in self.ends:
             if end > size:
@@ -171,17 +183,50 @@ class ShapeIndex:
             if shape is None or shape.path != path:
                 continue
             stop = size - len(shape.tail)
-            if stop < end or not content.endswith(shape.tail) or not content.startswith(shape.head):
+            known = end + len(shape.middle)
+            if stop < known or not content.endswith(shape.tail) or not content.startswith(shape.head):
                 continue
-            if any(content.find(k, end, stop) >= 0 for k in _CLIENT_KEYS):
+            if not content.startswith(shape.middle, end) or not appended_messages(content[known:stop]):
                 return None
+            middle = content[end:stop].rstrip()
+            if len(middle) > len(shape.middle):  # next time only the messages after these are checked
+                self.bytes += len(middle) - len(shape.middle)
+                shape.middle = middle
             self.shapes.move_to_end(shape.key.key)
             self.tries.pop(shape.key.key, None)
+            self._bound()
             return shape
         return None
 
     def __len__(self) -> int:
         return len(self.shapes)
+
+
+def appended_messages(new: bytes) -> bool:
+    """Whether `new` is zero or more `, {…}` items of a JSON array and nothing else (whitespace aside), with
+    no `\\u` escape anywhere: what an agent adds to its messages between two turns."""
+    if not new.strip():
+        return True
+    if b"\\u" in new:
+        return False
+    try:
+        text = new.decode("utf-8")
+        i, n = 0, len(text)
+        while True:
+            while i < n and text[i] in _WS:
+                i += 1
+            if i == n:
+                return True
+            if text[i] != ",":
+                return False
+            i += 1
+            while i < n and text[i] in _WS:
+                i += 1
+            if i == n or text[i] != "{":
+                return False
+            _, i = _scan(text, i)
+    except (UnicodeDecodeError, ValueError, StopIteration, IndexError):
+        return False
 
 
 def fields_absent(body: dict[str, Any]) -> bool:

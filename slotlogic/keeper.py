@@ -193,8 +193,10 @@ class Keeper:
             self.table.use(key, now)
         if not result.changed:
             return Pin(ticket, None)
-        return Pin(ticket, rewrite.splice(content, body, result) or json.dumps(
-            result.body, ensure_ascii=False, separators=(",", ":")).encode())
+        out = rewrite.splice(content, body, result) or rewrite.set_fields(content, result)
+        if out is None:  # cannot happen for a body that parsed as an object; never re-serialise it
+            raise ValueError("request body could not be rewritten in place")
+        return Pin(ticket, out)
 
     def _remember_prompt(self, key: str, mark: sess.PromptMark | None) -> None:
         if mark is None:

@@ -1,18 +1,26 @@
 """The body rewrite: the only change slotkeeper makes to a request.
 
-Rules (llama-server.md §1.1, §1.4, §2.2):
+Rules (docs/llama-server.md):
 - `id_slot` must be an integer in `0 … total_slots-1`; anything else (strings, floats, negatives,
   out-of-range) is either ignored or wrapped differently by different server builds, so we replace it.
 - A client's own valid `id_slot` is kept unless the operator asked us to override clients.
 - `cache_prompt: true` is added when absent or null; any explicit value is the client's choice.
-- Every other key is left exactly as it was (the rewrite is idempotent, so replays re-apply it safely).
+- Every other byte is left exactly as it was: the two fields are appended (`splice`) or their values
+  replaced in place (`set_fields`), never by re-serialising the document, which would turn `1e400` into
+  `Infinity` (not JSON) or fail on a lone surrogate. The rewrite is idempotent, so replays re-apply it safely.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from json.decoder import scanstring  # type: ignore[attr-defined]
 from typing import Any
+
+FIELDS = ("id_slot", "cache_prompt")
+_WS = " \t\n\r"
+_scan = json.JSONDecoder().scan_once
 
 
 def valid_client_slot(body: dict[str, Any], total_slots: int) -> int | None:
@@ -57,10 +65,73 @@ def splice(raw: bytes, body: dict[str, Any], result: Rewrite) -> bytes | None:
     end = raw.rstrip()
     if not end.endswith(b"}"):
         return None
-    extra = f'"id_slot":{result.body["id_slot"]},"cache_prompt":{"true" if result.body["cache_prompt"] else "false"}'
+    extra = f'"id_slot":{_literal(result.body["id_slot"])},"cache_prompt":{_literal(result.body["cache_prompt"])}'
     head = end[:-1].rstrip()
     sep = b"" if head.endswith(b"{") else b","
     return head + sep + extra.encode() + b"}"
+
+
+def _literal(value: Any) -> str:
+    return json.dumps(value, allow_nan=False)
+
+
+def set_fields(raw: bytes, result: Rewrite) -> bytes | None:
+    """The client's bytes with every top-level `id_slot` / `cache_prompt` (however their keys are spelt, and
+    each of a repeated key) set to the rewrite's values, and a missing one appended; every other byte kept.
+    None when `raw` is not one JSON object."""
+    try:
+        text = raw.decode("utf-8")
+        spans = _top_level_values(text)
+    except (UnicodeDecodeError, ValueError, StopIteration, IndexError):
+        return None
+    if spans is None:
+        return None
+    found, close = spans
+    out, pos = [], 0
+    for start, end, name in found:
+        out += [text[pos:start], _literal(result.body[name])]
+        pos = end
+    head = text[pos:close].rstrip()
+    missing = [n for n in FIELDS if n not in {name for _, _, name in found} and n in result.body]
+    extra = ",".join(f'"{n}":{_literal(result.body[n])}' for n in missing)
+    if extra:
+        extra = ("" if head.endswith("{") else ",") + extra
+    return ("".join(out) + head + extra + text[close:]).encode()
+
+
+def _top_level_values(s: str) -> tuple[list[tuple[int, int, str]], int] | None:
+    """Spans of the values of the top-level keys named in FIELDS, and the offset of the closing brace."""
+    i = _ws(s, 0)
+    if s[i] != "{":
+        return None
+    found: list[tuple[int, int, str]] = []
+    i = _ws(s, i + 1)
+    if s[i] == "}":
+        return (found, i) if not s[i + 1:].strip(_WS) else None
+    while True:
+        if s[i] != '"':
+            return None
+        name, i = scanstring(s, i + 1)
+        i = _ws(s, i)
+        if s[i] != ":":
+            return None
+        start = _ws(s, i + 1)
+        _, end = _scan(s, start)
+        if name in FIELDS:
+            found.append((start, end, name))
+        i = _ws(s, end)
+        if s[i] == ",":
+            i = _ws(s, i + 1)
+            continue
+        if s[i] == "}" and not s[i + 1:].strip(_WS):
+            return found, i
+        return None
+
+
+def _ws(s: str, i: int) -> int:
+    while s[i] in _WS:
+        i += 1
+    return i
 
 
 _SPLICED = re.compile(rb'(,?)"id_slot":\d+,"cache_prompt":(?:true|false)\}\s*$')

@@ -66,15 +66,30 @@ def test_another_root_or_other_top_level_fields_are_not_recognised():
     assert idx.match("/chat/completions", raw(body(extra=1))) is None  # another path: its own shape
 
 
-def test_a_client_slot_among_the_new_bytes_takes_the_full_parse():
+def test_only_whole_new_messages_are_taken():
     idx, _ = learned(body())
     b = body(extra=1)
     b["messages"].append({"role": "user", "content": [{"type": "text", "text": "x", "id_slot": 2}]})
-    assert idx.match(CHAT, raw(b)) is None
-    b["messages"][-1] = {"role": "user", "content": "quoting \"id_slot\" in text is fine"}
-    assert idx.match(CHAT, raw(b)) is not None  # escaped in a JSON string: cannot be a key
-    odd = raw(body(extra=1)).replace(b'], "tools"', b'], "cache_prompt": false, "x": [1], "tools"')
-    assert idx.match(CHAT, odd) is None  # a top-level key smuggled between the messages and the tail
+    assert idx.match(CHAT, raw(b)) is not None  # inside a message a key is the message's, not the body's
+    b["messages"].append({"role": "user", "content": "quoting \"id_slot\" in text is fine"})
+    assert idx.match(CHAT, raw(b)) is not None
+    idx, _ = learned(body())
+    tail = b', "tools"'
+    for smuggled in (b'], "cache_prompt": false, "x": [1], "tools"',  # a top-level key between messages and tail
+                     b', {"role": "user"}], "tools": [], "stream": true, "x": [', b', {"role": "user", ], "tools"',
+                     b', {"role": "user", "content": "x"} {"a": 1}], "tools"', b', "text"], "tools"'):
+        assert idx.match(CHAT, raw(body(extra=1)).replace(b"]" + tail, smuggled, 1)) is None, smuggled
+    escaped = raw(body(extra=1)).replace(b'"step 0"', b'"step 0", "id\\u005fslot": 3')
+    assert idx.match(CHAT, escaped) is None  # any escape in the new bytes: the full parse decides
+
+
+def test_edited_history_is_not_taken():
+    idx, _ = learned(body(extra=2))
+    assert idx.match(CHAT, raw(body(extra=3))) is not None
+    edited = body(extra=3)
+    edited["messages"][2]["content"] = "step 0, rewritten"
+    assert idx.match(CHAT, raw(edited)) is None
+    assert idx.match(CHAT, raw(body(extra=1))) is None  # shorter than last time: not a continuation
 
 
 def test_multibyte_text_before_the_first_user_message():
@@ -136,12 +151,32 @@ def test_a_match_always_names_the_session_the_full_parse_would(system, first, la
     idx = ShapeIndex()
     idx.learn(CHAT, raw(b1, **dump), sess.resolve({}, b1, CHAT), False)  # None when the head is too short
     b2 = json.loads(json.dumps(b1))
-    b2["messages"] += [{"role": "assistant", "content": t} for t in later]
+    added = [{"role": "assistant", "content": t} for t in later]
+    b2["messages"] += added
     b3 = body(first=other_first, system=system or "s", tools_first=tools_first)
     for b in (b2, b3):
         shape = idx.match(CHAT, raw(b, **dump))
         if shape is not None:
             assert shape.key == sess.resolve({}, b, CHAT)
             assert "id_slot" not in b and "cache_prompt" not in b
-    if len(idx):
+    if len(idx) and b"\\u" not in json.dumps(added, **dump).encode():  # type: ignore[arg-type]
         assert idx.match(CHAT, raw(b2, **dump)) is not None  # appending messages never loses the session
+
+
+FRAGMENTS = [b",", b" ", b"{", b"}", b"[", b"]", b":", b"3", b"null", b'"a"', b'"id_slot"', b'"cache_prompt"',
+             b'"tools"', b"\\u005f", b'"role"', b'"user"', b'{"role": "user", "content": "x"}', b"\xff"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(junk=s.lists(s.sampled_from(FRAGMENTS), max_size=12).map(b"".join), where=s.sampled_from(["end", "mid"]))
+def test_arbitrary_bytes_between_a_known_head_and_tail_are_taken_only_when_the_full_parse_agrees(junk, where):
+    """Fast path ≡ full parse: whatever sits between a known session's head and tail, a match means the body
+    is valid JSON with the learned top-level fields (no client id_slot/cache_prompt) and the same session."""
+    idx, key = learned(body())
+    good = raw(body(extra=1))
+    cut = good.index(b'], "tools"') if where == "end" else good.index(b', {"role": "assistant"')
+    candidate = good[:cut] + junk + good[cut:]
+    shape = idx.match(CHAT, candidate)
+    if shape is not None:
+        parsed = json.loads(candidate)
+        assert list(parsed) == list(body()) and sess.resolve({}, parsed, CHAT) == key

@@ -79,3 +79,33 @@ def test_splice_appends_and_unsplice_restores():
     assert unsplice(b'{"id_slot":1,"cache_prompt":true}') == b"{}"
     assert splice(b'{"id_slot": 9}', {"id_slot": 9}, pin({"id_slot": 9}, 1, 4)) is None  # dumps instead
     assert unsplice(b'{"a": 1}') is None
+
+
+@pytest.mark.parametrize(("raw", "expected"), [
+    (b'{"id_slot": 3, "messages": []}', {"id_slot": 1, "messages": [], "cache_prompt": True}),
+    (b'{"cache_prompt": false}', {"cache_prompt": False, "id_slot": 1}),
+    (b'{"id\\u005fslot": 3, "x": 1e400}', {"id_slot": 1, "x": float("inf"), "cache_prompt": True}),
+    (b'{"id_slot": 3, "id_slot": "x", "cache_prompt": null}', {"id_slot": 1, "cache_prompt": True}),
+])
+def test_set_fields_edits_the_clients_bytes_in_place(raw, expected):
+    from slotlogic.rewrite import set_fields
+
+    body = json.loads(raw)
+    out = set_fields(raw, pin(body, 1, 4, override_client=True))
+    assert json.loads(out) == expected
+    def keys(data: bytes) -> list[str]:
+        return json.loads(data, object_pairs_hook=lambda pairs: [k for k, _ in pairs])
+
+    added = [k for k in ("id_slot", "cache_prompt") if k not in body]
+    assert keys(out) == keys(raw) + added  # repeated keys all edited, none added twice
+    if b"1e400" in raw:
+        assert b"1e400" in out and b"Infinity" not in out  # never re-serialised
+
+
+def test_set_fields_keeps_a_lone_surrogate_as_the_client_sent_it():
+    from slotlogic.rewrite import set_fields
+
+    raw = b'{"messages": [{"role": "user", "content": "TOP SECRET \\ud800"}], "id_slot": 2}'
+    out = set_fields(raw, pin(json.loads(raw), 1, 4, override_client=True))
+    assert out == raw.replace(b'"id_slot": 2', b'"id_slot": 1')[:-1] + b',"cache_prompt":true}'
+    assert set_fields(b"[1]", pin({}, 1, 4)) is None and set_fields(b'{"a":1} x', pin({}, 1, 4)) is None
