@@ -34,13 +34,13 @@ CALL = '<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{}"}}}}\n<
 
 @pytest.fixture(scope="module")
 def smol() -> Iterator[str]:
-    with LlamaServer(slots=1, ctx_per_slot=4096) as srv:
+    with LlamaServer(slots=1, ctx_per_slot=4096, threads=1) as srv:
         yield srv.url
 
 
 @pytest.fixture(scope="module")
 def hermes() -> Iterator[str]:
-    with HermesServer(slots=1, ctx_per_slot=4096) as srv:
+    with HermesServer(slots=1, ctx_per_slot=4096, threads=1) as srv:
         yield srv.url
 
 
@@ -181,7 +181,7 @@ def test_a_wrong_translation_is_caught(smol: str) -> None:
 
 def test_forced_tool_calls(hermes: str) -> None:
     def ask(text: str, **kw: Any) -> dict[str, Any]:
-        return {**BASE, "max_tokens": 80, "tools": TOOLS,
+        return {**BASE, "max_tokens": 72, "tools": TOOLS,
                 "messages": [{"role": "user", "content": "Repeat exactly:\n" + text}], **kw}
 
     one = same_answers(hermes, ask(CALL.format("Paris"), tool_choice={"type": "any"}))
