@@ -20,7 +20,7 @@ import pytest
 
 from launch.llama_server import LlamaServer
 from slotlogic import anthropic as A
-from tests.hermes_server import HermesServer
+from tests.hermes_server import THINK_TEMPLATE, HermesServer
 from tests.test_anthropic import assemble, parse_sse
 
 pytestmark = pytest.mark.real
@@ -41,6 +41,12 @@ def smol() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def hermes() -> Iterator[str]:
     with HermesServer(slots=1, ctx_per_slot=4096, threads=1) as srv:
+        yield srv.url
+
+
+@pytest.fixture(scope="module")
+def thinker() -> Iterator[str]:
+    with HermesServer(THINK_TEMPLATE, slots=1, ctx_per_slot=4096, threads=1) as srv:
         yield srv.url
 
 
@@ -194,3 +200,20 @@ def test_forced_tool_calls(hermes: str) -> None:
     # no block at all (its streaming parser holds the unfinished call back). Both routes alike.
     cut = same_answers(hermes, ask(CALL.format("Oslo"), max_tokens=10), stream_as_message=False)
     assert cut["stop_reason"] == "max_tokens" and cut["content"][0]["type"] == "text" and cut["_streamed"] == []
+
+
+def test_thinking_output(thinker: str) -> None:
+    """The template opens `<think>`, so the server parses the output as reasoning: thinking blocks and
+    signature deltas, with and without tools offered. (The model does not leave the reasoning for a tool
+    call here, so thinking followed by tool_use is covered by the unit tests only.)"""
+    def ask(text: str, **kw: Any) -> dict[str, Any]:
+        return {**BASE, "max_tokens": 60,
+                "messages": [{"role": "user", "content": "Repeat exactly:\n" + text}], **kw}
+
+    cut = same_answers(thinker, ask("Hello there.", max_tokens=6))
+    assert [b["type"] for b in cut["content"]] == ["thinking"] and cut["stop_reason"] == "max_tokens"
+    done = same_answers(thinker, ask("I think. </think>\nHello"))
+    assert done["content"][0]["type"] == "thinking" and done["stop_reason"] == "end_turn"
+    tool = same_answers(thinker, ask("Weather. </think>\n" + CALL.format("Paris"), tools=TOOLS,
+                                    tool_choice={"type": "any"}))
+    assert tool["content"][0]["type"] == "thinking"
