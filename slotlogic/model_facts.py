@@ -3,11 +3,13 @@
 Why: llama-server can only roll a slot back to an earlier token if every layer still holds that token's
 state. Sliding-window (SWA) layers keep only the last `window` tokens, recurrent layers (Mamba, RWKV, the
 linear-attention halves of hybrids) keep one running state and nothing per token. For such models
-llama-server reuses a diverging prefix only from *context checkpoints* it keeps in RAM per slot, and a slot
-file (`/slots/N?action=save|restore`) carries none of them: after a restore it logs "forcing full prompt
-re-processing due to lack of cache data" and prefills everything again (llama.cpp issues #25913, #27813).
-Prefix checkpoints and session pages are then disk writes that never pay back, so the proxy keeps them off
-and says which llama-server flag would change that.
+llama-server reuses a diverging prefix only from *context checkpoints* it keeps in RAM per slot, and an
+upstream slot file (`/slots/N?action=save|restore`) carries none of them: after a restore it logs "forcing
+full prompt re-processing due to lack of cache data" and prefills everything again (llama.cpp issues #25913,
+#27813). Prefix checkpoints and session pages are then disk writes that never pay back, so the proxy keeps
+them off and says which llama-server flag would change that. Builds that append the checkpoints to the
+file (PRs #20819/#26004 propose it; the Oct 2026 xllamacpp wheel does it) do resume:
+`file_has_checkpoints` recognises such a file from the size llama-server reports for it.
 
 Rule 1: pure and stdlib only. Input is the header's key/value mapping (`drivers/gguf_io.read_metadata`
         produces it); output is typed facts (`ModelFacts`), a typed verdict (`Reuse`) and log lines that
@@ -245,10 +247,21 @@ class ModelFacts:
                     total += cells * meta + 16 + sum(header + cells * self._row_bytes(i, cache_type_k, cache_type_v)
                                                      for i in group)
         if self.n_recurrent_layers:
-            total += 4
-            if n:
-                total += meta + 8 + self.n_recurrent_layers * 24 + self.recurrent_state_bytes()
+            total += 4                         # cell count: one cell, the sequence's running state
+            if n:                              # pos + n_seq_id (no ids for one sequence), s_trans, n_layer
+                total += 8 + 8 + self.n_recurrent_layers * 24 + self.recurrent_state_bytes()
         return total
+
+    def file_has_checkpoints(self, n_saved: int, n_written: int, n_streams: int = 1) -> bool:
+        """Whether a slot file is longer than its KV data: the server appended its context checkpoints.
+
+        Upstream llama-server (server-context.cpp, Aug 2026) writes only the sequence state; builds with
+        checkpoint persistence (as PRs #20819/#26004 propose; the Oct 2026 xllamacpp wheel does it) append
+        them after it, and `n_written` counts them. A file without them cannot roll back on an SWA or
+        recurrent model, so a restore of it does not resume.
+        """
+        slack = 64 + 4 * max(1, n_streams)
+        return n_written - self.slot_file_bytes(n_saved, n_streams=n_streams) > slack
 
     def slot_file_bytes_per_1k_tokens(self, cache_type_k: str = "f16", cache_type_v: str = "f16",
                                       n_tokens: int = 1000) -> float:
@@ -273,15 +286,18 @@ class ModelFacts:
                          flags_for_reuse=("--swa-full",), issues=("llama.cpp PR #13194", "#25913"))
         return Reuse(ReuseKind.FULL)
 
-    def restore_helps(self, swa_full: bool | None = None) -> bool:
+    def restore_helps(self, swa_full: bool | None = None, checkpoints_in_files: bool | None = None) -> bool:
         """Whether a restored slot file can resume (saves prefill) on a server with this model.
 
-        `swa_full`: whether llama-server runs with --swa-full; None when unknown (then an SWA model is
-        assumed to run without it, llama-server's default). UNKNOWN models keep the old behaviour (True).
+        `swa_full`: llama-server runs with --swa-full. `checkpoints_in_files`: its slot files carry the
+        context checkpoints (see `file_has_checkpoints`). None means unknown and is read as llama-server's
+        default (no --swa-full; upstream writes no checkpoints). UNKNOWN models keep the old behaviour (True).
         """
         kind = self.prefix_reuse().kind
         if kind is ReuseKind.NEEDS_SWA_FULL:
-            return swa_full is True
+            return swa_full is True or checkpoints_in_files is True
+        if kind is ReuseKind.CHECKPOINTS_ONLY:
+            return checkpoints_in_files is True
         return kind in (ReuseKind.FULL, ReuseKind.UNKNOWN)
 
     def matches_server(self, meta: Mapping[str, Any]) -> bool | None:
@@ -531,7 +547,8 @@ def _dims(facts: ModelFacts) -> str:
 
 
 def describe(facts: ModelFacts, *, cache_type_k: str = "f16", cache_type_v: str = "f16", n_ctx: int | None = None,
-             swa_full: bool | None = None, files_wanted: bool = True) -> list[str]:
+             swa_full: bool | None = None, checkpoints_in_files: bool | None = None,
+             files_wanted: bool = True) -> list[str]:
     """Start-up log lines for the model: shape, cost per token, and what that means for slot files.
 
     Only names and numbers (architecture, counts, sizes, flags); never prompt text. `files_wanted`: the
@@ -563,7 +580,9 @@ def describe(facts: ModelFacts, *, cache_type_k: str = "f16", cache_type_v: str 
         shape += " (layout not fully modelled: rough)"
     lines = [shape]
     kind = reuse.kind
-    restore_ok = facts.restore_helps(swa_full)
+    restore_ok = facts.restore_helps(swa_full, checkpoints_in_files)
+    persisted = ("; this llama-server writes its checkpoints into slot files, so a restored file resumes from "
+                 "the newest one before the divergence") if checkpoints_in_files else ""
     if kind is ReuseKind.FULL:
         lines[0] += "; prefixes reusable"
     elif kind is ReuseKind.NEEDS_SWA_FULL:
@@ -575,17 +594,22 @@ def describe(facts: ModelFacts, *, cache_type_k: str = "f16", cache_type_v: str 
                          f"--swa-full (~{_size(full_cost)} KV per token): prefixes reusable, a restored slot file "
                          f"resumes when the conversation diverges within its last {facts.window} tokens")
         else:
-            lines.append(f"{what} {facts.window} on {facts.n_swa_layers} of {total} layers: prefixes beyond the "
-                         "window are reusable only from llama-server's in-RAM context checkpoints, and a restored "
-                         "slot file cannot resume, unless llama-server runs with --swa-full "
-                         f"(then ~{_size(facts.kv_bytes_per_token(cache_type_k, cache_type_v, n_ctx, swa_full=True))}"
-                         " KV per token)")
+            full_cost = facts.kv_bytes_per_token(cache_type_k, cache_type_v, n_ctx, swa_full=True)
+            if checkpoints_in_files:
+                lines.append(f"{what} {facts.window} on {facts.n_swa_layers} of {total} layers: prefixes beyond "
+                             f"the window are reusable only from llama-server's context checkpoints{persisted}")
+            else:
+                lines.append(f"{what} {facts.window} on {facts.n_swa_layers} of {total} layers: prefixes beyond "
+                             "the window are reusable only from llama-server's in-RAM context checkpoints, and a "
+                             "restored slot file cannot resume, unless llama-server runs with --swa-full "
+                             f"(then ~{_size(full_cost)} KV per token)")
     elif kind is ReuseKind.CHECKPOINTS_ONLY:
         lines.append(f"recurrent state in {facts.n_recurrent_layers} of {facts.block_count} layers: a prefix is "
                      "reusable only from llama-server's in-RAM context checkpoints (--ctx-checkpoints, default "
                      f"{DEFAULT_CTX_CHECKPOINTS}; --checkpoint-min-step, default {DEFAULT_CHECKPOINT_MIN_STEP}); "
-                     "slot files carry none, so a restored file cannot resume (llama.cpp #25913, #27813; "
-                     "PRs #20819, #26004 would fix it)")
+                     + (persisted[2:] if checkpoints_in_files else
+                        "upstream slot files carry none, so a restored file cannot resume (llama.cpp #25913, "
+                        "#27813; PRs #20819, #26004 would fix it)"))
     if files_wanted and not restore_ok:
         fix = (" (start llama-server with " + " ".join(reuse.flags_for_restore) +
                " and tell the proxy so)") if reuse.restore_fixable and reuse.flags_for_restore else ""

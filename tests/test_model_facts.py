@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from drivers import gguf_io
 from launch.llama_server import LlamaServer, model_path
 from slotlogic.model_facts import ModelFacts, ReuseKind, describe
+from tests import tiny_models
 
 
 def write_gguf(path: Path, arch: str, fill: Callable[[gguf.GGUFWriter], None], *, vocab: int = 0) -> Path:
@@ -102,6 +103,10 @@ def test_gemma3_style_sliding_window_needs_swa_full(tmp_path):
     assert lines[2] == ("checkpoint and page files stay off: a restore could not resume "
                         "(start llama-server with --swa-full and tell the proxy so)")
     assert len(describe(f, swa_full=True)) == 2 and "runs with --swa-full" in describe(f, swa_full=True)[1]
+    assert f.restore_helps(False, checkpoints_in_files=True) and len(describe(f, checkpoints_in_files=True)) == 2
+    # a file longer than its KV data carries checkpoints; one of exactly that size does not
+    assert not f.file_has_checkpoints(300, f.slot_file_bytes(300))
+    assert f.file_has_checkpoints(300, f.slot_file_bytes(300) + 12 + 40 + 5000)
     assert len(describe(f, files_wanted=False)) == 2
 
 
@@ -173,7 +178,14 @@ def test_hybrid_model_reuses_only_from_checkpoints(tmp_path):
     assert "recurrent state per sequence" in lines[0]
     assert lines[1].startswith("recurrent state in 6 of 8 layers: a prefix is reusable only from llama-server's "
                                "in-RAM context checkpoints (--ctx-checkpoints, default 32;")
+    assert "upstream slot files carry none, so a restored file cannot resume (llama.cpp #25913" in lines[1]
     assert lines[2] == "checkpoint and page files stay off: a restore could not resume"
+    # a server whose slot files carry the checkpoints: restores resume, files stay on
+    assert f.restore_helps(None, checkpoints_in_files=True)
+    persisted = describe(f, checkpoints_in_files=True)
+    assert len(persisted) == 2 and persisted[1].endswith(
+        "this llama-server writes its checkpoints into slot files, so a restored file resumes from the newest "
+        "one before the divergence")
 
 
 def test_jamba_style_hybrid_marks_layers_without_kv_heads_recurrent(tmp_path):
@@ -235,6 +247,7 @@ def test_any_header_gives_facts_and_lines_without_raising(arch, kv):
     assert isinstance(describe(f), list)
     assert f.kv_bytes_per_token(n_ctx=4096) >= 0 and f.slot_file_bytes(100) > 0
     assert f.restore_helps(None) == (f.prefix_reuse().kind in (ReuseKind.FULL, ReuseKind.UNKNOWN))
+    assert f.restore_helps(True, True) == (f.prefix_reuse().kind is not ReuseKind.NO_MEMORY)
 
 
 # --- the header reader ------------------------------------------------------------------------------------
@@ -340,3 +353,48 @@ def test_slot_file_size_estimate_matches_a_real_save(tmp_path):
     assert abs(written - estimate) / written < 0.001
     assert abs(written / n - facts.kv_bytes_per_token()) / facts.kv_bytes_per_token() < 0.02
     assert facts.matches_server(meta) is True
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("tiny")
+    return {"gemma3": tiny_models.gemma3(d / "gemma3.gguf"), "mamba": tiny_models.mamba(d / "mamba.gguf")}
+
+
+@pytest.mark.real
+@pytest.mark.parametrize(("kind", "swa_full"), [("gemma3", False), ("gemma3", True), ("mamba", False)])
+def test_restore_verdict_matches_a_real_server(tmp_path, monkeypatch, tiny, kind, swa_full):
+    """A tiny random-weight SWA (gemma3, window 32) or recurrent (mamba) model on a real llama-server: a
+    slot saved after a ~270-token prompt is restored into another slot and the prompt is extended. Whether
+    that reuses the restored tokens must be what `restore_helps` predicts from the header, --swa-full and
+    whether the file carries checkpoints (read off `n_written`)."""
+    facts, _ = gguf_io.model_facts(str(tiny[kind]))
+    assert facts is not None
+    assert facts.prefix_reuse().kind is (ReuseKind.NEEDS_SWA_FULL if kind == "gemma3" else ReuseKind.CHECKPOINTS_ONLY)
+    monkeypatch.setenv("SLOTKEEPER_MODEL", str(tiny[kind]))
+    save = tmp_path / "slots"
+    save.mkdir()
+    prompt = " ".join(f"item {i} is fine." for i in range(40))
+
+    def ask(url: str, text: str, slot: int) -> tuple[int, int]:
+        r = httpx.post(url + "/completion", timeout=120, json={"prompt": text, "n_predict": 1, "id_slot": slot,
+                                                               "cache_prompt": True, "temperature": 0})
+        r.raise_for_status()
+        return r.json()["timings"]["cache_n"], r.json()["timings"]["prompt_n"]
+
+    with LlamaServer(slots=2, ctx_per_slot=1024, slot_save_path=str(save), threads=1, swa_full=swa_full,
+                     log_path=str(tmp_path / "s.log")) as srv:
+        _, n_first = ask(srv.url, prompt, 0)
+        s = httpx.post(srv.url + "/slots/0?action=save", json={"filename": "a.bin"}, timeout=60).json()
+        r = httpx.post(srv.url + "/slots/1?action=restore", json={"filename": "a.bin"}, timeout=60)
+        r.raise_for_status()
+        cache_n, prompt_n = ask(srv.url, prompt + " And one more line.", 1)
+    carries = facts.file_has_checkpoints(s["n_saved"], s["n_written"], n_streams=2)
+    if not carries:   # then the file is the sequence state alone, and the estimate is exact
+        assert s["n_written"] == facts.slot_file_bytes(s["n_saved"], n_streams=2)
+    resumed = cache_n >= 0.9 * n_first
+    print(f"{kind} swa_full={swa_full}: n_saved={s['n_saved']} n_written={s['n_written']} "
+          f"KV estimate={facts.slot_file_bytes(s['n_saved'], n_streams=2)} checkpoints in file={carries}; "
+          f"after restore cache_n={cache_n} prompt_n={prompt_n}")
+    assert n_first > 250
+    assert resumed == facts.restore_helps(swa_full, carries)
