@@ -551,6 +551,9 @@ def describe(facts: ModelFacts, *, cache_type_k: str = "f16", cache_type_v: str 
              files_wanted: bool = True) -> list[str]:
     """Start-up log lines for the model: shape, cost per token, and what that means for slot files.
 
+    The slot-file cost per 1K tokens is that of a full slot of `n_ctx` tokens (at least 1,000), where SWA
+    layers store only their window.
+
     Only names and numbers (architecture, counts, sizes, flags); never prompt text. `files_wanted`: the
     user configured prefix checkpoints or session pages, so the last line says whether they stay on.
     """
@@ -562,11 +565,11 @@ def describe(facts: ModelFacts, *, cache_type_k: str = "f16", cache_type_v: str 
         return [f"model: {arch}: no KV cache (embedding/encoder/diffusion model): nothing for slot files to keep"]
     try:
         per_token = facts.kv_bytes_per_token(cache_type_k, cache_type_v, n_ctx, swa_full=bool(swa_full))
-        per_1k = facts.slot_file_bytes_per_1k_tokens(cache_type_k, cache_type_v)
+        per_1k = facts.slot_file_bytes_per_1k_tokens(cache_type_k, cache_type_v, n_tokens=max(1000, n_ctx or 0))
     except ValueError:
         cache_type_k = cache_type_v = "f16"
         per_token = facts.kv_bytes_per_token(n_ctx=n_ctx, swa_full=bool(swa_full))
-        per_1k = facts.slot_file_bytes_per_1k_tokens()
+        per_1k = facts.slot_file_bytes_per_1k_tokens(n_tokens=max(1000, n_ctx or 0))
     types = cache_type_k if cache_type_k == cache_type_v else f"K {cache_type_k}, V {cache_type_v}"
     shape = f"model: {arch}, {facts.block_count} layers"
     if facts.n_recurrent_layers:
