@@ -57,6 +57,7 @@ class ServerConfig:
     threads: int = 2
     sps: float | None = None  # --slot-prompt-similarity; None keeps the server default (0.10)
     cache_ram_mib: int | None = None
+    swa_full: bool = False  # --swa-full: full-size cache for sliding-window layers (SWA models only)
     extra: list[str] = field(default_factory=list)
 
     def binary_argv(self, binary: str) -> list[str]:
@@ -70,6 +71,8 @@ class ServerConfig:
             argv += ["-sps", str(self.sps)]
         if self.cache_ram_mib is not None:
             argv += ["--cache-ram", str(self.cache_ram_mib)]
+        if self.swa_full:
+            argv += ["--swa-full"]
         return argv + self.extra
 
     def total_ctx(self) -> int:
@@ -87,6 +90,8 @@ class ServerConfig:
             argv += ["--sps", str(self.sps)]
         if self.cache_ram_mib is not None:
             argv += ["--cache-ram", str(self.cache_ram_mib)]
+        if self.swa_full:
+            argv += ["--swa-full"]
         return argv
 
 
@@ -109,6 +114,7 @@ def serve_embedded(cfg: ServerConfig) -> None:
         p.slot_prompt_similarity = cfg.sps
     if cfg.cache_ram_mib is not None:
         p.cache_ram_mib = cfg.cache_ram_mib
+    p.swa_full = cfg.swa_full
     server = xllamacpp.Server(p)
     print(f"llama-server (xllamacpp) listening on {server.listening_address}", flush=True)
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
@@ -181,10 +187,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-unified", action="store_true")
     ap.add_argument("--sps", type=float)
     ap.add_argument("--cache-ram", type=int)
+    ap.add_argument("--swa-full", action="store_true")
     a = ap.parse_args(argv)
     cfg = ServerConfig(port=a.port, slots=a.slots, ctx_per_slot=a.ctx_per_slot, threads=a.threads,
                        slot_save_path=a.slot_save_path, kv_unified=a.kv_unified, sps=a.sps,
-                       cache_ram_mib=a.cache_ram)
+                       cache_ram_mib=a.cache_ram, swa_full=a.swa_full)
     binary = os.environ.get("LLAMA_SERVER_BIN")
     if binary:
         os.execv(binary, cfg.binary_argv(binary))
