@@ -40,6 +40,7 @@ from slotlogic.events import (
     Event,
     Failed,
     IdleSlotsCleared,
+    MessagesProbed,
     NoPrefixMarker,
     NoSavePath,
     NoSlotsEndpoint,
@@ -49,10 +50,11 @@ from slotlogic.events import (
 from slotlogic.keeper import Keeper
 from slotlogic.paging import PagePlan
 from slotlogic.ranking import SlotView
-from slotlogic.server import ServerInfo
-from slotlogic.settings import CheckpointMode, Settings
+from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
+from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
 
 Emit = Callable[[Event], None]
+PROBE_TIMEOUT = 30.0
 
 
 class Upstream:
@@ -118,6 +120,8 @@ class Upstream:
         decision = self.keeper.request(facts)
         if isinstance(decision, NeedSlot):
             decision = await self._place(decision, facts, flow_id)
+        if isinstance(decision, Pin) and decision.ticket.translated:
+            self._probe_messages_once()
         if self.keeper.table.dirty:
             self.kick()
         return decision
@@ -230,6 +234,47 @@ class Upstream:
         if self.pages is not None:
             self.pages.unlock(flow_id)
 
+    def _probe_messages_once(self) -> None:
+        if not self.offline and self.keeper.messages_native is None and "messages-probe" not in self.warned:
+            self.warned.add("messages-probe")
+            self._spawn(self.probe_messages())
+
+    def start(self) -> None:
+        """At proxy start, before clients come: what can only be learned while the slots are empty."""
+        self._probe_messages_once()
+
+    async def probe_messages(self) -> bool | None:
+        """Whether the server honours `id_slot` on `/v1/messages` (upstream PR #26758): while every slot is
+        empty (at start, after a restart), two one-token requests pinned to slot 0, and `/slots` says which slot
+        ran each; a server that ignores the field puts them on its LRU choice, the highest empty slot. Unknown
+        (slots in use, other traffic): tried again later; meanwhile requests are translated, which is always
+        correct."""
+        if self.settings.anthropic is not AnthropicMode.TRANSLATE:
+            return None
+        honoured: bool | None = None
+        before = await self.client.slots()
+        target = probe_slot(before) if before is not None else None
+        if before is not None and target is not None:
+            honoured = True
+            body = {"max_tokens": 1, "messages": [{"role": "user", "content": "ok"}], "id_slot": target}
+            for _ in range(2):
+                status, _ = await self.client.post_json("/v1/messages", body, PROBE_TIMEOUT)
+                after = await self.client.slots()
+                ran = slot_that_ran(before, after) if status == 200 and after is not None else None
+                if ran is None:
+                    honoured = None
+                    break
+                if ran != target:
+                    honoured = False
+                    break
+                before = after
+        if honoured is None:
+            self.warned.discard("messages-probe")
+        else:
+            self.keeper.messages_probed(honoured)
+            self.emit(MessagesProbed(self.url, honoured))
+        return honoured
+
     # ------------------------------------------------------------------------------------------- answers
 
     def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float) -> Report:
@@ -326,6 +371,9 @@ class Upstream:
                 events = k.note_server(state, info)
             for event in events:
                 self.emit(event)
+            if k.messages_native is None:  # a restarted server may be another build; its slots are empty now
+                self.warned.discard("messages-probe")
+                self._probe_messages_once()
         else:
             k.server, k.total_slots = info, info.total_slots
 

@@ -86,9 +86,11 @@ def request_facts(flow: Any) -> RequestFacts:
 
 
 def apply(flow: Any, decision: Decision) -> None:
-    """The decision's body onto the request (nothing else about the request changes)."""
+    """The decision's body (and, for a translated request, its route) onto the request."""
     if isinstance(decision, Pin | Observe) and decision.body is not None:
         set_content(flow.request, decision.body)
+    if isinstance(decision, Pin) and decision.path is not None:
+        flow.request.path = decision.path
 
 
 def response_body(response: Any) -> bytes:

@@ -21,7 +21,7 @@ from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 from drivers.store_file import default_state_dir
 from mitm import flows
 from mitm.runtime import Open, Runtime, guarded
-from mitm.sse_tap import SSETap
+from mitm.sse_tap import SSETap, TranslatingTap
 from slotlogic import prefix as pfx
 from slotlogic import session as sess
 from slotlogic import sidecalls
@@ -29,7 +29,7 @@ from slotlogic.answers import Observation, StreamObserver, observe_json
 from slotlogic.decisions import Forward, Observe, Pin
 from slotlogic.events import Failed, PassedThrough, Stage
 from slotlogic.ranking import Policy
-from slotlogic.settings import CheckpointMode, Settings
+from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
 
 log = logging.getLogger("slotkeeper")
 
@@ -84,6 +84,11 @@ class Pinning:
                           "Cleanup always keeps this many most recently used checkpoint files.")
         loader.add_option("slots_checkpoint_max_mb", int, 0,
                           "Cap on checkpoint files in slots_save_dir (0 = no cap); the oldest go first.")
+        loader.add_option("slots_anthropic", str, "translate",
+                          "Anthropic /v1/messages requests (Claude Code): translate (send as a pinned chat "
+                          "completion and convert the answer back; switches to native by itself when the server "
+                          "honours id_slot there), native (pass through with id_slot added), off (observe only).",
+                          choices=[m.value for m in AnthropicMode])
         loader.add_option("slots_keep_streams", bool, False,
                           "Keep a copy of streamed SSE bodies in the flow (for -w recordings, mitmweb and "
                           "server replay on mitmproxy 11; on 12.x store_streamed_bodies does the same).")
@@ -99,19 +104,19 @@ class Pinning:
     async def request(self, flow: http.HTTPFlow) -> None:
         if (flow.live and (flow.response or flow.error)) or flow.request.method != "POST":
             return  # answered already (the local API), or a saved flow (-nr) that carries its answer
-        original = flow.request.raw_content, flow.request.headers.fields
+        original = flow.request.raw_content, flow.request.headers.fields, flow.request.path
         upstream = self.rt.upstream(flows.upstream_url(flow), live=flow.live)
         try:
             decision = await upstream.decide(flows.request_facts(flow), flow.id)
             flows.apply(flow, decision)
         except Exception as e:  # fail open: the original request goes out untouched
-            flow.request.raw_content, flow.request.headers.fields = original
+            flow.request.raw_content, flow.request.headers.fields, flow.request.path = original
             upstream.unlock(flow.id)
             self.rt.emit(Failed(upstream.url, Stage.REQUEST, type(e).__name__, flow.request.method,
                                 flow.request.path))
             return
         if isinstance(decision, Pin | Observe):
-            self.rt.open[flow.id] = Open(decision.ticket, upstream, time.monotonic())
+            self.rt.open[flow.id] = Open(decision.ticket, upstream, time.monotonic(), original[2])
         elif isinstance(decision, Forward) and decision.completion_route:
             self.rt.emit(PassedThrough(upstream.url, flow.request.method, flow.request.path, decision.reason))
 
@@ -124,16 +129,24 @@ class Pinning:
         # A streamed response has no body yet; a saved flow's body is already here (read in `response`).
         if flow.live and flows.is_sse(flow.response) and not flow.response.raw_content:
             req.stream = StreamObserver()
-            flow.response.stream = SSETap(req.stream, self._keeper_of(flow.response) if
-                                          req.upstream.settings.keep_streams else None,
-                                          on_error=self._stream_error(req.upstream.url))
+            keep = self._keeper_of(flow.response) if req.upstream.settings.keep_streams else None
+            on_error = self._stream_error(req.upstream.url)
+            converter = req.upstream.keeper.answer_stream(req.ticket)
+            flow.response.stream = (SSETap(req.stream, keep, on_error=on_error) if converter is None
+                                    else TranslatingTap(req.stream, converter, keep, on_error=on_error))
 
     @guarded(Stage.RESPONSE)
     def response(self, flow: http.HTTPFlow) -> None:
         req = self.rt.open.pop(flow.id, None)
         if req is None or flow.response is None:
             return
-        self._finish(flow, req, observe_response(flow.response, req.stream))
+        obs = observe_response(flow.response, req.stream)
+        if req.stream is None and flow.live and flow.response.raw_content is not None:
+            answer = req.upstream.keeper.answer_body(req.ticket, flow.response.status_code,
+                                                     flows.response_body(flow.response))
+            if answer is not None:
+                flow.response.content = answer  # a translated request: the native route's answer
+        self._finish(flow, req, obs)
 
     @guarded(Stage.RESPONSE)
     def error(self, flow: http.HTTPFlow) -> None:
@@ -145,6 +158,10 @@ class Pinning:
         obs.error_type = obs.error_type or "transport"
         self._finish(flow, req, obs)
 
+    def running(self) -> None:
+        for url in self.rt.fronted:
+            self.rt.upstream(url).start()
+
     def done(self) -> None:
         for up in self.rt.all_upstreams():
             up.close_sync()
@@ -152,8 +169,7 @@ class Pinning:
     # ------------------------------------------------------------------------------------------- helpers
 
     def _finish(self, flow: http.HTTPFlow, req: Open, obs: Observation) -> None:
-        report = req.upstream.answered(req.ticket, obs, path=flow.request.path,
-                                       seconds=time.monotonic() - req.started)
+        report = req.upstream.answered(req.ticket, obs, path=req.path, seconds=time.monotonic() - req.started)
         flow.metadata["slotkeeper"] = report.metadata
         self.rt.finished(flow.id, report)
 
@@ -164,7 +180,7 @@ class Pinning:
         return keep
 
     def _stream_error(self, url: str) -> Any:
-        stages = {"observer": Stage.OBSERVER, "copy": Stage.STREAM_COPY}
+        stages = {"observer": Stage.OBSERVER, "copy": Stage.STREAM_COPY, "convert": Stage.CONVERT}
 
         def on_error(part: str, kind: str) -> None:
             self.rt.emit(Failed(url, stages[part], kind))
@@ -217,6 +233,11 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
             f"slots_prefix_cache must be off, memory or disk, not {o.slots_prefix_cache!r}") from None
     if save_dir and (mode is CheckpointMode.DISK or o.slots_paging) and not os.path.isdir(save_dir):
         raise exceptions.OptionsError(f"slots_save_dir {o.slots_save_dir!r} is not a directory")
+    try:
+        anthropic_mode = AnthropicMode(o.slots_anthropic)
+    except ValueError:
+        raise exceptions.OptionsError(
+            f"slots_anthropic must be translate, native or off, not {o.slots_anthropic!r}") from None
     if o.slots_page_max_mb < 1:
         raise exceptions.OptionsError("slots_page_max_mb must be ≥ 1 (turn paging off with slots_paging)")
     if min(o.slots_checkpoint_ttl_days, o.slots_checkpoint_keep, o.slots_checkpoint_max_mb) < 0:
@@ -228,7 +249,7 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
         page_max_bytes=o.slots_page_max_mb << 20, server_id=o.slots_server_id,
         checkpoint_ttl_days=float(o.slots_checkpoint_ttl_days), checkpoint_keep=o.slots_checkpoint_keep,
         checkpoint_max_bytes=o.slots_checkpoint_max_mb << 20, probe_interval=float(o.slots_probe_interval),
-        keep_streams=o.slots_keep_streams)
+        keep_streams=o.slots_keep_streams, anthropic=anthropic_mode)
     state_dir = Path(o.slots_state_dir).expanduser() if o.slots_state_dir else default_state_dir()
     return settings, state_dir
 

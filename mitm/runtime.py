@@ -37,6 +37,7 @@ class Open:
     ticket: Ticket
     upstream: Upstream
     started: float
+    path: str                          # as the client sent it (a translated request goes elsewhere)
     stream: StreamObserver | None = None
 
 

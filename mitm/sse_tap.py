@@ -1,8 +1,8 @@
-"""The stream callable set in `responseheaders`: observes SSE events and returns every chunk unchanged.
+"""The stream callables set in `responseheaders`: observe SSE events and pass the stream on, chunk by chunk.
 
-mitmproxy calls it synchronously on the event loop for every chunk as it arrives, and once more with b""
-at the end. An exception inside it would make mitmproxy drop that chunk (docs/mitmproxy.md), so nothing
-escapes: a failing observer is switched off and the stream goes on.
+mitmproxy calls them synchronously on the event loop for every chunk as it arrives, and once more with b""
+at the end. An exception inside would make mitmproxy drop that chunk (docs/mitmproxy.md), so nothing
+escapes: a failing part is switched off and the stream goes on.
 """
 
 from __future__ import annotations
@@ -11,12 +11,16 @@ import contextlib
 from collections.abc import Callable
 
 from slotlogic.answers import StreamObserver
+from slotlogic.anthropic import StreamConverter
+
+CONVERT_ERROR = (b'event: error\ndata: {"type":"error","error":{"type":"api_error",'
+                 b'"message":"slotkeeper could not convert the answer"}}\n\n')
 
 
 class SSETap:
-    """With `keep` set, a copy of the body is handed to `keep` at the end of the stream, so `-w` recordings,
-    mitmweb and server replay have it on mitmproxy 11 (12.x has `store_streamed_bodies` for this).
-    `on_error` gets the exception's type name once per failing part."""
+    """Returns every chunk unchanged. With `keep` set, a copy of what the client received is handed to `keep`
+    at the end of the stream, so `-w` recordings, mitmweb and server replay have it on mitmproxy 11 (12.x has
+    `store_streamed_bodies` for this). `on_error` gets (part, exception type name) once per failing part."""
 
     def __init__(self, observer: StreamObserver, keep: Callable[[bytes], None] | None = None, *,
                  on_error: Callable[[str, str], None] | None = None, max_copy: int = 16 << 20) -> None:
@@ -28,26 +32,61 @@ class SSETap:
         self.max_copy = max_copy
 
     def __call__(self, chunk: bytes) -> bytes:
+        self._observe(chunk)
+        self._keep(chunk, chunk)
+        return chunk
+
+    def _observe(self, chunk: bytes) -> None:
         if not self.failed:
             try:
                 self.observer.feed(chunk)
             except Exception as e:
                 self.failed = True
                 self._error("observer", e)
-        if self.copy is not None:
-            try:
-                if chunk:
-                    if len(self.copy) + len(chunk) <= self.max_copy:
-                        self.copy += chunk
-                elif self.keep is not None:
-                    self.keep(bytes(self.copy))
-                    self.copy = None
-            except Exception as e:
+
+    def _keep(self, chunk: bytes, sent: bytes) -> None:
+        if self.copy is None:
+            return
+        try:
+            if sent and len(self.copy) + len(sent) <= self.max_copy:
+                self.copy += sent
+            if not chunk and self.keep is not None:
+                self.keep(bytes(self.copy))
                 self.copy = None
-                self._error("copy", e)
-        return chunk
+        except Exception as e:
+            self.copy = None
+            self._error("copy", e)
 
     def _error(self, part: str, e: Exception) -> None:
         if self.on_error is not None:
             with contextlib.suppress(Exception):  # nothing may escape the stream callable
                 self.on_error(part, type(e).__name__)
+
+
+class TranslatingTap(SSETap):
+    """The stream callable of a translated Anthropic request: observes the chat route's events as `SSETap`
+    does and returns, for each event as soon as it is complete, what the native `/v1/messages` route would
+    have sent. If the conversion ever fails, the client gets one Anthropic error event and nothing more."""
+
+    def __init__(self, observer: StreamObserver, converter: StreamConverter,
+                 keep: Callable[[bytes], None] | None = None, *,
+                 on_error: Callable[[str, str], None] | None = None, max_copy: int = 16 << 20) -> None:
+        super().__init__(observer, keep, on_error=on_error, max_copy=max_copy)
+        self.converter = converter
+        self.broken = False
+
+    def __call__(self, chunk: bytes) -> bytes:
+        self._observe(chunk)
+        sent = self._convert(chunk)
+        self._keep(chunk, sent)
+        return sent
+
+    def _convert(self, chunk: bytes) -> bytes:
+        if self.broken:
+            return b""
+        try:
+            return self.converter.feed(chunk) if chunk else self.converter.close()
+        except Exception as e:
+            self.broken = True
+            self._error("convert", e)
+            return CONVERT_ERROR

@@ -59,6 +59,7 @@ class Ticket:
     unpinned: Unpinned | None = None
     displaced: bool = False
     paged_in: bool = False
+    translated: bool = False                               # an Anthropic request sent as a chat completion
     client: dict[str, Any] = field(default_factory=dict)   # id_slot / cache_prompt as the client sent them
     facts: dict[str, Any] | None = None                    # server facts behind a new session's decision
 
@@ -83,6 +84,14 @@ class Observe:
 class Pin:
     ticket: Ticket
     body: bytes | None          # None: the body already is what goes out (the client set both fields)
+
+    @property
+    def path(self) -> str | None:
+        """The route it goes to when that is not the client's (a translated Anthropic request)."""
+        return TRANSLATED_PATH if self.ticket.translated else None
+
+
+TRANSLATED_PATH = "/v1/chat/completions"
 
 
 @dataclass(slots=True)

@@ -1,7 +1,8 @@
 """Which llama-server routes honour `id_slot` and `cache_prompt` (docs/llama-server.md).
 
-`/v1/messages` (Anthropic) copies only a whitelist of keys, so both fields are dropped there: we pass it
-through and say so instead of pretending to pin it.
+`/v1/messages` (Anthropic) copies only a list of keys, and both fields are not among them: such a request is
+pinned by sending it as a chat completion (`slotlogic/anthropic.py`), passed natively to a server that
+honours them, or observed only (`slots_anthropic`). `/v1/messages/count_tokens` is not a completion.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ PINNABLE_PATHS = frozenset({
     "/responses",
     "/infill",
 })
-UNPINNABLE_PATHS = frozenset({"/v1/messages"})
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/messages"})
 CHAT_PATHS = frozenset({"/chat/completions", "/v1/chat/completions"})
 RESPONSES_PATHS = frozenset({"/v1/responses", "/responses"})
 
 
 class Route(Enum):
     PINNABLE = "pinnable"
-    UNPINNABLE = "unpinnable"  # a completion route that ignores id_slot (Anthropic messages)
+    ANTHROPIC = "anthropic"  # Anthropic Messages: stock llama-server ignores id_slot there
     OTHER = "other"
 
 
@@ -41,6 +42,6 @@ def classify(method: str, path: str) -> Route:
     p = normalise_path(path)
     if p in PINNABLE_PATHS:
         return Route.PINNABLE
-    if p in UNPINNABLE_PATHS:
-        return Route.UNPINNABLE
+    if p in ANTHROPIC_PATHS:
+        return Route.ANTHROPIC
     return Route.OTHER

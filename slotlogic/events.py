@@ -23,6 +23,7 @@ class Stage(Enum):
     RESPONSE = "response"
     OBSERVER = "observer"              # the SSE observer inside the stream callable
     STREAM_COPY = "stream-copy"        # the kept copy of a streamed body
+    CONVERT = "convert"                # turning a translated request's streamed answer back
     LOG_FILE = "log-file"
     STATE_WRITE = "state-write"        # the coalesced flush of last-use touches
     FINAL_FLUSH = "final-flush"
@@ -188,3 +189,10 @@ class IdleSlotsCleared(Event):
     """The server empties idle slots (unified KV + --cache-idle-slots), which defeats pinning."""
 
     slot: int
+
+
+@dataclass(frozen=True)
+class MessagesProbed(Event):
+    """Whether the server honours id_slot on /v1/messages (then Anthropic requests go natively)."""
+
+    honoured: bool

@@ -24,11 +24,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from slotlogic import paging, placement, rewrite, shared, sidecalls
+from slotlogic import anthropic, paging, placement, rewrite, shared, sidecalls
 from slotlogic import prefix as pfx
 from slotlogic import session as sess
 from slotlogic.answers import Observation
 from slotlogic.decisions import (
+    TRANSLATED_PATH,
     Decision,
     Fields,
     Forward,
@@ -46,7 +47,7 @@ from slotlogic.fastpath import ShapeIndex, fields_absent
 from slotlogic.ranking import Policy, SlotView
 from slotlogic.reasons import Passed, Unpinned, Why
 from slotlogic.server import ServerInfo, slot_facts
-from slotlogic.settings import SESSION_KEEP_SECONDS, CheckpointMode, Settings
+from slotlogic.settings import SESSION_KEEP_SECONDS, AnthropicMode, CheckpointMode, Settings
 from slotlogic.stats import SessionStats
 from slotlogic.table import SessionTable
 
@@ -91,6 +92,7 @@ class Keeper:
         self.server: ServerInfo | None = None   # the last `/props` seen
         self.total_slots: int | None = None     # the last known slot count
         self.pages: dict[str, paging.PageRecord] = {}  # the page index as of the last state transaction
+        self.messages_native: bool | None = None  # the server honours id_slot on /v1/messages (probed)
         self._headers = settings.header_bytes
 
     def reconfigure(self, settings: Settings) -> None:
@@ -118,14 +120,25 @@ class Keeper:
         if not isinstance(body, dict):
             return Forward(Passed.NOT_JSON_OBJECT, completion_route=True)
         s = self.settings
-        key = sess.resolve(LowerHeaders(facts.fields), body, facts.path, header_names=s.session_headers,
+        chat = _as_chat(body) if route is Route.ANTHROPIC else None
+        # What names the session and its prefix: an Anthropic request as the chat request it renders as.
+        seen, seen_path = (body, facts.path) if chat is None else ({**chat, "metadata": body.get("metadata")},
+                                                                   TRANSLATED_PATH)
+        key = sess.resolve(LowerHeaders(facts.fields), seen, seen_path, header_names=s.session_headers,
                            known_prompts=self.marks)
         ticket = Ticket(key, route, client={k: body.get(k) for k in ("id_slot", "cache_prompt")})
         self._remember_prompt(key.key, sess.prompt_mark(body))
-        if route is Route.UNPINNABLE:
-            ticket.unpinned = Unpinned.ROUTE
-            return Observe(ticket, original)
-        ticket.side = sidecalls.is_side_call(sess.system_text(body, facts.path), s.side_patterns)
+        if route is Route.ANTHROPIC:
+            if s.anthropic is AnthropicMode.OFF:
+                ticket.unpinned = Unpinned.ROUTE
+                return Observe(ticket, original)
+            if s.anthropic is AnthropicMode.TRANSLATE and self.messages_native is not True:
+                encoded = _encoded(chat)
+                if chat is None or encoded is None:
+                    ticket.unpinned = Unpinned.UNTRANSLATABLE
+                    return Observe(ticket, original)
+                body, content, ticket.translated = chat, encoded, True
+        ticket.side = sidecalls.is_side_call(sess.system_text(seen, seen_path), s.side_patterns)
         if facts.replay is None and fields_absent(body):
             self.shapes.learn(facts.path, content, key, ticket.side)
         if s.policy is Policy.OFF:
@@ -140,10 +153,10 @@ class Keeper:
             # Another session ran on this slot since: our conversation is no longer there, so staying has no
             # value of its own; choose again, like a new session (its own slot is one of the candidates).
             ticket.displaced, displaced_from = True, live.slot
-        stable = pfx.extract(body, s.markers)
+        stable = pfx.extract(seen, s.markers)
         # What the ranking compares slot contents by: the stable prefix when there is one (windows of two
         # projects share it), else the whole system prompt + tools.
-        prefix = stable.signature if stable else sess.prefix_signature(body, facts.path)
+        prefix = stable.signature if stable else sess.prefix_signature(seen, seen_path)
         return NeedSlot(ticket, body, content, prefix, stable, displaced_from)
 
     def _recognise(self, facts: RequestFacts, route: Route) -> Decision | None:
@@ -214,6 +227,7 @@ class Keeper:
         events: list[Event] = []
         if change.restarted:
             events.append(ServerRestarted(self.upstream))
+            self.messages_native = None  # another build may be running now
             if self.settings.checkpoints is not CheckpointMode.OFF or self.settings.paging:
                 # Route every session through the slow path once, so its page or prefix is restored first.
                 self.table.forget_all()
@@ -299,6 +313,26 @@ class Keeper:
         self.stats.setdefault(key, SessionStats()).add(obs, slot, ticket.session.source)
         return Report(ticket, obs, slot, path, self.upstream, seconds)
 
+    def answer_stream(self, ticket: Ticket) -> anthropic.StreamConverter | None:
+        """What turns the streamed chat answer of a translated request back into the native route's."""
+        return anthropic.StreamConverter() if ticket.translated else None
+
+    def answer_body(self, ticket: Ticket, status: int, raw: bytes) -> bytes | None:
+        """The native route's answer for a translated request's non-streamed chat answer; None: unchanged."""
+        if not ticket.translated:
+            return None
+        if status != 200:
+            return anthropic.error_body(status, raw)
+        try:
+            answer = json.loads(raw)
+            return json.dumps(anthropic.from_chat(answer), ensure_ascii=False, separators=(",", ":")).encode()
+        except (ValueError, anthropic.TranslationError):
+            return None
+
+    def messages_probed(self, honoured: bool | None) -> None:
+        """What the probe found: whether the server honours id_slot on /v1/messages (None: unknown)."""
+        self.messages_native = honoured
+
     def warnings(self, report: Report) -> list[Event]:
         obs = report.obs
         if obs.error_type == "exceed_context_size_error":
@@ -362,6 +396,20 @@ class Keeper:
         prefix = known.prefix if known else None
         self.table.assign(key, slot, now, prefix=prefix, requests=known.requests if known else 0)
         return prefix
+
+
+def _as_chat(body: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        return anthropic.to_chat(body)
+    except anthropic.TranslationError:
+        return None
+
+
+def _encoded(chat: dict[str, Any] | None) -> bytes | None:
+    try:
+        return anthropic.encode(chat) if chat is not None else None
+    except anthropic.TranslationError:
+        return None
 
 
 def _parse(content: bytes) -> Any:

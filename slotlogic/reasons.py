@@ -35,6 +35,7 @@ class Unpinned(Enum):
 
     POLICY_OFF = "policy off"
     ROUTE = "not pinnable on this server (/v1/messages drops id_slot)"
+    UNTRANSLATABLE = "passed natively: not translatable to a chat completion"
     SERVER_UNKNOWN = "unpinned: server unknown"
 
 

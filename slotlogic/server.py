@@ -76,3 +76,21 @@ def parse_slots(data: Any) -> list[dict[str, Any]] | None:
     if isinstance(data, list) and all(isinstance(x, dict) for x in data):
         return data
     return None
+
+
+def slot_that_ran(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]) -> int | None:
+    """The one slot whose last task changed between two `/slots` answers (which slot ran a request sent in
+    between); None when none or several did (other traffic: no conclusion)."""
+    was = {e.get("id"): e.get("id_task") for e in before}
+    changed = [e.get("id") for e in after if e.get("id_task") is not None and e.get("id_task") != was.get(e.get("id"))]
+    return changed[0] if len(changed) == 1 and isinstance(changed[0], int) else None
+
+
+def probe_slot(live: Sequence[Mapping[str, Any]]) -> int | None:
+    """The slot to probe `/v1/messages` pinning with: slot 0, and only while every slot is idle and empty (a
+    fresh or restarted server). Then an ignored `id_slot` shows (the server's LRU choice among empty slots is
+    the highest id) and no session's cache can be hit: similarity selection skips empty slots. None: not now."""
+    ids = [e.get("id") for e in live]
+    if len(live) < 2 or 0 not in ids or any(e.get("is_processing") or e.get("n_prompt_tokens") for e in live):
+        return None
+    return 0

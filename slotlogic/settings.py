@@ -25,6 +25,12 @@ class CheckpointMode(Enum):
     DISK = "disk"      # also save it to, and restore it from, llama-server's --slot-save-path
 
 
+class AnthropicMode(Enum):
+    TRANSLATE = "translate"  # send /v1/messages as a pinned chat completion and convert the answer back
+    NATIVE = "native"        # pass /v1/messages through with id_slot added (a server that honours it)
+    OFF = "off"              # observe and log only
+
+
 SESSION_KEEP_SECONDS = 7 * 24 * 3600  # the state file forgets a session (and deletes its page) after this
 
 
@@ -49,6 +55,7 @@ class Settings:
     probe_interval: float = 15.0
     flush_interval: float = 2.0
     keep_streams: bool = False
+    anthropic: AnthropicMode = AnthropicMode.TRANSLATE
 
     @property
     def header_bytes(self) -> frozenset[bytes]:

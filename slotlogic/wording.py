@@ -162,6 +162,9 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
                                                   f"per-slot context n_ctx={fmt(e.n_ctx)} on {e.upstream}. Without "
                                                   "unified KV each slot gets -c / -np tokens: raise -c, lower -np, "
                                                   "or use --kv-unified-per-slot N."),
+    ev.MessagesProbed: lambda e: (Level.INFO, f"{e.upstream} " + (
+        "honours id_slot on /v1/messages: Anthropic requests go natively" if e.honoured else
+        "ignores id_slot on /v1/messages: Anthropic requests are sent as chat completions")),
     ev.IdleSlotsCleared: lambda e: (Level.WARNING, f"{e.upstream} empties idle slots (slot {e.slot} was used by a "
                                                    "live session and now holds 0 tokens): the server runs with "
                                                    "unified KV and --cache-idle-slots (the default when -np is not "
@@ -175,6 +178,7 @@ _STAGES = {
     ev.Stage.RESPONSE: "could not read the response of {path}",
     ev.Stage.OBSERVER: "SSE observer failed; the stream continues unobserved",
     ev.Stage.STREAM_COPY: "could not keep a copy of the stream",
+    ev.Stage.CONVERT: "could not convert a translated answer; the client got an error event",
     ev.Stage.LOG_FILE: "cannot write the JSONL log file",
     ev.Stage.STATE_WRITE: "could not write the state file (touches kept for retry)",
     ev.Stage.FINAL_FLUSH: "final state flush failed",

@@ -13,7 +13,7 @@ from slotlogic.keeper import Keeper
 from slotlogic.ranking import Policy
 from slotlogic.reasons import Passed, Unpinned, Why
 from slotlogic.server import ServerInfo
-from slotlogic.settings import CheckpointMode, Settings
+from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
 
 SYS = "You are a coding agent. " * 4
 CHAT = "/v1/chat/completions"
@@ -59,7 +59,7 @@ def test_routes_and_bodies_that_are_not_ours():
     assert isinstance(k.request(facts(path="/v1/embeddings")), Forward)
     assert k.request(facts(raw=b"[1, 2]")) == Forward(Passed.NOT_JSON_OBJECT, completion_route=True)
     assert k.request(facts(raw=b"not json")).reason is Passed.NOT_JSON_OBJECT
-    messages = k.request(facts(path="/v1/messages"))
+    messages = make(anthropic=AnthropicMode.OFF).request(facts(path="/v1/messages"))
     assert isinstance(messages, Observe) and messages.ticket.unpinned is Unpinned.ROUTE
     off = make(policy=Policy.OFF).request(facts())
     assert isinstance(off, Observe) and off.ticket.reason == "policy off" and off.body is None

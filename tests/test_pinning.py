@@ -79,15 +79,59 @@ async def test_untouched(proxy, fake_llama, method, path, raw):
     assert f.request.raw_content == before and fake_llama.calls == []
 
 
-async def test_the_messages_route_passes_through_and_says_why(proxy, caplog):
+MESSAGES = {"model": "claude", "max_tokens": 5, "system": [{"type": "text", "text": "You are Claude Code."}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+CHAT_ANSWER = {"id": "chatcmpl-1", "model": "smollm2", "choices": [{"index": 0, "finish_reason": "stop",
+               "message": {"role": "assistant", "content": "Hello"}}],
+               "usage": {"prompt_tokens": 20, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 15}},
+               "timings": {"cache_n": 15, "prompt_n": 5}}
+
+
+async def test_an_anthropic_request_is_sent_as_a_pinned_chat_completion_and_answered_natively(proxy, caplog):
+    f = await proxy.request(flow(MESSAGES, path="/v1/messages?beta=true",
+                                 headers={"x-claude-code-session-id": "cc-1"}))
+    assert f.request.path == "/v1/chat/completions" and sent(f)["id_slot"] in range(4)
+    assert sent(f)["messages"][0] == {"role": "system", "content": "You are Claude Code."}
+    with caplog.at_level(logging.INFO):
+        await proxy.answer(f, http.Response.make(200, json.dumps(CHAT_ANSWER), {"content-type": "application/json"}))
+    answer = json.loads(f.response.content)
+    assert answer["type"] == "message" and answer["content"] == [{"type": "text", "text": "Hello"}]
+    assert answer["stop_reason"] == "end_turn" and answer["usage"]["cache_read_input_tokens"] == 15
+    assert "/v1/messages?beta=true session=" in caplog.text and "(header:x-claude-code-session-id)" in caplog.text
+    g = await proxy.request(flow(MESSAGES, path="/v1/messages", headers={"x-claude-code-session-id": "cc-1"}))
+    assert sent(g)["id_slot"] == sent(f)["id_slot"]  # the same session, the same slot
+
+
+async def test_a_translated_stream_is_converted_chunk_by_chunk(proxy):
+    f = await proxy.request(flow(MESSAGES | {"stream": True}, path="/v1/messages"))
+    assert sent(f)["stream"] is True and sent(f)["stream_options"] == {"include_usage": True}
+    f.response = http.Response.make(200, b"", {"content-type": "text/event-stream"})
+    f.response.content = None
+    await proxy.hook("responseheaders", f)
+    first = f.response.stream(b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}],'
+                              b'"timings":{"cache_n":10,"prompt_n":3}}\n\n')
+    assert first.startswith(b"event: message_start")  # the client hears of the message as soon as the server
+    text = f.response.stream(b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}],'
+                             b'"timings":{"cache_n":10,"prompt_n":3}}\n\n')
+    assert b"text_delta" in text and b'"Hi"' in text
+
+
+async def test_the_messages_route_is_observed_only_when_translation_is_off(proxy, caplog):
+    proxy.configure(slots_anthropic="off")
     f = flow({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5}, path="/v1/messages")
     before = f.request.raw_content
     await proxy.request(f)
-    assert f.request.raw_content == before
+    assert f.request.raw_content == before and f.request.path == "/v1/messages"
     with caplog.at_level(logging.INFO):
         await proxy.answer(f, http.Response.make(200, b'{"usage":{"cache_read_input_tokens":3,"input_tokens":2}}',
                                                  {"content-type": "application/json"}))
     assert "not pinnable" in caplog.text and "cache_n=3" in caplog.text
+
+
+async def test_native_mode_adds_id_slot_to_the_anthropic_body(proxy):
+    proxy.configure(slots_anthropic="native")
+    f = await proxy.request(flow(MESSAGES, path="/v1/messages"))
+    assert f.request.path == "/v1/messages" and sent(f)["id_slot"] in range(4) and "system" in sent(f)
 
 
 async def test_policy_off_observes_only(proxy, fake_llama, caplog):

@@ -132,3 +132,37 @@ async def test_new_settings_replace_the_old_and_keep_the_sessions(up, tmp_path):
     assert up.keeper.settings.ttl == 5.0
     assert (await up.decide(facts(now=1.0), "f2")).ticket.slot == pin.ticket.slot
     assert (await up.decide(facts(now=100.0), "f3")).ticket.why is not Why.KNOWN  # expired under the new TTL
+
+
+class MessagesServer(FakeLlama):
+    """/v1/messages that honours id_slot, or picks the least recently used idle slot like stock llama-server."""
+
+    def __init__(self, honours: bool) -> None:
+        super().__init__(total=3)
+        self.honours, self.task, self.used = honours, 0, {0: 0, 1: 0, 2: 0}
+        for s in self.slots_data:
+            s["id_task"] = None
+
+    async def slots(self):
+        return [dict(s) for s in self.slots_data]  # a fresh answer each time, as over HTTP
+
+    async def post_json(self, path, body, timeout):
+        self.calls.append(f"post {path}")
+        self.task += 1
+        lru = min(self.used, key=lambda i: (self.used[i], -i))  # ties: the highest id, as the server does
+        slot = body["id_slot"] if self.honours else lru
+        self.used[slot] = self.task
+        self.slots_data[slot] = {**self.slots_data[slot], "id_task": self.task, "n_prompt_tokens": 3}
+        return 200, {}
+
+
+@pytest.mark.parametrize("honours", [True, False])
+async def test_the_messages_probe_finds_out_whether_the_server_honours_id_slot(tmp_path, seen, honours):
+    server = MessagesServer(honours)
+    up = Upstream(UP, Settings(), tmp_path, seen.append, client=server)
+    assert await up.probe_messages() is honours and up.keeper.messages_native is honours
+    assert ev.MessagesProbed(UP, honours) in seen
+    used = MessagesServer(True)
+    used.slots_data[2]["n_prompt_tokens"] = 700  # a session's cache: a probe could hit it, so none is sent
+    assert await Upstream(UP, Settings(), tmp_path, seen.append, client=used).probe_messages() is None
+    assert used.calls == []
