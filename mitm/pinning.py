@@ -89,6 +89,12 @@ class Pinning:
                           "completion and convert the answer back; switches to native by itself when the server "
                           "honours id_slot there), native (pass through with id_slot added), off (observe only).",
                           choices=[m.value for m in AnthropicMode])
+        loader.add_option("slots_strip_billing", bool, True,
+                          "Drop Claude Code's x-anthropic-billing-header system block (vendor billing metadata "
+                          "whose suffix changes per session) before llama-server sees it, so sessions share "
+                          "their system prompt's cache.")
+        loader.add_option("slots_prefix_min_chars", int, 512,
+                          "The shortest stable prefix learned from traffic (for clients without a marker).")
         loader.add_option("slots_keep_streams", bool, False,
                           "Keep a copy of streamed SSE bodies in the flow (for -w recordings, mitmweb and "
                           "server replay on mitmproxy 11; on 12.x store_streamed_bodies does the same).")
@@ -238,6 +244,8 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
     except ValueError:
         raise exceptions.OptionsError(
             f"slots_anthropic must be translate, native or off, not {o.slots_anthropic!r}") from None
+    if o.slots_prefix_min_chars < 1:
+        raise exceptions.OptionsError("slots_prefix_min_chars must be ≥ 1")
     if o.slots_page_max_mb < 1:
         raise exceptions.OptionsError("slots_page_max_mb must be ≥ 1 (turn paging off with slots_paging)")
     if min(o.slots_checkpoint_ttl_days, o.slots_checkpoint_keep, o.slots_checkpoint_max_mb) < 0:
@@ -249,7 +257,8 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
         page_max_bytes=o.slots_page_max_mb << 20, server_id=o.slots_server_id,
         checkpoint_ttl_days=float(o.slots_checkpoint_ttl_days), checkpoint_keep=o.slots_checkpoint_keep,
         checkpoint_max_bytes=o.slots_checkpoint_max_mb << 20, probe_interval=float(o.slots_probe_interval),
-        keep_streams=o.slots_keep_streams, anthropic=anthropic_mode)
+        keep_streams=o.slots_keep_streams, anthropic=anthropic_mode, strip_billing=o.slots_strip_billing,
+        prefix_min_chars=o.slots_prefix_min_chars)
     state_dir = Path(o.slots_state_dir).expanduser() if o.slots_state_dir else default_state_dir()
     return settings, state_dir
 

@@ -118,6 +118,22 @@ def normalize_billing_header(text: str) -> str:
     return text
 
 
+def strip_billing(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The request without Claude Code's billing block (a `system` text block, or first line of a string
+    system, that starts with `x-anthropic-billing-header:`): metadata for the vendor's billing whose
+    `cc_version` suffix changes per session, so two sessions' prompts differ from its 47th character and
+    llama-server can share almost nothing between them. None when there is no such block."""
+    system = body.get("system")
+    if isinstance(system, str) and system.startswith(BILLING_PREFIX):
+        rest = system.split("\n", 1)[1] if "\n" in system else ""
+        return {**body, "system": rest}
+    if isinstance(system, list):
+        kept = [b for b in system if not (_str(b, "type") == "text" and _str(b, "text").startswith(BILLING_PREFIX))]
+        if len(kept) != len(system):
+            return {**body, "system": kept}
+    return None
+
+
 def _image_url(source: Any) -> str | None:
     """An image block's `source` as the URL the server builds; None for source types it drops."""
     kind = _str(source, "type")

@@ -44,6 +44,7 @@ from slotlogic.decisions import (
 from slotlogic.endpoints import Route, classify
 from slotlogic.events import ContextOverflow, Event, PoolResized, ServerRestarted, Unreachable
 from slotlogic.fastpath import ShapeIndex, fields_absent
+from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ranking import Policy, SlotView
 from slotlogic.reasons import Passed, Unpinned, Why
 from slotlogic.server import ServerInfo, slot_facts
@@ -93,6 +94,7 @@ class Keeper:
         self.total_slots: int | None = None     # the last known slot count
         self.pages: dict[str, paging.PageRecord] = {}  # the page index as of the last state transaction
         self.messages_native: bool | None = None  # the server honours id_slot on /v1/messages (probed)
+        self.learner = PrefixLearner(settings.prefix_min_chars)  # stable prefixes of marker-less clients
         self._headers = settings.header_bytes
 
     def reconfigure(self, settings: Settings) -> None:
@@ -100,6 +102,7 @@ class Keeper:
         self.settings = settings
         self.table.ttl = settings.ttl
         self._headers = settings.header_bytes
+        self.learner.min_chars = settings.prefix_min_chars
 
     # ------------------------------------------------------------------------------------------- requests
 
@@ -120,6 +123,10 @@ class Keeper:
         if not isinstance(body, dict):
             return Forward(Passed.NOT_JSON_OBJECT, completion_route=True)
         s = self.settings
+        if route is Route.ANTHROPIC and s.strip_billing and s.anthropic is not AnthropicMode.OFF:
+            stripped = anthropic.strip_billing(body)
+            if stripped is not None:  # the native route then needs these bytes too
+                body, content = stripped, _encoded(stripped) or content
         chat = _as_chat(body) if route is Route.ANTHROPIC else None
         # What names the session and its prefix: an Anthropic request as the chat request it renders as.
         seen, seen_path = (body, facts.path) if chat is None else ({**chat, "metadata": body.get("metadata")},
@@ -153,7 +160,14 @@ class Keeper:
             # Another session ran on this slot since: our conversation is no longer there, so staying has no
             # value of its own; choose again, like a new session (its own slot is one of the candidates).
             ticket.displaced, displaced_from = True, live.slot
+        # The stable prefix: up to a client's known marker (the instant path), else learned from traffic: a new
+        # session's system message is compared with the other sessions' (never a displaced one's, nor a side
+        # call's: those are no new conversations).
         stable = pfx.extract(seen, s.markers)
+        if stable is None and not ticket.side and displaced_from is None:
+            self.learner.observe(key.key, seen, facts.now)
+        if stable is None:
+            stable = self.learner.find(seen, facts.now)
         # What the ranking compares slot contents by: the stable prefix when there is one (windows of two
         # projects share it), else the whole system prompt + tools.
         prefix = stable.signature if stable else sess.prefix_signature(seen, seen_path)
@@ -242,6 +256,12 @@ class Keeper:
                live: Sequence[dict[str, Any]] | None, now: float) -> Placement:
         """Claim a slot for `need` in `state` (the caller holds the state lock and writes it back)."""
         events = self.note_server(state, info)
+        self.learner.load(state.prefixes)
+        if need.stable is None and not need.ticket.side and need.displaced_from is None:
+            found = self.learner.find(need.body, now)  # learned by another process, or before a restart
+            if found is not None:
+                need.stable, need.prefix = found, found.signature
+        shared.keep_learned(state, self.learner.records(), now, self.settings.checkpoint_ttl_days * 86400)
         total = info.total_slots
         before = shared.views(state, total, list(live) if live is not None else None, self.table)
         ticket = need.ticket

@@ -44,6 +44,7 @@ class Settings:
         default_factory=lambda: tuple(sidecalls.compile_patterns(sidecalls.DEFAULT_SIDE_PATTERNS)))
     side_slot: int = -1
     markers: tuple[str, ...] = pfx.DEFAULT_MARKERS
+    prefix_min_chars: int = 512        # the shortest stable prefix worth learning from traffic
     checkpoints: CheckpointMode = CheckpointMode.OFF
     save_dir: str | None = None        # llama-server's --slot-save-path, as this machine sees it
     paging: bool = False               # session paging through save_dir (needs it)
@@ -56,6 +57,7 @@ class Settings:
     flush_interval: float = 2.0
     keep_streams: bool = False
     anthropic: AnthropicMode = AnthropicMode.TRANSLATE
+    strip_billing: bool = True         # drop Claude Code's per-session billing block before the server sees it
 
     @property
     def header_bytes(self) -> frozenset[bytes]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from slotlogic.learned_prefix import MAX_LEARNED, Learned
 from slotlogic.paging import FILE_RE as PAGE_FILE_RE
 from slotlogic.paging import PageRecord
 from slotlogic.ranking import SlotView
@@ -55,6 +56,7 @@ class ServerState:
     slots: dict[int, SlotRecord] = field(default_factory=dict)
     sessions: dict[str, SessionRecord] = field(default_factory=dict)
     pages: dict[str, PageRecord] = field(default_factory=dict)  # session key -> its paged-out conversation
+    prefixes: list[Learned] = field(default_factory=list)       # stable prefixes learned from traffic (no text)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -112,6 +114,15 @@ def from_dict(data: Any, upstream: str) -> ServerState:
                 continue
             st.pages[k] = PageRecord(file=file, n_tokens=n, saved=saved, bytes=_int(v.get("bytes")) or 0,
                                      model=_str(v.get("model")) or "")
+    prefixes = data.get("prefixes")
+    if isinstance(prefixes, list):
+        for v in prefixes:
+            if not isinstance(v, dict):
+                continue
+            ctx, n, dig, seen = _str(v.get("context")), _int(v.get("length")), _str(v.get("digest")), _num(
+                v.get("last_seen"))
+            if ctx and n and n > 0 and dig and len(dig) == 64 and seen is not None:
+                st.prefixes.append(Learned(ctx, n, dig, seen))
     return st
 
 
@@ -128,7 +139,21 @@ def to_dict(st: ServerState) -> dict[str, Any]:
                          "prefix": v.prefix} for k, v in sorted(st.sessions.items())},
         "pages": {k: {"file": v.file, "n_tokens": v.n_tokens, "saved": v.saved, "bytes": v.bytes,
                       "model": v.model} for k, v in sorted(st.pages.items())},
+        "prefixes": [{"context": p.context, "length": p.length, "digest": p.digest, "last_seen": p.last_seen}
+                     for p in st.prefixes],
     }
+
+
+def keep_learned(st: ServerState, records: list[Learned], now: float, keep_seconds: float) -> None:
+    """The learned prefixes after this process's news: the newest sighting of each, none unseen for
+    `keep_seconds` (their checkpoint files then age out through the checkpoint cleanup)."""
+    merged: dict[tuple[str, int, str], Learned] = {}
+    for rec in [*st.prefixes, *records]:
+        key = (rec.context, rec.length, rec.digest)
+        if key not in merged or merged[key].last_seen < rec.last_seen:
+            merged[key] = rec
+    st.prefixes = sorted((r for r in merged.values() if now - r.last_seen < keep_seconds),
+                         key=lambda r: r.last_seen)[-MAX_LEARNED:]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -536,3 +536,12 @@ def test_stream_matches_non_stream_whatever_the_chunking(case: tuple[dict[str, A
     streamed = assemble(parse_sse(whole))
     for key in ("id", "model", "content", "stop_reason", "stop_sequence", "usage"):
         assert streamed[key] == msg[key], key
+
+
+def test_the_billing_block_can_be_dropped():
+    blocks = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.e51; cch=00000;"},
+              {"type": "text", "text": "You are Claude Code."}]
+    assert A.strip_billing({"system": blocks}) == {"system": blocks[1:]}
+    assert A.strip_billing({"system": "x-anthropic-billing-header: v=1;\nYou are Claude Code."}) == {
+        "system": "You are Claude Code."}
+    assert A.strip_billing({"system": "You are Claude Code."}) is None and A.strip_billing({}) is None

@@ -179,3 +179,26 @@ def test_a_session_on_a_slot_out_of_range_is_placed_again(total):
         assert isinstance(k.request(facts(now=1.0)), NeedSlot)
     else:
         assert isinstance(k.request(facts(now=1.0)), Pin)
+
+
+def test_a_marker_less_clients_stable_prefix_is_learned_from_its_second_session():
+    shared_part = "You are a coding agent.\n" + "".join(f"Rule {i}: test every change.\n" for i in range(40))
+    k = make(prefix_min_chars=200)
+    state = shared.ServerState("http://up")
+
+    def new(cwd):
+        return k.request(facts(chat(f"task in {cwd}", system=shared_part + f"\nWorking directory: {cwd}\n")))
+
+    first = new("/srv/a")
+    assert isinstance(first, NeedSlot) and first.stable is None
+    place(k, first, state)
+    second = new("/srv/b")
+    assert isinstance(second, NeedSlot) and second.stable is not None
+    assert second.stable.text == shared_part.rstrip() and second.prefix == second.stable.signature
+    place(k, second, state)
+    assert [p.length for p in state.prefixes] == [len(shared_part.rstrip())]
+    assert "Rule" not in json.dumps(shared.to_dict(state)["prefixes"])  # length and digest, never the text
+    restarted = make(prefix_min_chars=200)  # another process, or this one after a restart: from the state
+    third = restarted.request(facts(chat("task", system=shared_part + "\nWorking directory: /srv/c\n")))
+    restarted.assign(third, state, server(), FREE, 1.0)
+    assert third.stable is not None and third.stable.text == shared_part.rstrip()

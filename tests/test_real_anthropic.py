@@ -57,7 +57,9 @@ def shape(answer: dict) -> object:
 
 
 def test_two_claude_code_windows_stay_on_their_slots_and_answer_natively(tmp_path: Path):
-    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl")}
+    """With the billing block kept, the translated prompt is the native one, token for token."""
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
+            "slots_strip_billing": False}
     with LlamaServer(slots=3, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
         deadline = time.monotonic() + 20  # at start, while the slots are empty, the proxy probes the route
@@ -84,3 +86,17 @@ def test_two_claude_code_windows_stay_on_their_slots_and_answer_natively(tmp_pat
     assert "ignores id_slot on /v1/messages: Anthropic requests are sent as chat completions" in log
     assert "/v1/messages?beta=true session=" in log and "(header:x-claude-code-session-id)" in log
     assert "careful coding agent" not in log  # no prompt text
+
+
+def test_without_the_billing_block_a_new_window_reuses_the_system_prompt(tmp_path: Path):
+    """Claude Code's billing block differs per session from its 47th character; dropped (the default), the
+    second window's first request finds the whole system prompt in the slot the first one left."""
+    opts = {"slots_state_dir": str(tmp_path / "state")}
+    with LlamaServer(slots=1, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
+            MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
+        first, _ = send(px.url, body("Task A.", 1, stream=False, session="cc-aaa"), "cc-aaa")
+        second, _ = send(px.url, body("Task B.", 1, stream=False, session="cc-bbb"), "cc-bbb")
+        kept, _ = send(srv.url, body("Task C.", 1, stream=False, session="cc-ccc"), "cc-ccc")  # native, block kept
+    system_tokens = usage(first)[1] - 10  # all but the user message and the template's few tokens
+    assert usage(second)[0] >= system_tokens, (usage(first), usage(second))
+    assert usage(kept)[0] < 20, usage(kept)  # with the block, almost nothing is shared

@@ -1,0 +1,167 @@
+"""Stable prefixes learned from traffic, for clients whose system prompt has no known marker.
+
+Why: a prefix checkpoint needs to know where the part every session shares ends. pi marks it (`\\n<cwd>`),
+most clients do not: Claude Code, OpenCode, Codex and Qwen Code put their per-session part (working
+directory, date, git status, environment block) wherever they like, or in a later message. Two sessions of
+one client show it anyway: their first system messages agree up to the first per-session byte.
+
+Rule 1: pure and private. Learned prefixes are kept, and persisted in the shared state, as a context digest
+        (role, tools, template kwargs), a length and a SHA-256 of the text: never the text. The sample texts
+        that learning compares live only in memory, bounded.
+Rule 2: learned only from two sessions: the longest common prefix of their first system/developer messages,
+        in the same context, cut back to the end of a line (a line break is a token boundary for every
+        tokenizer the server uses, so the cut never splits a token the real prompt would render), at least
+        `min_chars` long. A system message that two sessions send identically is its own stable prefix.
+Rule 3: a new session gets the longest learned prefix its system message starts with (checked by length and
+        digest), so several clients, and several projects of one client, each get theirs.
+Rule 4: bounded: `MAX_LEARNED` prefixes (the least recently seen forgotten first), `MAX_SAMPLES` sample texts
+        per context, `MAX_CONTEXTS` contexts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from slotlogic import session as sess
+from slotlogic.prefix import StablePrefix
+
+MAX_LEARNED = 64
+MAX_SAMPLES = 8
+MAX_CONTEXTS = 32
+MIN_CHARS = 256
+
+
+@dataclass(frozen=True)
+class Learned:
+    """One learned stable prefix: where it applies (context), how long it is, what it hashes to."""
+
+    context: str
+    length: int
+    digest: str
+    last_seen: float
+
+
+@dataclass(frozen=True)
+class First:
+    """A session's first system message and what it is rendered with."""
+
+    text: str
+    role: str
+    tools: Any
+    template_kwargs: Any
+    context: str
+
+
+def first_system(body: dict[str, Any]) -> First | None:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs or not isinstance(msgs[0], dict):
+        return None
+    role = msgs[0].get("role")
+    if role not in sess.SYSTEM_ROLES:
+        return None
+    tools = body.get("tools") or None
+    kwargs = body.get("chat_template_kwargs") or None
+    context = sess.digest("learned-context", str(role), sess.canonical(tools), sess.canonical(kwargs))
+    return First(sess.message_text(msgs[0].get("content")), str(role), tools, kwargs, context)
+
+
+def text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def common_length(a: str, b: str) -> int:
+    """How many leading characters two strings share (a binary search over slice comparisons, in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def stable_cut(a: str, b: str, min_chars: int) -> int | None:
+    """The length of the stable prefix two system messages share: the whole text when they are equal, else
+    their common prefix cut back to the end of a line (trailing whitespace dropped); None when shorter than
+    `min_chars`."""
+    if a == b:
+        n = len(a.rstrip())
+        return n if n >= min_chars else None
+    common = common_length(a, b)
+    line_end = a.rfind("\n", 0, common)  # a line break inside the shared part: a line end in both texts
+    if line_end < 0:
+        return None
+    n = len(a[:line_end].rstrip())
+    return n if n >= min_chars else None
+
+
+class PrefixLearner:
+    def __init__(self, min_chars: int = MIN_CHARS) -> None:
+        self.min_chars = min_chars
+        self.learned: OrderedDict[tuple[str, int, str], Learned] = OrderedDict()
+        self.samples: OrderedDict[str, OrderedDict[str, str]] = OrderedDict()  # context -> session -> text
+
+    def find(self, body: dict[str, Any], now: float) -> StablePrefix | None:
+        """The longest learned prefix this body's first system message starts with."""
+        first = first_system(body)
+        if first is None:
+            return None
+        best: Learned | None = None
+        for rec in self.learned.values():
+            if rec.context != first.context or rec.length > len(first.text):
+                continue
+            if (best is None or rec.length > best.length) and text_digest(first.text[:rec.length]) == rec.digest:
+                best = rec
+        if best is None:
+            return None
+        self._remember(Learned(best.context, best.length, best.digest, now))
+        return StablePrefix(first.text[:best.length], first.role, first.tools, first.template_kwargs)
+
+    def observe(self, session: str, body: dict[str, Any], now: float) -> Learned | None:
+        """A new session's first system message: compared with the other sessions' of the same context; the
+        prefix learned from it, if any (new or seen again)."""
+        first = first_system(body)
+        if first is None or len(first.text) < self.min_chars:
+            return None
+        seen = self.samples.setdefault(first.context, OrderedDict())
+        self.samples.move_to_end(first.context)
+        best = None
+        for other, text in seen.items():
+            if other == session:
+                continue
+            n = stable_cut(first.text, text, self.min_chars)
+            if n is not None and (best is None or n > best):
+                best = n
+        seen[session] = first.text
+        seen.move_to_end(session)
+        while len(seen) > MAX_SAMPLES:
+            seen.popitem(last=False)
+        while len(self.samples) > MAX_CONTEXTS:
+            self.samples.popitem(last=False)
+        if best is None:
+            return None
+        rec = Learned(first.context, best, text_digest(first.text[:best]), now)
+        self._remember(rec)
+        return rec
+
+    def load(self, records: list[Learned]) -> None:
+        """Learned prefixes from the shared state (another process, or this one before a restart)."""
+        for rec in sorted(records, key=lambda r: r.last_seen):
+            key = (rec.context, rec.length, rec.digest)
+            mine = self.learned.get(key)
+            if mine is None or mine.last_seen < rec.last_seen:
+                self._remember(rec)
+
+    def records(self) -> list[Learned]:
+        return list(self.learned.values())
+
+    def _remember(self, rec: Learned) -> None:
+        key = (rec.context, rec.length, rec.digest)
+        self.learned[key] = rec
+        self.learned.move_to_end(key)
+        while len(self.learned) > MAX_LEARNED:
+            self.learned.popitem(last=False)

@@ -1,0 +1,88 @@
+"""Stable prefixes learned from two sessions' system messages: where they cut, what is kept, what is found."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as s
+
+from slotlogic.learned_prefix import MAX_LEARNED, PrefixLearner, common_length, first_system, stable_cut
+
+SHARED = "You are a coding agent.\n" + "".join(f"Rule {i}: keep changes small and test them.\n" for i in range(30))
+TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+
+
+def body(system: str, first: str = "task", tools=TOOLS) -> dict:
+    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": first}],
+            "tools": tools}
+
+
+def env(cwd: str, date: str) -> str:
+    return SHARED + f"\n<env>\nWorking directory: {cwd}\nToday's date: {date}\n</env>"
+
+
+COMMON = SHARED + "\n<env>"  # every line before the first that differs
+
+
+def test_two_sessions_teach_the_shared_part_cut_at_a_line_end():
+    learner = PrefixLearner(min_chars=100)
+    assert learner.observe("a", body(env("/srv/a", "2026-11-30")), 1.0) is None  # one session shows nothing
+    rec = learner.observe("b", body(env("/srv/b", "2026-11-30")), 2.0)
+    assert rec is not None and rec.length == len(COMMON)
+    found = learner.find(body(env("/home/c", "2026-12-01")), 3.0)
+    assert found is not None and found.text == COMMON and found.tools == TOOLS
+    assert learner.find(body(env("/srv/a", "x"), tools=None), 3.0) is None  # other tools: another context
+    assert learner.find(body("Something else entirely.\n" * 30), 3.0) is None
+
+
+def test_a_system_message_that_repeats_exactly_is_its_own_prefix():
+    learner = PrefixLearner(min_chars=100)
+    learner.observe("a", body(SHARED, "task A"), 1.0)
+    rec = learner.observe("b", body(SHARED, "task B"), 2.0)
+    assert rec is not None and rec.length == len(SHARED.rstrip())
+
+
+def test_the_longest_matching_prefix_wins_and_no_text_is_kept_in_records():
+    learner = PrefixLearner(min_chars=100)
+    for session, cwd in (("a", "/p/x"), ("b", "/p/x"), ("c", "/q/y")):
+        learner.observe(session, body(env(cwd, f"day {session}")), 1.0)
+    lengths = sorted(r.length for r in learner.records())
+    assert len(lengths) == 2 and lengths[0] == len(COMMON)  # the client's prefix and the project's
+    same_project = learner.find(body(env("/p/x", "day d")), 2.0)
+    assert same_project is not None and len(same_project.text) == lengths[1]
+    assert all(set(vars(r)) == {"context", "length", "digest", "last_seen"} for r in learner.records())
+
+
+def test_learned_prefixes_survive_in_records_and_are_bounded():
+    learner = PrefixLearner(min_chars=100)
+    learner.observe("a", body(env("/a", "1")), 1.0)
+    learner.observe("b", body(env("/b", "2")), 2.0)
+    other = PrefixLearner(min_chars=100)
+    other.load(learner.records())  # a restarted proxy, from the state file
+    assert other.find(body(env("/c", "3")), 3.0) is not None
+    for i in range(MAX_LEARNED + 10):
+        other.observe(f"s{i}", body(f"Prompt number {i}.\n" * 40), float(i))
+        other.observe(f"t{i}", body(f"Prompt number {i}.\n" * 40), float(i))
+    assert len(other.records()) == MAX_LEARNED
+
+
+def test_short_or_markerless_texts_teach_nothing():
+    assert stable_cut("abc\ndef", "abc\nxyz", 100) is None
+    assert stable_cut("x" * 300, "x" * 299 + "y", 10) is None  # no line break in the shared part
+    assert first_system({"messages": [{"role": "user", "content": "x"}]}) is None
+
+
+lines = s.lists(s.text(alphabet=s.characters(blacklist_categories=("Cs",), blacklist_characters="\n"),
+                       max_size=30), min_size=1, max_size=12).map(lambda ls: "\n".join(ls))
+
+
+@settings(max_examples=200, deadline=None)
+@given(shared=lines, tail_a=lines, tail_b=lines)
+def test_a_learned_prefix_is_a_line_aligned_prefix_of_every_contributing_prompt(shared, tail_a, tail_b):
+    a, b = shared + "\n" + tail_a, shared + "\n" + tail_b
+    n = stable_cut(a, b, 1)
+    if n is None:
+        return
+    assert a[:n] == b[:n]  # a prefix of both
+    assert n <= common_length(a, b)
+    for text in (a, b):  # only blanks between the cut and the end of its line: a line end in both prompts
+        assert text[n:].split("\n", 1)[0].strip() == ""
