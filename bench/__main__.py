@@ -24,7 +24,7 @@ from bench.client import RequestRecord, run_workload
 from bench.workload import WORKLOADS, Workload, generate
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-DEFAULT_WORKLOADS = ["agents", "fits", "pi"]
+DEFAULT_WORKLOADS = ["agents", "fits", "pi", "generic"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,8 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  "against stock llama-server; writes latest.json, latest.md, latest.png.")
     ap.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                     help=f"comma-separated, from {', '.join(WORKLOADS)}")
-    ap.add_argument("--configs", default=",".join(configs.DEFAULT_CONFIGS),
-                    help=f"comma-separated, from {', '.join(configs.CONFIGS)}")
+    ap.add_argument("--configs", default="",
+                    help=f"comma-separated, from {', '.join(configs.CONFIGS)} (default: "
+                         f"{','.join(configs.DEFAULT_CONFIGS)}, fewer for workloads that name their own)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sessions", type=int, default=None,
                     help="sessions per workload (default: the workload's own, agents 6, fits 3)")
@@ -53,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--overhead-requests", type=int, default=1000, help="requests per overhead target")
     a = ap.parse_args(argv)
     a.workloads = _pick(ap, a.workloads, WORKLOADS, "workload")
-    a.configs = _pick(ap, a.configs, configs.CONFIGS, "configuration")
+    a.explicit_configs = bool(a.configs)
+    a.configs = _pick(ap, a.configs or ",".join(configs.DEFAULT_CONFIGS), configs.CONFIGS, "configuration")
     return a
 
 
@@ -115,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         wl = build_workload(wl_name, a)
         wl_rows: list[dict[str, Any]] = []
         flows = log_dir / "pi-flows.mitm"
-        for cfg_name in a.configs:
+        chosen = a.configs if a.explicit_configs or spec.configs is None else [
+            c for c in a.configs if c in spec.configs]
+        for cfg_name in chosen:
             cfg = configs.CONFIGS[cfg_name]
             capture = wl_name == "pi" and cfg.proxy and not flows.exists()
             with configs.stand_up(cfg, log_dir, tag=f"{wl_name}-", threads=a.threads,

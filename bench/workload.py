@@ -86,6 +86,7 @@ class WorkloadSpec:
     subagents: bool
     description: str
     not_wired: str | None = None
+    configs: tuple[str, ...] | None = None  # the configurations a default run gives it (None: all of them)
 
 
 # Sizes are the time budget: `make bench` must finish in < 10 min on 2 cores, and SmolLM2 prefill runs at
@@ -96,6 +97,9 @@ WORKLOADS: dict[str, WorkloadSpec] = {w.name: w for w in [
     WorkloadSpec("agents", 6, 3, True, "6 concurrent agent sessions on 4 slots, each with a 3-turn subagent"),
     WorkloadSpec("fits", 3, 2, False, "3 concurrent agent sessions on 4 slots, no subagents"),
     WorkloadSpec("pi", 3, 2, False, "3 concurrent real pi sessions (bench/pi_workload.py)"),
+    WorkloadSpec("generic", 6, 3, True, "like agents, but the system prompt has no known marker and each session "
+                 "adds its own environment block (working directory, date) after the shared part",
+                 configs=("stock", "auto", "auto+ckpt")),
 ]}
 
 
@@ -151,6 +155,31 @@ _GUIDELINES = [
     "Use absolute paths in tool calls when the working directory may have changed.",
     "When editing configuration, validate it with the project's own checker before finishing.",
 ]
+
+
+def generic_system_prompt(rng: random.Random, target_tokens: int = SYSTEM_PROMPT_TOKENS) -> str:
+    """The shared part of a coding agent's system prompt that uses no marker slotkeeper knows (role, tools,
+    guidelines, conventions); `environment` adds the per-session part after it, as most clients do."""
+    parts = ["You are an autonomous software engineering agent. You help the user with their repository by "
+             "reading files, running commands, editing code and writing new files.", "", "# Tools"]
+    for t in TOOLS:
+        f = t["function"]
+        parts.append(f"## {f['name']}")
+        parts.append(f"{f['description']}")
+        parts.append(f"Parameters: {json.dumps(f['parameters']['properties'], separators=(',', ':'))}")
+    parts += ["", "# Rules"]
+    parts += [f"- {g}" for g in _GUIDELINES[:12]]
+    parts += ["", "# Conventions of this workspace"]
+    text = "\n".join(parts)
+    while len(text) / CHARS_PER_TOKEN["prose"] < target_tokens - 60:
+        text += "\n" + _code_line(rng, "conventions")
+    return text
+
+
+def environment(session: int, rng: random.Random) -> str:
+    """A session's own environment block: its working directory and the day it started."""
+    return (f"\n\n# Environment\nWorking directory: /home/dev/projects/{rng.choice(_MODULES)}-{session}\n"
+            f"Platform: linux\nToday's date: 2026-11-{rng.randint(1, 30):02d}\nIs a git repository: yes")
 
 
 def system_prompt(rng: random.Random, target_tokens: int = SYSTEM_PROMPT_TOKENS) -> str:
@@ -276,11 +305,12 @@ def generate(name: str, *, seed: int, sessions: int, turns: int, subagent_turns:
              max_tokens: int) -> Workload:
     """Build workload `name` deterministically from `seed`; `subagent_turns=0` means no subagents."""
     rng = random.Random(f"{name}:{seed}")
-    system = system_prompt(random.Random(f"system:{seed}"))
+    shared = (generic_system_prompt if name == "generic" else system_prompt)(random.Random(f"system:{seed}"))
     scripts: list[SessionScript] = []
     for i in range(sessions):
         srng = random.Random(f"{name}:{seed}:session:{i}")
         sid = f"s{i}"
+        system = shared + environment(i, srng) if name == "generic" else shared
         first_user = (f"{_fmt(srng, srng.choice(_TASKS))}. Ticket ORB-{1000 + i * 37 + srng.randint(0, 36)}; "
                       f"the relevant code is under src/orbit/. Keep the change minimal.")
         specs = _conversation(srng, sid, system, first_user, turns, 0, round(rng.uniform(*START_STAGGER_S), 3))

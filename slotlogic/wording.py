@@ -142,7 +142,8 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
                                                   "counts"),
     ev.NoPrefixMarker: lambda e: (Level.INFO, f"prefix-cache: no stable-prefix marker in the system prompt of "
                                               f"session {e.session} (markers: "
-                                              f"{', '.join(repr(m) for m in e.markers)}); no checkpoint for it"),
+                                              f"{', '.join(repr(m) for m in e.markers)}): its stable prefix is "
+                                              "learned from the next sessions' system prompts"),
     ev.NoSavePath: lambda e: (Level.WARNING, _no_save_path(e)),
     ev.PageFailed: lambda e: (Level.WARNING, f"page-{e.direction} on slot {e.slot} failed ({failure(e.failure)}); "
                                              "that session will prefill"),

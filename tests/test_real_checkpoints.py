@@ -102,3 +102,27 @@ def test_missing_slot_save_path_is_reported_and_the_request_still_served(tmp_pat
     text = log.read_text()
     assert text.count("has no --slot-save-path") == 1 and "slots_save_dir=DIR" in text
     assert first.cache_n > 0 and second.prompt_n > 0  # warmed in memory, requests served
+
+
+def test_a_marker_less_prompt_is_learned_and_the_third_session_restores_it(dirs):
+    """No known marker, a per-session environment block after the shared part: the first session teaches
+    nothing, the second teaches the shared part (a cold build, saved), the third restores it."""
+    tmp, slots = dirs
+    log = tmp / "req.jsonl"
+
+    def generic(first: str, cwd: str) -> list[dict[str, str]]:
+        env = f"\n\n# Environment\nWorking directory: {cwd}\nToday's date: 2026-11-30"
+        return [{"role": "system", "content": SYSTEM.replace(". ", ".\n") + env}, {"role": "user", "content": first}]
+
+    srv = LlamaServer(slots=4, ctx_per_slot=4096, slot_save_path=str(slots), log_path=str(tmp / "s.log"))
+    with srv, MitmProxy(srv.url, proxy_opts(tmp, slots), log_path=str(tmp / "p.log")) as px:
+        a = ask(px.url, generic("Task A.", "/srv/a"))
+        b = ask(px.url, generic("Task B.", "/srv/b"))
+        c = ask(px.url, generic("Task C.", "/home/c"))
+    learned, restored = checkpoints(log)
+    assert learned["outcome"] == "warmed-saved" and restored["outcome"] == "restored"
+    shared_tokens = learned["prompt_n"]
+    assert a.cache_n < 0.1 * shared_tokens  # nothing to learn from yet
+    assert b.cache_n >= 0.9 * shared_tokens and c.cache_n >= 0.9 * shared_tokens, (b, c, shared_tokens)
+    assert len({a.slot, b.slot, c.slot}) == 3
+    assert "no stable-prefix marker" in (tmp / "p.log").read_text()
