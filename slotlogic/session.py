@@ -29,6 +29,7 @@ DEFAULT_SESSION_HEADERS = (
     "x-claude-code-session-id",
     "x-session-affinity",
     "session_id",
+    "session-id",
     "x-session-id",
     "x-opencode-session",
     "x-conversation-id",
@@ -250,10 +251,15 @@ def continuation(body: Mapping[str, Any], known: Mapping[str, PromptMark]) -> Se
 def resolve(headers: Mapping[str, str], body: Mapping[str, Any], path: str, *,
             header_names: Iterable[str] = DEFAULT_SESSION_HEADERS,
             known_prompts: Mapping[str, PromptMark] | None = None) -> SessionId:
-    """The session of a request. Always returns a key: at worst the digest of the whole body."""
+    """The session of a request. Always returns a key: at worst the digest of the whole body.
+
+    A header or body key names a *client* session, which can hold several conversations (a title call, a
+    parent and its subagents): each conversation is its own slot session, so the key is the named session
+    together with the conversation root when the body has one."""
     found = _header_key(headers, header_names) or _body_key(body)
     if found:
-        return found
+        root = conversation_root(body, path) if is_chat_like(body, path) else None
+        return SessionId(digest(found.key, root.key), found.source) if root else found
     if is_chat_like(body, path):
         root = conversation_root(body, path)
         if root:

@@ -26,8 +26,18 @@ def test_header_wins_over_everything():
     body = chat("hello") | {"prompt_cache_key": "pk"}
     sid = resolve({"X-Session-Affinity": "uuid-1"}, body, CHAT)
     assert sid.source == "header:x-session-affinity"
-    assert sid == resolve({"x-session-affinity": "uuid-1"}, chat("other"), CHAT)
+    later = body | {"messages": [*body["messages"], {"role": "assistant", "content": "hi"}]}
+    assert sid == resolve({"x-session-affinity": "uuid-1"}, later, CHAT)  # its next turn
     assert sid != resolve({"x-session-affinity": "uuid-2"}, body, CHAT)
+
+
+def test_a_header_never_merges_conversations_with_different_roots():
+    """One client session, several conversations (a title call first, a parent and its subagent)."""
+    header = {"x-session-id": "ses_1"}
+    main = resolve(header, chat("fix the bug"), CHAT)
+    assert main != resolve(header, chat("fix the bug", system="You are a title generator."), CHAT)
+    assert main != resolve(header, chat("subagent: find the callers"), CHAT)
+    assert main.source == "header:x-session-id"
 
 
 def test_header_list_is_configurable_and_ordered():
