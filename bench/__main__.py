@@ -22,6 +22,7 @@ from typing import Any
 from bench import configs, limit, overhead, pi_workload, report, restart
 from bench.client import RequestRecord, run_workload
 from bench.workload import WORKLOADS, Workload, generate
+from slotlogic import anthropic
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 DEFAULT_WORKLOADS = ["agents", "fits", "pi", "generic"]
@@ -77,7 +78,11 @@ def compute_limit(server_url: str, wl: Workload, records: list[RequestRecord], s
     """The workload's physical limit, in the start order of `records` (one run of the workload)."""
     specs = wl.by_key()
     ordered = [specs[(r.session, r.index)] for r in records]
-    lim = limit.workload_limit(server_url, [(s.messages, wl.tools) for s in ordered])
+    if wl.route == "messages":  # rendered as the server renders an Anthropic request: its chat conversion
+        chats = [anthropic.to_chat(wl.body(s)) for s in ordered]
+        lim = limit.workload_limit(server_url, [(c["messages"], c.get("tools", [])) for c in chats])
+    else:
+        lim = limit.workload_limit(server_url, [(s.messages, wl.tools) for s in ordered])
     lim["order_from"] = source
     lim["start_s"] = [r.start_s for r in records]
     seen = [r for r in records if r.prompt_n is not None and r.cache_n is not None]

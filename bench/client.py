@@ -53,6 +53,14 @@ def apply_event(rec: RequestRecord, event: Any) -> None:
     if not isinstance(event, dict):
         rec.error = f"unexpected SSE data: {json.dumps(event)[:120]}"
         return
+    if event.get("type") == "message_start":  # Anthropic: the prompt counts come first, as usage
+        usage = (event.get("message") or {}).get("usage") or {}
+        rec.cache_n = usage.get("cache_read_input_tokens", rec.cache_n)
+        rec.prompt_n = usage.get("input_tokens", rec.prompt_n)
+        return
+    if event.get("type") in ("content_block_start", "content_block_delta", "content_block_stop",
+                             "message_delta", "message_stop", "ping"):
+        return
     timings = event.get("timings")
     if isinstance(timings, dict):
         rec.prompt_n = timings.get("prompt_n", rec.prompt_n)
@@ -93,7 +101,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], rec: R
 
 async def run_session(base_url: str, workload: Workload, specs: list[RequestSpec], config: str,
                       t_start: float, out: list[RequestRecord]) -> None:
-    url = base_url.rstrip("/") + "/v1/chat/completions"
+    url = base_url.rstrip("/") + workload.path
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout) as client:
         for spec in specs:

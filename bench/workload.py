@@ -59,9 +59,16 @@ class Workload:
     tools: list[dict[str, Any]]
     sessions: list[SessionScript]
     max_tokens: int
+    route: str = "chat"  # "chat": /v1/chat/completions; "messages": Anthropic /v1/messages
+
+    @property
+    def path(self) -> str:
+        return "/v1/messages" if self.route == "messages" else "/v1/chat/completions"
 
     def body(self, spec: RequestSpec, *, stream: bool = True) -> dict[str, Any]:
-        """The request body for `spec`, as a streaming agent client (pi, OpenCode) sends it."""
+        """The request body for `spec`, as a streaming agent client (pi, OpenCode; Claude Code) sends it."""
+        if self.route == "messages":
+            return anthropic_body(spec.messages, self.tools, self.max_tokens, stream)
         body: dict[str, Any] = {"model": "smollm2", "messages": spec.messages, "tools": self.tools,
                                 "max_tokens": self.max_tokens, "temperature": 0.0}
         if stream:
@@ -97,6 +104,8 @@ WORKLOADS: dict[str, WorkloadSpec] = {w.name: w for w in [
     WorkloadSpec("agents", 6, 3, True, "6 concurrent agent sessions on 4 slots, each with a 3-turn subagent"),
     WorkloadSpec("fits", 3, 2, False, "3 concurrent agent sessions on 4 slots, no subagents"),
     WorkloadSpec("pi", 3, 2, False, "3 concurrent real pi sessions (bench/pi_workload.py)"),
+    WorkloadSpec("anthropic", 6, 3, True, "the agents workload sent as Anthropic Messages requests "
+                 "(/v1/messages, as Claude Code does)", configs=("stock", "auto", "auto+ckpt")),
     WorkloadSpec("generic", 6, 3, True, "like agents, but the system prompt has no known marker and each session "
                  "adds its own environment block (working directory, date) after the shared part",
                  configs=("stock", "auto", "auto+ckpt")),
@@ -322,7 +331,28 @@ def generate(name: str, *, seed: int, sessions: int, turns: int, subagent_turns:
                                 round(srng.uniform(*THINK_S), 3))
             specs = specs[:half] + sub + specs[half:]
         scripts.append(SessionScript(sid, specs))
-    return Workload(name, seed, TOOLS, scripts, max_tokens)
+    return Workload(name, seed, TOOLS, scripts, max_tokens, route="messages" if name == "anthropic" else "chat")
+
+
+def anthropic_body(messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int,
+                   stream: bool) -> dict[str, Any]:
+    """A chat conversation as the Anthropic Messages request that carries it: the system message as `system`,
+    tool calls as `tool_use` blocks, tool outputs as `tool_result` blocks in a user turn."""
+    out: list[dict[str, Any]] = []
+    for m in messages[1:]:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            out.append({"role": "assistant", "content": [
+                {"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                 "input": json.loads(c["function"]["arguments"])} for c in m["tool_calls"]]})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                                                     "content": m["content"]}]})
+        else:
+            out.append({"role": m["role"], "content": [{"type": "text", "text": m["content"]}]})
+    return {"model": "smollm2", "max_tokens": max_tokens, "temperature": 0.0, "stream": stream,
+            "system": [{"type": "text", "text": messages[0]["content"]}], "messages": out,
+            "tools": [{"name": t["function"]["name"], "description": t["function"]["description"],
+                       "input_schema": t["function"]["parameters"]} for t in tools]}
 
 
 def approx_tokens(text: str, kind: str = "prose") -> float:
