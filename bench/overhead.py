@@ -23,12 +23,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.workload import anthropic_body
 from launch.llama_server import free_port
 from launch.mitmdump import MitmProxy
 
 NOOP_ADDON = Path(__file__).resolve().parent / "noop_addon.py"
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = ("direct", "noop", "addon")
+TARGETS = ("direct", "noop", "addon", "messages")  # messages: the same conversation as an Anthropic request
 WARMUP = 20
 
 
@@ -79,6 +80,8 @@ def measure(body: dict[str, Any], requests: int = 1000, rounds: int = 6,
     returns per-target stats and the addon's cost."""
     plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     payload = json.dumps({**plain, "stream": False}).encode()
+    messages = json.dumps(anthropic_body(body["messages"], body.get("tools", []), body.get("max_tokens", 4),
+                                         stream=False)).encode()
     per_round = max(1, requests // rounds)
     port = free_port()
     upstream = subprocess.Popen([sys.executable, "-m", "bench.fake_upstream", "--port", str(port)],
@@ -95,23 +98,25 @@ def measure(body: dict[str, Any], requests: int = 1000, rounds: int = 6,
                           log_path=str(logs / "overhead.noop.mitm.log")) as noop, \
                 MitmProxy(upstream_url, {"slots_policy": "auto", "slots_state_dir": state_dir},
                           log_path=str(logs / "overhead.addon.mitm.log")) as addon:
-            conns = {"direct": _Conn(upstream_url), "noop": _Conn(noop.url), "addon": _Conn(addon.url)}
-            path = "/v1/chat/completions"
-            for name, conn in conns.items():
+            chat = "/v1/chat/completions"
+            conns = {"direct": (_Conn(upstream_url), chat, payload), "noop": (_Conn(noop.url), chat, payload),
+                     "addon": (_Conn(addon.url), chat, payload),
+                     "messages": (_Conn(addon.url), "/v1/messages", messages)}
+            for name, (conn, path, data) in conns.items():
                 for _ in range(WARMUP):
-                    _, status = conn.post(path, payload)
+                    _, status = conn.post(path, data)
                     errors[name] += status != 200
             for _ in range(rounds):
                 lat: dict[str, list[float]] = {t: [] for t in TARGETS}
                 for _ in range(per_round):
-                    for name, conn in conns.items():
-                        dt, status = conn.post(path, payload)
+                    for name, (conn, path, data) in conns.items():
+                        dt, status = conn.post(path, data)
                         errors[name] += status != 200
                         lat[name].append(dt)
                 for name in TARGETS:
                     samples[name] += lat[name]
                     round_p50[name].append(statistics.median(lat[name]))
-            for conn in conns.values():
+            for conn, _, _ in conns.values():
                 conn.close()
     finally:
         upstream.terminate()
@@ -134,5 +139,8 @@ def summarize(samples: dict[str, list[float]], round_p50: dict[str, list[float]]
     by = {r["target"]: r for r in rows}
     deltas = [(a - n) * ms for a, n in zip(round_p50["addon"], round_p50["noop"], strict=True)]
     cost = by["addon"]["p50_ms"] - by["noop"]["p50_ms"]
+    translation = by["messages"]["p50_ms"] - by["addon"]["p50_ms"] if "messages" in by else None
+    per_round_tr = [(m - a) * ms for m, a in zip(round_p50.get("messages", []), round_p50["addon"], strict=False)]
     return {"rows": rows, "addon_cost_p50_ms": cost, "addon_cost_per_round_ms": deltas,
-            "target_ms": 0.3, "within_target": cost <= 0.3}
+            "target_ms": 0.3, "within_target": cost <= 0.3, "translation_cost_p50_ms": translation,
+            "translation_cost_per_round_ms": per_round_tr, "translation_target_ms": 1.0}

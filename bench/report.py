@@ -81,8 +81,14 @@ def overhead_text(overhead: dict[str, Any], markdown: bool = False) -> str:
     table = (md_table if markdown else text_table)(overhead["rows"], OVERHEAD_COLUMNS)
     per_round = ", ".join(f"{d:.2f}" for d in overhead["addon_cost_per_round_ms"])
     verdict = "within" if overhead["within_target"] else "OVER"
-    return (f"{table}\n\naddon cost over no-op addon (p50): {overhead['addon_cost_p50_ms']:.3f} ms "
+    text = (f"{table}\n\naddon cost over no-op addon (p50): {overhead['addon_cost_p50_ms']:.3f} ms "
             f"({verdict} the {overhead['target_ms']} ms target); per round: {per_round}")
+    if overhead.get("translation_cost_p50_ms") is not None:
+        rounds = ", ".join(f"{d:.2f}" for d in overhead["translation_cost_per_round_ms"])
+        text += (f"\nAnthropic translation over a pinned chat request (p50): "
+                 f"{overhead['translation_cost_p50_ms']:.3f} ms (target {overhead['translation_target_ms']} ms); "
+                 f"per round: {rounds}")
+    return text
 
 
 def render_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], overhead: dict[str, Any] | None,

@@ -123,10 +123,14 @@ class Keeper:
         if not isinstance(body, dict):
             return Forward(Passed.NOT_JSON_OBJECT, completion_route=True)
         s = self.settings
+        native = s.anthropic is AnthropicMode.NATIVE or (s.anthropic is AnthropicMode.TRANSLATE
+                                                          and self.messages_native is True)
         if route is Route.ANTHROPIC and s.strip_billing and s.anthropic is not AnthropicMode.OFF:
             stripped = anthropic.strip_billing(body)
-            if stripped is not None:  # the native route then needs these bytes too
-                body, content = stripped, _encoded(stripped) or content
+            if stripped is not None:
+                body = stripped
+                if native:  # the native route sends these bytes (a translated request is encoded below)
+                    content = _encoded(stripped) or content
         chat = _as_chat(body) if route is Route.ANTHROPIC else None
         # What names the session and its prefix: an Anthropic request as the chat request it renders as.
         seen, seen_path = (body, facts.path) if chat is None else ({**chat, "metadata": body.get("metadata")},
@@ -139,7 +143,7 @@ class Keeper:
             if s.anthropic is AnthropicMode.OFF:
                 ticket.unpinned = Unpinned.ROUTE
                 return Observe(ticket, original)
-            if s.anthropic is AnthropicMode.TRANSLATE and self.messages_native is not True:
+            if not native:
                 encoded = _encoded(chat)
                 if chat is None or encoded is None:
                     ticket.unpinned = Unpinned.UNTRANSLATABLE
