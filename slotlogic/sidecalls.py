@@ -1,7 +1,10 @@
-"""Side calls: short requests with their own system prompt (pi's compaction/summarisation, title generation).
+"""Side calls: one-off requests with their own system prompt (pi's compaction, OpenCode's title generator,
+Qwen Code's memory extraction after every turn).
 
-They carry no session header and would otherwise be a new "session" each time, evicting a working
-session's slot. Seed 003 sends them to one reserved slot; we do the same when there are ≥ 2 slots.
+Each would otherwise be a new "session", evicting a working session's slot (OpenCode's title call even
+carries the main session's headers). Seed 003 sends them to one reserved slot; we do the same when there are
+≥ 2 slots. Calls of one kind share their long system prompt, so that slot mostly keeps it warm for the next.
+What each client sends: docs/clients.md.
 """
 
 from __future__ import annotations
@@ -10,9 +13,11 @@ import re
 from collections.abc import Iterable
 
 DEFAULT_SIDE_PATTERNS = (
-    r"^You are a context summarization assistant",
+    r"^You are a context summarization assistant",                       # pi: compaction
     r"(?i)^\s*summari[sz]e the (following )?conversation",
     r"(?i)^Generate a (short|concise) title",
+    r"^You are a title generator",                                       # OpenCode: the session's title
+    r"^You are now acting as the managed memory extraction subagent",    # Qwen Code: memory after each turn
 )
 
 

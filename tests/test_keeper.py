@@ -202,3 +202,10 @@ def test_a_marker_less_clients_stable_prefix_is_learned_from_its_second_session(
     third = restarted.request(facts(chat("task", system=shared_part + "\nWorking directory: /srv/c\n")))
     restarted.assign(third, state, server(), FREE, 1.0)
     assert third.stable is not None and third.stable.text == shared_part.rstrip()
+
+
+@pytest.mark.parametrize("system", ["You are a title generator. You output ONLY a thread title.",
+                                    "You are now acting as the managed memory extraction subagent for x."])
+def test_known_clients_side_calls_go_to_the_reserved_slot(system):
+    pin = make().request(facts(chat("Generate a title for this conversation:\n", system=system)))
+    assert isinstance(pin, Pin) and pin.ticket.side and pin.ticket.slot == 3
