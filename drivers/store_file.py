@@ -4,7 +4,9 @@ index.
 - Cross-process safety: `filelock.AsyncFileLock`, a *fresh object per acquisition* (one shared instance is
   re-entrant per instance, so two coroutines would both "hold" it: docs/mitmproxy.md), plus an asyncio
   lock so coroutines of one process queue politely instead of spinning on the file.
-- Atomic writes: temp file in the same directory, fsync, `os.replace`. Mode 0600, directory 0700.
+- Atomic writes: temp file in the same directory, fsync, `os.replace`. Mode 0600; the directory is created
+  0700 and an existing one is checked, never chmod-ed (`drivers/private_dir.py`); temp files a `kill -9`
+  left behind are removed on first use.
 - A damaged file is moved aside (`.corrupt-<time>`) and logged, never silently lost, never a crash.
 """
 
@@ -23,6 +25,7 @@ from typing import Any
 
 from filelock import AsyncFileLock, FileLock
 
+from drivers import private_dir
 from slotlogic import shared
 from slotlogic.events import CorruptMovedAside, Event
 
@@ -52,9 +55,10 @@ class CorruptFile(ValueError):
 class JsonFile:
     """One locked, atomically written, private JSON document."""
 
-    def __init__(self, path: str | Path, emit: Emit = _drop) -> None:
+    def __init__(self, path: str | Path, emit: Emit = _drop, *, compact: bool = False) -> None:
         self.path = Path(path)
         self.emit = emit
+        self.compact = compact  # no indentation: the state file is read and written on every new session
         self.dir = self.path.parent
         self.lock_path = str(self.path) + ".lock"
         self._locks: dict[int, asyncio.Lock] = {}
@@ -68,9 +72,11 @@ class JsonFile:
         return lock
 
     def ensure_dir(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(OSError):
-            os.chmod(self.dir, 0o700)
+        """Create the directory 0700 when missing (raises private_dir.UnsafeDir for one others can write);
+        the first time in this process, also remove stale temp files of interrupted writes."""
+        if not os.path.isdir(self.dir):
+            private_dir.ensure(self.dir)
+        private_dir.sweep_stale_tmp(self.dir)
 
     def load(self) -> Any:
         """The document, None when missing; raises CorruptFile (after moving it aside) when damaged."""
@@ -89,7 +95,8 @@ class JsonFile:
 
     def save(self, data: Any) -> None:
         self.ensure_dir()
-        raw = json.dumps(data, indent=1, sort_keys=True).encode()
+        raw = (json.dumps(data, separators=(",", ":")) if self.compact
+               else json.dumps(data, indent=1, sort_keys=True)).encode()
         fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.dir)
         try:
             os.fchmod(fd, 0o600)
@@ -122,7 +129,7 @@ class StateFile:
 
     def __init__(self, directory: str | Path, upstream: str, emit: Emit = _drop) -> None:
         self.upstream = upstream
-        self.file = JsonFile(Path(directory) / state_file_name(upstream), emit)
+        self.file = JsonFile(Path(directory) / state_file_name(upstream), emit, compact=True)
         self.last = shared.ServerState(upstream=upstream)  # as of the last transaction: for sync views
         self.dir, self.path = self.file.dir, self.file.path
 

@@ -1,0 +1,98 @@
+"""The proxy's own private directories (the state dir): created 0700, checked when they already exist.
+
+Why: the state dir holds session digests, slot claims and page records that other local users have no
+business reading or changing, and a state file another user can replace could point a restore at the wrong
+page. The old code `chmod 0700`-ed the directory on every lock, through symlinks: with
+`slots_state_dir=/tmp`, run as root, that made `/tmp` private.
+
+Rules:
+- a directory we create (and any missing parent) is made 0700, by us, right after `mkdir`, through a file
+  descriptor opened with O_NOFOLLOW: a symlink swapped in between is never followed;
+- an existing directory is never chmod-ed: it must be ours (same uid) and not writable by group or others,
+  otherwise it is refused with `UnsafeDir` (the options layer turns that into a clear OptionsError);
+- stale temporary files of an atomic write (left by a `kill -9` between the temp file and the rename) are
+  removed once per process, only ours by name and only when older than `STALE_TMP_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import stat
+import time
+from pathlib import Path
+
+STALE_TMP_SECONDS = 60.0  # a write takes milliseconds; an older temp file is a crash's left-over
+TMP_RE = re.compile(r"^(state-[A-Za-z0-9-]*-[0-9a-f]{8}\.json|checkpoints\.json)\.[A-Za-z0-9_]+\.tmp$")
+_swept: set[str] = set()
+
+
+class UnsafeDir(ValueError):
+    """A directory the proxy must not use for private files (the message names the path and the fix)."""
+
+
+def check(path: str | Path) -> None:
+    """Raise UnsafeDir unless `path` is missing (it will be created 0700) or a directory we own that
+    nobody else can write to. A symlink to such a directory is fine: only its target's mode matters."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise UnsafeDir(f"{path}: cannot be inspected ({type(e).__name__})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDir(f"{path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafeDir(f"{path} belongs to another user (uid {st.st_uid}); use a directory of your own")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeDir(f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); use a private "
+                        f"directory, or chmod go-w it yourself")
+
+
+def ensure(path: str | Path) -> bool:
+    """Make sure `path` is a usable private directory; True when this call created it. Raises UnsafeDir."""
+    p = Path(path)
+    created = False
+    missing = []
+    for parent in (p, *p.parents):
+        if os.path.lexists(parent):
+            break
+        missing.append(parent)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue  # another process was quicker: checked below like any existing directory
+        _private(d)
+        created = True
+    check(p)
+    return created
+
+
+def _private(d: Path) -> None:
+    """0700 on a directory this process has just created, never through a symlink."""
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def sweep_stale_tmp(path: str | Path, now: float | None = None) -> list[str]:
+    """Remove our own temp files older than STALE_TMP_SECONDS (once per directory per process)."""
+    key = os.path.abspath(path)
+    if key in _swept:
+        return []
+    _swept.add(key)
+    now = time.time() if now is None else now
+    gone = []
+    with contextlib.suppress(OSError), os.scandir(path) as entries:
+        for entry in entries:
+            if not TMP_RE.match(entry.name) or not entry.is_file(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError):
+                if now - entry.stat(follow_symlinks=False).st_mtime >= STALE_TMP_SECONDS:
+                    os.unlink(entry.path)
+                    gone.append(entry.name)
+    return gone
