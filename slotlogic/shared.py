@@ -45,6 +45,7 @@ class SessionRecord:
     last_used: float
     requests: int = 0
     prefix: str | None = None
+    claimed: float | None = None  # when it was put on this slot (which of two sharers came later)
 
 
 @dataclass
@@ -103,7 +104,7 @@ def from_dict(data: Any, upstream: str) -> ServerState:
             if slot is None or slot < 0 or used is None:
                 continue
             st.sessions[k] = SessionRecord(slot=slot, last_used=used, requests=_int(v.get("requests")) or 0,
-                                           prefix=_str(v.get("prefix")))
+                                           prefix=_str(v.get("prefix")), claimed=_num(v.get("claimed")))
     pages = data.get("pages")
     if isinstance(pages, dict):
         for k, v in pages.items():
@@ -136,7 +137,7 @@ def to_dict(st: ServerState) -> dict[str, Any]:
         "slots": {str(k): {"last_used": v.last_used, "owner": v.owner, "requests": v.requests,
                            "prefix": v.prefix} for k, v in sorted(st.slots.items())},
         "sessions": {k: {"slot": v.slot, "last_used": v.last_used, "requests": v.requests,
-                         "prefix": v.prefix} for k, v in sorted(st.sessions.items())},
+                         "prefix": v.prefix, "claimed": v.claimed} for k, v in sorted(st.sessions.items())},
         "pages": {k: {"file": v.file, "n_tokens": v.n_tokens, "saved": v.saved, "bytes": v.bytes,
                       "model": v.model} for k, v in sorted(st.pages.items())},
         "prefixes": [{"context": p.context, "length": p.length, "digest": p.digest, "last_seen": p.last_seen}
@@ -201,7 +202,7 @@ def owned_slot(st: ServerState, session: str) -> int | None:
 def claim(st: ServerState, session: str, slot: int, now: float, *, prefix: str | None = None,
           requests: int = 1) -> None:
     st.slots[slot] = SlotRecord(last_used=now, owner=session, requests=requests, prefix=prefix)
-    st.sessions[session] = SessionRecord(slot=slot, last_used=now, requests=requests, prefix=prefix)
+    st.sessions[session] = SessionRecord(slot=slot, last_used=now, requests=requests, prefix=prefix, claimed=now)
 
 
 def touch(st: ServerState, session: str, slot: int, when: float, *, requests: int,
@@ -213,7 +214,9 @@ def touch(st: ServerState, session: str, slot: int, when: float, *, requests: in
     last = max(when, current.last_used if current and current.owner == session else 0.0)
     st.slots[slot] = SlotRecord(last_used=last, owner=session, requests=requests,
                                 prefix=prefix or (current.prefix if current else None))
-    st.sessions[session] = SessionRecord(slot=slot, last_used=last, requests=requests, prefix=prefix)
+    before = st.sessions.get(session)
+    claimed = before.claimed if before is not None and before.slot == slot and before.claimed else when
+    st.sessions[session] = SessionRecord(slot=slot, last_used=last, requests=requests, prefix=prefix, claimed=claimed)
 
 
 def forget_session(st: ServerState, session: str) -> int | None:
@@ -239,6 +242,21 @@ def prune(st: ServerState, now: float, keep_seconds: float) -> list[str]:
     st.sessions = {k: v for k, v in st.sessions.items() if now - v.last_used < keep_seconds}
     gone = [k for k in st.pages if k not in st.sessions]
     return [st.pages.pop(k).file for k in gone]
+
+
+def compact(st: ServerState, now: float, keep_seconds: float, max_sessions: int) -> list[str]:
+    """`prune`, then at most `max_sessions` sessions: the most recently used, plus every slot's owner (a
+    restarted proxy resumes those). Every new session's transaction reads and writes the whole file, so its
+    size, not the number of sessions ever seen, sets the cost. Returns the page files of the sessions forgotten."""
+    doomed = prune(st, now, keep_seconds)
+    if len(st.sessions) <= max_sessions:
+        return doomed
+    owners = {rec.owner for rec in st.slots.values() if rec.owner}
+    recent = sorted(st.sessions, key=lambda k: st.sessions[k].last_used, reverse=True)[:max_sessions]
+    keep = owners.union(recent)
+    st.sessions = {k: v for k, v in st.sessions.items() if k in keep}
+    gone = [k for k in st.pages if k not in st.sessions]
+    return doomed + [st.pages.pop(k).file for k in gone]
 
 
 def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,

@@ -4,6 +4,9 @@ Rule 1: pure; the clock is passed in.
 Rule 2: a live entry (used within the TTL, not displaced) answers a known session's request with no I/O.
         Its `last_used` touches collect in `dirty` and the driver flushes them to the shared state at most
         every few seconds.
+Rule 3: bounded. At most `max_sessions` entries: when a new one would pass the cap, the least recently used
+        go (expired ones first, as they are older); a forgotten session is placed again on its next request,
+        through the state file (which keeps its claim), so forgetting costs a look-up, never a wrong slot.
 
 Three slot maps follow three moments of a request, because llama-server runs a slot's work in arrival order
 and a request pinned to a busy slot waits:
@@ -16,6 +19,8 @@ and a request pinned to a busy slot waits:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+
+MAX_SESSIONS = 4096  # live sessions of one server remembered in memory (100k one-shot sessions: 45 MB unbounded)
 
 
 @dataclass
@@ -36,6 +41,8 @@ class SessionTable:
     running: dict[int, str] = field(default_factory=dict)
     dispatched: dict[int, str] = field(default_factory=dict)
     last_side_call: float | None = None
+    misplaced: set[str] = field(default_factory=set)  # sharing a slot with another process's session: place again
+    max_sessions: int = MAX_SESSIONS
 
     def side_call(self, now: float) -> None:
         self.last_side_call = now
@@ -48,7 +55,14 @@ class SessionTable:
     def displaced(self, key: str, slot: int) -> bool:
         """Another session ran on `slot` since `key` last did, or has a request on its way there (ours would
         queue behind it): either way the slot will not hold key's conversation when ours runs."""
-        return self.holders.get(slot, key) != key or self.running.get(slot, key) != key
+        return (self.holders.get(slot, key) != key or self.running.get(slot, key) != key
+                or (bool(self.misplaced) and key in self.misplaced))
+
+    def misplace(self, key: str) -> None:
+        """Another process's session shares key's slot while a slot is free (`slotlogic.reconcile`): key's next
+        request is placed again, like a displaced session's."""
+        if key in self.sessions:
+            self.misplaced.add(key)
 
     def live(self, key: str, now: float) -> Assignment | None:
         a = self.sessions.get(key)
@@ -58,10 +72,22 @@ class SessionTable:
 
     def assign(self, key: str, slot: int, now: float, *, prefix: str | None, requests: int = 0) -> Assignment:
         a = Assignment(slot=slot, last_used=now, requests=requests, prefix=prefix)
+        self.sessions.pop(key, None)  # re-inserted last: the dict's order is the order of assignment
         self.sessions[key] = a
         self.holders[slot] = key
         self.running[slot] = key
+        self.misplaced.discard(key)
+        if len(self.sessions) > self.max_sessions:
+            self._bound()
         return a
+
+    def _bound(self) -> None:
+        """Drop the least recently used entries (an eighth of the cap at once, so the sort is rare)."""
+        excess = len(self.sessions) - self.max_sessions + max(1, self.max_sessions // 8)
+        for key in sorted(self.sessions, key=lambda k: self.sessions[k].last_used)[:excess]:
+            del self.sessions[key]
+            self.dirty.discard(key)
+            self.misplaced.discard(key)
 
     def use(self, key: str, now: float) -> Assignment:
         """Record one request of a known session; marks it for the next coalesced flush."""
@@ -98,6 +124,7 @@ class SessionTable:
         """After a restart or resize: re-choose every session on its next request."""
         self.sessions.clear()
         self.dirty.clear()
+        self.misplaced.clear()
         self.holders.clear()
         self.running.clear()
         self.dispatched.clear()
@@ -105,6 +132,7 @@ class SessionTable:
     def forget(self, key: str) -> bool:
         """Drop one session (a command, or the state file says another process took its slot)."""
         self.dirty.discard(key)
+        self.misplaced.discard(key)
         a = self.sessions.pop(key, None)
         if a is not None:
             for where in (self.holders, self.running, self.dispatched):
