@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,8 +21,8 @@ from typing import Any
 
 from drivers.llama_http import LlamaClient
 from slotlogic.checkpoint_machine import Failure
-from slotlogic.events import Event, Failed, PageFailed, PageGone, PagingLockTimeout, Stage
-from slotlogic.paging import PagePlan
+from slotlogic.events import Event, Failed, PageFailed, PageGone, PageRejected, PagingLockTimeout, Stage
+from slotlogic.paging import PageFile, PagePlan, restore_checked
 
 ACTION_TIMEOUT = 120.0
 LOCK_WAIT = 300.0  # longer than any sane request; a leaked hold only delays, never blocks, a slot
@@ -33,7 +34,7 @@ class PageOutcome:
     saved_tokens: int | None = None
     saved_bytes: int = 0
     restored_tokens: int | None = None
-    restore_failed: bool = False  # a failed restore leaves the slot empty (docs/llama-server.md)
+    restore_failed: bool = False  # a failed or rejected restore: the page is dropped (a failure empties the slot)
     missing_save_path: bool = False
     seconds: float = 0.0  # wall time, including the wait for a busy slot's running request
     server_ms: float = 0.0  # what the server spent writing and reading the files (its timings)
@@ -94,13 +95,19 @@ class PageRunner:
                 out.missing_save_path = status == 501
                 self.emit(PageFailed(self.upstream, plan.slot, "out", Failure.of(status, data)))
         if plan.restore_file is not None:
-            if not (self.save_dir / plan.restore_file).exists():
+            if not os.path.lexists(self.save_dir / plan.restore_file):
                 self.emit(PageGone(self.upstream, plan.restore_file))
+                out.restore_failed = True
             else:
                 status, data = await self._action(plan.slot, "restore", plan.restore_file)
                 if status == 200 and isinstance(data, dict) and isinstance(data.get("n_restored"), int):
-                    out.restored_tokens = data["n_restored"]
+                    check = restore_checked(plan.restore_tokens, data["n_restored"])
                     out.server_ms += _ms(data, "restore_ms")
+                    if check is None:
+                        out.restored_tokens = data["n_restored"]
+                    else:  # the slot holds something other than the page we recorded: not a page-in
+                        out.restore_failed = True
+                        self.emit(PageRejected(self.upstream, plan.slot, check))
                 else:
                     out.restore_failed = True
                     out.missing_save_path |= status == 501
@@ -114,13 +121,19 @@ class PageRunner:
 
     def _private(self, name: str) -> None:
         """A page holds a conversation's tokens: 0600, when this process owns the file (same user as the
-        server); otherwise the server's umask decides and the README says to keep the directory private."""
+        server); otherwise the server's umask decides and the README says to keep the directory private.
+        Never through a symlink: one planted under a page's name must not make us chmod its target."""
         with contextlib.suppress(OSError):
-            os.chmod(self.save_dir / name, 0o600)
+            fd = os.open(self.save_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.fchmod(fd, 0o600)
+            finally:
+                os.close(fd)
 
     def _size(self, name: str) -> int:
         with contextlib.suppress(OSError):
-            return (self.save_dir / name).stat().st_size
+            return os.lstat(self.save_dir / name).st_size
         return 0
 
     def delete(self, names: list[str]) -> None:
@@ -132,13 +145,14 @@ class PageRunner:
             except OSError as e:
                 self.emit(Failed(self.upstream, Stage.DELETE, type(e).__name__))
 
-    def files(self) -> dict[str, float]:
-        """Page-looking files in the save dir (name → mtime), for the orphan sweep."""
-        out: dict[str, float] = {}
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(self.save_dir):
-                if entry.is_file() and entry.name.startswith("page-"):
-                    out[entry.name] = entry.stat().st_mtime
+    def files(self) -> dict[str, PageFile]:
+        """Page-looking regular files in the save dir (not symlinks), for the orphan sweep."""
+        out: dict[str, PageFile] = {}
+        with contextlib.suppress(OSError), os.scandir(self.save_dir) as entries:
+            for entry in entries:
+                if entry.name.startswith("page-") and entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    out[entry.name] = PageFile(st.st_mtime, st.st_size)
         return out
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from slotlogic.checkpoint_machine import Failure, Note, Outcome
+from slotlogic.paging import PageCheck
 from slotlogic.reasons import Passed
 
 
@@ -104,6 +105,31 @@ class PageFailed(Event):
 @dataclass(frozen=True)
 class PageGone(Event):
     file: str
+
+
+@dataclass(frozen=True)
+class PageRejected(Event):
+    """A page failed the check after its restore (or on the request after it) and was dropped."""
+
+    slot: int
+    check: PageCheck
+
+
+@dataclass(frozen=True)
+class SlotShared(Event):
+    """This process's session shares its slot with an earlier session of another process while a slot is
+    free: its next request is placed again (`slotlogic.reconcile`)."""
+
+    session: str
+    slot: int
+
+
+@dataclass(frozen=True)
+class SlotsSlow(Event):
+    """`/slots` (or `/props`) did not answer in time: new sessions decide without asking it for a while."""
+
+    endpoint: str
+    seconds: float
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,16 @@ Rule 1: pure. `holder_of` says whose conversation a slot holds, `plan` which fil
         with `saved` in the page index (in the shared state file).
 Rule 2: never a wrong answer. A restored file only sets what the slot holds: llama-server still compares
         the request's tokens with the restored ones and reuses just the common prefix. A stale or foreign
-        file therefore costs prefill, never correctness; only a file from another model or build could
-        mislead, so a page is restored only when `model` (model path + build) matches the running server.
+        file therefore costs prefill, never correctness; only a file from another model, build or server
+        configuration could mislead, so a page is restored only when its identity (`ServerInfo.page_identity`:
+        model path, file size and mtime, build, per-slot n_ctx, slot count, `slots_server_id`) matches the
+        running server, and the restore is checked afterwards (`restore_checked`, `doubtful`).
 Rule 3: bounded. Pages count against `max_bytes`; the least recently saved go first (`over_budget`), and
-        pages of sessions the state forgets are deleted with them.
+        pages of sessions the state forgets are deleted with them. Page files no state refers to (orphans)
+        count against the same budget and go first (`sweep`).
+Rule 4: recorded before written. A page is entered in the index (`intent`, not restorable yet) before its
+        save is sent, so a process killed between the save and its record leaves no file the state does
+        not know; the record becomes restorable only with the save's answer (`saved`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 
 from slotlogic.ranking import SlotView
 
@@ -69,6 +76,13 @@ def model_id(props: Mapping[str, object]) -> str:
     return f"{props.get('model_path')}|{props.get('build_info')}"
 
 
+class PageCheck(Enum):
+    """Why a page was dropped after a restore: its content is not what the index says."""
+
+    COUNT_MISMATCH = "n_restored differs from the recorded n_tokens"
+    LOW_CACHE = "the request after the restore reused little of it"
+
+
 def holder_of(slot: int, view: SlotView, dispatched: Mapping[int, str]) -> tuple[str | None, int | None]:
     """Whose conversation the slot will hold when a save reaches it, and its size when known.
 
@@ -98,9 +112,28 @@ def plan(slot: int, session_key: str, holder: str | None, holder_tokens: int | N
     return PagePlan(slot, save_for, save_file, session_key, rec.file, rec.n_tokens)
 
 
+def intent(pages: dict[str, PageRecord], session_key: str, file: str, now: float, model: str) -> None:
+    """Record a page about to be saved: known (so never an orphan), not restorable (0 tokens) until `saved`."""
+    prev = pages.get(session_key)
+    pages[session_key] = PageRecord(file=file, n_tokens=0, saved=now, bytes=prev.bytes if prev else 0, model=model)
+
+
 def saved(pages: dict[str, PageRecord], session_key: str, file: str, n_tokens: int, n_bytes: int,
           now: float, model: str) -> None:
     pages[session_key] = PageRecord(file=file, n_tokens=n_tokens, saved=now, bytes=n_bytes, model=model)
+
+
+def restore_checked(expected: int, n_restored: int) -> PageCheck | None:
+    """The cheap check after a restore: the server read as many tokens as the page was saved with."""
+    return None if n_restored == expected else PageCheck.COUNT_MISMATCH
+
+
+def doubtful(restored_tokens: int, cache_n: int | None) -> PageCheck | None:
+    """The check on the request that followed a restore: it reused less than half of what was restored
+    (a page from another KV layout, or a conversation edited since): the page is not worth keeping."""
+    if cache_n is None or restored_tokens < MIN_TOKENS:
+        return None
+    return PageCheck.LOW_CACHE if cache_n < restored_tokens // 2 else None
 
 
 def over_budget(pages: Mapping[str, PageRecord], max_bytes: int, *, keep: frozenset[str] = frozenset()
@@ -126,3 +159,30 @@ def orphans(files: Mapping[str, float], pages: Mapping[str, PageRecord], now: fl
     known = {p.file for p in pages.values()}
     return sorted(n for n, mtime in files.items()
                   if FILE_RE.match(n) and n not in known and now - mtime >= min_age)
+
+
+@dataclass(frozen=True)
+class PageFile:
+    """A page-looking file in the save dir, as the driver found it (never followed through a symlink)."""
+
+    mtime: float
+    size: int
+
+
+def sweep(files: Mapping[str, PageFile], pages: Mapping[str, PageRecord], max_bytes: int, now: float, *,
+          keep_seconds: float, grace: float) -> list[str]:
+    """Orphan page files to delete: every one older than `keep_seconds`, and, while recorded pages and
+    orphans together exceed `max_bytes`, the oldest orphans older than `grace` (a save in flight is recorded
+    before it is sent, so an unrecorded file that old is nobody's). `files` excludes files other servers'
+    states refer to."""
+    known = {p.file for p in pages.values()}
+    lost = sorted(((n, f) for n, f in files.items() if FILE_RE.match(n) and n not in known),
+                  key=lambda nf: (nf[1].mtime, nf[0]))
+    total = sum(p.bytes or (files[p.file].size if p.file in files else 0) for p in pages.values())
+    total += sum(f.size for _, f in lost)
+    doomed = []
+    for name, f in lost:
+        if now - f.mtime >= keep_seconds or (total > max_bytes and now - f.mtime >= grace):
+            doomed.append(name)
+            total -= f.size
+    return doomed

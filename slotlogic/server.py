@@ -14,6 +14,7 @@ slot file.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,8 @@ class ServerInfo:
     build_info: str | None = None
     model_path: str | None = None
     raw: Mapping[str, Any] | None = None  # the `/props` keys in PROPS_FACTS, for the recorded facts
+    model_size: int | None = None     # the model file as this machine sees it (the driver stats it)
+    model_mtime: float | None = None
 
     @classmethod
     def parse(cls, props: Any) -> ServerInfo | None:
@@ -56,6 +59,15 @@ class ServerInfo:
     def model_id(self) -> str:
         """Which model and build wrote a slot file: a page is restored only into the same."""
         return f"{self.model_path}|{self.build_info}"
+
+    def page_identity(self, server_id: str = "") -> str:
+        """What a session page must match to be restored: the checkpoint sidecar's facts plus the model file's
+        size and mtime and the operator's `slots_server_id`. The KV cache type (`-ctk/-ctv`) and flash
+        attention are not reported over HTTP; a page written under others fails the restore or the check
+        after it (docs/reliability.md)."""
+        parts = (self.model_path, self.model_size, self.model_mtime, self.build_info, self.n_ctx, self.total_slots,
+                 server_id)
+        return "p1:" + hashlib.sha256(repr(parts).encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
     @property
     def identity(self) -> dict[str, Any]:

@@ -148,6 +148,11 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
     ev.PageFailed: lambda e: (Level.WARNING, f"page-{e.direction} on slot {e.slot} failed ({failure(e.failure)}); "
                                              "that session will prefill"),
     ev.PageGone: lambda e: (Level.INFO, f"page {e.file} is gone from the save dir; the session prefills"),
+    ev.PageRejected: lambda e: (Level.WARNING, f"page restored into slot {e.slot} dropped: {e.check.value}"),
+    ev.SlotShared: lambda e: (Level.INFO, f"session {e.session} shares slot {e.slot} with an earlier session of "
+                                          "another proxy while a slot is free: its next request is placed again"),
+    ev.SlotsSlow: lambda e: (Level.WARNING, f"{e.upstream} {e.endpoint} did not answer in time: new sessions "
+                                            f"decide without it for {e.seconds:.0f} s"),
     ev.PagingLockTimeout: lambda e: (Level.WARNING, f"paging lock of slot {e.slot} not released within "
                                                     f"{e.seconds:.0f} s; going ahead without paging"),
     ev.CheckpointStep: lambda e: (Level.INFO, f"prefix-cache {note(e.note)}"),

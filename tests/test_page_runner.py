@@ -48,10 +48,10 @@ async def test_save_then_restore(tmp_path):
     assert (tmp_path / PLAN.save_file).stat().st_mode & 0o777 == 0o600  # a page holds a conversation
 
 
-async def test_a_page_file_gone_from_disk_is_not_asked_for(tmp_path):
+async def test_a_page_file_gone_from_disk_is_not_asked_for_and_its_record_goes(tmp_path):
     server = Slots()
     out = await runner(server, tmp_path).run(PLAN)  # type: ignore[arg-type]
-    assert [c[0] for c in server.calls] == ["save"] and out.restored_tokens is None and not out.restore_failed
+    assert [c[0] for c in server.calls] == ["save"] and out.restored_tokens is None and out.restore_failed
 
 
 async def test_failures_are_reported_not_raised(tmp_path):

@@ -1,0 +1,183 @@
+"""Session pages that cannot mislead: the checkpoint's identity, a check after every restore, recorded before
+they are written, and orphans that count against the budget."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from typing import Any
+
+from drivers.page_runner import PageRunner
+from drivers.upstream import Upstream
+from slotlogic import events as ev
+from slotlogic import paging
+from slotlogic import shared as st
+from slotlogic.answers import Observation
+from slotlogic.decisions import RequestFacts, Ticket
+from slotlogic.endpoints import Route
+from slotlogic.keeper import Keeper
+from slotlogic.paging import PageCheck, PageFile, PagePlan, PageRecord
+from slotlogic.ranking import SlotView
+from slotlogic.reasons import Why
+from slotlogic.server import ServerInfo
+from slotlogic.session import SessionId
+from slotlogic.settings import Settings
+from tests.conftest import UP, FakeLlama, chat
+
+PROPS = {"total_slots": 2, "media_marker": "<m>", "build_info": "b1", "model_path": "/m.gguf",
+         "default_generation_settings": {"n_ctx": 8192}}
+
+
+def info(**changes: Any) -> ServerInfo:
+    props = {**PROPS, **{k: v for k, v in changes.items() if k in PROPS}}
+    if "n_ctx" in changes:
+        props["default_generation_settings"] = {"n_ctx": changes["n_ctx"]}
+    parsed = ServerInfo.parse(props)
+    assert parsed is not None
+    return parsed
+
+
+def test_the_page_identity_is_the_checkpoints_and_more():
+    base = info().page_identity("")
+    assert base == info().page_identity("")
+    others = [info(n_ctx=2048).page_identity(""), info(total_slots=4).page_identity(""),
+              info(build_info="b2").page_identity(""), info(model_path="/n.gguf").page_identity(""),
+              info().page_identity("after-upgrade"),
+              ServerInfo(**{**info().__dict__, "model_size": 10}).page_identity(""),
+              ServerInfo(**{**info().__dict__, "model_mtime": 5.0}).page_identity("")]
+    assert base not in others and len(set(others)) == len(others)
+
+
+def test_a_page_from_a_server_with_another_n_ctx_is_not_restored():
+    """The probe's case: a restart with n_ctx changed from 8192 to 2048 restored an old page."""
+    k = Keeper(Settings(paging=True, save_dir="/x"), UP)
+    state = st.ServerState(UP)
+    k.note_server(state, info())
+    k.pages = {"a": PageRecord(paging.page_file(UP, "a"), 900, 1.0, 100, k.page_identity)}
+    assert k.page_plan(0, "a", SlotView(0, 0)).restore_for == "a"
+    k.note_server(state, info(n_ctx=2048, media_marker="<new>"))
+    assert k.page_plan(0, "a", SlotView(0, 0)).restore_file is None
+
+
+def test_the_checks_after_a_restore():
+    assert paging.restore_checked(900, 900) is None
+    assert paging.restore_checked(900, 899) is PageCheck.COUNT_MISMATCH
+    assert paging.doubtful(900, 880) is None and paging.doubtful(900, None) is None
+    assert paging.doubtful(900, 300) is PageCheck.LOW_CACHE
+
+
+def test_orphans_count_against_the_budget_and_go_first_oldest_first():
+    pages = {"a": PageRecord(paging.page_file(UP, "a"), 900, 50.0, 400)}
+    o1, o2, young = (paging.page_file(UP, n) for n in ("o1", "o2", "young"))
+    files = {pages["a"].file: PageFile(50.0, 400), o1: PageFile(10.0, 300), o2: PageFile(20.0, 300),
+             young: PageFile(990.0, 300), "prefix-0123456789abcdef.bin": PageFile(0.0, 10_000)}
+    assert paging.sweep(files, pages, 2000, 1000.0, keep_seconds=1e6, grace=100.0) == []  # within budget
+    assert paging.sweep(files, pages, 1000, 1000.0, keep_seconds=1e6, grace=100.0) == [o1]
+    assert paging.sweep(files, pages, 900, 1000.0, keep_seconds=1e6, grace=100.0) == [o1, o2]
+    assert paging.sweep(files, pages, 10, 1000.0, keep_seconds=1e6, grace=100.0) == [o1, o2]  # never a young one
+    assert paging.sweep(files, pages, 1 << 40, 1000.0, keep_seconds=500.0, grace=100.0) == [o1, o2]  # too old
+
+
+class Slots:
+    """llama-server's slot actions, scripted: saves can be held open, restores can answer another count."""
+
+    def __init__(self, restored: int = 900) -> None:
+        self.restored = restored
+        self.hold = asyncio.Event()
+        self.hold.set()
+        self.entered = asyncio.Event()
+        self.calls: list[str] = []
+
+    async def post_json(self, path: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
+        action = path.split("action=")[1]
+        self.calls.append(action)
+        if action == "save":
+            self.entered.set()
+            await self.hold.wait()
+            return 200, {"n_saved": 900, "n_written": 4096}
+        return 200, {"n_restored": self.restored}
+
+
+async def test_a_restore_that_reads_another_count_is_no_page_in(tmp_path):
+    (tmp_path / paging.page_file(UP, "a")).write_bytes(b"x")
+    seen: list[ev.Event] = []
+    pager = PageRunner(Slots(restored=412), str(tmp_path), 1 << 30, seen.append, UP)  # type: ignore[arg-type]
+    out = await pager.run(PagePlan(0, restore_for="a", restore_file=paging.page_file(UP, "a"), restore_tokens=900))
+    assert out.restored_tokens is None and out.restore_failed
+    assert seen == [ev.PageRejected(UP, 0, PageCheck.COUNT_MISMATCH)]
+
+
+class PagingLlama(FakeLlama):
+    def __init__(self, slots: Slots) -> None:
+        super().__init__(total=1)
+        self.slot_actions = slots
+
+    async def post_json(self, path: str, body: Any, timeout: float) -> tuple[int, Any]:
+        return await self.slot_actions.post_json(path, body, timeout)
+
+
+def paging_upstream(tmp_path, client, seen=None) -> Upstream:
+    save = tmp_path / "slots"
+    save.mkdir(exist_ok=True)
+    settings = Settings(probe_interval=0, paging=True, save_dir=str(save))
+    return Upstream(UP, settings, tmp_path / "state", (seen if seen is not None else []).append, client=client)
+
+
+def facts(first: str, now: float) -> RequestFacts:
+    return RequestFacts("POST", "/v1/chat/completions", (), json.dumps(chat(first)).encode(), now)
+
+
+def state_of(tmp_path) -> dict:
+    return json.loads(next((tmp_path / "state").glob("state-*.json")).read_text())
+
+
+async def test_a_page_is_recorded_before_its_save_is_sent(tmp_path):
+    """A process killed while the save runs leaves a page the state knows (not an orphan, not restorable)."""
+    slots = Slots()
+    up = paging_upstream(tmp_path, PagingLlama(slots))
+    a = await up.decide(facts("A", time.time()), "fa")
+    up.unlock("fa")
+    up.answered(a.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions", seconds=1.0)
+    slots.hold.clear()
+    b = asyncio.create_task(up.decide(facts("B", time.time() + 200), "fb"))  # one slot: A is paged out
+    await asyncio.wait_for(slots.entered.wait(), 5)
+    page = state_of(tmp_path)["pages"][a.ticket.session.key]  # as a process started after a kill -9 reads it
+    assert page["file"] == paging.page_file(UP, a.ticket.session.key) and page["n_tokens"] == 0
+    slots.hold.set()
+    await b
+    assert state_of(tmp_path)["pages"][a.ticket.session.key]["n_tokens"] == 900
+
+
+async def test_a_request_that_reuses_little_of_its_restored_page_drops_the_page(tmp_path):
+    seen: list[ev.Event] = []
+    up = paging_upstream(tmp_path, PagingLlama(Slots()), seen)
+    key = "k" * 16
+    name = paging.page_file(UP, key)
+    (tmp_path / "slots" / name).write_bytes(b"kv")
+    async with up.store.transaction() as state:
+        st.claim(state, key, 0, 1.0)
+        state.pages[key] = PageRecord(name, 900, 1.0, 2, "")
+        up.keeper.pages = dict(state.pages)
+    ticket = Ticket(SessionId(key, "content:root"), Route.PINNABLE, slot=0, why=Why.RESUMED, paged_in=True)
+    up.answered(ticket, Observation(cache_n=12, prompt_n=950), path="/v1/chat/completions", seconds=1.0)
+    await up.settle()
+    assert key not in state_of(tmp_path)["pages"] and not (tmp_path / "slots" / name).exists()
+    assert ev.PageRejected(UP, 0, PageCheck.LOW_CACHE) in seen
+
+
+async def test_unrecorded_page_files_are_swept_by_size(tmp_path):
+    """A lost state file left pages behind: they count against slots_page_max_mb and go, oldest first."""
+    up = paging_upstream(tmp_path, PagingLlama(Slots()))
+    up.pages.max_bytes = 10_000  # type: ignore[union-attr]
+    old = time.time() - 3600
+    orphans = [tmp_path / "slots" / paging.page_file(UP, f"lost{i}") for i in range(3)]
+    for i, p in enumerate(orphans):
+        p.write_bytes(b"x" * 6000)
+        os.utime(p, (old + i, old + i))
+    a = await up.decide(facts("A", time.time()), "fa")
+    up.unlock("fa")
+    up.answered(a.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions", seconds=1.0)
+    await up.decide(facts("B", time.time() + 200), "fb")  # one slot: A is paged out, the sweep runs
+    assert [p.exists() for p in orphans] == [False, False, False]  # 18 KB of orphans + A's 4 KB page > 10 KB
