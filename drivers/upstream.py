@@ -9,17 +9,26 @@ explaining.
 
 The order of one request that the core cannot answer from memory (`NeedSlot`):
 1. wait while this session is being paged out (so it can be paged back in);
-2. `/props` + `/slots` (or the facts recorded with a replayed flow); no answer: the hash fallback;
+2. `/props` + `/slots` (or the facts recorded with a replayed flow); no answer: the hash fallback. An
+   endpoint that hung is not asked again for `BACKOFF` seconds (the state file and the last answer decide);
 3. under the state lock: `Keeper.assign` claims a slot;
-4. under that slot's paging lock: `Keeper.page_plan`, then the page-out/page-in;
+4. under that slot's paging lock: `Keeper.page_plan`, the page recorded (`Keeper.page_intent`), then the
+   page-out/page-in, then the outcome recorded;
 5. the prefix checkpoint, when nothing was paged in;
 6. `Keeper.pin`: the body that goes out.
+Anything that fails after step 3 rolls the bookkeeping back (`Keeper.abandon`): the request goes out as the
+client sent it and nothing says it was pinned.
+
+The proxy's own calls carry llama-server's API key when it needs one: `slots_api_key`, else the
+`Authorization` / `X-Api-Key` header a client sent to that server (kept in memory only, never logged).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import shutil
 import tempfile
 import time
@@ -34,7 +43,7 @@ from drivers.page_runner import PageOutcome, PageRunner
 from drivers.store_file import StateFile
 from slotlogic import shared
 from slotlogic.answers import Observation
-from slotlogic.decisions import Decision, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
+from slotlogic.decisions import Decision, Fields, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
 from slotlogic.events import (
     CheckpointDone,
     Event,
@@ -45,6 +54,9 @@ from slotlogic.events import (
     NoSavePath,
     NoSlotsEndpoint,
     Paged,
+    PageRejected,
+    SlotShared,
+    SlotsSlow,
     Stage,
 )
 from slotlogic.keeper import Keeper
@@ -55,6 +67,10 @@ from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
 
 Emit = Callable[[Event], None]
 PROBE_TIMEOUT = 30.0
+SLOW = 1.0          # seconds: a /props or /slots that failed after this long hung (the timeout is 3 s)
+BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the background probe may clear it)
+RECONCILE_EVERY = 5.0  # seconds between looks for a slot shared with another process while idle
+AUTH_HEADERS = (b"authorization", b"x-api-key")
 
 
 class Upstream:
@@ -78,6 +94,11 @@ class Upstream:
         self._swept = False
         self._file_total: int | None = None
         self._file_total_read = False
+        self._hung: dict[str, float] = {}          # endpoint -> monotonic time until which it is not asked
+        self._last_live: list[dict[str, Any]] | None = None  # the last /slots answer (counts for a hung /slots)
+        self._last_reconcile = 0.0
+        self._client_auth: tuple[str, str] | None = None   # a client's own key for this server (memory only)
+        self._authorize()
 
     @classmethod
     def for_replay(cls, url: str, settings: Settings, emit: Emit) -> Upstream:
@@ -102,12 +123,31 @@ class Upstream:
         elif self.checkpoints is None or self.checkpoints.settings != s or self.checkpoints.index.dir != self.state_dir:
             self.checkpoints = CheckpointRunner(self.client, self.state_dir, s, self.emit, self.url)
 
+    def _authorize(self) -> None:
+        """The key the proxy's own calls carry: the option, else what a client sent (never logged or stored)."""
+        key = self.settings.api_key
+        self.client.auth = ("authorization", f"Bearer {key}") if key else self._client_auth
+
+    def learn_auth(self, fields: Fields) -> None:
+        """Remember the API key a client sends to this server, for the proxy's own calls (slow path only)."""
+        if self.settings.api_key:
+            return
+        for k, v in fields:
+            name = k.lower()
+            if name in AUTH_HEADERS and v:
+                found = (name.decode("latin-1"), v.decode("latin-1"))
+                if found != self._client_auth:
+                    self._client_auth = found
+                    self._authorize()
+                return
+
     def reconfigure(self, settings: Settings, state_dir: str | Path) -> None:
         """New settings replace the old whole; the sessions this process knows stay."""
         if self.offline:
             return
         self.settings = settings
         self.keeper.reconfigure(settings)
+        self._authorize()
         if Path(state_dir) != self.state_dir:
             self.state_dir = Path(state_dir)
             self.store = StateFile(self.state_dir, self.url, self.emit)
@@ -119,12 +159,22 @@ class Upstream:
         """The decision for one request; a `NeedSlot` is resolved here, so the result is never one."""
         decision = self.keeper.request(facts)
         if isinstance(decision, NeedSlot):
-            decision = await self._place(decision, facts, flow_id)
+            need = decision
+            try:
+                decision = await self._place(need, facts, flow_id)
+            except BaseException:  # an error or a cancelled flow: the request is not going out pinned
+                self.abandon(need.ticket, flow_id)
+                raise
         if isinstance(decision, Pin) and decision.ticket.translated:
             self._probe_messages_once()
         if self.keeper.table.dirty:
             self.kick()
         return decision
+
+    def abandon(self, ticket: Ticket, flow_id: str) -> None:
+        """A decided request goes out unpinned after all: roll the core's bookkeeping back, free the slot lock."""
+        self.keeper.abandon(ticket)
+        self.unlock(flow_id)
 
     async def _place(self, need: NeedSlot, facts: RequestFacts, flow_id: str) -> Pin | Observe:
         key, now = need.ticket.session.key, facts.now
@@ -135,9 +185,10 @@ class Upstream:
             props = recorded.get("props") or {"total_slots": self.keeper.total_slots or 4}
             live = recorded.get("slots")
         else:
-            props = await self.client.props()
-            live = await self.client.slots() if props is not None else None
-        info = ServerInfo.parse(props)
+            self.learn_auth(facts.fields)
+            props = await self._ask("/props", self.client.props)
+            live = await self._live_slots() if props is not None else None
+        info = self._server_info(props)
         if info is None:
             decision, event = self.keeper.fallback(need, now, await self._last_known_total())
             self.emit(event)
@@ -163,6 +214,41 @@ class Upstream:
             self.emit(NoPrefixMarker(self.url, need.ticket.session.short, self.settings.markers))
         return self.keeper.pin(need, placement.slot, placement.why, now, paged_in=paged_in)
 
+    async def _ask(self, endpoint: str, call: Callable[[], Any]) -> Any:
+        """One look-up, unless the endpoint hung lately: then None at once (the caller falls back)."""
+        now = time.monotonic()
+        if self._hung.get(endpoint, 0.0) > now:
+            return None
+        answer = await call()
+        if answer is None and time.monotonic() - now >= SLOW:
+            self._hung[endpoint] = time.monotonic() + BACKOFF
+            self.emit(SlotsSlow(self.url, endpoint, BACKOFF))
+        elif answer is not None:
+            self._hung.pop(endpoint, None)
+        return answer
+
+    async def _live_slots(self) -> list[dict[str, Any]] | None:
+        """`/slots`, or while it hangs the last answer's token counts (nothing marked busy: that is unknown)."""
+        live = await self._ask("/slots", self.client.slots)
+        if live is not None:
+            self._last_live = live
+            return live
+        if "/slots" in self._hung and self._last_live is not None:
+            return [{**e, "is_processing": False} for e in self._last_live]
+        return None
+
+    def _server_info(self, props: Any) -> ServerInfo | None:
+        """`/props` parsed, with the model file's size and mtime when it is on this machine (a page written
+        for another file of the same name must not be restored)."""
+        info = ServerInfo.parse(props)
+        if info is None or not info.model_path:
+            return info
+        try:
+            st = os.stat(info.model_path)
+        except (OSError, ValueError):
+            return info
+        return replace(info, model_size=st.st_size, model_mtime=st.st_mtime)
+
     async def _last_known_total(self) -> int | None:
         """The slot count in the state file, for the hash fallback after a proxy restart (read once)."""
         if not self._file_total_read:
@@ -185,6 +271,9 @@ class Upstream:
         if plan.save_for is not None:
             saving = self.pages.saving[plan.save_for] = asyncio.Event()
         try:
+            if plan.save_file is not None:
+                async with self.store.transaction() as state:
+                    self.keeper.page_intent(state, plan, time.time())
             out = await self.pages.run(plan)
             await self._record_pages(plan, out)
         except Exception as e:
@@ -209,11 +298,26 @@ class Upstream:
         files = None
         if not self._swept:  # once per process: page files no state refers to
             self._swept = True
-            files = await asyncio.to_thread(self.pages.files)
+            files = await asyncio.to_thread(self._unrecorded_files)
         async with self.store.transaction() as state:
             doomed = self.keeper.pages_recorded(state, plan, out.saved_tokens, out.saved_bytes, out.restore_failed,
                                                 time.time(), self.pages.max_bytes, files)
         self.pages.delete(doomed)
+
+    def _unrecorded_files(self) -> dict[str, Any]:
+        """The save dir's page files, less those the state files of other servers in our state dir record
+        (a save dir may be shared by several servers; their pages are not our orphans). Worker thread."""
+        assert self.pages is not None
+        files = self.pages.files()
+        others: list[str] = []
+        with contextlib.suppress(OSError), os.scandir(self.state_dir) as entries:
+            others = [e.path for e in entries if e.name.startswith("state-") and e.name.endswith(".json")
+                      and e.path != str(self.store.path)]
+        for path in others:
+            with contextlib.suppress(OSError, ValueError):
+                for name in shared.from_dict(json.loads(Path(path).read_bytes()), "").pages.values():
+                    files.pop(name.file, None)
+        return files
 
     async def _warm(self, slot: int, need: NeedSlot, info: ServerInfo, holds: bool) -> None:
         """Restore or warm the shared prefix into the new session's slot; fail open on anything."""
@@ -283,7 +387,17 @@ class Upstream:
             self.emit(event)
         if not self.offline and report.slot is not None and self.keeper.lost_cache(report):
             self._spawn(self.explain_cache_loss(report.slot))
+        check = self.keeper.page_doubtful(report) if self.pages is not None else None
+        if check is not None and report.slot is not None:
+            self.emit(PageRejected(self.url, report.slot, check))
+            self._spawn(self._drop_page(ticket.session.key))
         return report
+
+    async def _drop_page(self, key: str) -> None:
+        async with self.store.transaction() as state:
+            doomed = self.keeper.page_dropped(state, key)
+        if self.pages is not None:
+            self.pages.delete(doomed)
 
     async def explain_cache_loss(self, slot: int) -> None:
         """A known session's pinned slot came back cold: restart? idle clearing (unified KV)? say which."""
@@ -322,7 +436,8 @@ class Upstream:
         try:
             while True:
                 await asyncio.sleep(self.settings.flush_interval)
-                await self.flush()
+                if not await self.flush() and time.monotonic() - self._last_reconcile >= RECONCILE_EVERY:
+                    await self.reconcile()
                 probe = self.settings.probe_interval
                 if probe > 0 and time.monotonic() - self._last_probe >= probe:
                     await self.probe()
@@ -331,10 +446,12 @@ class Upstream:
         except Exception as e:  # the background task must never die silently
             self.emit(Failed(self.url, Stage.BACKGROUND, type(e).__name__))
 
-    async def flush(self) -> None:
+    async def flush(self) -> bool:
+        """Write the coalesced touches (and look for a slot shared with another process in what was written);
+        False when there was nothing to write."""
         touches = self.keeper.table.drain()
         if not touches:
-            return
+            return False
         try:
             async with self.store.transaction() as state:
                 for key, a in touches.items():
@@ -342,6 +459,20 @@ class Upstream:
         except Exception as e:
             self.emit(Failed(self.url, Stage.STATE_WRITE, type(e).__name__))
             self.keeper.table.dirty.update(touches)
+            return True
+        self._reconciled(state)
+        return True
+
+    async def reconcile(self) -> None:
+        """With nothing to flush: read the state (no lock, a worker thread) and look for a shared slot."""
+        if not self.keeper.table.sessions:
+            return
+        self._reconciled(await asyncio.to_thread(self.store.read))
+
+    def _reconciled(self, state: shared.ServerState) -> None:
+        self._last_reconcile = time.monotonic()
+        for key in self.keeper.reconcile(state, time.time()):
+            self.emit(SlotShared(self.url, key[:8], self.keeper.table.sessions[key].slot))
 
     def flush_sync(self) -> None:
         """The last flush at shutdown (`done` must stay sync)."""
@@ -358,9 +489,10 @@ class Upstream:
     async def probe(self) -> None:
         """`/props` only (never wakes a sleeping server): restart and resize detection."""
         self._last_probe = time.monotonic()
-        info = ServerInfo.parse(await self.client.props())
+        info = self._server_info(await self.client.props())
         if info is None:
             return
+        self._hung.pop("/props", None)  # it answers again: new sessions may ask it
         k = self.keeper
         known = k.server
         changed = known is None or (info.media_marker and known.media_marker

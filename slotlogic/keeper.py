@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from slotlogic import anthropic, paging, placement, rewrite, shared, sidecalls
+from slotlogic import anthropic, paging, placement, reconcile, rewrite, shared, sidecalls
 from slotlogic import prefix as pfx
 from slotlogic import session as sess
 from slotlogic.answers import Observation
@@ -53,6 +53,8 @@ from slotlogic.stats import SessionStats
 from slotlogic.table import SessionTable
 
 MAX_MARKS = 512  # prompts remembered for the continuation rule of raw `/completion` bodies
+MAX_STATS = 1024  # sessions whose counters the status view and the summary show; the least recently answered go
+ORPHAN_GRACE = 600.0  # seconds an unrecorded page file is left alone before the budget may take it
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ class Keeper:
         self.table = SessionTable(ttl=settings.ttl)
         self.shapes = ShapeIndex()  # known sessions' request shapes: the hot path without a parse
         self.marks: OrderedDict[str, sess.PromptMark] = OrderedDict()
-        self.stats: dict[str, SessionStats] = {}
+        self.stats: OrderedDict[str, SessionStats] = OrderedDict()
         self.server: ServerInfo | None = None   # the last `/props` seen
         self.total_slots: int | None = None     # the last known slot count
         self.pages: dict[str, paging.PageRecord] = {}  # the page index as of the last state transaction
@@ -271,8 +273,9 @@ class Keeper:
         ticket = need.ticket
         ticket.facts = {"props": dict(info.raw or {}), "slots": slot_facts(live)}
         choice = placement.assign(self.settings, state, ticket.session.key, need.prefix, live, total, now,
-                                  side=ticket.side, local=self.table, displaced_from=need.displaced_from)
-        dropped = shared.prune(state, now, SESSION_KEEP_SECONDS)
+                                  side=ticket.side, local=self.table, displaced_from=need.displaced_from,
+                                  resume=ticket.session.key not in self.table.misplaced)
+        dropped = shared.compact(state, now, SESSION_KEEP_SECONDS, self.settings.state_max_sessions)
         self.pages = dict(state.pages)
         if choice.why is not Why.SIDE_CALL:
             self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix)
@@ -292,32 +295,67 @@ class Keeper:
         return self.pin(need, choice.slot, choice.why, now), Unreachable(self.upstream, ticket.session.short,
                                                                          choice.slot, total)
 
+    @property
+    def page_identity(self) -> str:
+        """What a page written now must match to be restored later (`ServerInfo.page_identity`)."""
+        return self.server.page_identity(self.settings.server_id) if self.server else ""
+
     def page_plan(self, slot: int, session_key: str, view: SlotView) -> paging.PagePlan:
         """What to page out of and into `slot` before `session_key`'s request goes there. Asked once the slot's
         paging lock is held: by then every request sent to the slot before has reached the server."""
-        model = self.server.model_id if self.server else ""
+        model = self.page_identity
         holder, tokens = paging.holder_of(slot, view, self.table.dispatched)
         rec = self.pages.get(session_key)
         holds_own = (slot not in self.table.dispatched and view.owner == session_key and rec is not None
                      and (view.n_tokens or 0) >= rec.n_tokens)  # a restarted proxy, its session still there
         return paging.plan(slot, session_key, holder, tokens, self.pages, self.upstream, model, holds_own=holds_own)
 
+    def page_intent(self, state: shared.ServerState, plan: paging.PagePlan, now: float) -> None:
+        """Before the save is sent: its page is in the index (not restorable yet), so a kill between the save
+        and `pages_recorded` leaves no file the state does not know."""
+        if plan.save_for and plan.save_file:
+            paging.intent(state.pages, plan.save_for, plan.save_file, now, self.page_identity)
+            self.pages = dict(state.pages)
+
     def pages_recorded(self, state: shared.ServerState, plan: paging.PagePlan, saved_tokens: int | None,
                        saved_bytes: int, restore_failed: bool, now: float, budget: int,
-                       files: Mapping[str, float] | None) -> list[str]:
-        """The page index after a paging step (the new page, a failed one dropped, the budget applied and,
-        given the save dir's page files, orphans swept); returns the files to delete."""
-        model = self.server.model_id if self.server else ""
-        if saved_tokens is not None and plan.save_for and plan.save_file:
-            paging.saved(state.pages, plan.save_for, plan.save_file, saved_tokens, saved_bytes, now, model)
+                       files: Mapping[str, paging.PageFile] | None) -> list[str]:
+        """The page index after a paging step (the new page; a failed save or restore dropped with its file;
+        the budget applied and, given the save dir's page files, orphans swept); returns the files to delete."""
+        doomed: list[str] = []
+        if plan.save_for and plan.save_file:
+            if saved_tokens is not None:
+                paging.saved(state.pages, plan.save_for, plan.save_file, saved_tokens, saved_bytes, now,
+                             self.page_identity)
+            else:
+                rec = state.pages.get(plan.save_for)
+                if rec is not None and rec.file == plan.save_file and rec.n_tokens == 0:  # our intent, unfulfilled
+                    doomed.append(state.pages.pop(plan.save_for).file)
         if restore_failed and plan.restore_for:
-            state.pages.pop(plan.restore_for, None)
+            rec = state.pages.pop(plan.restore_for, None)
+            if rec is not None and rec.file != plan.save_file:
+                doomed.append(rec.file)
         keep = frozenset(k for k in (plan.save_for, plan.restore_for) if k)
-        doomed = [state.pages.pop(gone).file for gone in paging.over_budget(state.pages, budget, keep=keep)]
-        if files is not None:
-            doomed += paging.orphans(files, state.pages, now, SESSION_KEEP_SECONDS)
+        if files is not None:  # orphans first: they count against the same budget
+            doomed += paging.sweep(files, state.pages, budget, now, keep_seconds=SESSION_KEEP_SECONDS,
+                                   grace=ORPHAN_GRACE)
+        doomed += [state.pages.pop(gone).file for gone in paging.over_budget(state.pages, budget, keep=keep)]
         self.pages = dict(state.pages)
         return doomed
+
+    def page_doubtful(self, report: Report) -> paging.PageCheck | None:
+        """The request that followed a page-in reused less than half of the page: drop the page."""
+        t = report.ticket
+        rec = self.pages.get(t.session.key)
+        if not t.paged_in or rec is None:
+            return None
+        return paging.doubtful(rec.n_tokens, report.obs.cache_n)
+
+    def page_dropped(self, state: shared.ServerState, key: str) -> list[str]:
+        """Forget `key`'s page (a check failed); returns its file for deletion."""
+        rec = state.pages.pop(key, None)
+        self.pages = dict(state.pages)
+        return [rec.file] if rec is not None else []
 
     def holds_prefix(self, need: NeedSlot, view: SlotView) -> bool:
         """The chosen slot still holds the new session's stable prefix (no checkpoint work needed)."""
@@ -334,7 +372,11 @@ class Keeper:
         slot = obs.id_slot if obs.id_slot is not None else ticket.slot
         key = ticket.session.key
         self.table.answered(key, slot, now)
-        self.stats.setdefault(key, SessionStats()).add(obs, slot, ticket.session.source)
+        stats = self.stats.pop(key, None) or SessionStats()
+        self.stats[key] = stats  # most recently answered last
+        stats.add(obs, slot, ticket.session.source)
+        while len(self.stats) > MAX_STATS:
+            self.stats.popitem(last=False)
         return Report(ticket, obs, slot, path, self.upstream, seconds)
 
     def answer_stream(self, ticket: Ticket) -> anthropic.StreamConverter | None:
@@ -356,6 +398,34 @@ class Keeper:
     def messages_probed(self, honoured: bool | None) -> None:
         """What the probe found: whether the server honours id_slot on /v1/messages (None: unknown)."""
         self.messages_native = honoured
+
+    def abandon(self, ticket: Ticket) -> None:
+        """The request goes out unpinned after all (an error after its slot was chosen): nothing may still say
+        it is pinned. The session is forgotten in memory, so its next request is placed again (its claim in
+        the state file lets it resume the same slot when that is still right)."""
+        slot, key = ticket.slot, ticket.session.key
+        if ticket.why is not Why.SIDE_CALL:
+            self.table.forget(key)
+        if slot is not None and self.table.dispatched.get(slot) in (key, ""):
+            del self.table.dispatched[slot]
+        ticket.slot, ticket.why, ticket.paged_in = None, None, False
+        ticket.unpinned = Unpinned.FAILED
+
+    def reconcile(self, state: shared.ServerState, now: float) -> list[str]:
+        """Mark this process's sessions that share a slot with an earlier one of another process while a slot is
+        free (`slotlogic.reconcile`); their next request is placed again. Off the hot path: the background
+        flush calls it with the state it has just written or read. Returns the keys marked."""
+        ttl = self.settings.ttl
+        ours = {k: a.slot for k, a in self.table.sessions.items() if now - a.last_used < ttl}
+        if not ours:
+            return []
+        total = self.total_slots or state.total_slots
+        reserved = sidecalls.side_slot(total, self.settings.side_slot) if total and self.table.reserving(now) else None
+        marked = [k for k in reconcile.misplaced(state, ours, now, ttl, total, reserved)
+                  if k not in self.table.misplaced]
+        for key in marked:
+            self.table.misplace(key)
+        return marked
 
     def warnings(self, report: Report) -> list[Event]:
         obs = report.obs

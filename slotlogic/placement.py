@@ -22,15 +22,18 @@ from slotlogic.table import SessionTable
 
 def assign(cfg: Settings, state: shared.ServerState, session_key: str, prefix: str | None,
            live_slots: Sequence[dict[str, Any]] | None, total_slots: int, now: float, *,
-           side: bool = False, local: SessionTable | None = None, displaced_from: int | None = None) -> Choice:
+           side: bool = False, local: SessionTable | None = None, displaced_from: int | None = None,
+           resume: bool = True) -> Choice:
     """Choose and claim a slot for a session the table does not hold, or one displaced from
-    `displaced_from`. A side call learns the slot count here on a server's first request."""
+    `displaced_from`. A side call learns the slot count here on a server's first request. `resume=False`
+    (a session found sharing its slot with another process's, `slotlogic.reconcile`) ranks even when the
+    state file says the slot is still its own."""
     reserved = sidecalls.side_slot(total_slots, cfg.side_slot)
     if side and reserved is not None:
         return Choice(reserved, Why.SIDE_CALL)
     views = shared.views(state, total_slots, list(live_slots) if live_slots is not None else None, local)
     owned = shared.owned_slot(state, session_key)
-    if owned is not None and owned < total_slots:
+    if resume and owned is not None and owned < total_slots:
         view = views[owned]
         claimed_by_other = view.owner not in (None, session_key) and ranking.is_claimed(view, now, cfg.ttl)
         if not claimed_by_other and (not view.busy or all(v.busy for v in views)):

@@ -37,6 +37,7 @@ class Unpinned(Enum):
     ROUTE = "not pinnable on this server (/v1/messages drops id_slot)"
     UNTRANSLATABLE = "passed natively: not translatable to a chat completion"
     SERVER_UNKNOWN = "unpinned: server unknown"
+    FAILED = "unpinned: internal error"
 
 
 class Passed(Enum):
@@ -44,6 +45,7 @@ class Passed(Enum):
 
     NOT_COMPLETION = "not a completion route"
     NOT_JSON_OBJECT = "body is not a JSON object"
+    TOO_LARGE = "body too large to read (slots_max_body_mb)"
 
 
 def render(why: Why | None, unpinned: Unpinned | None = None, *, displaced: bool = False,

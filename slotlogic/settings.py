@@ -3,8 +3,9 @@
 Rule 1: frozen. The mitmproxy side validates its options once (`configure`) and builds one `Settings` per
         upstream; a changed option builds a new object, which replaces the old one whole. Nothing flips a
         flag on a live object.
-Rule 2: what a server may get depends on whether this proxy fronts it in reverse mode: prefix checkpoints and
-        session paging act only there (`for_upstream`), never on a host a regular-mode client happens to name.
+Rule 2: what a server may get depends on whether this proxy fronts it in reverse mode: prefix checkpoints,
+        session paging and `slots_api_key` act only there (`for_upstream`), never on a host a regular-mode
+        client happens to name.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class Settings:
     keep_streams: bool = False
     anthropic: AnthropicMode = AnthropicMode.TRANSLATE
     strip_billing: bool = True         # drop Claude Code's per-session billing block before the server sees it
+    state_max_sessions: int = 256      # sessions kept in the state file (slot owners always kept)
+    max_body_bytes: int = 64 << 20     # decoded request bodies above this pass untouched (gzip bombs)
+    api_key: str = field(default="", repr=False)  # for the proxy's own calls to llama-server; never shown
 
     @property
     def header_bytes(self) -> frozenset[bytes]:
@@ -69,4 +73,5 @@ class Settings:
         reverse mode."""
         if fronted:
             return self
-        return replace(self, save_dir=None, paging=False, checkpoints=CheckpointMode.OFF)
+        # Nor the operator's API key: a regular-mode client may name any host, and the key is for ours.
+        return replace(self, save_dir=None, paging=False, checkpoints=CheckpointMode.OFF, api_key="")
