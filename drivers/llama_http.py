@@ -3,7 +3,9 @@
 Every call has a timeout (3 s for `/props` and `/slots`: `/slots` can hang while a big prompt is prefilled,
 docs/llama-server.md) and returns None instead of raising when the server cannot be reached or answers
 nonsense: the caller falls back, it never crashes. One `httpx.AsyncClient` per event loop: a client bound to
-a loop that has closed cannot be used again (docs/mitmproxy.md).
+a loop that has closed cannot be used again (docs/mitmproxy.md). `auth` (set by the driver: `slots_api_key`
+or a client's own key) goes with every call as a header; it is never logged (httpx's loggers stay at
+WARNING, and nothing here puts a header or an exception's message anywhere).
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ class LlamaClient:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self._clients: dict[int, httpx.AsyncClient] = {}
+        self.auth: tuple[str, str] | None = None  # (header name, value) for an --api-key server
+
+    def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        out = dict(extra or {})
+        if self.auth is not None:
+            out[self.auth[0]] = self.auth[1]
+        return out
 
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
@@ -40,7 +49,7 @@ class LlamaClient:
 
     async def get_json(self, path: str, timeout: float | None = None) -> Any | None:
         try:
-            r = await self._client().get(path, timeout=timeout or self.timeout)
+            r = await self._client().get(path, timeout=timeout or self.timeout, headers=self._headers())
         except (httpx.HTTPError, OSError):
             return None
         if r.status_code != 200:
@@ -63,7 +72,7 @@ class LlamaClient:
         raw = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
         try:
             r = await self._client().post(path, content=raw, timeout=timeout,
-                                          headers={"content-type": "application/json"})
+                                          headers=self._headers({"content-type": "application/json"}))
         except (httpx.HTTPError, OSError):
             return 0, None
         try:

@@ -92,7 +92,29 @@ class ServerConfig:
             argv += ["--cache-ram", str(self.cache_ram_mib)]
         if self.swa_full:
             argv += ["--swa-full"]
-        return argv
+        return argv + self.extra
+
+
+def _embedded_extra(p: object, extra: list[str]) -> None:
+    """The few real llama-server flags the embedded server understands here, from `extra`:
+    `--api-key KEY` (repeatable), `--no-slots`, `-ctk/--cache-type-k T` and `-ctv/--cache-type-v T`."""
+    import xllamacpp
+
+    i = 0
+    while i < len(extra):
+        flag = extra[i]
+        if flag == "--api-key":
+            p.api_keys = [*p.api_keys, extra[i + 1]]  # type: ignore[attr-defined]
+            i += 2
+        elif flag == "--no-slots":
+            p.endpoint_slots = False  # type: ignore[attr-defined]
+            i += 1
+        elif flag in ("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"):
+            kind = getattr(xllamacpp.ggml_type, f"GGML_TYPE_{extra[i + 1].upper()}")
+            setattr(p, "cache_type_k" if "k" in flag.rsplit("-", 1)[-1] else "cache_type_v", kind)
+            i += 2
+        else:
+            raise ValueError(f"the embedded llama-server does not take {flag!r} (set LLAMA_SERVER_BIN)")
 
 
 def serve_embedded(cfg: ServerConfig) -> None:
@@ -115,6 +137,7 @@ def serve_embedded(cfg: ServerConfig) -> None:
     if cfg.cache_ram_mib is not None:
         p.cache_ram_mib = cfg.cache_ram_mib
     p.swa_full = cfg.swa_full
+    _embedded_extra(p, cfg.extra)
     server = xllamacpp.Server(p)
     print(f"llama-server (xllamacpp) listening on {server.listening_address}", flush=True)
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
@@ -188,10 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sps", type=float)
     ap.add_argument("--cache-ram", type=int)
     ap.add_argument("--swa-full", action="store_true")
-    a = ap.parse_args(argv)
+    a, extra = ap.parse_known_args(argv)  # the rest: real llama-server flags (see _embedded_extra)
     cfg = ServerConfig(port=a.port, slots=a.slots, ctx_per_slot=a.ctx_per_slot, threads=a.threads,
                        slot_save_path=a.slot_save_path, kv_unified=a.kv_unified, sps=a.sps,
-                       cache_ram_mib=a.cache_ram, swa_full=a.swa_full)
+                       cache_ram_mib=a.cache_ram, swa_full=a.swa_full, extra=extra)
     binary = os.environ.get("LLAMA_SERVER_BIN")
     if binary:
         os.execv(binary, cfg.binary_argv(binary))

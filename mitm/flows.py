@@ -42,6 +42,13 @@ def set_content(message: Any, body: bytes) -> None:
         message.headers.fields = without(fields, b"transfer-encoding")
         message.content = body
         return
+    set_raw(message, body)
+
+
+def set_raw(message: Any, body: bytes) -> None:
+    """The body's bytes exactly as they go out (already encoded, if the message says so), framed with
+    Content-Length."""
+    fields = message.headers.fields
     message.raw_content = body
     length = str(len(body)).encode()
     out, seen = [], False
@@ -69,14 +76,19 @@ def upstream_url(flow: Any) -> str:
     return f"{req.scheme}://{req.host}:{req.port}"
 
 
-def request_facts(flow: Any) -> RequestFacts:
+_DECODE: Any = object()
+
+
+def request_facts(flow: Any, body: bytes | None = _DECODE) -> RequestFacts:
     """The facts of a request for `Keeper.request`. A saved flow (`mitmdump -nr`, not live) keeps the recorded
-    clock and brings what the proxy recorded with it: the client's own fields and the server's facts."""
+    clock and brings what the proxy recorded with it: the client's own fields and the server's facts. `body`:
+    the decoded body when the caller decoded it already (`drivers/body_decode.py`)."""
     req = flow.request
-    try:
-        body = content(req)
-    except ValueError:
-        body = None
+    if body is _DECODE:
+        try:
+            body = content(req)
+        except ValueError:
+            body = None
     replay = None
     if not flow.live:
         recorded = flow.metadata.get("slotkeeper")

@@ -18,6 +18,7 @@ from typing import Any
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
+from drivers import body_decode, private_dir
 from drivers.store_file import default_state_dir
 from mitm import flows
 from mitm.runtime import Open, Runtime, guarded
@@ -29,9 +30,11 @@ from slotlogic.answers import Observation, StreamObserver, observe_json
 from slotlogic.decisions import Forward, Observe, Pin
 from slotlogic.events import Failed, PassedThrough, Stage
 from slotlogic.ranking import Policy
+from slotlogic.reasons import Passed
 from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
 
 log = logging.getLogger("slotkeeper")
+TOO_LARGE = object()  # a body past slots_max_body_mb: passed through untouched, unread
 
 
 class Pinning:
@@ -95,6 +98,17 @@ class Pinning:
                           "their system prompt's cache.")
         loader.add_option("slots_prefix_min_chars", int, 512,
                           "The shortest stable prefix learned from traffic (for clients without a marker).")
+        loader.add_option("slots_state_max_sessions", int, 256,
+                          "Sessions kept in the state file (the most recently used, and every slot's owner); a "
+                          "new session's locked read-modify-write costs what the file holds.")
+        loader.add_option("slots_max_body_mb", int, 64,
+                          "Request bodies larger than this (after gzip/deflate/br/zstd decoding) pass untouched "
+                          "and unpinned; larger encoded bodies are decoded in a worker thread, never inflated "
+                          "on the event loop beyond a small size.")
+        loader.add_option("slots_api_key", str, "",
+                          "llama-server's --api-key, for the proxy's own calls (/props, /slots, slot save/restore, "
+                          "warm-ups). Empty: the Authorization or X-Api-Key header a client sent to that server. "
+                          "Never logged or written to a file.")
         loader.add_option("slots_keep_streams", bool, False,
                           "Keep a copy of streamed SSE bodies in the flow (for -w recordings, mitmweb and "
                           "server replay on mitmproxy 11; on 12.x store_streamed_bodies does the same).")
@@ -112,11 +126,19 @@ class Pinning:
             return  # answered already (the local API), or a saved flow (-nr) that carries its answer
         original = flow.request.raw_content, flow.request.headers.fields, flow.request.path
         upstream = self.rt.upstream(flows.upstream_url(flow), live=flow.live)
+        decision = None
         try:
-            decision = await upstream.decide(flows.request_facts(flow), flow.id)
-            flows.apply(flow, decision)
+            encoding = flows.get(original[1], b"content-encoding")
+            body = await self._body(original[0], encoding, upstream.settings.max_body_bytes)
+            if body is TOO_LARGE:
+                self.rt.emit(PassedThrough(upstream.url, flow.request.method, flow.request.path, Passed.TOO_LARGE))
+                return
+            decision = await upstream.decide(flows.request_facts(flow, body), flow.id)
+            await self._apply(flow, decision, encoding)
         except Exception as e:  # fail open: the original request goes out untouched
             flow.request.raw_content, flow.request.headers.fields, flow.request.path = original
+            if isinstance(decision, Pin | Observe):
+                upstream.abandon(decision.ticket, flow.id)
             upstream.unlock(flow.id)
             self.rt.emit(Failed(upstream.url, Stage.REQUEST, type(e).__name__, flow.request.method,
                                 flow.request.path))
@@ -173,6 +195,32 @@ class Pinning:
             up.close_sync()
 
     # ------------------------------------------------------------------------------------------- helpers
+
+    @staticmethod
+    async def _body(raw: bytes | None, encoding: bytes | None, limit: int) -> bytes | object | None:
+        """The decoded body (None when absent or badly encoded), or TOO_LARGE past `slots_max_body_mb`. An
+        encoded body is decoded with a cap, and in a worker thread unless it is small (body_decode)."""
+        if raw is None:
+            return None
+        if not encoding:
+            return TOO_LARGE if len(raw) > limit else raw
+        try:
+            return await body_decode.decode_async(raw, encoding.decode("latin-1"), limit)
+        except body_decode.TooLarge:
+            return TOO_LARGE
+        except ValueError:
+            return None
+
+    @staticmethod
+    async def _apply(flow: http.HTTPFlow, decision: Any, encoding: bytes | None) -> None:
+        """The decision's body onto the flow; an encoded body encoded again the same way (off the event loop
+        when it is large)."""
+        if encoding and isinstance(decision, Pin | Observe) and decision.body is not None:
+            flows.set_raw(flow.request, await body_decode.encode_async(decision.body, encoding.decode("latin-1")))
+            if isinstance(decision, Pin) and decision.path is not None:
+                flow.request.path = decision.path  # a translated request's route
+            return
+        flows.apply(flow, decision)
 
     def _finish(self, flow: http.HTTPFlow, req: Open, obs: Observation) -> None:
         report = req.upstream.answered(req.ticket, obs, path=req.path, seconds=time.monotonic() - req.started)
@@ -250,6 +298,10 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
         raise exceptions.OptionsError("slots_page_max_mb must be ≥ 1 (turn paging off with slots_paging)")
     if min(o.slots_checkpoint_ttl_days, o.slots_checkpoint_keep, o.slots_checkpoint_max_mb) < 0:
         raise exceptions.OptionsError("slots_checkpoint_* options must be ≥ 0")
+    if o.slots_state_max_sessions < 16:
+        raise exceptions.OptionsError("slots_state_max_sessions must be ≥ 16")
+    if o.slots_max_body_mb < 1:
+        raise exceptions.OptionsError("slots_max_body_mb must be ≥ 1")
     settings = Settings(
         policy=policy, ttl=float(o.slots_ttl), override_client=o.slots_override_client, session_headers=headers,
         side_patterns=patterns, side_slot=o.slots_side_slot, markers=markers or pfx.DEFAULT_MARKERS,
@@ -258,8 +310,13 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
         checkpoint_ttl_days=float(o.slots_checkpoint_ttl_days), checkpoint_keep=o.slots_checkpoint_keep,
         checkpoint_max_bytes=o.slots_checkpoint_max_mb << 20, probe_interval=float(o.slots_probe_interval),
         keep_streams=o.slots_keep_streams, anthropic=anthropic_mode, strip_billing=o.slots_strip_billing,
-        prefix_min_chars=o.slots_prefix_min_chars)
+        prefix_min_chars=o.slots_prefix_min_chars, state_max_sessions=o.slots_state_max_sessions,
+        max_body_bytes=o.slots_max_body_mb << 20, api_key=o.slots_api_key.strip())
     state_dir = Path(o.slots_state_dir).expanduser() if o.slots_state_dir else default_state_dir()
+    try:
+        private_dir.check(state_dir)  # created 0700 on first use when missing; an existing one is never chmod-ed
+    except private_dir.UnsafeDir as e:
+        raise exceptions.OptionsError(f"slots_state_dir: {e}") from None
     return settings, state_dir
 
 

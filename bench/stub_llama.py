@@ -1,0 +1,162 @@
+"""A llama-server stand-in for fault injection (`python -m bench.stub_llama --port N [faults]`, or in process).
+
+Why: some faults cannot be produced on a real server on demand: `/slots` hanging while the main loop is
+wedged (llama.cpp issue #27388), a server that answers slowly, one that records exactly what the proxy sent
+(the API key on its own calls, the warm-up bodies). It speaks just enough HTTP/1.1 (keep-alive,
+Content-Length or chunked request bodies) and answers like llama-server: `/props`, `/slots` (or 501),
+`/health`, slot actions (or 501 without a save path), chat completions as JSON or SSE, and 401 for a
+missing key when `api_key` is set (`/health` stays public, as upstream).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class StubLlama:
+    slots: int = 4
+    n_ctx: int = 8192
+    api_key: str | None = None
+    slots_delay: float = 0.0       # seconds before /slots answers (a hang when longer than the proxy's timeout)
+    props_delay: float = 0.0
+    no_slots: bool = False         # --no-slots: /slots answers 501
+    no_save_path: bool = False     # no --slot-save-path: slot actions answer 501
+    marker: str = "<__media_stub__>"
+    seen: list[Seen] = field(default_factory=list)
+    port: int = 0
+    _server: asyncio.AbstractServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def props(self) -> dict[str, Any]:
+        return {"total_slots": self.slots, "media_marker": self.marker, "build_info": "b0-stub",
+                "model_path": "/stub.gguf", "default_generation_settings": {"n_ctx": self.n_ctx}}
+
+    async def start(self) -> StubLlama:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1)
+
+    def _authorised(self, headers: dict[str, str]) -> bool:
+        if self.api_key is None:
+            return True
+        return headers.get("authorization") == f"Bearer {self.api_key}" or headers.get("x-api-key") == self.api_key
+
+    async def _answer(self, method: str, target: str, headers: dict[str, str], body: bytes
+                      ) -> tuple[int, str, bytes]:
+        path = target.split("?", 1)[0]
+        if path == "/health":
+            return 200, "application/json", b'{"status":"ok"}'
+        if not self._authorised(headers):
+            return 401, "application/json", json.dumps({"error": {"code": 401, "message": "Invalid API Key",
+                                                                  "type": "authentication_error"}}).encode()
+        if method == "GET" and path == "/props":
+            await asyncio.sleep(self.props_delay)
+            return 200, "application/json", json.dumps(self.props()).encode()
+        if method == "GET" and path == "/slots":
+            if self.no_slots:
+                return 501, "application/json", b'{"error":{"code":501,"type":"not_supported_error"}}'
+            await asyncio.sleep(self.slots_delay)
+            return 200, "application/json", json.dumps(
+                [{"id": i, "n_ctx": self.n_ctx, "is_processing": False, "n_prompt_tokens": 0}
+                 for i in range(self.slots)]).encode()
+        if method == "POST" and path.startswith("/slots/"):
+            if self.no_save_path:
+                return 501, "application/json", b'{"error":{"code":501,"type":"not_supported_error"}}'
+            action = target.split("action=", 1)[-1]
+            slot = int(path.split("/")[2])
+            key = {"save": "n_saved", "restore": "n_restored", "erase": "n_erased"}.get(action, "n")
+            return 200, "application/json", json.dumps({"id_slot": slot, key: 0, "n_written": 40}).encode()
+        if method == "POST" and path in ("/v1/chat/completions", "/chat/completions", "/completion"):
+            try:
+                req = json.loads(body)
+            except ValueError:
+                return 400, "application/json", b'{"error":{"code":400,"type":"invalid_request_error"}}'
+            slot = req.get("id_slot") if isinstance(req, dict) else None
+            timings = {"cache_n": 0, "prompt_n": 12, "prompt_per_second": 1000.0}
+            if isinstance(req, dict) and req.get("stream"):
+                events = [{"choices": [{"delta": {"content": "ok"}}]},
+                          {"choices": [], "timings": timings, "id_slot": slot}]
+                sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+                return 200, "text/event-stream", sse.encode()
+            return 200, "application/json", json.dumps(
+                {"choices": [{"message": {"role": "assistant", "content": "ok"}}], "timings": timings,
+                 "id_slot": slot}).encode()
+        return 404, "application/json", b'{"error":{"code":404,"type":"not_found_error"}}'
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, target, _ = lines[0].split(" ", 2)
+                headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
+                body = b""
+                if headers.get("transfer-encoding", "").lower() == "chunked":
+                    while True:
+                        size = int((await reader.readuntil(b"\r\n")).strip().split(b";")[0], 16)
+                        chunk = await reader.readexactly(size + 2)
+                        if size == 0:
+                            break
+                        body += chunk[:-2]
+                elif headers.get("content-length"):
+                    body = await reader.readexactly(int(headers["content-length"]))
+                self.seen.append(Seen(method, target, headers, body))
+                status, ctype, payload = await self._answer(method, target, headers, body)
+                writer.write((f"HTTP/1.1 {status} X\r\nServer: llama.cpp\r\nContent-Type: {ctype}\r\n"
+                              f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError, asyncio.LimitOverrunError,
+                asyncio.CancelledError):  # a client gone, or the stub shutting down
+            pass
+        finally:
+            writer.close()
+
+
+async def serve(stub: StubLlama) -> None:
+    await stub.start()
+    print(f"stub llama-server listening on {stub.url}", flush=True)
+    await asyncio.Event().wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--api-key")
+    ap.add_argument("--slots-delay", type=float, default=0.0)
+    ap.add_argument("--no-slots", action="store_true")
+    ap.add_argument("--no-save-path", action="store_true")
+    a = ap.parse_args()
+    asyncio.run(serve(StubLlama(slots=a.slots, api_key=a.api_key, slots_delay=a.slots_delay, no_slots=a.no_slots,
+                                no_save_path=a.no_save_path, port=a.port)))
+
+
+if __name__ == "__main__":
+    main()
