@@ -165,10 +165,11 @@ class Upstream:
             except BaseException:  # an error or a cancelled flow: the request is not going out pinned
                 self.abandon(need.ticket, flow_id)
                 raise
+            self.kick()  # a new claim: the background pass will also look for a slot shared with another process
+        elif self.keeper.table.dirty:
+            self.kick()
         if isinstance(decision, Pin) and decision.ticket.translated:
             self._probe_messages_once()
-        if self.keeper.table.dirty:
-            self.kick()
         return decision
 
     def abandon(self, ticket: Ticket, flow_id: str) -> None:
