@@ -81,6 +81,7 @@ class Upstream:
         self.emit = emit
         self.client = client or LlamaClient(url)
         self.keeper = Keeper(settings, url)
+        self.keeper.instance = os.urandom(8).hex()  # this process's page file names are its own
         self.state_dir = Path(state_dir)
         self.store = StateFile(self.state_dir, url, emit)
         self.settings = settings
@@ -274,7 +275,8 @@ class Upstream:
         try:
             if plan.save_file is not None:
                 async with self.store.transaction() as state:
-                    self.keeper.page_intent(state, plan, time.time())
+                    replaced = self.keeper.page_intent(state, plan, time.time())
+                self.pages.delete(replaced)
             out = await self.pages.run(plan)
             await self._record_pages(plan, out)
         except Exception as e:
@@ -389,14 +391,15 @@ class Upstream:
         if not self.offline and report.slot is not None and self.keeper.lost_cache(report):
             self._spawn(self.explain_cache_loss(report.slot))
         check = self.keeper.page_doubtful(report) if self.pages is not None else None
-        if check is not None and report.slot is not None:
+        page = self.keeper.pages.get(ticket.session.key)
+        if check is not None and report.slot is not None and page is not None:
             self.emit(PageRejected(self.url, report.slot, check))
-            self._spawn(self._drop_page(ticket.session.key))
+            self._spawn(self._drop_page(ticket.session.key, page.file))
         return report
 
-    async def _drop_page(self, key: str) -> None:
+    async def _drop_page(self, key: str, file: str) -> None:
         async with self.store.transaction() as state:
-            doomed = self.keeper.page_dropped(state, key)
+            doomed = self.keeper.page_dropped(state, key, file)
         if self.pages is not None:
             self.pages.delete(doomed)
 

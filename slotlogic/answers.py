@@ -98,7 +98,7 @@ def absorb(obs: Observation, obj: Any) -> None:
 
 def observe_json(raw: bytes) -> Observation:
     obs = Observation()
-    with contextlib.suppress(ValueError, UnicodeDecodeError):
+    with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
         absorb(obs, json.loads(raw))
     return obs
 
@@ -147,7 +147,7 @@ class SSEParser:
             return
         try:
             yield json.loads(payload)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return
 
 

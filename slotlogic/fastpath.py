@@ -55,7 +55,7 @@ def locate(text: str) -> tuple[int, int] | None:
     object; None when the body is not a plain object with one `messages` array holding a user message."""
     try:
         return _locate(text)
-    except (ValueError, IndexError, StopIteration):
+    except (ValueError, IndexError, StopIteration, RecursionError):
         return None
 
 
@@ -225,7 +225,7 @@ def appended_messages(new: bytes) -> bool:
             if i == n or text[i] != "{":
                 return False
             _, i = _scan(text, i)
-    except (UnicodeDecodeError, ValueError, StopIteration, IndexError):
+    except (UnicodeDecodeError, ValueError, StopIteration, IndexError, RecursionError):
         return False
 
 

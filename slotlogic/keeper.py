@@ -97,6 +97,8 @@ class Keeper:
         self.pages: dict[str, paging.PageRecord] = {}  # the page index as of the last state transaction
         self.messages_native: bool | None = None  # the server honours id_slot on /v1/messages (probed)
         self.learner = PrefixLearner(settings.prefix_min_chars)  # stable prefixes of marker-less clients
+        self.instance = ""   # set by the driver: unique to this process, so its page file names are its own
+        self._page_seq = 0
         self._headers = settings.header_bytes
 
     def reconfigure(self, settings: Settings) -> None:
@@ -308,14 +310,18 @@ class Keeper:
         rec = self.pages.get(session_key)
         holds_own = (slot not in self.table.dispatched and view.owner == session_key and rec is not None
                      and (view.n_tokens or 0) >= rec.n_tokens)  # a restarted proxy, its session still there
-        return paging.plan(slot, session_key, holder, tokens, self.pages, self.upstream, model, holds_own=holds_own)
+        self._page_seq += 1
+        return paging.plan(slot, session_key, holder, tokens, self.pages, self.upstream, model, holds_own=holds_own,
+                           salt=f"{self.instance}:{self._page_seq}")
 
-    def page_intent(self, state: shared.ServerState, plan: paging.PagePlan, now: float) -> None:
+    def page_intent(self, state: shared.ServerState, plan: paging.PagePlan, now: float) -> list[str]:
         """Before the save is sent: its page is in the index (not restorable yet), so a kill between the save
-        and `pages_recorded` leaves no file the state does not know."""
-        if plan.save_for and plan.save_file:
-            paging.intent(state.pages, plan.save_for, plan.save_file, now, self.page_identity)
-            self.pages = dict(state.pages)
+        and `pages_recorded` leaves no file the state does not know. Returns the replaced page's file."""
+        if not plan.save_for or not plan.save_file:
+            return []
+        old = paging.intent(state.pages, plan.save_for, plan.save_file, now, self.page_identity)
+        self.pages = dict(state.pages)
+        return [old] if old else []
 
     def pages_recorded(self, state: shared.ServerState, plan: paging.PagePlan, saved_tokens: int | None,
                        saved_bytes: int, restore_failed: bool, now: float, budget: int,
@@ -324,17 +330,20 @@ class Keeper:
         the budget applied and, given the save dir's page files, orphans swept); returns the files to delete."""
         doomed: list[str] = []
         if plan.save_for and plan.save_file:
-            if saved_tokens is not None:
+            rec = state.pages.get(plan.save_for)
+            ours = rec is not None and rec.file == plan.save_file  # else another process saved it since
+            if saved_tokens is not None and ours:
                 paging.saved(state.pages, plan.save_for, plan.save_file, saved_tokens, saved_bytes, now,
                              self.page_identity)
-            else:
-                rec = state.pages.get(plan.save_for)
-                if rec is not None and rec.file == plan.save_file and rec.n_tokens == 0:  # our intent, unfulfilled
-                    doomed.append(state.pages.pop(plan.save_for).file)
-        if restore_failed and plan.restore_for:
-            rec = state.pages.pop(plan.restore_for, None)
-            if rec is not None and rec.file != plan.save_file:
-                doomed.append(rec.file)
+            else:  # a failed save (its file may be half written), or one superseded: its file goes
+                if ours:
+                    state.pages.pop(plan.save_for)
+                doomed.append(plan.save_file)
+        if restore_failed and plan.restore_for and plan.restore_file:
+            rec = state.pages.get(plan.restore_for)
+            if rec is not None and rec.file == plan.restore_file:
+                state.pages.pop(plan.restore_for)
+            doomed.append(plan.restore_file)
         keep = frozenset(k for k in (plan.save_for, plan.restore_for) if k)
         if files is not None:  # orphans first: they count against the same budget
             doomed += paging.sweep(files, state.pages, budget, now, keep_seconds=SESSION_KEEP_SECONDS,
@@ -351,11 +360,13 @@ class Keeper:
             return None
         return paging.doubtful(rec.n_tokens, report.obs.cache_n)
 
-    def page_dropped(self, state: shared.ServerState, key: str) -> list[str]:
-        """Forget `key`'s page (a check failed); returns its file for deletion."""
-        rec = state.pages.pop(key, None)
+    def page_dropped(self, state: shared.ServerState, key: str, file: str) -> list[str]:
+        """Forget `key`'s page `file` (a check failed; a newer page of it stays); returns the file to delete."""
+        rec = state.pages.get(key)
+        if rec is not None and rec.file == file:
+            del state.pages[key]
         self.pages = dict(state.pages)
-        return [rec.file] if rec is not None else []
+        return [file]
 
     def holds_prefix(self, need: NeedSlot, view: SlotView) -> bool:
         """The chosen slot still holds the new session's stable prefix (no checkpoint work needed)."""
@@ -511,7 +522,7 @@ def _parse(content: bytes) -> Any:
         return None
     try:
         return json.loads(content)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # 100k nested arrays: not ours
         return None
 
 

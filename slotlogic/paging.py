@@ -66,10 +66,11 @@ class PagePlan:
         return self.save_file is None and self.restore_file is None
 
 
-def page_file(upstream: str, session_key: str) -> str:
-    """A stable, private file name per (server, session): no session text in it, no collision between two
-    servers that share one save directory."""
-    return "page-" + hashlib.sha256(f"{upstream}\n{session_key}".encode()).hexdigest()[:20] + ".bin"
+def page_file(upstream: str, session_key: str, salt: str = "") -> str:
+    """A private file name per (server, session, save): no session text in it, no collision between two
+    servers that share one save directory, and, with a salt unique to the save, never a file that two
+    processes write at once (each save writes its own file, which only its own record names)."""
+    return "page-" + hashlib.sha256(f"{upstream}\n{session_key}\n{salt}".encode()).hexdigest()[:20] + ".bin"
 
 
 def model_id(props: Mapping[str, object]) -> str:
@@ -99,23 +100,25 @@ def holder_of(slot: int, view: SlotView, dispatched: Mapping[int, str]) -> tuple
 
 def plan(slot: int, session_key: str, holder: str | None, holder_tokens: int | None,
          pages: Mapping[str, PageRecord], upstream: str, model: str, *, holds_own: bool = False,
-         min_tokens: int = MIN_TOKENS) -> PagePlan:
+         min_tokens: int = MIN_TOKENS, salt: str = "") -> PagePlan:
     """Page out the slot's holder if it is another session with a conversation worth keeping (unknown size
     counts as worth it: a save costs milliseconds); page in `session_key` unless the slot holds its
     conversation already (it was the last to run there, or `holds_own`)."""
     save_for = save_file = None
     if holder not in (None, "", session_key) and (holder_tokens is None or holder_tokens >= min_tokens):
-        save_for, save_file = holder, page_file(upstream, holder)
+        save_for, save_file = holder, page_file(upstream, holder, salt)
     rec = pages.get(session_key)
     if rec is None or rec.model != model or holds_own or holder == session_key or rec.n_tokens < min_tokens:
         return PagePlan(slot, save_for, save_file)
     return PagePlan(slot, save_for, save_file, session_key, rec.file, rec.n_tokens)
 
 
-def intent(pages: dict[str, PageRecord], session_key: str, file: str, now: float, model: str) -> None:
-    """Record a page about to be saved: known (so never an orphan), not restorable (0 tokens) until `saved`."""
+def intent(pages: dict[str, PageRecord], session_key: str, file: str, now: float, model: str) -> str | None:
+    """Record a page about to be saved: known (so never an orphan), not restorable (0 tokens) until `saved`.
+    Returns the file of the page it replaces (to delete)."""
     prev = pages.get(session_key)
     pages[session_key] = PageRecord(file=file, n_tokens=0, saved=now, bytes=prev.bytes if prev else 0, model=model)
+    return prev.file if prev is not None and prev.file != file else None
 
 
 def saved(pages: dict[str, PageRecord], session_key: str, file: str, n_tokens: int, n_bytes: int,

@@ -82,7 +82,7 @@ def set_fields(raw: bytes, result: Rewrite) -> bytes | None:
     try:
         text = raw.decode("utf-8")
         spans = _top_level_values(text)
-    except (UnicodeDecodeError, ValueError, StopIteration, IndexError):
+    except (UnicodeDecodeError, ValueError, StopIteration, IndexError, RecursionError):
         return None
     if spans is None:
         return None

@@ -179,7 +179,7 @@ def _user_id_session(user_id: Any) -> str | None:
     if user_id.lstrip().startswith("{"):
         try:
             parsed = json.loads(user_id)
-        except ValueError:
+        except (ValueError, RecursionError):
             parsed = None
         if isinstance(parsed, Mapping):
             sid = parsed.get("session_id")

@@ -101,7 +101,8 @@ JUNK = [b",", b" ", b"{", b"}", b"[", b"]", b":", b"1e400", b"null", b'"id_slot"
 
 @FUZZ
 @given(first=s.text(max_size=30), later=s.lists(s.text(max_size=30), max_size=3),
-       system=s.text(min_size=40, max_size=80), junk=s.just(b"") | s.lists(s.sampled_from(JUNK), max_size=10).map(b"".join),
+       system=s.text(min_size=40, max_size=80),
+       junk=s.just(b"") | s.lists(s.sampled_from(JUNK), max_size=10).map(b"".join),
        where=s.sampled_from(["end", "mid", "tail"]))
 def test_the_fast_path_agrees_with_the_full_parse(first, later, system, junk, where):
     """Bodies built around a real one (a known session's next turn with arbitrary bytes spliced in): the

@@ -96,3 +96,20 @@ def test_delete_and_files(tmp_path):
     assert list(pager.files()) == ["page-aaaaaaaaaaaaaaaaaaaa.bin"]
     pager.delete(["page-aaaaaaaaaaaaaaaaaaaa.bin", "page-missing.bin"])
     assert pager.files() == {} and (tmp_path / "prefix-1.bin").exists()
+
+
+async def test_a_symlink_under_a_page_name_is_never_followed(tmp_path):
+    """A hostile symlink in the save dir: the chmod after a save must not reach its target, the sweep must not
+    list it, and deleting it removes the link only."""
+    target = tmp_path / "precious"
+    target.write_text("KEEP")
+    target.chmod(0o644)
+    save = tmp_path / "save"
+    save.mkdir()
+    (save / PLAN.save_file).symlink_to(target)
+    pager = runner(Slots(), save)
+    out = await pager.run(PagePlan(1, "b", PLAN.save_file))  # type: ignore[arg-type]
+    assert out.saved_tokens == 900 and target.stat().st_mode & 0o777 == 0o644
+    assert pager.files() == {}
+    pager.delete([PLAN.save_file])
+    assert target.read_text() == "KEEP" and not (save / PLAN.save_file).is_symlink()

@@ -144,10 +144,11 @@ async def test_a_page_is_recorded_before_its_save_is_sent(tmp_path):
     b = asyncio.create_task(up.decide(facts("B", time.time() + 200), "fb"))  # one slot: A is paged out
     await asyncio.wait_for(slots.entered.wait(), 5)
     page = state_of(tmp_path)["pages"][a.ticket.session.key]  # as a process started after a kill -9 reads it
-    assert page["file"] == paging.page_file(UP, a.ticket.session.key) and page["n_tokens"] == 0
+    assert paging.FILE_RE.match(page["file"]) and page["n_tokens"] == 0
     slots.hold.set()
     await b
-    assert state_of(tmp_path)["pages"][a.ticket.session.key]["n_tokens"] == 900
+    done = state_of(tmp_path)["pages"][a.ticket.session.key]
+    assert (done["file"], done["n_tokens"]) == (page["file"], 900)  # the file the intent named
 
 
 async def test_a_request_that_reuses_little_of_its_restored_page_drops_the_page(tmp_path):
@@ -181,3 +182,19 @@ async def test_unrecorded_page_files_are_swept_by_size(tmp_path):
     up.answered(a.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions", seconds=1.0)
     await up.decide(facts("B", time.time() + 200), "fb")  # one slot: A is paged out, the sweep runs
     assert [p.exists() for p in orphans] == [False, False, False]  # 18 KB of orphans + A's 4 KB page > 10 KB
+
+
+async def test_two_saves_of_one_session_never_share_a_file(tmp_path):
+    """Two processes may page out the same session at once: each save writes its own file, and a record only
+    ever names the file its own save wrote (a shared name let one process record the other's content)."""
+    k1, k2 = Keeper(Settings(paging=True, save_dir="/x"), UP), Keeper(Settings(paging=True, save_dir="/x"), UP)
+    k1.instance, k2.instance = "p1", "p2"
+    s = st.ServerState(UP)
+    plans = [k.page_plan(0, "other", SlotView(0, 900, owner="a")) for k in (k1, k2)]
+    assert plans[0].save_file != plans[1].save_file
+    assert k1.page_intent(s, plans[0], 1.0) == []
+    assert k2.page_intent(s, plans[1], 2.0) == [plans[0].save_file]  # the older page goes
+    doomed = k1.pages_recorded(s, plans[0], 900, 4096, False, 3.0, 1 << 30, None)  # k1's save answers last
+    assert doomed == [plans[0].save_file] and s.pages["a"].file == plans[1].save_file and s.pages["a"].n_tokens == 0
+    k2.pages_recorded(s, plans[1], 800, 4096, False, 4.0, 1 << 30, None)
+    assert (s.pages["a"].file, s.pages["a"].n_tokens) == (plans[1].save_file, 800)
