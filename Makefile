@@ -10,7 +10,7 @@ LLAMA_PORT ?= 8080
 SLOTS ?= 4
 ARGS ?=
 
-.PHONY: install run web test test-all test-312 lint bench record golden clean
+.PHONY: install run web test test-all test-312 lint bench reliability record golden clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(ARGS)
+
+# The soak: upstream faults, 200+ kill -9, 3 proxies x 32 sessions, bad input, security; prints one table (~6-10 min).
+reliability: $(STAMP)
+	$(BIN)/python -m bench.reliability $(ARGS)
 
 # Re-record recordings/*.mitm from real pi and synthetic traffic (real llama-server, ~5 min), then goldens.
 record: $(STAMP)

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,9 @@ class StubLlama:
     props_delay: float = 0.0
     no_slots: bool = False         # --no-slots: /slots answers 501
     no_save_path: bool = False     # no --slot-save-path: slot actions answer 501
+    save_dir: str | None = None    # write slot files here (never through a symlink: a refused save answers 500)
+    chat_delay: float = 0.0        # seconds a completion "prefills"
+    tokens: dict[int, int] = field(default_factory=dict)  # per slot: what a save would write
     marker: str = "<__media_stub__>"
     seen: list[Seen] = field(default_factory=list)
     port: int = 0
@@ -81,22 +85,26 @@ class StubLlama:
                 return 501, "application/json", b'{"error":{"code":501,"type":"not_supported_error"}}'
             await asyncio.sleep(self.slots_delay)
             return 200, "application/json", json.dumps(
-                [{"id": i, "n_ctx": self.n_ctx, "is_processing": False, "n_prompt_tokens": 0}
+                [{"id": i, "n_ctx": self.n_ctx, "is_processing": False, "n_prompt_tokens": self.tokens.get(i, 0)}
                  for i in range(self.slots)]).encode()
         if method == "POST" and path.startswith("/slots/"):
             if self.no_save_path:
                 return 501, "application/json", b'{"error":{"code":501,"type":"not_supported_error"}}'
             action = target.split("action=", 1)[-1]
             slot = int(path.split("/")[2])
-            key = {"save": "n_saved", "restore": "n_restored", "erase": "n_erased"}.get(action, "n")
-            return 200, "application/json", json.dumps({"id_slot": slot, key: 0, "n_written": 40}).encode()
+            name = str(json.loads(body or b"{}").get("filename", ""))
+            return self._slot_action(slot, action, name)
         if method == "POST" and path in ("/v1/chat/completions", "/chat/completions", "/completion"):
             try:
                 req = json.loads(body)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return 400, "application/json", b'{"error":{"code":400,"type":"invalid_request_error"}}'
             slot = req.get("id_slot") if isinstance(req, dict) else None
-            timings = {"cache_n": 0, "prompt_n": 12, "prompt_per_second": 1000.0}
+            await asyncio.sleep(self.chat_delay)
+            n = len(body) // 4
+            had = self.tokens.get(slot if isinstance(slot, int) else 0, 0)
+            self.tokens[slot if isinstance(slot, int) else 0] = n
+            timings = {"cache_n": min(had, n), "prompt_n": max(n - had, 1), "prompt_per_second": 1000.0}
             if isinstance(req, dict) and req.get("stream"):
                 events = [{"choices": [{"delta": {"content": "ok"}}]},
                           {"choices": [], "timings": timings, "id_slot": slot}]
@@ -106,6 +114,29 @@ class StubLlama:
                 {"choices": [{"message": {"role": "assistant", "content": "ok"}}], "timings": timings,
                  "id_slot": slot}).encode()
         return 404, "application/json", b'{"error":{"code":404,"type":"not_found_error"}}'
+
+    def _slot_action(self, slot: int, action: str, name: str) -> tuple[int, str, bytes]:
+        ok = "application/json"
+        if action == "erase":
+            self.tokens[slot] = 0
+            return 200, ok, json.dumps({"id_slot": slot, "n_erased": 0}).encode()
+        if self.save_dir is None or not name or "/" in name or ".." in name:
+            return 400, ok, b'{"error":{"code":400,"type":"invalid_request_error"}}'
+        path = os.path.join(self.save_dir, name)
+        try:
+            if action == "save":
+                n = self.tokens.get(slot, 0)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(n.to_bytes(8, "little") + bytes(4088))
+                return 200, ok, json.dumps({"id_slot": slot, "n_saved": n, "n_written": 4096}).encode()
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+            self.tokens[slot] = n
+            return 200, ok, json.dumps({"id_slot": slot, "n_restored": n, "n_read": 4096}).encode()
+        except OSError:
+            return (500 if action == "save" else 400), ok, b'{"error":{"code":400,"type":"invalid_request_error"}}'
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
@@ -153,9 +184,12 @@ def main() -> None:
     ap.add_argument("--slots-delay", type=float, default=0.0)
     ap.add_argument("--no-slots", action="store_true")
     ap.add_argument("--no-save-path", action="store_true")
+    ap.add_argument("--save-dir")
+    ap.add_argument("--chat-delay", type=float, default=0.0)
     a = ap.parse_args()
     asyncio.run(serve(StubLlama(slots=a.slots, api_key=a.api_key, slots_delay=a.slots_delay, no_slots=a.no_slots,
-                                no_save_path=a.no_save_path, port=a.port)))
+                                no_save_path=a.no_save_path, save_dir=a.save_dir, chat_delay=a.chat_delay,
+                                port=a.port)))
 
 
 if __name__ == "__main__":
