@@ -8,20 +8,34 @@ that inflates to 200 MB took the proxy from 370 MB to over 1 GB and stalled ever
 - a small body (`INLINE_IN` encoded bytes, `INLINE_OUT` decoded) is decoded inline; anything larger goes to a
   worker thread (zlib, brotli and zstandard release the GIL while they work), and so does re-encoding a
   large rewritten body.
-gzip/deflate use zlib's `max_length`; zstd a bounded `stream_reader` read; brotli uses `output_buffer_limit`
-where the binding has it (1.2+), else (1.1, mitmproxy 11's pin) it is fed one byte per call, so the cap is
-passed by at most one brotli block (~8-16 MB) before decoding stops.
+gzip/deflate use zlib's `max_length`; zstd a bounded read (`zstandard`, which mitmproxy 11 uses, or the
+`compression.zstd` API that mitmproxy 12 uses, `max_length`); brotli uses `output_buffer_limit` where the
+binding has it (1.2+, with mitmproxy 12), else (1.1, mitmproxy 11's pin) it is fed one byte per call, so the
+cap is passed by at most one brotli block (~8-16 MB) before decoding stops.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import io
 import zlib
+from types import ModuleType
 
 import brotli
-import zstandard
+
+_zstandard: ModuleType | None
+_zstd_std: ModuleType | None = None
+try:  # mitmproxy 11
+    import zstandard as _zstandard
+except ImportError:  # mitmproxy 12: the standard library's API (3.14) or its backport
+    _zstandard = None
+    try:
+        from compression import zstd as _zstd_std  # type: ignore[import-not-found,no-redef]
+    except ImportError:
+        try:
+            from backports import zstd as _zstd_std  # type: ignore[import-not-found,no-redef]
+        except ImportError:
+            _zstd_std = None
 
 INLINE_IN = 16 << 10   # encoded bytes decoded on the event loop...
 INLINE_OUT = 256 << 10  # ...as long as the decoded body stays this small (a few hundred microseconds)
@@ -33,14 +47,7 @@ class TooLarge(ValueError):
     """The decoded body would pass the cap (nothing more is decoded)."""
 
 
-def _brotli_bounded() -> bool:
-    try:
-        return "output_buffer_limit" in inspect.signature(brotli.Decompressor().process).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-BROTLI_BOUNDED = _brotli_bounded()
+BROTLI_BOUNDED = hasattr(brotli.Decompressor, "can_accept_more_data")  # 1.2+: process(..., output_buffer_limit)
 
 
 def decode(raw: bytes, encoding: str, limit: int) -> bytes:
@@ -97,11 +104,11 @@ def _brotli(raw: bytes, limit: int) -> bytes:
         if BROTLI_BOUNDED:
             data = raw
             while True:
-                chunk = d.process(data, output_buffer_limit=limit + 1 - len(out))
+                chunk = d.process(data, output_buffer_limit=limit + 1 - len(out))  # type: ignore[call-arg]
                 out += chunk
                 if len(out) > limit:
                     raise TooLarge
-                data = b""
+                data = b""  # the rest of the input is buffered inside: drain it with empty calls
                 if d.is_finished() or not chunk:
                     break
         else:
@@ -117,14 +124,36 @@ def _brotli(raw: bytes, limit: int) -> bytes:
 
 
 def _zstd(raw: bytes, limit: int) -> bytes:
+    if _zstandard is not None:
+        try:
+            with _zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True) as r:
+                out = r.read(limit + 1)
+        except _zstandard.ZstdError:
+            raise ValueError("bad compressed data") from None
+        if len(out) > limit:
+            raise TooLarge
+        return out
+    if _zstd_std is None:
+        raise ValueError("unsupported content-encoding")
+    buf = bytearray()
+    data = raw
     try:
-        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True) as r:
-            out = r.read(limit + 1)
-    except zstandard.ZstdError:
+        while data:
+            d = _zstd_std.ZstdDecompressor()
+            while True:
+                chunk = d.decompress(data, max_length=limit + 1 - len(buf))
+                buf += chunk
+                if len(buf) > limit:
+                    raise TooLarge
+                data = b""
+                if d.eof or (d.needs_input and not chunk):
+                    break
+            if not d.eof:
+                raise ValueError("truncated compressed data")
+            data = d.unused_data  # several frames
+    except _zstd_std.ZstdError:
         raise ValueError("bad compressed data") from None
-    if len(out) > limit:
-        raise TooLarge
-    return out
+    return bytes(buf)
 
 
 async def decode_async(raw: bytes, encoding: str, limit: int) -> bytes:
