@@ -121,7 +121,7 @@ def test_server_restart_is_detected(tmp_path):
 
 def test_warnings_that_save_hours(tmp_path):
     """Unified KV with idle-slot clearing defeats pinning; an oversized prompt names the fix; /v1/messages
-    is passed through and said to be unpinnable."""
+    is pinned through translation (and, with translation off, said to be unpinnable)."""
     log = tmp_path / "p.log"
     with LlamaServer(slots=2, ctx_per_slot=2048, kv_unified=True, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, {"slots_state_dir": str(tmp_path / "state"), "slots_probe_interval": 0},
@@ -143,7 +143,8 @@ def test_warnings_that_save_hours(tmp_path):
     assert lost.cache_n == 0
     assert "empties idle slots" in text and "--no-cache-idle-slots" in text
     assert r.status_code == 400 and "exceeds the per-slot context n_ctx=2048" in text
-    assert m.status_code == 200 and "not pinnable on this server" in text
+    assert m.status_code == 200 and m.json()["type"] == "message"
+    assert "/v1/messages session=" in text and "not pinnable" not in text
 
 
 def test_a_displaced_session_moves_to_a_cold_slot_or_shares_its_own(tmp_path):
