@@ -157,7 +157,8 @@ class ClientSession:
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(_DROP_PREFIXES) and k not in _DROP_NAMES}
-        env.update({"HOME": str(self.home), "XDG_CONFIG_HOME": str(self.home / ".config"),
+        # PWD too: Bun-built clients (OpenCode) report $PWD, not the process's cwd, as the working directory.
+        env.update({"HOME": str(self.home), "PWD": str(self.project), "XDG_CONFIG_HOME": str(self.home / ".config"),
                     "XDG_DATA_HOME": str(self.home / ".local" / "share"),
                     "XDG_CACHE_HOME": str(self.home / ".cache"), "XDG_STATE_HOME": str(self.home / ".local" / "state"),
                     "NO_COLOR": "1", "CI": "1", "DO_NOT_TRACK": "1"})
@@ -178,6 +179,9 @@ class ClientSession:
             _kill_group(proc.pid)
             out, err = proc.communicate()
             rc = None
+        except BaseException:  # interrupted: never leave a client (or the tools it started) running
+            _kill_group(proc.pid)
+            raise
         result = TurnResult(argv, rc, round(time.monotonic() - started, 2), _tail(out), _tail(err), out)
         self.history.append(result)
         self.turns += 1
@@ -265,7 +269,10 @@ class OpenCodeSession(ClientSession):
          "autoupdate": false, "share": "disabled"}
 
     plus `OPENCODE_DISABLE_AUTOUPDATE=1 OPENCODE_DISABLE_MODELS_FETCH=1 OPENCODE_DISABLE_LSP_DOWNLOAD=1
-    OPENCODE_DISABLE_SHARE=1 OPENCODE_DISABLE_DEFAULT_PLUGINS=1` to keep it off the network. Turns:
+    OPENCODE_DISABLE_SHARE=1 OPENCODE_DISABLE_DEFAULT_PLUGINS=1` to keep it off the network. On every start
+    it also installs `@opencode-ai/plugin` from the npm registry into the config dir, in the background and
+    with no switch to stop it (a failure is only a logged warning); `npm_config_registry` pointing at a
+    closed loopback port makes that fail at once, so runs stay hermetic on a connected machine. Turns:
     `opencode run --format json -m llama/smollm2 PROMPT`; the first turn's JSON events carry the
     `sessionID`, later turns add `--session <id>`.
     """
@@ -293,7 +300,7 @@ class OpenCodeSession(ClientSession):
     def client_env(self) -> dict[str, str]:
         return {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
                 "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_SHARE": "1",
-                "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1"}
+                "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1", "npm_config_registry": "http://127.0.0.1:9/"}
 
     def argv(self, prompt: str) -> list[str]:
         argv = [str(self.ensure_installed()), "run", "--format", "json", "-m", f"llama/{self.model}"]
@@ -438,10 +445,12 @@ class AiderSession(ClientSession):
               --no-check-update --no-show-release-notes --analytics-disable --no-git --yes-always \\
               --no-auto-lint --no-auto-test --map-tokens 0 --message PROMPT
 
-    with `LITELLM_LOCAL_MODEL_COST_MAP=True` so litellm does not download its price list. The answer cap
-    goes in a model-settings file (`--model-settings-file`): `- name: openai/smollm2` with
-    `extra_params: {max_tokens: 32}`. aider has no session id: a session is its chat-history file,
-    restored on later turns with `--restore-chat-history`.
+    with `LITELLM_LOCAL_MODEL_COST_MAP=True` so litellm does not download its price list, and a
+    `--model-metadata-file` that names the model (`{"openai/smollm2": {"max_input_tokens": 32768, ...}}`):
+    without it aider tries to fetch litellm's model list from GitHub on every start (offline it prints the
+    resolver error and goes on with default limits). The answer cap goes in a `--model-settings-file`:
+    `- name: openai/smollm2` with `extra_params: {max_tokens: 32}`. aider has no session id: a session is
+    its chat-history file, restored on later turns with `--restore-chat-history`.
     """
 
     name: ClassVar[str] = "aider"
@@ -468,6 +477,11 @@ class AiderSession(ClientSession):
     def write_config(self) -> None:
         settings = [{"name": f"openai/{self.model}", "extra_params": {"max_tokens": self.max_tokens}}]
         (self.home / "aider.model.settings.yml").write_text(json.dumps(settings))  # JSON is valid YAML
+        metadata = {f"openai/{self.model}": {
+            "max_input_tokens": self.context_window, "max_tokens": self.context_window,
+            "max_output_tokens": self.max_tokens, "input_cost_per_token": 0.0, "output_cost_per_token": 0.0,
+            "litellm_provider": "openai", "mode": "chat"}}
+        (self.home / "aider.model.metadata.json").write_text(json.dumps(metadata))
 
     def client_env(self) -> dict[str, str]:
         return {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "AIDER_ANALYTICS": "false"}
@@ -482,7 +496,8 @@ class AiderSession(ClientSession):
                 "--no-auto-lint", "--no-auto-test", "--map-tokens", "0", "--no-pretty",
                 "--chat-history-file", str(history), "--input-history-file", str(self.home / "aider.input"),
                 "--max-chat-history-tokens", str(self.context_window),
-                "--model-settings-file", str(self.home / "aider.model.settings.yml")]
+                "--model-settings-file", str(self.home / "aider.model.settings.yml"),
+                "--model-metadata-file", str(self.home / "aider.model.metadata.json")]
         if self.turns > 0:
             argv.append("--restore-chat-history")
         return [*argv, *self.extra_args, "--message", prompt]

@@ -78,8 +78,8 @@ def long_context_model(length: int = DEFAULT_CONTEXT, source: str | Path | None 
 
 
 def filler_prompt(tokens: int) -> str:
-    """Plain text of roughly `tokens` SmolLM2 tokens (about 5 tokens per line below), all distinct lines."""
-    return "".join(f"line {i} of the notes.\n" for i in range(tokens // 7))
+    """Plain text of roughly `tokens` SmolLM2 tokens (about 10 tokens per line below), all distinct lines."""
+    return "".join(f"line {i} of the notes.\n" for i in range(tokens // 10))
 
 
 def measure_prefill(model: str | Path, threads: int, tokens: int = 10_000, ctx: int = 16384) -> dict[str, float]:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,13 @@ PROMPTS = {
     "s3": ["Reply with one short sentence: what is a binary heap?"],
 }
 
+# Same questions, worded so the first messages differ within their first 21 characters.
+DISTINCT_PROMPTS = {
+    "s1": ["Hash maps: reply with one short sentence saying what they are.", PROMPTS["s1"][1]],
+    "s2": ["Linked lists? Reply with one short sentence.", PROMPTS["s2"][1]],
+    "s3": ["Define a binary heap in one short sentence.", PROMPTS["s3"][0]],
+}
+
 
 def make_projects(work: Path) -> tuple[Path, Path]:
     """Project A: a small git repo with one commit; project B: a plain folder with one file."""
@@ -57,33 +66,37 @@ def make_projects(work: Path) -> tuple[Path, Path]:
 
 
 def run_client(name: str, out: Path, work_root: Path, slots: int, ctx: int, threads: int, timeout: float,
-               context_length: int) -> dict[str, Any]:
+               context_length: int, tag: str = "", client_env: dict[str, str] | None = None,
+               client_args: list[str] | None = None, prompts: dict[str, list[str]] | None = None) -> dict[str, Any]:
     cls = CLIENTS[name]
     cls.ensure_installed()
-    dest = out / name
+    prompts = prompts or PROMPTS
+    dest = out / (name + tag)
     dest.mkdir(parents=True, exist_ok=True)
     for f in ("flows.mitm", "capture.jsonl", "llama.log", "mitm.log"):
         (dest / f).unlink(missing_ok=True)
-    work = work_root / name
+    work = work_root / (name + tag)
     a, b = make_projects(work)
     home = work / "home"
     model = long_context_model(context_length)
     report: dict[str, Any] = {"client": name, "version": cls.version, "slots": slots, "ctx_per_slot": ctx,
-                              "threads": threads, "turns": []}
+                              "threads": threads, "client_env": client_env, "client_args": client_args,
+                              "turns": []}
+    kw: dict[str, Any] = {"context_window": ctx, "extra_env": client_env or {}, "extra_args": client_args or ()}
     with LlamaServer(slots=slots, ctx_per_slot=ctx, threads=threads, model=str(model), n_predict=32,
                      log_path=str(dest / "llama.log")) as server, \
             MitmProxy(server.url, addon=False, log_path=str(dest / "mitm.log"),
                       extra=["-w", str(dest / "flows.mitm"), "-s", str(ADDON),
                              "--set", f"capture_path={dest / 'capture.jsonl'}"]) as proxy:
         sessions: dict[str, ClientSession] = {
-            "s1": cls(proxy.url, a, home, context_window=ctx),
-            "s2": cls(proxy.url, a, home, context_window=ctx),
-            "s3": cls(proxy.url, b, home, context_window=ctx),
+            "s1": cls(proxy.url, a, home, **kw),
+            "s2": cls(proxy.url, a, home, **kw),
+            "s3": cls(proxy.url, b, home, **kw),
         }
         plan = [("s1", 0), ("s1", 1), ("s2", 0), ("s2", 1), ("s3", 0)]
         for key, i in plan:
             started = time.time()
-            res = sessions[key].run_turn(PROMPTS[key][i], timeout=timeout)
+            res = sessions[key].run_turn(prompts[key][i], timeout=timeout)
             row = {"session": key, "turn": i + 1, "session_id": sessions[key].session_id, "start": started,
                    "end": time.time(), "seconds": res.seconds, "returncode": res.returncode,
                    "stdout_tail": res.stdout_tail[-600:], "stderr_tail": res.stderr_tail[-1200:]}
@@ -98,15 +111,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("clients", nargs="+", choices=sorted(CLIENTS))
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work", type=Path, default=ROOT / "run" / "capture-work")
+    # Outside any git repository, or the clients report the enclosing repo's git status.
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "slotkeeper-capture-work")
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--context-length", type=int, default=32768)
+    ap.add_argument("--tag", default="", help="suffix for the output folder, e.g. -noattr")
+    ap.add_argument("--client-env", action="append", default=[], metavar="K=V", help="extra client env")
+    ap.add_argument("--client-arg", action="append", default=[], help="extra client argument (repeat)")
+    ap.add_argument("--distinct-openings", action="store_true",
+                    help="first prompts that differ early (Claude Code's billing line hashes chars 4, 7, 20)")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the server, proxy and client
+    env = dict(item.split("=", 1) for item in a.client_env)
+    prompts = DISTINCT_PROMPTS if a.distinct_openings else PROMPTS
     for name in a.clients:
-        run_client(name, a.out, a.work, a.slots, a.ctx, a.threads, a.timeout, a.context_length)
+        run_client(name, a.out, a.work, a.slots, a.ctx, a.threads, a.timeout, a.context_length, a.tag, env,
+                   a.client_arg, prompts)
 
 
 if __name__ == "__main__":
