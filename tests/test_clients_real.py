@@ -5,8 +5,10 @@ client through a plain capturing mitmdump (no slotkeeper) in front of the embedd
 launch/clients.py configuration works offline and pins down the facts a client upgrade could change: the
 route, the session header/body field (or its absence), and that a continued turn keeps the same id.
 
-The server runs the long-context SmolLM2 copy (launch/long_context.py) with one 32K slot. Clients whose
-first prompt costs more than about a minute of CPU prefill run only with SLOTKEEPER_SLOW_CLIENTS=1.
+The server runs the long-context SmolLM2 copy (launch/long_context.py) with one 32K slot. A turn of the
+four npm clients takes minutes on 2 shared cores (measured: Claude Code 140 s, OpenCode 2 turns 125 s,
+Codex 151 s, Qwen Code 376 s with its memory-extraction call), so those tests run only with
+SLOTKEEPER_SLOW_CLIENTS=1; aider's (about 17 s) always runs.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from launch.mitmdump import MitmProxy
 ROOT = Path(__file__).resolve().parent.parent
 ADDON = ROOT / "tools" / "capture" / "capture_addon.py"
 SLOW = os.environ.get("SLOTKEEPER_SLOW_CLIENTS") == "1"
-slow = pytest.mark.skipif(not SLOW, reason="first prompt takes minutes of CPU prefill; set SLOTKEEPER_SLOW_CLIENTS=1")
+slow = pytest.mark.skipif(not SLOW, reason="a turn takes minutes of CPU prefill; set SLOTKEEPER_SLOW_CLIENTS=1")
 needs_node = pytest.mark.skipif(not node_available(), reason="this client needs node and npm on PATH (not found)")
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(1200)]
@@ -74,7 +76,7 @@ def capture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Capture]:
         yield Capture(jsonl, proxy.url)
 
 
-def one_turn(cls: type[ClientSession], capture: Capture, tmp_path: Path, turns: int = 1,
+def one_turn(cls: type[ClientSession], capture: Capture, tmp_path: Path, turns: int = 1, ok: tuple[int, ...] = (0,),
              **kw: Any) -> tuple[ClientSession, list[dict[str, Any]]]:
     try:
         cls.ensure_installed()
@@ -84,7 +86,7 @@ def one_turn(cls: type[ClientSession], capture: Capture, tmp_path: Path, turns: 
     capture.mark()
     for i in range(turns):
         done = session.run_turn(f"Reply with one word: hello {i}", timeout=900)
-        assert done.returncode == 0, f"{cls.name} failed ({done.returncode}): {done.stderr_tail[-800:]}"
+        assert done.returncode in ok, f"{cls.name} failed ({done.returncode}): {done.stderr_tail[-800:]}"
     return session, capture.requests()
 
 
@@ -95,16 +97,19 @@ def posts(requests: list[dict[str, Any]], path: str) -> list[dict[str, Any]]:
 @needs_node
 @slow
 def test_claude_code_messages_route_and_session_header(capture: Capture, tmp_path: Path) -> None:
-    session, reqs = one_turn(ClaudeCodeSession, capture, tmp_path)
+    # Exit code 1 is Claude Code giving up after three "Output token limit hit" resumes of a 16-token answer.
+    session, reqs = one_turn(ClaudeCodeSession, capture, tmp_path, ok=(0, 1))
     main = posts(reqs, "/v1/messages?beta=true")
     assert main, f"no Anthropic Messages request: {[(r['method'], r['path']) for r in reqs]}"
     for r in main:
         assert r["headers"]["x-claude-code-session-id"] == session.session_id
         assert json.loads(r["body"]["metadata"]["user_id"])["session_id"] == session.session_id
-    assert main[-1]["answer"]["status"] == 200
+    assert main[0]["answer"]["status"] == 200
+    assert main[0]["body"]["system"][0]["text"].startswith("x-anthropic-billing-header: cc_version=")
 
 
 @needs_node
+@slow
 def test_opencode_chat_route_and_session_headers(capture: Capture, tmp_path: Path) -> None:
     session, reqs = one_turn(OpenCodeSession, capture, tmp_path, turns=2)
     chats = posts(reqs, "/v1/chat/completions")
