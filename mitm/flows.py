@@ -93,7 +93,9 @@ def request_facts(flow: Any, body: bytes | None = _DECODE) -> RequestFacts:
     if not flow.live:
         recorded = flow.metadata.get("slotkeeper")
         recorded = recorded if isinstance(recorded, dict) else {}
-        replay = Replay(client=recorded.get("client"), facts=recorded.get("facts"))
+        path = recorded.get("path")
+        replay = Replay(client=recorded.get("client"), facts=recorded.get("facts"),
+                        path=path if isinstance(path, str) else None)
     return RequestFacts(req.method, req.path, req.headers.fields, body, req.timestamp_start or time.time(), replay)
 
 

@@ -133,7 +133,8 @@ class Pinning:
             if body is TOO_LARGE:
                 self.rt.emit(PassedThrough(upstream.url, flow.request.method, flow.request.path, Passed.TOO_LARGE))
                 return
-            decision = await upstream.decide(flows.request_facts(flow, body), flow.id)
+            facts = flows.request_facts(flow, body)
+            decision = await upstream.decide(facts, flow.id)
             await self._apply(flow, decision, encoding)
         except Exception as e:  # fail open: the original request goes out untouched
             flow.request.raw_content, flow.request.headers.fields, flow.request.path = original
@@ -144,7 +145,8 @@ class Pinning:
                                 flow.request.path))
             return
         if isinstance(decision, Pin | Observe):
-            self.rt.open[flow.id] = Open(decision.ticket, upstream, time.monotonic(), original[2])
+            asked = facts.replay.path if facts.replay is not None and facts.replay.path else original[2]
+            self.rt.open[flow.id] = Open(decision.ticket, upstream, time.monotonic(), asked)
         elif isinstance(decision, Forward) and decision.completion_route:
             self.rt.emit(PassedThrough(upstream.url, flow.request.method, flow.request.path, decision.reason))
 

@@ -35,6 +35,7 @@ class Replay:
 
     client: Mapping[str, Any] | None   # id_slot / cache_prompt as the client had sent them
     facts: Mapping[str, Any] | None    # the `/props` and `/slots` facts behind its decision
+    path: str | None = None            # the client's own path (a translated request went elsewhere)
 
 
 @dataclass(slots=True)
@@ -122,6 +123,9 @@ class Report:
     def metadata(self) -> dict[str, Any]:
         """`flow.metadata["slotkeeper"]`: JSON-like only (mitmproxy saves it with the flow)."""
         t = self.ticket
-        return {"session": t.session.key, "source": t.session.source, "slot": self.slot, "reason": t.reason,
-                "side": t.side, "cache_n": self.obs.cache_n, "prompt_n": self.obs.prompt_n,
-                "outcome": self.obs.outcome, "client": t.client, "facts": t.facts}
+        out = {"session": t.session.key, "source": t.session.source, "slot": self.slot, "reason": t.reason,
+               "side": t.side, "cache_n": self.obs.cache_n, "prompt_n": self.obs.prompt_n,
+               "outcome": self.obs.outcome, "client": t.client, "facts": t.facts}
+        if t.translated:
+            out["path"] = self.path  # the request went upstream as a chat completion; this is what was asked
+        return out

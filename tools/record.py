@@ -16,7 +16,11 @@ Recordings:
 - pi_two_windows:   real pi 0.73.1, 2 concurrent windows of one project x 2 turns;
 - agents_subagent:  bench.workload's synthetic agents, 3 concurrent sessions, s0 runs a 2-turn subagent;
 - server_restart:   2 synthetic sessions, llama-server restarted in the middle (the proxy's /props probe
-                    logs "restarted"), then both continue and a third session starts.
+                    logs "restarted"), then both continue and a third session starts;
+- client_<name>:    a real agent client (Claude Code, OpenCode, Codex, Qwen Code, aider; launch/clients.py),
+                    headless and offline: sessions 1 and 2 in one project (turn 1 each, then turn 2 each),
+                    then session 3's first turn; long-context SmolLM2, 3 slots, a save dir (the shipped
+                    defaults of `make run`: paging and prefix checkpoints, learned prefixes included).
 """
 
 from __future__ import annotations
@@ -46,7 +50,16 @@ from mitmproxy import http, io  # noqa: E402
 
 from bench.client import run_workload  # noqa: E402
 from bench.workload import SessionScript, Workload, generate  # noqa: E402
+from launch.clients import (  # noqa: E402
+    AiderSession,
+    ClaudeCodeSession,
+    ClientSession,
+    CodexSession,
+    OpenCodeSession,
+    QwenCodeSession,
+)
 from launch.llama_server import LlamaServer  # noqa: E402
+from launch.long_context import long_context_model  # noqa: E402
 from launch.mitmdump import MitmProxy, mitm_argv  # noqa: E402
 from launch.pi import PI_VERSION, PiSession, ensure_pi_installed, run_sessions_concurrently  # noqa: E402
 
@@ -139,12 +152,20 @@ class Recording:
     name: str
     description: str
     probe_interval: int = 15
+    slots: int = SLOTS
+    ctx_per_slot: int = CTX_PER_SLOT
+    client: type[ClientSession] | None = None  # a real agent client: long-context model, a save dir
 
 
 def proxy_options(rec: Recording, work: Path) -> dict[str, object]:
-    """The addon options of a recording proxy: fresh state dir, kept SSE copies, JSONL log."""
-    return {"slots_state_dir": str(work / "state"), "slots_keep_streams": True,
-            "slots_log_file": str(work / "slotkeeper.jsonl"), "slots_probe_interval": rec.probe_interval}
+    """The addon options of a recording proxy: fresh state dir, kept SSE copies, JSONL log (and, for a real
+    client, the server's save dir: paging and prefix checkpoints, as `make run` ships them)."""
+    out: dict[str, object] = {"slots_state_dir": str(work / "state"), "slots_keep_streams": True,
+                              "slots_log_file": str(work / "slotkeeper.jsonl"),
+                              "slots_probe_interval": rec.probe_interval}
+    if rec.client is not None:
+        out["slots_save_dir"] = str(work / "slots")
+    return out
 
 
 def proxy_command(server_url: str, rec: Recording) -> str:
@@ -207,7 +228,33 @@ def record_restart(server: LlamaServer, rec: Recording, work: Path) -> dict[str,
                       "wait for the proxy's 'restarted' log line, then s0/s1 turns 1-2 and s2 turns 0-1"}
 
 
+CLIENT_PROMPTS = ["Reply with one word: hello", "Reply with one word: again"]
+
+
+def record_client(server: LlamaServer, rec: Recording, work: Path) -> dict[str, Any]:
+    """Sessions 1 and 2 in one project (turn 1 each, then turn 2 each), then session 3's first turn."""
+    cls = rec.client
+    assert cls is not None
+    cls.ensure_installed()
+    with proxy(server, rec, work) as p:
+        project = work / "project"  # outside any git repository: clients report the enclosing repo otherwise
+        sessions = [cls(p.url, project, work / "home", max_tokens=16) for _ in range(3)]
+        for turn, who in ((0, 0), (0, 1), (1, 0), (1, 1), (0, 2)):
+            done = sessions[who].run_turn(CLIENT_PROMPTS[turn], timeout=1800)
+            if done.returncode not in (0, 1):  # Claude Code exits 1 after its output-limit resumes
+                raise RuntimeError(f"{cls.name} session {who} turn {turn} failed ({done.returncode}): "
+                                   f"{done.stderr_tail[-600:]}")
+    return {"client": f"{cls.name} {cls.version} ({cls.package}, tools/{cls.name}, launch/clients.py): sessions "
+                      "1 and 2 in one project, turns 1 then 2, then session 3 turn 1; max 16 tokens",
+            "argv": [arg.replace(str(work), "<work>") for arg in sessions[0].history[-1].argv]}
+
+
+CLIENTS = (ClaudeCodeSession, OpenCodeSession, CodexSession, QwenCodeSession, AiderSession)
 RECORDINGS: dict[str, tuple[Recording, Callable[[LlamaServer, Recording, Path], dict[str, Any]]]] = {
+    **{f"client_{c.name.replace('-', '_')}": (Recording(f"client_{c.name.replace('-', '_')}",
+                                                        f"real {c.name}: 3 sessions, 2 of them 2 turns", slots=3,
+                                                        ctx_per_slot=24576, client=c), record_client)
+       for c in CLIENTS},
     "pi_two_windows": (Recording("pi_two_windows", "real pi, 2 concurrent windows x 2 turns"), record_pi),
     "agents_subagent": (Recording("agents_subagent", "synthetic agents: 3 sessions, one subagent"),
                         record_agents),
@@ -221,8 +268,12 @@ def record(name: str, port: int | None, work_root: Path) -> dict[str, Any]:
     work = work_root / name
     work.mkdir(parents=True)
     started = time.monotonic()
-    with LlamaServer(port=port, slots=SLOTS, ctx_per_slot=CTX_PER_SLOT,
-                     log_path=str(work / "llama-server.log")) as server:
+    server_kw: dict[str, Any] = {}
+    if rec.client is not None:
+        (work / "slots").mkdir()
+        server_kw = {"model": str(long_context_model()), "n_predict": 16, "slot_save_path": str(work / "slots")}
+    with LlamaServer(port=port, slots=rec.slots, ctx_per_slot=rec.ctx_per_slot,
+                     log_path=str(work / "llama-server.log"), **server_kw) as server:
         props = httpx.get(server.url + "/props", timeout=10).json()
         how = fn(server, rec, work)
     loads = (work / "proxy.log").read_text(errors="replace").count("Loading script")
