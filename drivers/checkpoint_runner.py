@@ -132,9 +132,9 @@ class CheckpointRunner:
                                                         ACTION_TIMEOUT)
             return Result(status, data)
         body = dict(action.body or {})
-        body.update({"id_slot": action.slot, "cache_prompt": True, "max_tokens": 1, "temperature": 0.0,
-                     "stream": False})
-        status, data = await self.client.post_json("/v1/chat/completions", body, ACTION_TIMEOUT)
+        limit = "max_output_tokens" if action.path.endswith("/responses") else "max_tokens"
+        body.update({"id_slot": action.slot, "cache_prompt": True, limit: 1, "temperature": 0.0, "stream": False})
+        status, data = await self.client.post_json(action.path, body, ACTION_TIMEOUT)
         return Result(status, data)
 
     async def record(self, name: str, fp: str, info: ServerInfo, orch: Orchestrator) -> None:

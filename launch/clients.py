@@ -136,6 +136,12 @@ class ClientSession:
         argv = ["npm", "ci", "--no-audit", "--no-fund", "--prefix", str(cls.tool_dir())]
         proc = subprocess.run(argv, cwd=cls.tool_dir(), capture_output=True, text=True, timeout=timeout,
                               check=False)
+        if proc.returncode != 0:
+            # `npm ci` refuses a lock whose optional per-platform packages the registry does not resolve
+            # (opencode-ai, qwen-code); `npm install` honours the same lock and skips them.
+            argv[1] = "install"
+            proc = subprocess.run(argv, cwd=cls.tool_dir(), capture_output=True, text=True, timeout=timeout,
+                                  check=False)
         if proc.returncode != 0 or not cls.binary().exists():
             raise ClientUnavailable(f"`{' '.join(argv)}` failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
         return cls.binary()

@@ -36,6 +36,15 @@ class SSETap:
         self._keep(chunk, chunk)
         return chunk
 
+    def finish(self) -> None:
+        """The stream ended early (the client or the server went away): hand over what was kept so far."""
+        if self.copy is not None and self.keep is not None:
+            try:
+                self.keep(bytes(self.copy))
+            except Exception as e:
+                self._error("copy", e)
+            self.copy = None
+
     def _observe(self, chunk: bytes) -> None:
         if not self.failed:
             try:

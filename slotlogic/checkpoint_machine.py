@@ -125,6 +125,7 @@ class Action:
     slot: int
     filename: str | None = None
     body: dict[str, Any] | None = None
+    path: str = "/v1/chat/completions"  # warm and verify: the prefix's own route
 
 
 @dataclass(frozen=True)
@@ -142,9 +143,17 @@ class Result:
         return Failure.of(self.status, self.data)
 
     def timings(self) -> tuple[int, int] | None:
-        t = self.data.get("timings") if isinstance(self.data, dict) else None
+        """(cache_n, prompt_n) of a completion: its `timings`, or the usage of a `/v1/responses` answer (which
+        has none: `input_tokens` in all, `input_tokens_details.cached_tokens` of them from the cache)."""
+        data = self.data if isinstance(self.data, dict) else {}
+        t = data.get("timings")
         if isinstance(t, dict) and isinstance(t.get("cache_n"), int) and isinstance(t.get("prompt_n"), int):
             return t["cache_n"], t["prompt_n"]
+        usage = data.get("usage")
+        details = usage.get("input_tokens_details") if isinstance(usage, dict) else None
+        if isinstance(details, dict) and isinstance(usage.get("input_tokens"), int) and isinstance(  # type: ignore[union-attr]
+                details.get("cached_tokens"), int):
+            return details["cached_tokens"], usage["input_tokens"] - details["cached_tokens"]  # type: ignore[index]
         return None
 
 
@@ -204,14 +213,15 @@ class Orchestrator:
         p, s = self.phase, self.slot
         if p is Phase.RESTORING:
             return Action(ActionKind.RESTORE, s, filename=self.filename)
+        route = self.prefix.path
         if p is Phase.VERIFY_IDENTICAL:
-            return Action(ActionKind.VERIFY, s, body=self.prefix.warmup_body())
+            return Action(ActionKind.VERIFY, s, body=self.prefix.warmup_body(), path=route)
         if p is Phase.VERIFY_DIVERGENT:
-            return Action(ActionKind.VERIFY, s, body=self.prefix.warmup_body(PROBE_USER))
+            return Action(ActionKind.VERIFY, s, body=self.prefix.warmup_body(PROBE_USER), path=route)
         if p is Phase.ERASING:
             return Action(ActionKind.ERASE, s)
         if p is Phase.WARMING:
-            return Action(ActionKind.WARM, s, body=self.prefix.warmup_body())
+            return Action(ActionKind.WARM, s, body=self.prefix.warmup_body(), path=route)
         if p is Phase.SAVING:
             return Action(ActionKind.SAVE, s, filename=self.filename)
         return None

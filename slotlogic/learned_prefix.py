@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slotlogic import session as sess
-from slotlogic.prefix import StablePrefix
+from slotlogic.prefix import First, StablePrefix, first_system
 
 MAX_LEARNED = 64
 MAX_SAMPLES = 8
@@ -44,28 +44,9 @@ class Learned:
     last_seen: float
 
 
-@dataclass(frozen=True)
-class First:
-    """A session's first system message and what it is rendered with."""
-
-    text: str
-    role: str
-    tools: Any
-    template_kwargs: Any
-    context: str
-
-
-def first_system(body: dict[str, Any]) -> First | None:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs or not isinstance(msgs[0], dict):
-        return None
-    role = msgs[0].get("role")
-    if role not in sess.SYSTEM_ROLES:
-        return None
-    tools = body.get("tools") or None
-    kwargs = body.get("chat_template_kwargs") or None
-    context = sess.digest("learned-context", str(role), sess.canonical(tools), sess.canonical(kwargs))
-    return First(sess.message_text(msgs[0].get("content")), str(role), tools, kwargs, context)
+def _context(first: First) -> str:
+    return sess.digest("learned-context", first.role, sess.canonical(first.tools),
+                       sess.canonical(first.template_kwargs), first.route)
 
 
 def text_digest(text: str) -> str:
@@ -110,16 +91,17 @@ class PrefixLearner:
         first = first_system(body)
         if first is None:
             return None
+        context = _context(first)
         best: Learned | None = None
         for rec in self.learned.values():
-            if rec.context != first.context or rec.length > len(first.text):
+            if rec.context != context or rec.length > len(first.text):
                 continue
             if (best is None or rec.length > best.length) and text_digest(first.text[:rec.length]) == rec.digest:
                 best = rec
         if best is None:
             return None
         self._remember(Learned(best.context, best.length, best.digest, now))
-        return StablePrefix(first.text[:best.length], first.role, first.tools, first.template_kwargs)
+        return StablePrefix(first.text[:best.length], first.role, first.tools, first.template_kwargs, first.route)
 
     def observe(self, session: str, body: dict[str, Any], now: float) -> Learned | None:
         """A new session's first system message: compared with the other sessions' of the same context; the
@@ -127,8 +109,9 @@ class PrefixLearner:
         first = first_system(body)
         if first is None or len(first.text) < self.min_chars:
             return None
-        seen = self.samples.setdefault(first.context, OrderedDict())
-        self.samples.move_to_end(first.context)
+        context = _context(first)
+        seen = self.samples.setdefault(context, OrderedDict())
+        self.samples.move_to_end(context)
         best = None
         for other, text in seen.items():
             if other == session:
@@ -144,7 +127,7 @@ class PrefixLearner:
             self.samples.popitem(last=False)
         if best is None:
             return None
-        rec = Learned(first.context, best, text_digest(first.text[:best]), now)
+        rec = Learned(context, best, text_digest(first.text[:best]), now)
         self._remember(rec)
         return rec
 

@@ -27,22 +27,36 @@ DEFAULT_MARKERS = ("\n<cwd>", "\nCurrent date: ", "\nCurrent working directory: 
 FILE_RE = re.compile(r"^prefix-[0-9a-f]{16}\.bin$")
 
 
+CHAT = "chat"            # /v1/chat/completions: `messages`
+RESPONSES = "responses"  # /v1/responses: `input` items (Codex); the server converts them to a chat request
+
+
 @dataclass(frozen=True)
 class StablePrefix:
     text: str
     role: str
     tools: Any
     template_kwargs: Any
+    route: str = CHAT  # where it is warmed: a prefix renders the same only through the route that sent it
 
     @property
     def signature(self) -> str:
         """Content digest (no server identity): what the ranking compares slot contents by."""
         return digest("stable", self.text, canonical(self.tools), canonical(self.template_kwargs))
 
+    @property
+    def path(self) -> str:
+        return "/v1/responses" if self.route == RESPONSES else "/v1/chat/completions"
+
     def warmup_body(self, user: str = "") -> dict[str, Any]:
-        """A chat request that renders to this prefix (+ an empty or probe user message)."""
-        body: dict[str, Any] = {"messages": [{"role": self.role, "content": self.text},
-                                             {"role": "user", "content": user}]}
+        """A request on the prefix's own route that renders to this prefix (+ an empty or probe user message)."""
+        body: dict[str, Any]
+        if self.route == RESPONSES:
+            body = {"input": [{"type": "message", "role": self.role,
+                               "content": [{"type": "input_text", "text": self.text}]},
+                              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": user}]}]}
+        else:
+            body = {"messages": [{"role": self.role, "content": self.text}, {"role": "user", "content": user}]}
         if self.tools:
             body["tools"] = self.tools
         if self.template_kwargs:
@@ -50,22 +64,44 @@ class StablePrefix:
         return body
 
 
-def extract(body: Mapping[str, Any], markers: Sequence[str] = DEFAULT_MARKERS) -> StablePrefix | None:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs or not isinstance(msgs[0], Mapping):
+@dataclass(frozen=True)
+class First:
+    """A request's first system/developer message and what it is rendered with."""
+
+    text: str
+    role: str
+    tools: Any
+    template_kwargs: Any
+    route: str
+
+
+def first_system(body: Mapping[str, Any]) -> First | None:
+    """The leading system/developer message of a chat body (`messages`) or a responses body (`input` items)."""
+    items = body.get("messages")
+    route = CHAT
+    if not isinstance(items, list):
+        items, route = body.get("input"), RESPONSES
+    if not isinstance(items, list) or not items or not isinstance(items[0], Mapping):
         return None
-    first = msgs[0]
-    role = first.get("role")
+    role = items[0].get("role")
     if role not in SYSTEM_ROLES:
         return None
-    text = message_text(first.get("content"))
+    return First(message_text(items[0].get("content")), str(role), body.get("tools") or None,
+                 body.get("chat_template_kwargs") or None, route)
+
+
+def extract(body: Mapping[str, Any], markers: Sequence[str] = DEFAULT_MARKERS) -> StablePrefix | None:
+    first = first_system(body)
+    if first is None:
+        return None
+    text = first.text
     cut = min((i for i in (text.find(m) for m in markers if m) if i >= 0), default=-1)
     if cut < 0:
         return None
     stable = text[:cut].rstrip()
     if not stable:
         return None
-    return StablePrefix(stable, str(role), body.get("tools") or None, body.get("chat_template_kwargs") or None)
+    return StablePrefix(stable, first.role, first.tools, first.template_kwargs, first.route)
 
 
 def fingerprint(prefix: StablePrefix, *, model_path: str | None, model_size: int | None,
@@ -79,6 +115,7 @@ def fingerprint(prefix: StablePrefix, *, model_path: str | None, model_size: int
         "chat_template_kwargs": prefix.template_kwargs,
         "prefix": prefix.text,
         "role": prefix.role,
+        **({"route": prefix.route} if prefix.route != CHAT else {}),  # chat prefixes keep their old names
     }
     return hashlib.sha256(canonical(doc).encode("utf-8", "surrogatepass")).hexdigest()
 

@@ -101,11 +101,16 @@ def _messages(body: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
 def system_text(body: Mapping[str, Any], path: str) -> str | None:
     """The leading system/developer text of a chat or responses body, None when there is none."""
     p = normalise_path(path)
+    items: Iterable[Any] = _messages(body)
     if p in RESPONSES_PATHS:
         instr = body.get("instructions")
-        return instr if isinstance(instr, str) else None
+        if isinstance(instr, str):
+            return instr
+        items = body.get("input") if isinstance(body.get("input"), list) else []  # leading developer items
     parts = []
-    for m in _messages(body):
+    for m in items:
+        if not isinstance(m, Mapping):
+            break
         if m.get("role") not in SYSTEM_ROLES:
             break
         parts.append(message_text(m.get("content")))
