@@ -42,6 +42,7 @@ from drivers.llama_http import LlamaClient
 from drivers.page_runner import PageOutcome, PageRunner
 from drivers.store_file import StateFile
 from slotlogic import shared
+from slotlogic.affinity import Learn
 from slotlogic.answers import Observation
 from slotlogic.decisions import Decision, Fields, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
 from slotlogic.events import (
@@ -100,6 +101,7 @@ class Upstream:
         self._last_reconcile = 0.0
         self._client_auth: tuple[str, str] | None = None   # a client's own key for this server (memory only)
         self._authorize()
+        self._started = False
 
     @classmethod
     def for_replay(cls, url: str, settings: Settings, emit: Emit) -> Upstream:
@@ -171,6 +173,8 @@ class Upstream:
             self.kick()
         if isinstance(decision, Pin) and decision.ticket.translated:
             self._probe_messages_once()
+        if isinstance(decision, Pin) and decision.ticket.learn is not None and self.keeper.server is None:
+            self.start()  # a pending request (affinity) asks nothing: learn the server in the background
         return decision
 
     def abandon(self, ticket: Ticket, flow_id: str) -> None:
@@ -346,10 +350,6 @@ class Upstream:
             self.warned.add("messages-probe")
             self._spawn(self.probe_messages())
 
-    def start(self) -> None:
-        """At proxy start, before clients come: what can only be learned while the slots are empty."""
-        self._probe_messages_once()
-
     async def probe_messages(self) -> bool | None:
         """Whether the server honours `id_slot` on `/v1/messages` (upstream PR #26758): while every slot is
         empty (at start, after a restart), two one-token requests pinned to slot 0, and `/slots` says which slot
@@ -388,6 +388,10 @@ class Upstream:
         report = self.keeper.answered(ticket, obs, path=path, seconds=seconds, now=time.time())
         for event in self.keeper.warnings(report):
             self.emit(event)
+        if ticket.learn is Learn.SLOTS and not self.offline and obs.error_type is None:
+            self._spawn(self._learn_from_slots(ticket, obs))
+        if self.keeper.table.dirty:
+            self.kick()
         if not self.offline and report.slot is not None and self.keeper.lost_cache(report):
             self._spawn(self.explain_cache_loss(report.slot))
         check = self.keeper.page_doubtful(report) if self.pages is not None else None
@@ -402,6 +406,28 @@ class Upstream:
             doomed = self.keeper.page_dropped(state, key, file)
         if self.pages is not None:
             self.pages.delete(doomed)
+    async def _learn_from_slots(self, ticket: Ticket, obs: Observation) -> None:
+        """Affinity on a route whose answer does not name the slot: read `/slots` once, right after it."""
+        learned = self.keeper.learn_from_slots(ticket, obs, await self.client.slots(), time.time())
+        if learned is not None:
+            self.emit(learned)
+            self.kick()
+
+    def start(self) -> None:
+        """At proxy start, before clients come (or at the first request): in the background, once, what can only
+        be learned while the slots are empty (whether `/v1/messages` honours id_slot), then the server itself
+        (`/props`, which starts the model check and its start-up probe). No request waits for it."""
+        if self._started or self.offline:
+            return
+        self._started = True
+        self._spawn(self._start())
+
+    async def _start(self) -> None:
+        if self.keeper.messages_native is None and "messages-probe" not in self.warned:
+            self.warned.add("messages-probe")
+            await self.probe_messages()  # first: it needs every slot empty, the model probe takes one
+        if self.keeper.server is None:
+            await self.probe()
 
     async def explain_cache_loss(self, slot: int) -> None:
         """A known session's pinned slot came back cold: restart? idle clearing (unified KV)? say which."""

@@ -31,6 +31,11 @@ class FlowView:
     @guarded(Stage.RESPONSE)
     def response(self, flow: http.HTTPFlow) -> None:
         self._annotate(flow)
+        report = self.rt.reports.get(flow.id)
+        if (report is not None and report.ticket.learn is not None and report.slot is not None
+                and flow.response is not None and flow.response.raw_content is not None and flow.live):
+            # a pending request (affinity) learned its slot from the buffered answer, which is not sent yet
+            flow.response.headers.fields += ((b"x-slot-id", str(report.slot).encode()),)
 
     @guarded(Stage.RESPONSE)
     def error(self, flow: http.HTTPFlow) -> None:

@@ -25,13 +25,15 @@ from mitm.runtime import Open, Runtime, guarded
 from mitm.sse_tap import SSETap, TranslatingTap
 from slotlogic import prefix as pfx
 from slotlogic import session as sess
-from slotlogic import sidecalls
+from slotlogic import sidecalls, verbose
+from slotlogic.affinity import Learn
 from slotlogic.answers import Observation, StreamObserver, observe_json
 from slotlogic.decisions import Forward, Observe, Pin
 from slotlogic.events import Failed, PassedThrough, Stage
 from slotlogic.ranking import Policy
 from slotlogic.reasons import Passed
 from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
+from slotlogic.verbose import VerboseStripper
 
 log = logging.getLogger("slotkeeper")
 TOO_LARGE = object()  # a body past slots_max_body_mb: passed through untouched, unread
@@ -44,7 +46,8 @@ class Pinning:
     def load(self, loader: Any) -> None:
         loader.add_option("slots_policy", str, "auto",
                           "How a new session's slot is chosen: auto (prefix-aware, busy-aware), seed (seed "
-                          "000's ranking), off (observe and log only, rewrite nothing).",
+                          "000's ranking), affinity (llama-server chooses on the first request, id_slot -1; "
+                          "the proxy pins the slot it chose), off (observe and log only, rewrite nothing).",
                           choices=[p.value for p in Policy])
         loader.add_option("slots_state_dir", str, "",
                           "Directory of the shared state files (one per upstream server). Default: "
@@ -162,7 +165,9 @@ class Pinning:
             keep = self._keeper_of(flow.response) if req.upstream.settings.keep_streams else None
             on_error = self._stream_error(req.upstream.url)
             converter = req.upstream.keeper.answer_stream(req.ticket)
-            flow.response.stream = (SSETap(req.stream, keep, on_error=on_error) if converter is None
+            # a pending request (affinity) asked for `__verbose`: stripped again (a translated answer drops it)
+            strip = VerboseStripper() if req.ticket.learn is Learn.VERBOSE and converter is None else None
+            flow.response.stream = (SSETap(req.stream, keep, on_error=on_error, strip=strip) if converter is None
                                     else TranslatingTap(req.stream, converter, keep, on_error=on_error))
 
     @guarded(Stage.RESPONSE)
@@ -176,6 +181,8 @@ class Pinning:
                                                      flows.response_body(flow.response))
             if answer is not None:
                 flow.response.content = answer  # a translated request: the native route's answer
+            elif req.ticket.learn is Learn.VERBOSE and flow.response.raw_content:
+                self._strip_verbose(flow, req.upstream.url)
         self._finish(flow, req, obs)
 
     @guarded(Stage.RESPONSE)
@@ -229,6 +236,18 @@ class Pinning:
         flow.metadata["slotkeeper"] = report.metadata
         self.rt.finished(flow.id, report)
 
+    def _strip_verbose(self, flow: http.HTTPFlow, url: str) -> None:
+        """The JSON answer of a pending request without the `__verbose` member the proxy asked for (the body is
+        still buffered here, so the client gets it stripped). Fails open: the member stays."""
+        assert flow.response is not None
+        try:
+            body = flows.content(flow.response) or b""
+            stripped = verbose.strip(body)
+            if stripped != body:
+                flows.set_content(flow.response, stripped)
+        except Exception as e:
+            self.rt.emit(Failed(url, Stage.RESPONSE, type(e).__name__, path=flow.request.path))
+
     @staticmethod
     def _keeper_of(response: http.Response) -> Any:
         def keep(body: bytes) -> None:
@@ -236,7 +255,8 @@ class Pinning:
         return keep
 
     def _stream_error(self, url: str) -> Any:
-        stages = {"observer": Stage.OBSERVER, "copy": Stage.STREAM_COPY, "convert": Stage.CONVERT}
+        stages = {"observer": Stage.OBSERVER, "copy": Stage.STREAM_COPY, "convert": Stage.CONVERT,
+                  "strip": Stage.STREAM_STRIP}
 
         def on_error(part: str, kind: str) -> None:
             self.rt.emit(Failed(url, stages[part], kind))

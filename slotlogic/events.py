@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from slotlogic.affinity import Learn
 from slotlogic.checkpoint_machine import Failure, Note, Outcome
 from slotlogic.paging import PageCheck
 from slotlogic.reasons import Passed
@@ -25,6 +26,7 @@ class Stage(Enum):
     OBSERVER = "observer"              # the SSE observer inside the stream callable
     STREAM_COPY = "stream-copy"        # the kept copy of a streamed body
     CONVERT = "convert"                # turning a translated request's streamed answer back
+    STREAM_STRIP = "stream-strip"      # removing `__verbose` from a pending request's stream (affinity)
     LOG_FILE = "log-file"
     STATE_WRITE = "state-write"        # the coalesced flush of last-use touches
     FINAL_FLUSH = "final-flush"
@@ -222,3 +224,12 @@ class MessagesProbed(Event):
     """Whether the server honours id_slot on /v1/messages (then Anthropic requests go natively)."""
 
     honoured: bool
+
+
+@dataclass(frozen=True)
+class SlotLearned(Event):
+    """Affinity: llama-server chose this slot for a session's pending request; the session is pinned to it."""
+
+    session: str
+    slot: int
+    how: Learn                     # where the slot was read

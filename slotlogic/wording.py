@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Any
 
 from slotlogic import events as ev
+from slotlogic.affinity import Learn
 from slotlogic.checkpoint_machine import Failure, Note, NoteKind
 from slotlogic.decisions import Report
 from slotlogic.stats import SessionStats
@@ -176,7 +177,13 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
                                                    "unified KV and --cache-idle-slots (the default when -np is not "
                                                    "given), which defeats pinning. Start llama-server with an "
                                                    "explicit -np N (without -kvu) or with --no-cache-idle-slots."),
+    ev.SlotLearned: lambda e: (Level.INFO, f"session {e.session} pinned to slot {e.slot}, the slot llama-server "
+                                           f"chose for its pending request (affinity; "
+                                           f"{_HOW.get(e.how, e.how)})"),
 }
+
+_HOW = {Learn.ECHO: "id_slot in the answer", Learn.VERBOSE: "__verbose, stripped from the answer",
+        Learn.CLIENT_VERBOSE: "the client's own verbose answer", Learn.SLOTS: "/slots after the answer"}
 
 _STAGES = {
     ev.Stage.REQUEST: "internal error on {method} {path}, forwarded unchanged",
@@ -185,6 +192,7 @@ _STAGES = {
     ev.Stage.OBSERVER: "SSE observer failed; the stream continues unobserved",
     ev.Stage.STREAM_COPY: "could not keep a copy of the stream",
     ev.Stage.CONVERT: "could not convert a translated answer; the client got an error event",
+    ev.Stage.STREAM_STRIP: "could not strip __verbose from the stream; the client gets it as the server sent it",
     ev.Stage.LOG_FILE: "cannot write the JSONL log file",
     ev.Stage.STATE_WRITE: "could not write the state file (touches kept for retry)",
     ev.Stage.FINAL_FLUSH: "final state flush failed",
