@@ -192,7 +192,7 @@ class Pinning:
             return
         req.upstream.unlock(flow.id)
         obs = req.stream.obs if req.stream else Observation()
-        obs.error_type = obs.error_type or "transport"
+        obs.error_type = obs.error_type or req.ended or "transport"
         self._finish(flow, req, obs)
 
     def running(self) -> None:

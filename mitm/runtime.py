@@ -39,6 +39,7 @@ class Open:
     started: float
     path: str                          # as the client sent it (a translated request goes elsewhere)
     stream: StreamObserver | None = None
+    ended: str | None = None   # the proxy ended it (mitm/watchdog.py): "deadline" or "first-token-timeout"
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Runtime:
     replays: dict[str, Upstream] = field(default_factory=dict)
     open: dict[str, Open] = field(default_factory=dict)
     reports: OrderedDict[str, Report] = field(default_factory=OrderedDict)
+    waiting: dict[str, dict[str, Any]] = field(default_factory=dict)  # flow id -> what its watch saw last
     listeners: list[Callable[[Event], None]] = field(default_factory=list)
     make_client: Callable[[str], LlamaClient] = LlamaClient  # the seam for fault injection in tests
 
@@ -89,7 +91,8 @@ class Runtime:
             listener(event)
 
     def status(self, upstreams: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"policy": self.settings.policy.value, "ttl": self.settings.ttl, "servers": upstreams}
+        return {"policy": self.settings.policy.value, "ttl": self.settings.ttl, "servers": upstreams,
+                "waiting": list(self.waiting.values())}
 
 
 class _HasRuntime(Protocol):

@@ -164,6 +164,11 @@ class StreamObserver:
     parser: SSEParser = field(default_factory=SSEParser)
     obs: Observation = field(default_factory=Observation)
 
+    @property
+    def started(self) -> bool:
+        """Some of the body has come (a whole event, or part of one)."""
+        return self.obs.events > 0 or bool(self.parser._buf)
+
     def feed(self, chunk: bytes) -> None:
         events = self.parser.feed(chunk) if chunk else self.parser.close()
         for event in events:

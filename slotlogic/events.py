@@ -15,6 +15,7 @@ from slotlogic.affinity import Learn
 from slotlogic.checkpoint_machine import Failure, Note, Outcome
 from slotlogic.paging import PageCheck
 from slotlogic.reasons import Passed
+from slotlogic.watch import End, State
 
 
 class Stage(Enum):
@@ -35,6 +36,7 @@ class Stage(Enum):
     CHECKPOINT = "checkpoint"
     CHECKPOINT_INDEX = "checkpoint-index"
     DELETE = "delete"                  # a page or checkpoint file the proxy meant to delete
+    WATCH = "watch"                    # the first-token watch or the deadline of one request
 
 
 @dataclass(frozen=True)
@@ -233,3 +235,31 @@ class SlotLearned(Event):
     session: str
     slot: int
     how: Learn                     # where the slot was read
+
+
+@dataclass(frozen=True)
+class Waiting(Event):
+    """A request still waiting for its first byte, and what `/slots` says about it (`slotlogic.watch`)."""
+
+    path: str
+    session: str
+    state: State
+    waited: float
+    slot: int | None = None
+    processed: int | None = None
+    total: int | None = None
+    decoded: int | None = None
+    idle_for: float | None = None
+
+
+@dataclass(frozen=True)
+class RequestEnded(Event):
+    """The proxy ended a request: no first byte while every slot stayed idle, or its deadline."""
+
+    path: str
+    session: str
+    end: End
+    seconds: float
+    limit: float                   # the option's value, in seconds
+    streaming: bool                # its stream had started: the client got an error event, then the close
+    closed: bool                   # False: it could not be ended (it goes on)

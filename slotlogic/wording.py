@@ -7,6 +7,7 @@ Rule 2: only what the records hold can be printed, and they hold no prompt text 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
@@ -16,6 +17,7 @@ from slotlogic.affinity import Learn
 from slotlogic.checkpoint_machine import Failure, Note, NoteKind
 from slotlogic.decisions import Report
 from slotlogic.stats import SessionStats
+from slotlogic.watch import End, State
 
 PREFIX = "slotkeeper: "
 MARKERS = {"hit": ":zap:", "partial": ":large_orange_diamond:", "miss": ":snail:", "error": ":x:",
@@ -180,6 +182,9 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
     ev.SlotLearned: lambda e: (Level.INFO, f"session {e.session} pinned to slot {e.slot}, the slot llama-server "
                                            f"chose for its pending request (affinity; "
                                            f"{_HOW.get(e.how, e.how)})"),
+    ev.Waiting: lambda e: (Level.INFO, f"{e.path} session={e.session} waiting {_secs(e.waited)} for its first "
+                                       f"byte: {waiting(e)}"),
+    ev.RequestEnded: lambda e: (Level.WARNING, _ended(e)),
 }
 
 _HOW = {Learn.ECHO: "id_slot in the answer", Learn.VERBOSE: "__verbose, stripped from the answer",
@@ -201,6 +206,7 @@ _STAGES = {
     ev.Stage.CHECKPOINT: "prefix-cache failed for slot {slot}; the request proceeds without it",
     ev.Stage.CHECKPOINT_INDEX: "prefix-cache index update failed",
     ev.Stage.DELETE: "could not delete a file in the save dir",
+    ev.Stage.WATCH: "the first-token watch of {path} failed; the request goes on unwatched",
 }
 
 
@@ -225,6 +231,66 @@ def _no_save_path(e: ev.NoSavePath) -> str:
             "and set slots_save_dir=DIR, or use slots_prefix_cache=memory")
 
 
+def waiting(e: ev.Waiting) -> str:
+    """What a waiting request is doing, in a few words (the log line, the mitmweb comment, the status)."""
+    slot = f" on slot {e.slot}" if e.slot is not None else ""
+    if e.state is State.QUEUED:
+        return f"queued behind slot {fmt(e.slot)}"
+    if e.state is State.PREFILLING:
+        return f"prefilling ({fmt(e.processed)}/{fmt(e.total)}){slot}"
+    if e.state is State.GENERATING:
+        return f"generating ({fmt(e.decoded)} tokens){slot}"
+    if e.state is State.BUSY:
+        return "llama-server busy (/slots did not answer in time: a long prompt is being evaluated)"
+    if e.state is State.STALLED:
+        idle = f" for {_secs(e.idle_for)}" if e.idle_for else ""
+        return f"stalled: every slot idle{idle}"
+    if e.state is State.UNKNOWN:
+        return "state unknown (/slots unavailable)"
+    return str(e.state)
+
+
+def waiting_comment(e: ev.Waiting) -> str:
+    """The flow's comment in mitmweb while it waits (the final comment replaces it)."""
+    return f"s={e.session} waiting {_secs(e.waited)}: {waiting(e)}"
+
+
+def _secs(s: float) -> str:
+    return f"{s:.1f} s" if s < 10 else f"{s:.0f} s"
+
+
+def _limit(end: End, limit: float) -> str:
+    if end is End.STALLED:
+        return f"no first byte while every slot stayed idle for {limit:.0f} s (slots_first_token_timeout)"
+    return f"deadline of {limit:.0f} s reached (slots_request_deadline)"
+
+
+def _ended(e: ev.RequestEnded) -> str:
+    if not e.closed:
+        done = "could not end it (mitmproxy's connection internals unavailable); it goes on"
+    elif e.streaming:
+        done = ("sent an error event and closed the connection; llama-server cancels the task when it sees the "
+                "upstream connection close")
+    else:
+        done = "answered 504 and closed the upstream connection, so llama-server cancels the task"
+    return f"{e.path} session={e.session} ended after {e.seconds:.0f} s: {_limit(e.end, e.limit)}; {done}"
+
+
+def client_message(end: End, limit: float) -> str:
+    """The 504 answer's message for the client (no prompt text: names and numbers only)."""
+    return f"slotkeeper: {_limit(end, limit)}; the request was cancelled"
+
+
+def stream_error_event(end: End, limit: float, *, anthropic: bool = False) -> bytes:
+    """The last event of a stream the proxy ends: an error in the route's own format."""
+    message = client_message(end, limit)
+    if anthropic:
+        body = {"type": "error", "error": {"type": "timeout_error", "message": message}}
+        return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+    body = {"error": {"code": 504, "message": message, "type": "timeout_error"}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
 def event_line(event: ev.Event) -> tuple[Level, str]:
     level, text = _EVENTS[type(event)](event)
     return level, PREFIX + text
@@ -236,6 +302,17 @@ def event_record(event: ev.Event) -> dict[str, Any] | None:
         return {"kind": "page", "upstream": event.upstream, "slot": event.slot, "out": event.out,
                 "out_tokens": event.out_tokens, "in": event.into, "in_tokens": event.in_tokens,
                 "seconds": round(event.seconds, 4), "server_ms": round(event.server_ms, 2)}
+    if isinstance(event, ev.Waiting):
+        return {"kind": "waiting", "upstream": event.upstream, "path": event.path, "session": event.session,
+                "state": event.state.value if isinstance(event.state, State) else str(event.state),
+                "slot": event.slot, "processed": event.processed, "total": event.total, "decoded": event.decoded,
+                "idle_for": None if event.idle_for is None else round(event.idle_for, 1),
+                "waited": round(event.waited, 1), "text": waiting(event)}
+    if isinstance(event, ev.RequestEnded):
+        return {"kind": "ended", "upstream": event.upstream, "path": event.path, "session": event.session,
+                "end": event.end.value if isinstance(event.end, End) else str(event.end),
+                "seconds": round(event.seconds, 2), "limit": event.limit, "streaming": event.streaming,
+                "closed": event.closed}
     if isinstance(event, ev.CheckpointDone):
         return {"kind": "checkpoint", "upstream": event.upstream, "slot": event.slot,
                 "outcome": event.outcome.value, "prompt_n": event.prompt_n, "identical": event.identical,
