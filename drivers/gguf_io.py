@@ -73,20 +73,6 @@ class HeaderRead:
     peak_rss_growth: int = 0     # bytes the process's peak RSS grew while reading (the reader's cost)
     detail: str = ""
 
-    def log_line(self) -> str:
-        """One line for the proxy's log: status, cost; the path is the operator's own configuration."""
-        if self.status is ReadStatus.OK:
-            n = len(self.metadata or {})
-            return (f"model header: {n} keys read in {self.seconds * 1000:.0f} ms "
-                    f"(peak RSS +{self.peak_rss_growth / 1e6:.0f} MB)")
-        reason = {
-            ReadStatus.NO_PATH: "llama-server did not report model_path",
-            ReadStatus.MISSING: "model file not on this machine (remote llama-server?)",
-            ReadStatus.UNREADABLE: "model file not readable here",
-            ReadStatus.NOT_GGUF: "model file is not a GGUF the gguf package can read",
-        }[self.status]
-        return f"model header not read: {reason}{f' ({self.detail})' if self.detail else ''}; reuse assumed as before"
-
 
 _cache: OrderedDict[tuple[str, int, int], HeaderRead] = OrderedDict()
 _lock = threading.Lock()

@@ -39,6 +39,7 @@ from typing import Any
 
 from drivers.checkpoint_runner import CheckpointRunner
 from drivers.llama_http import LlamaClient
+from drivers.model_check import ModelCheck
 from drivers.page_runner import PageOutcome, PageRunner
 from drivers.store_file import StateFile
 from slotlogic import shared
@@ -88,6 +89,7 @@ class Upstream:
         self.settings = settings
         self.pages: PageRunner | None = None
         self.checkpoints: CheckpointRunner | None = None
+        self.model = ModelCheck(self.client, emit, url)
         self._runners(settings)
         self.warned: set[str] = set()
         self._task: asyncio.Task[None] | None = None
@@ -112,9 +114,13 @@ class Upstream:
 
     def _runners(self, s: Settings) -> None:
         """Paging and checkpoint runners for these settings (a runner whose settings stay is kept: its slot
-        locks may be held)."""
+        locks may be held). Where the model check found that a restore cannot resume, no slot files: no
+        paging, and prefix checkpoints only in memory."""
         if self.offline:
             return
+        if self.model.files_blocked:
+            s = replace(s, paging=False, checkpoints=CheckpointMode.MEMORY
+                        if s.checkpoints is CheckpointMode.DISK else s.checkpoints)
         if s.paging and s.save_dir:
             if self.pages is None or self.pages.save_dir != Path(s.save_dir):
                 self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
@@ -148,6 +154,11 @@ class Upstream:
         """New settings replace the old whole; the sessions this process knows stay."""
         if self.offline:
             return
+        model_inputs = ("swa_full", "cache_type_k", "cache_type_v", "paging", "checkpoints", "save_dir",
+                        "throughput_probe")
+        if any(getattr(settings, n) != getattr(self.settings, n) for n in model_inputs):
+            self.model.forget()  # the verdict depends on them: check again at the next /props
+            self._spawn(self.probe())
         self.settings = settings
         self.keeper.reconfigure(settings)
         self._authorize()
@@ -195,6 +206,8 @@ class Upstream:
             props = await self._ask("/props", self.client.props)
             live = await self._live_slots() if props is not None else None
         info = self._server_info(props)
+        if info is not None:
+            self._seen(info)
         if info is None:
             decision, event = self.keeper.fallback(need, now, await self._last_known_total())
             self.emit(event)
@@ -385,6 +398,7 @@ class Upstream:
     # ------------------------------------------------------------------------------------------- answers
 
     def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float) -> Report:
+        self.keeper.prefill_speed = self.model.speed.prefill_tok_s if self.model.speed else None
         report = self.keeper.answered(ticket, obs, path=path, seconds=seconds, now=time.time())
         for event in self.keeper.warnings(report):
             self.emit(event)
@@ -412,6 +426,12 @@ class Upstream:
         if learned is not None:
             self.emit(learned)
             self.kick()
+
+    def _seen(self, info: ServerInfo) -> None:
+        """A `/props` answer: a model file, or a server process, not checked yet gets the model check."""
+        if not self.offline and self.model.due(info):
+            self.model.claim(info)
+            self._spawn(self.model.run(info, self.settings, lambda: self._runners(self.settings)))
 
     def start(self) -> None:
         """At proxy start, before clients come (or at the first request): in the background, once, what can only
@@ -523,6 +543,7 @@ class Upstream:
         if info is None:
             return
         self._hung.pop("/props", None)  # it answers again: new sessions may ask it
+        self._seen(info)
         k = self.keeper
         known = k.server
         changed = known is None or (info.media_marker and known.media_marker
@@ -543,11 +564,12 @@ class Upstream:
 
     async def status(self) -> dict[str, Any]:
         """The status view, from a fresh read of the state file (in a worker thread)."""
-        return self.keeper.status(await asyncio.to_thread(self.store.read), time.time())
+        return {**self.keeper.status(await asyncio.to_thread(self.store.read), time.time()),
+                **self.model.status(self.settings)}
 
     def status_now(self) -> dict[str, Any]:
         """The status view from memory (the state as of the last transaction): for sync callers."""
-        return self.keeper.status(self.store.last, time.time())
+        return {**self.keeper.status(self.store.last, time.time()), **self.model.status(self.settings)}
 
     def release(self, wanted: str) -> list[str]:
         """Forget the sessions whose key starts with `wanted`: their slots are free for the next new session.

@@ -30,6 +30,7 @@ from slotlogic.affinity import Learn
 from slotlogic.answers import Observation, StreamObserver, observe_json
 from slotlogic.decisions import Forward, Observe, Pin
 from slotlogic.events import Failed, PassedThrough, Stage
+from slotlogic.model_facts import CACHE_TYPES
 from slotlogic.ranking import Policy
 from slotlogic.reasons import Passed
 from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
@@ -112,6 +113,16 @@ class Pinning:
                           "llama-server's --api-key, for the proxy's own calls (/props, /slots, slot save/restore, "
                           "warm-ups). Empty: the Authorization or X-Api-Key header a client sent to that server. "
                           "Never logged or written to a file.")
+        loader.add_option("slots_swa_full", bool, False,
+                          "llama-server runs with --swa-full: a sliding-window model's restored slot files can "
+                          "resume, so session pages and checkpoint files stay on for it (docs/model-capability.md).")
+        loader.add_option("slots_cache_type", str, "f16",
+                          "llama-server's KV cache type (-ctk/-ctv), for the model's KV and slot-file sizes: one "
+                          "type for both, or K,V (e.g. q8_0,f16).")
+        loader.add_option("slots_throughput_probe", bool, False,
+                          "At start, one short completion of the proxy's own text into an empty slot measures "
+                          "prefill and decode speed (status view; prefill seconds saved for answers without "
+                          "timings).")
         loader.add_option("slots_keep_streams", bool, False,
                           "Keep a copy of streamed SSE bodies in the flow (for -w recordings, mitmweb and "
                           "server replay on mitmproxy 11; on 12.x store_streamed_bodies does the same).")
@@ -121,6 +132,12 @@ class Pinning:
             return
         settings, state_dir = build_settings(ctx.options)
         self.rt.configure(settings, state_dir, fronted_upstreams(ctx.options.mode))
+
+    def running(self) -> None:
+        """At start, each server this proxy fronts is probed before the first request comes (whether
+        /v1/messages honours id_slot; `/props` and the model check), in background tasks (a sync hook)."""
+        for url in self.rt.fronted:
+            self.rt.upstream(url).start()
 
     # ------------------------------------------------------------------------------------------- hooks
 
@@ -194,10 +211,6 @@ class Pinning:
         obs = req.stream.obs if req.stream else Observation()
         obs.error_type = obs.error_type or req.ended or "transport"
         self._finish(flow, req, obs)
-
-    def running(self) -> None:
-        for url in self.rt.fronted:
-            self.rt.upstream(url).start()
 
     def done(self) -> None:
         for up in self.rt.all_upstreams():
@@ -324,6 +337,10 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
         raise exceptions.OptionsError("slots_state_max_sessions must be ≥ 16")
     if o.slots_max_body_mb < 1:
         raise exceptions.OptionsError("slots_max_body_mb must be ≥ 1")
+    types = [t.strip().lower() for t in o.slots_cache_type.split(",")]
+    if len(types) not in (1, 2) or any(t not in CACHE_TYPES for t in types):
+        raise exceptions.OptionsError(f"slots_cache_type must be one of {', '.join(CACHE_TYPES)}, or two of them "
+                                      f"as K,V; not {o.slots_cache_type!r}")
     settings = Settings(
         policy=policy, ttl=float(o.slots_ttl), override_client=o.slots_override_client, session_headers=headers,
         side_patterns=patterns, side_slot=o.slots_side_slot, markers=markers or pfx.DEFAULT_MARKERS,
@@ -333,7 +350,8 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
         checkpoint_max_bytes=o.slots_checkpoint_max_mb << 20, probe_interval=float(o.slots_probe_interval),
         keep_streams=o.slots_keep_streams, anthropic=anthropic_mode, strip_billing=o.slots_strip_billing,
         prefix_min_chars=o.slots_prefix_min_chars, state_max_sessions=o.slots_state_max_sessions,
-        max_body_bytes=o.slots_max_body_mb << 20, api_key=o.slots_api_key.strip())
+        max_body_bytes=o.slots_max_body_mb << 20, api_key=o.slots_api_key.strip(), swa_full=o.slots_swa_full,
+        cache_type_k=types[0], cache_type_v=types[-1], throughput_probe=o.slots_throughput_probe)
     state_dir = Path(o.slots_state_dir).expanduser() if o.slots_state_dir else default_state_dir()
     try:
         private_dir.check(state_dir)  # created 0700 on first use when missing; an existing one is never chmod-ed

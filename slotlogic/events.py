@@ -13,6 +13,7 @@ from enum import Enum
 
 from slotlogic.affinity import Learn
 from slotlogic.checkpoint_machine import Failure, Note, Outcome
+from slotlogic.model_facts import ModelFacts
 from slotlogic.paging import PageCheck
 from slotlogic.reasons import Passed
 from slotlogic.watch import End, State
@@ -37,6 +38,7 @@ class Stage(Enum):
     CHECKPOINT_INDEX = "checkpoint-index"
     DELETE = "delete"                  # a page or checkpoint file the proxy meant to delete
     WATCH = "watch"                    # the first-token watch or the deadline of one request
+    MODEL_CHECK = "model-check"        # reading the model header, the start-up probe
 
 
 @dataclass(frozen=True)
@@ -263,3 +265,40 @@ class RequestEnded(Event):
     limit: float                   # the option's value, in seconds
     streaming: bool                # its stream had started: the client got an error event, then the close
     closed: bool                   # False: it could not be ended (it goes on)
+
+
+@dataclass(frozen=True)
+class ModelHeader(Event):
+    """The loaded model's GGUF header was read, or could not be (`drivers.gguf_io`)."""
+
+    status: str                    # gguf_io.ReadStatus value
+    keys: int
+    seconds: float
+    peak_rss: int                  # bytes the process's peak RSS grew while reading
+    detail: str                    # an exception's type name, never content
+
+
+@dataclass(frozen=True)
+class ModelDescribed(Event):
+    """What the model means for prefix reuse and slot files (`slotlogic.model_facts.describe` words it)."""
+
+    facts: ModelFacts
+    cache_type_k: str
+    cache_type_v: str
+    n_ctx: int | None
+    swa_full: bool
+    checkpoints_in_files: bool | None
+    files_wanted: bool
+
+
+@dataclass(frozen=True)
+class Probed(Event):
+    """The start-up probe (`slotlogic.capability`): its slot (None: no empty idle slot, skipped), the speeds it
+    measured and whether its saved file carried checkpoints (None: not saved)."""
+
+    slot: int | None
+    prefill_tok_s: float | None
+    decode_tok_s: float | None
+    prompt_n: int | None
+    predicted_n: int | None
+    checkpoints_in_files: bool | None

@@ -100,6 +100,7 @@ class Keeper:
         self.instance = ""   # set by the driver: unique to this process, so its page file names are its own
         self._page_seq = 0
         self.learned: list[SlotLearned] = []  # affinity: slots learned from answers, for the driver to log
+        self.prefill_speed: float | None = None  # the start-up probe's prefill tok/s (answers without timings)
         self._headers = settings.header_bytes
 
     def reconfigure(self, settings: Settings) -> None:
@@ -438,7 +439,7 @@ class Keeper:
         self.table.answered(key, slot, now)
         stats = self.stats.pop(key, None) or SessionStats()
         self.stats[key] = stats  # most recently answered last
-        stats.add(obs, slot, ticket.session.source)
+        stats.add(obs, slot, ticket.session.source, fallback_pps=self.prefill_speed)
         while len(self.stats) > MAX_STATS:
             self.stats.popitem(last=False)
         return Report(ticket, obs, slot, path, self.upstream, seconds)
@@ -537,6 +538,7 @@ class Keeper:
             "total_slots": self.total_slots,
             "n_ctx_per_slot": server.n_ctx if server else None,
             "slots": slots,
+            "prefill_s_saved": round(sum(st.saved_s for st in self.stats.values()), 2),
             "sessions": {k[:8]: {"slot": s.slot, "requests": s.requests, "prefill_tokens": s.prefill,
                                  "cached_tokens": s.cached,
                                  "reuse_pct": round(100 * s.reuse, 1) if s.reuse is not None else None,

@@ -16,6 +16,7 @@ from slotlogic import events as ev
 from slotlogic.affinity import Learn
 from slotlogic.checkpoint_machine import Failure, Note, NoteKind
 from slotlogic.decisions import Report
+from slotlogic.model_facts import ModelFacts, describe
 from slotlogic.stats import SessionStats
 from slotlogic.watch import End, State
 
@@ -77,6 +78,8 @@ def summary(upstream: str, stats: dict[str, SessionStats]) -> list[str]:
         reuse = f"{100 * s.reuse:.0f}%" if s.reuse is not None else "?"
         lines.append(f"  {key[:8]:8} {fmt(s.slot):>4} {s.requests:>5} {s.prefill:>8} {s.cached:>8} {reuse:>6} "
                      f"{s.saved_s:>8.1f}")
+    lines.append(f"  prefill seconds saved: {sum(s.saved_s for s in stats.values()):.1f} (cached tokens at the "
+                 "server's own prefill speed, or the start-up probe's where an answer has none)")
     return lines
 
 
@@ -182,6 +185,9 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
     ev.SlotLearned: lambda e: (Level.INFO, f"session {e.session} pinned to slot {e.slot}, the slot llama-server "
                                            f"chose for its pending request (affinity; "
                                            f"{_HOW.get(e.how, e.how)})"),
+    ev.ModelHeader: lambda e: (Level.INFO if e.status == "ok" else Level.WARNING, _model_header(e)),
+    ev.ModelDescribed: lambda e: (Level.INFO, _described(e)),
+    ev.Probed: lambda e: (Level.INFO, _probed(e)),
     ev.Waiting: lambda e: (Level.INFO, f"{e.path} session={e.session} waiting {_secs(e.waited)} for its first "
                                        f"byte: {waiting(e)}"),
     ev.RequestEnded: lambda e: (Level.WARNING, _ended(e)),
@@ -207,6 +213,7 @@ _STAGES = {
     ev.Stage.CHECKPOINT_INDEX: "prefix-cache index update failed",
     ev.Stage.DELETE: "could not delete a file in the save dir",
     ev.Stage.WATCH: "the first-token watch of {path} failed; the request goes on unwatched",
+    ev.Stage.MODEL_CHECK: "the model check failed; slot files stay as configured",
 }
 
 
@@ -229,6 +236,46 @@ def _no_save_path(e: ev.NoSavePath) -> str:
                 "slots_save_dir, or set slots_paging=false")
     return ("llama-server has no --slot-save-path (save/restore answered 501): start it with --slot-save-path DIR "
             "and set slots_save_dir=DIR, or use slots_prefix_cache=memory")
+
+
+_HEADER_NOT_READ = {
+    "no-path": "llama-server did not report model_path",
+    "missing": "model file not on this machine (remote llama-server?)",
+    "unreadable": "model file not readable here",
+    "not-gguf": "model file is not a GGUF the gguf package can read",
+}
+
+
+def _model_header(e: ev.ModelHeader) -> str:
+    if e.status == "ok":
+        return (f"model header: {e.keys} keys read with gguf.GGUFReader in {e.seconds * 1000:.0f} ms "
+                f"(peak RSS +{e.peak_rss / 1e6:.0f} MB; once per model file)")
+    reason = _HEADER_NOT_READ.get(e.status, e.status)
+    return (f"model header not read on {e.upstream}: {reason}{f' ({e.detail})' if e.detail else ''}; "
+            "prefix reuse and slot files as before")
+
+
+def _described(e: ev.ModelDescribed) -> str:
+    """The model's lines (`model_facts.describe`), one log record: the first line carries the prefix."""
+    if not isinstance(e.facts, ModelFacts):
+        return f"model on {e.upstream}: not described"
+    lines = describe(e.facts, cache_type_k=e.cache_type_k, cache_type_v=e.cache_type_v, n_ctx=e.n_ctx,
+                     swa_full=e.swa_full, checkpoints_in_files=e.checkpoints_in_files, files_wanted=e.files_wanted)
+    return ("\n" + PREFIX).join(lines)
+
+
+def _probed(e: ev.Probed) -> str:
+    if e.slot is None:
+        return (f"start-up probe skipped on {e.upstream}: no empty idle slot (the probe never overwrites a "
+                "conversation)")
+    parts = []
+    if e.prefill_tok_s is not None and e.decode_tok_s is not None:
+        parts.append(f"prefill {e.prefill_tok_s:.0f} tok/s ({fmt(e.prompt_n)} tokens), decode "
+                     f"{e.decode_tok_s:.0f} tok/s ({fmt(e.predicted_n)} tokens)")
+    if e.checkpoints_in_files is not None:
+        parts.append("slot files carry context checkpoints" if e.checkpoints_in_files
+                     else "slot files carry no context checkpoints")
+    return f"start-up probe on slot {e.slot}: " + ("; ".join(parts) or "no answer")
 
 
 def waiting(e: ev.Waiting) -> str:
