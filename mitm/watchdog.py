@@ -34,7 +34,7 @@ from drivers.watcher import RequestWatch
 from mitm import abort
 from mitm.runtime import Open, Runtime, guarded
 from slotlogic import wording
-from slotlogic.endpoints import normalise_path
+from slotlogic.endpoints import Route
 from slotlogic.events import Failed, RequestEnded, Stage, Waiting
 from slotlogic.watch import End, Progress, Watch, WatchSettings
 
@@ -176,7 +176,9 @@ class Watchdog:
         s = self.settings
         limit = s.first_token_timeout if end is End.STALLED else s.deadline
         streaming = flow.response is not None and callable(flow.response.stream)
-        anthropic = normalise_path(flow.request.path) == "/v1/messages"
+        # a native Anthropic stream gets Anthropic's error event; a translated one gets the chat route's, which
+        # its stream converter turns into Anthropic's like any other event
+        anthropic = req.ticket.route is Route.ANTHROPIC and not req.ticket.translated
         req.ended = "first-token-timeout" if end is End.STALLED else "deadline"
         closed = abort.end_flow(flow, 504, wording.client_message(end, limit),
                                 wording.stream_error_event(end, limit, anthropic=anthropic) if streaming else None)

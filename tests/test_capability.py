@@ -94,6 +94,8 @@ class ProbeLlama(FakeLlama):
         self.facts = ModelFacts.from_metadata(gguf_io.read_metadata(path) or {})
 
     async def post_json(self, path: str, body: Any, timeout: float) -> tuple[int, Any]:
+        if path == "/v1/messages":  # the Anthropic route probe (not this test's business)
+            return 0, None
         self.posts.append((path, body))
         if path == "/completion":
             return 200, {"timings": {"prompt_per_second": 250.0, "predicted_per_second": 50.0, "prompt_n": 300,

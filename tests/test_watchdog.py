@@ -121,15 +121,17 @@ async def test_a_started_stream_is_not_polled_and_its_deadline_ends_it_with_an_e
     assert proxy.rt.reports[f.id].obs.error_type == "timeout_error"
 
 
-async def test_the_messages_route_gets_its_own_error_event(proxy, llama, ended):
-    proxy.configure(slots_request_deadline=1)
+@pytest.mark.parametrize("mode", ["native", "translate"])
+async def test_the_messages_route_gets_anthropics_error_event(proxy, llama, ended, mode):
+    proxy.configure(slots_request_deadline=1, slots_anthropic=mode)
     f = await proxy.request(flow({"model": "m", "max_tokens": 5, "stream": True,
                                   "messages": [{"role": "user", "content": "hi"}]}, path="/v1/messages"))
     f.response = http.Response.make(200, b"", {"content-type": "text/event-stream"})
     f.response.content = None
     await proxy.hook("responseheaders", f)
     await wait_for(lambda: ended, timeout=3)
-    assert ended[0][3].startswith(b'event: error\ndata: {"type": "error"')
+    sent = f.response.stream(ended[0][3])          # what mitmproxy does with the injected chunk
+    assert sent.startswith(b"event: error\ndata: {") and b"deadline of 1 s reached" in sent
 
 
 @pytest.mark.parametrize("option", watchdog.OPTIONS)
