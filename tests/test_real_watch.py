@@ -185,3 +185,73 @@ def test_a_stalled_request_gets_a_504_and_its_upstream_connection_is_closed(tmp_
     log = (tmp_path / "p.log").read_text()
     assert "stalled: every slot idle for" in log and "answered 504 and closed the upstream connection" in log
     print("\n".join(line for line in log.splitlines() if "stalled" in line or "ended after" in line))
+
+
+class Canned(Swallow):
+    """`/props` and `/slots` of a server whose slot 0 evaluates a long prompt; completions are swallowed."""
+
+    SLOTS: ClassVar[list[dict[str, Any]]] = [
+        {"id": 0, "n_ctx": 4096, "is_processing": True, "id_task": 7, "n_prompt_tokens": 3000,
+         "n_prompt_tokens_processed": 2048, "next_token": [{"n_decoded": 0}]},
+        {"id": 1, "n_ctx": 4096, "is_processing": False, "id_task": 2, "n_prompt_tokens": 0}]
+
+    def do_GET(self) -> None:
+        body = json.dumps(self.SLOTS if self.path.startswith("/slots") else
+                          {"total_slots": 2, "media_marker": "<__media_x__>", "model_path": "/nowhere.gguf",
+                           "default_generation_settings": {"n_ctx": 4096}}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_mitmweb_shows_what_a_waiting_request_is_doing_as_its_comment(tmp_path):
+    """The flow's comment and marker in mitmweb (its /flows API) while the request waits: a canned server
+    (fault injection: slot 0 evaluates a prompt that never ends) keeps the request queued."""
+    import subprocess
+
+    from mitmproxy import version
+
+    from launch.mitmdump import ROOT, mitm_argv
+
+    shim = ThreadingHTTPServer(("127.0.0.1", free_port()), Canned)
+    threading.Thread(target=shim.serve_forever, daemon=True).start()
+    port, web = free_port(), free_port()
+    opts: dict[str, object] = {"slots_state_dir": str(tmp_path / "state"), "slots_watch_interval_ms": 300}
+    auth = {}
+    if tuple(int(x) for x in version.VERSION.split(".")[:2]) >= (11, 1):  # the web API needs a token since 11.1
+        opts["web_password"] = "slotkeeper-test"
+        auth = {"Authorization": "Bearer slotkeeper-test"}
+    argv = mitm_argv(f"http://127.0.0.1:{shim.server_address[1]}", port, opts, web=True, web_port=web)
+    with open(tmp_path / "web.log", "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT), start_new_session=True)
+    client = threading.Thread(target=lambda: httpx.post(
+        f"http://127.0.0.1:{port}/v1/chat/completions", timeout=6,
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}), daemon=True)
+    try:
+        assert wait_until(lambda: _up(f"http://127.0.0.1:{port}/_slots/health"), 30)
+        client.start()
+        comments: list[tuple[str, str]] = []
+
+        def seen() -> bool:
+            flows = httpx.get(f"http://127.0.0.1:{web}/flows", headers=auth, timeout=5).json()
+            comments[:] = [(f.get("comment", ""), f.get("marked", "")) for f in flows]
+            return any("queued behind slot 0" in c for c, _ in comments)
+
+        assert wait_until(seen, 10, 0.3), comments
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        shim.shutdown()
+        shim.server_close()
+    comment, marked = next((c, m) for c, m in comments if "queued" in c)
+    assert comment.startswith("s=") and " waiting " in comment and marked == "⏳"
+    print(f"mitmweb comment: {comment!r} marker {marked!r}")
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
