@@ -33,8 +33,10 @@ PROBE_TIMEOUT = 120.0
 
 
 class ModelCheck:
-    def __init__(self, client: LlamaClient, emit: Callable[[Event], None], upstream: str) -> None:
+    def __init__(self, client: LlamaClient, emit: Callable[[Event], None], upstream: str,
+                 on_speed: Callable[[float | None], None] = lambda pps: None) -> None:
         self.client = client
+        self.on_speed = on_speed  # the measured prefill speed, for answers without timings (Keeper.prefill_speed)
         self.emit = emit
         self.upstream = upstream
         self.facts: ModelFacts | None = None
@@ -106,6 +108,7 @@ class ModelCheck:
         speed = capability.throughput(answer, slot) if status == 200 else None
         if settings.throughput_probe and speed is not None:
             self.speed = speed
+            self.on_speed(speed.prefill_tok_s)
         in_files = None
         name = capability.probe_file(self.upstream)
         if facts is not None and status == 200 and settings.save_dir:

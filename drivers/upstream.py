@@ -89,7 +89,7 @@ class Upstream:
         self.settings = settings
         self.pages: PageRunner | None = None
         self.checkpoints: CheckpointRunner | None = None
-        self.model = ModelCheck(self.client, emit, url)
+        self.model = ModelCheck(self.client, emit, url, on_speed=lambda pps: setattr(self.keeper, "prefill_speed", pps))
         self._runners(settings)
         self.warned: set[str] = set()
         self._task: asyncio.Task[None] | None = None
@@ -398,13 +398,12 @@ class Upstream:
     # ------------------------------------------------------------------------------------------- answers
 
     def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float) -> Report:
-        self.keeper.prefill_speed = self.model.speed.prefill_tok_s if self.model.speed else None
         report = self.keeper.answered(ticket, obs, path=path, seconds=seconds, now=time.time())
         for event in self.keeper.warnings(report):
             self.emit(event)
-        if ticket.learn is Learn.SLOTS and not self.offline and obs.error_type is None:
-            self._spawn(self._learn_from_slots(ticket, obs))
-        if self.keeper.table.dirty:
+        if ticket.learn is not None:  # affinity: a learned slot is a new claim for the state file
+            if ticket.learn is Learn.SLOTS and not self.offline and obs.error_type is None:
+                self._spawn(self._learn_from_slots(ticket, obs))
             self.kick()
         if not self.offline and report.slot is not None and self.keeper.lost_cache(report):
             self._spawn(self.explain_cache_loss(report.slot))

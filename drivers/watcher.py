@@ -25,7 +25,7 @@ class RequestWatch:
     def __init__(self, watch: Watch, client: LlamaClient, *, on_progress: Callable[[Progress], None],
                  on_end: Callable[[End], None], on_error: Callable[[str], None],
                  ahead: Callable[[], int] = lambda: 0, first_byte: Callable[[], bool] = lambda: False,
-                 clock: Clock = time.monotonic) -> None:
+                 alive: Callable[[], bool] = lambda: True, clock: Clock = time.monotonic) -> None:
         self.watch = watch
         self.client = client
         self.on_progress = on_progress
@@ -33,6 +33,7 @@ class RequestWatch:
         self.on_error = on_error
         self.ahead = ahead
         self.first_byte = first_byte   # asked before each poll: has the answer begun?
+        self.alive = alive             # asked at each wake: is the request still open? (else the watch ends)
         self.clock = clock
         self._handle: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
@@ -70,6 +71,9 @@ class RequestWatch:
 
     async def _run(self) -> None:
         try:
+            if not self.alive():
+                self.stopped = True
+                return
             if self.watch.due(self.clock()) is End.DEADLINE:
                 self.stopped = True
                 self.on_end(End.DEADLINE)
@@ -78,7 +82,8 @@ class RequestWatch:
                 self.watch.got_first_byte()
             if self.watch.poll_due(self.clock()):
                 timed_out, live = await self.client.poll_slots(self.watch.settings.poll_timeout)
-                if self.stopped:
+                if self.stopped or not self.alive():
+                    self.stopped = True
                     return
                 if self.first_byte():
                     self.watch.got_first_byte()

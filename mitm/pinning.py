@@ -166,7 +166,7 @@ class Pinning:
             return
         if isinstance(decision, Pin | Observe):
             asked = facts.replay.path if facts.replay is not None and facts.replay.path else original[2]
-            self.rt.open[flow.id] = Open(decision.ticket, upstream, time.monotonic(), asked)
+            self.rt.open[flow.id] = Open(decision.ticket, upstream, time.monotonic(), asked, flow=flow)
         elif isinstance(decision, Forward) and decision.completion_route:
             self.rt.emit(PassedThrough(upstream.url, flow.request.method, flow.request.path, decision.reason))
 

@@ -40,6 +40,7 @@ class Open:
     path: str                          # as the client sent it (a translated request goes elsewhere)
     stream: StreamObserver | None = None
     ended: str | None = None   # the proxy ended it (mitm/watchdog.py): "deadline" or "first-token-timeout"
+    flow: Any = None           # the live flow (mitm/watchdog.py ends or annotates it while it waits)
 
 
 @dataclass
@@ -92,7 +93,7 @@ class Runtime:
 
     def status(self, upstreams: list[dict[str, Any]]) -> dict[str, Any]:
         return {"policy": self.settings.policy.value, "ttl": self.settings.ttl, "servers": upstreams,
-                "waiting": list(self.waiting.values())}
+                "waiting": [w for fid, w in self.waiting.items() if fid in self.open]}
 
 
 class _HasRuntime(Protocol):

@@ -12,13 +12,13 @@ and its upstream connection is closed, so llama-server cancels it. `slots_reques
 running that long after it left the proxy is ended the same way (a stream that has started gets an error
 event before the close). Both go through `mitm/abort.py`.
 
-Hooks (after `Pinning` in the chain: the request's ticket is in `Runtime.open`): `request` only notes the
-flow; one sweeper task (alive while requests are open) finds, every `tick`, the requests that have waited
-`slots_watch_interval_ms` (or reached their deadline) and gives each a `drivers.watcher.RequestWatch`.
-A request answered sooner (nearly all) costs a dict entry: a timer per request (`loop.call_later` plus its
-cancel) measured ~6 µs on the hot path, the sweeper nothing. Whether the first byte has come is read at each
-wake: an answer that is not streamed has its response; a stream's observer (`Pinning`'s SSE tap) has seen
-part of its body. `response` / `error` stop the watch.
+No hook runs per request: one sweeper task (started at `running`) finds, every tick, the open requests
+(`Runtime.open`, with their flows) that have waited `slots_watch_interval_ms` (or reached their deadline)
+and gives each a `drivers.watcher.RequestWatch`. A request answered sooner (nearly all) costs the watch
+nothing; a timer per request (`loop.call_later` plus its cancel) measured ~6 µs on the hot path, and even
+a request hook that only noted the flow ~1 µs. Whether the first byte has come is read at each wake: an
+answer that is not streamed has its response; a stream's observer (`Pinning`'s SSE tap) has seen part of
+its body. A watch ends when its request leaves `Runtime.open` (answered, failed, or ended by it).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from mitmproxy import ctx, exceptions, hooks, http
 
 from drivers.watcher import RequestWatch
 from mitm import abort
-from mitm.runtime import Open, Runtime, guarded
+from mitm.runtime import Open, Runtime
 from slotlogic import wording
 from slotlogic.endpoints import Route
 from slotlogic.events import Failed, RequestEnded, Stage, Waiting
@@ -45,7 +45,6 @@ class Watchdog:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.settings = WatchSettings()
-        self.flows: dict[str, http.HTTPFlow] = {}       # open completion requests, until their watch starts
         self.watches: dict[str, RequestWatch] = {}      # requests still going after the first interval
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -79,25 +78,20 @@ class Watchdog:
 
     # ------------------------------------------------------------------------------------------- hooks
 
-    @guarded(Stage.REQUEST)
-    def request(self, flow: http.HTTPFlow) -> None:
-        if not self.settings.active or not flow.live or flow.id not in self.rt.open or flow.response is not None:
-            return
-        self.flows[flow.id] = flow
-        if self._sweeper is None:
-            with contextlib.suppress(RuntimeError):  # no running loop (a test calling hooks directly): no watch
+    # No hook runs per request: the sweeper finds waiting requests in `Runtime.open` (an answered request costs
+    # the watch nothing), and a started watch ends itself once its request has left it.
+
+    def running(self) -> None:
+        """Start the sweeper (sync hook: it runs as a task)."""
+        self.start()
+
+    def start(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            with contextlib.suppress(RuntimeError):  # no running loop: started by `running` later
                 self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
-    @guarded(Stage.RESPONSE)
-    def response(self, flow: http.HTTPFlow) -> None:
-        self._stop(flow.id)
-
-    @guarded(Stage.RESPONSE)
-    def error(self, flow: http.HTTPFlow) -> None:
-        self._stop(flow.id)
-
     def done(self) -> None:
-        for flow_id in [*self.flows, *self.watches]:
+        for flow_id in list(self.watches):
             self._stop(flow_id)
         if self._sweeper is not None:
             self._sweeper.cancel()
@@ -105,28 +99,25 @@ class Watchdog:
     # ------------------------------------------------------------------------------------------- helpers
 
     async def _sweep(self) -> None:
-        """Every tick, start the watch of each request that has waited its first interval (or reached its
-        deadline). Ends after a while without open requests; the next request starts it again."""
-        quiet = 0
+        """Every tick (a quarter of the first interval, at most 1 s), start the watch of each open request that
+        has waited its first interval (or reached its deadline), and end the watches of answered ones."""
         try:
-            while quiet < 30:
+            while True:
                 s = self.settings
                 first = min((x for x in (s.interval, s.deadline) if x > 0), default=0.0)
                 await asyncio.sleep(min(1.0, first / 4) if first > 0 else 1.0)
-                quiet = 0 if self.flows or self.watches else quiet + 1
+                for flow_id in [f for f in self.watches if f not in self.rt.open]:
+                    self._stop(flow_id)   # answered or failed: its watch ends
                 if first <= 0:
                     continue
                 now = time.monotonic()
-                for flow_id, flow in list(self.flows.items()):
-                    req = self.rt.open.get(flow_id)
-                    if req is None:
-                        del self.flows[flow_id]
-                    elif now - req.started >= first:
-                        del self.flows[flow_id]
-                        self._fire(flow, req)
+                for flow_id, req in list(self.rt.open.items()):
+                    if flow_id not in self.watches and now - req.started >= first and req.flow is not None \
+                            and req.flow.live:
+                        self._fire(req.flow, req)   # the watch itself reads whether its answer has begun
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # never silently: one line, and the next request starts a new sweeper
+        except Exception as e:  # never silently: one line, and the next `start` runs a new sweeper
             self.rt.emit(Failed("", Stage.WATCH, type(e).__name__))
         finally:
             self._sweeper = None
@@ -141,15 +132,14 @@ class Watchdog:
                               on_end=lambda end: self._end(flow, req, end),
                               on_error=lambda kind: self.rt.emit(Failed(req.upstream.url, Stage.WATCH, kind,
                                                                         path=flow.request.path)),
-                              ahead=lambda: self._ahead(flow.id, req), first_byte=lambda: _began(flow, req))
+                              ahead=lambda: self._ahead(flow.id, req), first_byte=lambda: _began(flow, req),
+                              alive=lambda: flow.id in self.rt.open)
             self.watches[flow.id] = rw
             rw.wake_now()
         except Exception as e:  # fail open: the request goes on unwatched
             self.rt.emit(Failed(req.upstream.url, Stage.WATCH, type(e).__name__, path=flow.request.path))
 
     def _stop(self, flow_id: str) -> None:
-        if self.flows.pop(flow_id, None) is not None:
-            return
         rw = self.watches.pop(flow_id, None)
         if rw is not None:
             rw.stop()

@@ -33,10 +33,12 @@ class SlotsLlama(FakeLlama):
 
 
 @pytest.fixture
-def llama(proxy):
+async def llama(proxy):
     fake = SlotsLlama()
     proxy.rt.make_client = lambda url: fake
-    return fake
+    proxy.addons[2].running()   # mitmproxy calls it once the proxy is up: the sweeper starts
+    yield fake
+    proxy.addons[2].done()
 
 
 @pytest.fixture
@@ -143,6 +145,7 @@ def test_negative_values_are_refused(proxy, option):
 async def test_off_means_no_watch_at_all(proxy, llama):
     proxy.configure(slots_watch_interval_ms=0)
     f = await proxy.request(flow(chat()))
-    assert not proxy.addons[2].flows and proxy.addons[2]._sweeper is None
+    await asyncio.sleep(1.2)
+    assert not proxy.addons[2].watches and llama.polls == []
     f.error = Error("gone")
     await proxy.hook("error", f)
