@@ -419,6 +419,7 @@ class Upstream:
             doomed = self.keeper.page_dropped(state, key, file)
         if self.pages is not None:
             self.pages.delete(doomed)
+
     async def _learn_from_slots(self, ticket: Ticket, obs: Observation) -> None:
         """Affinity on a route whose answer does not name the slot: read `/slots` once, right after it."""
         learned = self.keeper.learn_from_slots(ticket, obs, await self.client.slots(), time.time())

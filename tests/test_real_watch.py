@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import select
 import threading
@@ -226,9 +227,12 @@ def test_mitmweb_shows_what_a_waiting_request_is_doing_as_its_comment(tmp_path):
     argv = mitm_argv(f"http://127.0.0.1:{shim.server_address[1]}", port, opts, web=True, web_port=web)
     with open(tmp_path / "web.log", "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT), start_new_session=True)
-    client = threading.Thread(target=lambda: httpx.post(
-        f"http://127.0.0.1:{port}/v1/chat/completions", timeout=6,
-        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}), daemon=True)
+    def waiting_client() -> None:  # never answered: it ends when mitmweb stops
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=6,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+
+    client = threading.Thread(target=waiting_client, daemon=True)
     try:
         assert wait_until(lambda: _up(f"http://127.0.0.1:{port}/_slots/health"), 30)
         client.start()
