@@ -21,12 +21,13 @@ from mitm.localapi import LocalApi
 from mitm.pinning import Pinning
 from mitm.requestlog import RequestLog
 from mitm.runtime import Runtime
+from mitm.watchdog import Watchdog
 
 
 def make_addons() -> list[object]:
     """A fresh set of addons around a fresh runtime (tests build one per case)."""
     rt = Runtime()
-    return [LocalApi(rt), Pinning(rt), FlowView(rt), RequestLog(rt), Commands(rt)]
+    return [LocalApi(rt), Pinning(rt), Watchdog(rt), FlowView(rt), RequestLog(rt), Commands(rt)]
 
 
 addons = make_addons()

@@ -53,8 +53,11 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("auto+ckpt", proxy=True, options={"slots_policy": "auto", "slots_prefix_cache": "disk"},
                 description="proxy, auto policy, session paging and prefix checkpoints on disk", save_dir=True,
                 checkpoints=True),
+    BenchConfig("affinity", proxy=True, options={"slots_policy": "affinity"},
+                description="proxy, pending then pinned: llama-server chooses a new session's slot (id_slot -1), "
+                            "the proxy pins the slot it chose"),
 ]}
-DEFAULT_CONFIGS = ["stock", "off", "seed", "auto", "auto+ckpt"]
+DEFAULT_CONFIGS = ["stock", "off", "seed", "auto", "auto+ckpt", "affinity"]
 
 
 @dataclass(frozen=True)

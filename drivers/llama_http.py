@@ -66,6 +66,22 @@ class LlamaClient:
     async def slots(self) -> list[dict[str, Any]] | None:
         return parse_slots(await self.get_json("/slots"))
 
+    async def poll_slots(self, timeout: float) -> tuple[bool, list[dict[str, Any]] | None]:
+        """`/slots` for the first-token watch: (timed out, the slots). A timeout is its own answer there: the
+        server is busy (it hangs `/slots` while it evaluates a big prompt)."""
+        try:
+            r = await self._client().get("/slots", timeout=timeout)
+        except httpx.TimeoutException:
+            return True, None
+        except (httpx.HTTPError, OSError):
+            return False, None
+        if r.status_code != 200:
+            return False, None
+        try:
+            return False, parse_slots(r.json())
+        except ValueError:
+            return False, None
+
     async def post_json(self, path: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
         """POST and return (status, parsed JSON or None); status 0 when the server was unreachable."""
         # Serialised here, ASCII-escaped: a lone surrogate in a prompt must not raise inside httpx.

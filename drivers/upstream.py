@@ -39,9 +39,11 @@ from typing import Any
 
 from drivers.checkpoint_runner import CheckpointRunner
 from drivers.llama_http import LlamaClient
+from drivers.model_check import ModelCheck
 from drivers.page_runner import PageOutcome, PageRunner
 from drivers.store_file import StateFile
 from slotlogic import shared
+from slotlogic.affinity import Learn
 from slotlogic.answers import Observation
 from slotlogic.decisions import Decision, Fields, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
 from slotlogic.events import (
@@ -87,6 +89,7 @@ class Upstream:
         self.settings = settings
         self.pages: PageRunner | None = None
         self.checkpoints: CheckpointRunner | None = None
+        self.model = ModelCheck(self.client, emit, url, on_speed=lambda pps: setattr(self.keeper, "prefill_speed", pps))
         self._runners(settings)
         self.warned: set[str] = set()
         self._task: asyncio.Task[None] | None = None
@@ -100,6 +103,7 @@ class Upstream:
         self._last_reconcile = 0.0
         self._client_auth: tuple[str, str] | None = None   # a client's own key for this server (memory only)
         self._authorize()
+        self._started = False
 
     @classmethod
     def for_replay(cls, url: str, settings: Settings, emit: Emit) -> Upstream:
@@ -110,9 +114,13 @@ class Upstream:
 
     def _runners(self, s: Settings) -> None:
         """Paging and checkpoint runners for these settings (a runner whose settings stay is kept: its slot
-        locks may be held)."""
+        locks may be held). Where the model check found that a restore cannot resume, no slot files: no
+        paging, and prefix checkpoints only in memory."""
         if self.offline:
             return
+        if self.model.files_blocked:
+            s = replace(s, paging=False, checkpoints=CheckpointMode.MEMORY
+                        if s.checkpoints is CheckpointMode.DISK else s.checkpoints)
         if s.paging and s.save_dir:
             if self.pages is None or self.pages.save_dir != Path(s.save_dir):
                 self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
@@ -146,6 +154,11 @@ class Upstream:
         """New settings replace the old whole; the sessions this process knows stay."""
         if self.offline:
             return
+        model_inputs = ("swa_full", "cache_type_k", "cache_type_v", "paging", "checkpoints", "save_dir",
+                        "throughput_probe")
+        if any(getattr(settings, n) != getattr(self.settings, n) for n in model_inputs):
+            self.model.forget()  # the verdict depends on them: check again at the next /props
+            self._spawn(self.probe())
         self.settings = settings
         self.keeper.reconfigure(settings)
         self._authorize()
@@ -171,6 +184,8 @@ class Upstream:
             self.kick()
         if isinstance(decision, Pin) and decision.ticket.translated:
             self._probe_messages_once()
+        if isinstance(decision, Pin) and decision.ticket.learn is not None and self.keeper.server is None:
+            self.start()  # a pending request (affinity) asks nothing: learn the server in the background
         return decision
 
     def abandon(self, ticket: Ticket, flow_id: str) -> None:
@@ -191,6 +206,8 @@ class Upstream:
             props = await self._ask("/props", self.client.props)
             live = await self._live_slots() if props is not None else None
         info = self._server_info(props)
+        if info is not None:
+            self._seen(info)
         if info is None:
             decision, event = self.keeper.fallback(need, now, await self._last_known_total())
             self.emit(event)
@@ -346,10 +363,6 @@ class Upstream:
             self.warned.add("messages-probe")
             self._spawn(self.probe_messages())
 
-    def start(self) -> None:
-        """At proxy start, before clients come: what can only be learned while the slots are empty."""
-        self._probe_messages_once()
-
     async def probe_messages(self) -> bool | None:
         """Whether the server honours `id_slot` on `/v1/messages` (upstream PR #26758): while every slot is
         empty (at start, after a restart), two one-token requests pinned to slot 0, and `/slots` says which slot
@@ -388,6 +401,10 @@ class Upstream:
         report = self.keeper.answered(ticket, obs, path=path, seconds=seconds, now=time.time())
         for event in self.keeper.warnings(report):
             self.emit(event)
+        if ticket.learn is not None:  # affinity: a learned slot is a new claim for the state file
+            if ticket.learn is Learn.SLOTS and not self.offline and obs.error_type is None:
+                self._spawn(self._learn_from_slots(ticket, obs))
+            self.kick()
         if not self.offline and report.slot is not None and self.keeper.lost_cache(report):
             self._spawn(self.explain_cache_loss(report.slot))
         check = self.keeper.page_doubtful(report) if self.pages is not None else None
@@ -402,6 +419,35 @@ class Upstream:
             doomed = self.keeper.page_dropped(state, key, file)
         if self.pages is not None:
             self.pages.delete(doomed)
+
+    async def _learn_from_slots(self, ticket: Ticket, obs: Observation) -> None:
+        """Affinity on a route whose answer does not name the slot: read `/slots` once, right after it."""
+        learned = self.keeper.learn_from_slots(ticket, obs, await self.client.slots(), time.time())
+        if learned is not None:
+            self.emit(learned)
+            self.kick()
+
+    def _seen(self, info: ServerInfo) -> None:
+        """A `/props` answer: a model file, or a server process, not checked yet gets the model check."""
+        if not self.offline and self.model.due(info):
+            self.model.claim(info)
+            self._spawn(self.model.run(info, self.settings, lambda: self._runners(self.settings)))
+
+    def start(self) -> None:
+        """At proxy start, before clients come (or at the first request): in the background, once, what can only
+        be learned while the slots are empty (whether `/v1/messages` honours id_slot), then the server itself
+        (`/props`, which starts the model check and its start-up probe). No request waits for it."""
+        if self._started or self.offline:
+            return
+        self._started = True
+        self._spawn(self._start())
+
+    async def _start(self) -> None:
+        if self.keeper.messages_native is None and "messages-probe" not in self.warned:
+            self.warned.add("messages-probe")
+            await self.probe_messages()  # first: it needs every slot empty, the model probe takes one
+        if self.keeper.server is None:
+            await self.probe()
 
     async def explain_cache_loss(self, slot: int) -> None:
         """A known session's pinned slot came back cold: restart? idle clearing (unified KV)? say which."""
@@ -497,6 +543,7 @@ class Upstream:
         if info is None:
             return
         self._hung.pop("/props", None)  # it answers again: new sessions may ask it
+        self._seen(info)
         k = self.keeper
         known = k.server
         changed = known is None or (info.media_marker and known.media_marker
@@ -517,11 +564,12 @@ class Upstream:
 
     async def status(self) -> dict[str, Any]:
         """The status view, from a fresh read of the state file (in a worker thread)."""
-        return self.keeper.status(await asyncio.to_thread(self.store.read), time.time())
+        return {**self.keeper.status(await asyncio.to_thread(self.store.read), time.time()),
+                **self.model.status(self.settings)}
 
     def status_now(self) -> dict[str, Any]:
         """The status view from memory (the state as of the last transaction): for sync callers."""
-        return self.keeper.status(self.store.last, time.time())
+        return {**self.keeper.status(self.store.last, time.time()), **self.model.status(self.settings)}
 
     def release(self, wanted: str) -> list[str]:
         """Forget the sessions whose key starts with `wanted`: their slots are free for the next new session.

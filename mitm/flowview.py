@@ -11,6 +11,7 @@ from mitmproxy import http
 
 from mitm.runtime import Runtime, guarded
 from slotlogic import wording
+from slotlogic.decisions import Report
 from slotlogic.events import Stage
 
 
@@ -30,14 +31,19 @@ class FlowView:
 
     @guarded(Stage.RESPONSE)
     def response(self, flow: http.HTTPFlow) -> None:
-        self._annotate(flow)
+        report = self._annotate(flow)
+        if (report is not None and report.ticket.learn is not None and report.slot is not None
+                and flow.response is not None and flow.response.raw_content is not None and flow.live):
+            # a pending request (affinity) learned its slot from the buffered answer, which is not sent yet
+            flow.response.headers.fields += ((b"x-slot-id", str(report.slot).encode()),)
 
     @guarded(Stage.RESPONSE)
     def error(self, flow: http.HTTPFlow) -> None:
         self._annotate(flow)
 
-    def _annotate(self, flow: http.HTTPFlow) -> None:
+    def _annotate(self, flow: http.HTTPFlow) -> Report | None:
         report = self.rt.reports.get(flow.id)
         if report is not None:
             flow.comment = wording.comment(report)
             flow.marked = wording.marker(report)
+        return report

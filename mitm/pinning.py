@@ -25,13 +25,16 @@ from mitm.runtime import Open, Runtime, guarded
 from mitm.sse_tap import SSETap, TranslatingTap
 from slotlogic import prefix as pfx
 from slotlogic import session as sess
-from slotlogic import sidecalls
+from slotlogic import sidecalls, verbose
+from slotlogic.affinity import Learn
 from slotlogic.answers import Observation, StreamObserver, observe_json
 from slotlogic.decisions import Forward, Observe, Pin
 from slotlogic.events import Failed, PassedThrough, Stage
+from slotlogic.model_facts import CACHE_TYPES
 from slotlogic.ranking import Policy
 from slotlogic.reasons import Passed
 from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
+from slotlogic.verbose import VerboseStripper
 
 log = logging.getLogger("slotkeeper")
 TOO_LARGE = object()  # a body past slots_max_body_mb: passed through untouched, unread
@@ -44,7 +47,8 @@ class Pinning:
     def load(self, loader: Any) -> None:
         loader.add_option("slots_policy", str, "auto",
                           "How a new session's slot is chosen: auto (prefix-aware, busy-aware), seed (seed "
-                          "000's ranking), off (observe and log only, rewrite nothing).",
+                          "000's ranking), affinity (llama-server chooses on the first request, id_slot -1; "
+                          "the proxy pins the slot it chose), off (observe and log only, rewrite nothing).",
                           choices=[p.value for p in Policy])
         loader.add_option("slots_state_dir", str, "",
                           "Directory of the shared state files (one per upstream server). Default: "
@@ -109,6 +113,16 @@ class Pinning:
                           "llama-server's --api-key, for the proxy's own calls (/props, /slots, slot save/restore, "
                           "warm-ups). Empty: the Authorization or X-Api-Key header a client sent to that server. "
                           "Never logged or written to a file.")
+        loader.add_option("slots_swa_full", bool, False,
+                          "llama-server runs with --swa-full: a sliding-window model's restored slot files can "
+                          "resume, so session pages and checkpoint files stay on for it (docs/model-capability.md).")
+        loader.add_option("slots_cache_type", str, "f16",
+                          "llama-server's KV cache type (-ctk/-ctv), for the model's KV and slot-file sizes: one "
+                          "type for both, or K,V (e.g. q8_0,f16).")
+        loader.add_option("slots_throughput_probe", bool, False,
+                          "At start, one short completion of the proxy's own text into an empty slot measures "
+                          "prefill and decode speed (status view; prefill seconds saved for answers without "
+                          "timings).")
         loader.add_option("slots_keep_streams", bool, False,
                           "Keep a copy of streamed SSE bodies in the flow (for -w recordings, mitmweb and "
                           "server replay on mitmproxy 11; on 12.x store_streamed_bodies does the same).")
@@ -118,6 +132,12 @@ class Pinning:
             return
         settings, state_dir = build_settings(ctx.options)
         self.rt.configure(settings, state_dir, fronted_upstreams(ctx.options.mode))
+
+    def running(self) -> None:
+        """At start, each server this proxy fronts is probed before the first request comes (whether
+        /v1/messages honours id_slot; `/props` and the model check), in background tasks (a sync hook)."""
+        for url in self.rt.fronted:
+            self.rt.upstream(url).start()
 
     # ------------------------------------------------------------------------------------------- hooks
 
@@ -146,7 +166,7 @@ class Pinning:
             return
         if isinstance(decision, Pin | Observe):
             asked = facts.replay.path if facts.replay is not None and facts.replay.path else original[2]
-            self.rt.open[flow.id] = Open(decision.ticket, upstream, time.monotonic(), asked)
+            self.rt.open[flow.id] = Open(decision.ticket, upstream, time.monotonic(), asked, flow=flow)
         elif isinstance(decision, Forward) and decision.completion_route:
             self.rt.emit(PassedThrough(upstream.url, flow.request.method, flow.request.path, decision.reason))
 
@@ -162,7 +182,9 @@ class Pinning:
             keep = self._keeper_of(flow.response) if req.upstream.settings.keep_streams else None
             on_error = self._stream_error(req.upstream.url)
             converter = req.upstream.keeper.answer_stream(req.ticket)
-            flow.response.stream = (SSETap(req.stream, keep, on_error=on_error) if converter is None
+            # a pending request (affinity) asked for `__verbose`: stripped again (a translated answer drops it)
+            strip = VerboseStripper() if req.ticket.learn is Learn.VERBOSE and converter is None else None
+            flow.response.stream = (SSETap(req.stream, keep, on_error=on_error, strip=strip) if converter is None
                                     else TranslatingTap(req.stream, converter, keep, on_error=on_error))
 
     @guarded(Stage.RESPONSE)
@@ -178,6 +200,8 @@ class Pinning:
                                                      flows.response_body(flow.response))
             if answer is not None:
                 flow.response.content = answer  # a translated request: the native route's answer
+            elif req.ticket.learn is Learn.VERBOSE and flow.response.raw_content:
+                self._strip_verbose(flow, req.upstream.url)
         self._finish(flow, req, obs)
 
     @guarded(Stage.RESPONSE)
@@ -187,15 +211,11 @@ class Pinning:
             return
         req.upstream.unlock(flow.id)
         obs = req.stream.obs if req.stream else Observation()
-        obs.error_type = obs.error_type or "transport"
+        obs.error_type = obs.error_type or req.ended or "transport"
         tap = flow.response.stream if flow.response is not None else None
         if isinstance(tap, SSETap):
             tap.finish()  # what was streamed before the cut goes into the recording
         self._finish(flow, req, obs)
-
-    def running(self) -> None:
-        for url in self.rt.fronted:
-            self.rt.upstream(url).start()
 
     def done(self) -> None:
         for up in self.rt.all_upstreams():
@@ -234,6 +254,18 @@ class Pinning:
         flow.metadata["slotkeeper"] = report.metadata
         self.rt.finished(flow.id, report)
 
+    def _strip_verbose(self, flow: http.HTTPFlow, url: str) -> None:
+        """The JSON answer of a pending request without the `__verbose` member the proxy asked for (the body is
+        still buffered here, so the client gets it stripped). Fails open: the member stays."""
+        assert flow.response is not None
+        try:
+            body = flows.content(flow.response) or b""
+            stripped = verbose.strip(body)
+            if stripped != body:
+                flows.set_content(flow.response, stripped)
+        except Exception as e:
+            self.rt.emit(Failed(url, Stage.RESPONSE, type(e).__name__, path=flow.request.path))
+
     @staticmethod
     def _keeper_of(response: http.Response) -> Any:
         def keep(body: bytes) -> None:
@@ -241,7 +273,8 @@ class Pinning:
         return keep
 
     def _stream_error(self, url: str) -> Any:
-        stages = {"observer": Stage.OBSERVER, "copy": Stage.STREAM_COPY, "convert": Stage.CONVERT}
+        stages = {"observer": Stage.OBSERVER, "copy": Stage.STREAM_COPY, "convert": Stage.CONVERT,
+                  "strip": Stage.STREAM_STRIP}
 
         def on_error(part: str, kind: str) -> None:
             self.rt.emit(Failed(url, stages[part], kind))
@@ -309,6 +342,10 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
         raise exceptions.OptionsError("slots_state_max_sessions must be ≥ 16")
     if o.slots_max_body_mb < 1:
         raise exceptions.OptionsError("slots_max_body_mb must be ≥ 1")
+    types = [t.strip().lower() for t in o.slots_cache_type.split(",")]
+    if len(types) not in (1, 2) or any(t not in CACHE_TYPES for t in types):
+        raise exceptions.OptionsError(f"slots_cache_type must be one of {', '.join(CACHE_TYPES)}, or two of them "
+                                      f"as K,V; not {o.slots_cache_type!r}")
     settings = Settings(
         policy=policy, ttl=float(o.slots_ttl), override_client=o.slots_override_client, session_headers=headers,
         side_patterns=patterns, side_slot=o.slots_side_slot, markers=markers or pfx.DEFAULT_MARKERS,
@@ -318,7 +355,8 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
         checkpoint_max_bytes=o.slots_checkpoint_max_mb << 20, probe_interval=float(o.slots_probe_interval),
         keep_streams=o.slots_keep_streams, anthropic=anthropic_mode, strip_billing=o.slots_strip_billing,
         prefix_min_chars=o.slots_prefix_min_chars, state_max_sessions=o.slots_state_max_sessions,
-        max_body_bytes=o.slots_max_body_mb << 20, api_key=o.slots_api_key.strip())
+        max_body_bytes=o.slots_max_body_mb << 20, api_key=o.slots_api_key.strip(), swa_full=o.slots_swa_full,
+        cache_type_k=types[0], cache_type_v=types[-1], throughput_probe=o.slots_throughput_probe)
     state_dir = Path(o.slots_state_dir).expanduser() if o.slots_state_dir else default_state_dir()
     try:
         private_dir.check(state_dir)  # created 0700 on first use when missing; an existing one is never chmod-ed

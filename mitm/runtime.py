@@ -39,6 +39,8 @@ class Open:
     started: float
     path: str                          # as the client sent it (a translated request goes elsewhere)
     stream: StreamObserver | None = None
+    ended: str | None = None   # the proxy ended it (mitm/watchdog.py): "deadline" or "first-token-timeout"
+    flow: Any = None           # the live flow (mitm/watchdog.py ends or annotates it while it waits)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Runtime:
     replays: dict[str, Upstream] = field(default_factory=dict)
     open: dict[str, Open] = field(default_factory=dict)
     reports: OrderedDict[str, Report] = field(default_factory=OrderedDict)
+    waiting: dict[str, dict[str, Any]] = field(default_factory=dict)  # flow id -> what its watch saw last
     listeners: list[Callable[[Event], None]] = field(default_factory=list)
     make_client: Callable[[str], LlamaClient] = LlamaClient  # the seam for fault injection in tests
 
@@ -89,7 +92,8 @@ class Runtime:
             listener(event)
 
     def status(self, upstreams: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"policy": self.settings.policy.value, "ttl": self.settings.ttl, "servers": upstreams}
+        return {"policy": self.settings.policy.value, "ttl": self.settings.ttl, "servers": upstreams,
+                "waiting": [w for fid, w in self.waiting.items() if fid in self.open]}
 
 
 class _HasRuntime(Protocol):

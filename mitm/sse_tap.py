@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from slotlogic.answers import StreamObserver
 from slotlogic.anthropic import StreamConverter
+from slotlogic.verbose import VerboseStripper
 
 CONVERT_ERROR = (b'event: error\ndata: {"type":"error","error":{"type":"api_error",'
                  b'"message":"slotkeeper could not convert the answer"}}\n\n')
@@ -20,21 +21,37 @@ CONVERT_ERROR = (b'event: error\ndata: {"type":"error","error":{"type":"api_erro
 class SSETap:
     """Returns every chunk unchanged. With `keep` set, a copy of what the client received is handed to `keep`
     at the end of the stream, so `-w` recordings, mitmweb and server replay have it on mitmproxy 11 (12.x has
-    `store_streamed_bodies` for this). `on_error` gets (part, exception type name) once per failing part."""
+    `store_streamed_bodies` for this). `on_error` gets (part, exception type name) once per failing part.
+
+    `strip` (affinity's pending requests only, `slotlogic.verbose`): the observer reads every byte as the
+    server sent it, the client gets the stream without the `__verbose` member the proxy asked for. If the
+    stripper fails, it is switched off and what it held goes out with the chunk: no byte is ever lost."""
 
     def __init__(self, observer: StreamObserver, keep: Callable[[bytes], None] | None = None, *,
-                 on_error: Callable[[str, str], None] | None = None, max_copy: int = 16 << 20) -> None:
+                 on_error: Callable[[str, str], None] | None = None, max_copy: int = 16 << 20,
+                 strip: VerboseStripper | None = None) -> None:
         self.observer = observer
         self.failed = False
         self.keep = keep
         self.on_error = on_error
         self.copy: bytearray | None = bytearray() if keep else None
         self.max_copy = max_copy
+        self.strip = strip
 
     def __call__(self, chunk: bytes) -> bytes:
         self._observe(chunk)
-        self._keep(chunk, chunk)
-        return chunk
+        sent = chunk if self.strip is None else self._strip(chunk)
+        self._keep(chunk, sent)
+        return sent
+
+    def _strip(self, chunk: bytes) -> bytes:
+        assert self.strip is not None
+        try:
+            return self.strip.feed(chunk)
+        except Exception as e:
+            held, self.strip = self.strip.held, None
+            self._error("strip", e)
+            return held + chunk
 
     def finish(self) -> None:
         """The stream ended early (the client or the server went away): hand over what was kept so far."""

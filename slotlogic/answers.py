@@ -28,6 +28,7 @@ class Observation:
     error_message: str | None = None
     n_prompt_tokens: int | None = None  # from exceed_context_size_error
     n_ctx: int | None = None
+    tokens_total: int | None = None   # usage.total_tokens: prompt + generated (affinity's `/slots` match)
     events: int = 0
 
     @property
@@ -69,6 +70,8 @@ def absorb(obs: Observation, obj: Any) -> None:
         if isinstance(pps, int | float) and not isinstance(pps, bool) and pps > 0:
             obs.prompt_per_second = float(pps)
     usage = obj.get("usage")
+    if isinstance(usage, dict) and _int(usage.get("total_tokens")) is not None:
+        obs.tokens_total = usage["total_tokens"]
     if isinstance(usage, dict) and obs.cache_n is None:
         for details in ("prompt_tokens_details", "input_tokens_details"):
             d = usage.get(details)
@@ -87,6 +90,9 @@ def absorb(obs: Observation, obj: Any) -> None:
     message = obj.get("message")
     if obj.get("type") == "message_start" and isinstance(message, dict):
         absorb(obs, message)
+    response = obj.get("response")
+    if obj.get("type") == "response.completed" and isinstance(response, dict):  # a /v1/responses stream
+        absorb(obs, {"usage": response.get("usage")})
     err = obj.get("error")
     if isinstance(err, dict):
         obs.error_type = str(err.get("type") or err.get("code") or "error")
@@ -157,6 +163,11 @@ class StreamObserver:
 
     parser: SSEParser = field(default_factory=SSEParser)
     obs: Observation = field(default_factory=Observation)
+
+    @property
+    def started(self) -> bool:
+        """Some of the body has come (a whole event, or part of one)."""
+        return self.obs.events > 0 or bool(self.parser._buf)
 
     def feed(self, chunk: bytes) -> None:
         events = self.parser.feed(chunk) if chunk else self.parser.close()

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from slotlogic.affinity import Learn
 from slotlogic.answers import Observation
 from slotlogic.endpoints import Route
 from slotlogic.prefix import StablePrefix
@@ -63,6 +64,7 @@ class Ticket:
     translated: bool = False                               # an Anthropic request sent as a chat completion
     client: dict[str, Any] = field(default_factory=dict)   # id_slot / cache_prompt as the client sent them
     facts: dict[str, Any] | None = None                    # server facts behind a new session's decision
+    learn: Learn | None = None   # pending (`slots_policy=affinity`): how the slot llama-server chose is read
 
     @property
     def reason(self) -> str:

@@ -11,9 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from slotlogic.affinity import Learn
 from slotlogic.checkpoint_machine import Failure, Note, Outcome
+from slotlogic.model_facts import ModelFacts
 from slotlogic.paging import PageCheck
 from slotlogic.reasons import Passed
+from slotlogic.watch import End, State
 
 
 class Stage(Enum):
@@ -25,6 +28,7 @@ class Stage(Enum):
     OBSERVER = "observer"              # the SSE observer inside the stream callable
     STREAM_COPY = "stream-copy"        # the kept copy of a streamed body
     CONVERT = "convert"                # turning a translated request's streamed answer back
+    STREAM_STRIP = "stream-strip"      # removing `__verbose` from a pending request's stream (affinity)
     LOG_FILE = "log-file"
     STATE_WRITE = "state-write"        # the coalesced flush of last-use touches
     FINAL_FLUSH = "final-flush"
@@ -33,6 +37,8 @@ class Stage(Enum):
     CHECKPOINT = "checkpoint"
     CHECKPOINT_INDEX = "checkpoint-index"
     DELETE = "delete"                  # a page or checkpoint file the proxy meant to delete
+    WATCH = "watch"                    # the first-token watch or the deadline of one request
+    MODEL_CHECK = "model-check"        # reading the model header, the start-up probe
 
 
 @dataclass(frozen=True)
@@ -222,3 +228,77 @@ class MessagesProbed(Event):
     """Whether the server honours id_slot on /v1/messages (then Anthropic requests go natively)."""
 
     honoured: bool
+
+
+@dataclass(frozen=True)
+class SlotLearned(Event):
+    """Affinity: llama-server chose this slot for a session's pending request; the session is pinned to it."""
+
+    session: str
+    slot: int
+    how: Learn                     # where the slot was read
+
+
+@dataclass(frozen=True)
+class Waiting(Event):
+    """A request still waiting for its first byte, and what `/slots` says about it (`slotlogic.watch`)."""
+
+    path: str
+    session: str
+    state: State
+    waited: float
+    slot: int | None = None
+    processed: int | None = None
+    total: int | None = None
+    decoded: int | None = None
+    idle_for: float | None = None
+
+
+@dataclass(frozen=True)
+class RequestEnded(Event):
+    """The proxy ended a request: no first byte while every slot stayed idle, or its deadline."""
+
+    path: str
+    session: str
+    end: End
+    seconds: float
+    limit: float                   # the option's value, in seconds
+    streaming: bool                # its stream had started: the client got an error event, then the close
+    closed: bool                   # False: it could not be ended (it goes on)
+
+
+@dataclass(frozen=True)
+class ModelHeader(Event):
+    """The loaded model's GGUF header was read, or could not be (`drivers.gguf_io`)."""
+
+    status: str                    # gguf_io.ReadStatus value
+    keys: int
+    seconds: float
+    peak_rss: int                  # bytes the process's peak RSS grew while reading
+    detail: str                    # an exception's type name, never content
+
+
+@dataclass(frozen=True)
+class ModelDescribed(Event):
+    """What the model means for prefix reuse and slot files (`slotlogic.model_facts.describe` words it)."""
+
+    facts: ModelFacts
+    cache_type_k: str
+    cache_type_v: str
+    n_ctx: int | None
+    swa_full: bool
+    checkpoints_in_files: bool | None
+    files_wanted: bool
+
+
+@dataclass(frozen=True)
+class Probed(Event):
+    """The start-up probe (`slotlogic.capability`): its slot (None: no empty idle slot, skipped), the speeds it
+    measured and whether its saved file carried checkpoints (None: not saved)."""
+
+    slot: int | None
+    prefill_tok_s: float | None
+    decode_tok_s: float | None
+    prompt_n: int | None
+    predicted_n: int | None
+    checkpoints_in_files: bool | None

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from slotlogic import anthropic, paging, placement, reconcile, rewrite, shared, sidecalls
+from slotlogic import affinity, anthropic, paging, placement, reconcile, rewrite, shared, sidecalls
 from slotlogic import prefix as pfx
 from slotlogic import session as sess
 from slotlogic.answers import Observation
@@ -42,7 +42,7 @@ from slotlogic.decisions import (
     Ticket,
 )
 from slotlogic.endpoints import Route, classify
-from slotlogic.events import ContextOverflow, Event, PoolResized, ServerRestarted, Unreachable
+from slotlogic.events import ContextOverflow, Event, PoolResized, ServerRestarted, SlotLearned, Unreachable
 from slotlogic.fastpath import ShapeIndex, fields_absent
 from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ranking import Policy, SlotView
@@ -99,6 +99,8 @@ class Keeper:
         self.learner = PrefixLearner(settings.prefix_min_chars)  # stable prefixes of marker-less clients
         self.instance = ""   # set by the driver: unique to this process, so its page file names are its own
         self._page_seq = 0
+        self.learned: list[SlotLearned] = []  # affinity: slots learned from answers, for the driver to log
+        self.prefill_speed: float | None = None  # the start-up probe's prefill tok/s (answers without timings)
         self._headers = settings.header_bytes
 
     def reconfigure(self, settings: Settings) -> None:
@@ -162,6 +164,9 @@ class Keeper:
         slot = self._placed(ticket, facts.now)
         if slot is not None:
             return self._pin(ticket, body, content, slot, facts.now)
+        if s.policy is Policy.AFFINITY:
+            return self._pending(ticket, body, content, TRANSLATED_PATH if ticket.translated else facts.path,
+                                 facts.now)
         live = self.table.live(key.key, facts.now)
         displaced_from = None
         if live is not None and (self.total_slots is None or live.slot < self.total_slots):
@@ -232,6 +237,51 @@ class Keeper:
         if out is None:  # cannot happen for a body that parsed as an object; never re-serialise it
             raise ValueError("request body could not be rewritten in place")
         return Pin(ticket, out)
+
+    def _pending(self, ticket: Ticket, body: dict[str, Any], content: bytes, path: str, now: float) -> Pin:
+        """Affinity: a session without a live slot of its own goes out with `id_slot: -1`; llama-server chooses,
+        and `learn` pins the session to that slot once the answer says which it was (slotlogic/affinity.py)."""
+        how = affinity.method(path, body)
+        result = rewrite.pend(body, self.total_slots, verbose=how is affinity.Learn.VERBOSE,
+                              override_client=self.settings.override_client)
+        if result.client_slot_kept:
+            ticket.why = Why.CLIENT_SLOT
+            ticket.slot = result.slot
+            self.table.dispatch(ticket.session.key, result.slot)
+        else:
+            ticket.why = Why.PENDING
+            ticket.learn = how
+            ticket.client["verbose"] = body.get("verbose")
+        if ticket.side:
+            self.table.side_call(now)
+        if not result.changed:
+            return Pin(ticket, None)
+        out = rewrite.splice(content, body, result) or rewrite.set_fields(content, result)
+        if out is None:  # cannot happen for a body that parsed as an object; never re-serialise it
+            raise ValueError("request body could not be rewritten in place")
+        return Pin(ticket, out)
+
+    def learn(self, ticket: Ticket, slot: int | None, now: float) -> SlotLearned | None:
+        """Affinity: the slot llama-server chose for a pending request, from its answer (`slotlogic.affinity`).
+        The session is pinned there from its next request on (another session pinned there is displaced, and
+        goes out pending again). Side calls are nobody's session and teach nothing."""
+        if ticket.learn is None or ticket.side or not affinity.valid(slot, self.total_slots):
+            return None
+        assert slot is not None
+        key = ticket.session.key
+        known = self.table.sessions.get(key)
+        self.table.assign(key, slot, now, prefix=known.prefix if known else None,
+                          requests=known.requests if known else 0)
+        self.table.use(key, now)  # counts the request and marks the claim for the next flush of the state file
+        return SlotLearned(self.upstream, ticket.session.short, slot, ticket.learn)
+
+    def learn_from_slots(self, ticket: Ticket, obs: Observation, live: Sequence[dict[str, Any]] | None,
+                         now: float) -> SlotLearned | None:
+        """Affinity on a route that does not say which slot ran it: the idle slot holding exactly this answer's
+        tokens, read from `/slots` right after it."""
+        if live is None or obs.error_type is not None:
+            return None
+        return self.learn(ticket, affinity.slot_from_slots(live, obs.tokens_total, self.total_slots), now)
 
     def _remember_prompt(self, key: str, mark: sess.PromptMark | None) -> None:
         if mark is None:
@@ -381,11 +431,15 @@ class Keeper:
 
     def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float, now: float) -> Report:
         slot = obs.id_slot if obs.id_slot is not None else ticket.slot
+        if ticket.learn is not None and ticket.learn is not affinity.Learn.SLOTS and obs.error_type is None:
+            learned = self.learn(ticket, obs.id_slot, now)
+            if learned is not None:
+                self.learned.append(learned)
         key = ticket.session.key
         self.table.answered(key, slot, now)
         stats = self.stats.pop(key, None) or SessionStats()
         self.stats[key] = stats  # most recently answered last
-        stats.add(obs, slot, ticket.session.source)
+        stats.add(obs, slot, ticket.session.source, fallback_pps=self.prefill_speed)
         while len(self.stats) > MAX_STATS:
             self.stats.popitem(last=False)
         return Report(ticket, obs, slot, path, self.upstream, seconds)
@@ -440,9 +494,11 @@ class Keeper:
 
     def warnings(self, report: Report) -> list[Event]:
         obs = report.obs
+        out: list[Event] = [*self.learned]
+        self.learned.clear()
         if obs.error_type == "exceed_context_size_error":
-            return [ContextOverflow(self.upstream, obs.n_prompt_tokens, obs.n_ctx)]
-        return []
+            out.append(ContextOverflow(self.upstream, obs.n_prompt_tokens, obs.n_ctx))
+        return out
 
     def lost_cache(self, report: Report) -> bool:
         """A known session came back to its own slot and found nothing there: worth explaining."""
@@ -482,6 +538,7 @@ class Keeper:
             "total_slots": self.total_slots,
             "n_ctx_per_slot": server.n_ctx if server else None,
             "slots": slots,
+            "prefill_s_saved": round(sum(st.saved_s for st in self.stats.values()), 2),
             "sessions": {k[:8]: {"slot": s.slot, "requests": s.requests, "prefill_tokens": s.prefill,
                                  "cached_tokens": s.cached,
                                  "reuse_pct": round(100 * s.reuse, 1) if s.reuse is not None else None,
@@ -533,7 +590,7 @@ def _undo_rewrite(body: dict[str, Any], content: bytes, replay: Replay) -> tuple
     if not isinstance(client, Mapping):
         return body, None
     out = dict(body)
-    for name in ("id_slot", "cache_prompt"):
+    for name in ("id_slot", "cache_prompt", "verbose"):
         if name in client:
             if client[name] is None:
                 out.pop(name, None)

@@ -615,6 +615,6 @@ def describe(facts: ModelFacts, *, cache_type_k: str = "f16", cache_type_v: str 
                         "#27813; PRs #20819, #26004 would fix it)"))
     if files_wanted and not restore_ok:
         fix = (" (start llama-server with " + " ".join(reuse.flags_for_restore) +
-               " and tell the proxy so)") if reuse.restore_fixable and reuse.flags_for_restore else ""
+               " and set slots_swa_full)") if reuse.restore_fixable and reuse.flags_for_restore else ""
         lines.append("checkpoint and page files stay off: a restore could not resume" + fix)
     return lines

@@ -33,6 +33,9 @@ claimed, oldest `last_used`, then fewest tokens, then lowest id.
 A *displaced* session (its slot ran another session since its last request) is ranked like a new one,
 but leaves its slot only when `worth_moving` says the target costs little (see there).
 
+`affinity` ranks nothing here: a new session's first request goes out with `id_slot: -1` and llama-server
+chooses (prompt similarity, then LRU); the slot it chose is pinned from then on (`slotlogic.affinity`).
+
 `hash_slot` is the fallback when the server cannot be asked (seed 000): a stable digest of the session
 key modulo the last known slot count, so every proxy process agrees without coordination.
 """
@@ -50,6 +53,7 @@ from slotlogic.reasons import Why
 class Policy(Enum):
     AUTO = "auto"
     SEED = "seed"
+    AFFINITY = "affinity"  # llama-server chooses a new session's slot, the proxy pins it (slotlogic/affinity.py)
     OFF = "off"
 
 

@@ -28,6 +28,7 @@ class Why(Enum):
     HASH_FALLBACK = "hash-fallback"                 # the server could not be asked
     CLIENT_SLOT = "client-id_slot"                  # the client chose the slot itself
     MANUAL = "manual"                               # the slots.pin command
+    PENDING = "pending"                             # affinity: llama-server chooses (id_slot -1), then pinned
 
 
 class Unpinned(Enum):

@@ -36,9 +36,10 @@ def valid_client_slot(body: dict[str, Any], total_slots: int) -> int | None:
 @dataclass(frozen=True)
 class Rewrite:
     body: dict[str, Any]
-    slot: int
+    slot: int                   # -1: pending (llama-server chooses; `slots_policy=affinity`)
     changed: bool
     client_slot_kept: bool
+    added_verbose: bool = False  # `"verbose": true` appended (a pending request whose slot is read from it)
 
 
 def pin(body: dict[str, Any], slot: int, total_slots: int, *, override_client: bool = False) -> Rewrite:
@@ -56,6 +57,23 @@ def pin(body: dict[str, Any], slot: int, total_slots: int, *, override_client: b
     return Rewrite(body=out, slot=final, changed=changed, client_slot_kept=kept)
 
 
+def pend(body: dict[str, Any], total_slots: int | None, *, verbose: bool, override_client: bool = False) -> Rewrite:
+    """A pending request (`slotlogic.affinity`): `id_slot: -1` so llama-server chooses the slot, `cache_prompt:
+    true` unless the client chose, and `verbose: true` when asked for (only if the client sent no `verbose`).
+    A client's own valid slot is kept, as by `pin`."""
+    out = dict(body)
+    client = body.get("id_slot")
+    kept = (not override_client and isinstance(client, int) and not isinstance(client, bool) and client >= 0
+            and (total_slots is None or client < total_slots))
+    out["id_slot"] = client if kept else -1
+    if out.get("cache_prompt") is None:
+        out["cache_prompt"] = True
+    added = verbose and not kept and "verbose" not in body
+    if added:
+        out["verbose"] = True
+    return Rewrite(body=out, slot=out["id_slot"], changed=out != body, client_slot_kept=kept, added_verbose=added)
+
+
 def splice(raw: bytes, body: dict[str, Any], result: Rewrite) -> bytes | None:
     """The rewritten body as bytes without re-encoding the whole document: when the client sent neither
     field, append them before the closing brace of its own bytes (a 60 KB prompt is not re-serialised on
@@ -66,6 +84,8 @@ def splice(raw: bytes, body: dict[str, Any], result: Rewrite) -> bytes | None:
     if not end.endswith(b"}"):
         return None
     extra = f'"id_slot":{_literal(result.body["id_slot"])},"cache_prompt":{_literal(result.body["cache_prompt"])}'
+    if result.added_verbose:
+        extra += ',"verbose":true'
     head = end[:-1].rstrip()
     sep = b"" if head.endswith(b"{") else b","
     return head + sep + extra.encode() + b"}"
@@ -93,6 +113,8 @@ def set_fields(raw: bytes, result: Rewrite) -> bytes | None:
         pos = end
     head = text[pos:close].rstrip()
     missing = [n for n in FIELDS if n not in {name for _, _, name in found} and n in result.body]
+    if result.added_verbose:
+        missing.append("verbose")
     extra = ",".join(f'"{n}":{_literal(result.body[n])}' for n in missing)
     if extra:
         extra = ("" if head.endswith("{") else ",") + extra
@@ -134,7 +156,7 @@ def _ws(s: str, i: int) -> int:
     return i
 
 
-_SPLICED = re.compile(rb'(,?)"id_slot":\d+,"cache_prompt":(?:true|false)\}\s*$')
+_SPLICED = re.compile(rb'(,?)"id_slot":-?\d+,"cache_prompt":(?:true|false)(?:,"verbose":true)?\}\s*$')
 
 
 def unsplice(raw: bytes) -> bytes | None:

@@ -62,6 +62,10 @@ class Settings:
     state_max_sessions: int = 256      # sessions kept in the state file (slot owners always kept)
     max_body_bytes: int = 64 << 20     # decoded request bodies above this pass untouched (gzip bombs)
     api_key: str = field(default="", repr=False)  # for the proxy's own calls to llama-server; never shown
+    swa_full: bool = False             # llama-server runs with --swa-full (what a restore can resume depends on it)
+    cache_type_k: str = "f16"          # its -ctk / -ctv (KV and slot-file sizes)
+    cache_type_v: str = "f16"
+    throughput_probe: bool = False     # one short completion at start measures prefill and decode speed
 
     @property
     def header_bytes(self) -> frozenset[bytes]:

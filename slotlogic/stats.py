@@ -16,14 +16,17 @@ class SessionStats:
     slot: int | None = None
     source: str = ""
 
-    def add(self, obs: Observation, slot: int | None, source: str) -> None:
+    def add(self, obs: Observation, slot: int | None, source: str, *, fallback_pps: float | None = None) -> None:
+        """`fallback_pps`: the measured prefill speed (start-up probe), for answers without timings (Anthropic,
+        /v1/responses)."""
         self.requests += 1
         if obs.prompt_n is not None:
             self.prefill += obs.prompt_n
         if obs.cache_n is not None:
             self.cached += obs.cache_n
-            if obs.prompt_per_second:
-                self.saved_s += obs.cache_n / obs.prompt_per_second
+            speed = obs.prompt_per_second or fallback_pps
+            if speed:
+                self.saved_s += obs.cache_n / speed
         self.slot = slot if slot is not None else self.slot
         self.source = source
 

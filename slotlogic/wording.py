@@ -7,14 +7,18 @@ Rule 2: only what the records hold can be printed, and they hold no prompt text 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
 from slotlogic import events as ev
+from slotlogic.affinity import Learn
 from slotlogic.checkpoint_machine import Failure, Note, NoteKind
 from slotlogic.decisions import Report
+from slotlogic.model_facts import ModelFacts, describe
 from slotlogic.stats import SessionStats
+from slotlogic.watch import End, State
 
 PREFIX = "slotkeeper: "
 MARKERS = {"hit": ":zap:", "partial": ":large_orange_diamond:", "miss": ":snail:", "error": ":x:",
@@ -74,6 +78,8 @@ def summary(upstream: str, stats: dict[str, SessionStats]) -> list[str]:
         reuse = f"{100 * s.reuse:.0f}%" if s.reuse is not None else "?"
         lines.append(f"  {key[:8]:8} {fmt(s.slot):>4} {s.requests:>5} {s.prefill:>8} {s.cached:>8} {reuse:>6} "
                      f"{s.saved_s:>8.1f}")
+    lines.append(f"  prefill seconds saved: {sum(s.saved_s for s in stats.values()):.1f} (cached tokens at the "
+                 "server's own prefill speed, or the start-up probe's where an answer has none)")
     return lines
 
 
@@ -176,7 +182,19 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
                                                    "unified KV and --cache-idle-slots (the default when -np is not "
                                                    "given), which defeats pinning. Start llama-server with an "
                                                    "explicit -np N (without -kvu) or with --no-cache-idle-slots."),
+    ev.SlotLearned: lambda e: (Level.INFO, f"session {e.session} pinned to slot {e.slot}, the slot llama-server "
+                                           f"chose for its pending request (affinity; "
+                                           f"{_HOW.get(e.how, e.how)})"),
+    ev.ModelHeader: lambda e: (Level.INFO if e.status == "ok" else Level.WARNING, _model_header(e)),
+    ev.ModelDescribed: lambda e: (Level.INFO, _described(e)),
+    ev.Probed: lambda e: (Level.INFO, _probed(e)),
+    ev.Waiting: lambda e: (Level.INFO, f"{e.path} session={e.session} waiting {_secs(e.waited)} for its first "
+                                       f"byte: {waiting(e)}"),
+    ev.RequestEnded: lambda e: (Level.WARNING, _ended(e)),
 }
+
+_HOW = {Learn.ECHO: "id_slot in the answer", Learn.VERBOSE: "__verbose, stripped from the answer",
+        Learn.CLIENT_VERBOSE: "the client's own verbose answer", Learn.SLOTS: "/slots after the answer"}
 
 _STAGES = {
     ev.Stage.REQUEST: "internal error on {method} {path}, forwarded unchanged",
@@ -185,6 +203,7 @@ _STAGES = {
     ev.Stage.OBSERVER: "SSE observer failed; the stream continues unobserved",
     ev.Stage.STREAM_COPY: "could not keep a copy of the stream",
     ev.Stage.CONVERT: "could not convert a translated answer; the client got an error event",
+    ev.Stage.STREAM_STRIP: "could not strip __verbose from the stream; the client gets it as the server sent it",
     ev.Stage.LOG_FILE: "cannot write the JSONL log file",
     ev.Stage.STATE_WRITE: "could not write the state file (touches kept for retry)",
     ev.Stage.FINAL_FLUSH: "final state flush failed",
@@ -193,6 +212,8 @@ _STAGES = {
     ev.Stage.CHECKPOINT: "prefix-cache failed for slot {slot}; the request proceeds without it",
     ev.Stage.CHECKPOINT_INDEX: "prefix-cache index update failed",
     ev.Stage.DELETE: "could not delete a file in the save dir",
+    ev.Stage.WATCH: "the first-token watch of {path} failed; the request goes on unwatched",
+    ev.Stage.MODEL_CHECK: "the model check failed; slot files stay as configured",
 }
 
 
@@ -217,6 +238,106 @@ def _no_save_path(e: ev.NoSavePath) -> str:
             "and set slots_save_dir=DIR, or use slots_prefix_cache=memory")
 
 
+_HEADER_NOT_READ = {
+    "no-path": "llama-server did not report model_path",
+    "missing": "model file not on this machine (remote llama-server?)",
+    "unreadable": "model file not readable here",
+    "not-gguf": "model file is not a GGUF the gguf package can read",
+}
+
+
+def _model_header(e: ev.ModelHeader) -> str:
+    if e.status == "ok":
+        return (f"model header: {e.keys} keys read with gguf.GGUFReader in {e.seconds * 1000:.0f} ms "
+                f"(peak RSS +{e.peak_rss / 1e6:.0f} MB; once per model file)")
+    reason = _HEADER_NOT_READ.get(e.status, e.status)
+    return (f"model header not read on {e.upstream}: {reason}{f' ({e.detail})' if e.detail else ''}; "
+            "prefix reuse and slot files as before")
+
+
+def _described(e: ev.ModelDescribed) -> str:
+    """The model's lines (`model_facts.describe`), one log record: the first line carries the prefix."""
+    if not isinstance(e.facts, ModelFacts):
+        return f"model on {e.upstream}: not described"
+    lines = describe(e.facts, cache_type_k=e.cache_type_k, cache_type_v=e.cache_type_v, n_ctx=e.n_ctx,
+                     swa_full=e.swa_full, checkpoints_in_files=e.checkpoints_in_files, files_wanted=e.files_wanted)
+    return ("\n" + PREFIX).join(lines)
+
+
+def _probed(e: ev.Probed) -> str:
+    if e.slot is None:
+        return (f"start-up probe skipped on {e.upstream}: no empty idle slot (the probe never overwrites a "
+                "conversation)")
+    parts = []
+    if e.prefill_tok_s is not None and e.decode_tok_s is not None:
+        parts.append(f"prefill {e.prefill_tok_s:.0f} tok/s ({fmt(e.prompt_n)} tokens), decode "
+                     f"{e.decode_tok_s:.0f} tok/s ({fmt(e.predicted_n)} tokens)")
+    if e.checkpoints_in_files is not None:
+        parts.append("slot files carry context checkpoints" if e.checkpoints_in_files
+                     else "slot files carry no context checkpoints")
+    return f"start-up probe on slot {e.slot}: " + ("; ".join(parts) or "no answer")
+
+
+def waiting(e: ev.Waiting) -> str:
+    """What a waiting request is doing, in a few words (the log line, the mitmweb comment, the status)."""
+    slot = f" on slot {e.slot}" if e.slot is not None else ""
+    if e.state is State.QUEUED:
+        return f"queued behind slot {fmt(e.slot)}"
+    if e.state is State.PREFILLING:
+        return f"prefilling ({fmt(e.processed)}/{fmt(e.total)}){slot}"
+    if e.state is State.GENERATING:
+        return f"generating ({fmt(e.decoded)} tokens){slot}"
+    if e.state is State.BUSY:
+        return "llama-server busy (/slots did not answer in time: a long prompt is being evaluated)"
+    if e.state is State.STALLED:
+        idle = f" for {_secs(e.idle_for)}" if e.idle_for else ""
+        return f"stalled: every slot idle{idle}"
+    if e.state is State.UNKNOWN:
+        return "state unknown (/slots unavailable)"
+    return str(e.state)
+
+
+def waiting_comment(e: ev.Waiting) -> str:
+    """The flow's comment in mitmweb while it waits (the final comment replaces it)."""
+    return f"s={e.session} waiting {_secs(e.waited)}: {waiting(e)}"
+
+
+def _secs(s: float) -> str:
+    return f"{s:.1f} s" if s < 10 else f"{s:.0f} s"
+
+
+def _limit(end: End, limit: float) -> str:
+    if end is End.STALLED:
+        return f"no first byte while every slot stayed idle for {limit:.0f} s (slots_first_token_timeout)"
+    return f"deadline of {limit:.0f} s reached (slots_request_deadline)"
+
+
+def _ended(e: ev.RequestEnded) -> str:
+    if not e.closed:
+        done = "could not end it (mitmproxy's connection internals unavailable); it goes on"
+    elif e.streaming:
+        done = ("sent an error event and closed the connection; llama-server cancels the task when it sees the "
+                "upstream connection close")
+    else:
+        done = "answered 504 and closed the upstream connection, so llama-server cancels the task"
+    return f"{e.path} session={e.session} ended after {e.seconds:.0f} s: {_limit(e.end, e.limit)}; {done}"
+
+
+def client_message(end: End, limit: float) -> str:
+    """The 504 answer's message for the client (no prompt text: names and numbers only)."""
+    return f"slotkeeper: {_limit(end, limit)}; the request was cancelled"
+
+
+def stream_error_event(end: End, limit: float, *, anthropic: bool = False) -> bytes:
+    """The last event of a stream the proxy ends: an error in the route's own format."""
+    message = client_message(end, limit)
+    if anthropic:
+        body = {"type": "error", "error": {"type": "timeout_error", "message": message}}
+        return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+    body = {"error": {"code": 504, "message": message, "type": "timeout_error"}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
 def event_line(event: ev.Event) -> tuple[Level, str]:
     level, text = _EVENTS[type(event)](event)
     return level, PREFIX + text
@@ -228,6 +349,17 @@ def event_record(event: ev.Event) -> dict[str, Any] | None:
         return {"kind": "page", "upstream": event.upstream, "slot": event.slot, "out": event.out,
                 "out_tokens": event.out_tokens, "in": event.into, "in_tokens": event.in_tokens,
                 "seconds": round(event.seconds, 4), "server_ms": round(event.server_ms, 2)}
+    if isinstance(event, ev.Waiting):
+        return {"kind": "waiting", "upstream": event.upstream, "path": event.path, "session": event.session,
+                "state": event.state.value if isinstance(event.state, State) else str(event.state),
+                "slot": event.slot, "processed": event.processed, "total": event.total, "decoded": event.decoded,
+                "idle_for": None if event.idle_for is None else round(event.idle_for, 1),
+                "waited": round(event.waited, 1), "text": waiting(event)}
+    if isinstance(event, ev.RequestEnded):
+        return {"kind": "ended", "upstream": event.upstream, "path": event.path, "session": event.session,
+                "end": event.end.value if isinstance(event.end, End) else str(event.end),
+                "seconds": round(event.seconds, 2), "limit": event.limit, "streaming": event.streaming,
+                "closed": event.closed}
     if isinstance(event, ev.CheckpointDone):
         return {"kind": "checkpoint", "upstream": event.upstream, "slot": event.slot,
                 "outcome": event.outcome.value, "prompt_n": event.prompt_n, "identical": event.identical,

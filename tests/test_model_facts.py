@@ -3,8 +3,8 @@ and one real llama-server save that checks the slot-file size estimate to the by
 
 from __future__ import annotations
 
+import asyncio
 import os
-import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -101,7 +101,7 @@ def test_gemma3_style_sliding_window_needs_swa_full(tmp_path):
                                "from llama-server's in-RAM context checkpoints, and a restored slot file cannot "
                                "resume, unless llama-server runs with --swa-full (then ~12.3 KB KV per token)")
     assert lines[2] == ("checkpoint and page files stay off: a restore could not resume "
-                        "(start llama-server with --swa-full and tell the proxy so)")
+                        "(start llama-server with --swa-full and set slots_swa_full)")
     assert len(describe(f, swa_full=True)) == 2 and "runs with --swa-full" in describe(f, swa_full=True)[1]
     assert f.restore_helps(False, checkpoints_in_files=True) and len(describe(f, checkpoints_in_files=True)) == 2
     # a file longer than its KV data carries checkpoints; one of exactly that size does not
@@ -252,33 +252,42 @@ def test_any_header_gives_facts_and_lines_without_raising(arch, kv):
 
 # --- the header reader ------------------------------------------------------------------------------------
 
-def test_reader_agrees_with_gguf_reader_and_never_reads_tensors(tmp_path):
+def test_reader_gives_back_what_the_writer_wrote(tmp_path):
+    """gguf.GGUFWriter writes, the proxy's reading of gguf.GGUFReader's fields must give the same values back
+    (long arrays as their length), and model facts from the file equal those from the written values."""
+    written: dict[str, object] = {
+        "general.architecture": "gemma4", "gemma4.block_count": 6, "gemma4.context_length": 8192,
+        "gemma4.embedding_length": 256, "gemma4.attention.head_count": 8,
+        "gemma4.attention.head_count_kv": [2, 2, 0, 2, 2, 0],
+        "gemma4.attention.sliding_window_pattern": [True, False] * 3, "gemma4.attention.sliding_window": 512,
+        "general.languages": ["en", "fr"], "x.f": 1.5, "x.b": True, "x.i": -7, "x.s": "name",
+        "x.u64": 1 << 40,
+    }
+
     def fill(w: gguf.GGUFWriter) -> None:
         common(w, layers=6)
         w.add_head_count_kv([2, 2, 0, 2, 2, 0])
         w.add_sliding_window_pattern([True, False] * 3)
+        w.add_sliding_window(512)
         w.add_array("general.languages", ["en", "fr"])
         w.add_float32("x.f", 1.5)
         w.add_bool("x.b", True)
         w.add_int64("x.i", -7)
+        w.add_string("x.s", "name")
+        w.add_uint64("x.u64", 1 << 40)
 
     path = write_gguf(tmp_path / "m.gguf", "gemma4", fill, vocab=10000)
     read = gguf_io.read_header(path)
     assert read.status is gguf_io.ReadStatus.OK and read.metadata is not None
-    ref = gguf.GGUFReader(str(path))
-    expected = {k: f.contents() for k, f in ref.fields.items()}
-    assert set(read.metadata) == set(expected)
-    for k, v in read.metadata.items():
-        if isinstance(v, gguf_io.UnreadArray):
-            assert len(v) == len(expected[k]) == 10000
-        else:
-            assert v == expected[k], k
-    assert read.bytes_read == ref.tensors[0].field.offset   # stops where the tensor infos begin
-    # garbage where the tensor infos and data are: the header still reads
-    data = bytearray(path.read_bytes())
-    data[read.bytes_read:] = b"\xff" * (len(data) - read.bytes_read)
-    path.write_bytes(bytes(data))
-    assert gguf_io.read_metadata(path) == read.metadata
+    meta = read.metadata
+    for key, value in written.items():
+        assert meta[key] == value, key
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, gguf_io.UnreadArray) and (tokens.item_type, len(tokens)) == ("string", 10000)
+    assert isinstance(meta["tokenizer.ggml.token_type"], gguf_io.UnreadArray)
+    assert meta["GGUF.tensor_count"] == 1
+    expected = ModelFacts.from_metadata({**written, "tokenizer.ggml.tokens": [f"tok{i}" for i in range(10000)]})
+    assert ModelFacts.from_metadata(meta) == expected and expected.n_vocab == 10000
 
 
 def test_reader_reports_missing_unreadable_and_foreign_files(tmp_path):
@@ -287,27 +296,53 @@ def test_reader_reports_missing_unreadable_and_foreign_files(tmp_path):
     assert gguf_io.read_header(tmp_path).status is gguf_io.ReadStatus.UNREADABLE
     (tmp_path / "x.bin").write_bytes(b"not a model at all")
     assert gguf_io.read_header(tmp_path / "x.bin").status is gguf_io.ReadStatus.NOT_GGUF
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    assert gguf_io.read_header(tmp_path / "empty.gguf").status is not gguf_io.ReadStatus.OK
     good = write_gguf(tmp_path / "t.gguf", "llama", lambda w: common(w, 2), vocab=3000)
     full = good.read_bytes()
     for cut in (10, 100, len(full) // 2):   # cut inside the counts, the keys, the vocabulary
-        (tmp_path / "cut.gguf").write_bytes(full[:cut])
-        read = gguf_io.read_header(tmp_path / "cut.gguf")
+        (tmp_path / f"cut{cut}.gguf").write_bytes(full[:cut])
+        read = gguf_io.read_header(tmp_path / f"cut{cut}.gguf")
         assert read.status is gguf_io.ReadStatus.NOT_GGUF and read.metadata is None, cut
+        assert read.detail.isidentifier()   # a type name, never content
     facts, read = gguf_io.model_facts(str(tmp_path / "remote-only.gguf"))
-    assert facts is None and "not on this machine" in read.log_line()
+    assert facts is None and read.status is gguf_io.ReadStatus.MISSING
 
 
-def test_a_huge_sparse_model_costs_milliseconds(tmp_path):
-    """A 20 GB file (sparse: its tensor data is never written) with a 100K vocabulary: only the header is read."""
-    path = write_gguf(tmp_path / "big.gguf", "llama", lambda w: common(w, 40), vocab=100_000)
-    os.truncate(path, 20 * 1024**3)
-    if os.stat(path).st_blocks * 512 > 64 << 20:
-        pytest.skip("this filesystem does not keep sparse files")
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    read = gguf_io.read_header(path)
-    assert read.status is gguf_io.ReadStatus.OK and len(read.metadata["tokenizer.ggml.tokens"]) == 100_000
-    assert read.seconds < 0.5 and read.bytes_read < 4 << 20
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 32 * 1024   # KiB
+def test_a_file_is_read_once_until_it_changes(tmp_path):
+    path = write_gguf(tmp_path / "c.gguf", "llama", lambda w: common(w, 2), vocab=100)
+    first = gguf_io.read_header(path)
+    assert gguf_io.read_header(str(path)) is first           # cached by real path, size and mtime
+    os.utime(path, ns=(1, 1))                                 # a replaced file (new mtime) is read again
+    again = gguf_io.read_header(path)
+    assert again is not first and again.metadata == first.metadata
+
+
+async def test_the_reader_runs_off_the_event_loop():
+    """GGUFReader takes ~2 s on the real SmolLM2 file: the event loop must keep running meanwhile."""
+    gguf_io.clear_cache()
+    gaps: list[float] = []
+    stop = False
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while not stop:
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    facts, read = await gguf_io.model_facts_async(model_path())
+    stop = True
+    await ticker
+    print(f"SmolLM2 header via GGUFReader: {read.seconds:.2f} s, peak RSS +{read.peak_rss_growth / 1e6:.0f} MB; "
+          f"event-loop ticks {len(gaps)}, longest gap {max(gaps) * 1000:.0f} ms")
+    assert facts is not None and read.status is gguf_io.ReadStatus.OK
+    assert len(gaps) > 10 and max(gaps) < 0.25
+    t0 = time.perf_counter()
+    assert (await gguf_io.model_facts_async(model_path()))[1] is read   # the second time: the cache
+    assert time.perf_counter() - t0 < 0.1
 
 
 # --- the real SmolLM2 file and a real llama-server --------------------------------------------------------
@@ -317,7 +352,7 @@ SMOLLM2_ROW = 3 * 64 * 2   # 3 KV heads × 64 dims × 2 bytes (f16), for K and a
 
 def test_smollm2_file():
     facts, read = gguf_io.model_facts(model_path())
-    assert facts is not None and read.status is gguf_io.ReadStatus.OK and read.seconds < 1.0
+    assert facts is not None and read.status is gguf_io.ReadStatus.OK
     assert (facts.architecture, facts.block_count, facts.kv_heads[0], facts.head_dim_k) == ("llama", 30, 3, 64)
     assert facts.kv_bytes_per_token() == 30 * 2 * SMOLLM2_ROW == 23040
     assert facts.prefix_reuse().kind is ReuseKind.FULL and facts.restore_helps(None)

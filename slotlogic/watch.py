@@ -1,0 +1,201 @@
+"""While a request waits for its first byte: what llama-server's `/slots` says about it, and when to end it.
+
+A request can sit silent for minutes: queued behind another request on its slot (llama-server defers a
+request pinned to a busy slot, and a stream gets no headers until its slot starts), prefilling a long
+prompt, or stuck (a wedged server loop, an HTTP layer that never handed it over). The driver
+(`drivers/watcher.py`) polls `/slots` every `interval` seconds while the first byte has not come, and this
+module says which of those it is, so the log and the status view can tell the user.
+
+Rule 1: pure; the clock is passed in with every call (the driver's monotonic clock).
+Rule 2: a poll that times out is no verdict: `/slots` hangs while a slot evaluates a big prompt
+        (docs/llama-server.md), so it reads as BUSY, and BUSY is activity.
+Rule 3: only a server that answers, with every slot idle and nothing changed since the previous answer, for
+        `first_token_timeout` seconds is STALLED long enough to end the request (End.STALLED: a 504). Any
+        change, any busy slot, any timed-out poll restarts that clock.
+Rule 4: the deadline ends a request `deadline` seconds after it left the proxy, first byte or not.
+Rule 5: 0 turns each off: `interval` the watch (no polls, no lines), `first_token_timeout` the 504, `deadline`
+        the deadline.
+
+Which slot is "ours": a pinned request names it (`slot`). Whether that slot is busy with our request or with
+an earlier one is told by `ahead` (requests this proxy sent to the same slot before ours, still open) and, for
+a stream, by tokens already decoded there (our first token would have reached us). A pending or unpinned
+request (`slot` None) runs on some slot: with an idle slot left it started at once, so a busy slot that has
+decoded nothing yet is prefilling it; with every slot busy it is queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class State(Enum):
+    QUEUED = "queued"            # its slot (or every slot) runs other work first
+    PREFILLING = "prefilling"    # its prompt is being evaluated
+    GENERATING = "generating"    # tokens are being decoded (an answer that is not streamed comes whole at the end)
+    BUSY = "busy"                # /slots did not answer within its timeout: a big prefill holds the server
+    STALLED = "stalled"          # every slot idle and nothing changed since the previous poll
+    UNKNOWN = "unknown"          # /slots unavailable (disabled, unreachable, nonsense)
+
+
+class End(Enum):
+    STALLED = "stalled"          # slots_first_token_timeout
+    DEADLINE = "deadline"        # slots_request_deadline
+
+
+class Poll(Enum):
+    TIMEOUT = "timeout"          # the poll's own timeout passed: the server is busy
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    interval: float = 15.0               # seconds between /slots polls while waiting for the first byte (0: off)
+    poll_timeout: float = 3.0            # one poll's timeout
+    first_token_timeout: float = 0.0     # seconds every slot may stay idle and unchanged before a 504 (0: off)
+    deadline: float = 0.0                # seconds a request may run at all (0: off)
+
+    @property
+    def active(self) -> bool:
+        return self.interval > 0 or self.deadline > 0
+
+
+@dataclass(frozen=True)
+class Progress:
+    state: State
+    waited: float                        # seconds since the request left the proxy
+    slot: int | None = None              # the slot it is queued behind, prefilling or generating on
+    processed: int | None = None         # prompt tokens evaluated so far (llama-server updates it per batch)
+    total: int | None = None             # prompt tokens of the slot's task
+    decoded: int | None = None           # tokens generated so far
+    idle_for: float | None = None        # STALLED: how long every slot has been idle and unchanged
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _decoded(entry: Mapping[str, Any]) -> int:
+    nt = entry.get("next_token")
+    first = nt[0] if isinstance(nt, list) and nt and isinstance(nt[0], dict) else nt
+    return (_int(first.get("n_decoded")) or 0) if isinstance(first, dict) else 0
+
+
+def _snapshot(live: Sequence[Mapping[str, Any]]) -> tuple[tuple[Any, ...], ...]:
+    """What "nothing changed" compares: per slot its task, state and counters."""
+    return tuple((e.get("id"), bool(e.get("is_processing")), e.get("id_task"), e.get("n_prompt_tokens"),
+                  e.get("n_prompt_tokens_processed"), _decoded(e)) for e in live)
+
+
+class Watch:
+    """One request's watch: feed it the polls, it says what they mean and whether to end the request."""
+
+    def __init__(self, settings: WatchSettings, started: float, slot: int | None, *, stream: bool = True) -> None:
+        self.settings = settings
+        self.started = started
+        self.slot = slot
+        self.stream = stream
+        self.first_byte = False
+        self.last_poll: float | None = None
+        self.idle_since: float | None = None
+        self.previous: tuple[tuple[Any, ...], ...] | None = None
+        self.progress: Progress | None = None
+        self.ended: End | None = None
+        self.ahead = 0   # earlier open requests of this proxy on the same slot, at the last poll
+
+    def next_wake(self) -> float | None:
+        """When the driver should call again (an absolute time on the watch's clock); None: never."""
+        if self.ended is not None:
+            return None
+        times = []
+        s = self.settings
+        if not self.first_byte and s.interval > 0:
+            times.append((self.last_poll if self.last_poll is not None else self.started) + s.interval)
+        if s.deadline > 0:
+            times.append(self.started + s.deadline)
+        return min(times) if times else None
+
+    def due(self, now: float) -> End | None:
+        """The deadline, if it has come."""
+        if self.ended is None and self.settings.deadline > 0 and now - self.started >= self.settings.deadline:
+            self.ended = End.DEADLINE
+        return self.ended if self.ended is End.DEADLINE else None
+
+    def poll_due(self, now: float) -> bool:
+        wake = None if self.first_byte or self.settings.interval <= 0 else (
+            (self.last_poll if self.last_poll is not None else self.started) + self.settings.interval)
+        return self.ended is None and wake is not None and now >= wake
+
+    def got_first_byte(self) -> None:
+        self.first_byte = True
+        self.progress = None
+
+    def polled(self, answer: Sequence[Mapping[str, Any]] | Poll | None, now: float, *,
+               ahead: int = 0) -> tuple[Progress, End | None]:
+        """What one `/slots` answer (or its timeout, or None: unavailable) means for this request; End.STALLED
+        when every slot has stayed idle and unchanged for the first-token timeout."""
+        self.last_poll = now
+        self.ahead = ahead
+        waited = now - self.started
+        if answer is Poll.TIMEOUT or not isinstance(answer, Sequence) or not answer:
+            self.idle_since = None
+            state = State.BUSY if answer is Poll.TIMEOUT else State.UNKNOWN
+            self.progress = Progress(state, waited)
+            return self.progress, None
+        live = [e for e in answer if isinstance(e, Mapping)]
+        snap = _snapshot(live)
+        moved = self.previous is not None and snap != self.previous
+        self.previous = snap
+        progress = self._read(live, waited)
+        if progress.state is State.STALLED:
+            if self.idle_since is None or moved:
+                self.idle_since = now
+            progress = Progress(State.STALLED, waited, idle_for=now - self.idle_since)
+        else:
+            self.idle_since = None
+        self.progress = progress
+        limit = self.settings.first_token_timeout
+        if (progress.state is State.STALLED and limit > 0 and progress.idle_for is not None
+                and progress.idle_for >= limit and not self.first_byte):
+            self.ended = End.STALLED
+            return progress, End.STALLED
+        return progress, None
+
+    def _read(self, live: list[Mapping[str, Any]], waited: float) -> Progress:
+        busy = [e for e in live if e.get("is_processing")]
+        if not busy:
+            return Progress(State.STALLED, waited)
+        if self.slot is not None:
+            mine = next((e for e in live if e.get("id") == self.slot), None)
+            if mine is not None and mine.get("is_processing"):
+                decoded = _decoded(mine)
+                if ahead_of_us(self, mine):
+                    return _on(State.QUEUED, mine, waited)
+                if decoded > 0:
+                    return _on(State.GENERATING, mine, waited)
+                return _on(State.PREFILLING, mine, waited)
+            # our slot idle while others work: the server has not started ours yet
+            return _on(State.QUEUED, _furthest(busy), waited)
+        if len(busy) == len(live):
+            return _on(State.QUEUED, _furthest(busy), waited)
+        prefilling = [e for e in busy if _decoded(e) == 0]
+        if prefilling:
+            return _on(State.PREFILLING, prefilling[0], waited)
+        return _on(State.GENERATING if not self.stream else State.QUEUED, _furthest(busy), waited)
+
+
+def ahead_of_us(watch: Watch, mine: Mapping[str, Any]) -> bool:
+    """Our slot is busy with an earlier request: one the proxy sent there before ours, or (a stream: our first
+    token would have reached us) one that is already decoding."""
+    return watch.ahead > 0 or (watch.stream and _decoded(mine) > 0)
+
+
+def _furthest(busy: list[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The busy slot likely to free first: the one that has decoded the most."""
+    return max(busy, key=_decoded)
+
+
+def _on(state: State, entry: Mapping[str, Any], waited: float) -> Progress:
+    return Progress(state, waited, slot=_int(entry.get("id")), processed=_int(entry.get("n_prompt_tokens_processed")),
+                    total=_int(entry.get("n_prompt_tokens")), decoded=_decoded(entry))
