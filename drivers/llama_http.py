@@ -59,6 +59,17 @@ class LlamaClient:
         except ValueError:
             return None
 
+    async def health(self, timeout: float = STATS_TIMEOUT) -> str:
+        """`GET /health`: "ok", or why not: "refused" (no connection), "timeout", "health" (an answer other
+        than 200: loading, or an error)."""
+        try:
+            r = await self._client().get("/health", timeout=timeout)
+        except httpx.TimeoutException:
+            return "timeout"
+        except (httpx.HTTPError, OSError):
+            return "refused"
+        return "ok" if r.status_code == 200 else "health"
+
     async def props(self) -> dict[str, Any] | None:
         data = await self.get_json("/props")
         return data if isinstance(data, dict) else None

@@ -144,6 +144,10 @@ class StateFile:
         except CorruptFile:
             return shared.ServerState(upstream=self.upstream)
 
+    async def aread(self) -> shared.ServerState:
+        """`read` in a worker thread (the `drivers.store.StateStore` interface)."""
+        return await asyncio.to_thread(self.read)
+
     def write(self, state: shared.ServerState) -> None:
         self.file.save(shared.to_dict(state))
 

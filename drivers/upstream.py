@@ -41,6 +41,7 @@ from drivers.checkpoint_runner import CheckpointRunner
 from drivers.llama_http import LlamaClient
 from drivers.model_check import ModelCheck
 from drivers.page_runner import PageOutcome, PageRunner
+from drivers.store import StateStore
 from drivers.store_file import StateFile
 from slotlogic import shared
 from slotlogic.affinity import Learn
@@ -52,6 +53,7 @@ from slotlogic.events import (
     Failed,
     IdleSlotsCleared,
     MessagesProbed,
+    ModelUnloaded,
     NoPrefixMarker,
     NoSavePath,
     NoSlotsEndpoint,
@@ -73,11 +75,14 @@ SLOW = 1.0          # seconds: a /props or /slots that failed after this long hu
 BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the background probe may clear it)
 RECONCILE_EVERY = 5.0  # seconds between looks for a slot shared with another process while idle
 AUTH_HEADERS = (b"authorization", b"x-api-key")
+Accept = Callable[[shared.ServerState, ServerInfo, list[dict[str, Any]] | None], bool]
+Facts = tuple[dict[str, Any] | None, list[dict[str, Any]] | None]   # `/props` and `/slots` as asked
 
 
 class Upstream:
     def __init__(self, url: str, settings: Settings, state_dir: str | Path, emit: Emit, *,
-                 offline: bool = False, client: LlamaClient | None = None) -> None:
+                 offline: bool = False, client: LlamaClient | None = None, store: StateStore | None = None,
+                 loaded: Callable[[], Any] | None = None) -> None:
         self.url = url
         self.offline = offline  # replaying saved flows: no network, no background task, no slot files
         self.emit = emit
@@ -85,7 +90,9 @@ class Upstream:
         self.keeper = Keeper(settings, url)
         self.keeper.instance = os.urandom(8).hex()  # this process's page file names are its own
         self.state_dir = Path(state_dir)
-        self.store = StateFile(self.state_dir, url, emit)
+        self.store: StateStore = store if store is not None else StateFile(self.state_dir, url, emit)
+        self.loaded = loaded  # llama-swap: whether the model is loaded (a probe must not load it)
+        self.unloaded = False
         self.settings = settings
         self.pages: PageRunner | None = None
         self.checkpoints: CheckpointRunner | None = None
@@ -150,7 +157,7 @@ class Upstream:
                     self._authorize()
                 return
 
-    def reconfigure(self, settings: Settings, state_dir: str | Path) -> None:
+    def reconfigure(self, settings: Settings, state_dir: str | Path, store: StateStore | None = None) -> None:
         """New settings replace the old whole; the sessions this process knows stay."""
         if self.offline:
             return
@@ -162,7 +169,10 @@ class Upstream:
         self.settings = settings
         self.keeper.reconfigure(settings)
         self._authorize()
-        if Path(state_dir) != self.state_dir:
+        if store is not None:
+            self.state_dir = Path(state_dir)
+            self.store = store
+        elif Path(state_dir) != self.state_dir:
             self.state_dir = Path(state_dir)
             self.store = StateFile(self.state_dir, self.url, self.emit)
         self._runners(settings)
@@ -193,7 +203,26 @@ class Upstream:
         self.keeper.abandon(ticket)
         self.unlock(flow_id)
 
-    async def _place(self, need: NeedSlot, facts: RequestFacts, flow_id: str) -> Pin | Observe:
+    async def place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
+                    accept: Accept | None = None) -> Pin | Observe | None:
+        """A `NeedSlot` made by any keeper of a pool, placed on this server (`drivers/pool.py`): `asked` are
+        the `/props` and `/slots` the router already has; `accept` may refuse the server under its state lock
+        (None: no claim was made, route again)."""
+        try:
+            decision = await self._place(need, facts, flow_id, asked=asked, accept=accept)
+        except BaseException:
+            self.abandon(need.ticket, flow_id)
+            raise
+        self.kick()
+        return decision
+
+    async def ask(self) -> Facts:
+        """`/props` and, when it answered, `/slots` (an endpoint that hung lately is not asked)."""
+        props = await self._ask("/props", self.client.props)
+        return props, (await self._live_slots() if props is not None else None)
+
+    async def _place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
+                     accept: Accept | None = None) -> Any:
         key, now = need.ticket.session.key, facts.now
         if self.pages is not None:
             await self.pages.settled(key)  # its page-out is in flight: page it back in after
@@ -203,8 +232,7 @@ class Upstream:
             live = recorded.get("slots")
         else:
             self.learn_auth(facts.fields)
-            props = await self._ask("/props", self.client.props)
-            live = await self._live_slots() if props is not None else None
+            props, live = asked if asked is not None else await self.ask()
         info = self._server_info(props)
         if info is not None:
             self._seen(info)
@@ -216,6 +244,8 @@ class Upstream:
             self.warned.add("no-slots")
             self.emit(NoSlotsEndpoint(self.url))
         async with self.store.transaction() as state:
+            if accept is not None and not accept(state, info, live):
+                return None
             placement = self.keeper.assign(need, state, info, live, now)
         for event in placement.events:
             self.emit(event)
@@ -272,7 +302,7 @@ class Upstream:
         """The slot count in the state file, for the hash fallback after a proxy restart (read once)."""
         if not self._file_total_read:
             self._file_total_read = True
-            self._file_total = (await asyncio.to_thread(self.store.read)).total_slots
+            self._file_total = (await self.store.aread()).total_slots
         return self._file_total
 
     async def _page(self, slot: int, key: str, view: SlotView, flow_id: str) -> bool:
@@ -506,6 +536,7 @@ class Upstream:
             async with self.store.transaction() as state:
                 for key, a in touches.items():
                     shared.touch(state, key, a.slot, a.last_used, requests=a.requests, prefix=a.prefix)
+                self.note_displaced(state)
         except Exception as e:
             self.emit(Failed(self.url, Stage.STATE_WRITE, type(e).__name__))
             self.keeper.table.dirty.update(touches)
@@ -524,6 +555,14 @@ class Upstream:
         for key in self.keeper.reconcile(state, time.time()):
             self.emit(SlotShared(self.url, key[:8], self.keeper.table.sessions[key].slot))
 
+    def note_displaced(self, state: shared.ServerState) -> None:
+        """Another proxy's session ran on a slot after our session's last request there (the shared state's
+        newest claim is theirs): our session is displaced, and its next request is placed again (paged in
+        when that proxy paged it out). Memory only; the hot path reads it."""
+        table = self.keeper.table
+        for slot, other in shared.displaced_by_others(state, table.sessions, table.holders).items():
+            table.holders[slot] = other
+
     def flush_sync(self) -> None:
         """The last flush at shutdown (`done` must stay sync)."""
         touches = self.keeper.table.drain()
@@ -537,8 +576,16 @@ class Upstream:
             self.emit(Failed(self.url, Stage.FINAL_FLUSH, type(e).__name__))
 
     async def probe(self) -> None:
-        """`/props` only (never wakes a sleeping server): restart and resize detection."""
+        """`/props` only (never wakes a sleeping server): restart and resize detection. A model that
+        llama-swap unloaded is not asked (asking would load it): its slots are empty, as after a restart."""
         self._last_probe = time.monotonic()
+        if self.loaded is not None and await self.loaded() is False:
+            if not self.unloaded:
+                self.unloaded = True
+                self.keeper.table.forget_all()
+                self.emit(ModelUnloaded(self.url))
+            return
+        self.unloaded = False
         info = self._server_info(await self.client.props())
         if info is None:
             return
@@ -564,7 +611,7 @@ class Upstream:
 
     async def status(self) -> dict[str, Any]:
         """The status view, from a fresh read of the state file (in a worker thread)."""
-        return {**self.keeper.status(await asyncio.to_thread(self.store.read), time.time()),
+        return {**self.keeper.status(await self.store.aread(), time.time()),
                 **self.model.status(self.settings)}
 
     def status_now(self) -> dict[str, Any]:

@@ -76,6 +76,15 @@ def upstream_url(flow: Any) -> str:
     return f"{req.scheme}://{req.host}:{req.port}"
 
 
+def set_destination(flow: Any, base: str) -> None:
+    """Send the request to `base` (`scheme://host:port`): the pool's choice of server. Path and body stay."""
+    scheme, rest = base.split("://", 1)
+    host, port = rest.rsplit(":", 1)
+    req = flow.request
+    if (req.scheme, req.host, req.port) != (scheme, host, int(port)):
+        req.scheme, req.host, req.port = scheme, host, int(port)
+
+
 _DECODE: Any = object()
 
 

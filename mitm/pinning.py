@@ -14,11 +14,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from drivers import body_decode, private_dir
+from drivers.store import parse_url
 from drivers.store_file import default_state_dir
 from mitm import flows
 from mitm.runtime import Open, Runtime, guarded
@@ -29,7 +31,7 @@ from slotlogic import sidecalls, verbose
 from slotlogic.affinity import Learn
 from slotlogic.answers import Observation, StreamObserver, observe_json
 from slotlogic.decisions import Forward, Observe, Pin
-from slotlogic.events import Failed, PassedThrough, Stage
+from slotlogic.events import Failed, PassedThrough, RetriedElsewhere, Stage
 from slotlogic.model_facts import CACHE_TYPES
 from slotlogic.ranking import Policy
 from slotlogic.reasons import Passed
@@ -123,6 +125,17 @@ class Pinning:
                           "At start, one short completion of the proxy's own text into an empty slot measures "
                           "prefill and decode speed (status view; prefill seconds saved for answers without "
                           "timings).")
+        loader.add_option("slots_upstreams", Sequence[str], [],
+                          "More llama-servers (or llama-swap URLs) serving the same model, behind this one "
+                          "endpoint (repeat --set); the reverse-mode target is the first. Each request goes to "
+                          "its session's server and slot; a new session to the cheapest server.")
+        loader.add_option("slots_state_url", str, "",
+                          "Where the shared state lives: file://DIR (the default: slots_state_dir) or "
+                          "redis://host:port/db, rediss://… (Redis or Valkey, shared by proxies on several "
+                          "machines).")
+        loader.add_option("slots_health_interval", int, 5,
+                          "Seconds between /health checks of each server of slots_upstreams (a down server is "
+                          "asked again with back-off).")
         loader.add_option("slots_keep_streams", bool, False,
                           "Keep a copy of streamed SSE bodies in the flow (for -w recordings, mitmweb and "
                           "server replay on mitmproxy 11; on 12.x store_streamed_bodies does the same).")
@@ -131,7 +144,17 @@ class Pinning:
         if not any(name.startswith("slots_") or name == "mode" for name in updated):
             return
         settings, state_dir = build_settings(ctx.options)
-        self.rt.configure(settings, state_dir, fronted_upstreams(ctx.options.mode))
+        o = ctx.options
+        fronted = fronted_upstreams(o.mode)
+        try:
+            parse_url(o.slots_state_url, state_dir)
+        except ValueError as e:
+            raise exceptions.OptionsError(f"slots_state_url: {e}") from None
+        if o.slots_health_interval < 1:
+            raise exceptions.OptionsError("slots_health_interval must be ≥ 1")
+        servers = server_list(o.mode, o.slots_upstreams)
+        self.rt.configure(settings, state_dir, fronted, state_url=o.slots_state_url, servers=servers,
+                          health_interval=float(o.slots_health_interval))
 
     def running(self) -> None:
         """At start, each server this proxy fronts is probed before the first request comes (whether
@@ -145,33 +168,46 @@ class Pinning:
         if (flow.live and (flow.response or flow.error)) or flow.request.method != "POST":
             return  # answered already (the local API), or a saved flow (-nr) that carries its answer
         original = flow.request.raw_content, flow.request.headers.fields, flow.request.path
-        upstream = self.rt.upstream(flows.upstream_url(flow), live=flow.live)
+        pool = self.rt.pool if flow.live and self.rt.pool is not None and self.rt.pool.fronts(
+            flows.upstream_url(flow)) else None
+        upstream = self.rt.upstream(flows.upstream_url(flow), live=flow.live) if pool is None else None
         decision = None
         try:
             encoding = flows.get(original[1], b"content-encoding")
-            body = await self._body(original[0], encoding, upstream.settings.max_body_bytes)
+            limit = (upstream.settings if upstream is not None else self.rt.settings).max_body_bytes
+            body = await self._body(original[0], encoding, limit)
             if body is TOO_LARGE:
-                self.rt.emit(PassedThrough(upstream.url, flow.request.method, flow.request.path, Passed.TOO_LARGE))
+                self.rt.emit(PassedThrough(upstream.url if upstream is not None else flows.upstream_url(flow),
+                                           flow.request.method, flow.request.path, Passed.TOO_LARGE))
                 return
             facts = flows.request_facts(flow, body)
-            decision = await upstream.decide(facts, flow.id)
+            if pool is not None:
+                upstream, decision = await pool.decide(facts, flow.id)
+                flows.set_destination(flow, pool.member_of(upstream).url)
+                self.rt.pending[flow.client_conn.id] = flow
+            else:
+                assert upstream is not None
+                decision = await upstream.decide(facts, flow.id)
             await self._apply(flow, decision, encoding)
         except Exception as e:  # fail open: the original request goes out untouched
             flow.request.raw_content, flow.request.headers.fields, flow.request.path = original
-            if isinstance(decision, Pin | Observe):
-                upstream.abandon(decision.ticket, flow.id)
-            upstream.unlock(flow.id)
-            self.rt.emit(Failed(upstream.url, Stage.REQUEST, type(e).__name__, flow.request.method,
-                                flow.request.path))
+            if upstream is not None:
+                if isinstance(decision, Pin | Observe):
+                    upstream.abandon(decision.ticket, flow.id)
+                upstream.unlock(flow.id)
+            self.rt.emit(Failed(upstream.url if upstream is not None else "", Stage.REQUEST, type(e).__name__,
+                                flow.request.method, flow.request.path))
             return
         if isinstance(decision, Pin | Observe):
             asked = facts.replay.path if facts.replay is not None and facts.replay.path else original[2]
-            self.rt.open[flow.id] = Open(decision.ticket, upstream, time.monotonic(), asked, flow=flow)
+            self.rt.open[flow.id] = Open(decision.ticket, upstream, time.monotonic(), asked, flow=flow,
+                                         original=original if pool is not None else None)
         elif isinstance(decision, Forward) and decision.completion_route:
             self.rt.emit(PassedThrough(upstream.url, flow.request.method, flow.request.path, decision.reason))
 
     @guarded(Stage.RESPONSE_HEADERS)
     def responseheaders(self, flow: http.HTTPFlow) -> None:
+        self.rt.pending.pop(flow.client_conn.id, None)
         req = self.rt.open.get(flow.id)
         if req is None or flow.response is None:
             return
@@ -206,6 +242,7 @@ class Pinning:
 
     @guarded(Stage.RESPONSE)
     def error(self, flow: http.HTTPFlow) -> None:
+        self.rt.pending.pop(flow.client_conn.id, None)
         req = self.rt.open.pop(flow.id, None)
         if req is None:
             return
@@ -217,7 +254,55 @@ class Pinning:
             tap.finish()  # what was streamed before the cut goes into the recording
         self._finish(flow, req, obs)
 
+    async def server_connect(self, data: Any) -> None:
+        """mitmproxy is about to open a connection to a server of the pool. A server that refuses it is
+        marked down, and the request that needs it goes to another server: nothing was sent yet, so it is
+        retried once, whole (a stream already under way is never replayed: it has its connection)."""
+        pool = self.rt.pool
+        if pool is None or data.server.address is None:
+            return
+        member = pool.member_at(data.server.address)
+        if member is None or (member.health.up and await pool.connect_check(member)):
+            return
+        flow = self.rt.pending.pop(data.client.id, None)
+        try:
+            target = await self._reroute(flow, member) if flow is not None else None
+        except Exception as e:  # fail open: the connection goes where it was going
+            self.rt.emit(Failed(member.url, Stage.REQUEST, type(e).__name__))
+            return
+        if target is not None:
+            data.server.address = target.address
+            self.rt.emit(RetriedElsewhere(member.url, target.url))
+
+    async def _reroute(self, flow: http.HTTPFlow, dead: Any) -> Any:
+        pool = self.rt.pool
+        assert pool is not None
+        if flow.metadata.get("slotkeeper_retried"):
+            return None
+        flow.metadata["slotkeeper_retried"] = True
+        req = self.rt.open.pop(flow.id, None)
+        if req is not None:
+            req.upstream.unlock(flow.id)
+            pool.ended(req.upstream)
+            if req.original is not None:
+                flow.request.raw_content, flow.request.headers.fields, flow.request.path = req.original
+        original = flow.request.raw_content, flow.request.headers.fields, flow.request.path
+        upstream, decision = await pool.decide(flows.request_facts(flow), flow.id, avoid=dead)
+        member = pool.member_of(upstream)
+        if member is dead or not member.health.up:
+            return None
+        flows.set_destination(flow, member.url)
+        await self._apply(flow, decision, flows.get(original[1], b"content-encoding"))
+        if isinstance(decision, Pin | Observe):
+            if decision.ticket.why is not None or decision.ticket.unpinned is None:
+                pool.count_retry(upstream)
+            self.rt.open[flow.id] = Open(decision.ticket, upstream, time.monotonic(), original[2], flow=flow,
+                                         original=original)
+        return member
+
     def done(self) -> None:
+        if self.rt.pool is not None:
+            self.rt.pool.close()
         for up in self.rt.all_upstreams():
             up.close_sync()
 
@@ -363,6 +448,19 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
     except private_dir.UnsafeDir as e:
         raise exceptions.OptionsError(f"slots_state_dir: {e}") from None
     return settings, state_dir
+
+
+def server_list(modes: Sequence[str], extra: Sequence[str]) -> list[str]:
+    """The servers of a pool: the reverse-mode target first, then `slots_upstreams` (each once)."""
+    out: list[str] = []
+    for url in [*sorted(fronted_upstreams(modes)), *(u.strip().rstrip("/") for u in extra if u.strip())]:
+        p = urlsplit(url)
+        if p.scheme not in ("http", "https") or not p.hostname:
+            raise exceptions.OptionsError(f"slots_upstreams: {url!r} is not an http(s):// URL")
+        base = f"{p.scheme}://{p.hostname}:{p.port or (443 if p.scheme == 'https' else 80)}"
+        if base not in out:
+            out.append(base)
+    return out if extra else []
 
 
 def fronted_upstreams(modes: Sequence[str]) -> frozenset[str]:

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from drivers.llama_http import LlamaClient
+from drivers.pool import Pool, base_of
+from drivers.store import Stores
 from drivers.store_file import default_state_dir
 from drivers.upstream import Upstream
 from slotlogic import wording
@@ -41,6 +43,7 @@ class Open:
     stream: StreamObserver | None = None
     ended: str | None = None   # the proxy ended it (mitm/watchdog.py): "deadline" or "first-token-timeout"
     flow: Any = None           # the live flow (mitm/watchdog.py ends or annotates it while it waits)
+    original: tuple[bytes | None, Any, str] | None = None  # body, headers, path as sent (a pool may re-route it)
 
 
 @dataclass
@@ -55,22 +58,49 @@ class Runtime:
     waiting: dict[str, dict[str, Any]] = field(default_factory=dict)  # flow id -> what its watch saw last
     listeners: list[Callable[[Event], None]] = field(default_factory=list)
     make_client: Callable[[str], LlamaClient] = LlamaClient  # the seam for fault injection in tests
+    stores: Stores | None = None                 # where the shared state lives (`slots_state_url`)
+    pool: Pool | None = None                     # several servers (`slots_upstreams`)
+    pending: dict[str, Any] = field(default_factory=dict)  # client connection id -> its flow being sent
+    _store_key: tuple[str, Path] | None = None
 
-    def configure(self, settings: Settings, state_dir: Path, fronted: frozenset[str]) -> None:
-        self.settings, self.state_dir, self.fronted = settings, state_dir, fronted
+    def configure(self, settings: Settings, state_dir: Path, fronted: frozenset[str], *, state_url: str = "",
+                  servers: list[str] | None = None, health_interval: float = 5.0) -> None:
+        replaced = self.stores is None or self._store_key != (state_url, state_dir)
+        if replaced:
+            self.stores = Stores(state_url, state_dir, self.emit)
+            self._store_key = (state_url, state_dir)
+        assert self.stores is not None
+        self.settings, self.state_dir = settings, self.stores.state_dir
+        self.fronted = fronted | frozenset(servers or ())
         for url, up in self.upstreams.items():
-            up.reconfigure(self.settings_for(url), state_dir)
+            up.reconfigure(self.settings_for(url), self.state_dir,
+                           self.stores.for_server(url) if replaced else None)
+        wanted = list(servers or [])
+        if len(wanted) < 2:
+            if self.pool is not None:
+                self.pool.close()
+            self.pool = None
+        elif self.pool is None or [m.url for m in self.pool.members] != [base_of(u) for u in wanted]:
+            if self.pool is not None:
+                self.pool.close()
+            self.pool = Pool(wanted, lambda url, loaded: self.upstream(url, loaded=loaded), self.emit,
+                             self.make_client, health_interval)
+        if self.pool is not None:
+            self.pool.health_interval = health_interval
 
     def settings_for(self, url: str) -> Settings:
-        return self.settings.for_upstream(url in self.fronted)
+        return self.settings.for_upstream(url in self.fronted or base_of(url) in self.fronted)
 
-    def upstream(self, url: str, *, live: bool = True) -> Upstream:
+    def upstream(self, url: str, *, live: bool = True, loaded: Callable[[], Any] | None = None) -> Upstream:
         """The driver for one server; saved flows get an offline one of their own."""
         pool = self.upstreams if live else self.replays
         up = pool.get(url)
         if up is None:
             settings = self.settings_for(url)
-            up = (Upstream(url, settings, self.state_dir, self.emit, client=self.make_client(url)) if live
+            if self.stores is None:
+                self.stores = Stores("", self.state_dir, self.emit)
+            up = (Upstream(url, settings, self.state_dir, self.emit, client=self.make_client(url),
+                           store=self.stores.for_server(url), loaded=loaded) if live
                   else Upstream.for_replay(url, settings, self.emit))
             pool[url] = up
         return up
@@ -92,8 +122,14 @@ class Runtime:
             listener(event)
 
     def status(self, upstreams: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"policy": self.settings.policy.value, "ttl": self.settings.ttl, "servers": upstreams,
-                "waiting": [w for fid, w in self.waiting.items() if fid in self.open]}
+        out = {"policy": self.settings.policy.value, "ttl": self.settings.ttl, "servers": upstreams,
+               "waiting": [w for fid, w in self.waiting.items() if fid in self.open]}
+        if self.pool is not None:
+            out["health"] = self.pool.status()
+        if self.stores is not None:
+            out["state"] = self.stores.kind if self.stores.redis is None else {
+                "store": self.stores.redis.shown, "reachable": self.stores.redis.available}
+        return out
 
 
 class _HasRuntime(Protocol):

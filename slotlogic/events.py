@@ -302,3 +302,43 @@ class Probed(Event):
     prompt_n: int | None
     predicted_n: int | None
     checkpoints_in_files: bool | None
+# ------------------------------------------------------------------------------------------- scale-out
+
+
+@dataclass(frozen=True)
+class ServerDown(Event):
+    """A server of `slots_upstreams` refused a connection, failed `/health` or timed out."""
+
+    cause: str                     # "refused", "health", "timeout"
+
+
+@dataclass(frozen=True)
+class ServerUp(Event):
+    """A down server answered `/health` again."""
+
+    seconds_down: float
+
+
+@dataclass(frozen=True)
+class RetriedElsewhere(Event):
+    """A request that could not reach its server went to another one before it had started."""
+
+    to: str
+
+
+@dataclass(frozen=True)
+class ModelUnloaded(Event):
+    """llama-swap unloaded this model: its slots are empty, as after a restart."""
+
+
+@dataclass(frozen=True)
+class StoreUnavailable(Event):
+    """The shared store (Redis/Valkey) cannot be reached: decisions stay local until it is back."""
+
+    store: str                     # the URL without credentials
+    kind: str                      # the exception's type name
+
+
+@dataclass(frozen=True)
+class StoreBack(Event):
+    store: str

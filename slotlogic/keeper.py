@@ -422,6 +422,19 @@ class Keeper:
         """The chosen slot still holds the new session's stable prefix (no checkpoint work needed)."""
         return view.prefix == need.prefix and (view.n_tokens or 0) > 0
 
+    def resume(self, need: NeedSlot, now: float) -> Pin | None:
+        """A `NeedSlot` that another keeper of the same pool made (several servers share one shape index):
+        this keeper's answer from memory when the session is live here, else None (and, when it was here
+        but displaced, `need` says from which slot, for `assign`)."""
+        slot = self._placed(need.ticket, now)
+        if slot is not None:
+            return self._pin(need.ticket, need.body, need.content, slot, now)
+        live = self.table.live(need.ticket.session.key, now)
+        if live is not None and need.displaced_from is None and (self.total_slots is None
+                                                                   or live.slot < self.total_slots):
+            need.ticket.displaced, need.displaced_from = True, live.slot
+        return None
+
     def pin(self, need: NeedSlot, slot: int, why: Why, now: float, *, paged_in: bool = False) -> Pin:
         need.ticket.why = why
         need.ticket.paged_in = paged_in

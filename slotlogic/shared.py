@@ -18,6 +18,7 @@ The in-memory side of the same facts is `slotlogic.table.SessionTable`: the hot 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -228,6 +229,23 @@ def forget_session(st: ServerState, session: str) -> int | None:
     if slot is not None and slot.owner == session:
         st.slots[rec.slot] = replace(slot, owner=None, last_used=0.0, requests=0)
     return rec.slot
+
+
+def displaced_by_others(st: ServerState, sessions: Mapping[str, Any], holders: Mapping[int, str]
+                        ) -> dict[int, str]:
+    """Slots where this process believes one of its sessions' conversation sits, but whose newest claim in
+    the shared state is another session's, made after our session's last request: another proxy's session
+    ran there since (the displacement record). Returns slot -> that session."""
+    out: dict[int, str] = {}
+    for slot, key in holders.items():
+        mine = sessions.get(key)
+        rec = st.slots.get(slot)
+        if (mine is None or rec is None or rec.owner in (None, key) or rec.owner in sessions
+                or getattr(mine, "slot", None) != slot):
+            continue
+        if rec.last_used > getattr(mine, "last_used", 0.0):
+            out[slot] = rec.owner
+    return out
 
 
 def match_sessions(keys: list[str], wanted: str) -> list[str]:

@@ -191,6 +191,16 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
     ev.Waiting: lambda e: (Level.INFO, f"{e.path} session={e.session} waiting {_secs(e.waited)} for its first "
                                        f"byte: {waiting(e)}"),
     ev.RequestEnded: lambda e: (Level.WARNING, _ended(e)),
+    ev.ServerDown: lambda e: (Level.WARNING, f"{e.upstream} is down ({e.cause}): its sessions go to the other "
+                                             "servers at their next request; probing it with back-off"),
+    ev.ServerUp: lambda e: (Level.WARNING, f"{e.upstream} is up again after {e.seconds_down:.0f} s"),
+    ev.RetriedElsewhere: lambda e: (Level.INFO, f"a request that could not reach {e.upstream} went to {e.to} "
+                                                "before it had started"),
+    ev.ModelUnloaded: lambda e: (Level.INFO, f"{e.upstream} was unloaded by llama-swap: its slots are empty; "
+                                             "sessions prefill or page in once when it is loaded again"),
+    ev.StoreUnavailable: lambda e: (Level.WARNING, f"shared state {e.store} unreachable ({e.kind}): deciding from "
+                                                   "this proxy's memory until it is back"),
+    ev.StoreBack: lambda e: (Level.WARNING, f"shared state {e.store} reachable again"),
 }
 
 _HOW = {Learn.ECHO: "id_slot in the answer", Learn.VERBOSE: "__verbose, stripped from the answer",

@@ -1,0 +1,365 @@
+"""Several llama-servers behind one proxy (`slots_upstreams`): which server each request goes to.
+
+Each server keeps its own `drivers.upstream.Upstream` (probe, restart detection, checkpoints, pages,
+warnings work per server as with one); this pool adds what is between them:
+
+- One shape index and one prompt memory for all their keepers, so a known session's next turn is
+  recognised once, whatever server it is on, and `where` says which: the hot path stays a memory look-up
+  (no parse, no network, no lock).
+- A new session (or one whose server went down) is routed by `slotlogic.routing.choose` from each server's
+  `/props`, `/slots` and shared state, then placed inside that server as always. The claim is made under
+  that server's state lock, where `accept` checks that a free slot is still there (another proxy may have
+  taken it since the look-up); if not, the choice is made again.
+- Health: a background task asks every server's `/health` (`slots_health_interval`), a down one with
+  back-off (`routing.Health`); a connection that cannot be opened marks the server down at once
+  (`connect_failed`, from mitmproxy's `server_connect` hook), and that request goes to another server before
+  anything was sent (`Pinning.server_connect`).
+- llama-swap: a URL that answers `GET /running` is llama-swap. Each model behind it is its own server,
+  reached through `/upstream/<model>/` for `/props`, `/slots` and slot save/restore; the model comes from
+  the request body. A model llama-swap unloaded is not probed (that would load it) and counts as restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from drivers.llama_http import LlamaClient
+from drivers.upstream import Upstream
+from slotlogic import prefix as pfx
+from slotlogic import routing, shared, sidecalls
+from slotlogic.decisions import Decision, NeedSlot, RequestFacts
+from slotlogic.events import Event, ServerDown, ServerUp
+from slotlogic.fastpath import ShapeIndex
+from slotlogic.routing import Health, RouteWhy, ServerView
+from slotlogic.server import ServerInfo
+
+Emit = Callable[[Event], None]
+CONNECT_CHECK_TIMEOUT = 1.0
+
+
+def base_of(url: str) -> str:
+    """`scheme://host:port` of a URL (a llama-swap model's server URL included)."""
+    p = urlsplit(url)
+    port = p.port or (443 if p.scheme == "https" else 80)
+    return f"{p.scheme}://{p.hostname}:{port}"
+
+
+@dataclass
+class Member:
+    """One URL of `slots_upstreams`: a llama-server, or a llama-swap in front of several."""
+
+    url: str
+    index: int
+    client: LlamaClient
+    health: Health = field(default_factory=Health)
+    swap: bool | None = None   # None until asked
+    checked: float = 0.0       # when `/health` was last asked
+
+    @property
+    def address(self) -> tuple[str, int]:
+        p = urlsplit(self.url)
+        return p.hostname or "", p.port or (443 if p.scheme == "https" else 80)
+
+
+class Pool:
+    def __init__(self, urls: list[str], make_upstream: Callable[[str, Any], Upstream], emit: Emit,
+                 make_client: Callable[[str], LlamaClient] = LlamaClient, health_interval: float = 5.0) -> None:
+        self.members = [Member(base_of(u), i, make_client(base_of(u))) for i, u in enumerate(urls)]
+        self.make_upstream = make_upstream
+        self.emit = emit
+        self.health_interval = health_interval
+        self.shapes = ShapeIndex()
+        self.marks: Any = None
+        self.servers: dict[str, tuple[Member, str]] = {}   # server URL -> (member, model or "")
+        self.where: dict[str, Upstream] = {}               # session key -> the server of its last request
+        self.inflight: dict[str, int] = {}                 # server URL -> requests in flight
+        self.routes: dict[tuple[str, str], int] = {}       # (server URL, RouteWhy value) -> count (metrics)
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------------------------------- membership
+
+    def fronts(self, base: str) -> bool:
+        return any(m.url == base for m in self.members)
+
+    def member_at(self, address: tuple[str, int]) -> Member | None:
+        return next((m for m in self.members if m.address == tuple(address)), None)
+
+    def upstream(self, member: Member, model: str = "") -> Upstream:
+        url = member.url + (f"/upstream/{quote(model, safe='')}" if member.swap and model else "")
+        up = self.make_upstream(url, self._loaded(member, model) if member.swap and model else None)
+        if url not in self.servers:
+            self.servers[url] = (member, model if member.swap else "")
+            up.keeper.shapes = self.shapes  # one recognition for the whole pool
+            if self.marks is None:
+                self.marks = up.keeper.marks
+            up.keeper.marks = self.marks
+        return up
+
+    def _loaded(self, member: Member, model: str) -> Callable[[], Any]:
+        async def loaded() -> bool | None:
+            data = await member.client.get_json("/running")
+            if not isinstance(data, dict) or not isinstance(data.get("running"), list):
+                return None
+            return any(isinstance(e, dict) and e.get("model") == model and e.get("state") == "ready"
+                       for e in data["running"])
+        return loaded
+
+    async def _detect(self, member: Member) -> None:
+        if member.swap is None:
+            data = await member.client.get_json("/running")
+            member.swap = isinstance(data, dict) and isinstance(data.get("running"), list)
+
+    def known(self) -> list[Upstream]:
+        return [self.make_upstream(url, None) for url in self.servers]
+
+    def member_of(self, up: Upstream) -> Member:
+        return self.servers[up.url][0]
+
+    def is_up(self, up: Upstream) -> bool:
+        return self.member_of(up).health.up
+
+    # ------------------------------------------------------------------------------------------- requests
+
+    async def decide(self, facts: RequestFacts, flow_id: str, *, avoid: Member | None = None
+                     ) -> tuple[Upstream, Decision]:
+        """The server and decision for one request. `avoid`: a server this request could not reach."""
+        self.kick()
+        first = self._first(facts, avoid)
+        if first is None:
+            first = await self._first_slow(facts, avoid)
+        if first is None:  # nothing is up: as with one server (the first may be back; else the fallback)
+            up = self.upstream(self.members[0], _model_of(facts.content) if self.members[0].swap else "")
+            return up, await up.decide(facts, flow_id)
+        decision = first.keeper.request(facts)
+        up = first
+        if isinstance(decision, NeedSlot):
+            up, decision = await self._route(decision, first, facts, flow_id, avoid)
+        elif first.keeper.table.dirty:
+            first.kick()
+        ticket = getattr(decision, "ticket", None)
+        if ticket is not None:
+            self.where[ticket.session.key] = up
+            self.inflight[up.url] = self.inflight.get(up.url, 0) + 1
+        return up, decision
+
+    def ended(self, up: Upstream) -> None:
+        n = self.inflight.get(up.url, 0)
+        if n > 0:
+            self.inflight[up.url] = n - 1
+
+    def _first(self, facts: RequestFacts, avoid: Member | None) -> Upstream | None:
+        """The server a known session's next turn goes to, from memory (the hot path); None: look further."""
+        if facts.replay is not None or not facts.content or not self.shapes:
+            return None
+        shape = self.shapes.match(facts.path, facts.content)
+        if shape is None:
+            return None
+        up = self.where.get(shape.key.key)
+        if up is None or not self.is_up(up) or self.member_of(up) is avoid:
+            return None
+        if shape.side:  # nobody's conversation: the least loaded server of the same model takes it
+            model = self.servers[up.url][1]
+            return self._least_loaded([u for u in self.known() if self.servers[u.url][1] == model
+                                       and self.is_up(u) and self.member_of(u) is not avoid]) or up
+        return up
+
+    async def _first_slow(self, facts: RequestFacts, avoid: Member | None) -> Upstream | None:
+        """A request the shapes do not know: any up server of its model parses it (they share memory)."""
+        up_members = [m for m in self.members if m.health.up and m is not avoid]
+        if not up_members:
+            return None
+        for m in up_members:
+            await self._detect(m)
+        model = _model_of(facts.content) if any(m.swap for m in up_members) else ""
+        cands = [self.upstream(m, model) for m in up_members]
+        return self._least_loaded(cands)
+
+    def _least_loaded(self, ups: list[Upstream]) -> Upstream | None:
+        if not ups:
+            return None
+        return min(ups, key=lambda u: (self.inflight.get(u.url, 0), self.member_of(u).index))
+
+    async def _route(self, need: NeedSlot, first: Upstream, facts: RequestFacts, flow_id: str,
+                     avoid: Member | None) -> tuple[Upstream, Decision]:
+        key, now = need.ticket.session.key, facts.now
+        model = _model_of_body(need.body) if self.servers[first.url][1] or self.member_of(first).swap else ""
+        cands = [self.upstream(m, model) for m in self.members if m.health.up and m is not avoid]
+        previous = self.where.get(key)
+        was_down = previous is not None and (not self.is_up(previous) or self.member_of(previous) is avoid)
+        for up in cands:  # the session lives on one of them: it goes back there
+            if up is first:
+                continue
+            if up.keeper.table.live(key, now) is not None:
+                pin = up.keeper.resume(need, now)
+                if pin is not None:
+                    self._count(up, RouteWhy.HOME)
+                    return up, pin
+                return up, await self._place(up, need, facts, flow_id, None, RouteWhy.HOME)
+        if first.keeper.table.live(key, now) is not None and self.is_up(first):
+            return first, await self._place(first, need, facts, flow_id, None, RouteWhy.HOME)
+        if was_down and previous is not None:
+            previous.keeper.forget([key])
+        page = await self._page_elsewhere(key, previous) if was_down and previous is not None else None
+        asked = await asyncio.gather(*(u.ask() for u in cands))
+        views, infos = [], []
+        for i, (up, (props, live)) in enumerate(zip(cands, asked, strict=True)):
+            info = ServerInfo.parse(props)
+            infos.append(info)
+            views.append(await self._view(i, up, info, live, need, now) if info is not None
+                         else ServerView(i, up=False))
+        full: set[int] = set()
+        for _ in range(len(cands)):
+            choice = routing.choose([v if v.index not in full else _full(v) for v in views], side=need.ticket.side,
+                                    was_down=was_down)
+            if choice is None:
+                break
+            up = cands[choice.index]
+            want_free = views[choice.index].free > 0 and not need.ticket.side and any(
+                v.up and v.free > 0 and v.index not in full for v in views)
+
+            def accept(state: shared.ServerState, info: ServerInfo, live: list[dict[str, Any]] | None,
+                       want_free: bool = want_free, up: Upstream = up) -> bool:
+                if want_free and not _has_free(up, state, info, live, now):
+                    return False
+                if page is not None and key not in state.pages:
+                    state.pages[key] = page  # the page file is readable here: the shared save dir
+                return True
+
+            decision = await up.place(need, facts, flow_id, asked=asked[choice.index], accept=accept)
+            if decision is None:  # another proxy took the last free slot there since the look-up
+                full.add(choice.index)
+                continue
+            self._count(up, choice.why)
+            return up, decision
+        up = first  # nothing answered: the server the request was parsed for, as with one server
+        return up, await self._place(up, need, facts, flow_id, None, RouteWhy.ONLY)
+
+    async def _place(self, up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str, asked: Any,
+                     why: RouteWhy) -> Decision:
+        self._count(up, why)
+        decision = await up.place(need, facts, flow_id, asked=asked)
+        assert decision is not None
+        return decision
+
+    def count_retry(self, up: Upstream) -> None:
+        self._count(up, RouteWhy.RETRY)
+
+    def _count(self, up: Upstream, why: RouteWhy) -> None:
+        k = (up.url, why.value)
+        self.routes[k] = self.routes.get(k, 0) + 1
+
+    async def _view(self, i: int, up: Upstream, info: ServerInfo, live: list[dict[str, Any]] | None,
+                    need: NeedSlot, now: float) -> ServerView:
+        state = await up.store.aread()
+        ttl = up.settings.ttl
+        views = shared.views(state, info.total_slots, live, up.keeper.table)
+        reserved = sidecalls.side_slot(info.total_slots, up.settings.side_slot) if up.keeper.table.reserving(now) \
+            else None
+        free, idle, busy = routing.slot_counts(views, now, ttl, exclude=reserved)
+        checkpoint = False
+        if up.checkpoints is not None and need.stable is not None and up.checkpoints.persist:
+            with contextlib.suppress(OSError, ValueError):
+                name = pfx.file_name(up.checkpoints.fingerprint(need.stable, info))
+                checkpoint = await asyncio.to_thread(up.checkpoints.file_known, name, info)
+        return ServerView(i, total_slots=info.total_slots, free=free, idle=idle, busy=busy,
+                          queued=max(0, self.inflight.get(up.url, 0) - busy),
+                          same_prefix=routing.holds_prefix_free(views, need.prefix, now, ttl),
+                          checkpoint=checkpoint, owned=shared.owned_slot(state, need.ticket.session.key) is not None)
+
+    async def _page_elsewhere(self, key: str, previous: Upstream) -> Any:
+        """The page record of a session whose server is down (its state is still readable)."""
+        with contextlib.suppress(Exception):
+            state = await previous.store.aread()
+            return state.pages.get(key) or previous.keeper.pages.get(key)
+        return None
+
+    # ------------------------------------------------------------------------------------------- health
+
+    def connect_failed(self, member: Member, cause: str) -> None:
+        self._mark(member, False, cause)
+
+    def _mark(self, member: Member, ok: bool, cause: str = "") -> None:
+        now = time.monotonic()
+        if ok:
+            since = member.health.down_since
+            if member.health.ok(now) is routing.Change.CAME_BACK:
+                self.emit(ServerUp(member.url, now - (since or now)))
+        elif member.health.failed(now) is routing.Change.WENT_DOWN:
+            self.emit(ServerDown(member.url, cause))
+
+    async def check(self, member: Member) -> bool:
+        """One `/health` look-up; marks the member up or down."""
+        result = await member.client.health()
+        self._mark(member, result == "ok", result)
+        return result == "ok"
+
+    async def connect_check(self, member: Member) -> bool:
+        """Can a connection be opened now? (Before mitmproxy opens one: a refused server is marked down and
+        the request goes elsewhere.)"""
+        host, port = member.address
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_CHECK_TIMEOUT)
+        except (TimeoutError, OSError) as e:
+            self.connect_failed(member, "timeout" if isinstance(e, TimeoutError) else "refused")
+            return False
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+        return True
+
+    def kick(self) -> None:
+        if self._task is None or self._task.done():
+            with contextlib.suppress(RuntimeError):
+                self._task = asyncio.get_running_loop().create_task(self._background())
+
+    async def _background(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            while True:
+                await asyncio.sleep(min(self.health_interval, routing.PROBE_MIN))
+                now = time.monotonic()
+                due = [m for m in self.members if m.health.due(now) or (
+                    m.health.up and now - m.checked >= self.health_interval)]
+                for m in due:
+                    m.checked = now
+                await asyncio.gather(*(self.check(m) for m in due), return_exceptions=True)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    # ------------------------------------------------------------------------------------------- views
+
+    def status(self) -> list[dict[str, Any]]:
+        return [{"url": m.url, "up": m.health.up, "llama_swap": bool(m.swap),
+                 "failures": m.health.failures} for m in self.members]
+
+
+def _full(v: ServerView) -> ServerView:
+    return ServerView(v.index, v.up, v.total_slots, 0, v.idle, v.busy, v.queued, False, False, v.owned)
+
+
+def _has_free(up: Upstream, state: shared.ServerState, info: ServerInfo, live: list[dict[str, Any]] | None,
+              now: float) -> bool:
+    views = shared.views(state, info.total_slots, live, up.keeper.table)
+    reserved = sidecalls.side_slot(info.total_slots, up.settings.side_slot) if up.keeper.table.reserving(now) \
+        else None
+    return routing.slot_counts(views, now, up.settings.ttl, exclude=reserved)[0] > 0
+
+
+def _model_of_body(body: Any) -> str:
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else ""
+
+
+def _model_of(content: bytes | None) -> str:
+    try:
+        return _model_of_body(json.loads(content or b""))
+    except (ValueError, UnicodeDecodeError):
+        return ""

@@ -1,0 +1,96 @@
+"""Where the shared state lives: the interface every store keeps, and the choice by `slots_state_url`.
+
+`drivers.upstream.Upstream` talks to its server's state through `StateStore` only:
+- `transaction()`: an exclusive read-modify-write of the server's `ServerState` (the claim of a slot is made
+  inside one, so two proxies never claim the same slot at once); the state is written back when the body
+  completes;
+- `aread()` / `read()`: a read without the lock (status views, the hash fallback); `read()` may answer from
+  memory where a read would need the network;
+- `last`: the state as of this process's last transaction (sync views, commands);
+- `transaction_sync()`: the blocking variant for shutdown (mitmproxy's `done` must stay sync).
+
+`file://DIR` (the default: `slots_state_dir`) is `drivers.store_file.StateFile`: one locked JSON file per
+server, shared by the proxies of one machine. `redis://host:port/db` and `rediss://…` is
+`drivers.store_redis.RedisState`: one document per server in Redis or Valkey, shared by proxies anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import unquote, urlsplit
+
+from slotlogic import shared
+from slotlogic.events import Event
+
+Emit = Callable[[Event], None]
+SCHEMES = ("file", "redis", "rediss")
+
+
+class StateStore(Protocol):
+    last: shared.ServerState
+
+    def transaction(self) -> contextlib.AbstractAsyncContextManager[shared.ServerState]: ...
+
+    def transaction_sync(self) -> contextlib.AbstractContextManager[shared.ServerState]: ...
+
+    def read(self) -> shared.ServerState: ...
+
+    async def aread(self) -> shared.ServerState: ...
+
+
+def parse_url(url: str, default_dir: Path) -> tuple[str, Path | str]:
+    """("file", directory) or ("redis", url); ValueError names what is wrong (never the password)."""
+    if not url:
+        return "file", default_dir
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise ValueError(f"the scheme must be one of {', '.join(s + '://' for s in SCHEMES)}")
+    if parts.scheme == "file":
+        path = unquote(parts.path or "")
+        if parts.netloc and parts.netloc != "localhost":
+            path = "/" + parts.netloc + path  # file://relative/dir is a common slip: take it as written
+        if not path:
+            raise ValueError("file:// needs a directory")
+        return "file", Path(path).expanduser()
+    if not parts.hostname:
+        raise ValueError("redis:// needs a host")
+    return "redis", url
+
+
+def redacted(url: str) -> str:
+    """The URL as a log line may show it: scheme, host, port and db, never the credentials."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
+class Stores:
+    """The store of each server, all from one `slots_state_url`; the Redis connection is shared by them."""
+
+    def __init__(self, url: str, state_dir: Path, emit: Emit) -> None:
+        self.kind, where = parse_url(url, state_dir)
+        self.url = url
+        self.state_dir = where if isinstance(where, Path) else state_dir
+        self.emit = emit
+        self.redis = None
+        if self.kind == "redis":
+            from drivers.store_redis import RedisConnection  # the client is imported only when used
+
+            self.redis = RedisConnection(str(where), emit)
+
+    def for_server(self, upstream: str) -> StateStore:
+        if self.redis is not None:
+            from drivers.store_redis import RedisState
+
+            return RedisState(self.redis, upstream)
+        from drivers.store_file import StateFile
+
+        return StateFile(self.state_dir, upstream, self.emit)
+
+    def close_sync(self) -> None:
+        if self.redis is not None:
+            self.redis.close_sync()

@@ -1,0 +1,201 @@
+"""The shared state in Redis or Valkey (`slots_state_url=redis://host:port/db`, `rediss://…` for TLS), for
+proxies on several machines. The client is the maintained asyncio one of the `redis` package
+(`redis.asyncio`); any server that speaks the protocol works (Redis ≥ 6, Valkey).
+
+The model is the file store's (`slotlogic.shared.ServerState`: claims, owners, last use, the page index, the
+server's identity), one JSON document per server under `slotkeeper:v1:<sha256(url)[:16]>:state`:
+
+- Atomic claims: every transaction holds the server's lock, `redis.asyncio.lock.Lock` (acquired with
+  `SET NX PX` and a random token, released and extended by Lua scripts that check the token, so a proxy
+  never releases another proxy's lock), around GET and SET of the document. Two proxies claiming a slot of
+  one server queue on it exactly as on the file lock.
+- TTLs instead of sweeps: the lock expires by itself (`LOCK_SECONDS`) if its holder dies; the document
+  expires `SESSION_KEEP_SECONDS` (7 days) after its last write, so a server nobody uses leaves nothing
+  behind; a claim is live while its last use is within `slots_ttl` (read, never swept). Per-session entries
+  inside the document follow the file store's prune rule (Redis 7.0, Debian's, has no per-field TTL).
+- Fail open: when the server cannot be reached (refused, time-out, an error reply), the transaction runs on
+  this process's last copy of the state and writes nothing; one line is logged, the connection is tried
+  again after a back-off, and one line says when it is back. Requests keep flowing on local decisions.
+- No network on the hot path: a known session is decided from memory; only a new session's placement, a
+  paging step and the background flush (every 2 s, coalesced) talk to Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+from redis.exceptions import LockError, RedisError
+
+from drivers.store import redacted
+from slotlogic import shared
+from slotlogic.events import Event, StoreBack, StoreUnavailable
+from slotlogic.routing import backoff
+from slotlogic.settings import SESSION_KEEP_SECONDS
+
+LOCK_SECONDS = 10.0       # a lock whose holder died expires after this
+WAIT_SECONDS = 10.0       # how long a transaction waits for the lock
+IO_TIMEOUT = 2.0          # connect and per-command time-out
+KEEP_MS = int(SESSION_KEEP_SECONDS * 1000)
+Emit = Callable[[Event], None]
+ERRORS = (RedisError, OSError, TimeoutError)
+
+
+def state_key(upstream: str) -> str:
+    """The document's key: a digest of the server's URL (every proxy fronting it agrees)."""
+    return f"slotkeeper:v1:{hashlib.sha256(upstream.encode()).hexdigest()[:16]}:state"
+
+
+class RedisConnection:
+    """One client per event loop (a client bound to a closed loop cannot be used again), and the one
+    up/down status of the store that every server's `RedisState` shares."""
+
+    def __init__(self, url: str, emit: Emit) -> None:
+        self.url = url
+        self.shown = redacted(url)
+        self.emit = emit
+        self._clients: dict[int, aredis.Redis] = {}
+        self.available = True
+        self.failures = 0
+        self.retry_at = 0.0
+        self.calls = 0  # commands sent (tests assert the hot path sends none)
+
+    def client(self) -> aredis.Redis:
+        loop_id = id(asyncio.get_running_loop())
+        c = self._clients.get(loop_id)
+        if c is None:
+            c = self._clients[loop_id] = aredis.Redis.from_url(
+                self.url, socket_timeout=IO_TIMEOUT, socket_connect_timeout=IO_TIMEOUT, health_check_interval=30)
+        return c
+
+    def usable(self) -> bool:
+        """False while the store is down and its back-off has not run out (no connection attempt then)."""
+        return self.available or time.monotonic() >= self.retry_at
+
+    def failed(self, e: BaseException) -> None:
+        self.failures += 1
+        self.retry_at = time.monotonic() + backoff(self.failures)
+        if self.available:
+            self.available = False
+            self.emit(StoreUnavailable("", self.shown, type(e).__name__))
+
+    def ok(self) -> None:
+        if not self.available:
+            self.emit(StoreBack("", self.shown))
+        self.available, self.failures = True, 0
+
+    def close_sync(self) -> None:
+        self._clients.clear()  # their loop is closing; the sockets go with the process
+
+
+class RedisState:
+    """The `drivers.store.StateStore` of one server, in Redis."""
+
+    def __init__(self, conn: RedisConnection, upstream: str) -> None:
+        self.conn = conn
+        self.upstream = upstream
+        self.key = state_key(upstream)
+        self.last = shared.ServerState(upstream=upstream)
+
+    def _parse(self, raw: Any) -> shared.ServerState:
+        try:
+            data = json.loads(raw) if raw else None
+        except (ValueError, UnicodeDecodeError):
+            data = None
+        return shared.from_dict(data, self.upstream)
+
+    def read(self) -> shared.ServerState:
+        """The last state seen (sync callers never wait for the network)."""
+        return self.last
+
+    async def aread(self) -> shared.ServerState:
+        if not self.conn.usable():
+            return self.last
+        try:
+            self.conn.calls += 1
+            raw = await self.conn.client().get(self.key)
+        except ERRORS as e:
+            self.conn.failed(e)
+            return self.last
+        self.conn.ok()
+        return self._parse(raw)
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[shared.ServerState]:
+        """Locked read-modify-write; on a store failure, the body runs on the local copy and nothing is
+        written (fail open)."""
+        lock, state = await self._begin()
+        if lock is None:
+            local = copy.deepcopy(self.last)
+            yield local
+            self.last = local
+            return
+        try:
+            yield state
+            try:
+                self.conn.calls += 1
+                await self.conn.client().set(self.key, json.dumps(shared.to_dict(state), separators=(",", ":")),
+                                             px=KEEP_MS)
+                self.conn.ok()
+            except ERRORS as e:
+                self.conn.failed(e)
+            self.last = state
+        finally:
+            with contextlib.suppress(*ERRORS, LockError):
+                await lock.release()
+
+    async def _begin(self) -> tuple[Any, shared.ServerState]:
+        if not self.conn.usable():
+            return None, self.last
+        client = self.conn.client()
+        lock = client.lock(self.key + ":lock", timeout=LOCK_SECONDS, blocking_timeout=WAIT_SECONDS)
+        try:
+            self.conn.calls += 2
+            if not await lock.acquire():
+                raise LockError("lock wait timed out")
+            raw = await client.get(self.key)
+        except (*ERRORS, LockError) as e:
+            with contextlib.suppress(*ERRORS, LockError):
+                await lock.release()
+            self.conn.failed(e)
+            return None, self.last
+        self.conn.ok()
+        return lock, self._parse(raw)
+
+    @contextlib.contextmanager
+    def transaction_sync(self) -> Iterator[shared.ServerState]:
+        """At shutdown (sync): a short-lived blocking client; fail open like the async one."""
+        client = None
+        lock = None
+        state = copy.deepcopy(self.last)
+        if self.conn.usable():
+            try:
+                client = redis.Redis.from_url(self.conn.url, socket_timeout=IO_TIMEOUT,
+                                              socket_connect_timeout=IO_TIMEOUT)
+                lock = client.lock(self.key + ":lock", timeout=LOCK_SECONDS, blocking_timeout=WAIT_SECONDS)
+                if not lock.acquire():
+                    raise LockError("lock wait timed out")
+                state = self._parse(client.get(self.key))
+            except (RedisError, OSError, LockError) as e:
+                self.conn.failed(e)
+                lock = None
+        try:
+            yield state
+            if lock is not None and client is not None:
+                with contextlib.suppress(RedisError, OSError):
+                    client.set(self.key, json.dumps(shared.to_dict(state), separators=(",", ":")), px=KEEP_MS)
+            self.last = state
+        finally:
+            if lock is not None:
+                with contextlib.suppress(RedisError, OSError, LockError):
+                    lock.release()
+            if client is not None:
+                client.close()
