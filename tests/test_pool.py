@@ -1,0 +1,140 @@
+"""Several servers behind one proxy (`slots_upstreams`), in mitmproxy's test harness with scripted servers:
+routing of new and known sessions, side calls, failover and the retry of a request that could not connect."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from mitmproxy import http
+from mitmproxy.test import taddons
+
+import addon as addon_module
+from tests.conftest import UP, FakeLlama, Proxy, chat, flow, sent
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (connections are refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server(FakeLlama):
+    """A scripted llama-server that also answers `/health` and, like llama-server, 404s `/running`."""
+
+    def __init__(self, total: int = 2) -> None:
+        super().__init__(total=total)
+        self.healthy = True
+
+    async def get_json(self, path: str, timeout: float | None = None) -> Any:
+        self.calls.append(f"get {path}")
+        return None
+
+    async def health(self, timeout: float = 3.0) -> str:
+        return "ok" if self.healthy else "refused"
+
+
+B = f"http://127.0.0.1:{closed_port()}"
+
+
+@pytest.fixture
+def servers() -> dict[str, Server]:
+    return {UP: Server(), B: Server()}
+
+
+@pytest.fixture
+def pool(tmp_path, servers) -> Iterator[Proxy]:
+    addons = addon_module.make_addons()
+    addons[0].rt.make_client = lambda url: servers[url]
+    with taddons.context(*addons) as tctx:
+        p = Proxy(tctx, addons)
+        p.configure(slots_state_dir=str(tmp_path / "state"), slots_probe_interval=0, slots_log_requests="off",
+                    mode=[f"reverse:{UP}@127.0.0.1:1"], slots_upstreams=[B])
+        yield p
+
+
+def dest(f: http.HTTPFlow) -> str:
+    return f"{f.request.scheme}://{f.request.host}:{f.request.port}"
+
+
+def turn(body: dict[str, Any], n: int) -> dict[str, Any]:
+    return body | {"messages": [*body["messages"], {"role": "assistant", "content": f"step {n}"},
+                                {"role": "user", "content": f"output {n}"}]}
+
+
+async def test_new_sessions_fill_free_slots_on_both_servers_before_sharing_one(pool):
+    placed = []
+    for i in range(4):
+        f = await pool.request(flow(chat(f"task {i}")))
+        placed.append((dest(f), sent(f)["id_slot"]))
+    assert len(set(placed)) == 4 and {d for d, _ in placed} == {UP, B}
+
+
+async def test_a_known_session_goes_back_to_its_server_and_slot_from_memory(pool, servers):
+    body = chat("task A")
+    await pool.request(flow(chat("task 0")))  # the second session goes to the other server
+    f1 = await pool.request(flow(body))
+    where = dest(f1), sent(f1)["id_slot"]
+    before = {u: list(s.calls) for u, s in servers.items()}
+    f2 = await pool.request(flow(turn(body, 1)))
+    assert (dest(f2), sent(f2)["id_slot"]) == where
+    assert {u: s.calls for u, s in servers.items()} == before  # no network for a known session
+    assert pool.rt.open[f2.id].ticket.why.value == "known"
+
+
+async def test_a_down_servers_sessions_are_placed_again_on_the_other(pool, servers):
+    body = chat("task A")
+    f1 = await pool.request(flow(body))
+    first = dest(f1)
+    rt = pool.rt
+    member = next(m for m in rt.pool.members if m.url == first)
+    rt.pool.connect_failed(member, "refused")
+    f2 = await pool.request(flow(turn(body, 1)))
+    assert dest(f2) != first
+    assert ("http://" + f2.request.host + f":{f2.request.port}", "failover") in rt.pool.routes
+    # its former server forgot it: when that server is back, the session is not on two servers
+    assert all(body_key not in rt.upstreams[first].keeper.table.sessions
+               for body_key in rt.upstreams[dest(f2)].keeper.table.sessions)
+
+
+async def test_a_request_that_cannot_connect_is_sent_to_the_other_server_before_it_starts(pool, caplog):
+    caplog.set_level(logging.INFO)
+    # B refuses connections (nothing listens on its port). Fill UP so a new session goes to B.
+    await pool.request(flow(chat("task 0")))
+    f = await pool.request(flow(chat("task 1")))
+    assert dest(f) == B
+    data = SimpleNamespace(client=f.client_conn, server=SimpleNamespace(address=("127.0.0.1", int(B.rsplit(":")[-1]))))
+    pinning = pool.addons[1]
+    await pinning.server_connect(data)
+    assert data.server.address == ("127.0.0.1", 8080) and dest(f) == UP
+    assert sent(f)["id_slot"] in range(2) and pool.rt.open[f.id].upstream.url == UP
+    assert not pool.rt.pool.members[1].health.up
+    assert f"could not reach {B} went to {UP}" in caplog.text and f"{B} is down (refused)" in caplog.text
+
+
+async def test_side_calls_go_to_the_least_loaded_server(pool):
+    await pool.request(flow(chat("task 0")))
+    side = chat("the conversation", system="Generate a short title for this conversation.")
+    f = await pool.request(flow(side))
+    assert pool.rt.open[f.id].ticket.side
+    assert dest(f) == B  # the first server has a session in flight, the second none
+
+
+async def test_status_shows_each_servers_health(pool):
+    await pool.request(flow(chat()))
+    rt = pool.rt
+    status = rt.status([await up.status() for up in rt.upstreams.values()])
+    assert [h["url"] for h in status["health"]] == [UP, B] and all(h["up"] for h in status["health"])
+    assert json.dumps(status)
+
+
+async def test_one_server_and_no_list_keeps_todays_path(proxy):
+    assert proxy.rt.pool is None
+    f = await proxy.request(flow(chat()))
+    assert dest(f) == UP
