@@ -150,9 +150,12 @@ class Pool:
         return up, decision
 
     def ended(self, up: Upstream) -> None:
-        n = self.inflight.get(up.url, 0)
+        self.ended_url(up.url)
+
+    def ended_url(self, url: str) -> None:
+        n = self.inflight.get(url, 0)
         if n > 0:
-            self.inflight[up.url] = n - 1
+            self.inflight[url] = n - 1
 
     def _first(self, facts: RequestFacts, avoid: Member | None) -> Upstream | None:
         """The server a known session's next turn goes to, from memory (the hot path); None: look further."""

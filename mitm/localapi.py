@@ -1,4 +1,5 @@
-"""The local API addon: `GET /_slots/health` and `GET /_slots/status`, answered by the proxy itself.
+"""The local API addon: `GET /_slots/health`, `/_slots/status` and `/_slots/metrics` (Prometheus), answered by
+the proxy itself.
 
 Any request whose path starts with `/_slots/` is ours and never reaches llama-server. Only GET is served
 (anything else: 405), only to the clients `slots_api_allow` admits (loopback by default: the status names
@@ -14,6 +15,7 @@ from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 
+from mitm import metrics
 from mitm.runtime import Runtime
 
 PREFIX = "/_slots/"
@@ -55,6 +57,8 @@ class LocalApi:
         path = flow.request.path.split("?", 1)[0]
         if path == "/_slots/health":
             return reply(200, {"ok": True})
+        if path == "/_slots/metrics":
+            return http.Response.make(200, metrics.render(self.rt), {"content-type": metrics.CONTENT_TYPE})
         if path == "/_slots/status":
             servers = [await up.status() for up in self.rt.upstreams.values()]
             return reply(200, self.rt.status(servers))

@@ -21,6 +21,7 @@ from drivers.pool import Pool, base_of
 from drivers.store import Stores
 from drivers.store_file import default_state_dir
 from drivers.upstream import Upstream
+from mitm.metrics import Tally
 from slotlogic import wording
 from slotlogic.answers import StreamObserver
 from slotlogic.decisions import Report, Ticket
@@ -62,6 +63,7 @@ class Runtime:
     pool: Pool | None = None                     # several servers (`slots_upstreams`)
     pending: dict[str, Any] = field(default_factory=dict)  # client connection id -> its flow being sent
     _store_key: tuple[str, Path] | None = None
+    tally: Tally = field(default_factory=Tally)   # the counters behind /_slots/metrics
 
     def configure(self, settings: Settings, state_dir: Path, fronted: frozenset[str], *, state_url: str = "",
                   servers: list[str] | None = None, health_interval: float = 5.0) -> None:
@@ -109,6 +111,9 @@ class Runtime:
         return [*self.upstreams.values(), *self.replays.values()]
 
     def finished(self, flow_id: str, report: Report) -> None:
+        self.tally.report(report)
+        if self.pool is not None:
+            self.pool.ended_url(report.upstream)
         self.reports[flow_id] = report
         while len(self.reports) > MAX_REPORTS:
             self.reports.popitem(last=False)
@@ -118,6 +123,7 @@ class Runtime:
         if wording.logged(event):
             level, text = wording.event_line(event)
             log.log(LEVELS[level], text)
+        self.tally.event(event)
         for listener in self.listeners:
             listener(event)
 

@@ -1,0 +1,133 @@
+"""`GET /_slots/metrics`: what the proxy did, in the Prometheus text format (`prometheus_client`).
+
+Counting costs a few dict additions per request (`Tally`, fed by the runtime's reports and events); the
+metric families are built only when a scraper asks (`render`), so the hot path never touches the library.
+Labels are server URLs, slot ids and enum words: never a session, never prompt text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from slotlogic.decisions import Report
+from slotlogic.events import CheckpointDone, Event, Paged
+
+if TYPE_CHECKING:
+    from mitm.runtime import Runtime
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+Key = tuple[str, str]   # (server, slot)
+
+
+class Tally:
+    """Plain counters, keyed by (server, slot)."""
+
+    def __init__(self) -> None:
+        self.requests: defaultdict[Key, int] = defaultdict(int)
+        self.prefill: defaultdict[Key, int] = defaultdict(int)
+        self.cached: defaultdict[Key, int] = defaultdict(int)
+        self.paged_in: defaultdict[Key, int] = defaultdict(int)
+        self.page_ops: defaultdict[tuple[str, str, str], int] = defaultdict(int)    # + direction
+        self.page_seconds: defaultdict[Key, float] = defaultdict(float)
+        self.checkpoints: defaultdict[tuple[str, str, str], int] = defaultdict(int)  # + outcome
+        self.checkpoint_seconds: defaultdict[Key, float] = defaultdict(float)
+
+    def report(self, r: Report) -> None:
+        key = (r.upstream, "-" if r.slot is None else str(r.slot))
+        self.requests[key] += 1
+        if r.obs.prompt_n:
+            self.prefill[key] += r.obs.prompt_n
+        if r.obs.cache_n:
+            self.cached[key] += r.obs.cache_n
+
+    def event(self, e: Event) -> None:
+        if isinstance(e, Paged):
+            key = (e.upstream, str(e.slot))
+            if e.out_tokens is not None:
+                self.page_ops[(*key, "out")] += 1
+            if e.in_tokens is not None:
+                self.page_ops[(*key, "in")] += 1
+                self.paged_in[key] += e.in_tokens
+            self.page_seconds[key] += e.seconds
+        elif isinstance(e, CheckpointDone):
+            key = (e.upstream, str(e.slot))
+            self.checkpoints[(*key, e.outcome.value)] += 1
+            self.checkpoint_seconds[key] += e.seconds
+
+
+class _Collector(Collector):
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def collect(self) -> Iterator[Any]:
+        t = self.rt.tally
+        slot = ["server", "slot"]
+        for name, doc, data in (
+                ("requests", "Completion requests answered, by the server and slot that served them.", t.requests),
+                ("prefill_tokens", "Prompt tokens the server had to compute (timings.prompt_n).", t.prefill),
+                ("cached_tokens", "Prompt tokens the server reused from the slot (timings.cache_n).", t.cached),
+                ("paged_in_tokens", "Tokens restored into a slot from a session page file.", t.paged_in)):
+            fam = CounterMetricFamily(f"slotkeeper_{name}", doc, labels=slot)
+            for (server, sid), v in sorted(data.items()):
+                fam.add_metric([server, sid], v)
+            yield fam
+        fam = CounterMetricFamily("slotkeeper_page_operations", "Session page saves (out) and restores (in).",
+                                  labels=[*slot, "direction"])
+        for labels, v in sorted(t.page_ops.items()):
+            fam.add_metric(list(labels), v)
+        yield fam
+        fam = CounterMetricFamily("slotkeeper_page_seconds", "Seconds spent paging sessions out and in.", labels=slot)
+        for labels, secs in sorted(t.page_seconds.items()):
+            fam.add_metric(list(labels), secs)
+        yield fam
+        fam = CounterMetricFamily("slotkeeper_checkpoints", "Prefix checkpoint preparations, by outcome.",
+                                  labels=[*slot, "outcome"])
+        for labels, v in sorted(t.checkpoints.items()):
+            fam.add_metric(list(labels), v)
+        yield fam
+        fam = CounterMetricFamily("slotkeeper_checkpoint_seconds",
+                                  "Seconds spent restoring, warming and saving prefix checkpoints.", labels=slot)
+        for labels, secs in sorted(t.checkpoint_seconds.items()):
+            fam.add_metric(list(labels), secs)
+        yield fam
+        now = time.time()
+        live = GaugeMetricFamily("slotkeeper_live_sessions", "Sessions used within slots_ttl, per server.",
+                                 labels=["server"])
+        for up in self.rt.upstreams.values():
+            n = sum(1 for a in up.keeper.table.sessions.values() if now - a.last_used < up.settings.ttl)
+            live.add_metric([up.url], n)
+        yield live
+        pool = self.rt.pool
+        up_fam = GaugeMetricFamily("slotkeeper_server_up", "1 while the server answers (slots_upstreams).",
+                                   labels=["server"])
+        routes = CounterMetricFamily("slotkeeper_routing_decisions", "Server choices, by reason.",
+                                     labels=["server", "reason"])
+        if pool is not None:
+            for m in pool.members:
+                up_fam.add_metric([m.url], 1.0 if m.health.up else 0.0)
+            for (server, why), v in sorted(pool.routes.items()):
+                routes.add_metric([server, why], v)
+        else:
+            for up in self.rt.upstreams.values():
+                up_fam.add_metric([up.url], 1.0)
+        yield up_fam
+        yield routes
+        stores = self.rt.stores
+        if stores is not None and stores.redis is not None:
+            g = GaugeMetricFamily("slotkeeper_state_store_up", "1 while the shared state store is reachable.",
+                                  labels=["store"])
+            g.add_metric([stores.redis.shown], 1.0 if stores.redis.available else 0.0)
+            yield g
+
+
+def render(rt: Runtime) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(rt))
+    return generate_latest(registry)

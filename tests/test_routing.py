@@ -1,0 +1,71 @@
+"""The pure server choice and health back-off of `slotlogic.routing`."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from slotlogic.ranking import SlotView
+from slotlogic.routing import (
+    PROBE_MAX,
+    Change,
+    Health,
+    RouteWhy,
+    ServerView,
+    backoff,
+    choose,
+    holds_prefix_free,
+    slot_counts,
+)
+
+
+def test_a_known_session_stays_home_while_its_server_is_up():
+    servers = [ServerView(0, free=0), ServerView(1, free=4)]
+    assert choose(servers, home=0).why is RouteWhy.HOME and choose(servers, home=0).index == 0
+    down = [ServerView(0, up=False), ServerView(1, free=1)]
+    assert choose(down, home=0, was_down=True).index == 1
+
+
+def test_a_new_session_prefers_its_prefix_then_a_checkpoint_then_the_least_loaded():
+    assert choose([ServerView(0, free=2), ServerView(1, free=1, same_prefix=True)]).why is RouteWhy.SAME_PREFIX
+    assert choose([ServerView(0, free=2), ServerView(1, free=1, checkpoint=True)]) .index == 1
+    assert choose([ServerView(0, free=1, idle=2), ServerView(1, free=2, idle=2)]).index == 1
+    assert choose([ServerView(0, free=1, queued=3), ServerView(1, free=1, queued=0)]).index == 1
+    assert choose([ServerView(0, free=1, owned=True), ServerView(1, free=2)]).why is RouteWhy.OWNED
+    full_prefix = [ServerView(0, free=0, same_prefix=True), ServerView(1, free=1)]
+    assert choose(full_prefix).why is RouteWhy.LEAST_LOADED
+
+
+def test_side_calls_go_to_the_least_loaded_and_nothing_goes_to_a_down_server():
+    assert choose([ServerView(0, busy=2), ServerView(1)], side=True).why is RouteWhy.SIDE_CALL
+    assert choose([ServerView(0, up=False), ServerView(1, up=False)]) is None
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 4), st.integers(0, 4), st.integers(0, 3)), min_size=1,
+                max_size=5))
+def test_never_a_down_server_and_a_free_slot_wins_over_none(specs):
+    servers = [ServerView(i, up=u, free=f, idle=f + b, busy=b, queued=q) for i, (u, f, b, q) in enumerate(specs)]
+    choice = choose(servers)
+    ups = [v for v in servers if v.up]
+    if not ups:
+        assert choice is None
+        return
+    assert choice is not None and servers[choice.index].up
+    if any(v.free for v in ups):
+        assert servers[choice.index].free > 0
+
+
+def test_slot_counts_and_prefix_from_slot_views():
+    views = [SlotView(0, n_tokens=10, prefix="p"), SlotView(1, busy=True), SlotView(2, last_used=99.0, owner="x"),
+             SlotView(3)]
+    assert slot_counts(views, 100.0, 120.0) == (2, 3, 1)
+    assert slot_counts(views, 100.0, 120.0, exclude=3) == (1, 3, 1)
+    assert holds_prefix_free(views, "p", 100.0, 120.0) and not holds_prefix_free(views, "q", 100.0, 120.0)
+
+
+def test_health_goes_down_once_backs_off_and_comes_back():
+    h = Health()
+    assert h.failed(10.0) is Change.WENT_DOWN and h.failed(11.0) is Change.NONE
+    assert not h.due(11.5) and h.due(11.0 + backoff(2))
+    assert backoff(1) < backoff(2) < backoff(3) and backoff(50) == PROBE_MAX
+    assert h.ok(20.0) is Change.CAME_BACK and h.up and h.failures == 0
