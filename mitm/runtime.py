@@ -78,7 +78,7 @@ class Runtime:
             up.reconfigure(self.settings_for(url), self.state_dir,
                            self.stores.for_server(url) if replaced else None)
         wanted = list(servers or [])
-        if len(wanted) < 2:
+        if not wanted:
             if self.pool is not None:
                 self.pool.close()
             self.pool = None

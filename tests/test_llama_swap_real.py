@@ -1,0 +1,53 @@
+"""A llama-swap URL in `slots_upstreams`: each model behind it is its own server, reached through
+`/upstream/<model>/` for `/props`, `/slots` and save/restore, with a real llama-server as the model and a
+faithful stand-in for llama-swap (tests/swap_stub.py: llama-swap itself installs from no registry here)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from launch.mitmdump import MitmProxy
+from tests.real_helpers import conversation, extend, jsonl
+from tests.swap_stub import SwapStub
+
+pytestmark = pytest.mark.real
+
+
+def ask_model(base: str, msgs: list[dict[str, str]], model: str) -> tuple[int | None, dict]:
+    import httpx
+
+    r = httpx.post(base + "/v1/chat/completions", json={"model": model, "messages": msgs, "max_tokens": 4,
+                                                        "temperature": 0}, timeout=120)
+    r.raise_for_status()
+    slot = r.headers.get("x-slot-id")
+    return (int(slot) if slot is not None else None), r.json()["timings"]
+
+
+def test_each_model_behind_llama_swap_is_a_server_and_an_unloaded_model_a_restarted_one(tmp_path):
+    spec = {"slots": 2, "ctx_per_slot": 2048, "threads": 1, "log_path": str(tmp_path / "m1.llama.log")}
+    log = tmp_path / "p.jsonl"
+    with SwapStub({"m1": spec}) as swap:
+        opts = {"slots_upstreams": [swap.url], "slots_state_dir": str(tmp_path / "state"),
+                "slots_log_file": str(log), "slots_probe_interval": 1, "slots_prefix_cache": "off"}
+        with MitmProxy(swap.url, opts, log_path=str(tmp_path / "p.log")) as px:
+            conv = conversation("Task S: behind llama-swap.")
+            slot1, _ = ask_model(px.url, conv, "m1")
+            extend(conv, 1)
+            slot2, t2 = ask_model(px.url, conv, "m1")
+            swap.unload()
+            deadline = time.monotonic() + 15
+            while "unloaded by llama-swap" not in (tmp_path / "p.log").read_text() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            extend(conv, 2)
+            slot3, t3 = ask_model(px.url, conv, "m1")
+        text = (tmp_path / "p.log").read_text()
+    assert slot1 is not None and slot2 == slot1 and t2["cache_n"] > 0
+    assert "GET /upstream/m1/props" in swap.paths and "GET /upstream/m1/slots" in swap.paths
+    assert "GET /props" not in swap.paths  # never the top-level, model-less route
+    assert f"{swap.url}/upstream/m1 was unloaded by llama-swap" in text
+    assert slot3 is not None and t3["prompt_n"] > 0  # a new process: every slot empty
+    recs = [r for r in jsonl(log) if r["kind"] == "request"]
+    assert {r["upstream"] for r in recs} == {f"{swap.url}/upstream/m1"}
+    assert recs[1]["reason"] == "known" and recs[2]["reason"] != "known", recs
