@@ -53,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also run the server-restart scenario (auto vs auto+ckpt, ~30 s; kept out of the default "
                          "run so that it stays under 10 minutes on 2 cores)")
     ap.add_argument("--overhead-requests", type=int, default=1000, help="requests per overhead target")
+    ap.add_argument("--scale", action="store_true",
+                    help="also run the scale workload: agents on 2 servers x 2 slots through slotkeeper, round-robin, "
+                         "least-connections and two proxies on one Redis store, plus the hot path with the Redis "
+                         "store vs the file store (~10 min on 2 cores: kept out of the default run)")
     a = ap.parse_args(argv)
     a.workloads = _pick(ap, a.workloads, WORKLOADS, "workload")
     a.explicit_configs = bool(a.configs)
@@ -180,6 +184,18 @@ def main(argv: list[str] | None = None) -> int:
         restart_rows = restart.measure(log_dir, a.threads, a.seed, a.max_tokens)
         notes.append("restart: a 2-session fits workload; llama-server restarted after the first turn; the "
                      "proxy's /props probe (1 s) noticed it before the next request")
+
+    if a.scale:
+        from bench import scale
+
+        log(t0, "scale: agents on 2 llama-servers x 2 slots (slotkeeper, round-robin, least-conn, 2 proxies+redis)")
+        scale_rows, scale_notes = scale.measure(build_workload("agents", a), log_dir, 1, compute_limit)
+        rows += scale_rows
+        notes += scale_notes
+        log(t0, "scale: hot path with the file store and the Redis store (in process)")
+        for hp in scale.hotpath_side_by_side():
+            notes.append(f"hot path ({hp['store']} store, in process): request hooks p50 {hp['request_p50_us']} us, "
+                         f"p90 {hp['request_p90_us']} us; response hooks p50 {hp['response_p50_us']} us")
 
     ov = None
     if not a.skip_overhead:

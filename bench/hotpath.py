@@ -67,6 +67,8 @@ async def run(a: argparse.Namespace, upstream: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp, taddons.context(*addons) as tctx:
         opts = {"slots_state_dir": tmp, "slots_probe_interval": 0, "slots_log_requests": "off",
                 "mode": [f"reverse:{upstream}@127.0.0.1:1"]}
+        if a.state_url:
+            opts["slots_state_url"] = a.state_url
         for addon in addons:
             known = {k: v for k, v in opts.items() if k in tctx.options or k == "mode"}
             tctx.configure(addon, **known)
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--state-url", default="", help="slots_state_url (e.g. redis://127.0.0.1:6379/0)")
     a = ap.parse_args(argv)
     from launch.llama_server import free_port
 

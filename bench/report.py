@@ -17,7 +17,7 @@ COLUMNS = [("workload", "workload"), ("config", "config"), ("requests", "request
            ("prefill", "prefill tok"), ("warmup", "of which proxy warm-up"), ("cached", "cached tok"),
            ("paged_in_tokens", "paged-in tok"), ("reuse_pct", "reuse %"),
            ("ratio_to_limit", "x limit"), ("wall_s", "wall s"), ("ttft_p50_ms", "TTFT p50 ms"),
-           ("ttft_p95_ms", "TTFT p95 ms"), ("errors", "errors")]
+           ("ttft_p95_ms", "TTFT p95 ms"), ("errors", "errors"), ("evictions", "evicting placements")]
 OVERHEAD_COLUMNS = [("target", "target"), ("requests", "requests"), ("rps", "req/s"), ("p50_ms", "p50 ms"),
                     ("p99_ms", "p99 ms"), ("added_p50_ms", "added p50 ms"), ("added_p99_ms", "added p99 ms"),
                     ("errors", "errors")]

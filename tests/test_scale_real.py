@@ -15,8 +15,8 @@ import pytest
 
 from launch.llama_server import LlamaServer
 from launch.mitmdump import MitmProxy
+from launch.redis_server import RedisServer
 from tests.real_helpers import ask, conversation, extend, jsonl
-from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.real
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,

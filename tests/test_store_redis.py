@@ -14,10 +14,10 @@ from mitmproxy.test import taddons
 import addon as addon_module
 from drivers.store import Stores, parse_url, redacted
 from drivers.store_redis import KEEP_MS, RedisConnection, RedisState, state_key
+from launch.redis_server import RedisServer
 from slotlogic import shared
 from slotlogic.events import StoreBack, StoreUnavailable
 from tests.conftest import FakeLlama, Proxy, chat, flow, sent
-from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server is not installed (apt-get install redis-server; .ci/run does)")

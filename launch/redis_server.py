@@ -1,4 +1,4 @@
-"""A real Redis server process for the tests (`redis-server` on PATH; Debian's package installs it)."""
+"""A real Redis server process for the tests and the bench (`redis-server` on PATH; Debian's package installs it)."""
 
 from __future__ import annotations
 
