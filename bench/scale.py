@@ -113,7 +113,9 @@ def run_config(name: str, wl: Workload, log_dir: Path, threads: int) -> tuple[di
             entry = []
             for i in range(n):
                 logs.append(log_dir / f"scale-{tag}-{i}.requests.jsonl")
-                px = MitmProxy(urls[0], {**opts, "slots_state_dir": str(Path(tmp) / f"state{i}"),
+                # One machine: the proxies share the state dir, where the checkpoint index lives (with
+                # slots_state_url=redis://…, the claims and pages are in Redis).
+                px = MitmProxy(urls[0], {**opts, "slots_state_dir": str(Path(tmp) / "state"),
                                          "slots_log_file": str(logs[-1])},
                                log_path=str(log_dir / f"scale-{tag}-{i}.mitm.log"))
                 entry.append(stack.enter_context(px).url)

@@ -81,6 +81,7 @@ class Pool:
         self.where: dict[str, Upstream] = {}               # session key -> the server of its last request
         self.inflight: dict[str, int] = {}                 # server URL -> requests in flight
         self.routes: dict[tuple[str, str], int] = {}       # (server URL, RouteWhy value) -> count (metrics)
+        self.building: dict[str, asyncio.Future[None]] = {}  # prefix checkpoints being built, all servers
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------------------------------- membership
@@ -235,6 +236,7 @@ class Pool:
                     state.pages[key] = page  # the page file is readable here: the shared save dir
                 return True
 
+            self._share_builds(up)
             decision = await up.place(need, facts, flow_id, asked=asked[choice.index], accept=accept)
             if decision is None:  # another proxy took the last free slot there since the look-up
                 full.add(choice.index)
@@ -244,9 +246,16 @@ class Pool:
         up = first  # nothing answered: the server the request was parsed for, as with one server
         return up, await self._place(up, need, facts, flow_id, None, RouteWhy.ONLY)
 
+    def _share_builds(self, up: Upstream) -> None:
+        """The servers of a pool share one save dir: a prefix checkpoint being built for one of them is
+        waited for and restored by the others, not built once per server."""
+        if up.checkpoints is not None:
+            up.checkpoints.building = self.building
+
     async def _place(self, up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str, asked: Any,
                      why: RouteWhy) -> Decision:
         self._count(up, why)
+        self._share_builds(up)
         decision = await up.place(need, facts, flow_id, asked=asked)
         assert decision is not None
         return decision

@@ -46,8 +46,10 @@ def default_state_dir() -> Path:
 
 
 def state_file_name(upstream: str) -> str:
-    """Flat, stable file name per upstream (its own slot space)."""
-    safe = "".join(c if c.isalnum() else "-" for c in upstream.split("://", 1)[-1]).strip("-")[:48]
+    """Flat, stable file name per upstream (its own slot space). Only host and port are shown; a path (a
+    llama-swap model's `/upstream/<model>`, a name from a request body) is in the digest alone."""
+    host = upstream.split("://", 1)[-1].split("/", 1)[0]
+    safe = "".join(c if c.isalnum() else "-" for c in host).strip("-")[:48]
     return f"state-{safe}-{hashlib.sha256(upstream.encode()).hexdigest()[:8]}.json"
 
 

@@ -356,7 +356,14 @@ class Keeper:
         """What to page out of and into `slot` before `session_key`'s request goes there. Asked once the slot's
         paging lock is held: by then every request sent to the slot before has reached the server."""
         model = self.page_identity
-        holder, tokens = paging.holder_of(slot, view, self.table.dispatched)
+        dispatched = self.table.dispatched
+        mine = self.table.sessions.get(dispatched.get(slot) or "")
+        if (view.owner is not None and view.owner not in self.table.sessions and mine is not None
+                and (view.last_used or 0.0) > mine.last_used):
+            # Another proxy's session ran here after our last request (its claim is newer): it is what a
+            # save would write now, not ours.
+            dispatched = {k: v for k, v in dispatched.items() if k != slot}
+        holder, tokens = paging.holder_of(slot, view, dispatched)
         rec = self.pages.get(session_key)
         holds_own = (slot not in self.table.dispatched and view.owner == session_key and rec is not None
                      and (view.n_tokens or 0) >= rec.n_tokens)  # a restarted proxy, its session still there
