@@ -56,7 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--scale", action="store_true",
                     help="also run the scale workload: agents on 2 servers x 2 slots through slotkeeper, round-robin, "
                          "least-connections and two proxies on one Redis store, plus the hot path with the Redis "
-                         "store vs the file store (~10 min on 2 cores: kept out of the default run)")
+                         "store vs the file store (~5-7 min on 2 cores: kept out of the default run)")
+    ap.add_argument("--scale-configs", default="slotkeeper,round-robin,least-conn,2 proxies+redis",
+                    help="the scale configurations to run (comma-separated; the first one's order gives the limit)")
     a = ap.parse_args(argv)
     a.workloads = _pick(ap, a.workloads, WORKLOADS, "workload")
     a.explicit_configs = bool(a.configs)
@@ -189,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench import scale
 
         log(t0, "scale: agents on 2 llama-servers x 2 slots (slotkeeper, round-robin, least-conn, 2 proxies+redis)")
-        scale_rows, scale_notes = scale.measure(build_workload("agents", a), log_dir, 1, compute_limit)
+        scale_rows, scale_notes = scale.measure(build_workload("agents", a), log_dir, 1, compute_limit,
+                                                a.scale_configs.split(","))
         rows += scale_rows
         notes += scale_notes
         log(t0, "scale: hot path with the file store and the Redis store (in process)")

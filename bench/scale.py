@@ -129,13 +129,16 @@ def run_config(name: str, wl: Workload, log_dir: Path, threads: int) -> tuple[di
         return row, records, urls[0]
 
 
-def measure(wl: Workload, log_dir: Path, threads: int, limit_fn: Any) -> tuple[list[dict[str, Any]], list[str]]:
+def measure(wl: Workload, log_dir: Path, threads: int, limit_fn: Any, configs: list[str] | None = None
+            ) -> tuple[list[dict[str, Any]], list[str]]:
     """One row per configuration, the limit row first; `limit_fn(server_url, wl, records, source)` is the
     bench's own limit computation (bench/__main__.py), run on a server of the first configuration."""
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     lim = None
-    for name in CONFIGS:
+    for name in configs or CONFIGS:
+        if name not in CONFIGS:
+            raise ValueError(f"unknown scale configuration {name!r}; choose from {', '.join(CONFIGS)}")
         row, records, _ = run_config(name, wl, log_dir, threads)
         if lim is None:
             with LlamaServer(slots=1, ctx_per_slot=CTX_PER_SLOT, threads=threads,
@@ -151,9 +154,9 @@ def measure(wl: Workload, log_dir: Path, threads: int, limit_fn: Any) -> tuple[l
     rows.insert(0, limit_row("scale", lim))
     notes.append(f"scale: 2 llama-servers x {SLOTS} slots, {threads} thread(s) each; limit in the start order of "
                  f"the `{lim['order_from']}` run ({lim['requests']} requests)")
-    one = next(r for r in rows if r["config"] == "slotkeeper")
-    two = next(r for r in rows if r["config"].startswith("2 proxies"))
-    if one["prefill"]:
+    one = next((r for r in rows if r["config"] == "slotkeeper"), None)
+    two = next((r for r in rows if r["config"].startswith("2 proxies")), None)
+    if one and two and one["prefill"]:
         diff = 100 * (two["prefill"] / one["prefill"] - 1)
         notes.append(f"scale: two proxies on one Redis store prefill {diff:+.1f}% vs one proxy; evicting placements "
                      f"{two.get('evictions')} vs {one.get('evictions')}")

@@ -548,7 +548,9 @@ class Upstream:
         """With nothing to flush: read the state (no lock, a worker thread) and look for a shared slot."""
         if not self.keeper.table.sessions:
             return
-        self._reconciled(await asyncio.to_thread(self.store.read))
+        state = await self.store.aread()  # a worker thread for the file, one GET for Redis
+        self.note_displaced(state)
+        self._reconciled(state)
 
     def _reconciled(self, state: shared.ServerState) -> None:
         self._last_reconcile = time.monotonic()

@@ -12,7 +12,7 @@ import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,6 +29,7 @@ from slotlogic.events import Event, Failed, Stage
 from slotlogic.settings import Settings
 
 log = logging.getLogger("slotkeeper")
+SHARED_FLUSH_INTERVAL = 0.5  # seconds between flushes to a Redis store (the file store: Settings.flush_interval)
 MAX_REPORTS = 1024  # finished reports kept for the views of the same flow (they read them at once)
 LEVELS = {wording.Level.INFO: logging.INFO, wording.Level.WARNING: logging.WARNING}
 
@@ -72,6 +73,8 @@ class Runtime:
             self.stores = Stores(state_url, state_dir, self.emit)
             self._store_key = (state_url, state_dir)
         assert self.stores is not None
+        if self.stores.kind == "redis":  # other proxies learn our slots' use sooner (a round trip is cheap)
+            settings = replace(settings, flush_interval=SHARED_FLUSH_INTERVAL)
         self.settings, self.state_dir = settings, self.stores.state_dir
         self.fronted = fronted | frozenset(servers or ())
         for url, up in self.upstreams.items():
