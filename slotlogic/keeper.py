@@ -357,11 +357,10 @@ class Keeper:
         paging lock is held: by then every request sent to the slot before has reached the server."""
         model = self.page_identity
         dispatched = self.table.dispatched
-        mine = self.table.sessions.get(dispatched.get(slot) or "")
-        if (view.owner is not None and view.owner not in self.table.sessions and mine is not None
-                and (view.last_used or 0.0) > mine.last_used):
-            # Another proxy's session ran here after our last request (its claim is newer): it is what a
-            # save would write now, not ours.
+        if view.owner is not None and view.owner not in self.table.sessions and dispatched.get(slot):
+            # The snapshot names another proxy's session as the slot's newest claim (`shared.views` shows
+            # a claim from the shared state only when it is newer than what this process did there): it
+            # ran after our last request, and is what a save would write now, not ours.
             dispatched = {k: v for k, v in dispatched.items() if k != slot}
         holder, tokens = paging.holder_of(slot, view, dispatched)
         rec = self.pages.get(session_key)
