@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +83,8 @@ class Pool:
         self.inflight: dict[str, int] = {}                 # server URL -> requests in flight
         self.routes: dict[tuple[str, str], int] = {}       # (server URL, RouteWhy value) -> count (metrics)
         self.building: dict[str, asyncio.Future[None]] = {}  # prefix checkpoints being built, all servers
+        self.redis: Any = None                              # the Redis connection, when the state is there
+        self._waits: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------------------------------- membership
@@ -237,7 +240,13 @@ class Pool:
                 return True
 
             self._share_builds(up)
-            decision = await up.place(need, facts, flow_id, asked=asked[choice.index], accept=accept)
+            info = infos[choice.index]
+            building = await self._claim_build(up, need, info) if info is not None else None
+            try:
+                decision = await up.place(need, facts, flow_id, asked=asked[choice.index], accept=accept)
+            finally:
+                if building is not None and self.redis is not None:
+                    await self.redis.release_build(*building)
             if decision is None:  # another proxy took the last free slot there since the look-up
                 full.add(choice.index)
                 continue
@@ -245,6 +254,38 @@ class Pool:
             return up, decision
         up = first  # nothing answered: the server the request was parsed for, as with one server
         return up, await self._place(up, need, facts, flow_id, None, RouteWhy.ONLY)
+
+    async def _claim_build(self, up: Upstream, need: NeedSlot, info: ServerInfo) -> tuple[str, str] | None:
+        """With a Redis store, one proxy builds a prefix checkpoint for all: returns (file, token) when this
+        proxy claimed the build; when another proxy is building it, a local future makes this process's
+        checkpoint runner wait for it (and then restore the file) instead of building it too."""
+        cp = up.checkpoints
+        if self.redis is None or cp is None or not cp.persist or need.stable is None:
+            return None
+        name = pfx.file_name(cp.fingerprint(need.stable, info))
+        if name in self.building or await asyncio.to_thread(cp.file_known, name, info):
+            return None
+        token = uuid.uuid4().hex
+        got = await self.redis.claim_build(name, token)
+        if got:
+            return name, token
+        if got is False:
+            waiter = self.building[name] = asyncio.get_running_loop().create_future()
+            task = asyncio.get_running_loop().create_task(self._await_build(name, waiter))
+            self._waits.add(task)
+            task.add_done_callback(self._waits.discard)
+        return None
+
+    async def _await_build(self, name: str, waiter: asyncio.Future[None]) -> None:
+        deadline = time.monotonic() + 120.0
+        try:
+            while self.redis is not None and time.monotonic() < deadline and await self.redis.build_running(name):
+                await asyncio.sleep(0.25)
+        finally:
+            if self.building.get(name) is waiter:
+                del self.building[name]
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _share_builds(self, up: Upstream) -> None:
         """The servers of a pool share one save dir: a prefix checkpoint being built for one of them is

@@ -45,6 +45,9 @@ LOCK_SECONDS = 10.0       # a lock whose holder died expires after this
 WAIT_SECONDS = 10.0       # how long a transaction waits for the lock
 IO_TIMEOUT = 2.0          # connect and per-command time-out
 KEEP_MS = int(SESSION_KEEP_SECONDS * 1000)
+BUILD_KEY = "slotkeeper:v1:build:"
+BUILD_MS = 120_000        # a build marker whose proxy died expires after this (the checkpoint time-out)
+RELEASE_LUA = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 Emit = Callable[[Event], None]
 ERRORS = (RedisError, OSError, TimeoutError)
 
@@ -94,6 +97,36 @@ class RedisConnection:
 
     def close_sync(self) -> None:
         self._clients.clear()  # their loop is closing; the sockets go with the process
+
+    # A prefix checkpoint built once for all proxies: the first to claim the build builds it, the others wait
+    # for the marker to go and then restore the file (docs/scale-out.md).
+
+    async def claim_build(self, name: str, token: str) -> bool | None:
+        """True: this proxy builds `name`; False: another proxy is building it; None: the store is down."""
+        if not self.usable():
+            return None
+        try:
+            self.calls += 1
+            got = await self.client().set(BUILD_KEY + name, token, nx=True, px=BUILD_MS)
+        except ERRORS as e:
+            self.failed(e)
+            return None
+        self.ok()
+        return bool(got)
+
+    async def build_running(self, name: str) -> bool:
+        try:
+            self.calls += 1
+            return bool(await self.client().exists(BUILD_KEY + name))
+        except ERRORS as e:
+            self.failed(e)
+            return False
+
+    async def release_build(self, name: str, token: str) -> None:
+        """Delete the marker if it is still ours (a Lua compare-and-delete: never another proxy's)."""
+        with contextlib.suppress(*ERRORS):
+            self.calls += 1
+            await self.client().eval(RELEASE_LUA, 1, BUILD_KEY + name, token)
 
 
 class RedisState:

@@ -92,6 +92,7 @@ class Runtime:
                              self.make_client, health_interval)
         if self.pool is not None:
             self.pool.health_interval = health_interval
+            self.pool.redis = self.stores.redis
 
     def settings_for(self, url: str) -> Settings:
         return self.settings.for_upstream(url in self.fronted or base_of(url) in self.fronted)

@@ -139,3 +139,14 @@ async def test_the_hot_path_sends_nothing_to_the_store(tmp_path, url):
         assert stores.redis.calls > before
     finally:
         c.__exit__(None, None, None)
+
+
+async def test_one_proxy_builds_a_prefix_checkpoint_and_only_it_releases_the_marker(url):
+    a, b = RedisConnection(url, lambda e: None), RedisConnection(url, lambda e: None)
+    assert await a.claim_build("prefix-0123456789abcdef.bin", "ta") is True
+    assert await b.claim_build("prefix-0123456789abcdef.bin", "tb") is False
+    assert await b.build_running("prefix-0123456789abcdef.bin")
+    await b.release_build("prefix-0123456789abcdef.bin", "tb")  # not b's: stays
+    assert await a.build_running("prefix-0123456789abcdef.bin")
+    await a.release_build("prefix-0123456789abcdef.bin", "ta")
+    assert not await b.build_running("prefix-0123456789abcdef.bin")
