@@ -85,6 +85,7 @@ class Pool:
         self.building: dict[str, asyncio.Future[None]] = {}  # prefix checkpoints being built, all servers
         self.redis: Any = None                              # the Redis connection, when the state is there
         self._waits: set[asyncio.Task[None]] = set()
+        self.claims: dict[str, str] = {}                    # checkpoint builds this process claimed in Redis
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------------------------------- membership
@@ -246,6 +247,7 @@ class Pool:
                 decision = await up.place(need, facts, flow_id, asked=asked[choice.index], accept=accept)
             finally:
                 if building is not None and self.redis is not None:
+                    self.claims.pop(building[0], None)
                     await self.redis.release_build(*building)
             if decision is None:  # another proxy took the last free slot there since the look-up
                 full.add(choice.index)
@@ -263,11 +265,12 @@ class Pool:
         if self.redis is None or cp is None or not cp.persist or need.stable is None:
             return None
         name = pfx.file_name(cp.fingerprint(need.stable, info))
-        if name in self.building or await asyncio.to_thread(cp.file_known, name, info):
-            return None
+        if name in self.building or name in self.claims or await asyncio.to_thread(cp.file_known, name, info):
+            return None  # built here (this process's runners wait for each other), or already on disk
         token = uuid.uuid4().hex
         got = await self.redis.claim_build(name, token)
         if got:
+            self.claims[name] = token
             return name, token
         if got is False:
             waiter = self.building[name] = asyncio.get_running_loop().create_future()
