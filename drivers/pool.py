@@ -86,6 +86,7 @@ class Pool:
         self.redis: Any = None                              # the Redis connection, when the state is there
         self._waits: set[asyncio.Task[None]] = set()
         self.claims: dict[str, str] = {}                    # checkpoint builds this process claimed in Redis
+        self.process = uuid.uuid4().hex[:12]                # this proxy process, in its build claims
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------------------------------- membership
@@ -267,22 +268,27 @@ class Pool:
         name = pfx.file_name(cp.fingerprint(need.stable, info))
         if name in self.building or name in self.claims or await asyncio.to_thread(cp.file_known, name, info):
             return None  # built here (this process's runners wait for each other), or already on disk
-        token = uuid.uuid4().hex
+        token = f"{self.process}:{uuid.uuid4().hex}"
         got = await self.redis.claim_build(name, token)
         if got:
             self.claims[name] = token
             return name, token
-        if got is False:
+        if got is False and name not in self.building:
+            owner = await self.redis.build_owner(name)
+            if owner is None or owner.startswith(self.process + ":"):
+                return None  # gone already, or a sibling request of this process claimed it: its runner builds
             waiter = self.building[name] = asyncio.get_running_loop().create_future()
-            task = asyncio.get_running_loop().create_task(self._await_build(name, waiter))
+            task = asyncio.get_running_loop().create_task(self._await_build(name, owner, waiter))
             self._waits.add(task)
             task.add_done_callback(self._waits.discard)
         return None
 
-    async def _await_build(self, name: str, waiter: asyncio.Future[None]) -> None:
+    async def _await_build(self, name: str, owner: str, waiter: asyncio.Future[None]) -> None:
+        """Until that proxy's marker goes (never a later one: no chain of waits), at most one build's time."""
         deadline = time.monotonic() + 120.0
         try:
-            while self.redis is not None and time.monotonic() < deadline and await self.redis.build_running(name):
+            while (self.redis is not None and time.monotonic() < deadline
+                   and await self.redis.build_owner(name) == owner):
                 await asyncio.sleep(0.25)
         finally:
             if self.building.get(name) is waiter:

@@ -114,13 +114,18 @@ class RedisConnection:
         self.ok()
         return bool(got)
 
-    async def build_running(self, name: str) -> bool:
+    async def build_owner(self, name: str) -> str | None:
+        """The token of the build marker of `name` (None: no build running, or the store is down)."""
         try:
             self.calls += 1
-            return bool(await self.client().exists(BUILD_KEY + name))
+            value = await self.client().get(BUILD_KEY + name)
         except ERRORS as e:
             self.failed(e)
-            return False
+            return None
+        return value.decode() if isinstance(value, bytes) else value
+
+    async def build_running(self, name: str) -> bool:
+        return await self.build_owner(name) is not None
 
     async def release_build(self, name: str, token: str) -> None:
         """Delete the marker if it is still ours (a Lua compare-and-delete: never another proxy's)."""
