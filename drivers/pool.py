@@ -35,7 +35,7 @@ from drivers.llama_http import LlamaClient
 from drivers.upstream import Upstream
 from slotlogic import prefix as pfx
 from slotlogic import routing, shared, sidecalls
-from slotlogic.decisions import Decision, NeedSlot, RequestFacts
+from slotlogic.decisions import Decision, NeedSlot, Pin, RequestFacts
 from slotlogic.events import Event, ServerDown, ServerUp
 from slotlogic.fastpath import ShapeIndex
 from slotlogic.routing import Health, RouteWhy, ServerView
@@ -149,6 +149,8 @@ class Pool:
             up, decision = await self._route(decision, first, facts, flow_id, avoid)
         elif first.keeper.table.dirty:
             first.kick()
+        if isinstance(decision, Pin) and decision.ticket.translated:
+            up.start()  # as `Upstream.decide`: learn once whether the server honours id_slot on /v1/messages
         ticket = getattr(decision, "ticket", None)
         if ticket is not None:
             self.where[ticket.session.key] = up
