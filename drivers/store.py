@@ -31,6 +31,7 @@ SCHEMES = ("file", "redis", "rediss")
 
 class StateStore(Protocol):
     last: shared.ServerState
+    remote: bool   # shared beyond this machine (other proxies' use of a slot is learned from it)
 
     def transaction(self) -> contextlib.AbstractAsyncContextManager[shared.ServerState]: ...
 

@@ -133,6 +133,8 @@ class JsonFile:
 class StateFile:
     """The per-upstream `ServerState`, read and written under the file lock."""
 
+    remote = False
+
     def __init__(self, directory: str | Path, upstream: str, emit: Emit = _drop) -> None:
         self.upstream = upstream
         self.file = JsonFile(Path(directory) / state_file_name(upstream), emit, compact=True)

@@ -137,6 +137,8 @@ class RedisConnection:
 class RedisState:
     """The `drivers.store.StateStore` of one server, in Redis."""
 
+    remote = True
+
     def __init__(self, conn: RedisConnection, upstream: str) -> None:
         self.conn = conn
         self.upstream = upstream

@@ -561,6 +561,8 @@ class Upstream:
         """Another proxy's session ran on a slot after our session's last request there (the shared state's
         newest claim is theirs): our session is displaced, and its next request is placed again (paged in
         when that proxy paged it out). Memory only; the hot path reads it."""
+        if not self.store.remote:  # proxies on one machine: the file store's own reconcile covers them
+            return
         table = self.keeper.table
         for slot, other in shared.displaced_by_others(state, table.sessions, table.holders).items():
             table.holders[slot] = other

@@ -27,7 +27,7 @@ from slotlogic.paging import FILE_RE as PAGE_FILE_RE
 from slotlogic.paging import PageRecord
 from slotlogic.ranking import SlotView
 from slotlogic.server import ServerInfo
-from slotlogic.table import SessionTable
+from slotlogic.table import Assignment, SessionTable
 
 FORMAT_VERSION = 1
 
@@ -231,7 +231,7 @@ def forget_session(st: ServerState, session: str) -> int | None:
     return rec.slot
 
 
-def displaced_by_others(st: ServerState, sessions: Mapping[str, Any], holders: Mapping[int, str]
+def displaced_by_others(st: ServerState, sessions: Mapping[str, Assignment], holders: Mapping[int, str]
                         ) -> dict[int, str]:
     """Slots where this process believes one of its sessions' conversation sits, but whose newest claim in
     the shared state is another session's, made after our session's last request: another proxy's session
@@ -241,9 +241,9 @@ def displaced_by_others(st: ServerState, sessions: Mapping[str, Any], holders: M
         mine = sessions.get(key)
         rec = st.slots.get(slot)
         if (mine is None or rec is None or rec.owner in (None, key) or rec.owner in sessions
-                or getattr(mine, "slot", None) != slot):
+                or mine.slot != slot):
             continue
-        if rec.last_used > getattr(mine, "last_used", 0.0):
+        if rec.last_used > mine.last_used:
             out[slot] = rec.owner
     return out
 

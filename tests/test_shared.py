@@ -73,3 +73,15 @@ def test_prune_keeps_recent_sessions():
     st.claim(s, "new", 1, 900.0)
     st.prune(s, 1000.0, 500.0)
     assert set(s.sessions) == {"new"}
+
+
+def test_another_proxys_newer_claim_on_our_slot_is_a_displacement():
+    from slotlogic.table import Assignment
+
+    state = st.ServerState(upstream="u")
+    st.claim(state, "theirs", 1, 20.0)
+    st.claim(state, "mine-b", 2, 5.0)
+    ours = {"mine-a": Assignment(slot=1, last_used=10.0), "mine-b": Assignment(slot=2, last_used=5.0)}
+    assert st.displaced_by_others(state, ours, {1: "mine-a", 2: "mine-b"}) == {1: "theirs"}
+    ours["mine-a"].last_used = 30.0  # our request went there after theirs
+    assert st.displaced_by_others(state, ours, {1: "mine-a", 2: "mine-b"}) == {}
