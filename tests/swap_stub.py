@@ -29,6 +29,7 @@ class SwapStub:
         self.specs = models
         self.loaded: dict[str, LlamaServer] = {}
         self.paths: list[str] = []
+        self.loads = 0
         self.lock = threading.Lock()
         self.port = free_port()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler())
@@ -43,6 +44,7 @@ class SwapStub:
             srv = self.loaded.get(name)
             if srv is None:
                 srv = self.loaded[name] = LlamaServer(**self.specs[name]).start()
+                self.loads += 1
             return srv
 
     def unload(self) -> None:

@@ -40,12 +40,14 @@ def test_each_model_behind_llama_swap_is_a_server_and_an_unloaded_model_a_restar
             deadline = time.monotonic() + 15
             while "unloaded by llama-swap" not in (tmp_path / "p.log").read_text() and time.monotonic() < deadline:
                 time.sleep(0.2)
+            time.sleep(2.5)  # more probes pass: none may load the model again
+            loads_while_unloaded = swap.loads
             extend(conv, 2)
             slot3, t3 = ask_model(px.url, conv, "m1")
         text = (tmp_path / "p.log").read_text()
     assert slot1 is not None and slot2 == slot1 and t2["cache_n"] > 0
     assert "GET /upstream/m1/props" in swap.paths and "GET /upstream/m1/slots" in swap.paths
-    assert "GET /props" not in swap.paths  # never the top-level, model-less route
+    assert loads_while_unloaded == 1 and swap.loads == 2  # probes never loaded it; the next request did
     assert f"{swap.url}/upstream/m1 was unloaded by llama-swap" in text
     assert slot3 is not None and t3["prompt_n"] > 0  # a new process: every slot empty
     recs = [r for r in jsonl(log) if r["kind"] == "request"]
