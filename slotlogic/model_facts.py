@@ -324,12 +324,13 @@ def _row(cache_type: str, n_values: int) -> int:
 # --- reading the header -----------------------------------------------------------------------------------
 
 def _int(v: Any, default: int = 0) -> int:
+    """A count from the header: GGUF stores them unsigned, so a negative one is damage, read as absent."""
     if isinstance(v, bool):
         return int(v)
-    if isinstance(v, int):
-        return v
     if isinstance(v, float) and v.is_integer():
-        return int(v)
+        v = int(v)
+    if isinstance(v, int):
+        return v if v >= 0 else default
     return default
 
 

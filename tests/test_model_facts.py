@@ -13,7 +13,7 @@ import gguf
 import httpx
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from drivers import gguf_io
@@ -233,6 +233,8 @@ values = st.one_of(st.none(), st.booleans(), st.integers(-5, 1 << 40), st.floats
 
 
 @settings(max_examples=300, deadline=None)
+@example(arch="llama", kv={"attention.head_count": None, "block_count": True, "ssm.inner_size": -118.0,
+                          "ssm.conv_kernel": 2})  # a negative count once gave a negative state size
 @given(arch=st.sampled_from(["llama", "gemma2", "gemma3", "gemma4", "llama4", "qwen3next", "jamba", "mamba",
                              "rwkv7", "nemotron_h", "lfm2", "x"]),
        kv=st.dictionaries(st.sampled_from(["block_count", "attention.head_count", "attention.head_count_kv",
