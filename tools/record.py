@@ -246,7 +246,7 @@ def record_client(server: LlamaServer, rec: Recording, work: Path) -> dict[str, 
                                    f"{done.stderr_tail[-600:]}")
     return {"client": f"{cls.name} {cls.version} ({cls.package}, tools/{cls.name}, launch/clients.py): sessions "
                       "1 and 2 in one project, turns 1 then 2, then session 3 turn 1; max 16 tokens",
-            "argv": [arg.replace(str(work), "<work>") for arg in sessions[0].history[-1].argv]}
+            "argv": [arg.replace(str(work), "<work>").replace(str(ROOT), ".") for arg in sessions[0].history[-1].argv]}
 
 
 CLIENTS = (ClaudeCodeSession, OpenCodeSession, CodexSession, QwenCodeSession, AiderSession)
