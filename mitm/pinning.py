@@ -9,33 +9,22 @@ it decides.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from mitmproxy import ctx, exceptions, http
-from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
-from drivers import body_decode, private_dir
+from drivers import body_decode
 from drivers.store import parse_url
-from drivers.store_file import default_state_dir
-from mitm import flows
+from mitm import flows, options
 from mitm.runtime import Open, Runtime, guarded
 from mitm.sse_tap import SSETap, TranslatingTap
-from slotlogic import prefix as pfx
-from slotlogic import session as sess
-from slotlogic import sidecalls, verbose
+from slotlogic import verbose
 from slotlogic.affinity import Learn
 from slotlogic.answers import Observation, StreamObserver, observe_json
 from slotlogic.decisions import Forward, Observe, Pin
 from slotlogic.events import Failed, PassedThrough, RetriedElsewhere, Stage
-from slotlogic.model_facts import CACHE_TYPES
-from slotlogic.ranking import Policy
 from slotlogic.reasons import Passed
-from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
 from slotlogic.verbose import VerboseStripper
 
 log = logging.getLogger("slotkeeper")
@@ -47,113 +36,19 @@ class Pinning:
         self.rt = rt
 
     def load(self, loader: Any) -> None:
-        loader.add_option("slots_policy", str, "auto",
-                          "How a new session's slot is chosen: auto (prefix-aware, busy-aware), seed (seed "
-                          "000's ranking), affinity (llama-server chooses on the first request, id_slot -1; "
-                          "the proxy pins the slot it chose), off (observe and log only, rewrite nothing).",
-                          choices=[p.value for p in Policy])
-        loader.add_option("slots_state_dir", str, "",
-                          "Directory of the shared state files (one per upstream server). Default: "
-                          "$XDG_STATE_HOME/slotkeeper (~/.local/state/slotkeeper).")
-        loader.add_option("slots_ttl", int, 120,
-                          "Seconds after its last request that a session's claim on its slot expires.")
-        loader.add_option("slots_override_client", bool, False,
-                          "Replace a client's own valid id_slot instead of respecting it.")
-        loader.add_option("slots_session_headers", Sequence[str], list(sess.DEFAULT_SESSION_HEADERS),
-                          "Request headers that carry a session id, most reliable first (repeat --set).")
-        loader.add_option("slots_side_patterns", Sequence[str], list(sidecalls.DEFAULT_SIDE_PATTERNS),
-                          "Regexes on the system prompt that mark side calls (compaction, titles); they go "
-                          "to one reserved slot when the server has 2 or more slots.")
-        loader.add_option("slots_side_slot", int, -1,
-                          "The slot reserved for side calls; -1 = the highest slot id.")
-        loader.add_option("slots_probe_interval", int, 15,
-                          "Seconds between background /props probes that detect a restarted or resized "
-                          "server (0 = only when a cache loss needs explaining).")
-        loader.add_option("slots_prefix_cache", str, "",
-                          "Prefix checkpoints for new sessions: off, memory (warm, no disk), disk (save, "
-                          "restore, verify). Empty = disk when slots_save_dir is set, else off.",
-                          choices=["", *(m.value for m in CheckpointMode)])
-        loader.add_option("slots_save_dir", str, "",
-                          "llama-server's --slot-save-path (the same directory), for checkpoint files and their "
-                          "cleanup.")
-        loader.add_option("slots_paging", bool, True,
-                          "Session paging (needs slots_save_dir): before a slot goes to another session, save "
-                          "its holder's conversation there; when that session returns, restore it instead of "
-                          "prefilling it again.")
-        loader.add_option("slots_page_max_mb", int, 8192,
-                          "Cap on session page files in slots_save_dir; the least recently saved go first.")
-        loader.add_option("slots_server_id", str, "",
-                          "Your name for the llama-server build; part of the checkpoint fingerprint (bump it "
-                          "after an upgrade to force one clean rebuild).")
-        loader.add_option("slots_prefix_markers", Sequence[str], list(pfx.DEFAULT_MARKERS),
-                          "Where the shared system-prompt prefix ends: the earliest of these strings.")
-        loader.add_option("slots_checkpoint_ttl_days", int, 30,
-                          "Cleanup keeps checkpoint files used within this many days.")
-        loader.add_option("slots_checkpoint_keep", int, 3,
-                          "Cleanup always keeps this many most recently used checkpoint files.")
-        loader.add_option("slots_checkpoint_max_mb", int, 0,
-                          "Cap on checkpoint files in slots_save_dir (0 = no cap); the oldest go first.")
-        loader.add_option("slots_anthropic", str, "translate",
-                          "Anthropic /v1/messages requests (Claude Code): translate (send as a pinned chat "
-                          "completion and convert the answer back; switches to native by itself when the server "
-                          "honours id_slot there), native (pass through with id_slot added), off (observe only).",
-                          choices=[m.value for m in AnthropicMode])
-        loader.add_option("slots_strip_billing", bool, True,
-                          "Drop Claude Code's x-anthropic-billing-header system block (vendor billing metadata "
-                          "whose suffix changes per session) before llama-server sees it, so sessions share "
-                          "their system prompt's cache.")
-        loader.add_option("slots_prefix_min_chars", int, 512,
-                          "The shortest stable prefix learned from traffic (for clients without a marker).")
-        loader.add_option("slots_state_max_sessions", int, 256,
-                          "Sessions kept in the state file (the most recently used, and every slot's owner); a "
-                          "new session's locked read-modify-write costs what the file holds.")
-        loader.add_option("slots_max_body_mb", int, 64,
-                          "Request bodies larger than this (after gzip/deflate/br/zstd decoding) pass untouched "
-                          "and unpinned; larger encoded bodies are decoded in a worker thread, never inflated "
-                          "on the event loop beyond a small size.")
-        loader.add_option("slots_api_key", str, "",
-                          "llama-server's --api-key, for the proxy's own calls (/props, /slots, slot save/restore, "
-                          "warm-ups). Empty: the Authorization or X-Api-Key header a client sent to that server. "
-                          "Never logged or written to a file.")
-        loader.add_option("slots_swa_full", bool, False,
-                          "llama-server runs with --swa-full: a sliding-window model's restored slot files can "
-                          "resume, so session pages and checkpoint files stay on for it (docs/model-capability.md).")
-        loader.add_option("slots_cache_type", str, "f16",
-                          "llama-server's KV cache type (-ctk/-ctv), for the model's KV and slot-file sizes: one "
-                          "type for both, or K,V (e.g. q8_0,f16).")
-        loader.add_option("slots_throughput_probe", bool, False,
-                          "At start, one short completion of the proxy's own text into an empty slot measures "
-                          "prefill and decode speed (status view; prefill seconds saved for answers without "
-                          "timings).")
-        loader.add_option("slots_upstreams", Sequence[str], [],
-                          "More llama-servers (or llama-swap URLs) serving the same model, behind this one "
-                          "endpoint (repeat --set); the reverse-mode target is the first. Each request goes to "
-                          "its session's server and slot; a new session to the cheapest server.")
-        loader.add_option("slots_state_url", str, "",
-                          "Where the shared state lives: file://DIR (the default: slots_state_dir) or "
-                          "redis://host:port/db, rediss://… (Redis or Valkey, shared by proxies on several "
-                          "machines).")
-        loader.add_option("slots_health_interval", int, 5,
-                          "Seconds between /health checks of each server of slots_upstreams (a down server is "
-                          "asked again with back-off).")
-        loader.add_option("slots_keep_streams", bool, False,
-                          "Keep a copy of streamed SSE bodies in the flow (for -w recordings, mitmweb and "
-                          "server replay on mitmproxy 11; on 12.x store_streamed_bodies does the same).")
+        options.add_options(loader)
 
     def configure(self, updated: set[str]) -> None:
         if not any(name.startswith("slots_") or name == "mode" for name in updated):
             return
-        settings, state_dir = build_settings(ctx.options)
         o = ctx.options
-        fronted = fronted_upstreams(o.mode)
+        settings, state_dir = options.build_settings(o)
         try:
             parse_url(o.slots_state_url, state_dir)
         except ValueError as e:
             raise exceptions.OptionsError(f"slots_state_url: {e}") from None
-        if o.slots_health_interval < 1:
-            raise exceptions.OptionsError("slots_health_interval must be ≥ 1")
-        servers = server_list(o.mode, o.slots_upstreams)
-        self.rt.configure(settings, state_dir, fronted, state_url=o.slots_state_url, servers=servers,
+        self.rt.configure(settings, state_dir, options.fronted_upstreams(o.mode), state_url=o.slots_state_url,
+                          servers=options.server_list(o.mode, o.slots_upstreams),
                           health_interval=float(o.slots_health_interval))
 
     def running(self) -> None:
@@ -383,95 +278,3 @@ def observe_response(response: http.Response, stream: StreamObserver | None) -> 
     if response.status_code >= 400 and obs.error_type is None:
         obs.error_type = f"http-{response.status_code}"
     return obs
-
-
-def build_settings(o: Any) -> tuple[Settings, Path]:
-    """The options as one frozen `Settings` (and the state dir), or `OptionsError` naming the bad option."""
-    try:
-        policy = Policy(o.slots_policy)
-    except ValueError:
-        raise exceptions.OptionsError(
-            f"slots_policy must be one of {[p.value for p in Policy]}, not {o.slots_policy!r}") from None
-    if o.slots_ttl <= 0:
-        raise exceptions.OptionsError("slots_ttl must be a positive number of seconds")
-    if o.slots_side_slot < -1:
-        raise exceptions.OptionsError("slots_side_slot must be -1 (automatic) or a slot id")
-    if o.slots_probe_interval < 0:
-        raise exceptions.OptionsError("slots_probe_interval must be ≥ 0")
-    try:
-        patterns = tuple(sidecalls.compile_patterns(o.slots_side_patterns))
-    except ValueError as e:
-        raise exceptions.OptionsError(f"slots_side_patterns: {e}") from None
-    headers = tuple(h.strip().lower() for h in o.slots_session_headers if h.strip())
-    markers = tuple(m.encode().decode("unicode_escape") for m in o.slots_prefix_markers if m)
-    save_dir = os.path.expanduser(o.slots_save_dir) if o.slots_save_dir else None
-    try:
-        mode = CheckpointMode(o.slots_prefix_cache or ("disk" if save_dir else "off"))
-    except ValueError:
-        raise exceptions.OptionsError(
-            f"slots_prefix_cache must be off, memory or disk, not {o.slots_prefix_cache!r}") from None
-    if save_dir and (mode is CheckpointMode.DISK or o.slots_paging) and not os.path.isdir(save_dir):
-        raise exceptions.OptionsError(f"slots_save_dir {o.slots_save_dir!r} is not a directory")
-    try:
-        anthropic_mode = AnthropicMode(o.slots_anthropic)
-    except ValueError:
-        raise exceptions.OptionsError(
-            f"slots_anthropic must be translate, native or off, not {o.slots_anthropic!r}") from None
-    if o.slots_prefix_min_chars < 1:
-        raise exceptions.OptionsError("slots_prefix_min_chars must be ≥ 1")
-    if o.slots_page_max_mb < 1:
-        raise exceptions.OptionsError("slots_page_max_mb must be ≥ 1 (turn paging off with slots_paging)")
-    if min(o.slots_checkpoint_ttl_days, o.slots_checkpoint_keep, o.slots_checkpoint_max_mb) < 0:
-        raise exceptions.OptionsError("slots_checkpoint_* options must be ≥ 0")
-    if o.slots_state_max_sessions < 16:
-        raise exceptions.OptionsError("slots_state_max_sessions must be ≥ 16")
-    if o.slots_max_body_mb < 1:
-        raise exceptions.OptionsError("slots_max_body_mb must be ≥ 1")
-    types = [t.strip().lower() for t in o.slots_cache_type.split(",")]
-    if len(types) not in (1, 2) or any(t not in CACHE_TYPES for t in types):
-        raise exceptions.OptionsError(f"slots_cache_type must be one of {', '.join(CACHE_TYPES)}, or two of them "
-                                      f"as K,V; not {o.slots_cache_type!r}")
-    settings = Settings(
-        policy=policy, ttl=float(o.slots_ttl), override_client=o.slots_override_client, session_headers=headers,
-        side_patterns=patterns, side_slot=o.slots_side_slot, markers=markers or pfx.DEFAULT_MARKERS,
-        checkpoints=mode, save_dir=save_dir, paging=bool(o.slots_paging and save_dir),
-        page_max_bytes=o.slots_page_max_mb << 20, server_id=o.slots_server_id,
-        checkpoint_ttl_days=float(o.slots_checkpoint_ttl_days), checkpoint_keep=o.slots_checkpoint_keep,
-        checkpoint_max_bytes=o.slots_checkpoint_max_mb << 20, probe_interval=float(o.slots_probe_interval),
-        keep_streams=o.slots_keep_streams, anthropic=anthropic_mode, strip_billing=o.slots_strip_billing,
-        prefix_min_chars=o.slots_prefix_min_chars, state_max_sessions=o.slots_state_max_sessions,
-        max_body_bytes=o.slots_max_body_mb << 20, api_key=o.slots_api_key.strip(), swa_full=o.slots_swa_full,
-        cache_type_k=types[0], cache_type_v=types[-1], throughput_probe=o.slots_throughput_probe)
-    state_dir = Path(o.slots_state_dir).expanduser() if o.slots_state_dir else default_state_dir()
-    try:
-        private_dir.check(state_dir)  # created 0700 on first use when missing; an existing one is never chmod-ed
-    except private_dir.UnsafeDir as e:
-        raise exceptions.OptionsError(f"slots_state_dir: {e}") from None
-    return settings, state_dir
-
-
-def server_list(modes: Sequence[str], extra: Sequence[str]) -> list[str]:
-    """The servers of a pool: the reverse-mode target first, then `slots_upstreams` (each once)."""
-    out: list[str] = []
-    for url in [*sorted(fronted_upstreams(modes)), *(u.strip().rstrip("/") for u in extra if u.strip())]:
-        p = urlsplit(url)
-        if p.scheme not in ("http", "https") or not p.hostname:
-            raise exceptions.OptionsError(f"slots_upstreams: {url!r} is not an http(s):// URL")
-        base = f"{p.scheme}://{p.hostname}:{p.port or (443 if p.scheme == 'https' else 80)}"
-        if base not in out:
-            out.append(base)
-    return out if extra else []
-
-
-def fronted_upstreams(modes: Sequence[str]) -> frozenset[str]:
-    """`scheme://host:port` of every reverse-mode upstream in the `mode` option."""
-    out = set()
-    for spec in modes:
-        try:
-            m = ProxyMode.parse(spec)
-        except ValueError:
-            continue
-        if isinstance(m, ReverseMode):
-            host, port = m.address
-            out.add(f"{m.scheme}://{host}:{port}")
-    return frozenset(out)

@@ -219,24 +219,6 @@ async def test_side_calls_go_to_the_reserved_slot(proxy):
         assert sent(f)["id_slot"] == 3 and f.metadata["slotkeeper"]["reason"] == "side-call"
 
 
-@pytest.mark.parametrize(("opt", "value"), [("slots_policy", "bogus"), ("slots_ttl", 0),
-                                            ("slots_side_patterns", ["("]), ("slots_side_slot", -5),
-                                            ("slots_prefix_cache", "bogus"), ("slots_save_dir", "/nonexistent")])
-def test_bad_options_are_refused(opt, value):
-    addons = addon_module.make_addons()
-    with taddons.context(*addons) as tctx, pytest.raises(exceptions.OptionsError):
-        tctx.configure(addons[1], **{opt: value})
-
-
-def test_options_from_strings_build_one_settings_object():
-    addons = addon_module.make_addons()
-    with taddons.context(*addons) as tctx:
-        tctx.options.set("slots_policy=seed", "slots_ttl=30", "slots_session_headers=X-A",
-                         "slots_session_headers=x-b")
-        s = addons[1].rt.settings
-        assert s.policy.value == "seed" and s.ttl == 30 and s.session_headers == ("x-a", "x-b")
-
-
 async def test_the_state_is_flushed_at_shutdown(proxy, tmp_path):
     f = await proxy.request(flow(chat()))
     await proxy.request(flow(chat()))

@@ -1,0 +1,54 @@
+"""The proxy's options: every bad value stops the proxy with an error that names the option, and every
+option is documented."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from mitmproxy import exceptions
+from mitmproxy.test import taddons
+
+import addon as addon_module
+from mitm import options
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "options.md"
+
+BAD = [("slots_policy", "bogus"), ("slots_prefix_cache", "bogus"), ("slots_anthropic", "bogus"),
+       ("slots_side_patterns", ["("]), ("slots_save_dir", "/nonexistent"), ("slots_cache_type", "q9_9"),
+       ("slots_cache_type", "f16,f16,f16"), ("slots_state_url", "ftp://x"), ("slots_upstreams", ["nope"]),
+       *((name, least - 1) for name, (least, _) in options.MINIMUMS.items())]
+
+
+@pytest.mark.parametrize(("opt", "value"), BAD)
+def test_a_bad_value_is_refused_naming_its_option(opt, value):
+    addons = addon_module.make_addons()
+    with taddons.context(*addons) as tctx, pytest.raises(exceptions.OptionsError, match=opt):
+        tctx.configure(addons[1], **{opt: value})
+
+
+@pytest.mark.parametrize("name", sorted(options.MINIMUMS))
+def test_the_smallest_accepted_value_is_accepted(name, tmp_path):
+    addons = addon_module.make_addons()
+    with taddons.context(*addons) as tctx:
+        tctx.configure(addons[1], slots_state_dir=str(tmp_path / "state"), **{name: options.MINIMUMS[name][0]})
+        assert addons[1].rt.settings is not None
+
+
+def test_options_from_strings_build_one_settings_object():
+    addons = addon_module.make_addons()
+    with taddons.context(*addons) as tctx:
+        tctx.options.set("slots_policy=seed", "slots_ttl=30", "slots_session_headers=X-A",
+                         "slots_session_headers=x-b", "slots_cache_type=q8_0,f16")
+        s = addons[1].rt.settings
+        assert s.policy.value == "seed" and s.ttl == 30 and s.session_headers == ("x-a", "x-b")
+        assert (s.cache_type_k, s.cache_type_v) == ("q8_0", "f16")
+
+
+def test_every_option_of_every_addon_is_in_docs_options_md():
+    documented = set(re.findall(r"`(slots_[a-z_]+)`", DOCS.read_text()))
+    addons = addon_module.make_addons()
+    with taddons.context(*addons) as tctx:
+        ours = {name for name in tctx.options.keys() if name.startswith("slots_")}
+    assert ours and ours <= documented, sorted(ours - documented)
