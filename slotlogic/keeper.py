@@ -72,6 +72,27 @@ class Placement:
         return self.why is Why.SIDE_CALL
 
 
+@dataclass(frozen=True)
+class _Read:
+    """A request body parsed (a recorded flow's rewrite undone: `original` is what the client sent)."""
+
+    body: dict[str, Any]
+    content: bytes
+    original: bytes | None
+
+
+@dataclass
+class _Seen:
+    """The body to send (`body`, `content`) and the chat-shaped view that names the session (`seen`)."""
+
+    body: dict[str, Any]
+    content: bytes
+    chat: dict[str, Any] | None    # an Anthropic request as a chat completion (None: not one, or untranslatable)
+    seen: dict[str, Any]
+    seen_path: str
+    native: bool                   # an Anthropic request goes to the server's own /v1/messages
+
+
 class LowerHeaders(dict[str, str]):
     """Request headers as a plain dict with lower-case names, built from the raw fields (mitmproxy's multidict
     look-ups are slow). The first value of a repeated header wins."""
@@ -120,54 +141,71 @@ class Keeper:
             known = self._recognise(facts, route)
             if known is not None:
                 return known
-        content = facts.content or b""
-        body = _parse(content)
-        original = None
-        if facts.replay is not None and isinstance(body, dict):
-            body, original = _undo_rewrite(body, content, facts.replay)
-            content = original or content
-        if not isinstance(body, dict):
-            return Forward(Passed.NOT_JSON_OBJECT, completion_route=True)
+        read = _read(facts)
+        if isinstance(read, Forward):
+            return read
+        req = self._as_seen(read, route, facts.path)
         s = self.settings
-        native = s.anthropic is AnthropicMode.NATIVE or (s.anthropic is AnthropicMode.TRANSLATE
-                                                          and self.messages_native is True)
-        if route is Route.ANTHROPIC and s.strip_billing and s.anthropic is not AnthropicMode.OFF:
+        key = sess.resolve(LowerHeaders(facts.fields), req.seen, req.seen_path, header_names=s.session_headers,
+                           known_prompts=self.marks)
+        ticket = Ticket(key, route, client={k: req.body.get(k) for k in ("id_slot", "cache_prompt")})
+        self._remember_prompt(key.key, sess.prompt_mark(req.body))
+        if route is Route.ANTHROPIC and not self._translate(ticket, req):
+            return Observe(ticket, read.original)
+        ticket.side = sidecalls.is_side_call(sess.system_text(req.seen, req.seen_path), s.side_patterns)
+        if facts.replay is None and fields_absent(req.body):
+            self.shapes.learn(facts.path, req.content, key, ticket.side)
+        if s.policy is Policy.OFF:
+            ticket.unpinned = Unpinned.POLICY_OFF
+            return Observe(ticket, read.original)
+        slot = self._placed(ticket, facts.now)
+        if slot is not None:
+            return self._pin(ticket, req.body, req.content, slot, facts.now)
+        if s.policy is Policy.AFFINITY:
+            return self._pending(ticket, req.body, req.content, TRANSLATED_PATH if ticket.translated else facts.path,
+                                 facts.now)
+        return self._need_slot(ticket, req, facts.now)
+
+    def _as_seen(self, read: _Read, route: Route, path: str) -> _Seen:
+        """The request as the rest of the core sees it: an Anthropic request (its billing block dropped when
+        configured) as the chat request it renders as, so it names its session and prefix like one."""
+        s = self.settings
+        body, content = read.body, read.content
+        native = self._messages_native()
+        if route is not Route.ANTHROPIC:
+            return _Seen(body, content, None, body, path, native)
+        if s.strip_billing and s.anthropic is not AnthropicMode.OFF:
             stripped = anthropic.strip_billing(body)
             if stripped is not None:
                 body = stripped
-                if native:  # the native route sends these bytes (a translated request is encoded below)
+                if native:  # the native route sends these bytes (a translated request is encoded later)
                     content = _encoded(stripped) or content
-        chat = _as_chat(body) if route is Route.ANTHROPIC else None
-        # What names the session and its prefix: an Anthropic request as the chat request it renders as.
-        seen, seen_path = (body, facts.path) if chat is None else ({**chat, "metadata": body.get("metadata")},
-                                                                   TRANSLATED_PATH)
-        key = sess.resolve(LowerHeaders(facts.fields), seen, seen_path, header_names=s.session_headers,
-                           known_prompts=self.marks)
-        ticket = Ticket(key, route, client={k: body.get(k) for k in ("id_slot", "cache_prompt")})
-        self._remember_prompt(key.key, sess.prompt_mark(body))
-        if route is Route.ANTHROPIC:
-            if s.anthropic is AnthropicMode.OFF:
-                ticket.unpinned = Unpinned.ROUTE
-                return Observe(ticket, original)
-            if not native:
-                encoded = _encoded(chat)
-                if chat is None or encoded is None:
-                    ticket.unpinned = Unpinned.UNTRANSLATABLE
-                    return Observe(ticket, original)
-                body, content, ticket.translated = chat, encoded, True
-        ticket.side = sidecalls.is_side_call(sess.system_text(seen, seen_path), s.side_patterns)
-        if facts.replay is None and fields_absent(body):
-            self.shapes.learn(facts.path, content, key, ticket.side)
-        if s.policy is Policy.OFF:
-            ticket.unpinned = Unpinned.POLICY_OFF
-            return Observe(ticket, original)
-        slot = self._placed(ticket, facts.now)
-        if slot is not None:
-            return self._pin(ticket, body, content, slot, facts.now)
-        if s.policy is Policy.AFFINITY:
-            return self._pending(ticket, body, content, TRANSLATED_PATH if ticket.translated else facts.path,
-                                 facts.now)
-        live = self.table.live(key.key, facts.now)
+        chat = _as_chat(body)
+        seen = body if chat is None else {**chat, "metadata": body.get("metadata")}
+        return _Seen(body, content, chat, seen, path if chat is None else TRANSLATED_PATH, native)
+
+    def _messages_native(self) -> bool:
+        mode = self.settings.anthropic
+        return mode is AnthropicMode.NATIVE or (mode is AnthropicMode.TRANSLATE and self.messages_native is True)
+
+    def _translate(self, ticket: Ticket, req: _Seen) -> bool:
+        """An Anthropic request made ready to pin: as it is (native), or as its chat completion (translate).
+        False when it is only observed (the mode is off, or the request cannot be translated)."""
+        if self.settings.anthropic is AnthropicMode.OFF:
+            ticket.unpinned = Unpinned.ROUTE
+            return False
+        if req.native:
+            return True
+        encoded = _encoded(req.chat)
+        if req.chat is None or encoded is None:
+            ticket.unpinned = Unpinned.UNTRANSLATABLE
+            return False
+        req.body, req.content, ticket.translated = req.chat, encoded, True
+        return True
+
+    def _need_slot(self, ticket: Ticket, req: _Seen, now: float) -> NeedSlot:
+        """A new or displaced session: what the driver needs to claim it a slot (its stable prefix above all)."""
+        live = self.table.live(ticket.session.key, now)
         displaced_from = None
         if live is not None and (self.total_slots is None or live.slot < self.total_slots):
             # Another session ran on this slot since: our conversation is no longer there, so staying has no
@@ -176,15 +214,15 @@ class Keeper:
         # The stable prefix: up to a client's known marker (the instant path), else learned from traffic: a new
         # session's system message is compared with the other sessions' (never a displaced one's, nor a side
         # call's: those are no new conversations).
-        stable = pfx.extract(seen, s.markers)
+        stable = pfx.extract(req.seen, self.settings.markers)
         if stable is None and not ticket.side and displaced_from is None:
-            self.learner.observe(key.key, seen, facts.now)
+            self.learner.observe(ticket.session.key, req.seen, now)
         if stable is None:
-            stable = self.learner.find(seen, facts.now)
+            stable = self.learner.find(req.seen, now)
         # What the ranking compares slot contents by: the stable prefix when there is one (windows of two
         # projects share it), else the whole system prompt + tools.
-        prefix = stable.signature if stable else sess.prefix_signature(seen, seen_path)
-        return NeedSlot(ticket, body, content, prefix, stable, displaced_from)
+        prefix = stable.signature if stable else sess.prefix_signature(req.seen, req.seen_path)
+        return NeedSlot(ticket, req.body, req.content, prefix, stable, displaced_from)
 
     def _recognise(self, facts: RequestFacts, route: Route) -> Decision | None:
         """The hot path without a parse (`slotlogic.fastpath`): a known session's next chat request, with an
@@ -577,6 +615,18 @@ class Keeper:
         prefix = known.prefix if known else None
         self.table.assign(key, slot, now, prefix=prefix, requests=known.requests if known else 0)
         return prefix
+
+
+def _read(facts: RequestFacts) -> _Read | Forward:
+    content = facts.content or b""
+    body = _parse(content)
+    original = None
+    if facts.replay is not None and isinstance(body, dict):
+        body, original = _undo_rewrite(body, content, facts.replay)
+        content = original or content
+    if not isinstance(body, dict):
+        return Forward(Passed.NOT_JSON_OBJECT, completion_route=True)
+    return _Read(body, content, original)
 
 
 def _as_chat(body: dict[str, Any]) -> dict[str, Any] | None:

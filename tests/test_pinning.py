@@ -7,10 +7,8 @@ import json
 import logging
 
 import pytest
-from mitmproxy import exceptions, http
-from mitmproxy.test import taddons
+from mitmproxy import http
 
-import addon as addon_module
 from drivers import store_file
 from slotlogic.answers import StreamObserver
 from tests.conftest import UP, chat, flow, sent
