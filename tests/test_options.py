@@ -50,5 +50,5 @@ def test_every_option_of_every_addon_is_in_docs_options_md():
     documented = set(re.findall(r"`(slots_[a-z_]+)`", DOCS.read_text()))
     addons = addon_module.make_addons()
     with taddons.context(*addons) as tctx:
-        ours = {name for name in tctx.options if name.startswith("slots_")}
+        ours = {name for name in tctx.options._options if name.startswith("slots_")}
     assert ours and ours <= documented, sorted(ours - documented)
