@@ -59,6 +59,8 @@ async def run(a: argparse.Namespace, upstream: str) -> dict[str, float]:
     from mitmproxy import http
     from mitmproxy.test import taddons, tflow
 
+    from bench.workload import anthropic_body
+
     sys.path.insert(0, str(ROOT))
     mod = importlib.import_module("addon")
     addons = list(mod.addons)
@@ -74,8 +76,12 @@ async def run(a: argparse.Namespace, upstream: str) -> dict[str, float]:
             tctx.configure(addon, **known)
         body = agent_body(a.kb, a.turns)
 
+        path = "/v1/chat/completions"
+        if a.route == "messages":  # the same conversation as an Anthropic request: translated every time
+            body, path = anthropic_body(body["messages"], body["tools"], 4, stream=False), "/v1/messages"
+
         def make_flow(b: dict[str, Any]) -> Any:
-            req = http.Request.make("POST", upstream + "/v1/chat/completions", json.dumps(b).encode(),
+            req = http.Request.make("POST", upstream + path, json.dumps(b).encode(),
                                     {"content-type": "application/json"})
             return tflow.tflow(req=req)
 
@@ -116,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--route", choices=["chat", "messages"], default="chat",
+                    help="messages: the body as an Anthropic /v1/messages request (the translation's cost)")
     ap.add_argument("--state-url", default="", help="slots_state_url (e.g. redis://127.0.0.1:6379/0)")
     a = ap.parse_args(argv)
     from launch.llama_server import free_port
