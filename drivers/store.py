@@ -1,4 +1,4 @@
-"""Where the shared state lives: the interface every store keeps, and the choice by `slots_state_url`.
+"""Where the shared state lives: the interface every store keeps (`drivers.stores` opens the named one).
 
 `drivers.upstream.Upstream` talks to its server's state through `StateStore` only:
 - `transaction()`: an exclusive read-modify-write of the server's `ServerState` (the claim of a slot is made
@@ -67,31 +67,3 @@ def redacted(url: str) -> str:
     host = parts.hostname or ""
     port = f":{parts.port}" if parts.port else ""
     return f"{parts.scheme}://{host}{port}{parts.path}"
-
-
-class Stores:
-    """The store of each server, all from one `slots_state_url`; the Redis connection is shared by them."""
-
-    def __init__(self, url: str, state_dir: Path, emit: Emit) -> None:
-        self.kind, where = parse_url(url, state_dir)
-        self.url = url
-        self.state_dir = where if isinstance(where, Path) else state_dir
-        self.emit = emit
-        self.redis = None
-        if self.kind == "redis":
-            from drivers.store_redis import RedisConnection  # the client is imported only when used
-
-            self.redis = RedisConnection(str(where), emit)
-
-    def for_server(self, upstream: str) -> StateStore:
-        if self.redis is not None:
-            from drivers.store_redis import RedisState
-
-            return RedisState(self.redis, upstream)
-        from drivers.store_file import StateFile
-
-        return StateFile(self.state_dir, upstream, self.emit)
-
-    def close_sync(self) -> None:
-        if self.redis is not None:
-            self.redis.close_sync()

@@ -1,6 +1,6 @@
 """`GET /_slots/metrics`: what the proxy did, in the Prometheus text format (`prometheus_client`).
 
-Counting costs a few dict additions per request (`Tally`, fed by the runtime's reports and events); the
+Counting costs a few dict additions per request (`slotlogic.tally.Tally`, fed by the runtime's reports and events); the
 metric families are built only when a scraper asks (`render`), so the hot path never touches the library.
 Labels are server URLs, slot ids and enum words: never a session, never prompt text.
 """
@@ -8,7 +8,6 @@ Labels are server URLs, slot ids and enum words: never a session, never prompt t
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -16,50 +15,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from slotlogic.decisions import Report
-from slotlogic.events import CheckpointDone, Event, Paged
-
 if TYPE_CHECKING:
     from mitm.runtime import Runtime
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-Key = tuple[str, str]   # (server, slot)
-
-
-class Tally:
-    """Plain counters, keyed by (server, slot)."""
-
-    def __init__(self) -> None:
-        self.requests: defaultdict[Key, int] = defaultdict(int)
-        self.prefill: defaultdict[Key, int] = defaultdict(int)
-        self.cached: defaultdict[Key, int] = defaultdict(int)
-        self.paged_in: defaultdict[Key, int] = defaultdict(int)
-        self.page_ops: defaultdict[tuple[str, str, str], int] = defaultdict(int)    # + direction
-        self.page_seconds: defaultdict[Key, float] = defaultdict(float)
-        self.checkpoints: defaultdict[tuple[str, str, str], int] = defaultdict(int)  # + outcome
-        self.checkpoint_seconds: defaultdict[Key, float] = defaultdict(float)
-
-    def report(self, r: Report) -> None:
-        key = (r.upstream, "-" if r.slot is None else str(r.slot))
-        self.requests[key] += 1
-        if r.obs.prompt_n:
-            self.prefill[key] += r.obs.prompt_n
-        if r.obs.cache_n:
-            self.cached[key] += r.obs.cache_n
-
-    def event(self, e: Event) -> None:
-        if isinstance(e, Paged):
-            key = (e.upstream, str(e.slot))
-            if e.out_tokens is not None:
-                self.page_ops[(*key, "out")] += 1
-            if e.in_tokens is not None:
-                self.page_ops[(*key, "in")] += 1
-                self.paged_in[key] += e.in_tokens
-            self.page_seconds[key] += e.seconds
-        elif isinstance(e, CheckpointDone):
-            key = (e.upstream, str(e.slot))
-            self.checkpoints[(*key, e.outcome.value)] += 1
-            self.checkpoint_seconds[key] += e.seconds
 
 
 class _Collector(Collector):

@@ -18,15 +18,15 @@ from typing import Any, Protocol
 
 from drivers.llama_http import LlamaClient
 from drivers.pool import Pool, base_of
-from drivers.store import Stores
 from drivers.store_file import default_state_dir
+from drivers.stores import Stores
 from drivers.upstream import Upstream
-from mitm.metrics import Tally
 from slotlogic import wording
 from slotlogic.answers import StreamObserver
 from slotlogic.decisions import Report, Ticket
 from slotlogic.events import Event, Failed, Stage
 from slotlogic.settings import Settings
+from slotlogic.tally import Tally
 
 log = logging.getLogger("slotkeeper")
 SHARED_FLUSH_INTERVAL = 0.5  # seconds between flushes to a Redis store (the file store: Settings.flush_interval)

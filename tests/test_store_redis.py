@@ -12,8 +12,9 @@ import redis
 from mitmproxy.test import taddons
 
 import addon as addon_module
-from drivers.store import Stores, parse_url, redacted
+from drivers.store import parse_url, redacted
 from drivers.store_redis import KEEP_MS, RedisConnection, RedisState, state_key
+from drivers.stores import Stores
 from launch.redis_server import RedisServer
 from slotlogic import shared
 from slotlogic.events import StoreBack, StoreUnavailable

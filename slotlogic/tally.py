@@ -1,0 +1,49 @@
+"""Counters behind `/_slots/metrics`, fed by the typed reports and events: a few dict additions per request.
+
+Keyed by (server URL, slot id): never a session, never prompt text. `mitm/metrics.py` renders them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from slotlogic.decisions import Report
+from slotlogic.events import CheckpointDone, Event, Paged
+
+Key = tuple[str, str]   # (server, slot)
+
+
+class Tally:
+    """Plain counters, keyed by (server, slot)."""
+
+    def __init__(self) -> None:
+        self.requests: defaultdict[Key, int] = defaultdict(int)
+        self.prefill: defaultdict[Key, int] = defaultdict(int)
+        self.cached: defaultdict[Key, int] = defaultdict(int)
+        self.paged_in: defaultdict[Key, int] = defaultdict(int)
+        self.page_ops: defaultdict[tuple[str, str, str], int] = defaultdict(int)    # + direction
+        self.page_seconds: defaultdict[Key, float] = defaultdict(float)
+        self.checkpoints: defaultdict[tuple[str, str, str], int] = defaultdict(int)  # + outcome
+        self.checkpoint_seconds: defaultdict[Key, float] = defaultdict(float)
+
+    def report(self, r: Report) -> None:
+        key = (r.upstream, "-" if r.slot is None else str(r.slot))
+        self.requests[key] += 1
+        if r.obs.prompt_n:
+            self.prefill[key] += r.obs.prompt_n
+        if r.obs.cache_n:
+            self.cached[key] += r.obs.cache_n
+
+    def event(self, e: Event) -> None:
+        if isinstance(e, Paged):
+            key = (e.upstream, str(e.slot))
+            if e.out_tokens is not None:
+                self.page_ops[(*key, "out")] += 1
+            if e.in_tokens is not None:
+                self.page_ops[(*key, "in")] += 1
+                self.paged_in[key] += e.in_tokens
+            self.page_seconds[key] += e.seconds
+        elif isinstance(e, CheckpointDone):
+            key = (e.upstream, str(e.slot))
+            self.checkpoints[(*key, e.outcome.value)] += 1
+            self.checkpoint_seconds[key] += e.seconds
