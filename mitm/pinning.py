@@ -124,7 +124,7 @@ class Pinning:
         if req is None or flow.response is None:
             return
         obs = observe_response(flow.response, req.stream)
-        if flow.error is not None:  # a saved flow whose client went away mid-answer: as the live proxy saw it
+        if flow.error is not None and not obs.complete:  # a saved flow cut mid-answer: as the live proxy saw it
             obs.error_type = obs.error_type or "transport"
         if req.stream is None and flow.live and flow.response.raw_content is not None:
             answer = req.upstream.keeper.answer_body(req.ticket, flow.response.status_code,
@@ -143,7 +143,8 @@ class Pinning:
             return
         req.upstream.unlock(flow.id)
         obs = req.stream.obs if req.stream else Observation()
-        obs.error_type = obs.error_type or req.ended or "transport"
+        if not obs.complete:  # a client that hangs up after the answer's end (Codex does) lost nothing
+            obs.error_type = obs.error_type or req.ended or "transport"
         tap = flow.response.stream if flow.response is not None else None
         if isinstance(tap, SSETap):
             tap.finish()  # what was streamed before the cut goes into the recording

@@ -30,6 +30,7 @@ class Observation:
     n_ctx: int | None = None
     tokens_total: int | None = None   # usage.total_tokens: prompt + generated (affinity's `/slots` match)
     events: int = 0
+    complete: bool = False   # the answer's end was seen: a client that hangs up after it lost nothing
 
     @property
     def reuse(self) -> float | None:
@@ -93,6 +94,10 @@ def absorb(obs: Observation, obj: Any) -> None:
     response = obj.get("response")
     if obj.get("type") == "response.completed" and isinstance(response, dict):  # a /v1/responses stream
         absorb(obs, {"usage": response.get("usage")})
+    choices = obj.get("choices")
+    if obj.get("type") in ("response.completed", "message_stop") or obj.get("stop") is True or (
+            isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices)):
+        obs.complete = True
     err = obj.get("error")
     if isinstance(err, dict):
         obs.error_type = str(err.get("type") or err.get("code") or "error")
@@ -106,6 +111,7 @@ def observe_json(raw: bytes) -> Observation:
     obs = Observation()
     with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
         absorb(obs, json.loads(raw))
+        obs.complete = True  # the whole body came
     return obs
 
 
@@ -116,6 +122,7 @@ class SSEParser:
     _buf: bytearray = field(default_factory=bytearray)
     _data: list[bytes] = field(default_factory=list)
     max_buffer: int = 4 << 20  # a single line longer than this is dropped, not accumulated forever
+    done: bool = False         # `data: [DONE]` came
 
     def feed(self, chunk: bytes) -> Iterator[Any]:
         self._buf += chunk
@@ -150,6 +157,7 @@ class SSEParser:
         payload = b"\n".join(self._data)
         self._data.clear()
         if payload.strip() == b"[DONE]":
+            self.done = True
             return
         try:
             yield json.loads(payload)
@@ -174,3 +182,4 @@ class StreamObserver:
         for event in events:
             self.obs.events += 1
             absorb(self.obs, event)
+        self.obs.complete = self.obs.complete or self.parser.done

@@ -88,3 +88,20 @@ def test_context_error_is_read():
 
 def test_not_json():
     assert observe_json(b"<html>").outcome == "unknown"
+
+
+RESPONSES_END = b'event: response.completed\ndata: {"type":"response.completed","response":{"usage":{}}}\n\n'
+MESSAGES_END = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+
+
+@pytest.mark.parametrize("stream", [CHAT_STREAM, NATIVE_STREAM, RESPONSES_END, MESSAGES_END, b"data: [DONE]\n\n"],
+                         ids=["chat", "native", "responses", "messages", "done"])
+def test_the_end_of_an_answer_is_seen_on_every_route(stream):
+    assert feed_split(stream, []).complete
+    assert not feed_split(stream[: stream.index(b"data:") + 8], []).complete  # cut inside the last event
+
+
+def test_a_stream_cut_before_its_end_is_not_complete():
+    cut = CHAT_STREAM.index(b'data: {"choices":[{"delta":{},"finish_reason"')
+    assert not feed_split(CHAT_STREAM[:cut], []).complete
+    assert observe_json(b'{"choices":[]}').complete and not observe_json(b'{"choi').complete

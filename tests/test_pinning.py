@@ -8,6 +8,7 @@ import logging
 
 import pytest
 from mitmproxy import http
+from mitmproxy.flow import Error as flow_error
 
 from drivers import store_file
 from slotlogic.answers import StreamObserver
@@ -184,6 +185,23 @@ async def test_an_sse_stream_passes_byte_for_byte_and_is_observed(proxy, caplog)
         await proxy.hook("response", f)
     assert "cache_n=120 prompt_n=8 reuse=94%" in caplog.text
     assert f.marked == ":zap:" and "slot=" in f.comment and f.metadata["slotkeeper"]["cache_n"] == 120
+
+
+@pytest.mark.parametrize(("sent_before_hangup", "error"), [(2, False), (1, True)], ids=["after-end", "mid-answer"])
+async def test_a_client_that_hangs_up_after_the_end_lost_nothing(proxy, sent_before_hangup, error):
+    """Codex closes its connection as soon as it has `response.completed`: not an error; a cut mid-answer is."""
+    f = await proxy.request(flow(chat(stream=True)))
+    f.response = http.Response.make(200, b"", {"content-type": "text/event-stream"})
+    f.response.content = None
+    await proxy.hook("responseheaders", f)
+    events = [b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n',
+              b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"timings":{"cache_n":120,"prompt_n":8}}\n\n']
+    for event in events[:sent_before_hangup]:
+        f.response.stream(event)
+    f.error = flow_error("Client disconnected.")
+    await proxy.hook("error", f)
+    meta = f.metadata["slotkeeper"]
+    assert meta["outcome"] == ("error" if error else "hit") and meta["cache_n"] == (120 if not error else None)
 
 
 async def test_a_broken_observer_never_breaks_the_stream(proxy, monkeypatch, caplog):
