@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from slotlogic import anthropic as A
+from slotlogic import anthropic_answer as R
 
 
 def claude_code_body(turns: int = 20) -> dict[str, Any]:
@@ -69,14 +70,14 @@ def main() -> None:
             {"type": "function", "function": {"name": "Tool1", "arguments": '{"p0":"/repo/tests/test_x.py"}'},
              "id": "abc"}]}}], "id": "chatcmpl-1", "model": "m",
         "usage": {"completion_tokens": 30, "prompt_tokens": 30000, "prompt_tokens_details": {"cached_tokens": 29000}}}
-    print(f"from_chat                {per_call(lambda: A.from_chat(answer), 2000):8.1f} µs")
+    print(f"from_chat                {per_call(lambda: R.from_chat(answer), 2000):8.1f} µs")
     timings = {"cache_n": 29000, "prompt_n": 1000, "prompt_ms": 1.0, "prompt_per_token_ms": 1.0,
                "prompt_per_second": 1.0, "predicted_n": 5, "predicted_ms": 1.0, "predicted_per_token_ms": 1.0,
                "predicted_per_second": 1.0}
     first = chunk({"role": "assistant", "content": None}) + chunk({"content": "Let"}, timings=timings)
     token = chunk({"content": " me"}, timings=timings)
     n = 5000
-    conv = A.StreamConverter()
+    conv = R.StreamConverter()
     conv.feed(first)
     t = time.perf_counter()
     for _ in range(n):

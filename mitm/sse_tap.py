@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Callable
 
 from slotlogic.answers import StreamObserver
-from slotlogic.anthropic import StreamConverter
+from slotlogic.anthropic_answer import StreamConverter
 from slotlogic.verbose import VerboseStripper
 
 CONVERT_ERROR = (b'event: error\ndata: {"type":"error","error":{"type":"api_error",'

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from slotlogic import affinity, anthropic, paging, placement, reconcile, rewrite, shared, sidecalls
+from slotlogic import affinity, anthropic, anthropic_answer, paging, placement, reconcile, rewrite, shared, sidecalls
 from slotlogic import prefix as pfx
 from slotlogic import session as sess
 from slotlogic.answers import Observation
@@ -501,19 +501,19 @@ class Keeper:
             self.stats.popitem(last=False)
         return Report(ticket, obs, slot, path, self.upstream, seconds)
 
-    def answer_stream(self, ticket: Ticket) -> anthropic.StreamConverter | None:
+    def answer_stream(self, ticket: Ticket) -> anthropic_answer.StreamConverter | None:
         """What turns the streamed chat answer of a translated request back into the native route's."""
-        return anthropic.StreamConverter() if ticket.translated else None
+        return anthropic_answer.StreamConverter() if ticket.translated else None
 
     def answer_body(self, ticket: Ticket, status: int, raw: bytes) -> bytes | None:
         """The native route's answer for a translated request's non-streamed chat answer; None: unchanged."""
         if not ticket.translated:
             return None
         if status != 200:
-            return anthropic.error_body(status, raw)
+            return anthropic_answer.error_body(status, raw)
         try:
             answer = json.loads(raw)
-            return json.dumps(anthropic.from_chat(answer), ensure_ascii=False, separators=(",", ":")).encode()
+            return json.dumps(anthropic_answer.from_chat(answer), ensure_ascii=False, separators=(",", ":")).encode()
         except (ValueError, anthropic.TranslationError):
             return None
 

@@ -16,7 +16,12 @@ from slotlogic import events as ev
 from slotlogic.affinity import Learn
 from slotlogic.checkpoint_machine import Failure, Note, NoteKind
 from slotlogic.decisions import Report
-from slotlogic.model_facts import ModelFacts, describe
+from slotlogic.model_facts import (
+    DEFAULT_CHECKPOINT_MIN_STEP,
+    DEFAULT_CTX_CHECKPOINTS,
+    ModelFacts,
+    ReuseKind,
+)
 from slotlogic.stats import SessionStats
 from slotlogic.watch import End, State
 
@@ -384,3 +389,103 @@ def logged(event: ev.Event) -> bool:
 
 def lines(events: Iterable[ev.Event]) -> list[str]:
     return [event_line(e)[1] for e in events if logged(e)]
+
+
+# ------------------------------------------------------------------------------------------- the model
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.1f} {unit}" if v < 100 else f"{v:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _dims(facts: ModelFacts) -> str:
+    layers = facts._attention_layers()
+    kvs = sorted({facts.kv_heads[i] for i in layers})
+    heads = str(kvs[0]) if len(kvs) == 1 else f"{kvs[0]}-{kvs[-1]}"
+    dims = f"{facts.head_dim_k}+{0 if facts.mla else facts.head_dim_v}"
+    if facts.n_swa_layers and (facts.head_dim_k_swa, facts.head_dim_v_swa) != (facts.head_dim_k, facts.head_dim_v):
+        dims += f" (SWA {facts.head_dim_k_swa}+{facts.head_dim_v_swa})"
+    return f"{heads} KV heads × {dims} dims"
+
+
+def describe(facts: ModelFacts, *, cache_type_k: str = "f16", cache_type_v: str = "f16", n_ctx: int | None = None,
+             swa_full: bool | None = None, checkpoints_in_files: bool | None = None,
+             files_wanted: bool = True) -> list[str]:
+    """Start-up log lines for the model: shape, cost per token, and what that means for slot files.
+
+    The slot-file cost per 1K tokens is that of a full slot of `n_ctx` tokens (at least 1,000), where SWA
+    layers store only their window.
+
+    Only names and numbers (architecture, counts, sizes, flags); never prompt text. `files_wanted`: the
+    user configured prefix checkpoints or session pages, so the last line says whether they stay on.
+    """
+    if not facts.known:
+        return ["model: header not understood (no general.architecture): prefix reuse assumed as before"]
+    reuse = facts.prefix_reuse()
+    if reuse.kind is ReuseKind.NO_MEMORY:
+        return [f"model: {facts.architecture}: no KV cache (embedding/encoder/diffusion model): nothing for slot "
+                "files to keep"]
+    try:
+        facts.kv_bytes_per_token(cache_type_k, cache_type_v, n_ctx)
+    except ValueError:  # a cache type the model table does not know: sized as f16
+        cache_type_k = cache_type_v = "f16"
+    lines = [_model_shape(facts, cache_type_k, cache_type_v, n_ctx, swa_full)]
+    if reuse.kind is ReuseKind.FULL:
+        lines[0] += "; prefixes reusable"
+    elif reuse.kind in (ReuseKind.NEEDS_SWA_FULL, ReuseKind.CHECKPOINTS_ONLY):
+        lines.append(_reuse_limits(facts, reuse.kind, cache_type_k, cache_type_v, n_ctx, swa_full,
+                                   checkpoints_in_files))
+    if files_wanted and not facts.restore_helps(swa_full, checkpoints_in_files):
+        fix = (" (start llama-server with " + " ".join(reuse.flags_for_restore) +
+               " and set slots_swa_full)") if reuse.restore_fixable and reuse.flags_for_restore else ""
+        lines.append("checkpoint and page files stay off: a restore could not resume" + fix)
+    return lines
+
+
+def _model_shape(facts: ModelFacts, cache_type_k: str, cache_type_v: str, n_ctx: int | None,
+                 swa_full: bool | None) -> str:
+    per_token = facts.kv_bytes_per_token(cache_type_k, cache_type_v, n_ctx, swa_full=bool(swa_full))
+    per_1k = facts.slot_file_bytes_per_1k_tokens(cache_type_k, cache_type_v, n_tokens=max(1000, n_ctx or 0))
+    types = cache_type_k if cache_type_k == cache_type_v else f"K {cache_type_k}, V {cache_type_v}"
+    shape = f"model: {facts.architecture}, {facts.block_count} layers"
+    if facts.n_recurrent_layers:
+        shape += f" ({facts.n_attention_layers} attention, {facts.n_recurrent_layers} recurrent)"
+    if facts.n_attention_layers:
+        shape += f", {_dims(facts)}: ~{_size(per_token)} KV per token ({types})"
+    if facts.n_recurrent_layers:
+        shape += f", {_size(facts.recurrent_state_bytes())} recurrent state per sequence"
+    shape += f"; a slot file ~{_size(per_1k)} per 1K tokens"
+    if not facts.modelled:
+        shape += " (layout not fully modelled: rough)"
+    return shape
+
+
+def _reuse_limits(facts: ModelFacts, kind: ReuseKind, cache_type_k: str, cache_type_v: str, n_ctx: int | None,
+                  swa_full: bool | None, checkpoints_in_files: bool | None) -> str:
+    """Why a prefix is reusable only in part (a window, or recurrent state), and what would change it."""
+    persisted = ("; this llama-server writes its checkpoints into slot files, so a restored file resumes from "
+                 "the newest one before the divergence") if checkpoints_in_files else ""
+    if kind is ReuseKind.NEEDS_SWA_FULL:
+        what = "chunked attention" if facts.chunked else "sliding window"
+        total = facts.n_attention_layers
+        full_cost = facts.kv_bytes_per_token(cache_type_k, cache_type_v, n_ctx, swa_full=True)
+        if swa_full:
+            return (f"{what} {facts.window} on {facts.n_swa_layers} of {total} layers; llama-server runs with "
+                    f"--swa-full (~{_size(full_cost)} KV per token): prefixes reusable, a restored slot file "
+                    f"resumes when the conversation diverges within its last {facts.window} tokens")
+        if checkpoints_in_files:
+            return (f"{what} {facts.window} on {facts.n_swa_layers} of {total} layers: prefixes beyond "
+                    f"the window are reusable only from llama-server's context checkpoints{persisted}")
+        return (f"{what} {facts.window} on {facts.n_swa_layers} of {total} layers: prefixes beyond "
+                "the window are reusable only from llama-server's in-RAM context checkpoints, and a "
+                "restored slot file cannot resume, unless llama-server runs with --swa-full "
+                f"(then ~{_size(full_cost)} KV per token)")
+    return (f"recurrent state in {facts.n_recurrent_layers} of {facts.block_count} layers: a prefix is "
+            "reusable only from llama-server's in-RAM context checkpoints (--ctx-checkpoints, default "
+            f"{DEFAULT_CTX_CHECKPOINTS}; --checkpoint-min-step, default {DEFAULT_CHECKPOINT_MIN_STEP}); "
+            + (persisted[2:] if checkpoints_in_files else
+               "upstream slot files carry none, so a restored file cannot resume (llama.cpp #25913, "
+               "#27813; PRs #20819, #26004 would fix it)"))

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slotlogic import anthropic as A
+from slotlogic import anthropic_answer as R
 
 # --------------------------------------------------------------------------------------------------------
 # to_chat: the converter's rules, one by one (server-chat.cpp, server_chat_convert_anthropic_to_oai)
@@ -208,14 +209,14 @@ def _answer(message: dict[str, Any], finish: str, **extra: Any) -> dict[str, Any
 
 
 def test_from_chat_text_answer() -> None:
-    msg = A.from_chat(_answer({"role": "assistant", "content": "Hi"}, "stop"))
+    msg = R.from_chat(_answer({"role": "assistant", "content": "Hi"}, "stop"))
     assert msg == {"id": "chatcmpl-1", "type": "message", "role": "assistant",
                    "content": [{"type": "text", "text": "Hi"}], "model": "m", "stop_reason": "end_turn",
                    "stop_sequence": None,
                    "usage": {"cache_read_input_tokens": 31, "input_tokens": 1, "output_tokens": 5}}
-    assert A.counts(_answer({}, "stop")) == A.PromptCounts(cache_n=31, prompt_n=1)
-    assert A.from_chat(_answer({"content": "x"}, "length"), model="claude-x")["model"] == "claude-x"
-    assert A.from_chat(_answer({"content": "x"}, "length"))["stop_reason"] == "max_tokens"
+    assert R.counts(_answer({}, "stop")) == R.PromptCounts(cache_n=31, prompt_n=1)
+    assert R.from_chat(_answer({"content": "x"}, "length"), model="claude-x")["model"] == "claude-x"
+    assert R.from_chat(_answer({"content": "x"}, "length"))["stop_reason"] == "max_tokens"
 
 
 def test_from_chat_thinking_tools_and_stop_word() -> None:
@@ -223,26 +224,26 @@ def test_from_chat_thinking_tools_and_stop_word() -> None:
                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}, "id": "c1"},
                                   {"type": "function", "function": {"name": "g", "arguments": "{bad"}, "id": "c2"}]},
                   "tool_calls")
-    msg = A.from_chat(ans)
+    msg = R.from_chat(ans)
     assert msg["content"] == [{"type": "thinking", "thinking": "hmm", "signature": ""},
                               {"type": "tool_use", "id": "c1", "name": "f", "input": {"a": 1}},
                               {"type": "tool_use", "id": "c2", "name": "g", "input": {}}]
     assert msg["stop_reason"] == "tool_use"
-    word = A.from_chat(_answer({"content": "I'm glad "}, "stop", __verbose={"stopping_word": "you"}))
+    word = R.from_chat(_answer({"content": "I'm glad "}, "stop", __verbose={"stopping_word": "you"}))
     assert word["stop_reason"] == "end_turn" and word["stop_sequence"] == "you"
-    eos = A.from_chat(_answer({"content": "x"}, "stop", __verbose={"stopping_word": ""}))
+    eos = R.from_chat(_answer({"content": "x"}, "stop", __verbose={"stopping_word": ""}))
     assert eos["stop_sequence"] is None
 
 
 def test_tool_input_parse_is_strict_like_nlohmann() -> None:
     calls = [{"function": {"name": "f", "arguments": a}, "id": "c"} for a in ("NaN", '"\\ud800"', "[1]", "")]
-    msg = A.from_chat(_answer({"tool_calls": calls}, "tool_calls"))
+    msg = R.from_chat(_answer({"tool_calls": calls}, "tool_calls"))
     assert [b["input"] for b in msg["content"]] == [{}, {}, [1], {}]
 
 
 def test_error_body_is_what_the_native_route_sends() -> None:
     body = b'{"error":{"code":400,"message":"request (5031 tokens) exceeds","type":"exceed_context_size_error"}}'
-    assert A.error_body(400, body) == body
+    assert R.error_body(400, body) == body
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -317,13 +318,13 @@ def assemble(events: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
             msg["usage"] = {**msg["usage"], **data["usage"]}
     for b in blocks.values():
         if b["type"] == "tool_use":
-            b["input"] = A._parse_input(b.pop("_json", ""))
+            b["input"] = R._parse_input(b.pop("_json", ""))
     msg["content"] = [blocks[i] for i in sorted(blocks)]
     return msg
 
 
 def convert(raw: bytes, cuts: list[int]) -> bytes:
-    conv = A.StreamConverter()
+    conv = R.StreamConverter()
     out, prev = [], 0
     for c in [*sorted(set(cuts)), len(raw)]:
         out.append(conv.feed(raw[prev:c]))
@@ -366,11 +367,11 @@ def test_stream_every_split_point_and_byte_by_byte_give_the_same_bytes() -> None
 
 
 def test_first_text_delta_leaves_with_the_first_token_chunk() -> None:
-    conv = A.StreamConverter()
+    conv = R.StreamConverter()
     first_result_end = SAMPLE.index(b"\n\n", SAMPLE.index(b'"content":"I"')) + 2
     out = conv.feed(SAMPLE[:first_result_end])
     assert b'"text":"I"' in out and b"message_start" in out
-    assert conv.prompt == A.PromptCounts(cache_n=30, prompt_n=2) and conv.cache_n == 30 and conv.prompt_n == 2
+    assert conv.prompt == R.PromptCounts(cache_n=30, prompt_n=2) and conv.cache_n == 30 and conv.prompt_n == 2
 
 
 def test_stream_tool_calls_stop_word_and_usage_without_include_usage() -> None:
@@ -530,7 +531,7 @@ def test_stream_matches_non_stream_whatever_the_chunking(case: tuple[dict[str, A
     answer, raw = case
     whole = convert(raw, [])
     assert convert(raw, [c % (len(raw) + 1) for c in cuts]) == whole
-    msg = A.from_chat(answer)
+    msg = R.from_chat(answer)
     assert msg["type"] == "message" and msg["role"] == "assistant"
     assert all(b["type"] in ("thinking", "text", "tool_use") for b in msg["content"])
     streamed = assemble(parse_sse(whole))

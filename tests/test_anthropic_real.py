@@ -20,6 +20,7 @@ import pytest
 
 from launch.llama_server import LlamaServer
 from slotlogic import anthropic as A
+from slotlogic import anthropic_answer as R
 from tests.hermes_server import THINK_TEMPLATE, HermesServer
 from tests.test_anthropic import assemble, parse_sse
 
@@ -73,19 +74,19 @@ def translated(url: str, body: dict[str, Any], chat: dict[str, Any] | None = Non
     chat = {**(chat or A.to_chat(body)), "id_slot": 0, "cache_prompt": True}
     headers = {"content-type": "application/json"}
     if A.is_stream(chat):
-        conv = A.StreamConverter()
+        conv = R.StreamConverter()
         with httpx.stream("POST", url + "/v1/chat/completions", content=A.encode(chat), headers=headers,
                           timeout=120) as r:
             if r.status_code != 200:
-                return r.status_code, A.error_body(r.status_code, r.read())
+                return r.status_code, R.error_body(r.status_code, r.read())
             out = [conv.feed(c) for c in r.iter_raw()]
         out.append(conv.close())
         assert conv.prompt is not None and conv.finished
         return 200, b"".join(out)
     r = httpx.post(url + "/v1/chat/completions", content=A.encode(chat), headers=headers, timeout=120)
     if r.status_code != 200:
-        return r.status_code, A.error_body(r.status_code, r.content)
-    return 200, json.dumps(A.from_chat(r.json()), ensure_ascii=False, separators=(",", ":")).encode()
+        return r.status_code, R.error_body(r.status_code, r.content)
+    return 200, json.dumps(R.from_chat(r.json()), ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def same_answers(url: str, body: dict[str, Any], stream_as_message: bool = True) -> dict[str, Any]:

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from drivers import gguf_io
 from launch.llama_server import LlamaServer, model_path
-from slotlogic.model_facts import ModelFacts, ReuseKind, describe
+from slotlogic.model_facts import ModelFacts, ReuseKind
+from slotlogic.wording import describe
 from tests import tiny_models
 
 
