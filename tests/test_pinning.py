@@ -185,6 +185,7 @@ async def test_an_sse_stream_passes_byte_for_byte_and_is_observed(proxy, caplog)
         await proxy.hook("response", f)
     assert "cache_n=120 prompt_n=8 reuse=94%" in caplog.text
     assert f.marked == ":zap:" and "slot=" in f.comment and f.metadata["slotkeeper"]["cache_n"] == 120
+    assert f.response.headers["connection"] == "close"  # no reuse of an upstream connection llama-server closes
 
 
 @pytest.mark.parametrize(("sent_before_hangup", "error"), [(2, False), (1, True)], ids=["after-end", "mid-answer"])
