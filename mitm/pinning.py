@@ -107,10 +107,10 @@ class Pinning:
         if req is None or flow.response is None:
             return
         req.upstream.unlock(flow.id)
-        if flow.live and flow.request.http_version == flow.response.http_version == "HTTP/1.1":
-            # The upstream connection of an answer closes after it; a client's next request sent within
-            # milliseconds could go out on it while it closes and get a 502 (mitmproxy #3038). Closing both
-            # sides at the answer's end costs a local TCP handshake per completion (docs/mitmproxy.md).
+        if flow.live and flows.is_sse(flow.response) and flow.request.http_version == "HTTP/1.1":
+            # llama-server closes the connection after a streamed answer without saying so; a client's next
+            # request sent within milliseconds could go out on it and get a 502 (mitmproxy #3038). Said
+            # aloud, both sides close cleanly (docs/mitmproxy.md).
             flow.response.headers["connection"] = "close"
         # A streamed response has no body yet; a saved flow's body is already here (read in `response`).
         if flow.live and flows.is_sse(flow.response) and not flow.response.raw_content:
