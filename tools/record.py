@@ -228,7 +228,11 @@ def record_restart(server: LlamaServer, rec: Recording, work: Path) -> dict[str,
                       "wait for the proxy's 'restarted' log line, then s0/s1 turns 1-2 and s2 turns 0-1"}
 
 
-CLIENT_PROMPTS = ["Reply with one word: hello", "Reply with one word: again"]
+# Each session opens differently, as real ones do: clients without a session id (Qwen Code, aider) are told
+# apart by their conversation's root only.
+CLIENT_PROMPTS = [["Reply with one word: hello", "Reply with one word: again"],
+                  ["Name one colour in one word", "Reply with one word: another"],
+                  ["Which is larger, 3 or 5? One word", "Reply with one word: thanks"]]
 
 
 def record_client(server: LlamaServer, rec: Recording, work: Path) -> dict[str, Any]:
@@ -240,12 +244,13 @@ def record_client(server: LlamaServer, rec: Recording, work: Path) -> dict[str, 
         project = work / "project"  # outside any git repository: clients report the enclosing repo otherwise
         sessions = [cls(p.url, project, work / "home", max_tokens=16) for _ in range(3)]
         for turn, who in ((0, 0), (0, 1), (1, 0), (1, 1), (0, 2)):
-            done = sessions[who].run_turn(CLIENT_PROMPTS[turn], timeout=1800)
+            done = sessions[who].run_turn(CLIENT_PROMPTS[who][turn], timeout=1800)
             if done.returncode not in (0, 1):  # Claude Code exits 1 after its output-limit resumes
                 raise RuntimeError(f"{cls.name} session {who} turn {turn} failed ({done.returncode}): "
                                    f"{done.stderr_tail[-600:]}")
     return {"client": f"{cls.name} {cls.version} ({cls.package}, tools/{cls.name}, launch/clients.py): sessions "
-                      "1 and 2 in one project, turns 1 then 2, then session 3 turn 1; max 16 tokens",
+                      "1 and 2 in one project, turns 1 then 2, then session 3 turn 1, each session its own prompts; "
+                      "max 16 tokens",
             "argv": [arg.replace(str(work), "<work>").replace(str(ROOT), ".") for arg in sessions[0].history[-1].argv]}
 
 
