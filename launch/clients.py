@@ -172,6 +172,13 @@ class ClientSession:
         env.update(self.extra_env)
         return env
 
+    def _new_or_resume(self) -> list[str]:
+        """`--session-id NEW` on the first turn, `--resume ID` after (Claude Code and Qwen Code share the flags)."""
+        if self.session_id is None:
+            self.session_id = str(uuid.uuid4())
+            return ["--session-id", self.session_id]
+        return ["--resume", self.session_id]
+
     def run_turn(self, prompt: str, timeout: float = 900.0) -> TurnResult:
         """Run one headless turn to completion (killing the client's process group after `timeout`)."""
         argv = self.argv(prompt)
@@ -252,12 +259,7 @@ class ClaudeCodeSession(ClientSession):
 
     def argv(self, prompt: str) -> list[str]:
         argv = [str(self.ensure_installed()), "-p", "--output-format", "json", "--model", self.model]
-        if self.session_id is None:
-            self.session_id = str(uuid.uuid4())
-            argv += ["--session-id", self.session_id]
-        else:
-            argv += ["--resume", self.session_id]
-        return [*argv, *self.extra_args, prompt]
+        return [*argv, *self._new_or_resume(), *self.extra_args, prompt]
 
 
 @dataclass
@@ -433,12 +435,7 @@ class QwenCodeSession(ClientSession):
 
     def argv(self, prompt: str) -> list[str]:
         argv = [str(self.ensure_installed()), "-o", "json"]
-        if self.session_id is None:
-            self.session_id = str(uuid.uuid4())
-            argv += ["--session-id", self.session_id]
-        else:
-            argv += ["--resume", self.session_id]
-        return [*argv, *self.extra_args, prompt]
+        return [*argv, *self._new_or_resume(), *self.extra_args, prompt]
 
 
 @dataclass

@@ -313,20 +313,11 @@ class StreamConverter:
         self._accumulate(diffs)
         has_reasoning = bool(self._reasoning)  # the message after this result, as update() records it
         text_index = 1 if has_reasoning else 0
-        thinking_started, text_started = self._thinking_started, self._text_started
+        opened = _Opened(self._thinking_started, self._text_started)
         for d in diffs:
-            if d.reasoning:
-                if not thinking_started:
-                    out.append(_block_start(0, {"type": "thinking", "thinking": ""}))
-                    thinking_started = True
-                out.append(_block_delta(0, {"type": "thinking_delta", "thinking": d.reasoning}))
-            if d.content:
-                if not text_started:
-                    out.append(_block_start(text_index, {"type": "text", "text": ""}))
-                    text_started = True
-                out.append(_block_delta(text_index, {"type": "text_delta", "text": d.content}))
+            _reasoning_and_text(d, text_index, opened, out)
             if d.index is not None:
-                idx = (1 if has_reasoning else 0) + (1 if text_started else 0) + d.index
+                idx = (1 if has_reasoning else 0) + (1 if opened.text else 0) + d.index
                 if d.name:
                     out.append(_block_start(idx, {"type": "tool_use", "id": d.call_id, "name": d.name}))
                 if d.arguments:
@@ -355,19 +346,10 @@ class StreamConverter:
         has_thinking, has_text = bool(self._reasoning), bool(self._content)
         n_calls = (max(self._calls) + 1) if self._calls else 0
         text_index = 1 if has_thinking else 0
-        thinking_started = text_started = False  # fresh, as in the server's final formatter
+        opened = _Opened(False, False)  # fresh, as in the server's final formatter
         calls_started: set[int] = set()
         for d in diffs:
-            if d.reasoning:
-                if not thinking_started:
-                    out.append(_block_start(0, {"type": "thinking", "thinking": ""}))
-                    thinking_started = True
-                out.append(_block_delta(0, {"type": "thinking_delta", "thinking": d.reasoning}))
-            if d.content:
-                if not text_started:
-                    out.append(_block_start(text_index, {"type": "text", "text": ""}))
-                    text_started = True
-                out.append(_block_delta(text_index, {"type": "text_delta", "text": d.content}))
+            _reasoning_and_text(d, text_index, opened, out)
             if d.index is not None:
                 idx = (1 if has_thinking else 0) + (1 if has_text else 0) + d.index
                 if d.index not in calls_started:
@@ -407,6 +389,28 @@ class StreamConverter:
             "type": "message_delta",
             "delta": {"stop_reason": reason.value, "stop_sequence": self.stop_sequence},
             "usage": {"output_tokens": self.output_tokens or 0}}) + _sse("message_stop", {"type": "message_stop"})
+
+
+@dataclass
+class _Opened:
+    """Which of the thinking (index 0) and text blocks have their `content_block_start` out."""
+
+    thinking: bool
+    text: bool
+
+
+def _reasoning_and_text(d: _Diff, text_index: int, opened: _Opened, out: list[bytes]) -> None:
+    """One diff's thinking and text deltas, each block started the first time it gets text."""
+    if d.reasoning:
+        if not opened.thinking:
+            out.append(_block_start(0, {"type": "thinking", "thinking": ""}))
+            opened.thinking = True
+        out.append(_block_delta(0, {"type": "thinking_delta", "thinking": d.reasoning}))
+    if d.content:
+        if not opened.text:
+            out.append(_block_start(text_index, {"type": "text", "text": ""}))
+            opened.text = True
+        out.append(_block_delta(text_index, {"type": "text_delta", "text": d.content}))
 
 
 def _block_start(index: int, block: dict[str, Any]) -> bytes:

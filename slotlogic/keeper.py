@@ -269,12 +269,7 @@ class Keeper:
             self.table.side_call(now)
         if key in self.table.sessions:  # side calls on the reserved slot are not sessions
             self.table.use(key, now)
-        if not result.changed:
-            return Pin(ticket, None)
-        out = rewrite.splice(content, body, result) or rewrite.set_fields(content, result)
-        if out is None:  # cannot happen for a body that parsed as an object; never re-serialise it
-            raise ValueError("request body could not be rewritten in place")
-        return Pin(ticket, out)
+        return _rewritten(ticket, content, body, result)
 
     def _pending(self, ticket: Ticket, body: dict[str, Any], content: bytes, path: str, now: float) -> Pin:
         """Affinity: a session without a live slot of its own goes out with `id_slot: -1`; llama-server chooses,
@@ -292,12 +287,7 @@ class Keeper:
             ticket.client["verbose"] = body.get("verbose")
         if ticket.side:
             self.table.side_call(now)
-        if not result.changed:
-            return Pin(ticket, None)
-        out = rewrite.splice(content, body, result) or rewrite.set_fields(content, result)
-        if out is None:  # cannot happen for a body that parsed as an object; never re-serialise it
-            raise ValueError("request body could not be rewritten in place")
-        return Pin(ticket, out)
+        return _rewritten(ticket, content, body, result)
 
     def learn(self, ticket: Ticket, slot: int | None, now: float) -> SlotLearned | None:
         """Affinity: the slot llama-server chose for a pending request, from its answer (`slotlogic.affinity`).
@@ -615,6 +605,16 @@ class Keeper:
         prefix = known.prefix if known else None
         self.table.assign(key, slot, now, prefix=prefix, requests=known.requests if known else 0)
         return prefix
+
+
+def _rewritten(ticket: Ticket, content: bytes, body: dict[str, Any], result: rewrite.Rewrite) -> Pin:
+    """The client's bytes with the rewrite's two fields, spliced in place (never re-serialised)."""
+    if not result.changed:
+        return Pin(ticket, None)
+    out = rewrite.splice(content, body, result) or rewrite.set_fields(content, result)
+    if out is None:  # cannot happen for a body that parsed as an object; never re-serialise it
+        raise ValueError("request body could not be rewritten in place")
+    return Pin(ticket, out)
 
 
 def _read(facts: RequestFacts) -> _Read | Forward:
