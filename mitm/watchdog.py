@@ -154,7 +154,7 @@ class Watchdog:
                    and o.ticket.slot == slot and o.started < req.started)
 
     def _progress(self, flow: http.HTTPFlow, req: Open, p: Progress) -> None:
-        event = Waiting(req.upstream.url, flow.request.path, req.ticket.session.short, p.state, p.waited, p.slot,
+        event = Waiting(req.upstream.url, req.path, req.ticket.session.short, p.state, p.waited, p.slot,
                         p.processed, p.total, p.decoded, p.idle_for)
         self.rt.emit(event)
         self.rt.waiting[flow.id] = wording.event_record(event) or {}
@@ -172,7 +172,7 @@ class Watchdog:
         req.ended = "first-token-timeout" if end is End.STALLED else "deadline"
         closed = abort.end_flow(flow, 504, wording.client_message(end, limit),
                                 wording.stream_error_event(end, limit, anthropic=anthropic) if streaming else None)
-        self.rt.emit(RequestEnded(req.upstream.url, flow.request.path, req.ticket.session.short, end,
+        self.rt.emit(RequestEnded(req.upstream.url, req.path, req.ticket.session.short, end,
                                   time.monotonic() - req.started, limit, streaming, closed))
         self.rt.waiting.pop(flow.id, None)
 

@@ -123,6 +123,17 @@ async def test_a_started_stream_is_not_polled_and_its_deadline_ends_it_with_an_e
     assert proxy.rt.reports[f.id].obs.error_type == "timeout_error"
 
 
+async def test_a_translated_request_is_named_by_the_path_its_client_asked(proxy, llama, caplog):
+    proxy.configure(slots_watch_interval_ms=50, slots_anthropic="translate")
+    with caplog.at_level(logging.INFO):
+        f = await proxy.request(flow({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+                                     path="/v1/messages?beta=true"))
+        assert f.request.path == "/v1/chat/completions"
+        await wait_for(lambda: "for its first byte" in caplog.text)
+    line = next(r.getMessage() for r in caplog.records if "for its first byte" in r.getMessage())
+    assert line.startswith("/v1/messages?beta=true session=")
+
+
 @pytest.mark.parametrize("mode", ["native", "translate"])
 async def test_the_messages_route_gets_anthropics_error_event(proxy, llama, ended, mode):
     proxy.configure(slots_request_deadline=1, slots_anthropic=mode)
