@@ -131,7 +131,7 @@ async def test_a_translated_request_is_named_by_the_path_its_client_asked(proxy,
         assert f.request.path == "/v1/chat/completions"
         await wait_for(lambda: "for its first byte" in caplog.text)
     line = next(r.getMessage() for r in caplog.records if "for its first byte" in r.getMessage())
-    assert line.startswith("/v1/messages?beta=true session=")
+    assert line.startswith("slotkeeper: /v1/messages?beta=true session=")
 
 
 @pytest.mark.parametrize("mode", ["native", "translate"])
