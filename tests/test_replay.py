@@ -312,6 +312,28 @@ def test_pi_windows_are_two_sessions_with_warm_second_turns() -> None:
     assert len(second) == 2 and all(m["cache_n"] > 0 and m["outcome"] in ("hit", "partial") for m in second)
 
 
+# A real client's sessions: how it names them, and how many distinct sessions its recording holds.
+CLIENTS = {"client_claude_code": ("header:x-claude-code-session-id", 3),
+           "client_opencode": ("header:x-session-affinity", 3), "client_codex": ("header:session-id", 3),
+           "client_qwen_code": ("content:root", 3),
+           "client_aider": ("content:root", 1)}  # aider: no session signal and a fixed root (docs/clients.md)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CLIENTS if n in NAMES))
+def test_a_real_clients_sessions_stay_on_their_slots_and_later_turns_are_warm(name: str) -> None:
+    """Each session is recognised by the client's own signal, keeps one slot, reuses >= 90% of its prompt on
+    every later request, and a new session's first request starts from the shared prefix where one was seen."""
+    source, count = CLIENTS[name]
+    metas = [f.metadata["slotkeeper"] for f in load(name) if ours(f) and not f.metadata["slotkeeper"]["side"]]
+    sessions = Counter(m["session"] for m in metas)
+    assert len(sessions) == count and {m["source"] for m in metas} == {source}
+    later = [m for m in metas if m["reason"] == "known" and m["outcome"] != "error"]
+    assert later and all(m["cache_n"] / (m["cache_n"] + m["prompt_n"]) >= 0.9 for m in later
+                         if name != "client_aider"), [(m["cache_n"], m["prompt_n"]) for m in later]
+    firsts = [next(m for m in metas if m["session"] == s) for s in sessions][1:]
+    assert all(m["cache_n"] for m in firsts), "a new session started cold although the prefix was seen"
+
+
 def test_agents_run_has_a_subagent_as_its_own_session() -> None:
     flows = load("agents_subagent")
     sessions = {f.metadata["slotkeeper"]["session"] for f in flows}
