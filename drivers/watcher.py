@@ -90,11 +90,11 @@ class RequestWatch:
                 else:
                     progress, end = self.watch.polled(Poll.TIMEOUT if timed_out else live, self.clock(),
                                                       ahead=self.ahead())
-                    self.on_progress(progress)
-                    if end is not None:
+                    if end is not None:  # the end's own line says it all: no last "waiting" line
                         self.stopped = True
                         self.on_end(end)
                         return
+                    self.on_progress(progress)
             self.arm()
         except asyncio.CancelledError:
             raise
