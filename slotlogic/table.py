@@ -105,6 +105,11 @@ class SessionTable:
         if a is None:
             return
         a.done = now
+        # The claim lasts `ttl` after the session's last activity: a prefill longer than the TTL must not
+        # leave the session expired the moment its answer ends.
+        if now > a.last_used:
+            a.last_used = now
+            self.dirty.add(key)
         if slot is not None and slot == a.slot:
             self.holders[slot] = key
             if self.running.get(slot) == key:

@@ -45,3 +45,12 @@ def test_forget_all_and_dispatch_order():
     assert t.dispatched == {1: ""}
     t.forget_all()
     assert t.sessions == {} and t.holders == t.running == t.dispatched == {}
+
+
+def test_a_claim_lasts_the_ttl_after_the_answer_not_after_the_request_start():
+    """A 126 s prefill with a 120 s TTL (seen with Codex on a loaded machine) must not expire the session."""
+    t = SessionTable(ttl=120)
+    t.assign("a", 0, 0.0, prefix=None)
+    t.answered("a", 0, 126.0)
+    assert t.live("a", 200.0).slot == 0 and t.live("a", 246.0) is None
+    assert t.drain()["a"].last_used == 126.0  # the shared claim is refreshed by the next flush
