@@ -453,8 +453,11 @@ class Keeper:
         return [file]
 
     def holds_prefix(self, need: NeedSlot, view: SlotView) -> bool:
-        """The chosen slot still holds the new session's stable prefix (no checkpoint work needed)."""
-        return view.prefix == need.prefix and (view.n_tokens or 0) > 0
+        """The chosen slot still holds the session's stable prefix (no checkpoint work needed): another
+        session's conversation with the same prefix, or this session's own (it comes back to a slot nobody
+        took since, its memory entry expired): a restore would replace that conversation with the prefix."""
+        mine = view.owner == need.ticket.session.key
+        return (view.prefix == need.prefix or mine) and (view.n_tokens or 0) > 0
 
     def resume(self, need: NeedSlot, now: float) -> Pin | None:
         """A `NeedSlot` that another keeper of the same pool made (several servers share one shape index):

@@ -209,3 +209,23 @@ def test_a_marker_less_clients_stable_prefix_is_learned_from_its_second_session(
 def test_known_clients_side_calls_go_to_the_reserved_slot(system):
     pin = make().request(facts(chat("Generate a title for this conversation:\n", system=system)))
     assert isinstance(pin, Pin) and pin.ticket.side and pin.ticket.slot == 3
+
+
+def test_a_session_back_on_its_own_untouched_slot_keeps_its_conversation():
+    """Its memory entry expired, so it is placed again and comes back to the slot it claimed: the slot holds
+    its conversation, which begins with the stable prefix, so no checkpoint may be restored over it."""
+    k = make(ttl=120.0)
+    state = shared.ServerState("http://up")
+    need = k.request(facts(now=0.0))
+    placed = k.assign(need, state, server(), FREE, 0.0)
+    k.pin(need, placed.slot, placed.why, 0.0)
+    again = k.request(facts(now=400.0))  # long after the TTL
+    assert isinstance(again, NeedSlot)
+    live = [dict(s, n_prompt_tokens=5000 if s["id"] == placed.slot else 0) for s in FREE]
+    back = k.assign(again, state, server(), live, 400.0)
+    assert back.slot == placed.slot and back.view.owner == need.ticket.session.key
+    again.prefix = "another-prefix-signature"  # e.g. learned since its first turn
+    assert k.holds_prefix(again, back.view)
+    stranger = k.request(facts(body=chat("other"), now=400.0))
+    stranger.prefix = "another-prefix-signature"
+    assert not k.holds_prefix(stranger, back.view)  # someone else's conversation, another prefix
