@@ -112,6 +112,7 @@ class Keeper:
         self.table = SessionTable(ttl=settings.ttl)
         self.shapes = ShapeIndex()  # known sessions' request shapes: the hot path without a parse
         self.marks: OrderedDict[str, sess.PromptMark] = OrderedDict()
+        self.threads = sess.Threads()  # conversations of one content root, told apart by their user messages
         self.stats: OrderedDict[str, SessionStats] = OrderedDict()
         self.server: ServerInfo | None = None   # the last `/props` seen
         self.total_slots: int | None = None     # the last known slot count
@@ -147,7 +148,7 @@ class Keeper:
         req = self._as_seen(read, route, facts.path)
         s = self.settings
         key = sess.resolve(LowerHeaders(facts.fields), req.seen, req.seen_path, header_names=s.session_headers,
-                           known_prompts=self.marks)
+                           known_prompts=self.marks, threads=self.threads)
         ticket = Ticket(key, route, client={k: req.body.get(k) for k in ("id_slot", "cache_prompt")})
         self._remember_prompt(key.key, sess.prompt_mark(req.body))
         if route is Route.ANTHROPIC and not self._translate(ticket, req):

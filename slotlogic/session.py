@@ -6,7 +6,9 @@ Sources, most to least reliable:
    `prompt_cache_key` / `promptCacheKey`, `user`;
 3. the content. Chat-like bodies: the *conversation root* = leading system/developer messages + tools +
    the first user message. Two windows of one project share the system prompt but not the first user
-   message; a subagent starts a fresh conversation and so is its own session. Prompt-like bodies
+   message; a subagent starts a fresh conversation and so is its own session. Clients that open every
+   conversation with the same scripted exchange (Qwen Code: an environment message and a canned reply)
+   give all their sessions one root: `Threads` tells those apart by their user messages. Prompt-like bodies
    (`/completion`, `/infill`): the *continuation rule* (this prompt extends the last prompt a known
    session sent), else the prompt itself starts a new session.
 
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from slotlogic.endpoints import CHAT_PATHS, RESPONSES_PATHS, normalise_path
@@ -202,10 +205,10 @@ def _body_key(body: Mapping[str, Any]) -> SessionId | None:
         sid = _user_id_session(metadata.get("user_id"))
         if sid:
             return SessionId(digest("body", sid), "body:metadata.user_id")
-    for field in ("prompt_cache_key", "promptCacheKey", "user"):
-        value = body.get(field)
+    for name in ("prompt_cache_key", "promptCacheKey", "user"):
+        value = body.get(name)
         if isinstance(value, str) and value.strip():
-            return SessionId(digest("body", value.strip()), f"body:{field}")
+            return SessionId(digest("body", value.strip()), f"body:{name}")
     return None
 
 
@@ -216,6 +219,55 @@ def conversation_root(body: Mapping[str, Any], path: str) -> SessionId | None:
         return None
     root = digest("root", system or "", tool_names(body.get("tools")), first or "")
     return SessionId(root, "content:root")
+
+
+def user_digests(body: Mapping[str, Any], path: str) -> tuple[str, ...]:
+    """Digests of the user messages (chat) or user input items (responses), in order."""
+    if normalise_path(path) in RESPONSES_PATHS:
+        inp = body.get("input")
+        items: Iterable[Any] = inp if isinstance(inp, list) else ([{"content": inp}] if isinstance(inp, str) else [])
+        return tuple(digest("user", message_text(i.get("content"))) for i in items
+                     if isinstance(i, Mapping) and i.get("role", "user") == "user")
+    return tuple(digest("user", message_text(m.get("content"))) for m in _messages(body) if m.get("role") == "user")
+
+
+def _subsequence(short: Sequence[str], long: Sequence[str]) -> bool:
+    it = iter(long)
+    return all(any(x == y for y in it) for x in short)
+
+
+MAX_ROOTS = 512            # conversation roots remembered (each with its conversations)
+MAX_THREADS_PER_ROOT = 32  # conversations remembered per root, the least recently seen go first
+
+
+@dataclass
+class Threads:
+    """Conversations that share one root, told apart by their user messages.
+
+    A conversation's next request holds every user message of its earlier ones, in order (appended at the
+    end by most clients; aider inserts its history before fixed closing messages, which keeps the order).
+    Another conversation with the same root lacks at least one of them: it gets a key of its own. The first
+    conversation of a root keeps the plain root key. Only digests are kept; bounded (LRU)."""
+
+    roots: OrderedDict[str, OrderedDict[str, tuple[str, ...]]] = field(default_factory=OrderedDict)
+
+    def place(self, root: SessionId, users: tuple[str, ...]) -> SessionId:
+        """The conversation this request belongs to (its user messages are remembered for the next one)."""
+        known = self.roots.get(root.key)
+        if known is None:
+            known = self.roots[root.key] = OrderedDict()
+            while len(self.roots) > MAX_ROOTS:
+                self.roots.popitem(last=False)
+            key = root.key
+        else:
+            self.roots.move_to_end(root.key)
+            matches = [(len(seen), k) for k, seen in known.items() if _subsequence(seen, users)]
+            key = max(matches)[1] if matches else (digest(root.key, *users) if known else root.key)
+        known[key] = users
+        known.move_to_end(key)
+        while len(known) > MAX_THREADS_PER_ROOT:
+            known.popitem(last=False)
+        return SessionId(key, root.source)
 
 
 def tool_names(tools: Any) -> str:
@@ -255,7 +307,7 @@ def continuation(body: Mapping[str, Any], known: Mapping[str, PromptMark]) -> Se
 
 def resolve(headers: Mapping[str, str], body: Mapping[str, Any], path: str, *,
             header_names: Iterable[str] = DEFAULT_SESSION_HEADERS,
-            known_prompts: Mapping[str, PromptMark] | None = None) -> SessionId:
+            known_prompts: Mapping[str, PromptMark] | None = None, threads: Threads | None = None) -> SessionId:
     """The session of a request. Always returns a key: at worst the digest of the whole body.
 
     A header or body key names a *client* session, which can hold several conversations (a title call, a
@@ -268,7 +320,7 @@ def resolve(headers: Mapping[str, str], body: Mapping[str, Any], path: str, *,
     if is_chat_like(body, path):
         root = conversation_root(body, path)
         if root:
-            return root
+            return threads.place(root, user_digests(body, path)) if threads is not None else root
     cont = continuation(body, known_prompts or {})
     if cont:
         return cont

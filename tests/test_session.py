@@ -2,8 +2,13 @@
 
 import json
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from slotlogic.session import (
     PromptMark,
+    SessionId,
+    Threads,
     continuation,
     prefix_signature,
     prompt_mark,
@@ -123,3 +128,62 @@ def test_token_prompts_and_infill_get_keys():
     assert resolve({}, {"prompt": [1, 2, 3]}, "/completion").source == "content:prompt"
     assert resolve({}, {"input_prefix": "def f(", "input_suffix": ")"}, "/infill").source == "content:prompt"
     assert resolve({}, {"foo": 1}, "/completion").source == "content:body"
+
+
+# ------------------------------------------------------------------------------- one root, several conversations
+
+QWEN_SYSTEM = {"role": "system", "content": "You are Qwen Code."}
+PRIMER = [{"role": "user", "content": "This is the Qwen Code. The project is /p."},
+          {"role": "assistant", "content": "Got it. Thanks for the context!"}]
+
+
+def qwen(*turns: str) -> dict:
+    msgs = [QWEN_SYSTEM, *PRIMER]
+    for i, t in enumerate(turns):
+        msgs.append({"role": "user", "content": t})
+        if i < len(turns) - 1:
+            msgs.append({"role": "assistant", "content": f"answer {i}"})
+    return {"messages": msgs}
+
+
+def test_conversations_with_one_scripted_opening_are_told_apart_by_their_user_messages():
+    threads = Threads()
+
+    def key(body: dict) -> SessionId:
+        return resolve({}, body, "/v1/chat/completions", threads=threads)
+
+    first = key(qwen("hello"))
+    assert key(qwen("hello")).key == first.key  # the same opening: indistinguishable, so the same session
+    second = key(qwen("name a colour"))
+    assert first.source == second.source == "content:root"
+    assert first.key == resolve({}, qwen("hello"), "/v1/chat/completions").key  # the first keeps the root key
+    assert second.key != first.key
+    assert key(qwen("hello", "again")).key == first.key
+    assert key(qwen("name a colour", "another")).key == second.key
+    assert key(qwen("hello")).key not in (first.key, second.key)  # a new conversation with an old opening
+
+
+def test_history_inserted_before_fixed_closing_messages_stays_one_conversation():
+    """aider puts the new turn before its closing reminder: the order of user messages is kept."""
+    threads = Threads()
+
+    def aider(*turns: str) -> dict:
+        msgs = [QWEN_SYSTEM]
+        for t in turns:
+            msgs += [{"role": "user", "content": t}, {"role": "assistant", "content": "ok"}]
+        return {"messages": [*msgs, {"role": "user", "content": "Reminder: reply with edits."}]}
+
+    one = resolve({}, aider("fix the bug"), "/v1/chat/completions", threads=threads)
+    assert resolve({}, aider("fix the bug", "and the test"), "/v1/chat/completions", threads=threads) == one
+
+
+@given(st.lists(st.lists(st.sampled_from("abcdefgh"), min_size=1, max_size=5), min_size=1, max_size=6))
+def test_every_request_of_an_append_only_conversation_keeps_its_first_key(conversations):
+    threads = Threads()
+    keys = {}
+    for n, conv in enumerate(conversations):
+        turns = [f"{n}:{t}" if i == 0 else t for i, t in enumerate(conv)]  # distinct openings
+        for end in range(1, len(turns) + 1):
+            got = resolve({}, qwen(*turns[:end]), "/v1/chat/completions", threads=threads).key
+            assert keys.setdefault(n, got) == got
+    assert len(set(keys.values())) == len(conversations)
