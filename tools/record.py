@@ -256,10 +256,10 @@ def record_client(server: LlamaServer, rec: Recording, work: Path) -> dict[str, 
 
 CLIENTS = (ClaudeCodeSession, OpenCodeSession, CodexSession, QwenCodeSession, AiderSession)
 RECORDINGS: dict[str, tuple[Recording, Callable[[LlamaServer, Recording, Path], dict[str, Any]]]] = {
-    **{f"client_{c.name.replace('-', '_')}": (Recording(f"client_{c.name.replace('-', '_')}",
-                                                        f"real {c.name}: 3 sessions, 2 of them 2 turns, 4 slots (one for side calls)",
-                                                        slots=4,
-                                                        ctx_per_slot=24576, client=c), record_client)
+    **{f"client_{c.name.replace('-', '_')}": (
+        Recording(f"client_{c.name.replace('-', '_')}",
+                  f"real {c.name}: 3 sessions, 2 of them 2 turns, 4 slots (one for side calls)", slots=4,
+                  ctx_per_slot=24576, client=c), record_client)
        for c in CLIENTS},
     "pi_two_windows": (Recording("pi_two_windows", "real pi, 2 concurrent windows x 2 turns"), record_pi),
     "agents_subagent": (Recording("agents_subagent", "synthetic agents: 3 sessions, one subagent"),
