@@ -44,7 +44,7 @@ def test_a_chunk_that_gives_the_client_nothing_yet_is_no_chunk_at_all():
     must return no chunks (`[]`) for llama-server's `:` keep-alive or half an event, or the client's answer
     ends there (a Claude Code request whose prefill took over 30 s was cut so)."""
     from mitm.sse_tap import TranslatingTap
-    from slotlogic.anthropic import StreamConverter
+    from slotlogic.anthropic_answer import StreamConverter
 
     tap = TranslatingTap(StreamObserver(), StreamConverter())
     assert tap(b":\n\n") == [] and tap(b'data: {"choices":') == []
