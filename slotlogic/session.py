@@ -222,18 +222,28 @@ def conversation_root(body: Mapping[str, Any], path: str) -> SessionId | None:
 
 
 def user_digests(body: Mapping[str, Any], path: str) -> tuple[str, ...]:
-    """Digests of the user messages (chat) or user input items (responses), in order."""
+    """Digests of the user messages' heads (first non-empty line, at most 200 characters), in order. The head,
+    not the whole text: aider sends the current prompt with a reminder appended and keeps only the bare prompt
+    in the history of the next turn."""
     if normalise_path(path) in RESPONSES_PATHS:
         inp = body.get("input")
         items: Iterable[Any] = inp if isinstance(inp, list) else ([{"content": inp}] if isinstance(inp, str) else [])
-        return tuple(digest("user", message_text(i.get("content"))) for i in items
-                     if isinstance(i, Mapping) and i.get("role", "user") == "user")
-    return tuple(digest("user", message_text(m.get("content"))) for m in _messages(body) if m.get("role") == "user")
+        texts = [message_text(i.get("content")) for i in items
+                 if isinstance(i, Mapping) and i.get("role", "user") == "user"]
+    else:
+        texts = [message_text(m.get("content")) for m in _messages(body) if m.get("role") == "user"]
+    return tuple(digest("user", _head(t)) for t in texts)
 
 
-def _subsequence(short: Sequence[str], long: Sequence[str]) -> bool:
-    it = iter(long)
-    return all(any(x == y for y in it) for x in short)
+def _head(text: str) -> str:
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()[:200]
+    return ""
+
+
+def _included(earlier: Sequence[str], now: Sequence[str]) -> bool:
+    return set(earlier) <= set(now)
 
 
 MAX_ROOTS = 512            # conversation roots remembered (each with its conversations)
@@ -244,10 +254,10 @@ MAX_THREADS_PER_ROOT = 32  # conversations remembered per root, the least recent
 class Threads:
     """Conversations that share one root, told apart by their user messages.
 
-    A conversation's next request holds every user message of its earlier ones, in order (appended at the
-    end by most clients; aider inserts its history before fixed closing messages, which keeps the order).
-    Another conversation with the same root lacks at least one of them: it gets a key of its own. The first
-    conversation of a root keeps the plain root key. Only digests are kept; bounded (LRU)."""
+    A conversation's next request holds every user message of its earlier ones (appended at the end by most
+    clients; aider moves its file context after the history, so order is not required). Another conversation
+    with the same root lacks at least one of them: it gets a key of its own. The first conversation of a root
+    keeps the plain root key. Only digests of the messages' heads are kept; bounded (LRU)."""
 
     roots: OrderedDict[str, OrderedDict[str, tuple[str, ...]]] = field(default_factory=OrderedDict)
 
@@ -261,7 +271,7 @@ class Threads:
             key = root.key
         else:
             self.roots.move_to_end(root.key)
-            matches = [(len(seen), k) for k, seen in known.items() if _subsequence(seen, users)]
+            matches = [(len(seen), k) for k, seen in known.items() if _included(seen, users)]
             key = max(matches)[1] if matches else (digest(root.key, *users) if known else root.key)
         known[key] = users
         known.move_to_end(key)

@@ -163,18 +163,27 @@ def test_conversations_with_one_scripted_opening_are_told_apart_by_their_user_me
     assert key(qwen("hello")).key not in (first.key, second.key)  # a new conversation with an old opening
 
 
-def test_history_inserted_before_fixed_closing_messages_stays_one_conversation():
-    """aider puts the new turn before its closing reminder: the order of user messages is kept."""
+def test_aider_turns_stay_one_conversation_and_its_sessions_are_told_apart():
+    """aider sends the prompt with a reminder appended, keeps only the bare prompt in the next turn's history,
+    and moves its file context after that history (the shape of the recording: a fixed example exchange first)."""
     threads = Threads()
+    context = [{"role": "user", "content": "I added these files."}, {"role": "assistant", "content": "Ok."}]
 
-    def aider(*turns: str) -> dict:
-        msgs = [QWEN_SYSTEM]
-        for t in turns:
-            msgs += [{"role": "user", "content": t}, {"role": "assistant", "content": "ok"}]
-        return {"messages": [*msgs, {"role": "user", "content": "Reminder: reply with edits."}]}
+    def aider(history: list[str], prompt: str) -> dict:
+        msgs = [QWEN_SYSTEM, {"role": "user", "content": "Change get_factorial() to use math.factorial"},
+                {"role": "assistant", "content": "To make this change we need to modify `mathweb/flask/app.py`"}]
+        for h in history:
+            msgs += [{"role": "user", "content": h + "  \n"}, {"role": "assistant", "content": "ok"}]
+        msgs += [*context, {"role": "user", "content": prompt + "\n\nReturn whole files.\nReply in English."}]
+        return {"messages": msgs}
 
-    one = resolve({}, aider("fix the bug"), "/v1/chat/completions", threads=threads)
-    assert resolve({}, aider("fix the bug", "and the test"), "/v1/chat/completions", threads=threads) == one
+    def key(body: dict) -> str:
+        return resolve({}, body, "/v1/chat/completions", threads=threads).key
+
+    one, two = key(aider([], "fix the bug")), key(aider([], "add a test"))
+    assert one != two
+    assert key(aider(["fix the bug"], "and the docs")) == one
+    assert key(aider(["add a test"], "make it pass")) == two
 
 
 @given(st.lists(st.lists(st.sampled_from("abcdefgh"), min_size=1, max_size=5), min_size=1, max_size=6))
