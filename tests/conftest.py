@@ -113,3 +113,13 @@ def flow(body: Any, path: str = "/v1/chat/completions", method: str = "POST", he
 
 def sent(f: http.HTTPFlow) -> dict[str, Any]:
     return json.loads(f.request.get_content())
+
+
+def streamed(f: http.HTTPFlow, body: bytes, step: int = 7) -> bytes:
+    """Feed `body` to the flow's stream callable in `step`-byte chunks plus the closing b"", and join what
+    mitmproxy would send on: a callable may return bytes or a list of chunks (an empty list sends nothing)."""
+    out = b""
+    for chunk in [body[i:i + step] for i in range(0, len(body), step)] + [b""]:
+        got = f.response.stream(chunk)
+        out += got if isinstance(got, bytes) else b"".join(got)
+    return out

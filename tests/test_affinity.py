@@ -16,7 +16,7 @@ from slotlogic.reasons import Why
 from slotlogic.server import ServerInfo
 from slotlogic.settings import Settings
 from tests.conftest import chat as agent_chat
-from tests.conftest import flow, sent
+from tests.conftest import flow, sent, streamed
 
 
 def test_each_route_has_its_way_of_telling():
@@ -180,7 +180,7 @@ async def test_a_pending_stream_reaches_the_client_without_verbose(proxy):
     stream = (b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
               b'data: {"choices":[],"timings":{"cache_n":120,"prompt_n":8},"__verbose":{"id_slot":1,"p":"q"}}\n\n'
               b'data: [DONE]\n\n')
-    out = b"".join(f.response.stream(stream[i:i + 7]) for i in range(0, len(stream), 7)) + f.response.stream(b"")
+    out = streamed(f, stream)
     assert out == stream.replace(b',"__verbose":{"id_slot":1,"p":"q"}', b"")
     await proxy.hook("response", f)
     assert f.metadata["slotkeeper"]["slot"] == 1

@@ -12,7 +12,7 @@ from mitmproxy.flow import Error as flow_error
 
 from drivers import store_file
 from slotlogic.answers import StreamObserver
-from tests.conftest import UP, chat, flow, sent
+from tests.conftest import UP, chat, flow, sent, streamed
 
 
 async def test_a_new_session_is_pinned_and_a_known_one_costs_no_io(proxy, fake_llama, monkeypatch):
@@ -179,8 +179,7 @@ async def test_an_sse_stream_passes_byte_for_byte_and_is_observed(proxy, caplog)
     assert f.response.headers["x-slot-id"] == str(sent(f)["id_slot"])
     stream = (b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
               b'data: {"choices":[],"timings":{"cache_n":120,"prompt_n":8}}\n\ndata: [DONE]\n\n')
-    out = b"".join(f.response.stream(stream[i:i + 7]) for i in range(0, len(stream), 7))
-    out += f.response.stream(b"")
+    out = streamed(f, stream)
     assert out == stream
     with caplog.at_level(logging.INFO):
         await proxy.hook("response", f)

@@ -182,7 +182,9 @@ def test_a_stalled_request_gets_a_504_and_its_upstream_connection_is_closed(tmp_
     assert r.status_code == 504 and "every slot stayed idle for 2 s (slots_first_token_timeout)" in r.text
     assert 2 <= answered - t0 < 6 and Swallow.closed[0] - answered < 2
     waits = [w for w in jsonl(tmp_path / "req.jsonl") if w["kind"] == "waiting"]
-    assert waits and all(w["state"] == "stalled" for w in waits) and waits[-1]["idle_for"] >= 2
+    assert waits and all(w["state"] == "stalled" for w in waits) and waits[-1]["idle_for"] >= 2 - 0.3 - 0.2
+    # the last line comes from the last poll before the timeout fired: up to one interval (0.3 s) and a
+    # slow poll earlier than the 2 s
     log = (tmp_path / "p.log").read_text()
     assert "stalled: every slot idle for" in log and "answered 504 and closed the upstream connection" in log
     print("\n".join(line for line in log.splitlines() if "stalled" in line or "ended after" in line))
