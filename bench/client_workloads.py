@@ -145,6 +145,7 @@ class ClientRun:
     paging: dict[str, Any] | None = None
     tokens: list[list[int]] = field(default_factory=list, repr=False)  # rendered token lists, request order
     failed: str | None = None
+    total_s: float = 0.0  # the whole configuration: server and proxy start, the turns, rendering, shutdown
 
 
 def read_flows(path: Path) -> list[Request]:
@@ -243,6 +244,7 @@ def run_config(client: str, cfg: BenchConfig, log_dir: Path, threads: int, sessi
     flows.unlink(missing_ok=True)
     done: list[Turn] = []
     failed = None
+    started = time.perf_counter()
     with _server_and_proxy(cfg, log_dir, tag, threads, flows) as (server, stack, root, stop_proxy):
         windows = [cls(stack.url, root / "project", root / "home", max_tokens=MAX_TOKENS,
                        context_window=CTX_PER_SLOT) for _ in range(sessions)]
@@ -263,7 +265,8 @@ def run_config(client: str, cfg: BenchConfig, log_dir: Path, threads: int, sessi
         assign_turns(requests, done)
         tokens = render(server.url, requests)
     return ClientRun(name, cfg.name, wall, done, requests, stack.proxy_prefill(),
-                     stack.proxy_paging() if cfg.save_dir else None, tokens, failed)
+                     stack.proxy_paging() if cfg.save_dir else None, tokens, failed,
+                     time.perf_counter() - started)
 
 
 @contextlib.contextmanager
@@ -357,7 +360,8 @@ def config_for(name: str, configs: dict[str, BenchConfig]) -> BenchConfig:
 
 
 def to_jsonable(run: ClientRun) -> dict[str, Any]:
-    return {"workload": run.workload, "config": run.config, "wall_s": run.wall_s, "failed": run.failed,
+    return {"workload": run.workload, "config": run.config, "wall_s": run.wall_s, "total_s": run.total_s,
+            "failed": run.failed, "warmup": run.warmup, "paging": run.paging,
             "turns": [dataclasses.asdict(t) for t in run.turns],
             "requests": [{k: v for k, v in dataclasses.asdict(r).items() if k != "body"} | {"path": r.path}
                          for r in run.requests],
@@ -370,7 +374,8 @@ CLIENT_COLUMNS = [("workload", "workload"), ("config", "config"), ("requests", "
                   ("side_calls", "side calls"), ("prefill", "prefill tok"), ("warmup", "of which warm-up"),
                   ("ratio_to_limit", "x limit"), ("later_reuse_pct", "turn 2+ reuse %"),
                   ("later_worst_pct", "worst turn 2+ %"), ("new_turn1", "new session turn 1 cached/new"),
-                  ("page_ins", "page-ins"), ("mismatches", "count mismatches"), ("wall_s", "wall s"),
+                  ("page_ins", "page-ins"), ("mismatches", "count mismatches"), ("wall_s", "turns s"),
+                  ("total_s", "config s"),
                   ("errors", "errors")]
 
 
@@ -407,7 +412,8 @@ def run_workload(name: str, config_names: Sequence[str], configs: dict[str, Benc
             lim = limit_of(run)
             lim_run = run
         bad = mismatches(run.requests)
-        log(f"{name}/{cfg_name}: {len(run.requests)} requests, wall {run.wall_s:.0f}s, "
+        log(f"{name}/{cfg_name}: {len(run.requests)} requests, turns {run.wall_s:.0f}s ({run.total_s:.0f}s with "
+            f"server start and rendering), "
             f"{len(bad)} count mismatch(es)" + (f", FAILED {run.failed}" if run.failed else ""))
         for m in bad:
             log(f"  mismatch {m}")
@@ -432,6 +438,7 @@ def run_workload(name: str, config_names: Sequence[str], configs: dict[str, Benc
         row = report.run_row(name, run.config, recs, run.wall_s, lim["limit_tokens"] if lim else None, run.warmup,
                              run.paging)
         row.update(row_extras(run))
+        row["total_s"] = run.total_s
         rows.append(row)
     for row in rows:
         row["new_turn1"] = _fmt_pair(row)

@@ -57,7 +57,7 @@ def fmt(key: str, value: Any) -> str:
             return f"{value:.2f}"
         if key.endswith("_ms") and abs(value) < 10:
             return f"{value:.2f}"
-        return f"{value:.1f}" if key.endswith("_pct") or key == "wall_s" else f"{value:.0f}"
+        return f"{value:.1f}" if key.endswith("_pct") or key in ("wall_s", "total_s") else f"{value:.0f}"
     return str(value)
 
 
