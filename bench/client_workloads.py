@@ -33,6 +33,7 @@ import dataclasses
 import json
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +123,7 @@ class Request:
     side: bool
     session_key: str | None
     error: str | None = None
+    source: str | None = None  # where the addon found the session (a header name, content:root, …)
     session: int | None = None  # which client session's turn it came in (0-based), None: outside every turn
     turn: int | None = None
     rendered: int | None = None  # /apply-template + /tokenize length
@@ -146,6 +148,8 @@ class ClientRun:
     tokens: list[list[int]] = field(default_factory=list, repr=False)  # rendered token lists, request order
     failed: str | None = None
     total_s: float = 0.0  # the whole configuration: server and proxy start, the turns, rendering, shutdown
+    checkpoints: dict[str, int] = field(default_factory=dict)  # the proxy's checkpoint steps by outcome
+    no_marker: bool = False  # the proxy logged that no configured marker matched (a prefix is learned, if any)
 
 
 def read_flows(path: Path) -> list[Request]:
@@ -174,7 +178,7 @@ def read_flows(path: Path) -> list[Request]:
             error = f"HTTP {resp.status_code}"
         out.append(Request(fl.request.timestamp_start, end, fl.request.path, body if isinstance(body, dict) else None,
                            resp.status_code if resp is not None else None, meta.get("cache_n"), meta.get("prompt_n"),
-                           bool(meta.get("side")), meta.get("session"), error))
+                           bool(meta.get("side")), meta.get("session"), error, meta.get("source")))
     return out
 
 
@@ -264,9 +268,12 @@ def run_config(client: str, cfg: BenchConfig, log_dir: Path, threads: int, sessi
         requests = read_flows(flows)
         assign_turns(requests, done)
         tokens = render(server.url, requests)
+    steps = Counter(str(e.get("outcome")) for e in stack._proxy_events("checkpoint"))
+    mitm_log = log_dir / f"{tag}.mitm.log"
+    no_marker = mitm_log.exists() and "no stable-prefix marker" in mitm_log.read_text(errors="replace")
     return ClientRun(name, cfg.name, wall, done, requests, stack.proxy_prefill(),
                      stack.proxy_paging() if cfg.save_dir else None, tokens, failed,
-                     time.perf_counter() - started)
+                     time.perf_counter() - started, dict(steps), no_marker)
 
 
 @contextlib.contextmanager
@@ -304,7 +311,9 @@ def records(run: ClientRun, t0: float | None = None) -> list[RequestRecord]:
         out.append(RequestRecord(run.config, run.workload, label, r.turn if r.turn is not None else -1,
                                  start_s=r.start - base, ttft_s=None, total_s=max(0.0, r.end - r.start),
                                  status=r.status, prompt_n=r.prompt_n, cache_n=r.cache_n,
-                                 error=r.error or (None if r.prompt_n is not None else "no prompt_n")))
+                                 # served (the server reported its prompt) counts, even when the client hung up
+                                 # after the answer (Codex does after `response.completed`)
+                                 error=None if r.prompt_n is not None else (r.error or "no prompt_n")))
     return out
 
 
@@ -342,11 +351,22 @@ def limit_of(run: ClientRun) -> dict[str, Any]:
             "server_prompt_tokens_complete": False, "server_prompt_tokens": 0}
 
 
+def prefix_source(run: ClientRun) -> str:
+    """How the proxy knew the shared prefix: a configured marker, learned from traffic, or not at all."""
+    if not run.checkpoints:
+        return "none"
+    return "learned" if run.no_marker else "marker"
+
+
 def row_extras(run: ClientRun) -> dict[str, Any]:
     side = [r for r in run.requests if r.side]
-    return {**later_turns(run.requests), **new_session_first(run.requests), "side_calls": len(side),
+    return {"prefix": prefix_source(run), "checkpoint_steps": run.checkpoints,
+            "session_sources": sorted({r.source for r in run.requests if r.source}),
+            "sessions_seen": len({r.session_key for r in run.requests if not r.side and r.session_key}),
+            **later_turns(run.requests), **new_session_first(run.requests), "side_calls": len(side),
             "side_prefill": sum(r.prompt_n or 0 for r in side), "mismatches": len(mismatches(run.requests)),
-            "outside_turns": sum(1 for r in run.requests if r.session is None), "failed": run.failed}
+            "outside_turns": sum(1 for r in run.requests if r.session is None),
+            "cut": sum(1 for r in run.requests if r.error and r.prompt_n is not None), "failed": run.failed}
 
 
 def pins(cfg: BenchConfig) -> bool:
