@@ -147,6 +147,7 @@ class ClientRun:
     paging: dict[str, Any] | None = None
     tokens: list[list[int]] = field(default_factory=list, repr=False)  # rendered token lists, request order
     failed: str | None = None
+    own_tokens: list[list[int]] = field(default_factory=list, repr=False)  # this run's conversation, billing-free
     total_s: float = 0.0  # the whole configuration: server and proxy start, the turns, rendering, shutdown
     checkpoints: dict[str, int] = field(default_factory=dict)  # the proxy's checkpoint steps by outcome
     no_marker: bool = False  # the proxy logged that no configured marker matched (a prefix is learned, if any)
@@ -191,20 +192,23 @@ def assign_turns(requests: Sequence[Request], turns: Sequence[Turn]) -> None:
                 break
 
 
-def chat_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The chat-completions body the server renders for a request sent to `path`."""
+def chat_body(path: str, body: dict[str, Any], *, strip_billing: bool = False) -> dict[str, Any]:
+    """The chat-completions body the server renders for a request sent to `path` (`strip_billing`: an
+    Anthropic request as it would be without Claude Code's per-session billing block)."""
     p = normalise_path(path)
     if p in RESPONSES_PATHS:
         return responses_to_chat(body)
     if p in ANTHROPIC_PATHS:
-        return anthropic.to_chat(body)
+        return anthropic.to_chat((anthropic.strip_billing(body) if strip_billing else None) or body)
     if p in CHAT_PATHS:
         return body
     raise ValueError(f"no chat rendering for {p}")
 
 
-def render(server_url: str, requests: Sequence[Request]) -> list[list[int]]:
-    """Token lists of every request (empty when it cannot be rendered; `render_error` says why)."""
+def render(server_url: str, requests: Sequence[Request], *, strip_billing: bool = False) -> list[list[int]]:
+    """Token lists of every request (empty when it cannot be rendered; `render_error` says why). As the
+    server received them, which each request's `rendered` records; or (`strip_billing`) without Claude
+    Code's billing block, for the limit of a run whose proxy kept it, leaving `rendered` alone."""
     lists: list[list[int]] = []
     with httpx.Client(timeout=120.0) as client:
         for r in requests:
@@ -212,11 +216,13 @@ def render(server_url: str, requests: Sequence[Request]) -> list[list[int]]:
             try:
                 if r.body is None:
                     raise ValueError("no JSON body")
-                chat = chat_body(r.path, r.body)
+                chat = chat_body(r.path, r.body, strip_billing=strip_billing)
                 tokens = limit.render_body_tokens(server_url, chat, client)
-                r.rendered = len(tokens)
+                if not strip_billing:
+                    r.rendered = len(tokens)
             except (ValueError, ResponsesError, anthropic.TranslationError, httpx.HTTPError) as e:
-                r.render_error = f"{type(e).__name__}: {str(e)[:200]}"
+                if not strip_billing:
+                    r.render_error = f"{type(e).__name__}: {str(e)[:200]}"
             lists.append(tokens)
     return lists
 
@@ -268,11 +274,13 @@ def run_config(client: str, cfg: BenchConfig, log_dir: Path, threads: int, sessi
         requests = read_flows(flows)
         assign_turns(requests, done)
         tokens = render(server.url, requests)
+        anthropic_route = any(normalise_path(r.path) in ANTHROPIC_PATHS for r in requests)
+        own = render(server.url, requests, strip_billing=True) if anthropic_route else tokens
     steps = Counter(str(e.get("outcome")) for e in stack._proxy_events("checkpoint"))
     mitm_log = log_dir / f"{tag}.mitm.log"
     no_marker = mitm_log.exists() and "no stable-prefix marker" in mitm_log.read_text(errors="replace")
     return ClientRun(name, cfg.name, wall, done, requests, stack.proxy_prefill(),
-                     stack.proxy_paging() if cfg.save_dir else None, tokens, failed,
+                     stack.proxy_paging() if cfg.save_dir else None, tokens, failed, own,
                      time.perf_counter() - started, dict(steps), no_marker)
 
 
@@ -392,7 +400,8 @@ def to_jsonable(run: ClientRun) -> dict[str, Any]:
 
 CLIENT_COLUMNS = [("workload", "workload"), ("config", "config"), ("requests", "requests"),
                   ("side_calls", "side calls"), ("prefill", "prefill tok"), ("warmup", "of which warm-up"),
-                  ("ratio_to_limit", "x limit"), ("later_reuse_pct", "turn 2+ reuse %"),
+                  ("ratio_to_limit", "x limit"), ("own_limit", "own limit"),
+                  ("ratio_to_own_limit", "x own limit"), ("later_reuse_pct", "turn 2+ reuse %"),
                   ("later_worst_pct", "worst turn 2+ %"), ("new_turn1", "new session turn 1 cached/new"),
                   ("page_ins", "page-ins"), ("mismatches", "count mismatches"), ("wall_s", "turns s"),
                   ("total_s", "config s"),
@@ -459,6 +468,9 @@ def run_workload(name: str, config_names: Sequence[str], configs: dict[str, Benc
                              run.paging)
         row.update(row_extras(run))
         row["total_s"] = run.total_s
+        if run.own_tokens and all(run.own_tokens):  # this run's own conversation: clients vary their requests
+            own = sum(limit.new_tokens(run.own_tokens))
+            row.update(own_limit=own, ratio_to_own_limit=row["prefill"] / own if own else None)
         rows.append(row)
     for row in rows:
         row["new_turn1"] = _fmt_pair(row)

@@ -53,7 +53,7 @@ def fmt(key: str, value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        if key == "ratio_to_limit":
+        if key.startswith("ratio_to_"):
             return f"{value:.2f}"
         if key.endswith("_ms") and abs(value) < 10:
             return f"{value:.2f}"

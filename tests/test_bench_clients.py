@@ -173,3 +173,14 @@ def test_stock_is_the_observing_proxy_and_pinning_configs_give_the_limit():
 def test_first_prompts_differ_where_claude_code_hashes_them():
     picks = {(p[4], p[7], p[20]) for p in (cw.prompts(i)[0] for i in range(3))}
     assert len(picks) == 3 and cw.prompts(0)[1] == cw.prompts(2)[1]
+
+
+def test_a_run_without_the_billing_block_is_rendered_as_a_perfect_cache_would_see_it():
+    body = {"system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.a1b; cc_entrypoint=x;"},
+                       {"type": "text", "text": "You are an agent."}],
+            "messages": [{"role": "user", "content": "hi"}]}
+    kept = cw.chat_body("/v1/messages", body)["messages"][0]["content"]
+    stripped = cw.chat_body("/v1/messages", body, strip_billing=True)["messages"][0]["content"]
+    assert kept.startswith("x-anthropic-billing-header") and stripped == "You are an agent."
+    plain = {"messages": [{"role": "user", "content": "x"}]}
+    assert cw.chat_body("/v1/chat/completions", plain, strip_billing=True) is plain
