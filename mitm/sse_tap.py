@@ -18,6 +18,15 @@ CONVERT_ERROR = (b'event: error\ndata: {"type":"error","error":{"type":"api_erro
                  b'"message":"slotkeeper could not convert the answer"}}\n\n')
 
 
+def nothing_yet(chunk: bytes, sent: bytes) -> bytes | list[bytes]:
+    """What to hand mitmproxy for a chunk: no chunks at all (`[]`) when a chunk that arrived gives the client
+    nothing yet (an SSE comment such as llama-server's `:` keep-alive every 30 s of a long prefill, or part of
+    an event): mitmproxy writes a returned b"" as a zero-length chunk, which ends a chunked body for the
+    client (the translated stream of a slow first request was cut there, and Claude Code fell back to a
+    request without streaming)."""
+    return sent if sent or not chunk else []
+
+
 class SSETap:
     """Returns every chunk unchanged. With `keep` set, a copy of what the client received is handed to `keep`
     at the end of the stream, so `-w` recordings, mitmweb and server replay have it on mitmproxy 11 (12.x has
@@ -38,11 +47,11 @@ class SSETap:
         self.max_copy = max_copy
         self.strip = strip
 
-    def __call__(self, chunk: bytes) -> bytes:
+    def __call__(self, chunk: bytes) -> bytes | list[bytes]:
         self._observe(chunk)
         sent = chunk if self.strip is None else self._strip(chunk)
         self._keep(chunk, sent)
-        return sent
+        return nothing_yet(chunk, sent)
 
     def _strip(self, chunk: bytes) -> bytes:
         assert self.strip is not None
@@ -101,11 +110,11 @@ class TranslatingTap(SSETap):
         self.converter = converter
         self.broken = False
 
-    def __call__(self, chunk: bytes) -> bytes:
+    def __call__(self, chunk: bytes) -> bytes | list[bytes]:
         self._observe(chunk)
         sent = self._convert(chunk)
         self._keep(chunk, sent)
-        return sent
+        return nothing_yet(chunk, sent)
 
     def _convert(self, chunk: bytes) -> bytes:
         if self.broken:

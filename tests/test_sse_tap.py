@@ -37,3 +37,18 @@ def test_the_kept_copy_is_capped():
     tap(b"more")
     tap(b"")
     assert kept == [b"0123456789"]
+
+
+def test_a_chunk_that_gives_the_client_nothing_yet_is_no_chunk_at_all():
+    """mitmproxy writes a returned b"" as a zero-length chunk, the end of a chunked body: a translated stream
+    must return no chunks (`[]`) for llama-server's `:` keep-alive or half an event, or the client's answer
+    ends there (a Claude Code request whose prefill took over 30 s was cut so)."""
+    from mitm.sse_tap import TranslatingTap
+    from slotlogic.anthropic_answer import StreamConverter
+
+    tap = TranslatingTap(StreamObserver(), StreamConverter())
+    assert tap(b":\n\n") == [] and tap(b'data: {"choices":') == []
+    first = tap(b'[{"index":0,"delta":{"role":"assistant","content":"Hi"}}],'
+                b'"timings":{"cache_n":0,"prompt_n":9}}\n\n')
+    assert isinstance(first, bytes) and b"message_start" in first
+    assert SSETap(StreamObserver())(b":\n\n") == b":\n\n"  # passed through unchanged, as ever
