@@ -33,7 +33,6 @@ import dataclasses
 import json
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,12 +275,12 @@ def run_config(client: str, cfg: BenchConfig, log_dir: Path, threads: int, sessi
         tokens = render(server.url, requests)
         anthropic_route = any(normalise_path(r.path) in ANTHROPIC_PATHS for r in requests)
         own = render(server.url, requests, strip_billing=True) if anthropic_route else tokens
-    steps = Counter(str(e.get("outcome")) for e in stack._proxy_events("checkpoint"))
+    steps = stack.checkpoint_steps()
     mitm_log = log_dir / f"{tag}.mitm.log"
     no_marker = mitm_log.exists() and "no stable-prefix marker" in mitm_log.read_text(errors="replace")
     return ClientRun(name, cfg.name, wall, done, requests, stack.proxy_prefill(),
                      stack.proxy_paging() if cfg.save_dir else None, tokens, failed, own,
-                     time.perf_counter() - started, dict(steps), no_marker)
+                     time.perf_counter() - started, steps, no_marker)
 
 
 @contextlib.contextmanager
