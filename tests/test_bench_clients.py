@@ -184,3 +184,16 @@ def test_a_run_without_the_billing_block_is_rendered_as_a_perfect_cache_would_se
     assert kept.startswith("x-anthropic-billing-header") and stripped == "You are an agent."
     plain = {"messages": [{"role": "user", "content": "x"}]}
     assert cw.chat_body("/v1/chat/completions", plain, strip_billing=True) is plain
+
+
+def test_checkpoint_steps_and_warm_up_come_from_the_proxy_log(tmp_path: Path):
+    from bench.configs import Stack
+
+    log = tmp_path / "p.jsonl"
+    log.write_text("\n".join(json.dumps(r) for r in [
+        {"kind": "checkpoint", "outcome": "warmed-saved", "prompt_n": 3822},
+        {"kind": "request", "prompt_n": 9}, {"kind": "checkpoint", "outcome": "hit", "prompt_n": None},
+        {"kind": "checkpoint", "outcome": "warmed-saved", "prompt_n": 6}]) + "\n")
+    stack = Stack("http://p", "http://s", log)
+    assert stack.checkpoint_steps() == {"warmed-saved": 2, "hit": 1} and stack.proxy_prefill() == 3828
+    assert Stack("http://p", "http://s").checkpoint_steps() == {}
