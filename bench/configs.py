@@ -80,6 +80,13 @@ class Stack:
         """Tokens the proxy itself made the server prefill (checkpoint warm-ups and verification probes)."""
         return sum(rec.get("prompt_n") or 0 for rec in self._proxy_events("checkpoint"))
 
+    def checkpoint_steps(self) -> dict[str, int]:
+        """The proxy's prefix-checkpoint steps by outcome (warmed-saved, restored, hit, ...)."""
+        steps: dict[str, int] = {}
+        for rec in self._proxy_events("checkpoint"):
+            steps[str(rec.get("outcome"))] = steps.get(str(rec.get("outcome")), 0) + 1
+        return steps
+
     def proxy_paging(self) -> dict[str, Any]:
         """What session paging did: page-ins and the tokens they restored (no prefill), page-outs, and the
         server's own time for the file writes and reads."""

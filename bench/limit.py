@@ -69,3 +69,18 @@ def workload_limit(server_url: str, ordered: Sequence[tuple[list[dict[str, Any]]
     total = sum(len(t) for t in lists)
     return {"requests": len(lists), "prompt_tokens": total, "limit_tokens": sum(per_request),
             "per_request": per_request, "prompt_lengths": [len(t) for t in lists]}
+
+
+RENDER_DROP = ("id_slot", "cache_prompt", "stream", "stream_options")
+
+
+def render_body_tokens(server_url: str, body: dict[str, Any], client: httpx.Client) -> list[int]:
+    """The server's token list for a whole chat-completions body (template kwargs, tools and all, as the
+    completion handler would render it); the proxy's own fields and streaming switches are left out."""
+    payload = {k: v for k, v in body.items() if k not in RENDER_DROP}
+    r = client.post(server_url.rstrip("/") + "/apply-template", json=payload)
+    r.raise_for_status()
+    prompt = r.json()["prompt"]
+    r = client.post(server_url.rstrip("/") + "/tokenize", json={"content": prompt})
+    r.raise_for_status()
+    return [int(t) for t in r.json()["tokens"]]

@@ -53,11 +53,11 @@ def fmt(key: str, value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        if key == "ratio_to_limit":
+        if key.startswith("ratio_to_"):
             return f"{value:.2f}"
         if key.endswith("_ms") and abs(value) < 10:
             return f"{value:.2f}"
-        return f"{value:.1f}" if key in ("reuse_pct", "wall_s") else f"{value:.0f}"
+        return f"{value:.1f}" if key.endswith("_pct") or key in ("wall_s", "total_s") else f"{value:.0f}"
     return str(value)
 
 
@@ -92,7 +92,8 @@ def overhead_text(overhead: dict[str, Any], markdown: bool = False) -> str:
 
 
 def render_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], overhead: dict[str, Any] | None,
-                    notes: list[str], restart_rows: list[dict[str, Any]] | None = None) -> str:
+                    notes: list[str], restart_rows: list[dict[str, Any]] | None = None,
+                    client_rows: list[dict[str, Any]] | None = None) -> str:
     parts = ["# slotkeeper benchmark", "",
              f"Run {meta['started']}, elapsed {meta['elapsed_s']:.0f} s, seed {meta['knobs']['seed']}; knobs: "
              + ", ".join(f"`{k}={v}`" for k, v in meta["knobs"].items()), "",
@@ -101,6 +102,11 @@ def render_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], overhead: 
              "`x limit` is prefill divided by the physical limit (the `limit` row). Wall time includes the "
              "clients' think time; TTFT is request sent -> first SSE data event.", "",
              md_table(rows, COLUMNS), ""]
+    if client_rows:
+        from bench.client_workloads import CLIENT_COLUMNS  # local: it loads the client launchers
+
+        parts += ["## Real clients (3 sessions x 2 turns, 2 slots; turn 2+ = main conversation only)", "",
+                  md_table(client_rows, CLIENT_COLUMNS), ""]
     if restart_rows:
         from bench import restart  # local: restart imports configs, which report need not load otherwise
 
@@ -162,10 +168,11 @@ def _cumsum(values: list[int]) -> list[int]:
 
 def write_all(out_dir: Path, meta: dict[str, Any], rows: list[dict[str, Any]], runs: list[dict[str, Any]],
               limits: dict[str, dict[str, Any]], overhead: dict[str, Any] | None, notes: list[str],
-              restart_rows: list[dict[str, Any]] | None = None) -> None:
+              restart_rows: list[dict[str, Any]] | None = None,
+              client_rows: list[dict[str, Any]] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {"meta": meta, "rows": rows, "overhead": overhead, "limits": limits, "notes": notes, "runs": runs,
            "restart": restart_rows}
     (out_dir / "latest.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (out_dir / "latest.md").write_text(render_markdown(meta, rows, overhead, notes, restart_rows))
+    (out_dir / "latest.md").write_text(render_markdown(meta, rows, overhead, notes, restart_rows, client_rows))
     plot(out_dir / "latest.png", runs, limits)

@@ -109,6 +109,11 @@ WORKLOADS: dict[str, WorkloadSpec] = {w.name: w for w in [
     WorkloadSpec("generic", 6, 3, True, "like agents, but the system prompt has no known marker and each session "
                  "adds its own environment block (working directory, date) after the shared part",
                  configs=("stock", "auto", "auto+ckpt")),
+    # Real agent clients (bench/client_workloads.py): 3 sessions x 2 turns each, on 2 slots of a long-context
+    # server; `stock` there is the proxy observing only. Sizes and the default run: docs/performance.md.
+    *(WorkloadSpec(f"client-{c}", 3, 2, False, f"3 sessions x 2 turns of the real {c} client in one project "
+                   "on 2 slots (bench/client_workloads.py)", configs=("stock", "auto", "auto+ckpt"))
+      for c in ("claude-code", "opencode", "codex", "qwen-code", "aider")),
 ]}
 
 
