@@ -110,6 +110,19 @@ class SessionTable:
             if self.running.get(slot) == key:
                 del self.running[slot]
 
+    def claimed_elsewhere(self, slot: int, claimant: str) -> str | None:
+        """Another process claimed `slot` for `claimant` (`slotlogic.notices`): the session of ours that
+        believed it held the slot, or had a request on its way there, is displaced. Its next request is placed
+        again. `running` names the claimant too, so that an answer of ours completing before the claimant's
+        request runs does not make the slot look like ours again. Returns the displaced key (None: nobody)."""
+        for key in (self.holders.get(slot), self.running.get(slot)):
+            a = self.sessions.get(key) if key is not None else None
+            if key is not None and key != claimant and a is not None and a.slot == slot:
+                self.holders[slot] = claimant
+                self.running[slot] = claimant
+                return key
+        return None
+
     def dispatch(self, key: str, slot: int) -> None:
         """A request pinned to `slot` leaves the proxy now ("" for a side call)."""
         self.dispatched[slot] = key
