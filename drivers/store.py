@@ -7,7 +7,9 @@
 - `aread()` / `read()`: a read without the lock (status views, the hash fallback); `read()` may answer from
   memory where a read would need the network;
 - `last`: the state as of this process's last transaction (sync views, commands);
-- `transaction_sync()`: the blocking variant for shutdown (mitmproxy's `done` must stay sync).
+- `transaction_sync()`: the blocking variant for shutdown (mitmproxy's `done` must stay sync);
+- `watch(on_claim)`: other proxies' claims on the server's slots, as they are made (Redis: pub/sub notices,
+  `slotlogic/notices.py`; the file store calls nothing: the proxies of one machine keep its own reconcile).
 
 `file://DIR` (the default: `slots_state_dir`) is `drivers.store_file.StateFile`: one locked JSON file per
 server, shared by the proxies of one machine. `redis://host:port/db` and `rediss://…` is
@@ -24,6 +26,7 @@ from urllib.parse import unquote, urlsplit
 
 from slotlogic import shared
 from slotlogic.events import Event
+from slotlogic.notices import ClaimNotice
 
 Emit = Callable[[Event], None]
 SCHEMES = ("file", "redis", "rediss")
@@ -40,6 +43,8 @@ class StateStore(Protocol):
     def read(self) -> shared.ServerState: ...
 
     async def aread(self) -> shared.ServerState: ...
+
+    def watch(self, on_claim: Callable[[ClaimNotice], None]) -> None: ...
 
 
 def parse_url(url: str, default_dir: Path) -> tuple[str, Path | str]:

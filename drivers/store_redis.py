@@ -17,7 +17,11 @@ server's identity), one JSON document per server under `slotkeeper:v1:<sha256(ur
   this process's last copy of the state and writes nothing; one line is logged, the connection is tried
   again after a back-off, and one line says when it is back. Requests keep flowing on local decisions.
 - No network on the hot path: a known session is decided from memory; only a new session's placement, a
-  paging step and the background flush (every 2 s, coalesced) talk to Redis.
+  paging step and the background flush (every 0.5 s, coalesced) talk to Redis.
+- Claim notices: a transaction that gives a slot to another session publishes one notice per change on the
+  server's channel (`slotkeeper:v1:<sha256(url)[:16]>:claims`, in the same round trip as the write), and
+  `drivers.notice_listener` hands the notices of other proxies to `watch`'s callback at once, so a proxy
+  learns that its session's slot was taken before that session's next request, not at its next flush.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -35,8 +40,9 @@ import redis
 import redis.asyncio as aredis
 from redis.exceptions import LockError, RedisError
 
+from drivers.notice_listener import NoticeListener, OnClaim
 from drivers.store import redacted
-from slotlogic import shared
+from slotlogic import notices, shared
 from slotlogic.events import Event, StoreBack, StoreUnavailable
 from slotlogic.routing import backoff
 from slotlogic.settings import SESSION_KEEP_SECONDS
@@ -57,6 +63,11 @@ def state_key(upstream: str) -> str:
     return f"slotkeeper:v1:{hashlib.sha256(upstream.encode()).hexdigest()[:16]}:state"
 
 
+def claims_channel(upstream: str) -> str:
+    """The pub/sub channel of the server's claim notices (the same digest as its document)."""
+    return f"slotkeeper:v1:{hashlib.sha256(upstream.encode()).hexdigest()[:16]}:claims"
+
+
 class RedisConnection:
     """One client per event loop (a client bound to a closed loop cannot be used again), and the one
     up/down status of the store that every server's `RedisState` shares."""
@@ -70,6 +81,8 @@ class RedisConnection:
         self.failures = 0
         self.retry_at = 0.0
         self.calls = 0  # commands sent (tests assert the hot path sends none)
+        self.instance = os.urandom(8).hex()  # this process, in the claim notices it publishes
+        self.notices = NoticeListener(url, self.shown, self.instance, emit)
 
     def client(self) -> aredis.Redis:
         loop_id = id(asyncio.get_running_loop())
@@ -77,6 +90,7 @@ class RedisConnection:
         if c is None:
             c = self._clients[loop_id] = aredis.Redis.from_url(
                 self.url, socket_timeout=IO_TIMEOUT, socket_connect_timeout=IO_TIMEOUT, health_check_interval=30)
+            self.notices.ensure()  # the first store operation in this loop starts the notice listener
         return c
 
     def usable(self) -> bool:
@@ -96,6 +110,7 @@ class RedisConnection:
         self.available, self.failures = True, 0
 
     def close_sync(self) -> None:
+        self.notices.close()
         self._clients.clear()  # their loop is closing; the sockets go with the process
 
     # A prefix checkpoint built once for all proxies: the first to claim the build builds it, the others wait
@@ -143,7 +158,12 @@ class RedisState:
         self.conn = conn
         self.upstream = upstream
         self.key = state_key(upstream)
+        self.channel = claims_channel(upstream)
         self.last = shared.ServerState(upstream=upstream)
+
+    def watch(self, on_claim: OnClaim) -> None:
+        """Call `on_claim` with every claim another proxy makes on this server, as it is made."""
+        self.conn.notices.watch(self.channel, on_claim)
 
     def _parse(self, raw: Any) -> shared.ServerState:
         try:
@@ -178,12 +198,17 @@ class RedisState:
             yield local
             self.last = local
             return
+        before = notices.owners(state)
         try:
             yield state
+            changed = notices.changes(before, state, self.conn.instance, time.time())
             try:
-                self.conn.calls += 1
-                await self.conn.client().set(self.key, json.dumps(shared.to_dict(state), separators=(",", ":")),
-                                             px=KEEP_MS)
+                pipe = self.conn.client().pipeline(transaction=False)  # one round trip: the write and the notices
+                pipe.set(self.key, json.dumps(shared.to_dict(state), separators=(",", ":")), px=KEEP_MS)
+                for notice in changed:
+                    pipe.publish(self.channel, notices.encode(notice))
+                self.conn.calls += 1 + len(changed)
+                await pipe.execute()
                 self.conn.ok()
             except ERRORS as e:
                 self.conn.failed(e)

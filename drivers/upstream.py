@@ -49,6 +49,7 @@ from slotlogic.answers import Observation
 from slotlogic.decisions import Decision, Fields, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
 from slotlogic.events import (
     CheckpointDone,
+    DisplacedElsewhere,
     Event,
     Failed,
     IdleSlotsCleared,
@@ -62,8 +63,10 @@ from slotlogic.events import (
     SlotShared,
     SlotsSlow,
     Stage,
+    Via,
 )
 from slotlogic.keeper import Keeper
+from slotlogic.notices import ClaimNotice
 from slotlogic.paging import PagePlan
 from slotlogic.ranking import SlotView
 from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
@@ -91,6 +94,7 @@ class Upstream:
         self.keeper.instance = os.urandom(8).hex()  # this process's page file names are its own
         self.state_dir = Path(state_dir)
         self.store: StateStore = store if store is not None else StateFile(self.state_dir, url, emit)
+        self.store.watch(self.claimed_elsewhere)
         self.loaded = loaded  # llama-swap: whether the model is loaded (a probe must not load it)
         self.unloaded = False
         self.settings = settings
@@ -172,6 +176,7 @@ class Upstream:
         if store is not None:
             self.state_dir = Path(state_dir)
             self.store = store
+            store.watch(self.claimed_elsewhere)
         elif Path(state_dir) != self.state_dir:
             self.state_dir = Path(state_dir)
             self.store = StateFile(self.state_dir, self.url, self.emit)
@@ -565,7 +570,19 @@ class Upstream:
             return
         table = self.keeper.table
         for slot, other in shared.displaced_by_others(state, table.sessions, table.holders).items():
+            self.emit(DisplacedElsewhere(self.url, slot, table.holders[slot][:8], other[:8], Via.FLUSH))
             table.holders[slot] = other
+
+    def claimed_elsewhere(self, notice: ClaimNotice) -> None:
+        """Another proxy claimed a slot of this server (its notice, pushed through the store): the session of
+        ours that believed it held the slot is displaced now, not at the next flush, so its next request is
+        placed again (and paged in) instead of prefilling on a slot that holds another conversation. Memory
+        only; the listener's task calls it, never a request."""
+        if self.offline:
+            return
+        key = self.keeper.table.claimed_elsewhere(notice.slot, notice.claimant)
+        if key is not None:
+            self.emit(DisplacedElsewhere(self.url, notice.slot, key[:8], notice.claimant[:8], Via.NOTICE))
 
     def flush_sync(self) -> None:
         """The last flush at shutdown (`done` must stay sync)."""
