@@ -69,3 +69,13 @@ def test_a_session_with_a_request_on_its_way_to_the_slot_is_displaced_too():
     t.answered(A, 0, 1.0)
     t.assign(B, 0, 2.0, prefix=None)   # ours: B's request is on its way there (A already displaced locally)
     assert t.claimed_elsewhere(0, C) == B and t.displaced(B, 0) and t.displaced(A, 0)
+
+
+def test_a_notice_during_our_own_placement_outlives_its_dispatch_and_answer():
+    t = SessionTable(ttl=120)
+    t.assign(A, 0, 0.0, prefix=None)   # our claim (paging and the prefix still to come)
+    assert t.claimed_elsewhere(0, C) == A  # another proxy claims the slot meanwhile: its request runs after ours
+    t.use(A, 1.0)                       # our request leaves
+    t.dispatch(A, 0)
+    t.answered(A, 0, 2.0)
+    assert t.displaced(A, 0)            # the claimant's request comes after it: ours is not there any more
