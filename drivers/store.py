@@ -9,7 +9,9 @@
 - `last`: the state as of this process's last transaction (sync views, commands);
 - `transaction_sync()`: the blocking variant for shutdown (mitmproxy's `done` must stay sync);
 - `watch(on_claim)`: other proxies' claims on the server's slots, as they are made (Redis: pub/sub notices,
-  `slotlogic/notices.py`; the file store calls nothing: the proxies of one machine keep its own reconcile).
+  `slotlogic/notices.py`; the file store calls nothing: the proxies of one machine keep its own reconcile);
+- `slot_locks`: each slot's paging lock shared by every proxy, with the slot's last paged send (Redis); None
+  for the file store (each process pages under its own locks, as before).
 
 `file://DIR` (the default: `slots_state_dir`) is `drivers.store_file.StateFile`: one locked JSON file per
 server, shared by the proxies of one machine. `redis://host:port/db` and `rediss://…` is
@@ -32,9 +34,16 @@ Emit = Callable[[Event], None]
 SCHEMES = ("file", "redis", "rediss")
 
 
+class SlotLocks(Protocol):
+    async def hold(self, slot: int, token: str, wait: float = ...) -> tuple[bool, tuple[str, float] | None]: ...
+
+    async def let_go(self, slot: int, token: str, session: str | None, at: float) -> None: ...
+
+
 class StateStore(Protocol):
     last: shared.ServerState
     remote: bool   # shared beyond this machine (other proxies' use of a slot is learned from it)
+    slot_locks: SlotLocks | None
 
     def transaction(self) -> contextlib.AbstractAsyncContextManager[shared.ServerState]: ...
 

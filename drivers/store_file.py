@@ -135,6 +135,7 @@ class StateFile:
     """The per-upstream `ServerState`, read and written under the file lock."""
 
     remote = False
+    slot_locks = None  # the processes of one machine page under their own locks, as before
 
     def __init__(self, directory: str | Path, upstream: str, emit: Emit = _drop) -> None:
         self.upstream = upstream

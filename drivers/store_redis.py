@@ -54,6 +54,14 @@ KEEP_MS = int(SESSION_KEEP_SECONDS * 1000)
 BUILD_KEY = "slotkeeper:v1:build:"
 BUILD_MS = 120_000        # a build marker whose proxy died expires after this (the checkpoint time-out)
 RELEASE_LUA = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# A slot's paging lock: taken with the slot's last send in one round trip; let go with the send it covered.
+HOLD_LUA = ("if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then "
+            "return {1, redis.call('get', KEYS[2]) or ''} end return {0, ''}")
+LET_GO_LUA = ("if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) "
+              "if ARGV[2] ~= '' then redis.call('set', KEYS[2], ARGV[2], 'PX', ARGV[3]) end return 1 end return 0")
+SLOT_LOCK_MS = 60_000     # a paging lock whose proxy died (or hung) expires after this
+SLOT_WAIT = 60.0          # how long a pager waits for another proxy's pager of the slot (then goes on: fail open)
+SENT_MS = 86_400_000      # a slot's last paged send is remembered this long
 Emit = Callable[[Event], None]
 ERRORS = (RedisError, OSError, TimeoutError)
 
@@ -149,6 +157,58 @@ class RedisConnection:
             await self.client().eval(RELEASE_LUA, 1, BUILD_KEY + name, token)
 
 
+class RedisSlotLocks:
+    """The paging lock of each slot of one server, shared by every proxy (`drivers.page_runner`): a pager
+    decides what to save and restore only once the slot's previous pager, of any proxy, has sent its request;
+    and it learns which session that was (`Sent`: the conversation its save will write, whoever sent it)."""
+
+    def __init__(self, conn: RedisConnection, upstream: str) -> None:
+        self.conn = conn
+        self.prefix = state_key(upstream).removesuffix(":state") + ":slot:"
+
+    async def hold(self, slot: int, token: str, wait: float = SLOT_WAIT) -> tuple[bool, tuple[str, float] | None]:
+        """(held, the slot's last paged send: session and time). Not held: the store is down or the wait ran
+        out; the caller goes on without (as before this lock existed)."""
+        deadline = time.monotonic() + wait
+        pause = 0.01
+        while self.conn.usable():
+            try:
+                self.conn.calls += 1
+                got = await self.conn.client().eval(HOLD_LUA, 2, f"{self.prefix}{slot}:lock",
+                                                    f"{self.prefix}{slot}:sent", token, SLOT_LOCK_MS)
+            except ERRORS as e:
+                self.conn.failed(e)
+                return False, None
+            if got and int(got[0]) == 1:
+                return True, _sent(got[1])
+            if time.monotonic() >= deadline:
+                return False, None
+            await asyncio.sleep(pause)
+            pause = min(0.1, pause * 1.5)
+        return False, None
+
+    async def let_go(self, slot: int, token: str, session: str | None, at: float) -> None:
+        """Release the lock if it is still ours, recording the send it covered (None: nothing was sent)."""
+        sent = json.dumps({"session": session, "at": at}) if session else ""
+        with contextlib.suppress(*ERRORS):
+            self.conn.calls += 1
+            await self.conn.client().eval(LET_GO_LUA, 2, f"{self.prefix}{slot}:lock", f"{self.prefix}{slot}:sent",
+                                          token, sent, SENT_MS)
+
+
+def _sent(raw: Any) -> tuple[str, float] | None:
+    try:
+        data = json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError, TypeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    session, at = data.get("session"), data.get("at")
+    if not isinstance(session, str) or not isinstance(at, int | float) or isinstance(at, bool):
+        return None
+    return session, float(at)
+
+
 class RedisState:
     """The `drivers.store.StateStore` of one server, in Redis."""
 
@@ -160,6 +220,7 @@ class RedisState:
         self.key = state_key(upstream)
         self.channel = claims_channel(upstream)
         self.last = shared.ServerState(upstream=upstream)
+        self.slot_locks: RedisSlotLocks | None = RedisSlotLocks(conn, upstream)
 
     def watch(self, on_claim: OnClaim) -> None:
         """Call `on_claim` with every claim another proxy makes on this server, as it is made."""

@@ -77,6 +77,7 @@ PROBE_TIMEOUT = 30.0
 SLOW = 1.0          # seconds: a /props or /slots that failed after this long hung (the timeout is 3 s)
 BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the background probe may clear it)
 RECONCILE_EVERY = 5.0  # seconds between looks for a slot shared with another process while idle
+REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its session stays (a shared store)
 AUTH_HEADERS = (b"authorization", b"x-api-key")
 Accept = Callable[[shared.ServerState, ServerInfo, list[dict[str, Any]] | None], bool]
 Facts = tuple[dict[str, Any] | None, list[dict[str, Any]] | None]   # `/props` and `/slots` as asked
@@ -136,6 +137,7 @@ class Upstream:
             if self.pages is None or self.pages.save_dir != Path(s.save_dir):
                 self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
             self.pages.max_bytes = s.page_max_bytes
+            self.pages.shared = self.store.slot_locks
         else:
             self.pages = None
         if s.checkpoints is CheckpointMode.OFF:
@@ -177,6 +179,8 @@ class Upstream:
             self.state_dir = Path(state_dir)
             self.store = store
             store.watch(self.claimed_elsewhere)
+            if self.pages is not None:
+                self.pages.shared = store.slot_locks
         elif Path(state_dir) != self.state_dir:
             self.state_dir = Path(state_dir)
             self.store = StateFile(self.state_dir, self.url, self.emit)
@@ -206,7 +210,8 @@ class Upstream:
     def abandon(self, ticket: Ticket, flow_id: str) -> None:
         """A decided request goes out unpinned after all: roll the core's bookkeeping back, free the slot lock."""
         self.keeper.abandon(ticket)
-        self.unlock(flow_id)
+        if self.pages is not None:
+            self.pages.unlock(flow_id, sent=False)
 
     async def place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
                     accept: Accept | None = None) -> Pin | Observe | None:
@@ -314,11 +319,11 @@ class Upstream:
         """Page the slot's holder out and this session in; True when the session's conversation is back in
         the slot. What to do is decided once the lock is held. Fails open: trouble only costs the prefill."""
         assert self.pages is not None
-        if self.keeper.page_plan(slot, key, view).empty and not self.pages.busy(slot):
+        if self.keeper.page_plan(slot, key, view).empty and not self.pages.busy(slot) and self.pages.shared is None:
             return False
-        if not await self.pages.hold(slot, flow_id):
+        if not await self.pages.hold(slot, flow_id, key):
             return False
-        plan = self.keeper.page_plan(slot, key, view)
+        plan = self.keeper.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot))
         if plan.empty:
             return False  # nothing to move, but our request must still go after the page-in before it
         saving = None
@@ -328,7 +333,10 @@ class Upstream:
             if plan.save_file is not None:
                 async with self.store.transaction() as state:
                     replaced = self.keeper.page_intent(state, plan, time.time())
-                self.pages.delete(replaced)
+                if self.store.remote:  # another proxy may have planned its restore from the record just replaced
+                    self.pages.delete_later(replaced, REPLACED_GRACE)
+                else:
+                    self.pages.delete(replaced)
             out = await self.pages.run(plan)
             await self._record_pages(plan, out)
         except Exception as e:

@@ -149,3 +149,31 @@ async def test_without_notices_the_flush_still_finds_the_displacement(proxies):
     assert event.via is Via.FLUSH
     f = await a.request(flow(next_turn(mine)))
     assert a.rt.open[f.id].ticket.displaced
+
+
+async def test_two_proxies_page_one_slot_one_after_the_other_and_learn_what_was_sent(url, tmp_path):
+    """The shared paging lock of a slot: the second proxy's pager waits until the first one's request was sent,
+    then learns which session that was (what its save will write)."""
+    from drivers.page_runner import PageRunner
+    from drivers.store_redis import RedisSlotLocks
+
+    runners = []
+    for _ in range(2):
+        r = PageRunner(FakeLlama(), str(tmp_path), 1 << 20, lambda e: None, SERVER)  # type: ignore[arg-type]
+        r.shared = RedisSlotLocks(RedisConnection(url, lambda e: None), SERVER)
+        runners.append(r)
+    one, two = runners
+    assert await one.hold(0, "flow-1", "a" * 16) and one.last_sent[0] is None
+    second = asyncio.ensure_future(two.hold(0, "flow-2", "b" * 16))
+    await asyncio.sleep(0.3)
+    assert not second.done()                      # the slot is being paged by the other proxy
+    assert await two.shared.hold(1, "t") == (True, None)  # another slot is not
+    before = time.time()
+    one.unlock("flow-1")                          # its request reached the server
+    assert await asyncio.wait_for(second, 5.0)
+    session, at = two.last_sent[0]
+    assert session == "a" * 16 and at >= before
+    two.unlock("flow-2", sent=False)              # abandoned: nothing sent, nothing recorded
+    await asyncio.sleep(0.1)
+    assert await one.hold(0, "flow-3") and one.last_sent[0][0] == "a" * 16
+    one.unlock("flow-3")
