@@ -58,7 +58,8 @@ RELEASE_LUA = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('
 HOLD_LUA = ("if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then "
             "return {1, redis.call('get', KEYS[2]) or ''} end return {0, ''}")
 LET_GO_LUA = ("if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) "
-              "if ARGV[2] ~= '' then redis.call('set', KEYS[2], ARGV[2], 'PX', ARGV[3]) end return 1 end return 0")
+              "if ARGV[2] ~= '' then redis.call('set', KEYS[2], ARGV[2], 'PX', ARGV[3]) "
+              "redis.call('publish', KEYS[3], ARGV[4]) end return 1 end return 0")
 SLOT_LOCK_MS = 60_000     # a paging lock whose proxy died (or hung) expires after this
 SLOT_WAIT = 60.0          # how long a pager waits for another proxy's pager of the slot (then goes on: fail open)
 SENT_MS = 86_400_000      # a slot's last paged send is remembered this long
@@ -165,6 +166,7 @@ class RedisSlotLocks:
     def __init__(self, conn: RedisConnection, upstream: str) -> None:
         self.conn = conn
         self.prefix = state_key(upstream).removesuffix(":state") + ":slot:"
+        self.channel = claims_channel(upstream)
 
     async def hold(self, slot: int, token: str, wait: float = SLOT_WAIT) -> tuple[bool, tuple[str, float] | None]:
         """(held, the slot's last paged send: session and time). Not held: the store is down or the wait ran
@@ -188,12 +190,15 @@ class RedisSlotLocks:
         return False, None
 
     async def let_go(self, slot: int, token: str, session: str | None, at: float) -> None:
-        """Release the lock if it is still ours, recording the send it covered (None: nothing was sent)."""
+        """Release the lock if it is still ours, recording the send it covered (None: nothing was sent) and
+        telling the other proxies (a `sent` claim notice: whoever believed the slot was theirs is not on top)."""
         sent = json.dumps({"session": session, "at": at}) if session else ""
+        notice = notices.encode(notices.ClaimNotice(slot, session, None, self.conn.instance, at, sent=True)
+                                ) if session else ""
         with contextlib.suppress(*ERRORS):
             self.conn.calls += 1
-            await self.conn.client().eval(LET_GO_LUA, 2, f"{self.prefix}{slot}:lock", f"{self.prefix}{slot}:sent",
-                                          token, sent, SENT_MS)
+            await self.conn.client().eval(LET_GO_LUA, 3, f"{self.prefix}{slot}:lock", f"{self.prefix}{slot}:sent",
+                                          self.channel, token, sent, SENT_MS, notice)
 
 
 def _sent(raw: Any) -> tuple[str, float] | None:

@@ -78,6 +78,7 @@ SLOW = 1.0          # seconds: a /props or /slots that failed after this long hu
 BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the background probe may clear it)
 RECONCILE_EVERY = 5.0  # seconds between looks for a slot shared with another process while idle
 REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its session stays (a shared store)
+REMOTE_SETTLE = 10.0   # seconds a pager waits for another proxy's page-out of its session (a shared store)
 AUTH_HEADERS = (b"authorization", b"x-api-key")
 Accept = Callable[[shared.ServerState, ServerInfo, list[dict[str, Any]] | None], bool]
 Facts = tuple[dict[str, Any] | None, list[dict[str, Any]] | None]   # `/props` and `/slots` as asked
@@ -323,6 +324,8 @@ class Upstream:
             return False
         if not await self.pages.hold(slot, flow_id, key):
             return False
+        if self.store.remote:
+            await self._fresh_pages(key)
         plan = self.keeper.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot))
         if plan.empty:
             return False  # nothing to move, but our request must still go after the page-in before it
@@ -354,6 +357,14 @@ class Upstream:
                         plan.restore_for[:8] if plan.restore_for else None, out.restored_tokens, out.seconds,
                         out.server_ms))
         return out.restored_tokens is not None
+
+    async def _fresh_pages(self, key: str) -> None:
+        """With the slot's lock held: the page index as the store has it now (another proxy may have paged
+        this session out since its placement was decided), waiting a little while its page is being written."""
+        deadline = time.monotonic() + REMOTE_SETTLE
+        while self.keeper.pages_seen(await self.store.aread(), key, time.time(), REMOTE_SETTLE) and \
+                time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
 
     async def _record_pages(self, plan: PagePlan, out: PageOutcome) -> None:
         """The page index after a paging step, in the state file; the files it drops deleted."""
@@ -588,7 +599,8 @@ class Upstream:
         only; the listener's task calls it, never a request."""
         if self.offline:
             return
-        key = self.keeper.table.claimed_elsewhere(notice.slot, notice.claimant)
+        key = self.keeper.table.claimed_elsewhere(notice.slot, notice.claimant,
+                                                  notice.at if notice.sent else None)
         if key is not None:
             self.emit(DisplacedElsewhere(self.url, notice.slot, key[:8], notice.claimant[:8], Via.NOTICE))
 

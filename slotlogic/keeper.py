@@ -414,6 +414,14 @@ class Keeper:
         return paging.plan(slot, session_key, holder, tokens, self.pages, self.upstream, model, holds_own=holds_own,
                            salt=f"{self.instance}:{self._page_seq}")
 
+    def pages_seen(self, state: shared.ServerState, session_key: str, now: float, wait: float) -> bool:
+        """Take the page index of a fresh read of the shared state; True while `session_key`'s own page is
+        being written by another pager (recorded, not restorable yet, for less than `wait` seconds): worth
+        waiting for, a page-in beats prefilling the conversation again."""
+        self.pages = dict(state.pages)
+        rec = state.pages.get(session_key)
+        return rec is not None and rec.n_tokens == 0 and now - rec.saved < wait
+
     def page_intent(self, state: shared.ServerState, plan: paging.PagePlan, now: float) -> list[str]:
         """Before the save is sent: its page is in the index (not restorable yet), so a kill between the save
         and `pages_recorded` leaves no file the state does not know. Returns the replaced page's file."""

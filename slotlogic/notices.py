@@ -13,6 +13,11 @@ Rule 2: no prompt text can travel: a notice holds a slot number, two session key
         process's random id and a time. A payload that is not exactly that shape is dropped, never raised on.
 Rule 3: a notice only ever makes a session take the slow path once more (placed again, paged in); a late,
         repeated or spurious one costs a placement, never a wrong answer.
+
+Two moments send one: the claim (the transaction that gives the slot away), and the send (`sent`: the
+claimant's request has reached the server, under the slot's paging lock shared by the proxies). Claims and
+sends may come in different orders when two proxies page one slot (the second claim's pager may get the lock
+first); llama-server runs a slot's work in the order it arrives, so the send says who is on top.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class ClaimNotice:
     displaced: str | None    # the slot's owner before this claim, as the claimant's store saw it
     instance: str            # the process that made the claim (a proxy ignores its own notices)
     at: float                # the claim's time (wall clock of the claimant)
+    sent: bool = False       # the claimant's request has reached the server (not only claimed the slot)
 
 
 def owners(state: ServerState) -> dict[int, str | None]:
@@ -55,8 +61,8 @@ def changes(before: Mapping[int, str | None], after: ServerState, instance: str,
 
 def encode(notice: ClaimNotice) -> str:
     return json.dumps({"v": VERSION, "slot": notice.slot, "claimant": notice.claimant,
-                       "displaced": notice.displaced, "instance": notice.instance, "at": notice.at},
-                      separators=(",", ":"))
+                       "displaced": notice.displaced, "instance": notice.instance, "at": notice.at,
+                       "sent": notice.sent}, separators=(",", ":"))
 
 
 def decode(raw: Any) -> ClaimNotice | None:
@@ -68,12 +74,12 @@ def decode(raw: Any) -> ClaimNotice | None:
     if not isinstance(data, dict) or data.get("v") != VERSION:
         return None
     slot, claimant, displaced = data.get("slot"), data.get("claimant"), data.get("displaced")
-    instance, at = data.get("instance"), data.get("at")
+    instance, at, sent = data.get("instance"), data.get("at"), data.get("sent", False)
     if (not isinstance(slot, int) or isinstance(slot, bool) or slot < 0 or not _key(claimant)
             or not (displaced is None or _key(displaced)) or not _key(instance)
-            or not isinstance(at, int | float) or isinstance(at, bool)):
+            or not isinstance(at, int | float) or isinstance(at, bool) or not isinstance(sent, bool)):
         return None
-    return ClaimNotice(slot, claimant, displaced, instance, float(at))
+    return ClaimNotice(slot, claimant, displaced, instance, float(at), sent)
 
 
 def _key(v: Any) -> bool:

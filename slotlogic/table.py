@@ -112,15 +112,18 @@ class SessionTable:
             if self.running.get(slot) == key:
                 del self.running[slot]
 
-    def claimed_elsewhere(self, slot: int, claimant: str) -> str | None:
+    def claimed_elsewhere(self, slot: int, claimant: str, sent_at: float | None = None) -> str | None:
         """Another process claimed `slot` for `claimant` (`slotlogic.notices`): the session of ours that
         believed it held the slot, or had a request on its way there, is displaced, and its next request is
         placed again. The mark (`foreign`) outlives our own requests already decided for the slot (their
         dispatch and their answers may come after the notice, while the claimant's request runs after them);
-        only a newer claim of ours (`assign`) lifts it. Returns the displaced key (None: nobody of ours)."""
+        only a newer claim of ours (`assign`) lifts it. `sent_at`: the claimant's request reached the server
+        then; a session of ours sent there later is on top of it, not displaced. Returns the displaced key
+        (None: nobody of ours)."""
         for key in (self.holders.get(slot), self.running.get(slot), self.dispatched.get(slot)):
             a = self.sessions.get(key) if key else None
-            if key and key != claimant and a is not None and a.slot == slot:
+            if (key and key != claimant and a is not None and a.slot == slot
+                    and (sent_at is None or a.last_used <= sent_at)):
                 self.holders[slot] = claimant
                 self.foreign[slot] = claimant
                 return key

@@ -177,3 +177,26 @@ async def test_two_proxies_page_one_slot_one_after_the_other_and_learn_what_was_
     await asyncio.sleep(0.1)
     assert await one.hold(0, "flow-3") and one.last_sent[0][0] == "a" * 16
     one.unlock("flow-3")
+
+
+async def test_a_send_under_the_shared_lock_tells_the_other_proxies_who_is_on_top(url):
+    """Claims and sends of two proxies may cross; the send notice (at the lock's release) names the session
+    whose request reached the slot last."""
+    from drivers.store_redis import RedisSlotLocks
+
+    got: list = []
+    listener = RedisConnection(url, lambda e: None)
+    RedisState(listener, SERVER).watch(got.append)
+    sender = RedisSlotLocks(RedisConnection(url, lambda e: None), SERVER)
+    try:
+        await until(lambda: listener.notices.connected)
+        assert (await sender.hold(2, "tok"))[0]
+        await sender.let_go(2, "tok", "b" * 16, 123.5)
+        await until(lambda: got, seconds=NOTICE_WITHIN)
+        assert (got[0].slot, got[0].claimant, got[0].sent, got[0].at) == (2, "b" * 16, True, 123.5)
+        assert (await sender.hold(2, "tok2"))[0]
+        await sender.let_go(2, "tok2", None, 124.0)   # nothing sent: nobody is told anything
+        await asyncio.sleep(0.2)
+        assert len(got) == 1
+    finally:
+        listener.close_sync()

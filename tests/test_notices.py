@@ -32,11 +32,13 @@ def test_a_notice_round_trips_and_carries_no_text():
     n = ClaimNotice(3, A, B, "0123456789abcdef", 1700000000.5)
     wire = notices.encode(n)
     assert notices.decode(wire) == n and notices.decode(wire.encode()) == n
-    assert set(json.loads(wire)) == {"v", "slot", "claimant", "displaced", "instance", "at"}
+    assert set(json.loads(wire)) == {"v", "slot", "claimant", "displaced", "instance", "at", "sent"}
+    sent = ClaimNotice(3, A, None, "p", 2.0, sent=True)
+    assert notices.decode(notices.encode(sent)) == sent
 
 
 @given(st.one_of(st.binary(max_size=200), st.text(max_size=200),
-                 st.dictionaries(st.sampled_from(["v", "slot", "claimant", "displaced", "instance", "at"]),
+                 st.dictionaries(st.sampled_from(["v", "slot", "claimant", "displaced", "instance", "at", "sent"]),
                                  st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=40)))
                  .map(json.dumps)))
 def test_anything_that_is_not_a_notice_is_dropped_never_raised_on(raw):
@@ -79,3 +81,11 @@ def test_a_notice_during_our_own_placement_outlives_its_dispatch_and_answer():
     t.dispatch(A, 0)
     t.answered(A, 0, 2.0)
     assert t.displaced(A, 0)            # the claimant's request comes after it: ours is not there any more
+
+
+def test_a_send_notice_spares_a_session_of_ours_sent_to_the_slot_after_it():
+    t = SessionTable(ttl=120)
+    t.assign(A, 0, 0.0, prefix=None)
+    t.use(A, 5.0)                                   # our request left at 5.0
+    assert t.claimed_elsewhere(0, C, sent_at=4.0) is None and not t.displaced(A, 0)  # theirs ran before ours
+    assert t.claimed_elsewhere(0, C, sent_at=6.0) == A and t.displaced(A, 0)         # theirs runs after ours

@@ -214,3 +214,14 @@ def test_a_save_is_labelled_with_the_last_paged_send_of_any_proxy():
     assert k.page_plan(0, "new", view, sent=("theirs", 12.0)).save_for == "theirs"
     assert k.page_plan(0, "new", view, sent=("theirs", 8.0)).save_for == "ours"  # ours went after theirs
     assert k.page_plan(0, "new", SlotView(0, 900), sent=("new", 12.0)).empty     # the slot holds the session itself
+
+
+def test_a_page_being_written_by_another_pager_is_worth_waiting_for():
+    k = Keeper(Settings(paging=True, save_dir="/x"), UP)
+    s = st.ServerState(UP)
+    assert not k.pages_seen(s, "a", 100.0, 10.0)                       # no page at all: nothing to wait for
+    paging.intent(s.pages, "a", paging.page_file(UP, "a", "x"), 95.0, "m")
+    assert k.pages_seen(s, "a", 100.0, 10.0) and k.pages["a"].n_tokens == 0  # recorded, not written yet
+    assert not k.pages_seen(s, "a", 120.0, 10.0)                       # its writer gave up long ago
+    paging.saved(s.pages, "a", k.pages["a"].file, 900, 4096, 101.0, "m")
+    assert not k.pages_seen(s, "a", 102.0, 10.0) and k.pages["a"].n_tokens == 900
