@@ -320,8 +320,9 @@ class Upstream:
         """Page the slot's holder out and this session in; True when the session's conversation is back in
         the slot. What to do is decided once the lock is held. Fails open: trouble only costs the prefill."""
         assert self.pages is not None
-        if self.keeper.page_plan(slot, key, view).empty and not self.pages.busy(slot) and self.pages.shared is None:
-            return False
+        # The lock is taken even with nothing to page: a placement on this slot that is still warming its
+        # prefix, or whose request has not reached the server, must finish first (a second new session would
+        # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
         if not await self.pages.hold(slot, flow_id, key):
             return False
         if self.store.remote:
