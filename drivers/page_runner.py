@@ -5,6 +5,12 @@ completions of one slot one after another, deferring whatever arrives while the 
 is only useful if the session's own request reaches the slot before anybody else's. Hence one lock per slot:
 taken before the save/restore and held until that request's response headers arrive (by then the server
 has queued it). Only slow-path requests (new, displaced or paged sessions) take it; the hot path never does.
+
+With a store shared by proxies on several machines (Redis) the lock is also taken in the store
+(`shared`, `drivers.store_redis.RedisSlotLocks`), so that two proxies never page one slot at once, and the
+pager learns which session the slot's previous pager, of any proxy, sent there (`last_sent`): the
+conversation its save will write. Let go at the same moment, recording this request's session. A store that
+cannot be reached, or a wait that runs out, leaves only the local lock (fail open).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import stat
 import time
 from collections.abc import Callable
@@ -20,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from drivers.llama_http import LlamaClient
+from drivers.store import SlotLocks
 from slotlogic.checkpoint_machine import Failure
 from slotlogic.events import Event, Failed, PageFailed, PageGone, PageRejected, PagingLockTimeout, Stage
 from slotlogic.paging import PageFile, PagePlan, restore_checked
@@ -51,13 +59,18 @@ class PageRunner:
         self.locks: dict[int, asyncio.Lock] = {}
         self.holding: dict[str, asyncio.Lock] = {}  # flow id -> the slot lock it holds
         self.saving: dict[str, asyncio.Event] = {}  # session key -> set once its page-out is recorded
+        self.shared: SlotLocks | None = None          # the store's slot locks (proxies on several machines)
+        self.remote: dict[str, tuple[int, str, str | None]] = {}  # flow id -> (slot, token, session) held there
+        self.last_sent: dict[int, tuple[str, float] | None] = {}  # slot -> its last paged send, as the lock said
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def busy(self, slot: int) -> bool:
         lock = self.locks.get(slot)
         return lock is not None and lock.locked()
 
-    async def hold(self, slot: int, flow_id: str) -> bool:
-        """Take `slot`'s lock for `flow_id` (let go by `unlock` at its response headers or its end)."""
+    async def hold(self, slot: int, flow_id: str, session: str | None = None) -> bool:
+        """Take `slot`'s lock for `flow_id` (let go by `unlock` at its response headers or its end); with a
+        shared store, the slot's lock there too, and `last_sent[slot]` says what the previous pager sent."""
         lock = self.locks.setdefault(slot, asyncio.Lock())
         try:
             await asyncio.wait_for(lock.acquire(), LOCK_WAIT)
@@ -65,6 +78,17 @@ class PageRunner:
             self.emit(PagingLockTimeout(self.upstream, slot, LOCK_WAIT))
             return False
         self.holding[flow_id] = lock
+        self.last_sent.pop(slot, None)
+        if self.shared is not None:
+            token = secrets.token_hex(8)
+            try:
+                held, sent = await self.shared.hold(slot, token)
+            except BaseException:
+                self.unlock(flow_id, sent=False)
+                raise
+            if held:
+                self.remote[flow_id] = (slot, token, session)
+                self.last_sent[slot] = sent
         return True
 
     async def settled(self, session_key: str) -> None:
@@ -74,10 +98,20 @@ class PageRunner:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), SAVE_WAIT)
 
-    def unlock(self, flow_id: str) -> None:
+    def unlock(self, flow_id: str, *, sent: bool = True) -> None:
+        """Let the slot go (`sent`: the flow's request reached the server, so the store records its session
+        as the slot's last paged send)."""
         lock = self.holding.pop(flow_id, None)
         if lock is not None and lock.locked():
             lock.release()
+        held = self.remote.pop(flow_id, None)
+        if held is not None and self.shared is not None:
+            slot, token, session = held
+            with contextlib.suppress(RuntimeError):  # no loop: the lock's TTL lets it go
+                task = asyncio.get_running_loop().create_task(
+                    self.shared.let_go(slot, token, session if sent else None, time.time()))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
     async def run(self, plan: PagePlan) -> PageOutcome:
         """Save the slot's holder, then restore the session's page. Never raises for HTTP trouble."""
@@ -135,6 +169,16 @@ class PageRunner:
         with contextlib.suppress(OSError):
             return os.lstat(self.save_dir / name).st_size
         return 0
+
+    def delete_later(self, names: list[str], seconds: float) -> None:
+        """Delete `names` after `seconds` (a restore already planned from them still finds them); at once when
+        no loop runs. A process that exits first leaves them to the next one's orphan sweep."""
+        if not names:
+            return
+        try:
+            asyncio.get_running_loop().call_later(seconds, self.delete, list(names))
+        except RuntimeError:
+            self.delete(names)
 
     def delete(self, names: list[str]) -> None:
         for name in names:

@@ -7,7 +7,11 @@
 - `aread()` / `read()`: a read without the lock (status views, the hash fallback); `read()` may answer from
   memory where a read would need the network;
 - `last`: the state as of this process's last transaction (sync views, commands);
-- `transaction_sync()`: the blocking variant for shutdown (mitmproxy's `done` must stay sync).
+- `transaction_sync()`: the blocking variant for shutdown (mitmproxy's `done` must stay sync);
+- `watch(on_claim)`: other proxies' claims on the server's slots, as they are made (Redis: pub/sub notices,
+  `slotlogic/notices.py`; the file store calls nothing: the proxies of one machine keep its own reconcile);
+- `slot_locks`: each slot's paging lock shared by every proxy, with the slot's last paged send (Redis); None
+  for the file store (each process pages under its own locks, as before).
 
 `file://DIR` (the default: `slots_state_dir`) is `drivers.store_file.StateFile`: one locked JSON file per
 server, shared by the proxies of one machine. `redis://host:port/db` and `rediss://…` is
@@ -24,14 +28,22 @@ from urllib.parse import unquote, urlsplit
 
 from slotlogic import shared
 from slotlogic.events import Event
+from slotlogic.notices import ClaimNotice
 
 Emit = Callable[[Event], None]
 SCHEMES = ("file", "redis", "rediss")
 
 
+class SlotLocks(Protocol):
+    async def hold(self, slot: int, token: str, wait: float = ...) -> tuple[bool, tuple[str, float] | None]: ...
+
+    async def let_go(self, slot: int, token: str, session: str | None, at: float) -> None: ...
+
+
 class StateStore(Protocol):
     last: shared.ServerState
     remote: bool   # shared beyond this machine (other proxies' use of a slot is learned from it)
+    slot_locks: SlotLocks | None
 
     def transaction(self) -> contextlib.AbstractAsyncContextManager[shared.ServerState]: ...
 
@@ -40,6 +52,8 @@ class StateStore(Protocol):
     def read(self) -> shared.ServerState: ...
 
     async def aread(self) -> shared.ServerState: ...
+
+    def watch(self, on_claim: Callable[[ClaimNotice], None]) -> None: ...
 
 
 def parse_url(url: str, default_dir: Path) -> tuple[str, Path | str]:

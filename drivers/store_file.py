@@ -31,6 +31,7 @@ from filelock import AsyncFileLock, FileLock
 from drivers import private_dir
 from slotlogic import shared
 from slotlogic.events import CorruptMovedAside, Event
+from slotlogic.notices import ClaimNotice
 
 LOCK_TIMEOUT = 10.0
 Emit = Callable[[Event], None]
@@ -134,6 +135,7 @@ class StateFile:
     """The per-upstream `ServerState`, read and written under the file lock."""
 
     remote = False
+    slot_locks = None  # the processes of one machine page under their own locks, as before
 
     def __init__(self, directory: str | Path, upstream: str, emit: Emit = _drop) -> None:
         self.upstream = upstream
@@ -151,6 +153,9 @@ class StateFile:
     async def aread(self) -> shared.ServerState:
         """`read` in a worker thread (the `drivers.store.StateStore` interface)."""
         return await asyncio.to_thread(self.read)
+
+    def watch(self, on_claim: Callable[[ClaimNotice], None]) -> None:
+        """Nothing to watch: the proxies sharing a file are on one machine, and its reconcile covers them."""
 
     def write(self, state: shared.ServerState) -> None:
         self.file.save(shared.to_dict(state))

@@ -17,7 +17,11 @@ server's identity), one JSON document per server under `slotkeeper:v1:<sha256(ur
   this process's last copy of the state and writes nothing; one line is logged, the connection is tried
   again after a back-off, and one line says when it is back. Requests keep flowing on local decisions.
 - No network on the hot path: a known session is decided from memory; only a new session's placement, a
-  paging step and the background flush (every 2 s, coalesced) talk to Redis.
+  paging step and the background flush (every 0.5 s, coalesced) talk to Redis.
+- Claim notices: a transaction that gives a slot to another session publishes one notice per change on the
+  server's channel (`slotkeeper:v1:<sha256(url)[:16]>:claims`, in the same round trip as the write), and
+  `drivers.notice_listener` hands the notices of other proxies to `watch`'s callback at once, so a proxy
+  learns that its session's slot was taken before that session's next request, not at its next flush.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -35,8 +40,9 @@ import redis
 import redis.asyncio as aredis
 from redis.exceptions import LockError, RedisError
 
+from drivers.notice_listener import NoticeListener, OnClaim
 from drivers.store import redacted
-from slotlogic import shared
+from slotlogic import notices, shared
 from slotlogic.events import Event, StoreBack, StoreUnavailable
 from slotlogic.routing import backoff
 from slotlogic.settings import SESSION_KEEP_SECONDS
@@ -48,6 +54,15 @@ KEEP_MS = int(SESSION_KEEP_SECONDS * 1000)
 BUILD_KEY = "slotkeeper:v1:build:"
 BUILD_MS = 120_000        # a build marker whose proxy died expires after this (the checkpoint time-out)
 RELEASE_LUA = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# A slot's paging lock: taken with the slot's last send in one round trip; let go with the send it covered.
+HOLD_LUA = ("if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then "
+            "return {1, redis.call('get', KEYS[2]) or ''} end return {0, ''}")
+LET_GO_LUA = ("if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) "
+              "if ARGV[2] ~= '' then redis.call('set', KEYS[2], ARGV[2], 'PX', ARGV[3]) "
+              "redis.call('publish', KEYS[3], ARGV[4]) end return 1 end return 0")
+SLOT_LOCK_MS = 60_000     # a paging lock whose proxy died (or hung) expires after this
+SLOT_WAIT = 60.0          # how long a pager waits for another proxy's pager of the slot (then goes on: fail open)
+SENT_MS = 86_400_000      # a slot's last paged send is remembered this long
 Emit = Callable[[Event], None]
 ERRORS = (RedisError, OSError, TimeoutError)
 
@@ -55,6 +70,11 @@ ERRORS = (RedisError, OSError, TimeoutError)
 def state_key(upstream: str) -> str:
     """The document's key: a digest of the server's URL (every proxy fronting it agrees)."""
     return f"slotkeeper:v1:{hashlib.sha256(upstream.encode()).hexdigest()[:16]}:state"
+
+
+def claims_channel(upstream: str) -> str:
+    """The pub/sub channel of the server's claim notices (the same digest as its document)."""
+    return f"slotkeeper:v1:{hashlib.sha256(upstream.encode()).hexdigest()[:16]}:claims"
 
 
 class RedisConnection:
@@ -70,6 +90,8 @@ class RedisConnection:
         self.failures = 0
         self.retry_at = 0.0
         self.calls = 0  # commands sent (tests assert the hot path sends none)
+        self.instance = os.urandom(8).hex()  # this process, in the claim notices it publishes
+        self.notices = NoticeListener(url, self.shown, self.instance, emit)
 
     def client(self) -> aredis.Redis:
         loop_id = id(asyncio.get_running_loop())
@@ -77,6 +99,7 @@ class RedisConnection:
         if c is None:
             c = self._clients[loop_id] = aredis.Redis.from_url(
                 self.url, socket_timeout=IO_TIMEOUT, socket_connect_timeout=IO_TIMEOUT, health_check_interval=30)
+            self.notices.ensure()  # the first store operation in this loop starts the notice listener
         return c
 
     def usable(self) -> bool:
@@ -96,6 +119,7 @@ class RedisConnection:
         self.available, self.failures = True, 0
 
     def close_sync(self) -> None:
+        self.notices.close()
         self._clients.clear()  # their loop is closing; the sockets go with the process
 
     # A prefix checkpoint built once for all proxies: the first to claim the build builds it, the others wait
@@ -134,6 +158,62 @@ class RedisConnection:
             await self.client().eval(RELEASE_LUA, 1, BUILD_KEY + name, token)
 
 
+class RedisSlotLocks:
+    """The paging lock of each slot of one server, shared by every proxy (`drivers.page_runner`): a pager
+    decides what to save and restore only once the slot's previous pager, of any proxy, has sent its request;
+    and it learns which session that was (`Sent`: the conversation its save will write, whoever sent it)."""
+
+    def __init__(self, conn: RedisConnection, upstream: str) -> None:
+        self.conn = conn
+        self.prefix = state_key(upstream).removesuffix(":state") + ":slot:"
+        self.channel = claims_channel(upstream)
+
+    async def hold(self, slot: int, token: str, wait: float = SLOT_WAIT) -> tuple[bool, tuple[str, float] | None]:
+        """(held, the slot's last paged send: session and time). Not held: the store is down or the wait ran
+        out; the caller goes on without (as before this lock existed)."""
+        deadline = time.monotonic() + wait
+        pause = 0.01
+        while self.conn.usable():
+            try:
+                self.conn.calls += 1
+                got = await self.conn.client().eval(HOLD_LUA, 2, f"{self.prefix}{slot}:lock",
+                                                    f"{self.prefix}{slot}:sent", token, SLOT_LOCK_MS)
+            except ERRORS as e:
+                self.conn.failed(e)
+                return False, None
+            if got and int(got[0]) == 1:
+                return True, _sent(got[1])
+            if time.monotonic() >= deadline:
+                return False, None
+            await asyncio.sleep(pause)
+            pause = min(0.1, pause * 1.5)
+        return False, None
+
+    async def let_go(self, slot: int, token: str, session: str | None, at: float) -> None:
+        """Release the lock if it is still ours, recording the send it covered (None: nothing was sent) and
+        telling the other proxies (a `sent` claim notice: whoever believed the slot was theirs is not on top)."""
+        sent = json.dumps({"session": session, "at": at}) if session else ""
+        notice = notices.encode(notices.ClaimNotice(slot, session, None, self.conn.instance, at, sent=True)
+                                ) if session else ""
+        with contextlib.suppress(*ERRORS):
+            self.conn.calls += 1
+            await self.conn.client().eval(LET_GO_LUA, 3, f"{self.prefix}{slot}:lock", f"{self.prefix}{slot}:sent",
+                                          self.channel, token, sent, SENT_MS, notice)
+
+
+def _sent(raw: Any) -> tuple[str, float] | None:
+    try:
+        data = json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError, TypeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    session, at = data.get("session"), data.get("at")
+    if not isinstance(session, str) or not isinstance(at, int | float) or isinstance(at, bool):
+        return None
+    return session, float(at)
+
+
 class RedisState:
     """The `drivers.store.StateStore` of one server, in Redis."""
 
@@ -143,7 +223,13 @@ class RedisState:
         self.conn = conn
         self.upstream = upstream
         self.key = state_key(upstream)
+        self.channel = claims_channel(upstream)
         self.last = shared.ServerState(upstream=upstream)
+        self.slot_locks: RedisSlotLocks | None = RedisSlotLocks(conn, upstream)
+
+    def watch(self, on_claim: OnClaim) -> None:
+        """Call `on_claim` with every claim another proxy makes on this server, as it is made."""
+        self.conn.notices.watch(self.channel, on_claim)
 
     def _parse(self, raw: Any) -> shared.ServerState:
         try:
@@ -178,12 +264,17 @@ class RedisState:
             yield local
             self.last = local
             return
+        before = notices.owners(state)
         try:
             yield state
+            changed = notices.changes(before, state, self.conn.instance, time.time())
             try:
-                self.conn.calls += 1
-                await self.conn.client().set(self.key, json.dumps(shared.to_dict(state), separators=(",", ":")),
-                                             px=KEEP_MS)
+                pipe = self.conn.client().pipeline(transaction=False)  # one round trip: the write and the notices
+                pipe.set(self.key, json.dumps(shared.to_dict(state), separators=(",", ":")), px=KEEP_MS)
+                for notice in changed:
+                    pipe.publish(self.channel, notices.encode(notice))
+                self.conn.calls += 1 + len(changed)
+                await pipe.execute()
                 self.conn.ok()
             except ERRORS as e:
                 self.conn.failed(e)

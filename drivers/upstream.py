@@ -49,6 +49,7 @@ from slotlogic.answers import Observation
 from slotlogic.decisions import Decision, Fields, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
 from slotlogic.events import (
     CheckpointDone,
+    DisplacedElsewhere,
     Event,
     Failed,
     IdleSlotsCleared,
@@ -62,8 +63,10 @@ from slotlogic.events import (
     SlotShared,
     SlotsSlow,
     Stage,
+    Via,
 )
 from slotlogic.keeper import Keeper
+from slotlogic.notices import ClaimNotice
 from slotlogic.paging import PagePlan
 from slotlogic.ranking import SlotView
 from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
@@ -74,6 +77,8 @@ PROBE_TIMEOUT = 30.0
 SLOW = 1.0          # seconds: a /props or /slots that failed after this long hung (the timeout is 3 s)
 BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the background probe may clear it)
 RECONCILE_EVERY = 5.0  # seconds between looks for a slot shared with another process while idle
+REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its session stays (a shared store)
+REMOTE_SETTLE = 10.0   # seconds a pager waits for another proxy's page-out of its session (a shared store)
 AUTH_HEADERS = (b"authorization", b"x-api-key")
 Accept = Callable[[shared.ServerState, ServerInfo, list[dict[str, Any]] | None], bool]
 Facts = tuple[dict[str, Any] | None, list[dict[str, Any]] | None]   # `/props` and `/slots` as asked
@@ -91,6 +96,7 @@ class Upstream:
         self.keeper.instance = os.urandom(8).hex()  # this process's page file names are its own
         self.state_dir = Path(state_dir)
         self.store: StateStore = store if store is not None else StateFile(self.state_dir, url, emit)
+        self.store.watch(self.claimed_elsewhere)
         self.loaded = loaded  # llama-swap: whether the model is loaded (a probe must not load it)
         self.unloaded = False
         self.settings = settings
@@ -132,6 +138,7 @@ class Upstream:
             if self.pages is None or self.pages.save_dir != Path(s.save_dir):
                 self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
             self.pages.max_bytes = s.page_max_bytes
+            self.pages.shared = self.store.slot_locks
         else:
             self.pages = None
         if s.checkpoints is CheckpointMode.OFF:
@@ -172,6 +179,9 @@ class Upstream:
         if store is not None:
             self.state_dir = Path(state_dir)
             self.store = store
+            store.watch(self.claimed_elsewhere)
+            if self.pages is not None:
+                self.pages.shared = store.slot_locks
         elif Path(state_dir) != self.state_dir:
             self.state_dir = Path(state_dir)
             self.store = StateFile(self.state_dir, self.url, self.emit)
@@ -201,7 +211,8 @@ class Upstream:
     def abandon(self, ticket: Ticket, flow_id: str) -> None:
         """A decided request goes out unpinned after all: roll the core's bookkeeping back, free the slot lock."""
         self.keeper.abandon(ticket)
-        self.unlock(flow_id)
+        if self.pages is not None:
+            self.pages.unlock(flow_id, sent=False)
 
     async def place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
                     accept: Accept | None = None) -> Pin | Observe | None:
@@ -309,11 +320,14 @@ class Upstream:
         """Page the slot's holder out and this session in; True when the session's conversation is back in
         the slot. What to do is decided once the lock is held. Fails open: trouble only costs the prefill."""
         assert self.pages is not None
-        if self.keeper.page_plan(slot, key, view).empty and not self.pages.busy(slot):
+        # The lock is taken even with nothing to page: a placement on this slot that is still warming its
+        # prefix, or whose request has not reached the server, must finish first (a second new session would
+        # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
+        if not await self.pages.hold(slot, flow_id, key):
             return False
-        if not await self.pages.hold(slot, flow_id):
-            return False
-        plan = self.keeper.page_plan(slot, key, view)
+        if self.store.remote:
+            await self._fresh_pages(key)
+        plan = self.keeper.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot))
         if plan.empty:
             return False  # nothing to move, but our request must still go after the page-in before it
         saving = None
@@ -323,7 +337,10 @@ class Upstream:
             if plan.save_file is not None:
                 async with self.store.transaction() as state:
                     replaced = self.keeper.page_intent(state, plan, time.time())
-                self.pages.delete(replaced)
+                if self.store.remote:  # another proxy may have planned its restore from the record just replaced
+                    self.pages.delete_later(replaced, REPLACED_GRACE)
+                else:
+                    self.pages.delete(replaced)
             out = await self.pages.run(plan)
             await self._record_pages(plan, out)
         except Exception as e:
@@ -341,6 +358,14 @@ class Upstream:
                         plan.restore_for[:8] if plan.restore_for else None, out.restored_tokens, out.seconds,
                         out.server_ms))
         return out.restored_tokens is not None
+
+    async def _fresh_pages(self, key: str) -> None:
+        """With the slot's lock held: the page index as the store has it now (another proxy may have paged
+        this session out since its placement was decided), waiting a little while its page is being written."""
+        deadline = time.monotonic() + REMOTE_SETTLE
+        while self.keeper.pages_seen(await self.store.aread(), key, time.time(), REMOTE_SETTLE) and \
+                time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
 
     async def _record_pages(self, plan: PagePlan, out: PageOutcome) -> None:
         """The page index after a paging step, in the state file; the files it drops deleted."""
@@ -565,7 +590,20 @@ class Upstream:
             return
         table = self.keeper.table
         for slot, other in shared.displaced_by_others(state, table.sessions, table.holders).items():
+            self.emit(DisplacedElsewhere(self.url, slot, table.holders[slot][:8], other[:8], Via.FLUSH))
             table.holders[slot] = other
+
+    def claimed_elsewhere(self, notice: ClaimNotice) -> None:
+        """Another proxy claimed a slot of this server (its notice, pushed through the store): the session of
+        ours that believed it held the slot is displaced now, not at the next flush, so its next request is
+        placed again (and paged in) instead of prefilling on a slot that holds another conversation. Memory
+        only; the listener's task calls it, never a request."""
+        if self.offline:
+            return
+        key = self.keeper.table.claimed_elsewhere(notice.slot, notice.claimant,
+                                                  notice.at if notice.sent else None)
+        if key is not None:
+            self.emit(DisplacedElsewhere(self.url, notice.slot, key[:8], notice.claimant[:8], Via.NOTICE))
 
     def flush_sync(self) -> None:
         """The last flush at shutdown (`done` must stay sync)."""

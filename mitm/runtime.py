@@ -70,6 +70,8 @@ class Runtime:
                   servers: list[str] | None = None, health_interval: float = 5.0) -> None:
         replaced = self.stores is None or self._store_key != (state_url, state_dir)
         if replaced:
+            if self.stores is not None:
+                self.stores.close_sync()  # its notice listener stops; the new store's servers watch anew
             self.stores = Stores(state_url, state_dir, self.emit)
             self._store_key = (state_url, state_dir)
         assert self.stores is not None

@@ -342,3 +342,34 @@ class StoreUnavailable(Event):
 @dataclass(frozen=True)
 class StoreBack(Event):
     store: str
+
+
+class Via(Enum):
+    """How a proxy learned that another proxy's session took one of its sessions' slots."""
+
+    NOTICE = "notice"   # the claimant's notice, pushed through the store (slotlogic/notices.py)
+    FLUSH = "flush"     # the store's newest claim, read by the background flush
+
+
+@dataclass(frozen=True)
+class DisplacedElsewhere(Event):
+    """Another proxy's session took the slot of one of this proxy's sessions: its next request is placed
+    again (JSONL only: one record per displacement, for the scale analysis)."""
+
+    slot: int
+    session: str                   # 8-hex
+    by: str                        # 8-hex: the other proxy's session
+    via: Via
+
+
+@dataclass(frozen=True)
+class NoticesLost(Event):
+    """The claim-notice subscription to the shared store is lost: displacement is learned at the flush."""
+
+    store: str
+    kind: str
+
+
+@dataclass(frozen=True)
+class NoticesBack(Event):
+    store: str

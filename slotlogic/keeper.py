@@ -381,9 +381,11 @@ class Keeper:
         """What a page written now must match to be restored later (`ServerInfo.page_identity`)."""
         return self.server.page_identity(self.settings.server_id) if self.server else ""
 
-    def page_plan(self, slot: int, session_key: str, view: SlotView) -> paging.PagePlan:
+    def page_plan(self, slot: int, session_key: str, view: SlotView,
+                  sent: tuple[str, float] | None = None) -> paging.PagePlan:
         """What to page out of and into `slot` before `session_key`'s request goes there. Asked once the slot's
-        paging lock is held: by then every request sent to the slot before has reached the server."""
+        paging lock is held: by then every request sent to the slot before has reached the server. `sent`: the
+        session the slot's previous pager of any proxy sent there, and when (a lock shared through the store)."""
         model = self.page_identity
         dispatched = self.table.dispatched
         if view.owner is not None and view.owner not in self.table.sessions and dispatched.get(slot):
@@ -391,6 +393,10 @@ class Keeper:
             # a claim from the shared state only when it is newer than what this process did there): it
             # ran after our last request, and is what a save would write now, not ours.
             dispatched = {k: v for k, v in dispatched.items() if k != slot}
+        if sent is not None and sent[0] != dispatched.get(slot):
+            ours = self.table.sessions.get(dispatched.get(slot) or "")
+            if ours is None or ours.last_used < sent[1]:  # the last paged send came after ours: its conversation
+                dispatched = {**dispatched, slot: sent[0]}
         holder, tokens = paging.holder_of(slot, view, dispatched)
         rec = self.pages.get(session_key)
         holds_own = (slot not in self.table.dispatched and view.owner == session_key and rec is not None
@@ -398,6 +404,14 @@ class Keeper:
         self._page_seq += 1
         return paging.plan(slot, session_key, holder, tokens, self.pages, self.upstream, model, holds_own=holds_own,
                            salt=f"{self.instance}:{self._page_seq}")
+
+    def pages_seen(self, state: shared.ServerState, session_key: str, now: float, wait: float) -> bool:
+        """Take the page index of a fresh read of the shared state; True while `session_key`'s own page is
+        being written by another pager (recorded, not restorable yet, for less than `wait` seconds): worth
+        waiting for, a page-in beats prefilling the conversation again."""
+        self.pages = dict(state.pages)
+        rec = state.pages.get(session_key)
+        return rec is not None and rec.n_tokens == 0 and now - rec.saved < wait
 
     def page_intent(self, state: shared.ServerState, plan: paging.PagePlan, now: float) -> list[str]:
         """Before the save is sent: its page is in the index (not restorable yet), so a kill between the save

@@ -42,6 +42,7 @@ class SessionTable:
     dispatched: dict[int, str] = field(default_factory=dict)
     last_side_call: float | None = None
     misplaced: set[str] = field(default_factory=set)  # sharing a slot with another process's session: place again
+    foreign: dict[int, str] = field(default_factory=dict)  # slot -> another process's newer claim (a notice)
     max_sessions: int = MAX_SESSIONS
 
     def side_call(self, now: float) -> None:
@@ -56,7 +57,7 @@ class SessionTable:
         """Another session ran on `slot` since `key` last did, or has a request on its way there (ours would
         queue behind it): either way the slot will not hold key's conversation when ours runs."""
         return (self.holders.get(slot, key) != key or self.running.get(slot, key) != key
-                or (bool(self.misplaced) and key in self.misplaced))
+                or (bool(self.misplaced) and key in self.misplaced) or (bool(self.foreign) and slot in self.foreign))
 
     def misplace(self, key: str) -> None:
         """Another process's session shares key's slot while a slot is free (`slotlogic.reconcile`): key's next
@@ -77,6 +78,7 @@ class SessionTable:
         self.holders[slot] = key
         self.running[slot] = key
         self.misplaced.discard(key)
+        self.foreign.pop(slot, None)  # our claim is the newer one now
         if len(self.sessions) > self.max_sessions:
             self._bound()
         return a
@@ -115,6 +117,23 @@ class SessionTable:
             if self.running.get(slot) == key:
                 del self.running[slot]
 
+    def claimed_elsewhere(self, slot: int, claimant: str, sent_at: float | None = None) -> str | None:
+        """Another process claimed `slot` for `claimant` (`slotlogic.notices`): the session of ours that
+        believed it held the slot, or had a request on its way there, is displaced, and its next request is
+        placed again. The mark (`foreign`) outlives our own requests already decided for the slot (their
+        dispatch and their answers may come after the notice, while the claimant's request runs after them);
+        only a newer claim of ours (`assign`) lifts it. `sent_at`: the claimant's request reached the server
+        then; a session of ours sent there later is on top of it, not displaced. Returns the displaced key
+        (None: nobody of ours)."""
+        for key in (self.holders.get(slot), self.running.get(slot), self.dispatched.get(slot)):
+            a = self.sessions.get(key) if key else None
+            if (key and key != claimant and a is not None and a.slot == slot
+                    and (sent_at is None or a.last_used <= sent_at)):
+                self.holders[slot] = claimant
+                self.foreign[slot] = claimant
+                return key
+        return None
+
     def dispatch(self, key: str, slot: int) -> None:
         """A request pinned to `slot` leaves the proxy now ("" for a side call)."""
         self.dispatched[slot] = key
@@ -130,6 +149,7 @@ class SessionTable:
         self.sessions.clear()
         self.dirty.clear()
         self.misplaced.clear()
+        self.foreign.clear()
         self.holders.clear()
         self.running.clear()
         self.dispatched.clear()

@@ -206,6 +206,10 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
     ev.StoreUnavailable: lambda e: (Level.WARNING, f"shared state {e.store} unreachable ({e.kind}): deciding from "
                                                    "this proxy's memory until it is back"),
     ev.StoreBack: lambda e: (Level.WARNING, f"shared state {e.store} reachable again"),
+    ev.NoticesLost: lambda e: (Level.WARNING, f"claim notices from {e.store} lost ({e.kind}): other proxies' use "
+                                              "of our slots is learned at the background flush until they are "
+                                              "back"),
+    ev.NoticesBack: lambda e: (Level.WARNING, f"claim notices from {e.store} flowing again"),
 }
 
 _HOW = {Learn.ECHO: "id_slot in the answer", Learn.VERBOSE: "__verbose, stripped from the answer",
@@ -375,6 +379,9 @@ def event_record(event: ev.Event) -> dict[str, Any] | None:
                 "end": event.end.value if isinstance(event.end, End) else str(event.end),
                 "seconds": round(event.seconds, 2), "limit": event.limit, "streaming": event.streaming,
                 "closed": event.closed}
+    if isinstance(event, ev.DisplacedElsewhere):
+        return {"kind": "displaced", "upstream": event.upstream, "slot": event.slot, "session": event.session,
+                "by": event.by, "via": event.via.value}
     if isinstance(event, ev.CheckpointDone):
         return {"kind": "checkpoint", "upstream": event.upstream, "slot": event.slot,
                 "outcome": event.outcome.value, "prompt_n": event.prompt_n, "identical": event.identical,

@@ -198,3 +198,30 @@ async def test_two_saves_of_one_session_never_share_a_file(tmp_path):
     assert doomed == [plans[0].save_file] and s.pages["a"].file == plans[1].save_file and s.pages["a"].n_tokens == 0
     k2.pages_recorded(s, plans[1], 800, 4096, False, 4.0, 1 << 30, None)
     assert (s.pages["a"].file, s.pages["a"].n_tokens) == (plans[1].save_file, 800)
+
+
+def test_a_save_is_labelled_with_the_last_paged_send_of_any_proxy():
+    """Under a slot lock shared by proxies, the previous pager's send (another proxy's session) is what the
+    slot holds when our save reaches it, unless our own send there came later."""
+    k = Keeper(Settings(paging=True, save_dir="/x"), UP)
+    k.note_server(st.ServerState(UP), info())
+    k.table.assign("ours", 0, 10.0, prefix=None)
+    k.table.use("ours", 10.0)
+    k.table.dispatch("ours", 0)
+    k.table.assign("new", 0, 11.0, prefix=None)   # the session being placed there (claimed in the state)
+    view = SlotView(0, 900, owner="ours")          # the slot before that claim
+    assert k.page_plan(0, "new", view).save_for == "ours"
+    assert k.page_plan(0, "new", view, sent=("theirs", 12.0)).save_for == "theirs"
+    assert k.page_plan(0, "new", view, sent=("theirs", 8.0)).save_for == "ours"  # ours went after theirs
+    assert k.page_plan(0, "new", SlotView(0, 900), sent=("new", 12.0)).empty     # the slot holds the session itself
+
+
+def test_a_page_being_written_by_another_pager_is_worth_waiting_for():
+    k = Keeper(Settings(paging=True, save_dir="/x"), UP)
+    s = st.ServerState(UP)
+    assert not k.pages_seen(s, "a", 100.0, 10.0)                       # no page at all: nothing to wait for
+    paging.intent(s.pages, "a", paging.page_file(UP, "a", "x"), 95.0, "m")
+    assert k.pages_seen(s, "a", 100.0, 10.0) and k.pages["a"].n_tokens == 0  # recorded, not written yet
+    assert not k.pages_seen(s, "a", 120.0, 10.0)                       # its writer gave up long ago
+    paging.saved(s.pages, "a", k.pages["a"].file, 900, 4096, 101.0, "m")
+    assert not k.pages_seen(s, "a", 102.0, 10.0) and k.pages["a"].n_tokens == 900

@@ -1,0 +1,86 @@
+"""Claim notices: what one proxy tells the others, at once, when it claims a slot of a server they share.
+
+Several proxies on one Redis store learn about each other's use of a slot from the store's newest claim,
+which the background flush reads every half second at best; meanwhile a session whose slot another proxy
+took goes back there from memory (the hot path) and prefills its whole conversation again. So every
+transaction that changes a slot's owner also publishes one notice per change (`changes`), and every proxy
+marks the session of its own that believed it held that slot as displaced the moment the notice arrives
+(`slotlogic.table.SessionTable.claimed_elsewhere`): its next request is placed again, and paged back in.
+
+Rule 1: pure. The driver (`drivers/store_redis.py`) diffs, encodes, publishes and subscribes; this module
+        only says what changed and what a notice means.
+Rule 2: no prompt text can travel: a notice holds a slot number, two session keys (digests), the sending
+        process's random id and a time. A payload that is not exactly that shape is dropped, never raised on.
+Rule 3: a notice only ever makes a session take the slow path once more (placed again, paged in); a late,
+        repeated or spurious one costs a placement, never a wrong answer.
+
+Two moments send one: the claim (the transaction that gives the slot away), and the send (`sent`: the
+claimant's request has reached the server, under the slot's paging lock shared by the proxies). Claims and
+sends may come in different orders when two proxies page one slot (the second claim's pager may get the lock
+first); llama-server runs a slot's work in the order it arrives, so the send says who is on top.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from slotlogic.shared import ServerState
+
+VERSION = 1
+_KEY = re.compile(r"^[0-9A-Za-z_.:-]{1,128}$")  # a session key or a process id: digests, never text
+
+
+@dataclass(frozen=True)
+class ClaimNotice:
+    slot: int
+    claimant: str            # the session now on the slot
+    displaced: str | None    # the slot's owner before this claim, as the claimant's store saw it
+    instance: str            # the process that made the claim (a proxy ignores its own notices)
+    at: float                # the claim's time (wall clock of the claimant)
+    sent: bool = False       # the claimant's request has reached the server (not only claimed the slot)
+
+
+def owners(state: ServerState) -> dict[int, str | None]:
+    """Each slot's owner, to compare with after a transaction."""
+    return {slot: rec.owner for slot, rec in state.slots.items()}
+
+
+def changes(before: Mapping[int, str | None], after: ServerState, instance: str, now: float) -> list[ClaimNotice]:
+    """One notice per slot whose owner is now a different session (a released slot tells nobody anything)."""
+    out = []
+    for slot, rec in sorted(after.slots.items()):
+        old = before.get(slot)
+        if rec.owner is not None and rec.owner != old:
+            out.append(ClaimNotice(slot, rec.owner, old, instance, rec.last_used or now))
+    return out
+
+
+def encode(notice: ClaimNotice) -> str:
+    return json.dumps({"v": VERSION, "slot": notice.slot, "claimant": notice.claimant,
+                       "displaced": notice.displaced, "instance": notice.instance, "at": notice.at,
+                       "sent": notice.sent}, separators=(",", ":"))
+
+
+def decode(raw: Any) -> ClaimNotice | None:
+    """A notice from the wire, or None for anything else (another version, damage, a stranger's message)."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(data, dict) or data.get("v") != VERSION:
+        return None
+    slot, claimant, displaced = data.get("slot"), data.get("claimant"), data.get("displaced")
+    instance, at, sent = data.get("instance"), data.get("at"), data.get("sent", False)
+    if (not isinstance(slot, int) or isinstance(slot, bool) or slot < 0 or not _key(claimant)
+            or not (displaced is None or _key(displaced)) or not _key(instance)
+            or not isinstance(at, int | float) or isinstance(at, bool) or not isinstance(sent, bool)):
+        return None
+    return ClaimNotice(slot, claimant, displaced, instance, float(at), sent)
+
+
+def _key(v: Any) -> bool:
+    return isinstance(v, str) and bool(_KEY.match(v))
