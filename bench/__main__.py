@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report.text_table(rows, report.COLUMNS))
     if client_rows:
         print()
-        print(report.text_table(client_rows, client_workloads.CLIENT_COLUMNS))
+        print(report.text_table(client_rows, report.CLIENT_COLUMNS))
     if restart_rows:
         print()
         print(restart.text(restart_rows))

@@ -397,15 +397,6 @@ def to_jsonable(run: ClientRun) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------ the workload
 
-CLIENT_COLUMNS = [("workload", "workload"), ("config", "config"), ("requests", "requests"),
-                  ("side_calls", "side calls"), ("prefill", "prefill tok"), ("warmup", "of which warm-up"),
-                  ("ratio_to_limit", "x limit"), ("own_limit", "own limit"),
-                  ("ratio_to_own_limit", "x own limit"), ("later_reuse_pct", "turn 2+ reuse %"),
-                  ("later_worst_pct", "worst turn 2+ %"), ("new_turn1", "new session turn 1 cached/new"),
-                  ("page_ins", "page-ins"), ("mismatches", "count mismatches"), ("wall_s", "turns s"),
-                  ("total_s", "config s"),
-                  ("errors", "errors")]
-
 
 def limit_extras(run: ClientRun, lim: dict[str, Any]) -> dict[str, Any]:
     """What a perfect cache would reuse on the same requests: turn 2+ (main) and new sessions' turn 1."""

@@ -13,6 +13,17 @@ from typing import Any
 from bench.client import RequestRecord
 from bench.overhead import percentile
 
+# The real-client rows (bench/client_workloads.py): key in the row, column title.
+CLIENT_COLUMNS = [("workload", "workload"), ("config", "config"), ("requests", "requests"),
+                  ("side_calls", "side calls"), ("prefill", "prefill tok"), ("warmup", "of which warm-up"),
+                  ("ratio_to_limit", "x limit"), ("own_limit", "own limit"),
+                  ("ratio_to_own_limit", "x own limit"), ("later_reuse_pct", "turn 2+ reuse %"),
+                  ("later_worst_pct", "worst turn 2+ %"), ("new_turn1", "new session turn 1 cached/new"),
+                  ("page_ins", "page-ins"), ("mismatches", "count mismatches"), ("wall_s", "turns s"),
+                  ("total_s", "config s"),
+                  ("errors", "errors")]
+
+
 COLUMNS = [("workload", "workload"), ("config", "config"), ("requests", "requests"),
            ("prefill", "prefill tok"), ("warmup", "of which proxy warm-up"), ("cached", "cached tok"),
            ("paged_in_tokens", "paged-in tok"), ("reuse_pct", "reuse %"),
@@ -103,8 +114,6 @@ def render_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], overhead: 
              "clients' think time; TTFT is request sent -> first SSE data event.", "",
              md_table(rows, COLUMNS), ""]
     if client_rows:
-        from bench.client_workloads import CLIENT_COLUMNS  # local: it loads the client launchers
-
         parts += ["## Real clients (3 sessions x 2 turns, 2 slots; turn 2+ = main conversation only)", "",
                   md_table(client_rows, CLIENT_COLUMNS), ""]
     if restart_rows:
