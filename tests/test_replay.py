@@ -32,7 +32,7 @@ import addon as addon_module
 from drivers.llama_http import LlamaClient
 from mitm.sse_tap import SSETap
 from slotlogic import shared
-from slotlogic.answers import StreamObserver
+from slotlogic.answers import Observation, StreamObserver
 from slotlogic.decisions import NeedSlot, Pin, Replay, RequestFacts
 from slotlogic.keeper import Keeper
 from slotlogic.server import ServerInfo
@@ -110,7 +110,9 @@ def finished_stream(f: http.HTTPFlow) -> bool:
     if f.response is None or "text/event-stream" not in f.response.headers.get("content-type", ""):
         return False
     tail = (f.response.get_content(strict=False) or b"")[-400:]
-    return any(end in tail for end in (b"data: [DONE]", b'"type":"message_stop"', b"response.completed"))
+    # a Responses stream ends with a `response.completed` event that repeats the whole response (and timings)
+    return (any(end in tail for end in (b"data: [DONE]", b'"type":"message_stop"'))
+            or b"event: response.completed" in (f.response.get_content(strict=False) or b"")[-65536:])
 
 
 def golden_rows(replayed: list[Replayed]) -> list[dict[str, Any]]:
@@ -230,6 +232,11 @@ def test_slotlogic_alone_reaches_the_same_decisions(name: str) -> None:
     """The pure core, fed only the recorded facts (no driver, no files), picks the recorded slots."""
     k = Keeper(Settings(), "recorded")
     state = shared.ServerState(upstream="recorded")
+    # The proxy reads /props at start-up, before the first request (a side call that comes first is placed
+    # from it): the same server's props, recorded with the first placement.
+    props = next(f.metadata["slotkeeper"]["facts"]["props"] for f in load(name)
+                 if ours(f) and (f.metadata["slotkeeper"].get("facts") or {}).get("props"))
+    k.note_server(state, ServerInfo.parse(props))
     for i, f in enumerate(load(name)):
         if not ours(f):
             continue
@@ -250,6 +257,10 @@ def test_slotlogic_alone_reaches_the_same_decisions(name: str) -> None:
         assert isinstance(decision, Pin)
         assert decision.ticket.session.source == meta["source"]
         assert (decision.ticket.slot, decision.ticket.reason) == (meta["slot"], meta["reason"]), f"{name} flow {i}"
+        if f.response is not None:  # a session's time to live counts from its last answer
+            obs = Observation(cache_n=meta.get("cache_n"), prompt_n=meta.get("prompt_n"), complete=True)
+            k.answered(decision.ticket, obs, path=f.request.path, seconds=0.0,
+                       now=f.response.timestamp_end or f.response.timestamp_start or now)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -316,7 +327,8 @@ def test_pi_windows_are_two_sessions_with_warm_second_turns() -> None:
 CLIENTS = {"client_claude_code": ("header:x-claude-code-session-id", 3),
            "client_opencode": ("header:x-session-affinity", 3), "client_codex": ("header:session-id", 3),
            "client_qwen_code": ("content:root", 3),
-           "client_aider": ("content:root", 1)}  # aider: no session signal and a fixed root (docs/clients.md)
+           # aider: no session signal and a fixed root; its conversations are told apart by their user messages
+           "client_aider": ("content:root", 3)}
 
 
 @pytest.mark.parametrize("name", sorted(n for n in CLIENTS if n in NAMES))
