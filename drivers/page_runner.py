@@ -43,6 +43,8 @@ class PageOutcome:
     saved_bytes: int = 0
     restored_tokens: int | None = None
     restore_failed: bool = False  # a failed or rejected restore: the page is dropped (a failure empties the slot)
+    seed_tokens: int | None = None  # a live seed's save: what its slot held
+    seed_bytes: int = 0
     missing_save_path: bool = False
     seconds: float = 0.0  # wall time, including the wait for a busy slot's running request
     server_ms: float = 0.0  # what the server spent writing and reading the files (its timings)
@@ -118,16 +120,20 @@ class PageRunner:
         out = PageOutcome()
         started = time.monotonic()
         if plan.save_file is not None:
-            status, data = await self._action(plan.slot, "save", plan.save_file)
-            if status == 200 and isinstance(data, dict) and isinstance(data.get("n_saved"), int):
-                out.saved_tokens = data["n_saved"]
-                out.server_ms += _ms(data, "save_ms")
-                written = data.get("n_written")
-                out.saved_bytes = written if isinstance(written, int) else self._size(plan.save_file)
-                self._private(plan.save_file)
-            else:
-                out.missing_save_path = status == 501
-                self.emit(PageFailed(self.upstream, plan.slot, "out", Failure.of(status, data)))
+            saved = await self._save(plan.slot, plan.save_file, out)
+            if saved is not None:
+                out.saved_tokens, out.saved_bytes = saved
+        expected = plan.restore_tokens
+        if plan.seed is not None and plan.seed.slot is not None and plan.seed_file is not None:
+            # A live seed: its slot is saved first (its lock held meanwhile: the caller saw it free, so this
+            # takes it at once), then that file goes into ours.
+            async with self.locks.setdefault(plan.seed.slot, asyncio.Lock()):
+                saved = await self._save(plan.seed.slot, plan.seed_file, out)
+            if saved is None:
+                out.seconds = time.monotonic() - started
+                return out
+            out.seed_tokens, out.seed_bytes = saved
+            expected = out.seed_tokens
         if plan.restore_file is not None:
             if not os.path.lexists(self.save_dir / plan.restore_file):
                 self.emit(PageGone(self.upstream, plan.restore_file))
@@ -135,7 +141,7 @@ class PageRunner:
             else:
                 status, data = await self._action(plan.slot, "restore", plan.restore_file)
                 if status == 200 and isinstance(data, dict) and isinstance(data.get("n_restored"), int):
-                    check = restore_checked(plan.restore_tokens, data["n_restored"])
+                    check = restore_checked(expected, data["n_restored"])
                     out.server_ms += _ms(data, "restore_ms")
                     if check is None:
                         out.restored_tokens = data["n_restored"]
@@ -148,6 +154,18 @@ class PageRunner:
                     self.emit(PageFailed(self.upstream, plan.slot, "in", Failure.of(status, data)))
         out.seconds = time.monotonic() - started
         return out
+
+    async def _save(self, slot: int, filename: str, out: PageOutcome) -> tuple[int, int] | None:
+        """Save `slot` into `filename`: (tokens, bytes) written, or None (logged once per failure)."""
+        status, data = await self._action(slot, "save", filename)
+        if status == 200 and isinstance(data, dict) and isinstance(data.get("n_saved"), int):
+            out.server_ms += _ms(data, "save_ms")
+            written = data.get("n_written")
+            self._private(filename)
+            return data["n_saved"], written if isinstance(written, int) else self._size(filename)
+        out.missing_save_path |= status == 501
+        self.emit(PageFailed(self.upstream, slot, "out", Failure.of(status, data)))
+        return None
 
     async def _action(self, slot: int, action: str, filename: str) -> tuple[int, Any]:
         return await self.client.post_json(f"/slots/{slot}?action={action}", {"filename": filename},

@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -67,7 +67,7 @@ from slotlogic.events import (
 )
 from slotlogic.keeper import Keeper
 from slotlogic.notices import ClaimNotice
-from slotlogic.paging import PagePlan
+from slotlogic.paging import Moved, PagePlan
 from slotlogic.ranking import SlotView
 from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
 from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
@@ -264,15 +264,17 @@ class Upstream:
             self.pages.delete(placement.dropped_pages)
         if placement.side or self.offline:
             return self.keeper.pin(need, placement.slot, placement.why, now)
-        paged_in = False
+        moved = Moved.NOTHING
         if self.pages is not None:
-            paged_in = await self._page(placement.slot, key, placement.view, flow_id)
-        if self.checkpoints is not None and need.stable is not None and not paged_in:
+            stable_chars = len(need.stable.text) if need.stable is not None and self.checkpoints is not None else 0
+            moved = await self._page(placement.slot, key, placement.view, flow_id, placement.views, stable_chars)
+        if self.checkpoints is not None and need.stable is not None and moved is Moved.NOTHING:
             await self._warm(placement.slot, need, info, self.keeper.holds_prefix(need, placement.view))
         elif self.checkpoints is not None and need.stable is None and "no-marker" not in self.warned:
             self.warned.add("no-marker")
             self.emit(NoPrefixMarker(self.url, need.ticket.session.short, self.settings.markers))
-        return self.keeper.pin(need, placement.slot, placement.why, now, paged_in=paged_in)
+        return self.keeper.pin(need, placement.slot, placement.why, now, paged_in=moved is Moved.OWN,
+                               seeded=moved is Moved.SEED)
 
     async def _ask(self, endpoint: str, call: Callable[[], Any]) -> Any:
         """One look-up, unless the endpoint hung lately: then None at once (the caller falls back)."""
@@ -316,20 +318,28 @@ class Upstream:
             self._file_total = (await self.store.aread()).total_slots
         return self._file_total
 
-    async def _page(self, slot: int, key: str, view: SlotView, flow_id: str) -> bool:
-        """Page the slot's holder out and this session in; True when the session's conversation is back in
-        the slot. What to do is decided once the lock is held. Fails open: trouble only costs the prefill."""
+    async def _page(self, slot: int, key: str, view: SlotView, flow_id: str, views: Sequence[SlotView] = (),
+                    stable_chars: int = 0) -> Moved:
+        """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
+        shares the most with: a seed); what is in the slot for it now. Decided once the lock is held. Fails
+        open: trouble only costs the prefill."""
         assert self.pages is not None
         # The lock is taken even with nothing to page: a placement on this slot that is still warming its
         # prefix, or whose request has not reached the server, must finish first (a second new session would
         # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
         if not await self.pages.hold(slot, flow_id, key):
-            return False
+            return Moved.NOTHING
         if self.store.remote:
             await self._fresh_pages(key)
-        plan = self.keeper.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot))
+        plan = self.keeper.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
+                                     stable_chars=stable_chars)
+        if plan.seed is not None and plan.seed.slot is not None and (self.store.remote
+                                                                     or self.pages.busy(plan.seed.slot)):
+            # A live seed's slot is saved under its local lock only: never while another placement pages it,
+            # nor when other proxies (a shared store) may be paging it.
+            plan = plan.without_seed()
         if plan.empty:
-            return False  # nothing to move, but our request must still go after the page-in before it
+            return Moved.NOTHING  # nothing to move, but our request must still go after the page-in before it
         saving = None
         if plan.save_for is not None:
             saving = self.pages.saving[plan.save_for] = asyncio.Event()
@@ -345,7 +355,7 @@ class Upstream:
             await self._record_pages(plan, out)
         except Exception as e:
             self.emit(Failed(self.url, Stage.PAGING, type(e).__name__, slot=plan.slot))
-            return False
+            return Moved.NOTHING
         finally:
             if saving is not None:
                 saving.set()
@@ -356,8 +366,10 @@ class Upstream:
             self.emit(NoSavePath(self.url, paging=True))
         self.emit(Paged(self.url, plan.slot, plan.save_for[:8] if plan.save_for else None, out.saved_tokens,
                         plan.restore_for[:8] if plan.restore_for else None, out.restored_tokens, out.seconds,
-                        out.server_ms))
-        return out.restored_tokens is not None
+                        out.server_ms, seed=plan.seed is not None))
+        if out.restored_tokens is None:
+            return Moved.NOTHING
+        return Moved.SEED if plan.seed is not None else Moved.OWN
 
     async def _fresh_pages(self, key: str) -> None:
         """With the slot's lock held: the page index as the store has it now (another proxy may have paged
@@ -375,8 +387,9 @@ class Upstream:
             self._swept = True
             files = await asyncio.to_thread(self._unrecorded_files)
         async with self.store.transaction() as state:
+            seed = (out.seed_tokens, out.seed_bytes) if out.seed_tokens is not None else None
             doomed = self.keeper.pages_recorded(state, plan, out.saved_tokens, out.saved_bytes, out.restore_failed,
-                                                time.time(), self.pages.max_bytes, files)
+                                                time.time(), self.pages.max_bytes, files, seed_saved=seed)
         self.pages.delete(doomed)
 
     def _unrecorded_files(self) -> dict[str, Any]:

@@ -61,6 +61,7 @@ class Ticket:
     unpinned: Unpinned | None = None
     displaced: bool = False
     paged_in: bool = False
+    seeded: bool = False                                   # started from another session's conversation
     translated: bool = False                               # an Anthropic request sent as a chat completion
     client: dict[str, Any] = field(default_factory=dict)   # id_slot / cache_prompt as the client sent them
     facts: dict[str, Any] | None = None                    # server facts behind a new session's decision
@@ -68,7 +69,8 @@ class Ticket:
 
     @property
     def reason(self) -> str:
-        return render(self.why, self.unpinned, displaced=self.displaced, paged_in=self.paged_in)
+        return render(self.why, self.unpinned, displaced=self.displaced, paged_in=self.paged_in,
+                      seeded=self.seeded)
 
 
 @dataclass(slots=True)

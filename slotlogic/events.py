@@ -151,10 +151,11 @@ class Paged(Event):
     slot: int
     out: str | None                # 8-hex session paged out
     out_tokens: int | None
-    into: str | None               # 8-hex session paged in
+    into: str | None               # 8-hex session paged in (a seed's source)
     in_tokens: int | None
     seconds: float
     server_ms: float
+    seed: bool = False             # the page restored is another session's: the start of a new one's
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slotlogic import affinity, anthropic, anthropic_answer, paging, placement, reconcile, rewrite, shared, sidecalls
+from slotlogic import lead as leads
 from slotlogic import prefix as pfx
 from slotlogic import session as sess
 from slotlogic.answers import Observation
@@ -66,6 +67,7 @@ class Placement:
     view: SlotView               # the slot as it was before this claim (its owner, its tokens, its prefix)
     dropped_pages: list[str]     # page files of sessions the state forgot (the driver deletes them)
     events: list[Event]
+    views: tuple[SlotView, ...] = ()  # every slot as it was before this claim (where a seed may come from)
 
     @property
     def side(self) -> bool:
@@ -359,8 +361,8 @@ class Keeper:
         dropped = shared.compact(state, now, SESSION_KEEP_SECONDS, self.settings.state_max_sessions)
         self.pages = dict(state.pages)
         if choice.why is not Why.SIDE_CALL:
-            self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix)
-        return Placement(choice.slot, choice.why, before[choice.slot], dropped, events)
+            self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix, lead=leads.of(need.body))
+        return Placement(choice.slot, choice.why, before[choice.slot], dropped, events, tuple(before))
 
     def fallback(self, need: NeedSlot, now: float, last_known_total: int | None) -> tuple[Pin | Observe, Event]:
         """The server did not answer `/props`: pin by a stable hash over the last known slot count (every
@@ -381,11 +383,13 @@ class Keeper:
         """What a page written now must match to be restored later (`ServerInfo.page_identity`)."""
         return self.server.page_identity(self.settings.server_id) if self.server else ""
 
-    def page_plan(self, slot: int, session_key: str, view: SlotView,
-                  sent: tuple[str, float] | None = None) -> paging.PagePlan:
+    def page_plan(self, slot: int, session_key: str, view: SlotView, sent: tuple[str, float] | None = None, *,
+                  views: Sequence[SlotView] = (), stable_chars: int = 0) -> paging.PagePlan:
         """What to page out of and into `slot` before `session_key`'s request goes there. Asked once the slot's
         paging lock is held: by then every request sent to the slot before has reached the server. `sent`: the
-        session the slot's previous pager of any proxy sent there, and when (a lock shared through the store)."""
+        session the slot's previous pager of any proxy sent there, and when (a lock shared through the store).
+        A session with no page of its own may start from another's conversation (a seed, from `views`' idle
+        slots or the pages) when they share more than the slot gives it anyway (`stable_chars`: its prefix)."""
         model = self.page_identity
         dispatched = self.table.dispatched
         if view.owner is not None and view.owner not in self.table.sessions and dispatched.get(slot):
@@ -402,8 +406,32 @@ class Keeper:
         holds_own = (slot not in self.table.dispatched and view.owner == session_key and rec is not None
                      and (view.n_tokens or 0) >= rec.n_tokens)  # a restarted proxy, its session still there
         self._page_seq += 1
-        return paging.plan(slot, session_key, holder, tokens, self.pages, self.upstream, model, holds_own=holds_own,
-                           salt=f"{self.instance}:{self._page_seq}")
+        salt = f"{self.instance}:{self._page_seq}"
+        plan = paging.plan(slot, session_key, holder, tokens, self.pages, self.upstream, model, holds_own=holds_own,
+                           salt=salt)
+        if plan.restore_file is not None or holder == session_key or holds_own:
+            return plan
+        seed = self._seed(slot, session_key, holder, view, views, stable_chars)
+        return paging.seeded(plan, seed, self.pages, self.upstream, salt) if seed is not None else plan
+
+    def _seed(self, slot: int, key: str, holder: str | None, view: SlotView, views: Sequence[SlotView],
+              stable_chars: int) -> paging.Seed | None:
+        """The conversation `key` should start from, if any: a live session of ours idle on another slot (the
+        last sent there, by `/slots` not busy) or a page, whichever shares the most of its leading messages."""
+        mine = self.table.sessions.get(key)
+        if mine is None or mine.lead is None:
+            return None
+        left = self.table.sessions.get(holder or "")
+        have = leads.shared(mine.lead, left.lead)[1] if left is not None and view.n_tokens != 0 else 0
+        candidates = []
+        for other, a in self.table.sessions.items():
+            if other in (key, holder) or a.lead is None:
+                continue
+            idle = (a.slot != slot and a.slot < len(views) and not views[a.slot].busy
+                    and self.table.dispatched.get(a.slot, other) == other and self.table.holders.get(a.slot) == other)
+            candidates.append((other, a.lead, a.slot if idle else None))
+        return paging.choose_seed(mine.lead, candidates, self.pages, self.page_identity,
+                                  beat=max(have, stable_chars))
 
     def pages_seen(self, state: shared.ServerState, session_key: str, now: float, wait: float) -> bool:
         """Take the page index of a fresh read of the shared state; True while `session_key`'s own page is
@@ -416,28 +444,33 @@ class Keeper:
     def page_intent(self, state: shared.ServerState, plan: paging.PagePlan, now: float) -> list[str]:
         """Before the save is sent: its page is in the index (not restorable yet), so a kill between the save
         and `pages_recorded` leaves no file the state does not know. Returns the replaced page's file."""
-        if not plan.save_for or not plan.save_file:
-            return []
-        old = paging.intent(state.pages, plan.save_for, plan.save_file, now, self.page_identity)
+        replaced = []
+        for key, file in plan.saves:
+            old = paging.intent(state.pages, key, file, now, self.page_identity)
+            if old:
+                replaced.append(old)
         self.pages = dict(state.pages)
-        return [old] if old else []
+        return replaced
 
     def pages_recorded(self, state: shared.ServerState, plan: paging.PagePlan, saved_tokens: int | None,
                        saved_bytes: int, restore_failed: bool, now: float, budget: int,
-                       files: Mapping[str, paging.PageFile] | None) -> list[str]:
-        """The page index after a paging step (the new page; a failed save or restore dropped with its file;
-        the budget applied and, given the save dir's page files, orphans swept); returns the files to delete."""
+                       files: Mapping[str, paging.PageFile] | None,
+                       seed_saved: tuple[int, int] | None = None) -> list[str]:
+        """The page index after a paging step (the new pages; a failed save or restore dropped with its file;
+        the budget applied and, given the save dir's page files, orphans swept); returns the files to delete.
+        `seed_saved`: (tokens, bytes) of a live seed's save."""
         doomed: list[str] = []
-        if plan.save_for and plan.save_file:
-            rec = state.pages.get(plan.save_for)
-            ours = rec is not None and rec.file == plan.save_file  # else another process saved it since
-            if saved_tokens is not None and ours:
-                paging.saved(state.pages, plan.save_for, plan.save_file, saved_tokens, saved_bytes, now,
-                             self.page_identity)
+        for key, file in plan.saves:
+            holder = key == plan.save_for and file == plan.save_file
+            done = seed_saved if not holder else (saved_tokens, saved_bytes) if saved_tokens is not None else None
+            rec = state.pages.get(key)
+            ours = rec is not None and rec.file == file  # else another process saved it since
+            if done is not None and ours:
+                paging.saved(state.pages, key, file, done[0], done[1], now, self.page_identity)
             else:  # a failed save (its file may be half written), or one superseded: its file goes
                 if ours:
-                    state.pages.pop(plan.save_for)
-                doomed.append(plan.save_file)
+                    state.pages.pop(key)
+                doomed.append(file)
         if restore_failed and plan.restore_for and plan.restore_file:
             rec = state.pages.get(plan.restore_for)
             if rec is not None and rec.file == plan.restore_file:
@@ -471,8 +504,19 @@ class Keeper:
         """The chosen slot still holds the session's stable prefix (no checkpoint work needed): another
         session's conversation with the same prefix, or this session's own (it comes back to a slot nobody
         took since, its memory entry expired): a restore would replace that conversation with the prefix."""
-        mine = view.owner == need.ticket.session.key
-        return (view.prefix == need.prefix or mine) and (view.n_tokens or 0) > 0
+        key = need.ticket.session.key
+        if (view.n_tokens or 0) <= 0:
+            return False
+        if view.prefix == need.prefix or view.owner == key:
+            return True
+        # The conversation left there (its holder was paged out, not erased) starts with all of our prefix:
+        # a warm-up would cut it back to the prefix, losing the messages we share beyond it.
+        holder = self.table.dispatched.get(view.id) or view.owner
+        ours, theirs = self.table.sessions.get(key), self.table.sessions.get(holder or "")
+        if need.stable is None or ours is None or theirs is None:
+            return False
+        n, chars = leads.shared(ours.lead, theirs.lead)
+        return n > 0 and chars >= len(need.stable.text)
 
     def resume(self, need: NeedSlot, now: float) -> Pin | None:
         """A `NeedSlot` that another keeper of the same pool made (several servers share one shape index):
@@ -487,9 +531,10 @@ class Keeper:
             need.ticket.displaced, need.displaced_from = True, live.slot
         return None
 
-    def pin(self, need: NeedSlot, slot: int, why: Why, now: float, *, paged_in: bool = False) -> Pin:
+    def pin(self, need: NeedSlot, slot: int, why: Why, now: float, *, paged_in: bool = False,
+            seeded: bool = False) -> Pin:
         need.ticket.why = why
-        need.ticket.paged_in = paged_in
+        need.ticket.paged_in, need.ticket.seeded = paged_in, seeded
         return self._pin(need.ticket, need.body, need.content, slot, now)
 
     # ------------------------------------------------------------------------------------------- answers
@@ -538,7 +583,7 @@ class Keeper:
             self.table.forget(key)
         if slot is not None and self.table.dispatched.get(slot) in (key, ""):
             del self.table.dispatched[slot]
-        ticket.slot, ticket.why, ticket.paged_in = None, None, False
+        ticket.slot, ticket.why, ticket.paged_in, ticket.seeded = None, None, False, False
         ticket.unpinned = Unpinned.FAILED
 
     def reconcile(self, state: shared.ServerState, now: float) -> list[str]:

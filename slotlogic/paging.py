@@ -29,14 +29,19 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from enum import Enum
 
+from slotlogic import lead as leads
+from slotlogic.lead import Lead
 from slotlogic.ranking import SlotView
 
 FILE_RE = re.compile(r"^page-[0-9a-f]{20}\.bin$")
 MIN_TOKENS = 64  # below this a prefill is cheaper than the bookkeeping (and it is mostly a bare prompt)
+# A seed must give ~MIN_TOKENS more than the slot holds anyway (4 characters a token): the same trade as a
+# page-in, which moves a whole conversation to spare its prefill.
+SEED_MIN_CHARS = 4 * MIN_TOKENS
 
 
 @dataclass(frozen=True)
@@ -51,19 +56,43 @@ class PageRecord:
 
 
 @dataclass(frozen=True)
+class Seed:
+    """Another session's conversation a session with no page of its own starts from (slotlogic/lead.py)."""
+
+    source: str             # that session's key
+    chars: int              # characters of the leading messages the two share
+    slot: int | None = None  # its live slot, saved first; None: its page is restored as it is
+
+
+@dataclass(frozen=True)
 class PagePlan:
-    """What to do to `slot` before a session's request goes there. Either part may be absent."""
+    """What to do to `slot` before a session's request goes there. Any part may be absent."""
 
     slot: int
     save_for: str | None = None      # session key whose conversation the slot holds now
     save_file: str | None = None
-    restore_for: str | None = None   # session key whose page goes into the slot
+    restore_for: str | None = None   # session key whose page goes into the slot (a seed's source for a seed)
     restore_file: str | None = None
-    restore_tokens: int = 0
+    restore_tokens: int = 0          # 0 for a seed saved from a live slot: what that save wrote
+    seed: Seed | None = None         # the restore is another session's conversation, a start for ours
+    seed_file: str | None = None     # where the seed's live slot is saved first (the source's new page)
 
     @property
     def empty(self) -> bool:
         return self.save_file is None and self.restore_file is None
+
+    @property
+    def saves(self) -> list[tuple[str, str]]:
+        """(session, file) of every save this plan makes: the slot's holder, a live seed's source."""
+        out = [(self.save_for, self.save_file)]
+        if self.seed is not None:
+            out.append((self.seed.source, self.seed_file))
+        return [(k, f) for k, f in out if k and f]
+
+    def without_seed(self) -> PagePlan:
+        if self.seed is None:
+            return self
+        return replace(self, seed=None, seed_file=None, restore_for=None, restore_file=None, restore_tokens=0)
 
 
 def page_file(upstream: str, session_key: str, salt: str = "") -> str:
@@ -75,6 +104,14 @@ def page_file(upstream: str, session_key: str, salt: str = "") -> str:
 
 def model_id(props: Mapping[str, object]) -> str:
     return f"{props.get('model_path')}|{props.get('build_info')}"
+
+
+class Moved(Enum):
+    """What a paging step left in the slot for the session about to run there."""
+
+    NOTHING = "nothing"  # what was there stays (its conversation, a prefix, or nothing)
+    OWN = "own"          # its own page: paged in
+    SEED = "seed"        # another session's conversation it shares its start with
 
 
 class PageCheck(Enum):
@@ -111,6 +148,38 @@ def plan(slot: int, session_key: str, holder: str | None, holder_tokens: int | N
     if rec is None or rec.model != model or holds_own or holder == session_key or rec.n_tokens < min_tokens:
         return PagePlan(slot, save_for, save_file)
     return PagePlan(slot, save_for, save_file, session_key, rec.file, rec.n_tokens)
+
+
+def choose_seed(lead: Lead | None, candidates: Iterable[tuple[str, Lead | None, int | None]],
+                pages: Mapping[str, PageRecord], model: str, *, beat: int) -> Seed | None:
+    """The conversation a session without a page of its own shares the most leading messages with, when it
+    shares `SEED_MIN_CHARS` more than `beat` (what the slot gives it anyway: the conversation left there, or
+    its stable prefix's checkpoint). `candidates`: (session, its lead, its live slot when idle there, else
+    None). A restorable page is preferred at an equal share: it needs no save."""
+    best: tuple[int, int, Seed] | None = None
+    for key, other, live in candidates:
+        _, chars = leads.shared(lead, other)
+        if chars < beat + SEED_MIN_CHARS:
+            continue
+        rec = pages.get(key)
+        if rec is not None and rec.model == model and rec.n_tokens >= MIN_TOKENS:
+            seed, rank = Seed(key, chars), 1
+        elif live is not None:
+            seed, rank = Seed(key, chars, live), 0
+        else:
+            continue
+        if best is None or (chars, rank) > best[:2]:
+            best = (chars, rank, seed)
+    return best[2] if best else None
+
+
+def seeded(plan: PagePlan, seed: Seed, pages: Mapping[str, PageRecord], upstream: str, salt: str) -> PagePlan:
+    """`plan` with `seed` restored into its slot after its save (a live seed's slot saved first)."""
+    if seed.slot is None:
+        rec = pages[seed.source]
+        return replace(plan, seed=seed, restore_for=seed.source, restore_file=rec.file, restore_tokens=rec.n_tokens)
+    file = page_file(upstream, seed.source, salt + ":seed")
+    return replace(plan, seed=seed, seed_file=file, restore_for=seed.source, restore_file=file, restore_tokens=0)
 
 
 def intent(pages: dict[str, PageRecord], session_key: str, file: str, now: float, model: str) -> str | None:

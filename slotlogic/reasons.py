@@ -50,7 +50,7 @@ class Passed(Enum):
 
 
 def render(why: Why | None, unpinned: Unpinned | None = None, *, displaced: bool = False,
-           paged_in: bool = False) -> str:
+           paged_in: bool = False, seeded: bool = False) -> str:
     """The `why=` word of the log line and the comment."""
     if unpinned is not None:
         return unpinned.value
@@ -58,5 +58,5 @@ def render(why: Why | None, unpinned: Unpinned | None = None, *, displaced: bool
         return "-"
     if why is Why.CLIENT_SLOT:
         return why.value
-    text = why.value + ("+paged-in" if paged_in else "")
+    text = why.value + ("+paged-in" if paged_in else "+seeded" if seeded else "")
     return f"displaced:{text}" if displaced else text

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from slotlogic.lead import Lead
+
 MAX_SESSIONS = 4096  # live sessions of one server remembered in memory (100k one-shot sessions: 45 MB unbounded)
 
 
@@ -30,6 +32,7 @@ class Assignment:
     requests: int = 0
     prefix: str | None = None
     done: float | None = None  # when its last response completed
+    lead: Lead | None = None   # its first request's leading messages, as digests (a new session's seed)
 
 
 @dataclass
@@ -71,9 +74,11 @@ class SessionTable:
             return None
         return a
 
-    def assign(self, key: str, slot: int, now: float, *, prefix: str | None, requests: int = 0) -> Assignment:
-        a = Assignment(slot=slot, last_used=now, requests=requests, prefix=prefix)
-        self.sessions.pop(key, None)  # re-inserted last: the dict's order is the order of assignment
+    def assign(self, key: str, slot: int, now: float, *, prefix: str | None, requests: int = 0,
+               lead: Lead | None = None) -> Assignment:
+        old = self.sessions.pop(key, None)  # re-inserted last: the dict's order is the order of assignment
+        a = Assignment(slot=slot, last_used=now, requests=requests, prefix=prefix,
+                       lead=lead if lead is not None else old.lead if old is not None else None)
         self.sessions[key] = a
         self.holders[slot] = key
         self.running[slot] = key

@@ -366,7 +366,7 @@ def event_record(event: ev.Event) -> dict[str, Any] | None:
     """The JSONL log's record of an event, for the ones it keeps (paging and checkpoint steps)."""
     if isinstance(event, ev.Paged):
         return {"kind": "page", "upstream": event.upstream, "slot": event.slot, "out": event.out,
-                "out_tokens": event.out_tokens, "in": event.into, "in_tokens": event.in_tokens,
+                "out_tokens": event.out_tokens, "in": event.into, "in_tokens": event.in_tokens, "seed": event.seed,
                 "seconds": round(event.seconds, 4), "server_ms": round(event.server_ms, 2)}
     if isinstance(event, ev.Waiting):
         return {"kind": "waiting", "upstream": event.upstream, "path": event.path, "session": event.session,

@@ -44,8 +44,12 @@ def test_an_evicted_session_is_paged_back_in_instead_of_prefilled(tmp_path):
     assert back_b.cache_n >= b_before - 2, (back_b, b_before)  # its whole first turn came back from the file
     c_before = first["C"].cache_n + first["C"].prompt_n
     assert reqs[5][2] == "displaced:shared+paged-in" and back_c.cache_n >= c_before - 2, (reqs, back_c)
-    assert [(p["out"] is not None, p["in"] is not None) for p in pages] == [(True, False), (True, True),
-                                                                           (True, True)], pages
+    # B's first request starts from a copy of A's conversation (they share the system prompt): a seed
+    seed, pages = pages[0], pages[1:]
+    assert seed["seed"] and seed["in"] == reqs[0][0] and seed["out"] is None and seed["in_tokens"], seed
+    assert first["B"].cache_n >= seed["in_tokens"] // 2, (first["B"], seed)
+    assert [(p["out"] is not None, p["in"] is not None, p["seed"]) for p in pages] == [
+        (True, False, False), (True, True, False), (True, True, False)], pages
     state = json.loads(next((tmp_path / "state").glob("state-*.json")).read_text())
     files = sorted(p.name for p in save.iterdir())
     assert sorted(p["file"] for p in state["pages"].values()) == files and len(files) == 2

@@ -1,0 +1,71 @@
+"""Leads: how far a new session's prompt runs along another session's conversation, message by message.
+
+Why: sessions of one client in one folder share much more than a system prompt. Codex sends two developer
+items and an environment block before the user's words (4,577 of a new session's 4,600 tokens are another
+session's); aider sends its system prompt and fixed example messages. llama-server's own slot choice finds
+that by handing the new session the other session's slot, and overwrites that conversation; a new session
+that slotkeeper gives a slot of its own would prefill it all again, or all but a checkpointed system prompt.
+A conversation moves between slots in milliseconds (save, restore), so a new session can start from the
+conversation it shares the most with (`paging.Seed`): the other session keeps its slot, the new one skips
+the shared part's prefill.
+
+Rule 1: digests only. A lead is a chain of digests over the leading messages (each digest covers every
+        message before it, the tools and the template kwargs) and their cumulative text lengths: no text is
+        kept. Fields the server does not render (`id`) are left out, so Codex's per-session item ids do not
+        hide equal items.
+Rule 2: whole messages. Two leads share the messages up to the first that differs; llama-server reuses the
+        exact common token prefix after a restore, so an estimate too high costs a save and a restore
+        (milliseconds), never a wrong answer.
+Rule 3: bounded: `MAX_ITEMS` leading messages per session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from slotlogic.session import canonical, digest, message_text
+
+MAX_ITEMS = 64
+UNRENDERED = frozenset({"id"})  # Responses items carry per-session ids the template never renders
+
+
+@dataclass(frozen=True)
+class Lead:
+    digests: tuple[str, ...]  # digest of messages[0..i], tools and template kwargs
+    chars: tuple[int, ...]    # text characters of messages[0..i]
+
+
+def of(body: Mapping[str, Any]) -> Lead | None:
+    """The lead of a chat body (`messages`) or a Responses body (`input` items); None for anything else."""
+    items = body.get("messages")
+    if not isinstance(items, list):
+        items = body.get("input")
+    if not isinstance(items, list) or not items:
+        return None
+    chain = digest("lead", canonical(body.get("tools") or None), canonical(body.get("chat_template_kwargs") or None))
+    digests: list[str] = []
+    chars: list[int] = []
+    total = 0
+    for item in items[:MAX_ITEMS]:
+        if not isinstance(item, Mapping):
+            break
+        rendered = {k: v for k, v in item.items() if k not in UNRENDERED}
+        chain = digest(chain, canonical(rendered))
+        total += len(message_text(item.get("content")))
+        digests.append(chain)
+        chars.append(total)
+    return Lead(tuple(digests), tuple(chars)) if digests else None
+
+
+def shared(a: Lead | None, b: Lead | None) -> tuple[int, int]:
+    """(messages, characters) the two leads share from the start."""
+    if a is None or b is None:
+        return 0, 0
+    n = 0
+    for x, y in zip(a.digests, b.digests, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n, (a.chars[n - 1] if n else 0)

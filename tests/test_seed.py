@@ -1,0 +1,178 @@
+"""Seeds: a new session starts from the live or paged conversation it shares the most leading messages with."""
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from slotlogic import lead, paging, shared
+from slotlogic.decisions import NeedSlot, RequestFacts
+from slotlogic.keeper import Keeper
+from slotlogic.paging import PageRecord, Seed
+from slotlogic.ranking import SlotView
+from slotlogic.server import ServerInfo
+from slotlogic.settings import Settings
+
+U = "http://up"
+SYS = "You are a coding agent. " * 40                       # ~960 characters, as long as a short system prompt
+ENV = "<environment_context><cwd>/home/u/project</cwd><shell>bash</shell></environment_context>\n" * 20
+LIVE = [{"id": i, "n_prompt_tokens": 0, "is_processing": False} for i in range(4)]
+
+
+def codex(prompt: str, ids: str) -> dict:
+    """A Responses body as Codex sends it: developer items, an environment block, the user's words; every
+    item carries a per-session id that the template never renders."""
+    def item(n: int, role: str, text: str) -> dict:
+        return {"type": "message", "id": f"{ids}-{n}", "role": role,
+                "content": [{"type": "input_text", "text": text}]}
+    return {"model": "m", "input": [item(0, "developer", SYS), item(1, "developer", "Approvals: never.\n" * 30),
+                                    item(2, "user", ENV), item(3, "user", prompt)]}
+
+
+def test_items_that_differ_only_in_their_ids_are_shared():
+    a, b = lead.of(codex("fix the parser", "s1")), lead.of(codex("write the docs", "s2"))
+    n, chars = lead.shared(a, b)
+    assert n == 3 and chars == len(SYS) + len("Approvals: never.\n" * 30) + len(ENV)
+    assert lead.shared(a, a) == (4, a.chars[-1])
+
+
+def test_tools_are_part_of_every_digest():
+    body = codex("x", "s1")
+    assert lead.shared(lead.of(body), lead.of({**body, "tools": [{"type": "function", "name": "t"}]})) == (0, 0)
+
+
+def test_a_lead_holds_no_text_and_is_bounded():
+    secret = "my-secret-token-" * 10
+    got = lead.of({"messages": [{"role": "user", "content": secret}] * (lead.MAX_ITEMS + 10)})
+    assert got is not None and len(got.digests) == lead.MAX_ITEMS
+    assert "secret" not in repr(got)
+    assert lead.of({"messages": "text"}) is None and lead.of({"prompt": "x"}) is None
+    assert lead.shared(None, got) == (0, 0)
+
+
+messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                           "content": st.text(max_size=30)}), min_size=1, max_size=8)
+
+
+@given(messages, messages, messages)
+def test_shared_is_the_common_run_of_messages(common, a, b):
+    la, lb = lead.of({"messages": common + a}), lead.of({"messages": common + b})
+    n, chars = lead.shared(la, lb)
+    assert n >= len(common) and lead.shared(lb, la) == (n, chars)
+    assert (common + a)[:n] == (common + b)[:n]
+    assert chars == sum(len(m["content"]) for m in (common + a)[:n])
+
+
+def page(key: str, n: int = 900, model: str = "/m.gguf|b0") -> PageRecord:
+    return PageRecord(paging.page_file(U, key), n, 1.0, 100, model)
+
+
+def test_choose_seed_wants_a_share_worth_a_save_and_a_restore():
+    a, b = lead.of(codex("one", "s1")), lead.of(codex("two", "s2"))
+    shared_chars = lead.shared(a, b)[1]
+    assert paging.choose_seed(b, [("a", a, 0)], {}, "m", beat=0) == Seed("a", shared_chars, 0)
+    # the slot gives it almost as much anyway (a checkpointed prefix, the conversation left there)
+    assert paging.choose_seed(b, [("a", a, 0)], {}, "m", beat=shared_chars - 10) is None
+    assert paging.choose_seed(b, [("a", a, None)], {}, "m", beat=0) is None          # busy, and no page
+    other = lead.of({"messages": [{"role": "system", "content": SYS + "!"}]})
+    assert paging.choose_seed(other, [("a", a, 0)], {}, "m", beat=0) is None         # nothing shared
+
+
+def test_a_page_is_preferred_and_must_fit_the_running_server():
+    a, b = lead.of(codex("one", "s1")), lead.of(codex("two", "s2"))
+    model = "/m.gguf|b0"
+    assert paging.choose_seed(b, [("a", a, 0)], {"a": page("a")}, model, beat=0).slot is None  # no save needed
+    assert paging.choose_seed(b, [("a", a, 0)], {"a": page("a", model="/other|b9")}, model, beat=0).slot == 0
+    assert paging.choose_seed(b, [("a", a, None)], {"a": page("a", n=10)}, model, beat=0) is None  # too small
+
+
+def info() -> ServerInfo:
+    return ServerInfo(total_slots=4, model_path="/m.gguf", build_info="b0", raw={"total_slots": 4})
+
+
+def need(k: Keeper, body: dict, key: str, now: float) -> NeedSlot:
+    path = "/v1/responses" if "input" in body else "/v1/chat/completions"
+    d = k.request(RequestFacts("POST", path, ((b"session-id", key.encode()),), json.dumps(body).encode(), now))
+    assert isinstance(d, NeedSlot)
+    return d
+
+
+def placed(k: Keeper, state: shared.ServerState, body: dict, key: str, now: float, live=LIVE,
+           pin: bool = True) -> int:
+    """A new session through the core as the driver takes it: request, assign (the paging step comes here,
+    before the pin), pin; its slot."""
+    d = need(k, body, key, now)
+    p = k.assign(d, state, info(), live, now)
+    if pin:
+        k.pin(d, p.slot, p.why, now)
+    return p.slot
+
+
+def keeper_with_one_session() -> tuple[Keeper, shared.ServerState, int]:
+    k, state = Keeper(Settings(), U), shared.ServerState(U)
+    k.note_server(state, info())
+    return k, state, placed(k, state, codex("fix the parser", "s1"), "s1", 0.0)
+
+
+def test_a_new_session_on_an_empty_slot_is_seeded_from_the_idle_one():
+    k, state, first = keeper_with_one_session()
+    slot = placed(k, state, codex("write the docs", "s2"), "s2", 1.0, pin=False)
+    new_key = k.table.holders[slot]
+    plan = k.page_plan(slot, new_key, SlotView(slot, 0), views=[SlotView(i) for i in range(4)])
+    assert plan.seed is not None and plan.seed.slot == first
+    assert plan.restore_file == plan.seed_file and plan.seed_file.startswith("page-")
+    assert [k for k, _ in plan.saves] == [plan.seed.source] and plan.save_for is None
+    # the source's slot busy: no live seed; a checkpoint that covers as much: not worth one either
+    busy = [SlotView(i, busy=i == first) for i in range(4)]
+    assert k.page_plan(slot, new_key, SlotView(slot, 0), views=busy).seed is None
+    assert k.page_plan(slot, new_key, SlotView(slot, 0), views=[SlotView(i) for i in range(4)],
+                       stable_chars=plan.seed.chars).seed is None
+
+
+def test_no_seed_when_the_slot_keeps_a_conversation_that_shares_as_much():
+    k, state, first = keeper_with_one_session()
+    placed(k, state, codex("review the tests", "s3"), "s3", 1.0)  # a third session, idle on its own slot
+    placed(k, state, codex("write the docs", "s2"), "s2", 2.0, pin=False)
+    new_key = next(key for key, a in k.table.sessions.items() if a.last_used == 2.0)
+    holder = k.table.dispatched[first]
+    views = [SlotView(i) for i in range(4)]
+    plan = k.page_plan(first, new_key, SlotView(first, 4000, owner=holder), views=views)
+    assert plan.seed is None and plan.restore_file is None and plan.save_for == holder  # saved, then reused
+    # the same slot emptied meanwhile: the third session's conversation is worth copying in
+    assert k.page_plan(first, new_key, SlotView(first, 0, owner=holder), views=views).seed is not None
+
+
+def test_a_seed_save_is_recorded_as_the_sources_page():
+    k, state, _ = keeper_with_one_session()
+    slot = placed(k, state, codex("write the docs", "s2"), "s2", 1.0, pin=False)
+    plan = k.page_plan(slot, k.table.holders[slot], SlotView(slot, 0), views=[SlotView(i) for i in range(4)])
+    assert plan.seed is not None
+    assert k.page_intent(state, plan, 2.0) == []
+    assert state.pages[plan.seed.source].n_tokens == 0                 # recorded before the save, not restorable
+    k.pages_recorded(state, plan, None, 0, False, 3.0, 10**9, None, seed_saved=(4000, 10**6))
+    assert state.pages[plan.seed.source] == PageRecord(plan.seed_file, 4000, 3.0, 10**6, k.page_identity)
+    failed = k.page_plan(slot, k.table.holders[slot], SlotView(slot, 0), views=[SlotView(i) for i in range(4)])
+    assert failed.seed is not None and failed.seed.slot is None         # now its page is the seed: no save
+
+
+def pi_like(prompt: str, folder: str = "/home/u/project") -> dict:
+    """A chat body whose system prompt has a marker (its stable prefix), then a per-folder block."""
+    return {"messages": [{"role": "system", "content": SYS + "\n<cwd>" + folder},
+                         {"role": "user", "content": ENV}, {"role": "user", "content": prompt}]}
+
+
+def test_a_conversation_left_in_the_slot_that_starts_with_our_prefix_is_not_warmed_over():
+    k, state = Keeper(Settings(), U), shared.ServerState(U)
+    k.note_server(state, info())
+    first = placed(k, state, pi_like("one"), "s1", 0.0)
+    s1 = k.table.dispatched[first]
+    d = need(k, pi_like("two"), "s2", 1.0)
+    k.assign(d, state, info(), LIVE, 1.0)
+    assert d.stable is not None
+    # the slot's recorded prefix says nothing (another process's claim, a prefix learned since): the
+    # conversation left there still starts with ours, and more
+    assert k.holds_prefix(d, SlotView(first, 4000, owner=s1, prefix="other"))
+    assert not k.holds_prefix(d, SlotView(first, 0, owner=s1, prefix="other"))       # emptied meanwhile
+    d3 = need(k, pi_like("three", folder="/elsewhere"), "s3", 2.0)
+    k.assign(d3, state, info(), LIVE, 2.0)
+    assert not k.holds_prefix(d3, SlotView(first, 4000, owner=s1, prefix="other"))   # its first message differs
