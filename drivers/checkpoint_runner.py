@@ -50,6 +50,7 @@ class CheckpointRunner:
         self.index = JsonFile(Path(state_dir) / INDEX_FILE, emit)
         self.current: set[str] = set()
         self.building: dict[str, asyncio.Future[None]] = {}  # cold builds in flight
+        self.elsewhere: set[str] = set()  # files another proxy built and saved (the shared store says so)
         self.warned: set[str] = set()
         self.cleaned = False
 
@@ -74,10 +75,12 @@ class CheckpointRunner:
             return None
         return data if isinstance(data, dict) else {}
 
-    def file_known(self, name: str, info: ServerInfo) -> bool:
+    def file_known(self, name: str, info: ServerInfo, built_elsewhere: bool = False) -> bool:
+        """Whether `name` is worth a restore: this state dir's index knows it for this server, or (no entry
+        here) another proxy built it for a server sharing the save dir (`built_elsewhere`)."""
         entry = (self.read_index() or {}).get(name)
         if not isinstance(entry, dict):
-            return False
+            return built_elsewhere and (not self.settings.save_dir or (Path(self.settings.save_dir) / name).exists())
         mismatch = tuple(k for k, v in info.identity.items() if entry.get(k) != v)
         if mismatch:
             self.emit(CheckpointForeign(self.upstream, name, mismatch))
@@ -90,31 +93,40 @@ class CheckpointRunner:
         fp = self.fingerprint(prefix, info)
         name = pfx.file_name(fp)
         self.current.add(name)
-        pending = self.building.get(name)
-        if pending is not None and not holds_prefix and self.persist:
-            # Sessions that start together share a prefix: wait for the one cold build, then restore it
-            # instead of prefilling the same prefix once per session.
-            self.emit(CheckpointWaiting(self.upstream, name))
+        waited = False
+        while self.persist and not holds_prefix and (pending := self.building.get(name)) is not None:
+            # Sessions that start together share a prefix: wait for the one build (this process's, or another
+            # proxy's: `drivers.pool` puts a future here), then restore it instead of prefilling the same
+            # prefix once per session. Again after each wait: a sibling woken by the same build may be
+            # restoring or building it now.
+            if not waited:
+                self.emit(CheckpointWaiting(self.upstream, name))
+            waited = True
             await asyncio.shield(pending)
         own: asyncio.Future[None] | None = None
-        if self.persist and not holds_prefix and name not in self.building:
+        if self.persist and not holds_prefix:
             own = self.building[name] = asyncio.get_running_loop().create_future()
         try:
-            return await self._prepare(slot, prefix, info, fp, name, holds_prefix)
+            return await self._prepare(slot, prefix, info, fp, name, holds_prefix, waited or name in self.elsewhere)
         finally:
             if own is not None:
-                self.building.pop(name, None)
+                if self.building.get(name) is own:
+                    del self.building[name]
                 own.set_result(None)
 
     async def _prepare(self, slot: int, prefix: pfx.StablePrefix, info: ServerInfo, fp: str, name: str,
-                       holds_prefix: bool) -> Orchestrator:
+                       holds_prefix: bool, built: bool) -> Orchestrator:
+        """`built`: a build of this file just ended (here or in another proxy): restore it even if this state
+        dir's index does not know it; a failed restore falls back to warming (and saving) as for a cold one."""
         orch = Orchestrator(slot, prefix, name, persist=self.persist, holds_prefix=holds_prefix,
-                            file_known=self.persist and self.file_known(name, info))
+                            file_known=self.persist and self.file_known(name, info, built))
         self.emit(CheckpointStarted(self.upstream, fp, slot))
         while (action := orch.next_action()) is not None:
             orch.feed(await self.perform(action))
         for note in orch.notes:
             self.emit(CheckpointStep(self.upstream, note))
+        if orch.outcome is Outcome.WARMED_SAVED or orch.file_bad:
+            self.elsewhere.discard(name)  # the file is this proxy's now (in its index), or not worth a restore
         if orch.missing_save_path and "save-path" not in self.warned:
             self.warned.add("save-path")
             self.emit(NoSavePath(self.upstream, paging=False))

@@ -32,6 +32,7 @@ from slotlogic.notices import ClaimNotice
 
 Emit = Callable[[Event], None]
 SCHEMES = ("file", "redis", "rediss")
+BUILT = "built"  # a shared store's prefix-build marker once its build saved the file (drivers.store_redis)
 
 
 class SlotLocks(Protocol):

@@ -41,7 +41,7 @@ import redis.asyncio as aredis
 from redis.exceptions import LockError, RedisError
 
 from drivers.notice_listener import NoticeListener, OnClaim
-from drivers.store import redacted
+from drivers.store import BUILT, redacted
 from slotlogic import notices, shared
 from slotlogic.events import Event, StoreBack, StoreUnavailable
 from slotlogic.routing import backoff
@@ -54,6 +54,8 @@ KEEP_MS = int(SESSION_KEEP_SECONDS * 1000)
 BUILD_KEY = "slotkeeper:v1:build:"
 BUILD_MS = 120_000        # a build marker whose proxy died expires after this (the checkpoint time-out)
 RELEASE_LUA = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+FINISH_LUA = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
+              "return redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3]) end return 0")
 # A slot's paging lock: taken with the slot's last send in one round trip; let go with the send it covered.
 HOLD_LUA = ("if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then "
             "return {1, redis.call('get', KEYS[2]) or ''} end return {0, ''}")
@@ -139,7 +141,8 @@ class RedisConnection:
         return bool(got)
 
     async def build_owner(self, name: str) -> str | None:
-        """The token of the build marker of `name` (None: no build running, or the store is down)."""
+        """The token of the build marker of `name`, `BUILT` once a build saved it (None: no build ran lately,
+        or the store is down)."""
         try:
             self.calls += 1
             value = await self.client().get(BUILD_KEY + name)
@@ -149,13 +152,24 @@ class RedisConnection:
         return value.decode() if isinstance(value, bytes) else value
 
     async def build_running(self, name: str) -> bool:
-        return await self.build_owner(name) is not None
+        return await self.build_owner(name) not in (None, BUILT)
 
     async def release_build(self, name: str, token: str) -> None:
         """Delete the marker if it is still ours (a Lua compare-and-delete: never another proxy's)."""
         with contextlib.suppress(*ERRORS):
             self.calls += 1
             await self.client().eval(RELEASE_LUA, 1, BUILD_KEY + name, token)
+
+    async def finish_build(self, name: str, token: str, saved: bool) -> None:
+        """The end of this proxy's build: a saved file leaves `BUILT` behind (kept as long as the state, so a
+        proxy whose own index does not know the file restores it from the server's save dir instead of building
+        it again); a failed build just lets go. Never another proxy's marker (compare-and-set in Lua)."""
+        if not saved:
+            await self.release_build(name, token)
+            return
+        with contextlib.suppress(*ERRORS):
+            self.calls += 1
+            await self.client().eval(FINISH_LUA, 1, BUILD_KEY + name, token, BUILT, KEEP_MS)
 
 
 class RedisSlotLocks:

@@ -8,7 +8,7 @@ from typing import Any
 
 from drivers.checkpoint_runner import CheckpointRunner
 from slotlogic.checkpoint_machine import Outcome
-from slotlogic.prefix import StablePrefix
+from slotlogic.prefix import StablePrefix, file_name
 from slotlogic.server import ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
 
@@ -73,3 +73,37 @@ async def test_holding_slot_costs_nothing(tmp_path):
     server = ScriptedServer()
     o = await manager(tmp_path, server).prepare(2, PREFIX, PROPS, holds_prefix=True)
     assert o.outcome is Outcome.HIT and server.calls == []
+
+
+async def test_sessions_waiting_for_another_proxys_build_restore_it_and_never_warm_it_again(tmp_path):
+    # Another proxy builds the file (its marker in the shared store: `drivers.pool` puts a future in
+    # `building`); this proxy's index, in another state dir, never hears of it. Both waiting sessions restore.
+    server = ScriptedServer()
+    m = manager(tmp_path, server)
+    name = file_name(m.fingerprint(PREFIX, PROPS))
+    other = m.building[name] = asyncio.get_running_loop().create_future()
+    waiting = asyncio.gather(m.prepare(0, PREFIX, PROPS, holds_prefix=False),
+                             m.prepare(1, PREFIX, PROPS, holds_prefix=False))
+    await asyncio.sleep(0.05)
+    server.saved.add(name)  # the other proxy's save, in the server's save dir
+    del m.building[name]
+    other.set_result(None)
+    a, b = await waiting
+    assert (a.outcome, b.outcome) == (Outcome.RESTORED, Outcome.RESTORED)
+    assert a.spent_prefill + b.spent_prefill <= 4  # verification probes only: no 300-token warm-up
+    assert sorted(c for c in server.calls if c[0] == "restore") == [("restore", 0), ("restore", 1)]
+
+
+async def test_a_file_another_proxy_built_is_restored_and_a_missing_one_is_warmed(tmp_path):
+    server = ScriptedServer()
+    m = manager(tmp_path, server)
+    name = file_name(m.fingerprint(PREFIX, PROPS))
+    m.elsewhere.add(name)  # the shared store says another proxy saved it, but that file is not there
+    o = await m.prepare(0, PREFIX, PROPS, holds_prefix=False)
+    assert o.outcome is Outcome.WARMED_SAVED and server.calls[0] == ("restore", 0)  # tried first, then warmed
+    assert name not in m.elsewhere
+    m2 = manager(tmp_path / "other", server)  # a proxy with its own state dir: the file is there now
+    m2.elsewhere.add(name)
+    server.calls.clear()
+    o2 = await m2.prepare(1, PREFIX, PROPS, holds_prefix=False)
+    assert o2.outcome is Outcome.RESTORED and o2.spent_prefill <= 2

@@ -6,19 +6,22 @@ from __future__ import annotations
 import asyncio
 import shutil
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
 from mitmproxy.test import taddons
 
 import addon as addon_module
-from drivers.store import parse_url, redacted
+from drivers.store import BUILT, parse_url, redacted
 from drivers.store_redis import KEEP_MS, RedisConnection, RedisState, state_key
 from drivers.stores import Stores
 from launch.redis_server import RedisServer
+from slotlogic import prefix as pfx
 from slotlogic import shared
 from slotlogic.events import StoreBack, StoreUnavailable
-from tests.conftest import FakeLlama, Proxy, chat, flow, sent
+from slotlogic.server import ServerInfo
+from tests.conftest import UP, FakeLlama, Proxy, chat, flow, sent
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server is not installed (apt-get install redis-server; .ci/run does)")
@@ -151,3 +154,122 @@ async def test_one_proxy_builds_a_prefix_checkpoint_and_only_it_releases_the_mar
     assert await a.build_running("prefix-0123456789abcdef.bin")
     await a.release_build("prefix-0123456789abcdef.bin", "ta")
     assert not await b.build_running("prefix-0123456789abcdef.bin")
+
+
+async def test_a_saved_build_leaves_a_built_mark_that_only_its_owner_can_set(url):
+    a, b = RedisConnection(url, lambda e: None), RedisConnection(url, lambda e: None)
+    name = "prefix-0123456789abcdef.bin"
+    assert await a.claim_build(name, "ta") is True
+    await b.finish_build(name, "tb", saved=True)  # not b's: still a's build
+    assert await b.build_owner(name) == "ta"
+    await a.finish_build(name, "ta", saved=True)
+    assert await b.build_owner(name) == BUILT and not await b.build_running(name)
+    assert await b.claim_build(name, "tb") is False  # nobody builds it again
+
+
+class SaveDirServer(FakeLlama):
+    """A scripted llama-server for a pool (`/health`, 404 on `/running`) whose slot files live in a save dir
+    shared with the other server; a cold warm-up prefills 300 tokens and takes a while (the race window)."""
+
+    def __init__(self, files: set[str], total: int = 2) -> None:
+        super().__init__(total=total)
+        self.files = files
+        self.cold = 0
+        self.held: set[int] = set()
+
+    async def get_json(self, path: str, timeout: float | None = None) -> Any:
+        return None
+
+    async def health(self, timeout: float = 3.0) -> str:
+        return "ok"
+
+    async def post_json(self, path: str, body: Any, timeout: float) -> tuple[int, Any]:
+        if path.startswith("/slots/"):
+            slot, action = int(path.split("/")[2].split("?")[0]), path.split("action=")[1]
+            if action == "save":
+                self.files.add(body["filename"])
+                return 200, {"n_saved": 301}
+            if action == "restore":
+                if body["filename"] not in self.files:
+                    return 400, {"error": {"message": "no file"}}
+                self.held.add(slot)
+                return 200, {"n_restored": 301}
+            self.held.discard(slot)
+            return 200, {"n_erased": 0}
+        slot = body["id_slot"]
+        if slot in self.held:
+            return 200, {"timings": {"cache_n": 300, "prompt_n": 1}}
+        self.cold += 1
+        await asyncio.sleep(0.3)
+        self.held.add(slot)
+        return 200, {"timings": {"cache_n": 0, "prompt_n": 300}}
+
+
+B = "http://127.0.0.1:8081"
+SYSTEM = "You are a coding agent working in a shared repository. " * 12 + "\nCurrent date: 2026-11-30"
+
+
+def pool_proxy(tmp_path, url: str, servers: dict[str, SaveDirServer], name: str) -> tuple[Proxy, object]:
+    """One proxy in front of both servers (a pool), with a state dir of its own (as on another machine)."""
+    addons = addon_module.make_addons()
+    addons[0].rt.make_client = lambda u: servers[u]
+    ctx = taddons.context(*addons)
+    tctx = ctx.__enter__()
+    p = Proxy(tctx, addons)
+    p.configure(slots_state_dir=str(tmp_path / name), slots_probe_interval=0, slots_log_requests="off",
+                slots_state_url=url, slots_prefix_cache="disk", mode=[f"reverse:{UP}@127.0.0.1:1"],
+                slots_upstreams=[B])
+    return p, ctx
+
+
+@pytest.fixture
+def build_servers() -> dict[str, SaveDirServer]:
+    files: set[str] = set()
+    return {UP: SaveDirServer(files), B: SaveDirServer(files)}
+
+
+async def test_two_proxies_on_other_machines_build_a_prefix_checkpoint_once(tmp_path, url, build_servers):
+    p1, c1 = pool_proxy(tmp_path, url, build_servers, "one")
+    p2, c2 = pool_proxy(tmp_path, url, build_servers, "two")
+    p3, c3 = pool_proxy(tmp_path, url, build_servers, "three")
+    try:
+        # Four new sessions at once, two per proxy: one cold build, the others wait and restore it.
+        await asyncio.gather(*(p.request(flow(chat(f"task {i}", system=SYSTEM)))
+                               for i, p in enumerate((p1, p2, p1, p2))))
+        assert sum(s.cold for s in build_servers.values()) == 1 and len(build_servers[UP].files) == 1
+        # A proxy that starts later (its own index knows nothing) restores the file too.
+        for s in build_servers.values():
+            s.held.clear()
+        await p3.request(flow(chat("task 5", system=SYSTEM)))
+        assert sum(s.cold for s in build_servers.values()) == 1
+    finally:
+        for c in (c1, c2, c3):
+            c.__exit__(None, None, None)
+
+
+async def test_a_waiter_follows_the_build_when_its_builder_claims_it_again(tmp_path, url, build_servers):
+    # A proxy whose placement was refused lets its claim go and claims again for the next server (a new
+    # token): the other proxy's session waits for that build too, then restores the file.
+    p, c = pool_proxy(tmp_path, url, build_servers, "one")
+    other = RedisConnection(url, lambda e: None)
+    try:
+        up = p.rt.upstream(UP)
+        await up.ask()
+        info = ServerInfo.parse(await build_servers[UP].props())
+        assert up.checkpoints is not None and info is not None
+        stable = pfx.extract(chat("x", system=SYSTEM), up.settings.markers)
+        assert stable is not None
+        name = pfx.file_name(up.checkpoints.fingerprint(stable, info))
+        assert await other.claim_build(name, "other:1")
+        session = asyncio.create_task(p.request(flow(chat("task 0", system=SYSTEM))))
+        await asyncio.sleep(0.4)
+        await other.release_build(name, "other:1")
+        assert await other.claim_build(name, "other:2")
+        await asyncio.sleep(0.6)
+        assert not session.done()  # still waiting for the second claim
+        build_servers[UP].files.add(name)
+        await other.finish_build(name, "other:2", saved=True)
+        await asyncio.wait_for(session, 10)
+        assert sum(s.cold for s in build_servers.values()) == 0
+    finally:
+        c.__exit__(None, None, None)
