@@ -27,7 +27,7 @@ from typing import Any
 
 from slotlogic.session import canonical, digest, message_text
 
-MAX_ITEMS = 64
+MAX_ITEMS = 32  # 4,096 remembered sessions x 32 digests: ~12 MB at most
 UNRENDERED = frozenset({"id"})  # Responses items carry per-session ids the template never renders
 
 
