@@ -96,7 +96,7 @@ class CheckpointRunner:
         waited = False
         while self.persist and not holds_prefix and (pending := self.building.get(name)) is not None:
             # Sessions that start together share a prefix: wait for the one build (this process's, or another
-            # proxy's: `drivers.pool` puts a future here), then restore it instead of prefilling the same
+            # proxy's: `drivers.build_claims` puts a future here), then restore it instead of prefilling the same
             # prefix once per session. Again after each wait: a sibling woken by the same build may be
             # restoring or building it now.
             if not waited:

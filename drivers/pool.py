@@ -25,14 +25,12 @@ import asyncio
 import contextlib
 import json
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 from drivers.llama_http import LlamaClient
-from drivers.store import BUILT
 from drivers.upstream import Upstream
 from slotlogic import prefix as pfx
 from slotlogic import routing, shared, sidecalls
@@ -44,7 +42,6 @@ from slotlogic.server import ServerInfo
 
 Emit = Callable[[Event], None]
 CONNECT_CHECK_TIMEOUT = 1.0
-BUILD_WAIT = 120.0  # the longest wait for other proxies' prefix build (a checkpoint step's time-out)
 
 
 def base_of(url: str) -> str:
@@ -85,10 +82,6 @@ class Pool:
         self.inflight: dict[str, int] = {}                 # server URL -> requests in flight
         self.routes: dict[tuple[str, str], int] = {}       # (server URL, RouteWhy value) -> count (metrics)
         self.building: dict[str, asyncio.Future[None]] = {}  # prefix checkpoints being built, all servers
-        self.redis: Any = None                              # the Redis connection, when the state is there
-        self._waits: set[asyncio.Task[None]] = set()
-        self.claims: dict[str, str] = {}                    # checkpoint builds this process claimed in Redis
-        self.process = uuid.uuid4().hex[:12]                # this proxy process, in its build claims
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------------------------------- membership
@@ -246,13 +239,7 @@ class Pool:
                 return True
 
             self._share_builds(up)
-            info = infos[choice.index]
-            building = await self._claim_build(up, need, info) if info is not None else None
-            try:
-                decision = await up.place(need, facts, flow_id, asked=asked[choice.index], accept=accept)
-            finally:
-                if building is not None:
-                    await self._finish_build(up, info, building)
+            decision = await up.place(need, facts, flow_id, asked=asked[choice.index], accept=accept)
             if decision is None:  # another proxy took the last free slot there since the look-up
                 full.add(choice.index)
                 continue
@@ -261,68 +248,10 @@ class Pool:
         up = first  # nothing answered: the server the request was parsed for, as with one server
         return up, await self._place(up, need, facts, flow_id, None, RouteWhy.ONLY)
 
-    async def _claim_build(self, up: Upstream, need: NeedSlot, info: ServerInfo) -> tuple[str, str] | None:
-        """With a Redis store, one proxy builds a prefix checkpoint for all: returns (file, token) when this
-        proxy claimed the build; when another proxy is building it, a local future makes this process's
-        checkpoint runner wait for it (and then restore the file) instead of building it too; when another
-        proxy built it already, the runner restores it although this proxy's own index does not know it."""
-        cp = up.checkpoints
-        if self.redis is None or cp is None or not cp.persist or need.stable is None:
-            return None
-        name = pfx.file_name(cp.fingerprint(need.stable, info))
-        if name in self.building or name in self.claims or await asyncio.to_thread(cp.file_known, name, info):
-            return None  # built here (this process's runners wait for each other), or already on disk
-        token = f"{self.process}:{uuid.uuid4().hex}"
-        got = await self.redis.claim_build(name, token)
-        if got:
-            self.claims[name] = token
-            return name, token
-        if got is False and name not in self.building:
-            owner = await self.redis.build_owner(name)
-            if owner == BUILT:
-                cp.elsewhere.add(name)
-                return None
-            if owner is None or owner.startswith(self.process + ":"):
-                return None  # gone already, or a sibling request of this process claimed it: its runner builds
-            waiter = self.building[name] = asyncio.get_running_loop().create_future()
-            task = asyncio.get_running_loop().create_task(self._await_build(name, waiter))
-            self._waits.add(task)
-            task.add_done_callback(self._waits.discard)
-        return None
-
-    async def _await_build(self, name: str, waiter: asyncio.Future[None]) -> None:
-        """While another proxy holds the build marker, at most one build's time in all. Any other proxy's
-        marker counts, not only the first one seen: a proxy whose placement was refused lets its claim go
-        and claims again for the server it places on next (a new token). Never this process's own marker
-        (its runner is waited for locally). Whatever ends the wait, the runner then tries the restore."""
-        deadline = time.monotonic() + BUILD_WAIT
-        try:
-            while self.redis is not None and time.monotonic() < deadline:
-                owner = await self.redis.build_owner(name)
-                if owner is None or owner == BUILT or owner.startswith(self.process + ":"):
-                    break
-                await asyncio.sleep(0.25)
-        finally:
-            if self.building.get(name) is waiter:
-                del self.building[name]
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def _finish_build(self, up: Upstream, info: ServerInfo | None, building: tuple[str, str]) -> None:
-        """Let this proxy's build claim go: `BUILT` if the file is saved now (this process's index has it)."""
-        name, token = building
-        self.claims.pop(name, None)
-        if self.redis is None:
-            return
-        saved = False
-        if up.checkpoints is not None and info is not None:
-            with contextlib.suppress(OSError, ValueError):
-                saved = await asyncio.to_thread(up.checkpoints.file_known, name, info)
-        await self.redis.finish_build(name, token, saved)
-
     def _share_builds(self, up: Upstream) -> None:
         """The servers of a pool share one save dir: a prefix checkpoint being built for one of them is
-        waited for and restored by the others, not built once per server."""
+        waited for and restored by the others, not built once per server (and, with a shared store, once for
+        all proxies: each server's `Upstream` claims the build, `drivers.build_claims`)."""
         if up.checkpoints is not None:
             up.checkpoints.building = self.building
 

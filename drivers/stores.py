@@ -1,11 +1,12 @@
 """The state store of each server, all opened from one `slots_state_url`: files in a directory on this
 machine (`drivers.store_file`), or Redis/Valkey shared by proxies anywhere (`drivers.store_redis`). The Redis
-connection is one per proxy, shared by its servers' stores."""
+connection is one per proxy, shared by its servers' stores and their prefix-build markers."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from drivers.build_claims import BuildClaims
 from drivers.store import Emit, StateStore, parse_url
 
 
@@ -18,10 +19,12 @@ class Stores:
         self.state_dir = where if isinstance(where, Path) else state_dir
         self.emit = emit
         self.redis = None
+        self.builds: BuildClaims | None = None  # one prefix build for all proxies: only with a shared store
         if self.kind == "redis":
             from drivers.store_redis import RedisConnection  # the client is imported only when used
 
             self.redis = RedisConnection(str(where), emit)
+            self.builds = BuildClaims(self.redis)
 
     def for_server(self, upstream: str) -> StateStore:
         if self.redis is not None:

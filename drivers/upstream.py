@@ -37,6 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from drivers.build_claims import BuildClaims
 from drivers.checkpoint_runner import CheckpointRunner
 from drivers.llama_http import LlamaClient
 from drivers.model_check import ModelCheck
@@ -87,7 +88,7 @@ Facts = tuple[dict[str, Any] | None, list[dict[str, Any]] | None]   # `/props` a
 class Upstream:
     def __init__(self, url: str, settings: Settings, state_dir: str | Path, emit: Emit, *,
                  offline: bool = False, client: LlamaClient | None = None, store: StateStore | None = None,
-                 loaded: Callable[[], Any] | None = None) -> None:
+                 loaded: Callable[[], Any] | None = None, builds: BuildClaims | None = None) -> None:
         self.url = url
         self.offline = offline  # replaying saved flows: no network, no background task, no slot files
         self.emit = emit
@@ -97,6 +98,7 @@ class Upstream:
         self.state_dir = Path(state_dir)
         self.store: StateStore = store if store is not None else StateFile(self.state_dir, url, emit)
         self.store.watch(self.claimed_elsewhere)
+        self.builds = builds  # a shared store's build markers: one prefix build for all proxies (None: local)
         self.loaded = loaded  # llama-swap: whether the model is loaded (a probe must not load it)
         self.unloaded = False
         self.settings = settings
@@ -164,8 +166,10 @@ class Upstream:
                     self._authorize()
                 return
 
-    def reconfigure(self, settings: Settings, state_dir: str | Path, store: StateStore | None = None) -> None:
-        """New settings replace the old whole; the sessions this process knows stay."""
+    def reconfigure(self, settings: Settings, state_dir: str | Path, store: StateStore | None = None,
+                    builds: BuildClaims | None = None) -> None:
+        """New settings replace the old whole; the sessions this process knows stay. A new `store` comes with
+        its `builds` (None for a store of this machine's files)."""
         if self.offline:
             return
         model_inputs = ("swa_full", "cache_type_k", "cache_type_v", "paging", "checkpoints", "save_dir",
@@ -179,6 +183,7 @@ class Upstream:
         if store is not None:
             self.state_dir = Path(state_dir)
             self.store = store
+            self.builds = builds
             store.watch(self.claimed_elsewhere)
             if self.pages is not None:
                 self.pages.shared = store.slot_locks
@@ -408,14 +413,20 @@ class Upstream:
         return files
 
     async def _warm(self, slot: int, need: NeedSlot, info: ServerInfo, holds: bool) -> None:
-        """Restore or warm the shared prefix into the new session's slot; fail open on anything."""
+        """Restore or warm the shared prefix into the new session's slot; fail open on anything. With a shared
+        store, the build is claimed first (`drivers.build_claims`): another proxy's build is waited for and
+        restored, not prefilled again."""
         assert self.checkpoints is not None and need.stable is not None
-        started = time.monotonic()
+        cp, started = self.checkpoints, time.monotonic()
+        claim = await self.builds.claim(cp, need.stable, info) if self.builds is not None else None
         try:
-            orch = await self.checkpoints.prepare(slot, need.stable, info, holds_prefix=holds)
+            orch = await cp.prepare(slot, need.stable, info, holds_prefix=holds)
         except Exception as e:
             self.emit(Failed(self.url, Stage.CHECKPOINT, type(e).__name__, slot=slot))
             return
+        finally:
+            if claim is not None and self.builds is not None:
+                await self.builds.finish(cp, info, claim)
         if orch.outcome is not None:
             self.emit(CheckpointDone(self.url, slot, orch.outcome, orch.spent_prefill, orch.identical,
                                      orch.divergent, time.monotonic() - started))

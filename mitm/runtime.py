@@ -81,7 +81,7 @@ class Runtime:
         self.fronted = fronted | frozenset(servers or ())
         for url, up in self.upstreams.items():
             up.reconfigure(self.settings_for(url), self.state_dir,
-                           self.stores.for_server(url) if replaced else None)
+                           self.stores.for_server(url) if replaced else None, self.stores.builds)
         wanted = list(servers or [])
         if not wanted:
             if self.pool is not None:
@@ -94,7 +94,6 @@ class Runtime:
                              self.make_client, health_interval)
         if self.pool is not None:
             self.pool.health_interval = health_interval
-            self.pool.redis = self.stores.redis
 
     def settings_for(self, url: str) -> Settings:
         return self.settings.for_upstream(url in self.fronted or base_of(url) in self.fronted)
@@ -108,7 +107,7 @@ class Runtime:
             if self.stores is None:
                 self.stores = Stores("", self.state_dir, self.emit)
             up = (Upstream(url, settings, self.state_dir, self.emit, client=self.make_client(url),
-                           store=self.stores.for_server(url), loaded=loaded) if live
+                           store=self.stores.for_server(url), loaded=loaded, builds=self.stores.builds) if live
                   else Upstream.for_replay(url, settings, self.emit))
             pool[url] = up
         return up
