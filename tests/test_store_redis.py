@@ -273,3 +273,54 @@ async def test_a_waiter_follows_the_build_when_its_builder_claims_it_again(tmp_p
         assert sum(s.cold for s in build_servers.values()) == 0
     finally:
         c.__exit__(None, None, None)
+
+
+def single_proxy(tmp_path, url: str, server: SaveDirServer, name: str) -> tuple[Proxy, object]:
+    """One proxy in front of one server (no pool), with a state dir of its own (as on another machine)."""
+    addons = addon_module.make_addons()
+    addons[0].rt.make_client = lambda u: server
+    ctx = taddons.context(*addons)
+    tctx = ctx.__enter__()
+    p = Proxy(tctx, addons)
+    p.configure(slots_state_dir=str(tmp_path / name), slots_probe_interval=0, slots_log_requests="off",
+                slots_state_url=url, slots_prefix_cache="disk", mode=[f"reverse:{UP}@127.0.0.1:1"])
+    return p, ctx
+
+
+async def test_proxies_of_one_shared_server_build_a_prefix_checkpoint_once(tmp_path, url):
+    # Developers' proxies on their own machines, all in front of one llama-server, sharing a Redis store.
+    server = SaveDirServer(set(), total=4)
+    p1, c1 = single_proxy(tmp_path, url, server, "one")
+    p2, c2 = single_proxy(tmp_path, url, server, "two")
+    p3, c3 = single_proxy(tmp_path, url, server, "three")
+    try:
+        assert p1.rt.pool is None and p1.rt.upstream(UP).builds is not None
+        f = await asyncio.gather(*(p.request(flow(chat(f"task {i}", system=SYSTEM)))
+                                   for i, p in enumerate((p1, p2, p3))))
+        assert server.cold == 1 and len(server.files) == 1  # one cold build, the others restored it
+        assert len({sent(x)["id_slot"] for x in f}) == 3
+        name = next(iter(server.files))
+        assert await RedisConnection(url, lambda e: None).build_owner(name) == BUILT
+        # A proxy that starts later (its own index knows nothing) restores the file too.
+        server.held.clear()
+        p4, c4 = single_proxy(tmp_path, url, server, "four")
+        try:
+            await p4.request(flow(chat("task 4", system=SYSTEM)))
+        finally:
+            c4.__exit__(None, None, None)
+        assert server.cold == 1
+    finally:
+        for c in (c1, c2, c3):
+            c.__exit__(None, None, None)
+
+
+async def test_a_single_server_proxy_builds_locally_while_the_store_is_down(tmp_path, url, store_server):
+    server = SaveDirServer(set(), total=2)
+    p, c = single_proxy(tmp_path, url, server, "one")
+    store_server.stop()
+    try:
+        await asyncio.wait_for(p.request(flow(chat("task 0", system=SYSTEM))), 10)
+        assert server.cold == 1 and len(server.files) == 1  # built and saved here, nothing waited for
+    finally:
+        store_server.start()
+        c.__exit__(None, None, None)
