@@ -248,8 +248,8 @@ async def test_two_proxies_on_other_machines_build_a_prefix_checkpoint_once(tmp_
 
 
 async def test_a_waiter_follows_the_build_when_its_builder_claims_it_again(tmp_path, url, build_servers):
-    # A proxy whose placement was refused lets its claim go and claims again for the next server (a new
-    # token): the other proxy's session waits for that build too, then restores the file.
+    # Another proxy lets its claim go and claims again (a new token: its marker expired, or an older
+    # proxy's placement was refused): this proxy's session waits for that build too, then restores the file.
     p, c = pool_proxy(tmp_path, url, build_servers, "one")
     other = RedisConnection(url, lambda e: None)
     try:
