@@ -44,6 +44,7 @@ from drivers.model_check import ModelCheck
 from drivers.page_runner import PageOutcome, PageRunner
 from drivers.store import StateStore
 from drivers.store_file import StateFile
+from slotlogic import prefix as pfx
 from slotlogic import shared
 from slotlogic.affinity import Learn
 from slotlogic.answers import Observation
@@ -69,6 +70,7 @@ from slotlogic.events import (
 from slotlogic.keeper import Keeper
 from slotlogic.notices import ClaimNotice
 from slotlogic.paging import Moved, PagePlan
+from slotlogic.prefix import StablePrefix
 from slotlogic.ranking import SlotView
 from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
 from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
@@ -270,16 +272,19 @@ class Upstream:
         if placement.side or self.offline:
             return self.keeper.pin(need, placement.slot, placement.why, now)
         moved = Moved.NOTHING
+        holds = self.keeper.holds_prefix(need, placement.view)
         if self.pages is not None:
             stable_chars = len(need.stable.text) if need.stable is not None and self.checkpoints is not None else 0
-            moved = await self._page(placement.slot, key, placement.view, flow_id, placement.views, stable_chars)
-        if self.checkpoints is not None and need.stable is not None and moved is Moved.NOTHING:
-            await self._warm(placement.slot, need, info, self.keeper.holds_prefix(need, placement.view))
+            cold = need.stable if not holds and await self._unbuilt(need, info) else None
+            moved = await self._page(placement.slot, key, placement.view, flow_id, placement.views, stable_chars,
+                                     cold)
+        if self.checkpoints is not None and need.stable is not None and moved in (Moved.NOTHING, Moved.PREFIX):
+            await self._warm(placement.slot, need, info, holds and moved is Moved.NOTHING)
         elif self.checkpoints is not None and need.stable is None and "no-marker" not in self.warned:
             self.warned.add("no-marker")
             self.emit(NoPrefixMarker(self.url, need.ticket.session.short, self.settings.markers))
         return self.keeper.pin(need, placement.slot, placement.why, now, paged_in=moved is Moved.OWN,
-                               seeded=moved is Moved.SEED)
+                               seeded=moved in (Moved.SEED, Moved.PREFIX))
 
     async def _ask(self, endpoint: str, call: Callable[[], Any]) -> Any:
         """One look-up, unless the endpoint hung lately: then None at once (the caller falls back)."""
@@ -323,8 +328,16 @@ class Upstream:
             self._file_total = (await self.store.aread()).total_slots
         return self._file_total
 
+    async def _unbuilt(self, need: NeedSlot, info: ServerInfo) -> bool:
+        """No checkpoint file holds the session's stable prefix yet (so a warm-up would prefill all of it)."""
+        cp = self.checkpoints
+        if cp is None or need.stable is None or not cp.persist:
+            return False
+        name = pfx.file_name(cp.fingerprint(need.stable, info))
+        return name not in cp.building and not await asyncio.to_thread(cp.file_known, name, info)
+
     async def _page(self, slot: int, key: str, view: SlotView, flow_id: str, views: Sequence[SlotView] = (),
-                    stable_chars: int = 0) -> Moved:
+                    stable_chars: int = 0, cold: StablePrefix | None = None) -> Moved:
         """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
         shares the most with: a seed); what is in the slot for it now. Decided once the lock is held. Fails
         open: trouble only costs the prefill."""
@@ -337,7 +350,7 @@ class Upstream:
         if self.store.remote:
             await self._fresh_pages(key)
         plan = self.keeper.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
-                                     stable_chars=stable_chars)
+                                     stable_chars=stable_chars, cold=cold)
         if plan.seed is not None and plan.seed.slot is not None and (self.store.remote
                                                                      or self.pages.busy(plan.seed.slot)):
             # A live seed's slot is saved under its local lock only: never while another placement pages it,
@@ -374,7 +387,9 @@ class Upstream:
                         out.server_ms, seed=plan.seed is not None))
         if out.restored_tokens is None:
             return Moved.NOTHING
-        return Moved.SEED if plan.seed is not None else Moved.OWN
+        if plan.seed is None:
+            return Moved.OWN
+        return Moved.PREFIX if plan.seed.prefix else Moved.SEED
 
     async def _fresh_pages(self, key: str) -> None:
         """With the slot's lock held: the page index as the store has it now (another proxy may have paged

@@ -384,12 +384,15 @@ class Keeper:
         return self.server.page_identity(self.settings.server_id) if self.server else ""
 
     def page_plan(self, slot: int, session_key: str, view: SlotView, sent: tuple[str, float] | None = None, *,
-                  views: Sequence[SlotView] = (), stable_chars: int = 0) -> paging.PagePlan:
+                  views: Sequence[SlotView] = (), stable_chars: int = 0,
+                  cold: pfx.StablePrefix | None = None) -> paging.PagePlan:
         """What to page out of and into `slot` before `session_key`'s request goes there. Asked once the slot's
         paging lock is held: by then every request sent to the slot before has reached the server. `sent`: the
         session the slot's previous pager of any proxy sent there, and when (a lock shared through the store).
         A session with no page of its own may start from another's conversation (a seed, from `views`' idle
-        slots or the pages) when they share more than the slot gives it anyway (`stable_chars`: its prefix)."""
+        slots or the pages) when they share more than the slot gives it anyway (`stable_chars`: its prefix).
+        `cold`: its stable prefix, when no checkpoint file holds it yet: a live session that starts with it is
+        copied in, and the checkpoint is built from that copy (a warm-up of a few tokens, not of the prefix)."""
         model = self.page_identity
         dispatched = self.table.dispatched
         if view.owner is not None and view.owner not in self.table.sessions and dispatched.get(slot):
@@ -412,6 +415,8 @@ class Keeper:
         if plan.restore_file is not None or holder == session_key or holds_own:
             return plan
         seed = self._seed(slot, session_key, holder, view, views, stable_chars)
+        if seed is None and cold is not None:
+            seed = self._prefix_seed(slot, session_key, holder, views, cold)
         return paging.seeded(plan, seed, self.pages, self.upstream, salt) if seed is not None else plan
 
     def _seed(self, slot: int, key: str, holder: str | None, view: SlotView, views: Sequence[SlotView],
@@ -423,15 +428,29 @@ class Keeper:
             return None
         left = self.table.sessions.get(holder or "")
         have = leads.shared(mine.lead, left.lead)[1] if left is not None and view.n_tokens != 0 else 0
-        candidates = []
-        for other, a in self.table.sessions.items():
-            if other in (key, holder) or a.lead is None:
-                continue
-            idle = (a.slot != slot and a.slot < len(views) and not views[a.slot].busy
-                    and self.table.dispatched.get(a.slot, other) == other and self.table.holders.get(a.slot) == other)
-            candidates.append((other, a.lead, a.slot if idle else None))
+        candidates = [(other, a.lead, self._idle_on(other, slot, views)) for other, a in self.table.sessions.items()
+                      if other not in (key, holder) and a.lead is not None]
         return paging.choose_seed(mine.lead, candidates, self.pages, self.page_identity,
                                   beat=max(have, stable_chars))
+
+    def _prefix_seed(self, slot: int, key: str, holder: str | None, views: Sequence[SlotView],
+                     cold: pfx.StablePrefix) -> paging.Seed | None:
+        """A live session of ours, idle on another slot, whose first system message starts with `cold`."""
+        for other in self.learner.sharing(cold):
+            live = self._idle_on(other, slot, views) if other not in (key, holder) else None
+            if live is not None:
+                return paging.Seed(other, len(cold.text), live, prefix=True)
+        return None
+
+    def _idle_on(self, key: str, slot: int, views: Sequence[SlotView]) -> int | None:
+        """The slot `key` holds, other than `slot`, when its conversation is there and `/slots` says it is idle
+        (what this process sent there last was its request)."""
+        a = self.table.sessions.get(key)
+        if a is None or a.slot == slot or a.slot >= len(views) or views[a.slot].busy:
+            return None
+        if self.table.dispatched.get(a.slot, key) != key or self.table.holders.get(a.slot) != key:
+            return None
+        return a.slot
 
     def pages_seen(self, state: shared.ServerState, session_key: str, now: float, wait: float) -> bool:
         """Take the page index of a fresh read of the shared state; True while `session_key`'s own page is

@@ -131,6 +131,13 @@ class PrefixLearner:
         self._remember(rec)
         return rec
 
+    def sharing(self, prefix: StablePrefix) -> list[str]:
+        """Sessions whose first system message, as observed, starts with `prefix` in the same context: their
+        slots hold it (a cut at a line end is a token boundary, so the prefix's tokens lead theirs)."""
+        first = First(prefix.text, prefix.role, prefix.tools, prefix.template_kwargs, prefix.route)
+        seen = self.samples.get(_context(first)) or {}
+        return [s for s, text in seen.items() if text.startswith(prefix.text)]
+
     def load(self, records: list[Learned]) -> None:
         """Learned prefixes from the shared state (another process, or this one before a restart)."""
         for rec in sorted(records, key=lambda r: r.last_seen):

@@ -62,6 +62,7 @@ class Seed:
     source: str             # that session's key
     chars: int              # characters of the leading messages the two share
     slot: int | None = None  # its live slot, saved first; None: its page is restored as it is
+    prefix: bool = False     # it shares only the stable prefix: the prefix checkpoint is then built from it
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class Moved(Enum):
     NOTHING = "nothing"  # what was there stays (its conversation, a prefix, or nothing)
     OWN = "own"          # its own page: paged in
     SEED = "seed"        # another session's conversation it shares its start with
+    PREFIX = "prefix"    # another session's conversation that starts with its stable prefix (a cheap build)
 
 
 class PageCheck(Enum):

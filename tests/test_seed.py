@@ -176,3 +176,26 @@ def test_a_conversation_left_in_the_slot_that_starts_with_our_prefix_is_not_warm
     d3 = need(k, pi_like("three", folder="/elsewhere"), "s3", 2.0)
     k.assign(d3, state, info(), LIVE, 2.0)
     assert not k.holds_prefix(d3, SlotView(first, 4000, owner=s1, prefix="other"))   # its first message differs
+
+
+def generic(prompt: str, folder: str) -> dict:
+    """A system prompt with no marker: a shared part, then a per-session environment line."""
+    return {"messages": [{"role": "system", "content": SYS + "\nWorking in " + folder + "\n"},
+                         {"role": "user", "content": prompt}]}
+
+
+def test_a_cold_prefix_is_copied_from_a_live_session_that_starts_with_it():
+    k, state = Keeper(Settings(), U), shared.ServerState(U)
+    k.note_server(state, info())
+    first = placed(k, state, generic("one", "/a"), "s1", 0.0)
+    d = need(k, generic("two", "/b"), "s2", 1.0)       # the second session teaches the shared part
+    p = k.assign(d, state, info(), LIVE, 1.0)
+    assert d.stable is not None and d.stable.text == SYS.rstrip()
+    views = [SlotView(i) for i in range(4)]
+    plan = k.page_plan(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=views, cold=d.stable)
+    assert plan.seed is not None and plan.seed.prefix and plan.seed.slot == first
+    assert plan.restore_file == plan.seed_file
+    # no cold build coming (its checkpoint file exists): nothing to copy for the prefix alone
+    assert k.page_plan(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=views).seed is None
+    busy = [SlotView(i, busy=i == first) for i in range(4)]
+    assert k.page_plan(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=busy, cold=d.stable).seed is None
