@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,16 +40,15 @@ from drivers.build_claims import BuildClaims
 from drivers.checkpoint_runner import CheckpointRunner
 from drivers.llama_http import LlamaClient
 from drivers.model_check import ModelCheck
-from drivers.page_runner import PageOutcome, PageRunner
+from drivers.page_runner import PageRunner
+from drivers.slot_moves import SlotMoves
 from drivers.store import StateStore
 from drivers.store_file import StateFile
-from slotlogic import prefix as pfx
 from slotlogic import shared
 from slotlogic.affinity import Learn
 from slotlogic.answers import Observation
 from slotlogic.decisions import Decision, Fields, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
 from slotlogic.events import (
-    CheckpointDone,
     DisplacedElsewhere,
     Event,
     Failed,
@@ -58,9 +56,7 @@ from slotlogic.events import (
     MessagesProbed,
     ModelUnloaded,
     NoPrefixMarker,
-    NoSavePath,
     NoSlotsEndpoint,
-    Paged,
     PageRejected,
     SlotShared,
     SlotsSlow,
@@ -69,9 +65,7 @@ from slotlogic.events import (
 )
 from slotlogic.keeper import Keeper
 from slotlogic.notices import ClaimNotice
-from slotlogic.paging import Moved, PagePlan
-from slotlogic.prefix import StablePrefix
-from slotlogic.ranking import SlotView
+from slotlogic.paging import Moved
 from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
 from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
 
@@ -80,14 +74,12 @@ PROBE_TIMEOUT = 30.0
 SLOW = 1.0          # seconds: a /props or /slots that failed after this long hung (the timeout is 3 s)
 BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the background probe may clear it)
 RECONCILE_EVERY = 5.0  # seconds between looks for a slot shared with another process while idle
-REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its session stays (a shared store)
-REMOTE_SETTLE = 10.0   # seconds a pager waits for another proxy's page-out of its session (a shared store)
 AUTH_HEADERS = (b"authorization", b"x-api-key")
 Accept = Callable[[shared.ServerState, ServerInfo, list[dict[str, Any]] | None], bool]
 Facts = tuple[dict[str, Any] | None, list[dict[str, Any]] | None]   # `/props` and `/slots` as asked
 
 
-class Upstream:
+class Upstream(SlotMoves):
     def __init__(self, url: str, settings: Settings, state_dir: str | Path, emit: Emit, *,
                  offline: bool = False, client: LlamaClient | None = None, store: StateStore | None = None,
                  loaded: Callable[[], Any] | None = None, builds: BuildClaims | None = None) -> None:
@@ -327,124 +319,6 @@ class Upstream:
             self._file_total_read = True
             self._file_total = (await self.store.aread()).total_slots
         return self._file_total
-
-    async def _unbuilt(self, need: NeedSlot, info: ServerInfo) -> bool:
-        """No checkpoint file holds the session's stable prefix yet (so a warm-up would prefill all of it)."""
-        cp = self.checkpoints
-        if cp is None or need.stable is None or not cp.persist:
-            return False
-        name = pfx.file_name(cp.fingerprint(need.stable, info))
-        return name not in cp.building and not await asyncio.to_thread(cp.file_known, name, info)
-
-    async def _page(self, slot: int, key: str, view: SlotView, flow_id: str, views: Sequence[SlotView] = (),
-                    stable_chars: int = 0, cold: StablePrefix | None = None) -> Moved:
-        """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
-        shares the most with: a seed); what is in the slot for it now. Decided once the lock is held. Fails
-        open: trouble only costs the prefill."""
-        assert self.pages is not None
-        # The lock is taken even with nothing to page: a placement on this slot that is still warming its
-        # prefix, or whose request has not reached the server, must finish first (a second new session would
-        # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
-        if not await self.pages.hold(slot, flow_id, key):
-            return Moved.NOTHING
-        if self.store.remote:
-            await self._fresh_pages(key)
-        plan = self.keeper.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
-                                     stable_chars=stable_chars, cold=cold)
-        if plan.seed is not None and plan.seed.slot is not None and (self.store.remote
-                                                                     or self.pages.busy(plan.seed.slot)):
-            # A live seed's slot is saved under its local lock only: never while another placement pages it,
-            # nor when other proxies (a shared store) may be paging it.
-            plan = plan.without_seed()
-        if plan.empty:
-            return Moved.NOTHING  # nothing to move, but our request must still go after the page-in before it
-        saving = None
-        if plan.save_for is not None:
-            saving = self.pages.saving[plan.save_for] = asyncio.Event()
-        try:
-            if plan.save_file is not None:
-                async with self.store.transaction() as state:
-                    replaced = self.keeper.page_intent(state, plan, time.time())
-                if self.store.remote:  # another proxy may have planned its restore from the record just replaced
-                    self.pages.delete_later(replaced, REPLACED_GRACE)
-                else:
-                    self.pages.delete(replaced)
-            out = await self.pages.run(plan)
-            await self._record_pages(plan, out)
-        except Exception as e:
-            self.emit(Failed(self.url, Stage.PAGING, type(e).__name__, slot=plan.slot))
-            return Moved.NOTHING
-        finally:
-            if saving is not None:
-                saving.set()
-                if self.pages.saving.get(plan.save_for or "") is saving:
-                    del self.pages.saving[plan.save_for or ""]
-        if out.missing_save_path and "page-save-path" not in self.warned:
-            self.warned.add("page-save-path")
-            self.emit(NoSavePath(self.url, paging=True))
-        self.emit(Paged(self.url, plan.slot, plan.save_for[:8] if plan.save_for else None, out.saved_tokens,
-                        plan.restore_for[:8] if plan.restore_for else None, out.restored_tokens, out.seconds,
-                        out.server_ms, seed=plan.seed is not None))
-        if out.restored_tokens is None:
-            return Moved.NOTHING
-        if plan.seed is None:
-            return Moved.OWN
-        return Moved.PREFIX if plan.seed.prefix else Moved.SEED
-
-    async def _fresh_pages(self, key: str) -> None:
-        """With the slot's lock held: the page index as the store has it now (another proxy may have paged
-        this session out since its placement was decided), waiting a little while its page is being written."""
-        deadline = time.monotonic() + REMOTE_SETTLE
-        while self.keeper.pages_seen(await self.store.aread(), key, time.time(), REMOTE_SETTLE) and \
-                time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-
-    async def _record_pages(self, plan: PagePlan, out: PageOutcome) -> None:
-        """The page index after a paging step, in the state file; the files it drops deleted."""
-        assert self.pages is not None
-        files = None
-        if not self._swept:  # once per process: page files no state refers to
-            self._swept = True
-            files = await asyncio.to_thread(self._unrecorded_files)
-        async with self.store.transaction() as state:
-            seed = (out.seed_tokens, out.seed_bytes) if out.seed_tokens is not None else None
-            doomed = self.keeper.pages_recorded(state, plan, out.saved_tokens, out.saved_bytes, out.restore_failed,
-                                                time.time(), self.pages.max_bytes, files, seed_saved=seed)
-        self.pages.delete(doomed)
-
-    def _unrecorded_files(self) -> dict[str, Any]:
-        """The save dir's page files, less those the state files of other servers in our state dir record
-        (a save dir may be shared by several servers; their pages are not our orphans). Worker thread."""
-        assert self.pages is not None
-        files = self.pages.files()
-        others: list[str] = []
-        with contextlib.suppress(OSError), os.scandir(self.state_dir) as entries:
-            others = [e.path for e in entries if e.name.startswith("state-") and e.name.endswith(".json")
-                      and e.path != str(self.store.path)]
-        for path in others:
-            with contextlib.suppress(OSError, ValueError):
-                for name in shared.from_dict(json.loads(Path(path).read_bytes()), "").pages.values():
-                    files.pop(name.file, None)
-        return files
-
-    async def _warm(self, slot: int, need: NeedSlot, info: ServerInfo, holds: bool) -> None:
-        """Restore or warm the shared prefix into the new session's slot; fail open on anything. With a shared
-        store, the build is claimed first (`drivers.build_claims`): another proxy's build is waited for and
-        restored, not prefilled again."""
-        assert self.checkpoints is not None and need.stable is not None
-        cp, started = self.checkpoints, time.monotonic()
-        claim = await self.builds.claim(cp, need.stable, info) if self.builds is not None else None
-        try:
-            orch = await cp.prepare(slot, need.stable, info, holds_prefix=holds)
-        except Exception as e:
-            self.emit(Failed(self.url, Stage.CHECKPOINT, type(e).__name__, slot=slot))
-            return
-        finally:
-            if claim is not None and self.builds is not None:
-                await self.builds.finish(cp, info, claim)
-        if orch.outcome is not None:
-            self.emit(CheckpointDone(self.url, slot, orch.outcome, orch.spent_prefill, orch.identical,
-                                     orch.divergent, time.monotonic() - started))
 
     def unlock(self, flow_id: str) -> None:
         """The flow's request reached the server (its response headers came), or never will: the next pager

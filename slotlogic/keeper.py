@@ -45,6 +45,7 @@ from slotlogic.decisions import (
 from slotlogic.endpoints import Route, classify
 from slotlogic.events import ContextOverflow, Event, PoolResized, ServerRestarted, SlotLearned, Unreachable
 from slotlogic.fastpath import ShapeIndex, fields_absent
+from slotlogic.keeper_pages import PageKeeping
 from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ranking import Policy, SlotView
 from slotlogic.reasons import Passed, Unpinned, Why
@@ -55,7 +56,6 @@ from slotlogic.table import SessionTable
 
 MAX_MARKS = 512  # prompts remembered for the continuation rule of raw `/completion` bodies
 MAX_STATS = 1024  # sessions whose counters the status view and the summary show; the least recently answered go
-ORPHAN_GRACE = 600.0  # seconds an unrecorded page file is left alone before the budget may take it
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class LowerHeaders(dict[str, str]):
             self.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
 
 
-class Keeper:
+class Keeper(PageKeeping):
     def __init__(self, settings: Settings, upstream: str = "") -> None:
         self.settings = settings
         self.upstream = upstream
@@ -377,165 +377,6 @@ class Keeper:
         self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix)
         return self.pin(need, choice.slot, choice.why, now), Unreachable(self.upstream, ticket.session.short,
                                                                          choice.slot, total)
-
-    @property
-    def page_identity(self) -> str:
-        """What a page written now must match to be restored later (`ServerInfo.page_identity`)."""
-        return self.server.page_identity(self.settings.server_id) if self.server else ""
-
-    def page_plan(self, slot: int, session_key: str, view: SlotView, sent: tuple[str, float] | None = None, *,
-                  views: Sequence[SlotView] = (), stable_chars: int = 0,
-                  cold: pfx.StablePrefix | None = None) -> paging.PagePlan:
-        """What to page out of and into `slot` before `session_key`'s request goes there. Asked once the slot's
-        paging lock is held: by then every request sent to the slot before has reached the server. `sent`: the
-        session the slot's previous pager of any proxy sent there, and when (a lock shared through the store).
-        A session with no page of its own may start from another's conversation (a seed, from `views`' idle
-        slots or the pages) when they share more than the slot gives it anyway (`stable_chars`: its prefix).
-        `cold`: its stable prefix, when no checkpoint file holds it yet: a live session that starts with it is
-        copied in, and the checkpoint is built from that copy (a warm-up of a few tokens, not of the prefix)."""
-        model = self.page_identity
-        dispatched = self.table.dispatched
-        if view.owner is not None and view.owner not in self.table.sessions and dispatched.get(slot):
-            # The snapshot names another proxy's session as the slot's newest claim (`shared.views` shows
-            # a claim from the shared state only when it is newer than what this process did there): it
-            # ran after our last request, and is what a save would write now, not ours.
-            dispatched = {k: v for k, v in dispatched.items() if k != slot}
-        if sent is not None and sent[0] != dispatched.get(slot):
-            ours = self.table.sessions.get(dispatched.get(slot) or "")
-            if ours is None or ours.last_used < sent[1]:  # the last paged send came after ours: its conversation
-                dispatched = {**dispatched, slot: sent[0]}
-        holder, tokens = paging.holder_of(slot, view, dispatched)
-        rec = self.pages.get(session_key)
-        holds_own = (slot not in self.table.dispatched and view.owner == session_key and rec is not None
-                     and (view.n_tokens or 0) >= rec.n_tokens)  # a restarted proxy, its session still there
-        self._page_seq += 1
-        salt = f"{self.instance}:{self._page_seq}"
-        plan = paging.plan(slot, session_key, holder, tokens, self.pages, self.upstream, model, holds_own=holds_own,
-                           salt=salt)
-        if plan.restore_file is not None or holder == session_key or holds_own:
-            return plan
-        seed = self._seed(slot, session_key, holder, view, views, stable_chars)
-        if seed is None and cold is not None:
-            seed = self._prefix_seed(slot, session_key, holder, views, cold)
-        return paging.seeded(plan, seed, self.pages, self.upstream, salt) if seed is not None else plan
-
-    def _seed(self, slot: int, key: str, holder: str | None, view: SlotView, views: Sequence[SlotView],
-              stable_chars: int) -> paging.Seed | None:
-        """The conversation `key` should start from, if any: a live session of ours idle on another slot (the
-        last sent there, by `/slots` not busy) or a page, whichever shares the most of its leading messages."""
-        mine = self.table.sessions.get(key)
-        if mine is None or mine.lead is None:
-            return None
-        left = self.table.sessions.get(holder or "")
-        have = leads.shared(mine.lead, left.lead)[1] if left is not None and view.n_tokens != 0 else 0
-        candidates = [(other, a.lead, self._idle_on(other, slot, views)) for other, a in self.table.sessions.items()
-                      if other not in (key, holder) and a.lead is not None]
-        return paging.choose_seed(mine.lead, candidates, self.pages, self.page_identity,
-                                  beat=max(have, stable_chars))
-
-    def _prefix_seed(self, slot: int, key: str, holder: str | None, views: Sequence[SlotView],
-                     cold: pfx.StablePrefix) -> paging.Seed | None:
-        """A live session of ours, idle on another slot, whose first system message starts with `cold`."""
-        for other in self.learner.sharing(cold):
-            live = self._idle_on(other, slot, views) if other not in (key, holder) else None
-            if live is not None:
-                return paging.Seed(other, len(cold.text), live, prefix=True)
-        return None
-
-    def _idle_on(self, key: str, slot: int, views: Sequence[SlotView]) -> int | None:
-        """The slot `key` holds, other than `slot`, when its conversation is there and `/slots` says it is idle
-        (what this process sent there last was its request)."""
-        a = self.table.sessions.get(key)
-        if a is None or a.slot == slot or a.slot >= len(views) or views[a.slot].busy:
-            return None
-        if self.table.dispatched.get(a.slot, key) != key or self.table.holders.get(a.slot) != key:
-            return None
-        return a.slot
-
-    def pages_seen(self, state: shared.ServerState, session_key: str, now: float, wait: float) -> bool:
-        """Take the page index of a fresh read of the shared state; True while `session_key`'s own page is
-        being written by another pager (recorded, not restorable yet, for less than `wait` seconds): worth
-        waiting for, a page-in beats prefilling the conversation again."""
-        self.pages = dict(state.pages)
-        rec = state.pages.get(session_key)
-        return rec is not None and rec.n_tokens == 0 and now - rec.saved < wait
-
-    def page_intent(self, state: shared.ServerState, plan: paging.PagePlan, now: float) -> list[str]:
-        """Before the save is sent: its page is in the index (not restorable yet), so a kill between the save
-        and `pages_recorded` leaves no file the state does not know. Returns the replaced page's file."""
-        replaced = []
-        for key, file in plan.saves:
-            old = paging.intent(state.pages, key, file, now, self.page_identity)
-            if old:
-                replaced.append(old)
-        self.pages = dict(state.pages)
-        return replaced
-
-    def pages_recorded(self, state: shared.ServerState, plan: paging.PagePlan, saved_tokens: int | None,
-                       saved_bytes: int, restore_failed: bool, now: float, budget: int,
-                       files: Mapping[str, paging.PageFile] | None,
-                       seed_saved: tuple[int, int] | None = None) -> list[str]:
-        """The page index after a paging step (the new pages; a failed save or restore dropped with its file;
-        the budget applied and, given the save dir's page files, orphans swept); returns the files to delete.
-        `seed_saved`: (tokens, bytes) of a live seed's save."""
-        doomed: list[str] = []
-        for key, file in plan.saves:
-            holder = key == plan.save_for and file == plan.save_file
-            done = seed_saved if not holder else (saved_tokens, saved_bytes) if saved_tokens is not None else None
-            rec = state.pages.get(key)
-            ours = rec is not None and rec.file == file  # else another process saved it since
-            if done is not None and ours:
-                paging.saved(state.pages, key, file, done[0], done[1], now, self.page_identity)
-            else:  # a failed save (its file may be half written), or one superseded: its file goes
-                if ours:
-                    state.pages.pop(key)
-                doomed.append(file)
-        if restore_failed and plan.restore_for and plan.restore_file:
-            rec = state.pages.get(plan.restore_for)
-            if rec is not None and rec.file == plan.restore_file:
-                state.pages.pop(plan.restore_for)
-            doomed.append(plan.restore_file)
-        keep = frozenset(k for k in (plan.save_for, plan.restore_for) if k)
-        if files is not None:  # orphans first: they count against the same budget
-            doomed += paging.sweep(files, state.pages, budget, now, keep_seconds=SESSION_KEEP_SECONDS,
-                                   grace=ORPHAN_GRACE)
-        doomed += [state.pages.pop(gone).file for gone in paging.over_budget(state.pages, budget, keep=keep)]
-        self.pages = dict(state.pages)
-        return doomed
-
-    def page_doubtful(self, report: Report) -> paging.PageCheck | None:
-        """The request that followed a page-in reused less than half of the page: drop the page."""
-        t = report.ticket
-        rec = self.pages.get(t.session.key)
-        if not t.paged_in or rec is None:
-            return None
-        return paging.doubtful(rec.n_tokens, report.obs.cache_n)
-
-    def page_dropped(self, state: shared.ServerState, key: str, file: str) -> list[str]:
-        """Forget `key`'s page `file` (a check failed; a newer page of it stays); returns the file to delete."""
-        rec = state.pages.get(key)
-        if rec is not None and rec.file == file:
-            del state.pages[key]
-        self.pages = dict(state.pages)
-        return [file]
-
-    def holds_prefix(self, need: NeedSlot, view: SlotView) -> bool:
-        """The chosen slot still holds the session's stable prefix (no checkpoint work needed): another
-        session's conversation with the same prefix, or this session's own (it comes back to a slot nobody
-        took since, its memory entry expired): a restore would replace that conversation with the prefix."""
-        key = need.ticket.session.key
-        if (view.n_tokens or 0) <= 0:
-            return False
-        if view.prefix == need.prefix or view.owner == key:
-            return True
-        # The conversation left there (its holder was paged out, not erased) starts with all of our prefix:
-        # a warm-up would cut it back to the prefix, losing the messages we share beyond it.
-        holder = self.table.dispatched.get(view.id) or view.owner
-        ours, theirs = self.table.sessions.get(key), self.table.sessions.get(holder or "")
-        if need.stable is None or ours is None or theirs is None:
-            return False
-        n, chars = leads.shared(ours.lead, theirs.lead)
-        return n > 0 and chars >= len(need.stable.text)
 
     def resume(self, need: NeedSlot, now: float) -> Pin | None:
         """A `NeedSlot` that another keeper of the same pool made (several servers share one shape index):
