@@ -12,6 +12,7 @@ from mitmproxy import http
 from mitmproxy.test import taddons, tflow
 
 import addon as addon_module
+from tests.redis_fixtures import store_server, url  # noqa: F401 (a real redis-server, for the scale-out tests)
 
 UP = "http://127.0.0.1:8080"
 
@@ -91,7 +92,7 @@ class Proxy:
 @pytest.fixture
 def proxy(tmp_path, fake_llama) -> Iterator[Proxy]:
     addons = addon_module.make_addons()
-    addons[0].rt.make_client = lambda url: fake_llama
+    addons[0].rt.make_client = lambda _url: fake_llama
     with taddons.context(*addons) as tctx:
         p = Proxy(tctx, addons)
         p.configure(slots_state_dir=str(tmp_path / "state"), slots_probe_interval=0,

@@ -10,12 +10,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import redis
 from mitmproxy.test import taddons
 
 import addon as addon_module
 from drivers.store_redis import RedisConnection, RedisState
-from launch.redis_server import RedisServer
 from slotlogic import shared
 from slotlogic.events import DisplacedElsewhere, NoticesBack, NoticesLost, Via
 from tests.conftest import FakeLlama, Proxy, chat, flow, sent
@@ -24,18 +22,6 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server is not installed (apt-get install redis-server; .ci/run does)")
 SERVER = "http://127.0.0.1:8080"
 NOTICE_WITHIN = 1.0  # seconds from a claim to the other proxy's mark (a few ms when idle; a loaded CI is slower)
-
-
-@pytest.fixture(scope="module")
-def store_server() -> Iterator[RedisServer]:
-    with RedisServer() as r:
-        yield r
-
-
-@pytest.fixture
-def url(store_server) -> str:
-    redis.Redis(port=store_server.port).flushall()
-    return store_server.url
 
 
 async def until(check, seconds: float = 5.0) -> float:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,7 +15,6 @@ import addon as addon_module
 from drivers.store import BUILT, parse_url, redacted
 from drivers.store_redis import KEEP_MS, RedisConnection, RedisState, state_key
 from drivers.stores import Stores
-from launch.redis_server import RedisServer
 from slotlogic import prefix as pfx
 from slotlogic import shared
 from slotlogic.events import StoreBack, StoreUnavailable
@@ -26,18 +24,6 @@ from tests.conftest import UP, FakeLlama, Proxy, chat, flow, sent
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server is not installed (apt-get install redis-server; .ci/run does)")
 SERVER = "http://127.0.0.1:8080"
-
-
-@pytest.fixture(scope="module")
-def store_server() -> Iterator[RedisServer]:
-    with RedisServer() as r:
-        yield r
-
-
-@pytest.fixture
-def url(store_server) -> str:
-    redis.Redis(port=store_server.port).flushall()
-    return store_server.url
 
 
 def test_urls_choose_the_store_and_never_show_credentials(tmp_path):
@@ -98,14 +84,15 @@ async def test_the_store_going_away_fails_open_logs_once_and_comes_back(url, sto
     assert [type(e) for e in events] == [StoreUnavailable, StoreBack]
 
 
-def make_proxy(tmp_path, url: str, llama: FakeLlama, name: str) -> tuple[Proxy, object]:
+def make_proxy(tmp_path, url: str, llama: object, name: str, **options: object) -> tuple[Proxy, object]:
+    """One proxy with a state dir of its own (as on another machine), its server calls going to `llama`."""
     addons = addon_module.make_addons()
     addons[0].rt.make_client = lambda u: llama
     ctx = taddons.context(*addons)
     tctx = ctx.__enter__()
     p = Proxy(tctx, addons)
     p.configure(slots_state_dir=str(tmp_path / name), slots_probe_interval=0, slots_log_requests="off",
-                slots_state_url=url)
+                slots_state_url=url, **options)
     return p, ctx
 
 
@@ -277,14 +264,7 @@ async def test_a_waiter_follows_the_build_when_its_builder_claims_it_again(tmp_p
 
 def single_proxy(tmp_path, url: str, server: SaveDirServer, name: str) -> tuple[Proxy, object]:
     """One proxy in front of one server (no pool), with a state dir of its own (as on another machine)."""
-    addons = addon_module.make_addons()
-    addons[0].rt.make_client = lambda u: server
-    ctx = taddons.context(*addons)
-    tctx = ctx.__enter__()
-    p = Proxy(tctx, addons)
-    p.configure(slots_state_dir=str(tmp_path / name), slots_probe_interval=0, slots_log_requests="off",
-                slots_state_url=url, slots_prefix_cache="disk", mode=[f"reverse:{UP}@127.0.0.1:1"])
-    return p, ctx
+    return make_proxy(tmp_path, url, server, name, slots_prefix_cache="disk", mode=[f"reverse:{UP}@127.0.0.1:1"])
 
 
 async def test_proxies_of_one_shared_server_build_a_prefix_checkpoint_once(tmp_path, url):
