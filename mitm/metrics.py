@@ -28,34 +28,21 @@ class _Collector(Collector):
     def collect(self) -> Iterator[Any]:
         t = self.rt.tally
         slot = ["server", "slot"]
-        for name, doc, data in (
-                ("requests", "Completion requests answered, by the server and slot that served them.", t.requests),
-                ("prefill_tokens", "Prompt tokens the server had to compute (timings.prompt_n).", t.prefill),
-                ("cached_tokens", "Prompt tokens the server reused from the slot (timings.cache_n).", t.cached),
-                ("paged_in_tokens", "Tokens restored into a slot from a session page file.", t.paged_in)):
-            fam = CounterMetricFamily(f"slotkeeper_{name}", doc, labels=slot)
-            for (server, sid), v in sorted(data.items()):
-                fam.add_metric([server, sid], v)
+        for name, doc, extra, data in (
+                ("requests", "Completion requests answered, by the server and slot that served them.", [],
+                 t.requests),
+                ("prefill_tokens", "Prompt tokens the server had to compute (timings.prompt_n).", [], t.prefill),
+                ("cached_tokens", "Prompt tokens the server reused from the slot (timings.cache_n).", [], t.cached),
+                ("paged_in_tokens", "Tokens restored into a slot from a session page file.", [], t.paged_in),
+                ("page_operations", "Session page saves (out) and restores (in).", ["direction"], t.page_ops),
+                ("page_seconds", "Seconds spent paging sessions out and in.", [], t.page_seconds),
+                ("checkpoints", "Prefix checkpoint preparations, by outcome.", ["outcome"], t.checkpoints),
+                ("checkpoint_seconds", "Seconds spent restoring, warming and saving prefix checkpoints.", [],
+                 t.checkpoint_seconds)):
+            fam = CounterMetricFamily(f"slotkeeper_{name}", doc, labels=[*slot, *extra])
+            for labels, v in sorted(data.items()):
+                fam.add_metric(list(labels), v)
             yield fam
-        fam = CounterMetricFamily("slotkeeper_page_operations", "Session page saves (out) and restores (in).",
-                                  labels=[*slot, "direction"])
-        for labels, v in sorted(t.page_ops.items()):
-            fam.add_metric(list(labels), v)
-        yield fam
-        fam = CounterMetricFamily("slotkeeper_page_seconds", "Seconds spent paging sessions out and in.", labels=slot)
-        for labels, secs in sorted(t.page_seconds.items()):
-            fam.add_metric(list(labels), secs)
-        yield fam
-        fam = CounterMetricFamily("slotkeeper_checkpoints", "Prefix checkpoint preparations, by outcome.",
-                                  labels=[*slot, "outcome"])
-        for labels, v in sorted(t.checkpoints.items()):
-            fam.add_metric(list(labels), v)
-        yield fam
-        fam = CounterMetricFamily("slotkeeper_checkpoint_seconds",
-                                  "Seconds spent restoring, warming and saving prefix checkpoints.", labels=slot)
-        for labels, secs in sorted(t.checkpoint_seconds.items()):
-            fam.add_metric(list(labels), secs)
-        yield fam
         now = time.time()
         live = GaugeMetricFamily("slotkeeper_live_sessions", "Sessions used within slots_ttl, per server.",
                                  labels=["server"])
