@@ -15,12 +15,19 @@ from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 
-from mitm import metrics
+from mitm import metrics, options
+from mitm.options import Option
 from mitm.runtime import Runtime
 
 PREFIX = "/_slots/"
 LOOPBACK = ("127.0.0.0/8", "::1/128")
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+OPTIONS = (
+    Option("slots_api_allow", Sequence[str], list(LOOPBACK),
+           "Client networks (CIDR) that may use the /_slots/ API; repeat --set to add. Default: loopback only."),
+)
 
 
 class LocalApi:
@@ -29,9 +36,7 @@ class LocalApi:
         self.allowed: tuple[Network, ...] = tuple(ipaddress.ip_network(n) for n in LOOPBACK)
 
     def load(self, loader: Any) -> None:
-        loader.add_option("slots_api_allow", Sequence[str], list(LOOPBACK),
-                          "Client networks (CIDR) that may use the /_slots/ API; repeat --set to add. "
-                          "Default: loopback only.")
+        options.add_options(loader, OPTIONS)
 
     def configure(self, updated: set[str]) -> None:
         if "slots_api_allow" in updated:

@@ -149,16 +149,22 @@ MINIMUMS: dict[str, tuple[int, str]] = {
 }
 
 
-def add_options(loader: Any) -> None:
-    for opt in OPTIONS:
+def add_options(loader: Any, table: Sequence[Option] = OPTIONS) -> None:
+    """Declare `table` (the core's options by default; an addon with options of its own passes its table)."""
+    for opt in table:
         loader.add_option(opt.name, opt.typespec, opt.default, opt.help, choices=opt.choices)
+
+
+def check_minimums(o: Any, minimums: dict[str, tuple[int, str]] = MINIMUMS) -> None:
+    """`OptionsError` naming the first option below its smallest accepted value."""
+    for name, (least, wording) in minimums.items():
+        if getattr(o, name) < least:
+            raise exceptions.OptionsError(f"{name} must be {wording}")
 
 
 def build_settings(o: Any) -> tuple[Settings, Path]:
     """The options as one frozen `Settings` (and the state dir), or `OptionsError` naming the bad option."""
-    for name, (least, wording) in MINIMUMS.items():
-        if getattr(o, name) < least:
-            raise exceptions.OptionsError(f"{name} must be {wording}")
+    check_minimums(o)
     save_dir = os.path.expanduser(o.slots_save_dir) if o.slots_save_dir else None
     mode = _choice(o, "slots_prefix_cache", CheckpointMode, o.slots_prefix_cache or ("disk" if save_dir else "off"))
     if save_dir and (mode is CheckpointMode.DISK or o.slots_paging) and not os.path.isdir(save_dir):

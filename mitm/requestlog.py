@@ -18,6 +18,8 @@ from typing import Any
 from mitmproxy import ctx, exceptions, http
 
 from drivers.jsonl_log import JsonlLog
+from mitm import options
+from mitm.options import Option
 from mitm.runtime import Runtime, guarded
 from slotlogic import wording
 from slotlogic.events import Event, Failed, Stage
@@ -52,6 +54,19 @@ class TerminalLines:
             pass
 
 
+OPTIONS = (
+    Option("slots_log_requests", str, "direct",
+           "Where the per-request line goes: direct (straight to the terminal, cheap: mitmproxy's log pipeline "
+           "costs ~0.15 ms a line), mitmproxy (through mitmproxy's log, e.g. to mitmweb's event log), off.",
+           choices=list(MODES)),
+    Option("slots_log_file", str, "",
+           "Append one JSON line per completion request (and per paging/checkpoint step) to this file: hashes "
+           "and counts, never prompt text."),
+    Option("slots_log_file_max_mb", int, 64,
+           "When the JSONL file passes this size it becomes <file>.1 and a new one starts."),
+)
+
+
 class RequestLog:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
@@ -62,15 +77,7 @@ class RequestLog:
         rt.listeners.append(self._on_event)
 
     def load(self, loader: Any) -> None:
-        loader.add_option("slots_log_requests", str, "direct",
-                          "Where the per-request line goes: direct (straight to the terminal, cheap: mitmproxy's "
-                          "log pipeline costs ~0.15 ms a line), mitmproxy (through mitmproxy's log, e.g. to "
-                          "mitmweb's event log), off.", choices=list(MODES))
-        loader.add_option("slots_log_file", str, "",
-                          "Append one JSON line per completion request (and per paging/checkpoint step) to this "
-                          "file: hashes and counts, never prompt text.")
-        loader.add_option("slots_log_file_max_mb", int, 64,
-                          "When the JSONL file passes this size it becomes <file>.1 and a new one starts.")
+        options.add_options(loader, OPTIONS)
 
     def configure(self, updated: set[str]) -> None:
         o = ctx.options

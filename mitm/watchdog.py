@@ -28,17 +28,32 @@ import contextlib
 import time
 from typing import Any
 
-from mitmproxy import ctx, exceptions, hooks, http
+from mitmproxy import ctx, hooks, http
 
 from drivers.watcher import RequestWatch
-from mitm import abort
+from mitm import abort, options
+from mitm.options import Option
 from mitm.runtime import Open, Runtime
 from slotlogic import wording
 from slotlogic.endpoints import Route
 from slotlogic.events import Failed, RequestEnded, Stage, Waiting
 from slotlogic.watch import End, Progress, Watch, WatchSettings
 
-OPTIONS = ("slots_watch_interval_ms", "slots_watch_timeout_ms", "slots_first_token_timeout", "slots_request_deadline")
+OPTIONS = (
+    Option("slots_watch_interval_ms", int, 15000,
+           "While a request waits for its first byte, poll /slots this often and log what it shows (queued, "
+           "prefilling, stalled); 0 = off."),
+    Option("slots_watch_timeout_ms", int, 3000,
+           "Timeout of one /slots poll of the first-token watch; a poll that times out means busy (llama-server "
+           "holds /slots while it evaluates a long prompt)."),
+    Option("slots_first_token_timeout", int, 0,
+           "Seconds every slot may stay idle, with nothing moving, while a request waits for its first byte; then "
+           "it gets a 504 and its upstream request is closed. 0 = off."),
+    Option("slots_request_deadline", int, 0,
+           "Seconds a request may run at all; then it is ended with an error and its upstream request is closed "
+           "(llama-server cancels it). 0 = off."),
+)
+MINIMUMS = {**{o.name: (0, "≥ 0 (0 = off)") for o in OPTIONS}, "slots_watch_timeout_ms": (1, "≥ 1")}
 
 
 class Watchdog:
@@ -49,28 +64,13 @@ class Watchdog:
         self._sweeper: asyncio.Task[None] | None = None
 
     def load(self, loader: Any) -> None:
-        loader.add_option("slots_watch_interval_ms", int, 15000,
-                          "While a request waits for its first byte, poll /slots this often and log what it shows "
-                          "(queued, prefilling, stalled); 0 = off.")
-        loader.add_option("slots_watch_timeout_ms", int, 3000,
-                          "Timeout of one /slots poll of the first-token watch; a poll that times out means busy "
-                          "(llama-server holds /slots while it evaluates a long prompt).")
-        loader.add_option("slots_first_token_timeout", int, 0,
-                          "Seconds every slot may stay idle, with nothing moving, while a request waits for its "
-                          "first byte; then it gets a 504 and its upstream request is closed. 0 = off.")
-        loader.add_option("slots_request_deadline", int, 0,
-                          "Seconds a request may run at all; then it is ended with an error and its upstream "
-                          "request is closed (llama-server cancels it). 0 = off.")
+        options.add_options(loader, OPTIONS)
 
     def configure(self, updated: set[str]) -> None:
-        if not set(OPTIONS) & updated:
+        if not {opt.name for opt in OPTIONS} & updated:
             return
         o = ctx.options
-        for name in OPTIONS:
-            if getattr(o, name) < 0:
-                raise exceptions.OptionsError(f"{name} must be ≥ 0 (0 = off)")
-        if o.slots_watch_timeout_ms < 1:
-            raise exceptions.OptionsError("slots_watch_timeout_ms must be ≥ 1")
+        options.check_minimums(o, MINIMUMS)
         self.settings = WatchSettings(interval=o.slots_watch_interval_ms / 1000,
                                       poll_timeout=o.slots_watch_timeout_ms / 1000,
                                       first_token_timeout=float(o.slots_first_token_timeout),
