@@ -107,13 +107,14 @@ class Pinning:
         if req is None or flow.response is None:
             return
         req.upstream.unlock(flow.id)
-        if flow.live and flows.is_sse(flow.response) and flow.request.http_version == "HTTP/1.1":
+        streamed = flow.live and flows.is_sse(flow.response)
+        if streamed and flow.request.http_version == "HTTP/1.1":
             # llama-server closes the connection after a streamed answer without saying so; a client's next
             # request sent within milliseconds could go out on it and get a 502 (mitmproxy #3038). Said
             # aloud, both sides close cleanly (docs/mitmproxy.md).
             flow.response.headers["connection"] = "close"
         # A streamed response has no body yet; a saved flow's body is already here (read in `response`).
-        if flow.live and flows.is_sse(flow.response) and not flow.response.raw_content:
+        if streamed and not flow.response.raw_content:
             req.stream = StreamObserver()
             keep = self._keeper_of(flow.response) if req.upstream.settings.keep_streams else None
             on_error = self._stream_error(req.upstream.url)
