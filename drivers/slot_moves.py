@@ -84,7 +84,7 @@ class SlotMoves:
         if plan.save_for is not None:
             saving = self.pages.saving[plan.save_for] = asyncio.Event()
         try:
-            if plan.save_file is not None:
+            if plan.saves:  # the holder's page-out and a live seed's save: both recorded before they are written
                 async with self.store.transaction() as state:
                     replaced = self.keeper.page_intent(state, plan, time.time())
                 if self.store.remote:  # another proxy may have planned its restore from the record just replaced
