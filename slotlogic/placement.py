@@ -42,7 +42,7 @@ def assign(cfg: Settings, state: shared.ServerState, session_key: str, prefix: s
             return Choice(owned, Why.RESUMED)
     held_back = reserved if cfg.policy is Policy.AUTO and (local is None or local.reserving(now)) else None
     choice = ranking.choose(cfg.policy, views, now, cfg.ttl, prefix=prefix, reserved=held_back,
-                            spawn=displaced_from is None)
+                            spawn=displaced_from is None, paging=cfg.paging)
     requests = 1
     if displaced_from is not None and displaced_from < total_slots:
         if choice.slot != displaced_from and not ranking.worth_moving(views[choice.slot], views[displaced_from],

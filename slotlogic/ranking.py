@@ -17,7 +17,11 @@ claimed, oldest `last_used`, then fewest tokens, then lowest id.
   1. busy slots last: a request pinned to a busy slot is *deferred* until that slot frees (docs/llama-server.md),
      and deferred unpinned requests can starve behind it;
   2. free before claimed: a live session's cache is worth more than an expired one's;
-  3. the reserved side-call slot after every other slot (sessions use it only when nothing else is left);
+  3. the reserved side-call slot after every other free slot (sessions use it only when nothing else is
+     free); with session paging, after the claimed slots too: evicting a live session then costs a save
+     and a later restore (milliseconds), while a session placed there overwrites the side calls' prompt,
+     which nobody pages, and the next side call prefills all of it again (Qwen Code's memory extraction:
+     6,200 tokens after every turn, docs/clients.md);
   4. among free slots: one whose last content starts with the same shared prefix (system prompt +
      tools) first — the new session reuses that prefix in-slot, while a request pinned to an *empty*
      slot never even consults llama-server's RAM prompt cache (#28139) — then empty slots (nothing
@@ -98,8 +102,9 @@ def seed_key(view: SlotView, now: float, ttl: float) -> tuple[int, float, int, i
 
 
 def auto_key(view: SlotView, now: float, ttl: float, prefix: str | None,
-             reserved: int | None, spawn: bool = True) -> tuple[object, ...]:
+             reserved: int | None, spawn: bool = True, paging: bool = False) -> tuple[object, ...]:
     claimed = is_claimed(view, now, ttl)
+    side = view.id == reserved
     same_prefix = prefix is not None and view.prefix == prefix and _tokens(view) > 0
     if not claimed:
         content = 0 if same_prefix else 1 if _empty(view) else 2
@@ -107,7 +112,9 @@ def auto_key(view: SlotView, now: float, ttl: float, prefix: str | None,
     else:
         inner = (0 if spawn and _spawned_from(view, now) else 1, activity(view), view.owner_requests,
                  0 if same_prefix else 1, _tokens(view))
-    return (view.busy, claimed, view.id == reserved, *inner, view.id)
+    if paging:
+        return (view.busy, side, claimed, *inner, view.id)
+    return (view.busy, claimed, side, *inner, view.id)
 
 
 def activity(view: SlotView) -> float:
@@ -157,16 +164,18 @@ def _reason(view: SlotView, now: float, ttl: float, prefix: str | None, spawn: b
 
 
 def choose(policy: Policy, slots: Sequence[SlotView], now: float, ttl: float, *,
-           prefix: str | None = None, reserved: int | None = None, spawn: bool = True) -> Choice:
+           prefix: str | None = None, reserved: int | None = None, spawn: bool = True,
+           paging: bool = False) -> Choice:
     """The slot for a new session. `slots` must be non-empty and list every slot id once. `spawn=False`
-    for a displaced session: it is no subagent, so "the owner that just answered is its parent" is void."""
+    for a displaced session: it is no subagent, so "the owner that just answered is its parent" is void.
+    `paging`: an evicted session is paged out and back in (the reserved slot then ranks after claimed ones)."""
     if not slots:
         raise ValueError("no slots to choose from")
     if policy is Policy.SEED:
         best = min(slots, key=lambda v: seed_key(v, now, ttl))
         return Choice(best.id, Why.SEED_CLAIMED_COLDEST if is_claimed(best, now, ttl) else Why.SEED_FREE)
     if policy is Policy.AUTO:
-        best = min(slots, key=lambda v: auto_key(v, now, ttl, prefix, reserved, spawn))
+        best = min(slots, key=lambda v: auto_key(v, now, ttl, prefix, reserved, spawn, paging))
         return Choice(best.id, _reason(best, now, ttl, prefix, spawn))
     raise ValueError(f"policy {policy.value!r} does not choose slots")
 
