@@ -14,17 +14,19 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from drivers.build_claims import BuildClaims
 from drivers.checkpoint_runner import CheckpointRunner
+from drivers.llama_http import LlamaClient
 from drivers.page_runner import PageOutcome, PageRunner
 from drivers.store import StateStore
 from slotlogic import prefix as pfx
 from slotlogic import shared
 from slotlogic.decisions import NeedSlot
-from slotlogic.events import CheckpointDone, Event, Failed, NoSavePath, Paged, Stage
+from slotlogic.events import CheckpointDone, Event, Failed, NoSavePath, Paged, SourceAwaited, Stage
 from slotlogic.keeper import Keeper
 from slotlogic.paging import Moved, PagePlan
 from slotlogic.prefix import StablePrefix
@@ -34,6 +36,7 @@ from slotlogic.settings import Settings
 
 REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its session stays (a shared store)
 REMOTE_SETTLE = 10.0   # seconds a pager waits for another proxy's page-out of its session (a shared store)
+SOURCE_POLL = 0.2      # seconds between `/slots` looks while a new session waits for the slot it would copy
 
 
 class SlotMoves:
@@ -43,6 +46,7 @@ class SlotMoves:
     settings: Settings
     keeper: Keeper
     store: StateStore
+    client: LlamaClient
     pages: PageRunner | None
     checkpoints: CheckpointRunner | None
     builds: BuildClaims | None
@@ -57,6 +61,27 @@ class SlotMoves:
             return False
         name = pfx.file_name(cp.fingerprint(need.stable, info))
         return name not in cp.building and not await asyncio.to_thread(cp.file_known, name, info)
+
+    async def _await_source(self, slot: int, key: str, view: SlotView, views: Sequence[SlotView],
+                            stable_chars: int, cold: StablePrefix | None) -> Sequence[SlotView]:
+        """Before the slot's paging lock: when the conversation this new session would start from is on a slot
+        still running a request (two sessions that start together), wait for that slot to go idle, within
+        the time prefilling the copied part would take (`Keeper.busy_source`); `views` as they are then. A
+        shared store never seeds from a live slot (other proxies may page it), so it never waits."""
+        found = None if self.store.remote else self.keeper.busy_source(slot, key, view, views, stable_chars, cold)
+        if found is None:
+            return views
+        source, budget = found
+        started = time.monotonic()
+        idle = False
+        while not idle and time.monotonic() - started < budget:
+            await asyncio.sleep(min(SOURCE_POLL, max(0.0, budget - (time.monotonic() - started))))
+            live = await self.client.slots()
+            if live is None:
+                break
+            idle = any(s.get("id") == source and not s.get("is_processing") for s in live if isinstance(s, dict))
+        self.emit(SourceAwaited(self.url, slot, source, time.monotonic() - started, idle))
+        return [replace(v, busy=False) if v.id == source else v for v in views] if idle else views
 
     async def _page(self, slot: int, key: str, view: SlotView, flow_id: str, views: Sequence[SlotView] = (),
                     stable_chars: int = 0, cold: StablePrefix | None = None) -> Moved:

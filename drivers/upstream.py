@@ -268,8 +268,9 @@ class Upstream(SlotMoves):
         if self.pages is not None:
             stable_chars = len(need.stable.text) if need.stable is not None and self.checkpoints is not None else 0
             cold = need.stable if not holds and await self._unbuilt(need, info) else None
-            moved = await self._page(placement.slot, key, placement.view, flow_id, placement.views, stable_chars,
-                                     cold)
+            views = await self._await_source(placement.slot, key, placement.view, placement.views, stable_chars,
+                                             cold)
+            moved = await self._page(placement.slot, key, placement.view, flow_id, views, stable_chars, cold)
         if self.checkpoints is not None and need.stable is not None and moved in (Moved.NOTHING, Moved.PREFIX):
             await self._warm(placement.slot, need, info, holds and moved is Moved.NOTHING)
         elif self.checkpoints is not None and need.stable is None and "no-marker" not in self.warned:

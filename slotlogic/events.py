@@ -159,6 +159,16 @@ class Paged(Event):
 
 
 @dataclass(frozen=True)
+class SourceAwaited(Event):
+    """A new session waited for the slot it would start from to finish its request (`paging.source_wait`)."""
+
+    slot: int       # the new session's slot
+    source: int     # the slot it waited for
+    seconds: float
+    idle: bool      # the source's slot went idle in time (its conversation is copied)
+
+
+@dataclass(frozen=True)
 class CheckpointStep(Event):
     note: Note
 

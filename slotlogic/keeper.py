@@ -55,6 +55,8 @@ from slotlogic.stats import SessionStats
 from slotlogic.table import SessionTable
 
 MAX_MARKS = 512  # prompts remembered for the continuation rule of raw `/completion` bodies
+RATE_MIN_TOKENS = 64  # a shorter prefill's rate is mostly the request's fixed overhead
+RATE_WEIGHT = 0.3     # of the newest answer in the prefill rate's moving average
 MAX_STATS = 1024  # sessions whose counters the status view and the summary show; the least recently answered go
 
 
@@ -125,6 +127,7 @@ class Keeper(PageKeeping):
         self._page_seq = 0
         self.learned: list[SlotLearned] = []  # affinity: slots learned from answers, for the driver to log
         self.prefill_speed: float | None = None  # the start-up probe's prefill tok/s (answers without timings)
+        self.prefill_rate: float | None = None   # prompt tok/s of this server's recent answers (a moving average)
         self._headers = settings.header_bytes
 
     def reconfigure(self, settings: Settings) -> None:
@@ -410,6 +413,10 @@ class Keeper(PageKeeping):
         stats = self.stats.pop(key, None) or SessionStats()
         self.stats[key] = stats  # most recently answered last
         stats.add(obs, slot, ticket.session.source, fallback_pps=self.prefill_speed)
+        pps = obs.prompt_per_second
+        if pps and obs.prompt_n and obs.prompt_n >= RATE_MIN_TOKENS:
+            old = self.prefill_rate
+            self.prefill_rate = pps if old is None else old + RATE_WEIGHT * (pps - old)
         while len(self.stats) > MAX_STATS:
             self.stats.popitem(last=False)
         return Report(ticket, obs, slot, path, self.upstream, seconds)

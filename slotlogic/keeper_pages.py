@@ -8,6 +8,7 @@ keeper: pure, typed facts in and typed plans out (`slotlogic.paging`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from slotlogic import lead as leads
 from slotlogic import paging, shared
@@ -33,6 +34,8 @@ class PageKeeping:
     learner: PrefixLearner
     instance: str
     _page_seq: int
+    prefill_speed: float | None
+    prefill_rate: float | None
 
     @property
     def page_identity(self) -> str:
@@ -70,10 +73,36 @@ class PageKeeping:
                            salt=salt)
         if plan.restore_file is not None or holder == session_key or holds_own:
             return plan
-        seed = self._seed(slot, session_key, holder, view, views, stable_chars)
-        if seed is None and cold is not None:
-            seed = self._prefix_seed(slot, session_key, holder, views, cold)
+        seed = self._any_seed(slot, session_key, holder, view, views, stable_chars, cold)
         return paging.seeded(plan, seed, self.pages, self.upstream, salt) if seed is not None else plan
+
+    def busy_source(self, slot: int, session_key: str, view: SlotView, views: Sequence[SlotView],
+                    stable_chars: int = 0, cold: pfx.StablePrefix | None = None) -> tuple[int, float] | None:
+        """The slot of the conversation `session_key` would start from if that slot were not running a request
+        now (two sessions that start together: the first is still prefilling what the second would copy), and
+        how long waiting for it is worth (`paging.source_wait`); None when nothing better is worth waiting for.
+        Asked before the slot's paging lock is taken; `page_plan` decides again after the wait."""
+        if not views or session_key in self.pages or not any(v.busy for v in views):
+            return None
+        holder, _ = paging.holder_of(slot, view, self.table.dispatched)
+        if holder == session_key:
+            return None
+        idle = [replace(v, busy=False) for v in views]
+        now, then = self._any_seed(slot, session_key, holder, view, views, stable_chars, cold), \
+            self._any_seed(slot, session_key, holder, view, idle, stable_chars, cold)
+        if then is None or then.slot is None or not views[then.slot].busy:
+            return None
+        gain = then.chars - (now.chars if now is not None else 0 if cold is not None else stable_chars)
+        wait = paging.source_wait(gain, self.prefill_rate or self.prefill_speed, self.settings.seed_wait)
+        return (then.slot, wait) if gain > 0 and wait > 0 else None
+
+    def _any_seed(self, slot: int, key: str, holder: str | None, view: SlotView, views: Sequence[SlotView],
+                  stable_chars: int, cold: pfx.StablePrefix | None) -> paging.Seed | None:
+        """What `page_plan` would seed the slot with, given `views`."""
+        seed = self._seed(slot, key, holder, view, views, stable_chars)
+        if seed is None and cold is not None:
+            seed = self._prefix_seed(slot, key, holder, views, cold)
+        return seed
 
     def _seed(self, slot: int, key: str, holder: str | None, view: SlotView, views: Sequence[SlotView],
               stable_chars: int) -> paging.Seed | None:

@@ -41,7 +41,8 @@ FILE_RE = re.compile(r"^page-[0-9a-f]{20}\.bin$")
 MIN_TOKENS = 64  # below this a prefill is cheaper than the bookkeeping (and it is mostly a bare prompt)
 # A seed must give ~MIN_TOKENS more than the slot holds anyway (4 characters a token): the same trade as a
 # page-in, which moves a whole conversation to spare its prefill.
-SEED_MIN_CHARS = 4 * MIN_TOKENS
+CHARS_PER_TOKEN = 4
+SEED_MIN_CHARS = CHARS_PER_TOKEN * MIN_TOKENS
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,18 @@ def choose_seed(lead: Lead | None, candidates: Iterable[tuple[str, Lead | None, 
         if best is None or (chars, rank) > best[:2]:
             best = (chars, rank, seed)
     return best[2] if best else None
+
+
+def source_wait(chars: int, prefill_rate: float | None, cap: float) -> float:
+    """How long a new session may wait for the conversation it would start from while that slot runs its own
+    request (a save waits for the slot anyway): at most what prefilling the `chars` it would copy takes at the
+    server's measured prompt rate (tokens/s), so waiting costs at most twice the prefill it may save; `cap`
+    when no rate is measured yet (the first requests of a proxy), never more than `cap`."""
+    if cap <= 0 or chars <= 0:
+        return 0.0
+    if prefill_rate is None or prefill_rate <= 0:
+        return cap
+    return min(cap, chars / CHARS_PER_TOKEN / prefill_rate)
 
 
 def seeded(plan: PagePlan, seed: Seed, pages: Mapping[str, PageRecord], upstream: str, salt: str) -> PagePlan:

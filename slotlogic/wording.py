@@ -166,6 +166,9 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
                                             f"decide without it for {e.seconds:.0f} s"),
     ev.PagingLockTimeout: lambda e: (Level.WARNING, f"paging lock of slot {e.slot} not released within "
                                                     f"{e.seconds:.0f} s; going ahead without paging"),
+    ev.SourceAwaited: lambda e: (Level.INFO, f"slot {e.slot} waited {_secs(e.seconds)} for slot {e.source} to finish "
+                                             "its request, " + ("to start from a copy of its conversation" if e.idle
+                                                                else "then gave up (prefilling is as quick)")),
     ev.CheckpointStep: lambda e: (Level.INFO, f"prefix-cache {note(e.note)}"),
     ev.CheckpointStarted: lambda e: (Level.INFO, f"prefix-cache fingerprint={e.fingerprint[:16]}… slot={e.slot}"),
     ev.CheckpointWaiting: lambda e: (Level.INFO, f"prefix-cache waiting for the build of {e.file} in progress"),
@@ -368,6 +371,9 @@ def event_record(event: ev.Event) -> dict[str, Any] | None:
         return {"kind": "page", "upstream": event.upstream, "slot": event.slot, "out": event.out,
                 "out_tokens": event.out_tokens, "in": event.into, "in_tokens": event.in_tokens, "seed": event.seed,
                 "seconds": round(event.seconds, 4), "server_ms": round(event.server_ms, 2)}
+    if isinstance(event, ev.SourceAwaited):
+        return {"kind": "source-wait", "upstream": event.upstream, "slot": event.slot, "source": event.source,
+                "seconds": round(event.seconds, 3), "idle": event.idle}
     if isinstance(event, ev.Waiting):
         return {"kind": "waiting", "upstream": event.upstream, "path": event.path, "session": event.session,
                 "state": event.state.value if isinstance(event.state, State) else str(event.state),

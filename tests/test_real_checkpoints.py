@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from launch.llama_server import LlamaServer
@@ -126,3 +129,33 @@ def test_a_marker_less_prompt_is_learned_and_the_third_session_restores_it(dirs)
     assert b.cache_n >= 0.9 * shared_tokens and c.cache_n >= 0.9 * shared_tokens, (b, c, shared_tokens)
     assert len({a.slot, b.slot, c.slot}) == 3
     assert "no stable-prefix marker" in (tmp / "p.log").read_text()
+
+
+def test_two_marker_less_sessions_that_start_together_prefill_the_shared_part_once(dirs):
+    """The second session arrives while the first is still running its first request: it waits for that slot
+    (`slots_seed_wait`) and starts from a copy of it, instead of a warm-up that prefills the shared part again
+    next to the first session's own prefill."""
+    tmp, slots = dirs
+    log = tmp / "req.jsonl"
+
+    def generic(first: str, cwd: str) -> list[dict[str, str]]:
+        env = f"\n\n# Environment\nWorking directory: {cwd}\nToday's date: 2026-11-30"
+        return [{"role": "system", "content": SYSTEM.replace(". ", ".\n") + env}, {"role": "user", "content": first}]
+
+    srv = LlamaServer(slots=4, ctx_per_slot=4096, slot_save_path=str(slots), log_path=str(tmp / "s.log"))
+    with srv, MitmProxy(srv.url, proxy_opts(tmp, slots), log_path=str(tmp / "p.log")) as px:
+        body = {"messages": generic("Task A: write a long answer.", "/srv/a"), "max_tokens": 96, "temperature": 0}
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(httpx.post, px.url + "/v1/chat/completions", json=body, timeout=120)
+            deadline = time.monotonic() + 30
+            while not any(s.get("is_processing") for s in httpx.get(srv.url + "/slots").json()):
+                assert time.monotonic() < deadline and not first.done(), "the first request never ran"
+                time.sleep(0.02)
+            b = ask(px.url, generic("Task B.", "/srv/b"))
+            a = first.result().json()["timings"]
+    records = jsonl(log)
+    waits = [r for r in records if r.get("kind") == "source-wait"]
+    assert [w["idle"] for w in waits] == [True], records
+    assert b.cache_n >= 0.8 * a["prompt_n"], (a, b)                    # the shared part, copied from A's slot
+    assert all(c["prompt_n"] < 0.5 * a["prompt_n"] for c in checkpoints(log)), records  # no second prefill of it
+    assert "waited" in (tmp / "p.log").read_text()

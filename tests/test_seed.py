@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -199,3 +200,42 @@ def test_a_cold_prefix_is_copied_from_a_live_session_that_starts_with_it():
     assert k.page_plan(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=views).seed is None
     busy = [SlotView(i, busy=i == first) for i in range(4)]
     assert k.page_plan(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=busy, cold=d.stable).seed is None
+
+
+def test_two_sessions_that_start_together_wait_for_the_first_to_copy_it():
+    """The second session's source is still running its first request: waiting for it is worth at most what
+    prefilling the copied part takes; nothing is waited for once the copy is there or a checkpoint covers it."""
+    k, state = Keeper(Settings(), U), shared.ServerState(U)
+    k.note_server(state, info())
+    first = placed(k, state, generic("one", "/a"), "s1", 0.0)
+    d = need(k, generic("two", "/b"), "s2", 1.0)
+    p = k.assign(d, state, info(), LIVE, 1.0)
+    key, view = d.ticket.session.key, SlotView(p.slot, 0)
+    busy = [SlotView(i, busy=i == first) for i in range(4)]
+    found = k.busy_source(p.slot, key, view, busy, cold=d.stable)
+    assert found == (first, Settings().seed_wait)                          # no prefill rate measured yet
+    k.prefill_rate = 100.0                                                 # tokens/s
+    assert found[0] == first and k.busy_source(p.slot, key, view, busy, cold=d.stable) == (
+        first, pytest.approx(len(d.stable.text) / paging.CHARS_PER_TOKEN / 100.0))
+    idle = [SlotView(i) for i in range(4)]
+    assert k.busy_source(p.slot, key, view, idle, cold=d.stable) is None    # copy it now, no wait
+    assert k.busy_source(p.slot, key, view, busy) is None                  # its checkpoint exists: restore that
+    k.settings = Settings(seed_wait=0.0)
+    assert k.busy_source(p.slot, key, view, busy, cold=d.stable) is None    # waiting turned off
+
+
+def test_a_lead_seed_waits_only_when_it_gives_more_than_the_idle_choice():
+    k, state, first = keeper_with_one_session()
+    slot = placed(k, state, codex("write the docs", "s2"), "s2", 1.0, pin=False)
+    key, view = k.table.holders[slot], SlotView(slot, 0)
+    busy = [SlotView(i, busy=i == first) for i in range(4)]
+    assert k.busy_source(slot, key, view, busy) == (first, Settings().seed_wait)
+    chars = lead.shared(k.table.sessions[key].lead, k.table.sessions[k.table.holders[first]].lead)[1]
+    assert k.busy_source(slot, key, view, busy, stable_chars=chars) is None  # its checkpoint gives as much
+
+
+def test_source_wait_never_exceeds_the_prefill_it_saves_nor_the_cap():
+    assert paging.source_wait(4000, 1000.0, 30.0) == 1.0
+    assert paging.source_wait(4000, 10.0, 30.0) == 30.0
+    assert paging.source_wait(4000, None, 30.0) == 30.0
+    assert paging.source_wait(4000, 1000.0, 0.0) == 0.0 and paging.source_wait(0, 1000.0, 30.0) == 0.0
