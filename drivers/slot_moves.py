@@ -34,7 +34,7 @@ from slotlogic.ranking import SlotView
 from slotlogic.server import ServerInfo
 from slotlogic.settings import Settings
 
-REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its session stays (a shared store)
+REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its session stays (a restore planned)
 REMOTE_SETTLE = 10.0   # seconds a pager waits for another proxy's page-out of its session (a shared store)
 SOURCE_POLL = 0.2      # seconds between `/slots` looks while a new session waits for the slot it would copy
 
@@ -65,10 +65,16 @@ class SlotMoves:
     async def _await_source(self, slot: int, key: str, view: SlotView, views: Sequence[SlotView],
                             stable_chars: int, cold: StablePrefix | None) -> Sequence[SlotView]:
         """Before the slot's paging lock: when the conversation this new session would start from is on a slot
-        still running a request (two sessions that start together), wait for that slot to go idle, within
-        the time prefilling the copied part would take (`Keeper.busy_source`); `views` as they are then. A
-        shared store never seeds from a live slot (other proxies may page it), so it never waits."""
-        found = None if self.store.remote else self.keeper.busy_source(slot, key, view, views, stable_chars, cold)
+        still running a request, or about to (two sessions that start together), wait for that slot to go idle,
+        within the time prefilling the copied part would take (`Keeper.busy_source`); `views` as they are
+        then. A shared store never seeds from a live slot (other proxies may page it), so it never waits."""
+        assert self.pages is not None
+        if self.store.remote:
+            return views
+        pages = self.pages
+        # A slot whose paging lock is held is as good as busy: its placement's request is on its way there.
+        busy = [replace(v, busy=True) if not v.busy and pages.busy(v.id) else v for v in views]
+        found = self.keeper.busy_source(slot, key, view, busy, stable_chars, cold)
         if found is None:
             return views
         source, budget = found
@@ -79,7 +85,8 @@ class SlotMoves:
             live = await self.client.slots()
             if live is None:
                 break
-            idle = any(s.get("id") == source and not s.get("is_processing") for s in live if isinstance(s, dict))
+            idle = (not pages.busy(source) and source not in self.keeper.table.running
+                    and any(s.get("id") == source and not s.get("is_processing") for s in live if isinstance(s, dict)))
         self.emit(SourceAwaited(self.url, slot, source, time.monotonic() - started, idle))
         return [replace(v, busy=False) if v.id == source else v for v in views] if idle else views
 
@@ -112,10 +119,9 @@ class SlotMoves:
             if plan.saves:  # the holder's page-out and a live seed's save: both recorded before they are written
                 async with self.store.transaction() as state:
                     replaced = self.keeper.page_intent(state, plan, time.time())
-                if self.store.remote:  # another proxy may have planned its restore from the record just replaced
-                    self.pages.delete_later(replaced, REPLACED_GRACE)
-                else:
-                    self.pages.delete(replaced)
+                # Another placement (of any proxy) may have planned its restore from the record just replaced:
+                # a seed from this session's page, on a slot whose lock it holds, not this one.
+                self.pages.delete_later(replaced, REPLACED_GRACE)
             out = await self.pages.run(plan)
             await self._record_pages(plan, out)
         except Exception as e:

@@ -8,7 +8,6 @@ keeper: pure, typed facts in and typed plans out (`slotlogic.paging`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 from slotlogic import lead as leads
 from slotlogic import paging, shared
@@ -82,30 +81,29 @@ class PageKeeping:
         now (two sessions that start together: the first is still prefilling what the second would copy), and
         how long waiting for it is worth (`paging.source_wait`); None when nothing better is worth waiting for.
         Asked before the slot's paging lock is taken; `page_plan` decides again after the wait."""
-        if not views or session_key in self.pages or not any(v.busy for v in views):
+        if not views or session_key in self.pages:
             return None
         holder, _ = paging.holder_of(slot, view, self.table.dispatched)
         if holder == session_key:
             return None
-        idle = [replace(v, busy=False) for v in views]
-        now, then = self._any_seed(slot, session_key, holder, view, views, stable_chars, cold), \
-            self._any_seed(slot, session_key, holder, view, idle, stable_chars, cold)
-        if then is None or then.slot is None or not views[then.slot].busy:
+        now = self._any_seed(slot, session_key, holder, view, views, stable_chars, cold)
+        then = self._any_seed(slot, session_key, holder, view, views, stable_chars, cold, busy_too=True)
+        if then is None or then.slot is None or (now is not None and now.slot == then.slot):
             return None
         gain = then.chars - (now.chars if now is not None else 0 if cold is not None else stable_chars)
         wait = paging.source_wait(gain, self.prefill_rate or self.prefill_speed, self.settings.seed_wait)
         return (then.slot, wait) if gain > 0 and wait > 0 else None
 
     def _any_seed(self, slot: int, key: str, holder: str | None, view: SlotView, views: Sequence[SlotView],
-                  stable_chars: int, cold: pfx.StablePrefix | None) -> paging.Seed | None:
-        """What `page_plan` would seed the slot with, given `views`."""
-        seed = self._seed(slot, key, holder, view, views, stable_chars)
+                  stable_chars: int, cold: pfx.StablePrefix | None, busy_too: bool = False) -> paging.Seed | None:
+        """What `page_plan` would seed the slot with (`busy_too`: if every live source were idle)."""
+        seed = self._seed(slot, key, holder, view, views, stable_chars, busy_too)
         if seed is None and cold is not None:
-            seed = self._prefix_seed(slot, key, holder, views, cold)
+            seed = self._prefix_seed(slot, key, holder, views, cold, busy_too)
         return seed
 
     def _seed(self, slot: int, key: str, holder: str | None, view: SlotView, views: Sequence[SlotView],
-              stable_chars: int) -> paging.Seed | None:
+              stable_chars: int, busy_too: bool = False) -> paging.Seed | None:
         """The conversation `key` should start from, if any: a live session of ours idle on another slot (the
         last sent there, by `/slots` not busy) or a page, whichever shares the most of its leading messages."""
         mine = self.table.sessions.get(key)
@@ -113,29 +111,32 @@ class PageKeeping:
             return None
         left = self.table.sessions.get(holder or "")
         have = leads.shared(mine.lead, left.lead)[1] if left is not None and view.n_tokens != 0 else 0
-        candidates = [(other, a.lead, self._idle_on(other, slot, views)) for other, a in self.table.sessions.items()
-                      if other not in (key, holder) and a.lead is not None]
+        candidates = [(other, a.lead, self._idle_on(other, slot, views, busy_too))
+                      for other, a in self.table.sessions.items() if other not in (key, holder) and a.lead is not None]
         return paging.choose_seed(mine.lead, candidates, self.pages, self.page_identity,
                                   beat=max(have, stable_chars))
 
     def _prefix_seed(self, slot: int, key: str, holder: str | None, views: Sequence[SlotView],
-                     cold: pfx.StablePrefix) -> paging.Seed | None:
+                     cold: pfx.StablePrefix, busy_too: bool = False) -> paging.Seed | None:
         """A live session of ours, idle on another slot, whose first system message starts with `cold`."""
         for other in self.learner.sharing(cold):
-            live = self._idle_on(other, slot, views) if other not in (key, holder) else None
+            live = self._idle_on(other, slot, views, busy_too) if other not in (key, holder) else None
             if live is not None:
                 return paging.Seed(other, len(cold.text), live, prefix=True)
         return None
 
-    def _idle_on(self, key: str, slot: int, views: Sequence[SlotView]) -> int | None:
-        """The slot `key` holds, other than `slot`, when its conversation is there and `/slots` says it is idle
-        (what this process sent there last was its request)."""
+    def _idle_on(self, key: str, slot: int, views: Sequence[SlotView], busy_too: bool = False) -> int | None:
+        """The slot `key` holds, other than `slot`: its request was the last this process sent there and its
+        answer completed there, and `/slots` says the slot is idle (`busy_too`: or running `key`'s request).
+        A session placed whose request has not gone out yet holds nothing."""
         a = self.table.sessions.get(key)
-        if a is None or a.slot == slot or a.slot >= len(views) or views[a.slot].busy:
+        if a is None or a.slot == slot or a.slot >= len(views):
             return None
-        if self.table.dispatched.get(a.slot, key) != key or self.table.holders.get(a.slot) != key:
+        if self.table.dispatched.get(a.slot) != key or self.table.holders.get(a.slot) != key:
             return None
-        return a.slot
+        if busy_too:
+            return a.slot if self.table.running.get(a.slot) in (None, key) else None
+        return a.slot if not views[a.slot].busy and a.slot not in self.table.running else None
 
     def pages_seen(self, state: shared.ServerState, session_key: str, now: float, wait: float) -> bool:
         """Take the page index of a fresh read of the shared state; True while `session_key`'s own page is

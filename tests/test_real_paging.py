@@ -52,7 +52,9 @@ def test_an_evicted_session_is_paged_back_in_instead_of_prefilled(tmp_path):
         (True, False, False), (True, True, False), (True, True, False)], pages
     state = json.loads(next((tmp_path / "state").glob("state-*.json")).read_text())
     files = sorted(p.name for p in save.iterdir())
-    # B's and C's pages, and A's: the seed save of A's slot is A's page, recorded like any page-out
-    assert sorted(p["file"] for p in state["pages"].values()) == files and len(files) == 3
+    # B's and C's pages, and A's: the seed save of A's slot is A's page, recorded like any page-out. A page
+    # replaced by a newer one of its session stays a minute (a restore planned from it still finds it).
+    recorded = sorted(p["file"] for p in state["pages"].values())
+    assert len(recorded) == 3 and set(recorded) <= set(files) and len(files) <= 3 + len(pages), (recorded, files)
     assert all(paging.FILE_RE.match(f) for f in files)
     assert all((save / f).stat().st_mode & 0o777 == 0o600 for f in files)  # a page holds a conversation

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from slotlogic import lead, paging, shared
+from slotlogic.answers import Observation
 from slotlogic.decisions import NeedSlot, RequestFacts
 from slotlogic.keeper import Keeper
 from slotlogic.paging import PageRecord, Seed
@@ -99,13 +100,16 @@ def need(k: Keeper, body: dict, key: str, now: float) -> NeedSlot:
 
 
 def placed(k: Keeper, state: shared.ServerState, body: dict, key: str, now: float, live=LIVE,
-           pin: bool = True) -> int:
+           pin: bool = True, answer: bool = True) -> int:
     """A new session through the core as the driver takes it: request, assign (the paging step comes here,
-    before the pin), pin; its slot."""
+    before the pin), pin (its request goes out), its answer (`answer=False`: still running); its slot."""
     d = need(k, body, key, now)
     p = k.assign(d, state, info(), live, now)
     if pin:
         k.pin(d, p.slot, p.why, now)
+        if answer:
+            k.answered(d.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions", seconds=1.0,
+                       now=now + 0.5)
     return p.slot
 
 
@@ -239,3 +243,17 @@ def test_source_wait_never_exceeds_the_prefill_it_saves_nor_the_cap():
     assert paging.source_wait(4000, 10.0, 30.0) == 30.0
     assert paging.source_wait(4000, None, 30.0) == 30.0
     assert paging.source_wait(4000, 1000.0, 0.0) == 0.0 and paging.source_wait(0, 1000.0, 30.0) == 0.0
+
+
+@pytest.mark.parametrize("sent", [False, True])
+def test_a_session_whose_request_has_not_gone_out_or_still_runs_is_no_idle_source(sent):
+    """`/slots` may call such a slot idle (the request is on its way): a copy of it would be empty, or cut
+    short. One still running is waited for; one not sent yet holds nothing to wait for."""
+    k, state = Keeper(Settings(), U), shared.ServerState(U)
+    k.note_server(state, info())
+    first = placed(k, state, generic("one", "/a"), "s1", 0.0, pin=sent, answer=False)
+    d = need(k, generic("two", "/b"), "s2", 1.0)
+    p = k.assign(d, state, info(), LIVE, 1.0)
+    key, view, idle = d.ticket.session.key, SlotView(p.slot, 0), [SlotView(i) for i in range(4)]
+    assert k.page_plan(p.slot, key, view, views=idle, cold=d.stable).seed is None
+    assert k.busy_source(p.slot, key, view, idle, cold=d.stable) == ((first, Settings().seed_wait) if sent else None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -166,3 +167,32 @@ async def test_the_messages_probe_finds_out_whether_the_server_honours_id_slot(t
     used.slots_data[2]["n_prompt_tokens"] = 700  # a session's cache: a probe could hit it, so none is sent
     assert await Upstream(UP, Settings(), tmp_path, seen.append, client=used).probe_messages() is None
     assert used.calls == []
+
+
+async def test_a_new_session_waits_for_the_slot_it_would_copy_while_that_slot_is_being_placed(tmp_path, fake_llama,
+                                                                                                 seen):
+    """Two sessions that share their leading messages start together: the first one's placement still holds its
+    slot's lock (its request is on its way there), so the second waits for it before it copies that slot."""
+    save = tmp_path / "slots"
+    save.mkdir()
+    up = Upstream(UP, Settings(probe_interval=0, save_dir=str(save), paging=True, seed_wait=5.0),
+                  tmp_path / "state", seen.append, client=fake_llama)
+    shared_part = [{"role": "system", "content": "You are a coding agent. " * 40},
+                   {"role": "user", "content": "<environment>/home/u/project</environment>\n" * 20}]
+
+    def session(sid: str, task: str, now: float) -> RequestFacts:
+        body = {"model": "m", "messages": [*shared_part, {"role": "user", "content": task}]}
+        return RequestFacts("POST", CHAT, ((b"session-id", sid.encode()),), json.dumps(body).encode(), now)
+
+    first = await up.decide(session("s1", "fix the parser", 0.0), "f1")
+
+    def first_answered() -> None:  # its response headers came (the lock goes), then its answer completed
+        up.unlock("f1")
+        up.answered(first.ticket, Observation(cache_n=0, prompt_n=900), path=CHAT, seconds=0.5)
+
+    asyncio.get_running_loop().call_later(0.5, first_answered)
+    started = time.monotonic()
+    await up.decide(session("s2", "write the docs", 1.0), "f2")
+    waited = [e for e in seen if isinstance(e, ev.SourceAwaited)]
+    assert len(waited) == 1 and waited[0].idle and waited[0].source == first.ticket.slot, seen
+    assert time.monotonic() - started >= 0.45
