@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -107,18 +109,26 @@ def test_missing_slot_save_path_is_reported_and_the_request_still_served(tmp_pat
     assert first.cache_n > 0 and second.prompt_n > 0  # warmed in memory, requests served
 
 
+def generic(first: str, cwd: str) -> list[dict[str, str]]:
+    """No known marker: the shared part, then a per-session environment block."""
+    env = f"\n\n# Environment\nWorking directory: {cwd}\nToday's date: 2026-11-30"
+    return [{"role": "system", "content": SYSTEM.replace(". ", ".\n") + env}, {"role": "user", "content": first}]
+
+
+@contextmanager
+def four_slots(tmp: Path, slots: Path) -> Iterator[tuple[LlamaServer, MitmProxy]]:
+    srv = LlamaServer(slots=4, ctx_per_slot=4096, slot_save_path=str(slots), log_path=str(tmp / "s.log"))
+    with srv, MitmProxy(srv.url, proxy_opts(tmp, slots), log_path=str(tmp / "p.log")) as px:
+        yield srv, px
+
+
 def test_a_marker_less_prompt_is_learned_and_the_third_session_restores_it(dirs):
     """No known marker, a per-session environment block after the shared part: the first session teaches
     nothing, the second teaches the shared part (a cold build, saved), the third restores it."""
     tmp, slots = dirs
     log = tmp / "req.jsonl"
 
-    def generic(first: str, cwd: str) -> list[dict[str, str]]:
-        env = f"\n\n# Environment\nWorking directory: {cwd}\nToday's date: 2026-11-30"
-        return [{"role": "system", "content": SYSTEM.replace(". ", ".\n") + env}, {"role": "user", "content": first}]
-
-    srv = LlamaServer(slots=4, ctx_per_slot=4096, slot_save_path=str(slots), log_path=str(tmp / "s.log"))
-    with srv, MitmProxy(srv.url, proxy_opts(tmp, slots), log_path=str(tmp / "p.log")) as px:
+    with four_slots(tmp, slots) as (_, px):
         a = ask(px.url, generic("Task A.", "/srv/a"))
         b = ask(px.url, generic("Task B.", "/srv/b"))
         c = ask(px.url, generic("Task C.", "/home/c"))
@@ -138,12 +148,7 @@ def test_two_marker_less_sessions_that_start_together_prefill_the_shared_part_on
     tmp, slots = dirs
     log = tmp / "req.jsonl"
 
-    def generic(first: str, cwd: str) -> list[dict[str, str]]:
-        env = f"\n\n# Environment\nWorking directory: {cwd}\nToday's date: 2026-11-30"
-        return [{"role": "system", "content": SYSTEM.replace(". ", ".\n") + env}, {"role": "user", "content": first}]
-
-    srv = LlamaServer(slots=4, ctx_per_slot=4096, slot_save_path=str(slots), log_path=str(tmp / "s.log"))
-    with srv, MitmProxy(srv.url, proxy_opts(tmp, slots), log_path=str(tmp / "p.log")) as px:
+    with four_slots(tmp, slots) as (srv, px):
         body = {"messages": generic("Task A: write a long answer.", "/srv/a"), "max_tokens": 96, "temperature": 0}
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(httpx.post, px.url + "/v1/chat/completions", json=body, timeout=120)
