@@ -65,6 +65,7 @@ class PageRunner:
         self.remote: dict[str, tuple[int, str, str | None]] = {}  # flow id -> (slot, token, session) held there
         self.last_sent: dict[int, tuple[str, float] | None] = {}  # slot -> its last paged send, as the lock said
         self._tasks: set[asyncio.Task[None]] = set()
+        self._doomed: set[str] = set()  # replaced page files whose deletion waits (`delete_later`)
 
     def busy(self, slot: int) -> bool:
         lock = self.locks.get(slot)
@@ -190,13 +191,25 @@ class PageRunner:
 
     def delete_later(self, names: list[str], seconds: float) -> None:
         """Delete `names` after `seconds` (a restore already planned from them still finds them); at once when
-        no loop runs. A process that exits first leaves them to the next one's orphan sweep."""
+        no loop runs. A clean shutdown deletes them then (`delete_doomed_now`); a killed process leaves them to
+        the next one's orphan sweep."""
         if not names:
             return
         try:
-            asyncio.get_running_loop().call_later(seconds, self.delete, list(names))
+            asyncio.get_running_loop().call_later(seconds, self._delete_doomed, list(names))
         except RuntimeError:
             self.delete(names)
+            return
+        self._doomed.update(names)
+
+    def _delete_doomed(self, names: list[str]) -> None:
+        self._doomed.difference_update(names)
+        self.delete(names)
+
+    def delete_doomed_now(self) -> None:
+        """At shutdown: the files `delete_later` still keeps go now (else only the next orphan sweep finds them)."""
+        names, self._doomed = list(self._doomed), set()
+        self.delete(names)
 
     def delete(self, names: list[str]) -> None:
         for name in names:

@@ -629,6 +629,8 @@ class Upstream(SlotMoves):
             shutil.rmtree(self.state_dir, ignore_errors=True)
             return
         self.flush_sync()
+        if self.pages is not None:
+            self.pages.delete_doomed_now()
         for task in (self._task, *self._side_tasks):
             if task is not None:
                 task.cancel()

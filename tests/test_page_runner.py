@@ -89,6 +89,20 @@ async def test_a_session_being_paged_out_is_waited_for(tmp_path):
     await asyncio.wait_for(pager.settled("nobody"), 1)
 
 
+async def test_a_replaced_page_stays_for_a_while_and_goes_at_shutdown(tmp_path):
+    """A restore planned from a replaced page still finds it; a clean shutdown leaves no such file behind."""
+    pager = runner(Slots(), tmp_path)  # type: ignore[arg-type]
+    old, gone = tmp_path / "page-aaaaaaaaaaaaaaaaaaaa.bin", tmp_path / "page-bbbbbbbbbbbbbbbbbbbb.bin"
+    old.write_bytes(b"x")
+    gone.write_bytes(b"x")
+    pager.delete_later([old.name], 60.0)
+    pager.delete_later([gone.name], 0.01)
+    await asyncio.sleep(0.05)
+    assert old.exists() and not gone.exists()
+    pager.delete_doomed_now()
+    assert not old.exists()
+
+
 def test_delete_and_files(tmp_path):
     pager = runner(Slots(), tmp_path)  # type: ignore[arg-type]
     (tmp_path / "page-aaaaaaaaaaaaaaaaaaaa.bin").write_bytes(b"x")
