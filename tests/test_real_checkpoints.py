@@ -116,9 +116,9 @@ def generic(first: str, cwd: str) -> list[dict[str, str]]:
 
 
 @contextmanager
-def four_slots(tmp: Path, slots: Path) -> Iterator[tuple[LlamaServer, MitmProxy]]:
+def four_slots(tmp: Path, slots: Path, **opts: object) -> Iterator[tuple[LlamaServer, MitmProxy]]:
     srv = LlamaServer(slots=4, ctx_per_slot=4096, slot_save_path=str(slots), log_path=str(tmp / "s.log"))
-    with srv, MitmProxy(srv.url, proxy_opts(tmp, slots), log_path=str(tmp / "p.log")) as px:
+    with srv, MitmProxy(srv.url, {**proxy_opts(tmp, slots), **opts}, log_path=str(tmp / "p.log")) as px:
         yield srv, px
 
 
@@ -148,13 +148,15 @@ def test_two_marker_less_sessions_that_start_together_prefill_the_shared_part_on
     tmp, slots = dirs
     log = tmp / "req.jsonl"
 
-    with four_slots(tmp, slots) as (srv, px):
-        body = {"messages": generic("Task A: write a long answer.", "/srv/a"), "max_tokens": 96, "temperature": 0}
+    # a wait cap no loaded CI machine reaches (no prefill speed is measured before the first answer)
+    with four_slots(tmp, slots, slots_seed_wait=300) as (srv, px):
+        body = {"messages": generic("Task A: write a long answer.", "/srv/a"), "max_tokens": 64, "temperature": 0}
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(httpx.post, px.url + "/v1/chat/completions", json=body, timeout=120)
             deadline = time.monotonic() + 30
-            while not any(s.get("is_processing") for s in httpx.get(srv.url + "/slots").json()):
-                assert time.monotonic() < deadline and not first.done(), "the first request never ran"
+            while not any(s.get("is_processing") and (s.get("params") or {}).get("n_predict") == body["max_tokens"]
+                          for s in httpx.get(srv.url + "/slots").json()):  # A itself, not a start-up probe
+                assert time.monotonic() < deadline and not first.done(), ("the first request never ran", first)
                 time.sleep(0.02)
             b = ask(px.url, generic("Task B.", "/srv/b"))
             a = first.result().json()["timings"]
