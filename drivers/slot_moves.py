@@ -74,7 +74,7 @@ class SlotMoves:
         pages = self.pages
         # A slot whose paging lock is held is as good as busy: its placement's request is on its way there.
         busy = [replace(v, busy=True) if not v.busy and pages.busy(v.id) else v for v in views]
-        found = self.keeper.busy_source(slot, key, view, busy, stable_chars, cold)
+        found = self.keeper.busy_source(slot, key, view, busy, stable_chars, cold, sent=pages.last_sent.get(slot))
         if found is None:
             return views
         source, budget = found
@@ -85,8 +85,7 @@ class SlotMoves:
             live = await self.client.slots()
             if live is None:
                 break
-            idle = (not pages.busy(source) and source not in self.keeper.table.running
-                    and any(s.get("id") == source and not s.get("is_processing") for s in live if isinstance(s, dict)))
+            idle = not pages.busy(source) and self.keeper.source_idle(source, live)
         self.emit(SourceAwaited(self.url, slot, source, time.monotonic() - started, idle))
         return [replace(v, busy=False) if v.id == source else v for v in views] if idle else views
 

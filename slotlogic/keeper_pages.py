@@ -52,17 +52,7 @@ class PageKeeping:
         `cold`: its stable prefix, when no checkpoint file holds it yet: a live session that starts with it is
         copied in, and the checkpoint is built from that copy (a warm-up of a few tokens, not of the prefix)."""
         model = self.page_identity
-        dispatched = self.table.dispatched
-        if view.owner is not None and view.owner not in self.table.sessions and dispatched.get(slot):
-            # The snapshot names another proxy's session as the slot's newest claim (`shared.views` shows
-            # a claim from the shared state only when it is newer than what this process did there): it
-            # ran after our last request, and is what a save would write now, not ours.
-            dispatched = {k: v for k, v in dispatched.items() if k != slot}
-        if sent is not None and sent[0] != dispatched.get(slot):
-            ours = self.table.sessions.get(dispatched.get(slot) or "")
-            if ours is None or ours.last_used < sent[1]:  # the last paged send came after ours: its conversation
-                dispatched = {**dispatched, slot: sent[0]}
-        holder, tokens = paging.holder_of(slot, view, dispatched)
+        holder, tokens = self._holder(slot, view, sent)
         rec = self.pages.get(session_key)
         holds_own = (slot not in self.table.dispatched and view.owner == session_key and rec is not None
                      and (view.n_tokens or 0) >= rec.n_tokens)  # a restarted proxy, its session still there
@@ -75,15 +65,31 @@ class PageKeeping:
         seed = self._any_seed(slot, session_key, holder, view, views, stable_chars, cold)
         return paging.seeded(plan, seed, self.pages, self.upstream, salt) if seed is not None else plan
 
+    def _holder(self, slot: int, view: SlotView, sent: tuple[str, float] | None) -> tuple[str | None, int]:
+        """Whose conversation `slot` holds, and how many tokens (`paging.holder_of`), given what this process
+        sent there, the snapshot's claim, and `sent` (the slot's last paged send of any proxy)."""
+        dispatched = self.table.dispatched
+        if view.owner is not None and view.owner not in self.table.sessions and dispatched.get(slot):
+            # The snapshot names another proxy's session as the slot's newest claim (`shared.views` shows
+            # a claim from the shared state only when it is newer than what this process did there): it
+            # ran after our last request, and is what a save would write now, not ours.
+            dispatched = {k: v for k, v in dispatched.items() if k != slot}
+        if sent is not None and sent[0] != dispatched.get(slot):
+            ours = self.table.sessions.get(dispatched.get(slot) or "")
+            if ours is None or ours.last_used < sent[1]:  # the last paged send came after ours: its conversation
+                dispatched = {**dispatched, slot: sent[0]}
+        return paging.holder_of(slot, view, dispatched)
+
     def busy_source(self, slot: int, session_key: str, view: SlotView, views: Sequence[SlotView],
-                    stable_chars: int = 0, cold: pfx.StablePrefix | None = None) -> tuple[int, float] | None:
+                    stable_chars: int = 0, cold: pfx.StablePrefix | None = None,
+                    sent: tuple[str, float] | None = None) -> tuple[int, float] | None:
         """The slot of the conversation `session_key` would start from if that slot were not running a request
         now (two sessions that start together: the first is still prefilling what the second would copy), and
         how long waiting for it is worth (`paging.source_wait`); None when nothing better is worth waiting for.
         Asked before the slot's paging lock is taken; `page_plan` decides again after the wait."""
         if not views or session_key in self.pages:
             return None
-        holder, _ = paging.holder_of(slot, view, self.table.dispatched)
+        holder, _ = self._holder(slot, view, sent)
         if holder == session_key:
             return None
         now = self._any_seed(slot, session_key, holder, view, views, stable_chars, cold)
@@ -93,6 +99,12 @@ class PageKeeping:
         gain = then.chars - (now.chars if now is not None else 0 if cold is not None else stable_chars)
         wait = paging.source_wait(gain, self.prefill_rate or self.prefill_speed, self.settings.seed_wait)
         return (then.slot, wait) if gain > 0 and wait > 0 else None
+
+    def source_idle(self, source: int, live: Sequence[object]) -> bool:
+        """The slot waited for (`busy_source`) is idle now: `/slots` says so and no request this process sent
+        there is still unanswered (an answer completes a moment after the slot goes idle)."""
+        return source not in self.table.running and any(
+            isinstance(e, Mapping) and e.get("id") == source and not e.get("is_processing") for e in live)
 
     def _any_seed(self, slot: int, key: str, holder: str | None, view: SlotView, views: Sequence[SlotView],
                   stable_chars: int, cold: pfx.StablePrefix | None, busy_too: bool = False) -> paging.Seed | None:

@@ -257,3 +257,15 @@ def test_a_session_whose_request_has_not_gone_out_or_still_runs_is_no_idle_sourc
     key, view, idle = d.ticket.session.key, SlotView(p.slot, 0), [SlotView(i) for i in range(4)]
     assert k.page_plan(p.slot, key, view, views=idle, cold=d.stable).seed is None
     assert k.busy_source(p.slot, key, view, idle, cold=d.stable) == ((first, Settings().seed_wait) if sent else None)
+
+
+def test_the_awaited_slot_is_idle_only_once_slots_says_so_and_its_answer_came():
+    k, state = Keeper(Settings(), U), shared.ServerState(U)
+    k.note_server(state, info())
+    d = need(k, generic("one", "/a"), "s1", 0.0)
+    p = k.assign(d, state, info(), LIVE, 0.0)
+    k.pin(d, p.slot, p.why, 0.0)
+    busy = [{**e, "is_processing": e["id"] == p.slot} for e in LIVE]
+    assert not k.source_idle(p.slot, LIVE)            # /slots idle, but its answer has not come yet
+    k.answered(d.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions", seconds=1.0, now=1.0)
+    assert k.source_idle(p.slot, LIVE) and not k.source_idle(p.slot, busy) and not k.source_idle(p.slot, [])
