@@ -25,9 +25,11 @@ from drivers.page_runner import PageOutcome, PageRunner
 from drivers.store import StateStore
 from slotlogic import prefix as pfx
 from slotlogic import shared
+from slotlogic.checkpoint_machine import Outcome
 from slotlogic.decisions import NeedSlot
 from slotlogic.events import CheckpointDone, Event, Failed, NoSavePath, Paged, SourceAwaited, Stage
 from slotlogic.keeper import Keeper
+from slotlogic.ledger import Cause, Fence, Holds
 from slotlogic.paging import Moved, PagePlan
 from slotlogic.prefix import StablePrefix
 from slotlogic.ranking import SlotView
@@ -90,7 +92,8 @@ class SlotMoves:
         return [replace(v, busy=False) if v.id == source else v for v in views] if idle else views
 
     async def _page(self, slot: int, key: str, view: SlotView, flow_id: str, views: Sequence[SlotView] = (),
-                    stable_chars: int = 0, cold: StablePrefix | None = None) -> Moved:
+                    stable_chars: int = 0, cold: StablePrefix | None = None,
+                    fence: Fence | None = None) -> tuple[Moved, Fence | None]:
         """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
         shares the most with: a seed); what is in the slot for it now. Decided once the lock is held. Fails
         open: trouble only costs the prefill."""
@@ -99,7 +102,7 @@ class SlotMoves:
         # prefix, or whose request has not reached the server, must finish first (a second new session would
         # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
         if not await self.pages.hold(slot, flow_id, key):
-            return Moved.NOTHING
+            return Moved.NOTHING, fence
         if self.store.remote:
             await self._fresh_pages(key)
         plan = self.keeper.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
@@ -110,7 +113,11 @@ class SlotMoves:
             # nor when other proxies (a shared store) may be paging it.
             plan = plan.without_seed()
         if plan.empty:
-            return Moved.NOTHING  # nothing to move, but our request must still go after the page-in before it
+            return Moved.NOTHING, fence  # nothing to move, but our request must still go after the page-in before it
+        if plan.restore_file is not None and not self.keeper.fence_holds(fence):
+            assert fence is not None
+            self.emit(self.keeper.stale_plan(fence, "page", key))  # the slot moved on while the lock was awaited
+            return Moved.NOTHING, fence
         saving = None
         if plan.save_for is not None:
             saving = self.pages.saving[plan.save_for] = asyncio.Event()
@@ -125,7 +132,7 @@ class SlotMoves:
             await self._record_pages(plan, out)
         except Exception as e:
             self.emit(Failed(self.url, Stage.PAGING, type(e).__name__, slot=plan.slot))
-            return Moved.NOTHING
+            return Moved.NOTHING, fence
         finally:
             if saving is not None:
                 saving.set()
@@ -138,10 +145,11 @@ class SlotMoves:
                         plan.restore_for[:8] if plan.restore_for else None, out.restored_tokens, out.seconds,
                         out.server_ms, seed=plan.seed is not None))
         if out.restored_tokens is None:
-            return Moved.NOTHING
+            return Moved.NOTHING, fence
         if plan.seed is None:
-            return Moved.OWN
-        return Moved.PREFIX if plan.seed.prefix else Moved.SEED
+            return Moved.OWN, self.keeper.slot_written(fence, Holds.PAGE, key, out.restored_tokens)
+        moved = Moved.PREFIX if plan.seed.prefix else Moved.SEED
+        return moved, self.keeper.slot_written(fence, Holds.SEED, key, 0, over=Cause.SEED_OVER_OWNER)
 
     async def _fresh_pages(self, key: str) -> None:
         """With the slot's lock held: the page index as the store has it now (another proxy may have paged
@@ -179,21 +187,32 @@ class SlotMoves:
                     files.pop(name.file, None)
         return files
 
-    async def _warm(self, slot: int, need: NeedSlot, info: ServerInfo, holds: bool) -> None:
+    async def _warm(self, slot: int, need: NeedSlot, info: ServerInfo, holds: bool,
+                    fence: Fence | None = None) -> Fence | None:
         """Restore or warm the shared prefix into the new session's slot; fail open on anything. With a shared
         store, the build is claimed first (`drivers.build_claims`): another proxy's build is waited for and
         restored, not prefilled again."""
         assert self.checkpoints is not None and need.stable is not None
         cp, started = self.checkpoints, time.monotonic()
+        key = need.ticket.session.key
         claim = await self.builds.claim(cp, need.stable, info) if self.builds is not None else None
         try:
+            if not self.keeper.fence_holds(fence):  # the slot moved on while the build was awaited
+                assert fence is not None
+                self.emit(self.keeper.stale_plan(fence, "prefix", key))
+                return fence
             orch = await cp.prepare(slot, need.stable, info, holds_prefix=holds)
         except Exception as e:
             self.emit(Failed(self.url, Stage.CHECKPOINT, type(e).__name__, slot=slot))
-            return
+            return fence
         finally:
             if claim is not None and self.builds is not None:
                 await self.builds.finish(cp, info, claim)
         if orch.outcome is not None:
             self.emit(CheckpointDone(self.url, slot, orch.outcome, orch.spent_prefill, orch.identical,
                                      orch.divergent, time.monotonic() - started))
+            if orch.outcome is not Outcome.HIT:  # a restore or warm-up wrote the prefix into the slot
+                tokens = orch.restored_tokens or orch.saved_tokens or 0
+                fence = self.keeper.slot_written(fence, Holds.PREFIX, key, tokens, over=Cause.PREFIX_OVER_OWNER) \
+                    or fence
+        return fence

@@ -232,7 +232,7 @@ class Upstream(SlotMoves):
         return props, (await self._live_slots() if props is not None else None)
 
     async def _place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
-                     accept: Accept | None = None) -> Any:
+                     accept: Accept | None = None, retries: int = 1) -> Any:
         key, now = need.ticket.session.key, facts.now
         if self.pages is not None:
             await self.pages.settled(key)  # its page-out is in flight: page it back in after
@@ -264,18 +264,26 @@ class Upstream(SlotMoves):
         if placement.side or self.offline:
             return self.keeper.pin(need, placement.slot, placement.why, now)
         moved = Moved.NOTHING
+        fence = placement.fence
         holds = self.keeper.holds_prefix(need, placement.view)
         if self.pages is not None:
             stable_chars = len(need.stable.text) if need.stable is not None and self.checkpoints is not None else 0
             cold = need.stable if not holds and await self._unbuilt(need, info) else None
             views = await self._await_source(placement.slot, key, placement.view, placement.views, stable_chars,
                                              cold)
-            moved = await self._page(placement.slot, key, placement.view, flow_id, views, stable_chars, cold)
+            moved, fence = await self._page(placement.slot, key, placement.view, flow_id, views, stable_chars, cold,
+                                            fence=fence)
         if self.checkpoints is not None and need.stable is not None and moved in (Moved.NOTHING, Moved.PREFIX):
-            await self._warm(placement.slot, need, info, holds and moved is Moved.NOTHING)
+            fence = await self._warm(placement.slot, need, info, holds and moved is Moved.NOTHING, fence=fence)
         elif self.checkpoints is not None and need.stable is None and "no-marker" not in self.warned:
             self.warned.add("no-marker")
             self.emit(NoPrefixMarker(self.url, need.ticket.session.short, self.settings.markers))
+        if fence is not None and not self.keeper.fence_holds(fence) and retries > 0:
+            # Another placement claimed the slot while this one's moves ran: plan this request again.
+            self.emit(self.keeper.stale_plan(fence, "pin", key))
+            if self.pages is not None:
+                self.pages.unlock(flow_id, sent=False)
+            return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
         return self.keeper.pin(need, placement.slot, placement.why, now, paged_in=moved is Moved.OWN,
                                seeded=moved in (Moved.SEED, Moved.PREFIX))
 
@@ -514,8 +522,7 @@ class Upstream(SlotMoves):
         only; the listener's task calls it, never a request."""
         if self.offline:
             return
-        key = self.keeper.table.claimed_elsewhere(notice.slot, notice.claimant,
-                                                  notice.at if notice.sent else None)
+        key = self.keeper.claimed_elsewhere(notice.slot, notice.claimant, notice.at if notice.sent else None)
         if key is not None:
             self.emit(DisplacedElsewhere(self.url, notice.slot, key[:8], notice.claimant[:8], Via.NOTICE))
 

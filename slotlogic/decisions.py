@@ -23,6 +23,7 @@ from typing import Any
 from slotlogic.affinity import Learn
 from slotlogic.answers import Observation
 from slotlogic.endpoints import Route
+from slotlogic.ledger import Loss, Promise
 from slotlogic.prefix import StablePrefix
 from slotlogic.reasons import Passed, Unpinned, Why, render
 from slotlogic.session import SessionId
@@ -66,6 +67,8 @@ class Ticket:
     client: dict[str, Any] = field(default_factory=dict)   # id_slot / cache_prompt as the client sent them
     facts: dict[str, Any] | None = None                    # server facts behind a new session's decision
     learn: Learn | None = None   # pending (`slots_policy=affinity`): how the slot llama-server chose is read
+    promise: Promise | None = None   # what the slot ledger said its slot holds for it when it was pinned
+    extends: bool | None = None      # its messages start with all of its previous request's (None: unknown)
 
     @property
     def reason(self) -> str:
@@ -122,6 +125,7 @@ class Report:
     path: str
     upstream: str
     seconds: float
+    loss: Loss | None = None   # tokens the session had that its slot did not hold for this request
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -130,6 +134,8 @@ class Report:
         out = {"session": t.session.key, "source": t.session.source, "slot": self.slot, "reason": t.reason,
                "side": t.side, "cache_n": self.obs.cache_n, "prompt_n": self.obs.prompt_n,
                "outcome": self.obs.outcome, "client": t.client, "facts": t.facts}
+        if self.loss is not None:
+            out["loss"] = {"tokens": self.loss.tokens, "cause": self.loss.cause.value, "expected": self.loss.expected}
         if t.translated:
             out["path"] = self.path  # the request went upstream as a chat completion; this is what was asked
         return out

@@ -13,6 +13,7 @@ from enum import Enum
 
 from slotlogic.affinity import Learn
 from slotlogic.checkpoint_machine import Failure, Note, Outcome
+from slotlogic.ledger import Cause
 from slotlogic.model_facts import ModelFacts
 from slotlogic.paging import PageCheck
 from slotlogic.reasons import Passed
@@ -384,3 +385,25 @@ class NoticesLost(Event):
 @dataclass(frozen=True)
 class NoticesBack(Event):
     store: str
+
+
+@dataclass(frozen=True)
+class TokensLost(Event):
+    """An answer found fewer tokens in its slot than its session's conversation had (`slotlogic.ledger`)."""
+
+    session: str                   # 8-hex digest
+    slot: int | None
+    tokens: int
+    cause: Cause
+    expected: bool
+
+
+@dataclass(frozen=True)
+class StalePlan(Event):
+    """A slot move planned against an epoch the slot no longer has: dropped, planned again."""
+
+    slot: int
+    move: str                      # "page" | "prefix" | "pin"
+    session: str
+    planned: int                   # the epoch it was planned against
+    now: int                       # the slot's epoch when it was to start

@@ -43,10 +43,21 @@ from slotlogic.decisions import (
     Ticket,
 )
 from slotlogic.endpoints import Route, classify
-from slotlogic.events import ContextOverflow, Event, PoolResized, ServerRestarted, SlotLearned, Unreachable
+from slotlogic.events import (
+    ContextOverflow,
+    Event,
+    PoolResized,
+    ServerRestarted,
+    SlotLearned,
+    StalePlan,
+    TokensLost,
+    Unreachable,
+)
 from slotlogic.fastpath import ShapeIndex, fields_absent
 from slotlogic.keeper_pages import PageKeeping
 from slotlogic.learned_prefix import PrefixLearner
+from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
+from slotlogic.ledger import Cause, Fence, Holds, Ledger
 from slotlogic.ranking import Policy, SlotView
 from slotlogic.reasons import Passed, Unpinned, Why
 from slotlogic.server import ServerInfo, slot_facts
@@ -70,6 +81,7 @@ class Placement:
     dropped_pages: list[str]     # page files of sessions the state forgot (the driver deletes them)
     events: list[Event]
     views: tuple[SlotView, ...] = ()  # every slot as it was before this claim (where a seed may come from)
+    fence: Fence | None = None        # the slot's epoch after this claim: the moves for it are fenced by it
 
     @property
     def side(self) -> bool:
@@ -114,6 +126,7 @@ class Keeper(PageKeeping):
         self.settings = settings
         self.upstream = upstream
         self.table = SessionTable(ttl=settings.ttl)
+        self.ledger = Ledger()  # what each slot holds, fenced by its epoch; the loss meter (slotlogic/ledger.py)
         self.shapes = ShapeIndex()  # known sessions' request shapes: the hot path without a parse
         self.marks: OrderedDict[str, sess.PromptMark] = OrderedDict()
         self.threads = sess.Threads()  # conversations of one content root, told apart by their user messages
@@ -156,6 +169,9 @@ class Keeper(PageKeeping):
                            known_prompts=self.marks, threads=self.threads)
         ticket = Ticket(key, route, client={k: req.body.get(k) for k in ("id_slot", "cache_prompt")})
         self._remember_prompt(key.key, sess.prompt_mark(req.body))
+        ticket.extends, mark = leads.extends(req.seen, self.ledger.marks.get(key.key))
+        if mark is not None:
+            self.ledger.marks[key.key] = mark
         if route is Route.ANTHROPIC and not self._translate(ticket, req):
             return Observe(ticket, read.original)
         ticket.side = sidecalls.is_side_call(sess.system_text(req.seen, req.seen_path), s.side_patterns)
@@ -241,7 +257,9 @@ class Keeper(PageKeeping):
         shape = self.shapes.match(facts.path, content)
         if shape is None:
             return None
-        ticket = Ticket(shape.key, route, side=shape.side, client={"id_slot": None, "cache_prompt": None})
+        ticket = Ticket(shape.key, route, side=shape.side, client={"id_slot": None, "cache_prompt": None},
+                        extends=True)  # the byte match proved it appends to the previous request's messages
+        self.ledger.marks.pop(shape.key.key, None)  # its last parsed request is not its previous one any more
         if self.settings.policy is Policy.OFF:
             ticket.unpinned = Unpinned.POLICY_OFF
             return Observe(ticket)
@@ -258,7 +276,8 @@ class Keeper(PageKeeping):
                 return reserved
         key = ticket.session.key
         live = self.table.live(key, now)
-        if live is not None and (total is None or live.slot < total) and not self.table.displaced(key, live.slot):
+        if (live is not None and (total is None or live.slot < total) and not self.table.displaced(key, live.slot)
+                and self.ledger.holds(live.slot, key)):
             ticket.why = Why.KNOWN
             return live.slot
         return None
@@ -270,6 +289,7 @@ class Keeper(PageKeeping):
         if result.client_slot_kept and result.slot != slot:
             ticket.why = Why.CLIENT_SLOT
         key = ticket.session.key
+        ticket.promise = self.ledger.pin(result.slot, key, side=ticket.why is Why.SIDE_CALL)
         self.table.dispatch("" if ticket.why is Why.SIDE_CALL else key, result.slot)
         if ticket.side:
             self.table.side_call(now)
@@ -286,6 +306,7 @@ class Keeper(PageKeeping):
         if result.client_slot_kept:
             ticket.why = Why.CLIENT_SLOT
             ticket.slot = result.slot
+            ticket.promise = self.ledger.pin(result.slot, ticket.session.key)
             self.table.dispatch(ticket.session.key, result.slot)
         else:
             ticket.why = Why.PENDING
@@ -306,6 +327,8 @@ class Keeper(PageKeeping):
         known = self.table.sessions.get(key)
         self.table.assign(key, slot, now, prefix=known.prefix if known else None,
                           requests=known.requests if known else 0)
+        if self.ledger.entry(slot).owner != key:
+            self.ledger.ran_unpinned(slot, key)
         self.table.use(key, now)  # counts the request and marks the claim for the next flush of the state file
         return SlotLearned(self.upstream, ticket.session.short, slot, ticket.learn)
 
@@ -333,6 +356,7 @@ class Keeper(PageKeeping):
         events: list[Event] = []
         if change.restarted:
             events.append(ServerRestarted(self.upstream))
+            self.ledger.resize(info.total_slots, Cause.RESTART)
             self.messages_native = None  # another build may be running now
             if self.settings.checkpoints is not CheckpointMode.OFF or self.settings.paging:
                 # Route every session through the slow path once, so its page or prefix is restored first.
@@ -340,6 +364,8 @@ class Keeper(PageKeeping):
         if change.resized:
             events.append(PoolResized(self.upstream, info.total_slots))
             self.table.forget_all()
+        if change.resized or (self.ledger.total != min(info.total_slots, MAX_LEDGER) and not change.restarted):
+            self.ledger.resize(info.total_slots, Cause.MODEL_CHANGE if change.resized else None)
         self.server = info
         self.total_slots = info.total_slots
         return events
@@ -365,7 +391,8 @@ class Keeper(PageKeeping):
         self.pages = dict(state.pages)
         if choice.why is not Why.SIDE_CALL:
             self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix, lead=leads.of(need.body))
-        return Placement(choice.slot, choice.why, before[choice.slot], dropped, events, tuple(before))
+        fence = self.ledger.claim(choice.slot)
+        return Placement(choice.slot, choice.why, before[choice.slot], dropped, events, tuple(before), fence)
 
     def fallback(self, need: NeedSlot, now: float, last_known_total: int | None) -> tuple[Pin | Observe, Event]:
         """The server did not answer `/props`: pin by a stable hash over the last known slot count (every
@@ -409,6 +436,12 @@ class Keeper(PageKeeping):
             if learned is not None:
                 self.learned.append(learned)
         key = ticket.session.key
+        loss = None
+        if obs.error_type is None:
+            if ticket.slot is None and obs.id_slot is not None and self.ledger.entry(obs.id_slot).owner != key:
+                self.ledger.ran_unpinned(obs.id_slot, key)  # the server chose the slot (affinity, or unpinned)
+            loss = self.ledger.settle(key, ticket.promise, slot, obs.cache_n, obs.prompt_n,
+                                      ticket.extends if not ticket.side else None)
         self.table.answered(key, slot, now)
         stats = self.stats.pop(key, None) or SessionStats()
         self.stats[key] = stats  # most recently answered last
@@ -419,7 +452,7 @@ class Keeper(PageKeeping):
             self.prefill_rate = pps if old is None else old + RATE_WEIGHT * (pps - old)
         while len(self.stats) > MAX_STATS:
             self.stats.popitem(last=False)
-        return Report(ticket, obs, slot, path, self.upstream, seconds)
+        return Report(ticket, obs, slot, path, self.upstream, seconds, loss)
 
     def answer_stream(self, ticket: Ticket) -> anthropic_answer.StreamConverter | None:
         """What turns the streamed chat answer of a translated request back into the native route's."""
@@ -440,6 +473,39 @@ class Keeper(PageKeeping):
     def messages_probed(self, honoured: bool | None) -> None:
         """What the probe found: whether the server honours id_slot on /v1/messages (None: unknown)."""
         self.messages_native = honoured
+
+    # ------------------------------------------------------------------------------------------- the ledger
+
+    def slot_fence(self, slot: int) -> Fence:
+        """The slot's epoch now: a move planned now is performed only while it holds (`slot_written`)."""
+        return self.ledger.fence(slot)
+
+    def fence_holds(self, fence: Fence | None) -> bool:
+        return fence is None or self.ledger.current(fence)
+
+    def slot_written(self, fence: Fence | None, holds: Holds, key: str, tokens: int, *,
+                     over: Cause = Cause.UNKNOWN) -> Fence | None:
+        """A planned move wrote the slot (a page-in: `Holds.PAGE`; a seed: `SEED`; a prefix: `PREFIX`), for
+        `key`'s request: the new fence. None when the plan was stale (the caller logs `stale_plan`)."""
+        if fence is None:
+            return None
+        return self.ledger.admit(fence, holds, key, tokens, over)
+
+    def stale_plan(self, fence: Fence, move: str, session: str) -> StalePlan:
+        """A plan whose slot moved on since it was made: dropped (the caller plans again)."""
+        return StalePlan(self.upstream, fence.slot, move, session[:8], fence.epoch, self.ledger.entry(fence.slot).epoch)
+
+    def claimed_elsewhere(self, slot: int, claimant: str, sent_at: float | None) -> str | None:
+        """Another proxy claimed `slot` for `claimant` (its notice): our session there is displaced, and the
+        ledger says the slot holds the claimant's conversation now. Returns the displaced key."""
+        key = self.table.claimed_elsewhere(slot, claimant, sent_at)
+        if key is not None:
+            self.ledger.claimed_elsewhere(slot, claimant)
+        return key
+
+    def ledger_view(self) -> tuple[object, ...]:
+        """What the proxy believes each slot holds (`slotlogic.ledger.Entry`, in slot order)."""
+        return self.ledger.view()
 
     def abandon(self, ticket: Ticket) -> None:
         """The request goes out unpinned after all (an error after its slot was chosen): nothing may still say
@@ -473,6 +539,10 @@ class Keeper(PageKeeping):
         obs = report.obs
         out: list[Event] = [*self.learned]
         self.learned.clear()
+        if report.loss is not None:
+            loss = report.loss
+            out.append(TokensLost(self.upstream, report.ticket.session.short, report.slot, loss.tokens, loss.cause,
+                                  loss.expected))
         if obs.error_type == "exceed_context_size_error":
             out.append(ContextOverflow(self.upstream, obs.n_prompt_tokens, obs.n_ctx))
         return out
@@ -534,6 +604,9 @@ class Keeper(PageKeeping):
         known = self.table.sessions.get(key)
         prefix = known.prefix if known else None
         self.table.assign(key, slot, now, prefix=prefix, requests=known.requests if known else 0)
+        entry = self.ledger.entry(slot)
+        if entry.owner != key:  # the operator's move: the slot is its from now on, holding nothing of it yet
+            self.ledger.write(slot, Holds.SESSION, key, 0, Cause.UNKNOWN)
         return prefix
 
 

@@ -69,3 +69,30 @@ def shared(a: Lead | None, b: Lead | None) -> tuple[int, int]:
             break
         n += 1
     return n, (a.chars[n - 1] if n else 0)
+
+
+Mark = tuple[int, str]  # (messages, digest over all of them): a request's conversation, no text kept
+
+
+def extends(body: Mapping[str, Any], previous: Mark | None) -> tuple[bool | None, Mark | None]:
+    """Whether `body`'s messages start with every message of the session's previous request (`previous`), and
+    this request's own mark. None: not known (no previous mark, or not a message list). One pass of digests:
+    the same cost as the parse that preceded it, on the slow path only."""
+    items = body.get("messages")
+    if not isinstance(items, list):
+        items = body.get("input")
+    if not isinstance(items, list):
+        return None, None
+    chain = digest("conversation", canonical(body.get("tools") or None))
+    at_previous = None
+    for i, item in enumerate(items):
+        if previous is not None and i == previous[0]:
+            at_previous = chain
+        rendered = {k: v for k, v in item.items() if k not in UNRENDERED} if isinstance(item, Mapping) else item
+        chain = digest(chain, canonical(rendered))
+    if previous is not None and previous[0] == len(items):
+        at_previous = chain
+    mark = (len(items), chain)
+    if previous is None:
+        return None, mark
+    return at_previous == previous[1], mark

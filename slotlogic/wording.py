@@ -69,9 +69,12 @@ def marker(r: Report) -> str:
 def request_record(r: Report) -> dict[str, Any]:
     """The JSONL log's `request` record."""
     t = r.ticket
-    return {"kind": "request", "path": r.path, "upstream": r.upstream, "session": t.session.key,
-            "source": t.session.source, "slot": r.slot, "reason": t.reason, "cache_n": r.obs.cache_n,
-            "prompt_n": r.obs.prompt_n, "error": r.obs.error_type, "seconds": round(r.seconds, 4)}
+    out = {"kind": "request", "path": r.path, "upstream": r.upstream, "session": t.session.key,
+           "source": t.session.source, "slot": r.slot, "reason": t.reason, "cache_n": r.obs.cache_n,
+           "prompt_n": r.obs.prompt_n, "error": r.obs.error_type, "seconds": round(r.seconds, 4)}
+    if r.loss is not None:
+        out["loss"] = {"tokens": r.loss.tokens, "cause": r.loss.cause.value, "expected": r.loss.expected}
+    return out
 
 
 def summary(upstream: str, stats: dict[str, SessionStats]) -> list[str]:
@@ -213,7 +216,28 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
                                               "of our slots is learned at the background flush until they are "
                                               "back"),
     ev.NoticesBack: lambda e: (Level.WARNING, f"claim notices from {e.store} flowing again"),
+    ev.TokensLost: lambda e: (Level.INFO if e.expected else Level.WARNING, _lost(e)),
+    ev.StalePlan: lambda e: (Level.INFO, f"a {e.move} planned for session {e.session} on slot {e.slot} was dropped: "
+                                         f"the slot moved on since (epoch {e.planned} -> {e.now}); planned again"),
 }
+
+_CAUSES = {
+    "restart": "the server restarted (expected)",
+    "model-change": "another model or server configuration (expected)",
+    "evicted": "another session took its slot and no page kept it (expected: no save dir or page budget)",
+    "prefix-over-owner": "a prefix restore or warm-up was written over it",
+    "seed-over-owner": "a seed copy was written over it",
+    "stale-page": "it was paged in from a page older than its conversation",
+    "other-process": "another proxy's session ran on its slot",
+    "unpinned": "a request the server placed itself ran on its slot",
+    "side-call": "a side call ran on its slot",
+    "unknown": "cause unknown",
+}
+
+
+def _lost(e: ev.TokensLost) -> str:
+    return (f"session={e.session} lost {e.tokens:,} tokens on slot {fmt(e.slot)}{_on(e.upstream)}: "
+            f"{_CAUSES.get(e.cause.value, e.cause.value)}")
 
 _HOW = {Learn.ECHO: "id_slot in the answer", Learn.VERBOSE: "__verbose, stripped from the answer",
         Learn.CLIENT_VERBOSE: "the client's own verbose answer", Learn.SLOTS: "/slots after the answer"}
@@ -388,6 +412,12 @@ def event_record(event: ev.Event) -> dict[str, Any] | None:
     if isinstance(event, ev.DisplacedElsewhere):
         return {"kind": "displaced", "upstream": event.upstream, "slot": event.slot, "session": event.session,
                 "by": event.by, "via": event.via.value}
+    if isinstance(event, ev.TokensLost):
+        return {"kind": "lost", "upstream": event.upstream, "slot": event.slot, "session": event.session,
+                "tokens": event.tokens, "cause": event.cause.value, "expected": event.expected}
+    if isinstance(event, ev.StalePlan):
+        return {"kind": "stale-plan", "upstream": event.upstream, "slot": event.slot, "session": event.session,
+                "move": event.move, "planned": event.planned, "now": event.now}
     if isinstance(event, ev.CheckpointDone):
         return {"kind": "checkpoint", "upstream": event.upstream, "slot": event.slot,
                 "outcome": event.outcome.value, "prompt_n": event.prompt_n, "identical": event.identical,

@@ -211,14 +211,29 @@ def test_decisions_match_the_golden_file(name: str, replays: dict[str, list[Repl
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_replay_meters_losses_with_their_cause(name: str, tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """The loss meter on real traffic: only the restart recording loses tokens, each line says it was the
+    restart (expected), and no recording has a loss of unknown cause."""
+    with caplog.at_level(logging.INFO, logger="slotkeeper"):
+        asyncio.run(replay(name, tmp_path))
+    lost = [r.getMessage() for r in caplog.records if re.search(r" session=\S+ lost [\d,]+ tokens ", r.getMessage())]
+    if name == "server_restart":
+        assert lost and all(ln.endswith("the server restarted (expected)") for ln in lost), lost
+    else:
+        assert lost == []
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_replay_logs_the_same_lines_as_live(name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """`mitmdump -nr` prints the live log's per-request lines (order aside: live logs at completion)."""
     live_log = RECORDINGS / f"{name}.live.log"
 
     def lines(text: str) -> Counter[str]:
-        """The per-request lines (the first-token watch's lines come from live timers only)."""
+        """The per-request lines (the first-token watch's lines come from live timers only; the loss meter's
+        lines are newer than the recordings and checked by the next test)."""
         return Counter(re.sub(r" \d+\.\d+s", "", ln) for ln in text.splitlines()
-                       if " session=" in ln and not re.search(r" session=\S+ (waiting|ended after) ", ln))
+                       if " session=" in ln and not re.search(r" session=\S+ (waiting|ended after|lost) ", ln))
 
     with caplog.at_level(logging.INFO, logger="slotkeeper"):
         asyncio.run(replay(name, tmp_path))

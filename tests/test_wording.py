@@ -13,6 +13,7 @@ from slotlogic.answers import Observation
 from slotlogic.checkpoint_machine import Failure, Note, NoteKind, Outcome
 from slotlogic.decisions import Report, Ticket
 from slotlogic.endpoints import Route
+from slotlogic.ledger import Cause
 from slotlogic.paging import PageCheck
 from slotlogic.reasons import Passed, Why
 from slotlogic.session import SessionId
@@ -29,7 +30,7 @@ def sample(cls: type) -> ev.Event:
             continue
         hint = str(hints[f.name])
         values[f.name] = (Passed.NOT_JSON_OBJECT if "Passed" in hint else ev.Stage.PAGING if "Stage" in hint
-                          else ev.Via.NOTICE if "Via" in hint
+                          else ev.Via.NOTICE if "Via" in hint else Cause.STALE_PAGE if "Cause" in hint
                           else Outcome.WARMED if "Outcome" in hint else PageCheck.LOW_CACHE if "PageCheck" in hint
                           else Failure(400, "invalid_request_error")
                           if "Failure" in hint else Note(NoteKind.COLD, 1) if "Note" in hint

@@ -1,0 +1,242 @@
+"""The slot ledger: what this proxy believes each slot of one server holds, and the loss meter behind it.
+
+Why: a slot's KV cache is overwritten by whatever reaches it next — a pinned request, a page-in, a prefix
+restore or warm-up, a seed copy, an unpinned request the server places itself, a restart. The session table
+says who *claimed* a slot; the ledger says what the slot *holds* after every write, so a session is only
+"known" (its next turn pinned without a page-in) while the slot still holds its own conversation, and every
+answer can be checked against what was promised for it.
+
+Rule 1: pure. Facts in (a write planned or done, an answer's token counts), typed values out.
+Rule 2: every write goes through a fence. Each slot has an `epoch` that every write and every claim increments;
+        a move is planned against a `Fence` (slot, epoch) and performed only if the epoch is unchanged when it
+        starts (`admit`). A stale plan is dropped (the caller logs `StalePlan` and plans again).
+Rule 3: a promise per request. When a request is pinned, the ledger says how many tokens the slot holds for
+        its session (`Promise`); when the answer comes, `settle` compares the server's `cache_n` with the
+        session's conversation as of its previous answer and, for a shortfall beyond `tolerance`, names the
+        cause from the slot's history (a prefix written over the owner, a page older than the conversation,
+        a restart, another process, an unpinned request, an eviction). Expected causes are labelled so.
+Rule 4: bounded. At most `MAX_SLOTS` entries per server (only `/props` sizes the ledger; more is capped) and
+        `MAX_SESSIONS` remembered conversations, the least recently answered forgotten first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from enum import Enum
+
+MAX_SLOTS = 1024        # slots of one server the ledger keeps (a larger count is capped, never allocated)
+MAX_SESSIONS = 4096     # conversations whose length and history are remembered
+TOLERANCE_TOKENS = 16   # a turn's re-rendered tail (generation prompt, a re-evaluated last token) is no loss
+TOLERANCE_SHARE = 0.02
+
+
+class Holds(Enum):
+    """What a slot holds, as far as this proxy knows."""
+
+    UNKNOWN = "unknown"   # never seen, or written by something the proxy does not follow
+    EMPTY = "empty"       # a restart emptied it
+    SESSION = "session"   # `owner`'s conversation, `tokens` long (in flight while its request runs)
+    PREFIX = "prefix"     # a stable prefix restored or warmed for `owner`'s request
+    PAGE = "page"         # `owner`'s page, restored: `tokens` long (its request has not run yet)
+    SEED = "seed"         # another session's conversation, copied in as `owner`'s start
+    SIDE = "side"         # a side call's prompt: nobody's conversation
+
+
+class Cause(Enum):
+    """Why tokens a session had were not in its slot when it came back."""
+
+    RESTART = "restart"                      # the server restarted: every slot was emptied
+    MODEL_CHANGE = "model-change"            # another model or configuration now answers
+    EVICTED = "evicted"                      # another session took the slot and no page could keep it
+    PREFIX_OVER_OWNER = "prefix-over-owner"  # a prefix restore or warm-up wrote the owner's slot
+    SEED_OVER_OWNER = "seed-over-owner"      # a seed copy wrote the owner's slot
+    STALE_PAGE = "stale-page"                # paged in from a page older than the conversation
+    OTHER_PROCESS = "other-process"          # another proxy's session ran there
+    UNPINNED = "unpinned"                    # a request the server placed itself ran there
+    SIDE_CALL = "side-call"                  # a side call ran on the session's slot
+    UNKNOWN = "unknown"
+
+    @property
+    def expected(self) -> bool:
+        """Causes outside the proxy's control, or chosen knowingly (no page budget, no save dir)."""
+        return self in _EXPECTED
+
+
+_EXPECTED = frozenset({Cause.RESTART, Cause.MODEL_CHANGE, Cause.EVICTED})
+
+
+@dataclass(frozen=True)
+class Entry:
+    epoch: int
+    holds: Holds = Holds.UNKNOWN
+    owner: str | None = None    # the session whose conversation (SESSION) or start (PREFIX, SEED) it is
+    tokens: int = 0             # tokens the slot holds for `owner` (0: unknown or none promised)
+
+
+@dataclass(frozen=True)
+class Fence:
+    """A plan's token: the slot's epoch when the plan was made."""
+
+    slot: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Promise:
+    """What a pinned request should find: `tokens` in the slot for it, of a conversation `conversation` long."""
+
+    slot: int
+    tokens: int
+    conversation: int          # the session's prompt tokens at its previous answer (0: none known)
+    page_tokens: int | None    # the page it was paged in from, when it was
+
+
+@dataclass(frozen=True)
+class Loss:
+    tokens: int
+    cause: Cause
+
+    @property
+    def expected(self) -> bool:
+        return self.cause.expected
+
+
+def tolerance(tokens: int) -> int:
+    return TOLERANCE_TOKENS + int(tokens * TOLERANCE_SHARE)
+
+
+class Ledger:
+    def __init__(self, max_sessions: int = MAX_SESSIONS) -> None:
+        self._slots: dict[int, Entry] = {}
+        self.total = 0
+        self.conversations: OrderedDict[str, int] = OrderedDict()  # session -> prompt tokens at its last answer
+        self.gone: dict[str, Cause] = {}  # session -> what last wrote over its conversation
+        self.marks: dict[str, tuple[int, str]] = {}  # session -> (messages, digest) of its last parsed request
+        self.max_sessions = max_sessions
+        self.stale = 0   # plans dropped because their slot moved on
+
+    # ------------------------------------------------------------------------------------------ reading
+
+    def entry(self, slot: int) -> Entry:
+        return self._slots.get(slot) or Entry(0)
+
+    def fence(self, slot: int) -> Fence:
+        return Fence(slot, self.entry(slot).epoch)
+
+    def current(self, fence: Fence) -> bool:
+        return self.entry(fence.slot).epoch == fence.epoch
+
+    def holds(self, slot: int, key: str) -> bool:
+        """The slot holds `key`'s conversation, or what was put there for its request (nothing wrote since)."""
+        e = self._slots.get(slot)
+        return e is None or e.owner == key  # a slot never written since the ledger was sized: the table decides
+
+    def view(self) -> tuple[Entry, ...]:
+        """Every slot's entry, in slot order (the simulator's invariants and the status view)."""
+        return tuple(self.entry(s) for s in range(self.total))
+
+    # ------------------------------------------------------------------------------------------ writing
+
+    def resize(self, total: int, cause: Cause | None = None) -> None:
+        """A server of `total` slots (from `/props` only), or the same server restarted (`cause`): every
+        slot's content is unknown (EMPTY after a restart), and every conversation in one is gone."""
+        total = max(0, min(total, MAX_SLOTS))
+        for e in self._slots.values():
+            if e.owner and e.holds is Holds.SESSION and cause is not None:
+                self.gone[e.owner] = cause
+        if cause is Cause.RESTART:  # the same slots, emptied: each still its owner's, holding nothing
+            self._slots = {s: Entry(self.entry(s).epoch + 1, Holds.EMPTY, self.entry(s).owner) for s in range(total)}
+        else:
+            self._slots = {s: Entry(self.entry(s).epoch + 1) for s in range(total)}
+        self.total = total
+
+    def claim(self, slot: int) -> Fence:
+        """A placement chose `slot`: every plan made for it before is stale; the new plan's fence."""
+        e = self.entry(slot)
+        e = replace(e, epoch=e.epoch + 1)
+        self._put(slot, e)
+        return Fence(slot, e.epoch)
+
+    def admit(self, fence: Fence, holds: Holds, owner: str | None, tokens: int = 0,
+              cause: Cause = Cause.UNKNOWN) -> Fence | None:
+        """Perform a planned write: the new fence, or None when the slot moved on since the plan (stale)."""
+        if not self.current(fence) or fence.slot >= max(self.total, fence.slot + 1) > MAX_SLOTS:
+            self.stale += 1
+            return None
+        return self.write(fence.slot, holds, owner, tokens, cause)
+
+    def write(self, slot: int, holds: Holds, owner: str | None, tokens: int = 0,
+              cause: Cause = Cause.UNKNOWN) -> Fence:
+        """Something wrote `slot` (unfenced: an answer that says where it ran, another process's claim). The
+        conversation it replaces is gone, for `cause`."""
+        if slot < 0 or slot >= MAX_SLOTS:
+            return Fence(slot, 0)
+        old = self.entry(slot)
+        if old.owner and old.owner != owner and old.holds is Holds.SESSION:
+            self.gone[old.owner] = cause
+        e = Entry(old.epoch + 1, holds, owner, max(0, tokens))
+        self._put(slot, e)
+        return Fence(slot, e.epoch)
+
+    def pin(self, slot: int, key: str, *, side: bool = False) -> Promise:
+        """A request of `key` goes to `slot` now (the hot path: a few dict operations): what it will find."""
+        old = self.entry(slot)
+        own = old.owner == key and old.holds in (Holds.SESSION, Holds.PREFIX, Holds.PAGE)
+        promised = old.tokens if own else 0
+        if side:
+            self.write(slot, Holds.SIDE, None, 0, Cause.SIDE_CALL)
+        else:
+            self.write(slot, Holds.SESSION, key, promised, Cause.EVICTED)
+        page = old.tokens if own and old.holds is Holds.PAGE else None
+        return Promise(slot, promised, self.conversations.get(key, 0), page)
+
+    def settle(self, key: str, promise: Promise | None, slot: int | None, cache_n: int | None,
+               prompt_n: int | None, extends: bool | None) -> Loss | None:
+        """An answer of `key` completed on `slot`: the slot holds its conversation now; the loss, if its
+        request found less than the session had (only for a request that extends its previous one)."""
+        loss = None
+        had = self.conversations.get(key, 0)
+        if cache_n is not None and promise is not None and extends and had > 0:
+            short = had - cache_n
+            if short > tolerance(had):
+                loss = Loss(short, self._cause(key, promise))
+        if cache_n is not None and prompt_n is not None:
+            tokens = cache_n + prompt_n
+            if slot is not None and 0 <= slot < MAX_SLOTS:
+                e = self.entry(slot)
+                if e.owner == key:
+                    self._put(slot, replace(e, holds=Holds.SESSION, tokens=tokens))
+            self.conversations[key] = tokens
+            self.conversations.move_to_end(key)
+            self.gone.pop(key, None)
+            while len(self.conversations) > self.max_sessions:
+                old, _ = self.conversations.popitem(last=False)
+                self.gone.pop(old, None)
+                self.marks.pop(old, None)
+        return loss
+
+    def ran_unpinned(self, slot: int, key: str) -> None:
+        """An unpinned request (the server chose) ran on `slot`: it holds `key`'s prompt now."""
+        self.write(slot, Holds.SESSION, key, 0, Cause.UNPINNED)
+
+    def claimed_elsewhere(self, slot: int, claimant: str) -> None:
+        self.write(slot, Holds.SESSION, claimant, 0, Cause.OTHER_PROCESS)
+
+    def forget(self, key: str) -> None:
+        self.conversations.pop(key, None)
+        self.gone.pop(key, None)
+        self.marks.pop(key, None)
+
+    # ------------------------------------------------------------------------------------------ inside
+
+    def _cause(self, key: str, promise: Promise) -> Cause:
+        if promise.page_tokens is not None and promise.page_tokens + tolerance(promise.conversation) \
+                < promise.conversation:
+            return Cause.STALE_PAGE
+        return self.gone.get(key, Cause.UNKNOWN)
+
+    def _put(self, slot: int, e: Entry) -> None:
+        self._slots[slot] = e
+        if slot >= self.total:
+            self.total = min(slot + 1, MAX_SLOTS)
