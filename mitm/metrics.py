@@ -38,8 +38,14 @@ class _Collector(Collector):
                 ("page_seconds", "Seconds spent paging sessions out and in.", [], t.page_seconds),
                 ("checkpoints", "Prefix checkpoint preparations, by outcome.", ["outcome"], t.checkpoints),
                 ("checkpoint_seconds", "Seconds spent restoring, warming and saving prefix checkpoints.", [],
-                 t.checkpoint_seconds)):
-            fam = CounterMetricFamily(f"slotkeeper_{name}", doc, labels=[*slot, *extra])
+                 t.checkpoint_seconds),
+                ("tokens_lost", "Tokens a session had that its slot no longer held when it came back, by cause "
+                 "(expected: a restart, another model, an eviction with no page).", None, t.lost_by_cause()),
+                ("stale_plans", "Slot moves dropped because the slot moved on since they were planned.", None,
+                 t.stale_plans)):
+            labels = [*slot, *extra] if extra is not None else (
+                ["server", "cause", "expected"] if name == "tokens_lost" else ["server", "move"])
+            fam = CounterMetricFamily(f"slotkeeper_{name}", doc, labels=labels)
             for labels, v in sorted(data.items()):
                 fam.add_metric(list(labels), v)
             yield fam

@@ -446,6 +446,9 @@ class Keeper(PageKeeping):
         stats = self.stats.pop(key, None) or SessionStats()
         self.stats[key] = stats  # most recently answered last
         stats.add(obs, slot, ticket.session.source, fallback_pps=self.prefill_speed)
+        if loss is not None:
+            stats.lost += loss.tokens
+            stats.lost_unexpected += 0 if loss.expected else loss.tokens
         pps = obs.prompt_per_second
         if pps and obs.prompt_n and obs.prompt_n >= RATE_MIN_TOKENS:
             old = self.prefill_rate
@@ -589,7 +592,8 @@ class Keeper(PageKeeping):
             "sessions": {k[:8]: {"slot": s.slot, "requests": s.requests, "prefill_tokens": s.prefill,
                                  "cached_tokens": s.cached,
                                  "reuse_pct": round(100 * s.reuse, 1) if s.reuse is not None else None,
-                                 "saved_s": round(s.saved_s, 2), "source": s.source}
+                                 "saved_s": round(s.saved_s, 2), "source": s.source, "lost_tokens": s.lost,
+                                 "lost_unexpected": s.lost_unexpected}
                          for k, s in self.stats.items()},
         }
 

@@ -15,6 +15,8 @@ class SessionStats:
     saved_s: float = 0.0   # prefill seconds the cached tokens would have cost at the server's own speed
     slot: int | None = None
     source: str = ""
+    lost: int = 0          # tokens the loss meter counted (slotlogic/ledger.py), every cause
+    lost_unexpected: int = 0
 
     def add(self, obs: Observation, slot: int | None, source: str, *, fallback_pps: float | None = None) -> None:
         """`fallback_pps`: the measured prefill speed (start-up probe), for answers without timings (Anthropic,

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from slotlogic.decisions import Report
-from slotlogic.events import CheckpointDone, Event, Paged
+from slotlogic.events import CheckpointDone, Event, Paged, StalePlan
+from slotlogic.ledger import Cause
 
 Key = tuple[str, str]   # (server, slot)
 
@@ -25,10 +26,23 @@ class Tally:
         self.page_seconds: defaultdict[Key, float] = defaultdict(float)
         self.checkpoints: defaultdict[tuple[str, str, str], int] = defaultdict(int)  # + outcome
         self.checkpoint_seconds: defaultdict[Key, float] = defaultdict(float)
+        self.lost: defaultdict[tuple[str, str, str], int] = defaultdict(int)   # (server, cause, expected)
+        self.stale_plans: defaultdict[tuple[str, str], int] = defaultdict(int)  # (server, move)
+        self.servers: set[str] = set()
+
+    def lost_by_cause(self) -> dict[tuple[str, str, str], int]:
+        """Tokens lost per (server, cause, expected), every cause of every server present (0 when none): a
+        dashboard's `unknown` line reads 0, not "no data"."""
+        out = {(srv, c.value, "true" if c.expected else "false"): 0 for srv in self.servers for c in Cause}
+        out.update(self.lost)
+        return out
 
     def report(self, r: Report) -> None:
         key = (r.upstream, "-" if r.slot is None else str(r.slot))
         self.requests[key] += 1
+        self.servers.add(r.upstream)
+        if r.loss is not None:
+            self.lost[(r.upstream, r.loss.cause.value, "true" if r.loss.expected else "false")] += r.loss.tokens
         if r.obs.prompt_n:
             self.prefill[key] += r.obs.prompt_n
         if r.obs.cache_n:
@@ -43,6 +57,8 @@ class Tally:
                 self.page_ops[(*key, "in")] += 1
                 self.paged_in[key] += e.in_tokens
             self.page_seconds[key] += e.seconds
+        elif isinstance(e, StalePlan):
+            self.stale_plans[(e.upstream, e.move)] += 1
         elif isinstance(e, CheckpointDone):
             key = (e.upstream, str(e.slot))
             self.checkpoints[(*key, e.outcome.value)] += 1

@@ -81,13 +81,17 @@ def summary(upstream: str, stats: dict[str, SessionStats]) -> list[str]:
     if not stats:
         return []
     lines = [f"{PREFIX}sessions on {upstream}",
-             f"  {'session':8} {'slot':>4} {'reqs':>5} {'prefill':>8} {'cached':>8} {'reuse':>6} {'saved_s':>8}"]
+             f"  {'session':8} {'slot':>4} {'reqs':>5} {'prefill':>8} {'cached':>8} {'reuse':>6} {'saved_s':>8} "
+             f"{'lost':>6}"]
     for key, s in stats.items():
         reuse = f"{100 * s.reuse:.0f}%" if s.reuse is not None else "?"
+        lost = f"{s.lost}" + ("!" if s.lost_unexpected else "")
         lines.append(f"  {key[:8]:8} {fmt(s.slot):>4} {s.requests:>5} {s.prefill:>8} {s.cached:>8} {reuse:>6} "
-                     f"{s.saved_s:>8.1f}")
+                     f"{s.saved_s:>8.1f} {lost:>6}")
     lines.append(f"  prefill seconds saved: {sum(s.saved_s for s in stats.values()):.1f} (cached tokens at the "
                  "server's own prefill speed, or the start-up probe's where an answer has none)")
+    lost, unexpected = sum(s.lost for s in stats.values()), sum(s.lost_unexpected for s in stats.values())
+    lines.append(f"  tokens lost: {lost} ({unexpected} of unexpected cause, marked !; see the `lost` log lines)")
     return lines
 
 

@@ -114,9 +114,21 @@ def test_server_restart_is_detected(tmp_path):
         cold = ask(px.url, msgs)
         extend(msgs, 2)
         warm = ask(px.url, msgs)
-    assert "restarted (new media_marker)" in log.read_text()
+        metrics = httpx.get(px.url + "/_slots/metrics", timeout=10).text
+    text = log.read_text()
+    assert "restarted (new media_marker)" in text
     assert cold.slot == first.slot == warm.slot
     assert cold.cache_n == 0 and warm.cache_n > cold.prompt_n - 5
+    # The loss meter: the restart cost the session its conversation, said once, labelled expected.
+    lost = [ln for ln in text.splitlines() if " lost " in ln and " tokens on slot " in ln]
+    assert len(lost) == 1 and lost[0].endswith("the server restarted (expected)"), lost
+    assert f"lost {first.cache_n + first.prompt_n:,} tokens on slot {first.slot}" in lost[0]
+    restart = [ln for ln in metrics.splitlines() if ln.startswith("slotkeeper_tokens_lost_total{")
+               and 'cause="restart"' in ln]
+    unknown = [ln for ln in metrics.splitlines() if ln.startswith("slotkeeper_tokens_lost_total{")
+               and 'cause="unknown"' in ln]
+    assert restart and float(restart[0].split()[-1]) == first.cache_n + first.prompt_n
+    assert unknown and float(unknown[0].split()[-1]) == 0
 
 
 def test_warnings_that_save_hours(tmp_path):

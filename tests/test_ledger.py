@@ -1,0 +1,134 @@
+"""The slot ledger and the loss meter: fenced writes, promises, losses with their cause (pure, no I/O)."""
+
+from slotlogic import shared
+from slotlogic.answers import Observation
+from slotlogic.decisions import NeedSlot, Pin
+from slotlogic.events import TokensLost
+from slotlogic.ledger import MAX_SLOTS, Cause, Holds, Ledger, tolerance
+from slotlogic.reasons import Why
+from tests.test_keeper import CHAT, FREE, chat, facts, make, server
+
+
+def test_a_claim_makes_every_earlier_plan_for_the_slot_stale():
+    ledger = Ledger()
+    ledger.resize(4)
+    plan = ledger.fence(1)
+    ledger.claim(1)  # another placement chose slot 1 meanwhile
+    assert ledger.admit(plan, Holds.PREFIX, "b", 700, Cause.PREFIX_OVER_OWNER) is None
+    assert ledger.stale == 1
+    fresh = ledger.fence(1)
+    done = ledger.admit(fresh, Holds.PREFIX, "b", 700, Cause.PREFIX_OVER_OWNER)
+    assert done is not None and done.epoch == fresh.epoch + 1 and ledger.entry(1).owner == "b"
+
+
+def test_a_slot_holds_its_owner_until_anything_else_writes_it():
+    ledger = Ledger()
+    ledger.resize(2)
+    ledger.pin(0, "a")
+    ledger.settle("a", None, 0, 0, 856, None)
+    assert ledger.holds(0, "a") and ledger.entry(0).tokens == 856
+    ledger.write(0, Holds.PREFIX, "b", 763, Cause.PREFIX_OVER_OWNER)
+    assert not ledger.holds(0, "a") and ledger.gone["a"] is Cause.PREFIX_OVER_OWNER
+
+
+def test_an_answer_that_finds_less_than_the_conversation_is_a_loss_with_its_cause():
+    ledger = Ledger()
+    ledger.resize(2)
+    first = ledger.pin(1, "a")
+    assert ledger.settle("a", first, 1, 763, 93, True) is None  # 856 tokens now
+    ledger.write(1, Holds.PREFIX, "b", 763, Cause.PREFIX_OVER_OWNER)  # what issue 19's log showed
+    again = ledger.pin(1, "a")
+    loss = ledger.settle("a", again, 1, 763, 255, True)
+    assert loss is not None and loss.tokens == 93 and loss.cause is Cause.PREFIX_OVER_OWNER and not loss.expected
+
+
+def test_a_shortfall_within_the_tolerance_or_of_an_edited_conversation_is_no_loss():
+    ledger = Ledger()
+    ledger.resize(1)
+    ledger.settle("a", ledger.pin(0, "a"), 0, 0, 1000, None)
+    assert ledger.settle("a", ledger.pin(0, "a"), 0, 1000 - tolerance(1000), 50, True) is None
+    assert ledger.settle("a", ledger.pin(0, "a"), 0, 10, 1040, False) is None  # the client rewrote its history
+    assert ledger.settle("a", ledger.pin(0, "a"), 0, 10, 1040, None) is None   # not known whether it did
+    assert ledger.settle("a", ledger.pin(0, "a"), 0, 10, 1040, True) is not None
+
+
+def test_a_page_older_than_the_conversation_is_named_as_such():
+    ledger = Ledger()
+    ledger.resize(2)
+    ledger.settle("a", ledger.pin(0, "a"), 0, 0, 1342, None)
+    fence = ledger.claim(1)
+    ledger.admit(fence, Holds.PAGE, "a", 856)  # the page holds the conversation as it was two turns earlier
+    promise = ledger.pin(1, "a")
+    assert promise.tokens == 856 and promise.page_tokens == 856 and promise.conversation == 1342
+    loss = ledger.settle("a", promise, 1, 856, 648, True)
+    assert loss is not None and loss.cause is Cause.STALE_PAGE and loss.tokens == 1342 - 856
+
+
+def test_a_restart_is_an_expected_loss_and_keeps_owners():
+    ledger = Ledger()
+    ledger.resize(2)
+    ledger.settle("a", ledger.pin(0, "a"), 0, 0, 500, None)
+    ledger.resize(2, Cause.RESTART)
+    assert ledger.holds(0, "a") and ledger.entry(0).holds is Holds.EMPTY
+    loss = ledger.settle("a", ledger.pin(0, "a"), 0, 0, 540, True)
+    assert loss is not None and loss.cause is Cause.RESTART and loss.expected
+
+
+def test_the_ledger_is_bounded_whatever_a_slot_count_says():
+    ledger = Ledger(max_sessions=8)
+    ledger.resize(100_000_000)
+    assert ledger.total == MAX_SLOTS and len(ledger.view()) == MAX_SLOTS
+    ledger.write(50_000_000, Holds.SESSION, "x")  # out of range: ignored, nothing allocated
+    assert ledger.total == MAX_SLOTS
+    for i in range(100):
+        ledger.settle(f"s{i}", None, None, 0, 10, None)
+    assert len(ledger.conversations) == 8
+
+
+# ------------------------------------------------------------------------------------------- through the keeper
+
+
+def _placed(k, body, now, total=4):
+    need = k.request(facts(body, now=now))
+    assert isinstance(need, NeedSlot)
+    placed = k.assign(need, shared.ServerState("http://up"), server(total), FREE, now)
+    return need, placed
+
+
+def test_a_known_session_whose_slot_got_another_write_is_placed_again_not_pinned_blind():
+    k = make()
+    need, placed = _placed(k, chat("a"), 0.0)
+    pin = k.pin(need, placed.slot, placed.why, 0.0)
+    k.answered(pin.ticket, Observation(cache_n=0, prompt_n=856), path=CHAT, seconds=1, now=1.0)
+    assert isinstance(k.request(facts(chat("a"), now=2.0)), Pin)  # known: the slot holds its conversation
+    # A prefix restore for another session's placement writes that slot (the first loss of issue 19):
+    k.slot_written(k.slot_fence(placed.slot), Holds.PREFIX, "other", 763, over=Cause.PREFIX_OVER_OWNER)
+    again = k.request(facts(chat("a"), now=3.0))
+    assert isinstance(again, NeedSlot) and again.ticket.displaced
+
+
+def test_the_keeper_reports_a_loss_and_warns_once():
+    k = make()
+    need, placed = _placed(k, chat("a"), 0.0)
+    pin = k.pin(need, placed.slot, placed.why, 0.0)
+    k.answered(pin.ticket, Observation(cache_n=0, prompt_n=900), path=CHAT, seconds=1, now=1.0)
+    body = {"messages": [*chat("a")["messages"], {"role": "assistant", "content": "ok"},
+                         {"role": "user", "content": "next"}]}
+    nxt = k.request(facts(body, now=2.0))
+    assert isinstance(nxt, Pin) and nxt.ticket.why is Why.KNOWN and nxt.ticket.extends
+    report = k.answered(nxt.ticket, Observation(cache_n=0, prompt_n=950), path=CHAT, seconds=1, now=3.0)
+    assert report.loss is not None and report.loss.tokens == 900 and report.loss.cause is Cause.UNKNOWN
+    assert report.metadata["loss"] == {"tokens": 900, "cause": "unknown", "expected": False}
+    warned = [e for e in k.warnings(report) if isinstance(e, TokensLost)]
+    assert len(warned) == 1 and warned[0].tokens == 900 and not warned[0].expected
+    assert k.status(shared.ServerState("http://up"), 4.0)["sessions"][pin.ticket.session.short]["lost_tokens"] == 900
+
+
+def test_a_stale_fence_refuses_the_write_and_names_both_epochs():
+    k = make()
+    old = k.slot_fence(0)
+    k.ledger.claim(0)  # another placement chose slot 0 after this plan was made
+    assert not k.fence_holds(old) and k.slot_written(old, Holds.PAGE, "x", 5) is None
+    assert k.ledger.entry(0).holds is not Holds.PAGE
+    event = k.stale_plan(old, "page", "x" * 16)
+    assert event.planned == old.epoch and event.now == old.epoch + 1 and event.session == "x" * 8
