@@ -104,7 +104,11 @@ class SlotMoves:
         if not await self.pages.hold(slot, flow_id, key):
             return Moved.NOTHING, fence
         if self.store.remote:
-            await self._fresh_pages(key)
+            state = await self._fresh_pages(key)
+            if not self.keeper.fence_holds(fence, state):  # another proxy claimed the slot since our claim
+                assert fence is not None
+                self.emit(self.keeper.stale_plan(fence, "page", key))
+                return Moved.NOTHING, fence
         plan = self.keeper.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
                                      stable_chars=stable_chars, cold=cold)
         if plan.seed is not None and plan.seed.slot is not None and (self.store.remote
@@ -151,13 +155,16 @@ class SlotMoves:
         moved = Moved.PREFIX if plan.seed.prefix else Moved.SEED
         return moved, self.keeper.slot_written(fence, Holds.SEED, key, 0, over=Cause.SEED_OVER_OWNER)
 
-    async def _fresh_pages(self, key: str) -> None:
+    async def _fresh_pages(self, key: str) -> shared.ServerState:
         """With the slot's lock held: the page index as the store has it now (another proxy may have paged
-        this session out since its placement was decided), waiting a little while its page is being written."""
+        this session out since its placement was decided), waiting a little while its page is being written.
+        Returns the state last read (its slot epochs fence the moves)."""
         deadline = time.monotonic() + REMOTE_SETTLE
-        while self.keeper.pages_seen(await self.store.aread(), key, time.time(), REMOTE_SETTLE) and \
-                time.monotonic() < deadline:
+        state = await self.store.aread()
+        while self.keeper.pages_seen(state, key, time.time(), REMOTE_SETTLE) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
+            state = await self.store.aread()
+        return state
 
     async def _record_pages(self, plan: PagePlan, out: PageOutcome) -> None:
         """The page index after a paging step, in the state file; the files it drops deleted."""
@@ -197,7 +204,8 @@ class SlotMoves:
         key = need.ticket.session.key
         claim = await self.builds.claim(cp, need.stable, info) if self.builds is not None else None
         try:
-            if not self.keeper.fence_holds(fence):  # the slot moved on while the build was awaited
+            state = await self.store.aread() if self.store.remote and fence is not None else None
+            if not self.keeper.fence_holds(fence, state):  # the slot moved on while the build was awaited
                 assert fence is not None
                 self.emit(self.keeper.stale_plan(fence, "prefix", key))
                 return fence

@@ -261,6 +261,11 @@ class Upstream(SlotMoves):
             self.emit(event)
         if self.pages is not None and placement.dropped_pages:
             self.pages.delete(placement.dropped_pages)
+        if placement.side and self.pages is not None and not self.offline \
+                and self.keeper.side_needs_page_out(placement.slot):
+            # The side slot holds a session's conversation (placed there before side calls came): saved first,
+            # so the session pages back in whole instead of finding a side call's prompt.
+            await self._page(placement.slot, "", placement.view, flow_id, fence=placement.fence)
         if placement.side or self.offline:
             return self.keeper.pin(need, placement.slot, placement.why, now)
         moved = Moved.NOTHING

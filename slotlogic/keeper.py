@@ -271,9 +271,11 @@ class Keeper(PageKeeping):
         total = self.total_slots
         if ticket.side and total:
             reserved = sidecalls.side_slot(total, self.settings.side_slot)
-            if reserved is not None:
+            if reserved is not None and not (self.settings.paging and self.ledger.conversation_on(reserved)):
                 ticket.why = Why.SIDE_CALL
                 return reserved
+            if reserved is not None:
+                return None  # a session's conversation is there: the placement pages it out first
         key = ticket.session.key
         live = self.table.live(key, now)
         if (live is not None and (total is None or live.slot < total) and not self.table.displaced(key, live.slot)
@@ -391,7 +393,9 @@ class Keeper(PageKeeping):
         self.pages = dict(state.pages)
         if choice.why is not Why.SIDE_CALL:
             self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix, lead=leads.of(need.body))
-        fence = self.ledger.claim(choice.slot)
+        record = state.slots.get(choice.slot)
+        fence = self.ledger.claim(choice.slot, record.epoch if record is not None and record.owner == ticket.session.key
+                                  else None)
         return Placement(choice.slot, choice.why, before[choice.slot], dropped, events, tuple(before), fence)
 
     def fallback(self, need: NeedSlot, now: float, last_known_total: int | None) -> tuple[Pin | Observe, Event]:
@@ -483,8 +487,17 @@ class Keeper(PageKeeping):
         """The slot's epoch now: a move planned now is performed only while it holds (`slot_written`)."""
         return self.ledger.fence(slot)
 
-    def fence_holds(self, fence: Fence | None) -> bool:
-        return fence is None or self.ledger.current(fence)
+    def fence_holds(self, fence: Fence | None, state: shared.ServerState | None = None) -> bool:
+        """The slot has not moved on since `fence` (with `state`, a fresh read of the shared state: nor has
+        another proxy claimed it since)."""
+        if fence is None:
+            return True
+        if not self.ledger.current(fence):
+            return False
+        if state is None or fence.shared is None:
+            return True
+        record = state.slots.get(fence.slot)
+        return record is None or record.epoch == fence.shared
 
     def slot_written(self, fence: Fence | None, holds: Holds, key: str, tokens: int, *,
                      over: Cause = Cause.UNKNOWN) -> Fence | None:
@@ -505,6 +518,10 @@ class Keeper(PageKeeping):
         if key is not None:
             self.ledger.claimed_elsewhere(slot, claimant)
         return key
+
+    def side_needs_page_out(self, slot: int) -> bool:
+        """A side call placed on `slot` would overwrite a session's conversation: page it out first."""
+        return self.settings.paging and self.ledger.conversation_on(slot) is not None
 
     def ledger_view(self) -> tuple[object, ...]:
         """What the proxy believes each slot holds (`slotlogic.ledger.Entry`, in slot order)."""

@@ -80,6 +80,7 @@ class Fence:
 
     slot: int
     epoch: int
+    shared: int | None = None  # the slot's epoch in the shared state after the claim (several proxies)
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,12 @@ class Ledger:
         e = self._slots.get(slot)
         return e is None or e.owner == key  # a slot never written since the ledger was sized: the table decides
 
+    def conversation_on(self, slot: int) -> str | None:
+        """The session whose conversation `slot` holds (or is about to hold), if any: what a write for anyone
+        else would destroy unless it is paged out first."""
+        e = self._slots.get(slot)
+        return e.owner if e is not None and e.owner and e.holds in (Holds.SESSION, Holds.PAGE) else None
+
     def view(self) -> tuple[Entry, ...]:
         """Every slot's entry, in slot order (the simulator's invariants and the status view)."""
         return tuple(self.entry(s) for s in range(self.total))
@@ -151,12 +158,13 @@ class Ledger:
             self._slots = {s: Entry(self.entry(s).epoch + 1) for s in range(total)}
         self.total = total
 
-    def claim(self, slot: int) -> Fence:
-        """A placement chose `slot`: every plan made for it before is stale; the new plan's fence."""
+    def claim(self, slot: int, shared: int | None = None) -> Fence:
+        """A placement chose `slot`: every plan made for it before is stale; the new plan's fence (`shared`:
+        the slot's epoch in the shared state after this claim, which other proxies' claims move on)."""
         e = self.entry(slot)
         e = replace(e, epoch=e.epoch + 1)
         self._put(slot, e)
-        return Fence(slot, e.epoch)
+        return Fence(slot, e.epoch, shared)
 
     def admit(self, fence: Fence, holds: Holds, owner: str | None, tokens: int = 0,
               cause: Cause = Cause.UNKNOWN) -> Fence | None:
@@ -164,7 +172,7 @@ class Ledger:
         if not self.current(fence) or fence.slot >= max(self.total, fence.slot + 1) > MAX_SLOTS:
             self.stale += 1
             return None
-        return self.write(fence.slot, holds, owner, tokens, cause)
+        return replace(self.write(fence.slot, holds, owner, tokens, cause), shared=fence.shared)
 
     def write(self, slot: int, holds: Holds, owner: str | None, tokens: int = 0,
               cause: Cause = Cause.UNKNOWN) -> Fence:

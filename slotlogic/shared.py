@@ -38,6 +38,10 @@ class SlotRecord:
     owner: str | None = None
     requests: int = 0
     prefix: str | None = None
+    epoch: int = 0  # every claim of the slot, by any proxy, increments it: the fence of moves planned for it
+
+
+MAX_EPOCH = 1 << 62  # an epoch read from the store past this is not ours: reset (never a value that sizes memory)
 
 
 @dataclass(frozen=True)
@@ -94,8 +98,10 @@ def from_dict(data: Any, upstream: str) -> ServerState:
                 continue
             if not isinstance(v, dict) or sid < 0 or _num(v.get("last_used")) is None:
                 continue
+            epoch = _int(v.get("epoch")) or 0
             st.slots[sid] = SlotRecord(last_used=_num(v["last_used"]) or 0.0, owner=_str(v.get("owner")),
-                                       requests=_int(v.get("requests")) or 0, prefix=_str(v.get("prefix")))
+                                       requests=_int(v.get("requests")) or 0, prefix=_str(v.get("prefix")),
+                                       epoch=epoch if 0 <= epoch < MAX_EPOCH else 0)
     sessions = data.get("sessions")
     if isinstance(sessions, dict):
         for k, v in sessions.items():
@@ -136,7 +142,7 @@ def to_dict(st: ServerState) -> dict[str, Any]:
         "total_slots": st.total_slots,
         "n_ctx": st.n_ctx,
         "slots": {str(k): {"last_used": v.last_used, "owner": v.owner, "requests": v.requests,
-                           "prefix": v.prefix} for k, v in sorted(st.slots.items())},
+                           "prefix": v.prefix, "epoch": v.epoch} for k, v in sorted(st.slots.items())},
         "sessions": {k: {"slot": v.slot, "last_used": v.last_used, "requests": v.requests,
                          "prefix": v.prefix, "claimed": v.claimed} for k, v in sorted(st.sessions.items())},
         "pages": {k: {"file": v.file, "n_tokens": v.n_tokens, "saved": v.saved, "bytes": v.bytes,
@@ -202,7 +208,9 @@ def owned_slot(st: ServerState, session: str) -> int | None:
 
 def claim(st: ServerState, session: str, slot: int, now: float, *, prefix: str | None = None,
           requests: int = 1) -> None:
-    st.slots[slot] = SlotRecord(last_used=now, owner=session, requests=requests, prefix=prefix)
+    old = st.slots.get(slot)
+    st.slots[slot] = SlotRecord(last_used=now, owner=session, requests=requests, prefix=prefix,
+                                epoch=(old.epoch if old is not None else 0) + 1)
     st.sessions[session] = SessionRecord(slot=slot, last_used=now, requests=requests, prefix=prefix, claimed=now)
 
 
@@ -214,7 +222,8 @@ def touch(st: ServerState, session: str, slot: int, when: float, *, requests: in
         return  # someone else claimed the slot after us; their claim stands
     last = max(when, current.last_used if current and current.owner == session else 0.0)
     st.slots[slot] = SlotRecord(last_used=last, owner=session, requests=requests,
-                                prefix=prefix or (current.prefix if current else None))
+                                prefix=prefix or (current.prefix if current else None),
+                                epoch=current.epoch if current is not None else 0)
     before = st.sessions.get(session)
     claimed = before.claimed if before is not None and before.slot == slot and before.claimed else when
     st.sessions[session] = SessionRecord(slot=slot, last_used=last, requests=requests, prefix=prefix, claimed=claimed)

@@ -132,3 +132,40 @@ def test_a_stale_fence_refuses_the_write_and_names_both_epochs():
     assert k.ledger.entry(0).holds is not Holds.PAGE
     event = k.stale_plan(old, "page", "x" * 16)
     assert event.planned == old.epoch and event.now == old.epoch + 1 and event.session == "x" * 8
+
+
+def test_a_side_call_never_overwrites_a_conversation_without_its_page_out():
+    """The second loss of issue 19 (a page older than its conversation): a session placed on the side slot
+    before side calls came had its newer turns overwritten by a side call, then was paged in from its old page.
+    With paging, a side call whose slot holds a conversation takes the slow path (the placement pages it out)."""
+    side = chat(system="You are a context summarization assistant. Summarize.")
+    for paging, expected in ((True, NeedSlot), (False, Pin)):
+        k = make(paging=paging)
+        k.slot_written(k.slot_fence(3), Holds.PAGE, "s" * 16, 1342)  # a session's conversation on the side slot
+        decision = k.request(facts(side))
+        assert isinstance(decision, expected)
+        if paging:
+            assert k.side_needs_page_out(3)
+            placed = k.assign(decision, shared.ServerState("http://up"), server(), FREE, 0.0)
+            assert placed.side and placed.slot == 3
+            k.pin(decision, placed.slot, placed.why, 0.0)
+            assert not k.side_needs_page_out(3)  # the side call's prompt is there now: nobody's conversation
+            assert isinstance(k.request(facts(side, now=1.0)), Pin)  # the next side call: the hot path again
+
+
+def test_the_epoch_lives_in_the_shared_state_and_another_proxys_claim_makes_a_plan_stale():
+    state = shared.ServerState("http://up")
+    one, two = make(), make()
+    need, placed = None, None
+    need = one.request(facts(chat("a")))
+    placed = one.assign(need, state, server(), FREE, 0.0)
+    assert placed.fence is not None and placed.fence.shared == state.slots[placed.slot].epoch
+    assert one.fence_holds(placed.fence, state)
+    again = shared.from_dict(shared.to_dict(state), "http://up")  # the epoch survives the store
+    assert again.slots[placed.slot].epoch == placed.fence.shared and one.fence_holds(placed.fence, again)
+    shared.claim(state, "another proxy's session", placed.slot, 1.0)  # under the store's lock, elsewhere
+    assert state.slots[placed.slot].epoch == placed.fence.shared + 1
+    assert one.fence_holds(placed.fence) and not one.fence_holds(placed.fence, state)
+    assert two.fence_holds(None, state)
+    bad = shared.from_dict({"slots": {"0": {"last_used": 1.0, "epoch": 1 << 70}}}, "u")
+    assert bad.slots[0].epoch == 0
