@@ -114,8 +114,10 @@ class SlotMoves:
         if plan.seed is not None and plan.seed.slot is not None and (self.store.remote
                                                                      or self.pages.busy(plan.seed.slot)):
             # A live seed's slot is saved under its local lock only: never while another placement pages it,
-            # nor when other proxies (a shared store) may be paging it.
-            plan = plan.without_seed()
+            # nor when other proxies (a shared store) may be paging it. Its own live conversation: its page then.
+            plan = plan.without_seed() if plan.seed.source != key else self.keeper.page_plan(
+                slot, key, view, sent=self.pages.last_sent.get(slot), views=views, stable_chars=stable_chars,
+                cold=cold, copy_live=False)
         if plan.empty:
             return Moved.NOTHING, fence  # nothing to move, but our request must still go after the page-in before it
         if plan.restore_file is not None and not self.keeper.fence_holds(fence):
@@ -150,7 +152,7 @@ class SlotMoves:
                         out.server_ms, seed=plan.seed is not None))
         if out.restored_tokens is None:
             return Moved.NOTHING, fence
-        if plan.seed is None:
+        if plan.seed is None or plan.seed.source == key:  # its own page (a fresh one, saved from its live slot)
             return Moved.OWN, self.keeper.slot_written(fence, Holds.PAGE, key, out.restored_tokens)
         moved = Moved.PREFIX if plan.seed.prefix else Moved.SEED
         return moved, self.keeper.slot_written(fence, Holds.SEED, key, 0, over=Cause.SEED_OVER_OWNER)

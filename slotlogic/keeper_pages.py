@@ -14,6 +14,7 @@ from slotlogic import paging, shared
 from slotlogic import prefix as pfx
 from slotlogic.decisions import NeedSlot, Report
 from slotlogic.learned_prefix import PrefixLearner
+from slotlogic.ledger import Ledger, tolerance
 from slotlogic.ranking import SlotView
 from slotlogic.server import ServerInfo
 from slotlogic.settings import SESSION_KEEP_SECONDS, Settings
@@ -35,6 +36,7 @@ class PageKeeping:
     _page_seq: int
     prefill_speed: float | None
     prefill_rate: float | None
+    ledger: Ledger
 
     @property
     def page_identity(self) -> str:
@@ -43,14 +45,15 @@ class PageKeeping:
 
     def page_plan(self, slot: int, session_key: str, view: SlotView, sent: tuple[str, float] | None = None, *,
                   views: Sequence[SlotView] = (), stable_chars: int = 0,
-                  cold: pfx.StablePrefix | None = None) -> paging.PagePlan:
+                  cold: pfx.StablePrefix | None = None, copy_live: bool = True) -> paging.PagePlan:
         """What to page out of and into `slot` before `session_key`'s request goes there. Asked once the slot's
         paging lock is held: by then every request sent to the slot before has reached the server. `sent`: the
         session the slot's previous pager of any proxy sent there, and when (a lock shared through the store).
         A session with no page of its own may start from another's conversation (a seed, from `views`' idle
         slots or the pages) when they share more than the slot gives it anyway (`stable_chars`: its prefix).
         `cold`: its stable prefix, when no checkpoint file holds it yet: a live session that starts with it is
-        copied in, and the checkpoint is built from that copy (a warm-up of a few tokens, not of the prefix)."""
+        copied in, and the checkpoint is built from that copy (a warm-up of a few tokens, not of the prefix).
+        `copy_live=False`: no live slot may be saved for it (another placement pages that slot)."""
         model = self.page_identity
         holder, tokens = self._holder(slot, view, sent)
         rec = self.pages.get(session_key)
@@ -60,10 +63,26 @@ class PageKeeping:
         salt = f"{self.instance}:{self._page_seq}"
         plan = paging.plan(slot, session_key, holder, tokens, self.pages, self.upstream, model, holds_own=holds_own,
                            salt=salt)
-        if plan.restore_file is not None or holder == session_key or holds_own:
+        if plan.restore_file is not None:
+            return self._current_page(plan, session_key, salt) if copy_live else plan
+        if holder == session_key or holds_own:
             return plan
         seed = self._any_seed(slot, session_key, holder, view, views, stable_chars, cold)
         return paging.seeded(plan, seed, self.pages, self.upstream, salt) if seed is not None else plan
+
+    def _current_page(self, plan: paging.PagePlan, key: str, salt: str) -> paging.PagePlan:
+        """A page older than the conversation it stands for is not current: when the ledger says the whole
+        conversation is still in another slot (its session displaced by a claim whose request has not run
+        there yet), that slot is paged out again first and the new page restored; else the old page is
+        restored and the rest prefilled (the loss meter names it `stale-page`)."""
+        conversation = self.ledger.conversations.get(key, 0)
+        if plan.restore_tokens + tolerance(conversation) >= conversation:
+            return plan
+        for other in range(self.ledger.total):
+            entry = self.ledger.entry(other)
+            if other != plan.slot and self.ledger.conversation_on(other) == key and entry.tokens > plan.restore_tokens:
+                return paging.seeded(plan.without_seed(), paging.Seed(key, 0, other), self.pages, self.upstream, salt)
+        return plan
 
     def _holder(self, slot: int, view: SlotView, sent: tuple[str, float] | None) -> tuple[str | None, int]:
         """Whose conversation `slot` holds, and how many tokens (`paging.holder_of`), given what this process
