@@ -1,8 +1,11 @@
 """Reading cache_n / prompt_n / id_slot from JSON bodies and from SSE streams split anywhere."""
 
+import contextlib
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from slotlogic.answers import Observation, SSEParser, StreamObserver, observe_json
 
@@ -105,3 +108,95 @@ def test_a_stream_cut_before_its_end_is_not_complete():
     cut = CHAT_STREAM.index(b'data: {"choices":[{"delta":{},"finish_reason"')
     assert not feed_split(CHAT_STREAM[:cut], []).complete
     assert observe_json(b'{"choices":[]}').complete and not observe_json(b'{"choi').complete
+
+
+# -- bounds: no stream can grow the parser (issue 20, item 4) -----------------------------------------------
+
+MAX_LINE, MAX_EVENT = 64, 160
+
+
+def reference(stream: bytes) -> list:
+    """What the parser must yield for `stream` whole, written plainly: lines over MAX_LINE (raw, before the
+    newline) and events whose data adds up to more than MAX_EVENT are dropped with their event."""
+    out, data, held, tainted = [], [], 0, False
+    lines = stream.split(b"\n")
+    if not lines[-1]:
+        lines.pop()
+
+    def dispatch():
+        payload = b"\n".join(data)
+        if not tainted and data and payload.strip() != b"[DONE]":
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(payload))
+
+    for raw in lines:
+        line = raw.rstrip(b"\r")
+        if len(raw) > MAX_LINE:
+            tainted = True
+        elif not line:
+            dispatch()
+            data, held, tainted = [], 0, False
+        elif line.startswith(b"data:") and not tainted:
+            payload = line[5:][1:] if line[5:].startswith(b" ") else line[5:]
+            held += len(payload) + 1
+            tainted = held > MAX_EVENT
+            data.append(payload)
+    dispatch()
+    return out
+
+
+def lines_of_every_length():
+    """SSE lines: small JSON events, `data:` lines of every length up to past the caps, blank lines, comments."""
+    event = st.fixed_dictionaries({"n": st.integers(0, 99)}).map(lambda e: b"data: " + json.dumps(e).encode())
+    padded = st.integers(0, MAX_LINE + 8).map(lambda n: b"data: " + json.dumps({"p": "x" * n}).encode()[:n])
+    other = st.sampled_from([b"", b"", b"\r", b": ping", b"event: x", b"data: [DONE]", b"data: {\"a\":", b"data: 1}"])
+    return st.lists(st.one_of(event, padded, other), max_size=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lines=lines_of_every_length(), crlf=st.booleans(), tail=st.booleans(),
+       cuts=st.lists(st.integers(0, 4000), max_size=12))
+def test_capped_parser_yields_the_same_however_the_stream_is_cut(lines, crlf, tail, cuts):
+    nl = b"\r\n" if crlf else b"\n"
+    stream = nl.join(lines) + (nl if tail else b"")
+    p = SSEParser(max_line=MAX_LINE, max_event=MAX_EVENT)
+    got, prev = [], 0
+    for c in [*sorted({min(c, len(stream)) for c in cuts}), len(stream)]:
+        got += list(p.feed(stream[prev:c]))
+        assert p.held <= MAX_LINE + MAX_EVENT + 2
+        prev = c
+    got += list(p.close())
+    assert got == reference(stream)
+
+
+def test_capped_parser_at_every_single_split_point():
+    stream = (b'data: {"a":1}\n\n' + b"data: " + b"x" * (MAX_LINE + 3) + b"\n\n" + b'data: {"b":2}\n'
+              + b'data: {"c":3}\n'.replace(b"3", b"3" * 30) * 6 + b"\n" + b'data: {"d":4}\n\n')
+    want = [{"a": 1}, {"d": 4}]
+    assert reference(stream) == want
+    for cut in range(len(stream) + 1):
+        p = SSEParser(max_line=MAX_LINE, max_event=MAX_EVENT)
+        assert [*p.feed(stream[:cut]), *p.feed(stream[cut:]), *p.close()] == want
+        assert p.dropped == 2
+
+
+def test_a_stream_of_data_lines_without_a_blank_line_stays_bounded():
+    p = SSEParser()
+    for _ in range(2000):
+        assert list(p.feed(b"data: {}\n" * 1000)) == []
+        assert p.held <= p.max_event
+    assert list(p.feed(b'\ndata: {"after":1}\n\n')) == [{"after": 1}]
+
+
+def test_a_line_without_a_newline_stays_bounded_and_the_stream_goes_on():
+    p = SSEParser()
+    for _ in range(100):
+        assert list(p.feed(b"data: " + b"x" * (1 << 17))) == []
+        assert p.held <= p.max_line
+    assert list(p.feed(b'x\n\ndata: {"after":1}\n\n')) == [{"after": 1}]
+
+
+def test_observer_is_started_by_a_dropped_line():
+    o = StreamObserver()
+    o.feed(b"x" * ((4 << 20) + 1))
+    assert o.started and o.obs.events == 0
