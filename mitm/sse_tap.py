@@ -120,7 +120,10 @@ class TranslatingTap(SSETap):
         if self.broken:
             return b""
         try:
-            return self.converter.feed(chunk) if chunk else self.converter.close()
+            sent = self.converter.feed(chunk) if chunk else self.converter.close()
+            if self.converter.failed and not self.observer.obs.error_type:
+                self.observer.obs.error_type = self.converter.failed  # the client got an error event: logged
+            return sent
         except Exception as e:
             self.broken = True
             self._error("convert", e)

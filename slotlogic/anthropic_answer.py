@@ -153,6 +153,14 @@ def error_body(status: int, upstream_body: bytes) -> bytes:
 # streamed answer: chat-completions SSE → Anthropic SSE
 # --------------------------------------------------------------------------------------------------------
 
+TOO_LARGE = "slotkeeper: an upstream event was larger than 4 MB; the answer is incomplete"
+
+
+def error_event(message: str, kind: str = "api_error") -> bytes:
+    """Anthropic's error event, for an answer the proxy cannot pass on whole."""
+    return _sse("error", {"type": "error", "error": {"type": kind, "message": message}})
+
+
 def _sse(event: str, data: dict[str, Any]) -> bytes:
     """`format_anthropic_sse()`: one event, compact JSON (nlohmann's dump of these shapes)."""
     return b"event: " + event.encode() + b"\ndata: " + json.dumps(
@@ -163,7 +171,6 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
 class _Call:
     id: str = ""
     name: str = ""
-    arguments: str = ""
 
 
 @dataclass
@@ -209,10 +216,12 @@ class StreamConverter:
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None
     finished: bool = False                    # message_stop (or an error event) was sent
-    _buf: bytes = b""
+    max_line: int = 4 << 20                   # a longer upstream line ends the stream with an error event
+    failed: str | None = None                 # why the converter ended the stream with its own error event
+    _buf: bytearray = field(default_factory=bytearray)
     _pending: list[dict[str, Any]] = field(default_factory=list)
-    _reasoning: str = ""
-    _content: str = ""
+    _reasoning: bool = False                  # the message has reasoning (only whether is read, not the text)
+    _content: bool = False
     _calls: dict[int, _Call] = field(default_factory=dict)
     _thinking_started: bool = False
     _text_started: bool = False
@@ -226,29 +235,50 @@ class StreamConverter:
     def prompt_n(self) -> int | None:
         return self.prompt.prompt_n if self.prompt else None
 
+    @property
+    def held(self) -> int:
+        """Bytes of the upstream stream held between chunks (the unfinished line)."""
+        return len(self._buf)
+
     def feed(self, chunk: bytes) -> bytes:
+        if self.finished:  # after message_stop or an error event nothing more is sent, nor held
+            return b""
         self._buf += chunk
         out: list[bytes] = []
-        while True:
+        while not self.finished:
             nl = self._buf.find(b"\n")
             if nl < 0:
                 break
-            line = self._buf[:nl].rstrip(b"\r")
-            self._buf = self._buf[nl + 1:]
+            line = bytes(self._buf[:nl]).rstrip(b"\r")
+            del self._buf[: nl + 1]
+            if len(line) > self.max_line:
+                return b"".join(out) + self._fail(TOO_LARGE)
             if line.startswith(b"data:"):
                 out.append(self._data(line[5:].strip()))
+        if self.finished:
+            self._buf.clear()
+        elif len(self._buf) > self.max_line:
+            return b"".join(out) + self._fail(TOO_LARGE)
         return b"".join(out)
 
     def close(self) -> bytes:
         """End of the upstream body: a complete trailing line without newline still counts."""
         out = []
-        line = self._buf.rstrip(b"\r")
-        self._buf = b""
-        if line.startswith(b"data:"):
+        line = bytes(self._buf).rstrip(b"\r")
+        self._buf.clear()
+        if line.startswith(b"data:") and not self.finished:
             out.append(self._data(line[5:].strip()))
         if self._awaiting_usage and not self.finished:
             out.append(self._message_end())
         return b"".join(out)
+
+    def _fail(self, message: str, why: str = "too-large") -> bytes:
+        """End the client's stream with Anthropic's error event: the answer cannot be given whole."""
+        self.finished = True
+        self.failed = why
+        self._buf.clear()
+        self._pending.clear()
+        return error_event(message)
 
     # -- one data line ---------------------------------------------------------------------------------
 
@@ -257,7 +287,7 @@ class StreamConverter:
             return b""
         try:
             obj = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):
             return b""
         if not isinstance(obj, dict):
             return b""
@@ -328,13 +358,12 @@ class StreamConverter:
 
     def _accumulate(self, diffs: Iterable[_Diff]) -> None:
         for d in diffs:
-            self._reasoning += d.reasoning
-            self._content += d.content
+            self._reasoning = self._reasoning or bool(d.reasoning)
+            self._content = self._content or bool(d.content)
             if d.index is not None:
                 call = self._calls.setdefault(d.index, _Call())
                 call.id = call.id or d.call_id
                 call.name = call.name or d.name
-                call.arguments += d.arguments
 
     # -- the final result: server_task_result_cmpl_final::to_json_anthropic_stream ----------------------
 

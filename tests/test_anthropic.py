@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import time
 from typing import Any
 
 import pytest
@@ -546,3 +547,61 @@ def test_the_billing_block_can_be_dropped():
     assert A.strip_billing({"system": "x-anthropic-billing-header: v=1;\nYou are Claude Code."}) == {
         "system": "You are Claude Code."}
     assert A.strip_billing({"system": "You are Claude Code."}) is None and A.strip_billing({}) is None
+
+
+# --------------------------------------------------------------------------------------------------------
+# bounds: no upstream line can grow the converter (issue 20, item 5)
+# --------------------------------------------------------------------------------------------------------
+
+CAP = 1000
+
+
+def convert_capped(raw: bytes, cuts: list[int]) -> tuple[bytes, int]:
+    conv = R.StreamConverter(max_line=CAP)
+    out, prev, held = [], 0, 0
+    for c in [*sorted(set(cuts)), len(raw)]:
+        out.append(conv.feed(raw[prev:c]))
+        held = max(held, conv.held)
+        prev = c
+    return b"".join(out) + conv.close(), held
+
+
+@settings(max_examples=200, deadline=None)
+@given(generated_answer(), st.integers(0, 60), st.integers(0, CAP + 40), st.booleans(),
+       st.lists(st.integers(0, 4000), max_size=8))
+def test_a_line_of_any_length_converts_the_same_however_cut(case: tuple[dict[str, Any], bytes], where: int,
+                                                             length: int, as_text: bool, cuts: list[int]) -> None:
+    _, raw = case
+    lines = raw.split(b"\n\n")
+    assert max(map(len, lines)) < CAP - 40
+    at = where % (len(lines) - 2)  # before the usage chunk that ends the message
+    line = (b"data: " + json.dumps(_chunk({"content": "x" * length}), separators=(",", ":")).encode()
+            if as_text else b": " + b"x" * length)
+    raw = b"\n\n".join([*lines[:at], line, *lines[at:]])
+    whole, _ = convert_capped(raw, [])
+    split, held = convert_capped(raw, [c % (len(raw) + 1) for c in cuts])
+    assert split == whole and held <= CAP
+    events = parse_sse(whole)
+    names = [n for n, _ in events]
+    if len(line) > CAP:
+        assert names[-1] == "error" and "message_stop" not in names
+        assert events[-1][1] == {"type": "error", "error": {"type": "api_error", "message": R.TOO_LARGE}}
+    else:
+        assert names[-1] == "message_stop" and "error" not in names
+
+
+def test_a_50_mb_line_ends_the_stream_with_an_error_event_quickly_and_holds_at_most_the_cap() -> None:
+    conv = R.StreamConverter()
+    first = SAMPLE[:SAMPLE.index(b"\n\n", SAMPLE.index(b'"content":"I"')) + 2]
+    out = [conv.feed(first), conv.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"")]
+    chunk = b"x" * (64 << 10)
+    t0 = time.monotonic()
+    for _ in range((50 << 20) // len(chunk)):
+        out.append(conv.feed(chunk))
+        assert conv.held <= conv.max_line + len(chunk)
+    out.append(conv.feed(b'"}}]}\n\n' + SAMPLE[len(first):]))
+    out.append(conv.close())
+    assert time.monotonic() - t0 < 5
+    names = [n for n, _ in parse_sse(b"".join(out))]
+    assert names[0] == "message_start" and names[-1] == "error" and "message_stop" not in names
+    assert conv.finished and conv.held == 0
