@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from drivers import store_file
 from drivers.build_claims import BuildClaims
 from drivers.checkpoint_runner import CheckpointRunner
 from drivers.llama_http import LlamaClient
@@ -175,7 +175,7 @@ class SlotMoves:
                       and e.path != str(self.store.path)]
         for path in others:
             with contextlib.suppress(OSError, ValueError):
-                for name in shared.from_dict(json.loads(Path(path).read_bytes()), "").pages.values():
+                for name in shared.from_dict(store_file.parse(Path(path).read_bytes()), "").pages.values():
                     files.pop(name.file, None)
         return files
 

@@ -58,6 +58,15 @@ class CorruptFile(ValueError):
     """The file exists but is not valid JSON (it has been moved aside)."""
 
 
+def parse(raw: bytes) -> Any:
+    """A state document from its bytes; CorruptFile for anything that is not JSON, nesting too deep for the
+    parser included (a `RecursionError` is corrupt, not a crash: every new session failed on one)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise CorruptFile("not JSON") from None
+
+
 class JsonFile:
     """One locked, atomically written, private JSON document."""
 
@@ -91,13 +100,16 @@ class JsonFile:
         except FileNotFoundError:
             return None
         try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            dest = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
-            with contextlib.suppress(OSError):
-                os.replace(self.path, dest)
-            self.emit(CorruptMovedAside("", str(self.path), str(dest)))
-            raise CorruptFile(str(self.path)) from None
+            return parse(raw)
+        except CorruptFile:
+            self._move_aside()
+            raise
+
+    def _move_aside(self) -> None:
+        dest = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+        with contextlib.suppress(OSError):
+            os.replace(self.path, dest)
+        self.emit(CorruptMovedAside("", str(self.path), str(dest)))
 
     def save(self, data: Any) -> None:
         self.ensure_dir()

@@ -79,3 +79,19 @@ def test_two_processes_never_share_a_slot_while_one_is_free(tmp_path):
         p.join(30)
     slots = sorted(q.get(timeout=5) for _ in range(6))
     assert slots == [0, 1, 2, 3, 4, 5]
+
+
+DEEP = b"[" * 200_000 + b"]" * 200_000
+
+
+async def test_a_state_file_nested_too_deep_to_parse_is_corrupt_moved_aside_and_replaced(tmp_path):
+    store = StateFile(tmp_path, "u")
+    store.dir.mkdir(exist_ok=True)
+    store.path.write_bytes(b'{"sessions":' + DEEP + b"}")
+    assert store.read().sessions == {}  # status views: an empty state, no RecursionError
+    store.path.write_bytes(b'{"sessions":' + DEEP + b"}")
+    async with store.transaction() as s:
+        st.claim(s, "a", 0, 1.0)
+    kept = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert kept and all(p.read_bytes().endswith(b"]}") for p in kept)
+    assert "a" in store.read().sessions
