@@ -14,7 +14,6 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from drivers import store_file
@@ -175,7 +174,7 @@ class SlotMoves:
                       and e.path != str(self.store.path)]
         for path in others:
             with contextlib.suppress(OSError, ValueError):
-                for name in shared.from_dict(store_file.parse(Path(path).read_bytes()), "").pages.values():
+                for name in shared.from_dict(store_file.read_document(path), "").pages.values():
                     files.pop(name.file, None)
         return files
 

@@ -10,7 +10,8 @@ index.
   which only costs a re-placement). Mode 0600; the directory is created
   0700 and an existing one is checked, never chmod-ed (`drivers/private_dir.py`); temp files a `kill -9`
   left behind are removed on first use.
-- A damaged file is moved aside (`.corrupt-<time>`) and logged, never silently lost, never a crash.
+- A damaged file (not JSON, nested too deep to parse, or larger than `MAX_BYTES`, which is never read) is
+  moved aside (`.corrupt-<time>`) and logged, never silently lost, never a crash.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from slotlogic.events import CorruptMovedAside, Event
 from slotlogic.notices import ClaimNotice
 
 LOCK_TIMEOUT = 10.0
+MAX_BYTES = 64 << 20  # far above any state we write (50k sessions are a few MB); a larger file is corrupt
 Emit = Callable[[Event], None]
 
 
@@ -67,6 +69,16 @@ def parse(raw: bytes) -> Any:
         raise CorruptFile("not JSON") from None
 
 
+def read_document(path: str | Path) -> Any:
+    """The JSON document in `path` (FileNotFoundError when missing); CorruptFile when it does not parse or is
+    larger than MAX_BYTES, which is never read (a 1 GB sparse file cost 1.28 GB of memory before)."""
+    with open(path, "rb") as f:
+        raw = f.read(MAX_BYTES + 1) if os.fstat(f.fileno()).st_size <= MAX_BYTES else b""
+    if not raw or len(raw) > MAX_BYTES:
+        raise CorruptFile("empty, or larger than MAX_BYTES")
+    return parse(raw)
+
+
 class JsonFile:
     """One locked, atomically written, private JSON document."""
 
@@ -96,11 +108,9 @@ class JsonFile:
     def load(self) -> Any:
         """The document, None when missing; raises CorruptFile (after moving it aside) when damaged."""
         try:
-            raw = self.path.read_bytes()
+            return read_document(self.path)
         except FileNotFoundError:
             return None
-        try:
-            return parse(raw)
         except CorruptFile:
             self._move_aside()
             raise
