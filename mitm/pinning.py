@@ -123,6 +123,11 @@ class Pinning:
             strip = VerboseStripper() if req.ticket.learn is Learn.VERBOSE and converter is None else None
             flow.response.stream = (SSETap(req.stream, keep, on_error=on_error, strip=strip) if converter is None
                                     else TranslatingTap(req.stream, converter, keep, on_error=on_error))
+            if (converter is not None or strip is not None) and "content-length" in flow.response.headers:
+                # the client's body is not the server's: its length is unknown until the end (chunked)
+                del flow.response.headers["content-length"]
+                if flow.request.http_version == "HTTP/1.1":
+                    flow.response.headers["transfer-encoding"] = "chunked"
 
     @guarded(Stage.RESPONSE)
     def response(self, flow: http.HTTPFlow) -> None:

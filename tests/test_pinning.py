@@ -116,6 +116,23 @@ async def test_a_translated_stream_is_converted_chunk_by_chunk(proxy):
     assert b"text_delta" in text and b'"Hi"' in text
 
 
+async def test_a_translated_stream_drops_the_servers_content_length(proxy):
+    """The converted body is not the server's: a server's Content-Length would make the client wait for bytes
+    that never come (or cut the answer), so the client's body goes chunked."""
+    f = await proxy.request(flow(MESSAGES | {"stream": True}, path="/v1/messages"))
+    f.response = http.Response.make(200, b"", {"content-type": "text/event-stream"})
+    f.response.content = None
+    f.response.headers["content-length"] = "12345"
+    await proxy.hook("responseheaders", f)
+    assert "content-length" not in f.response.headers and f.response.headers["transfer-encoding"] == "chunked"
+    g = await proxy.request(flow(chat("plain", stream=True)))
+    g.response = http.Response.make(200, b"", {"content-type": "text/event-stream"})
+    g.response.content = None
+    g.response.headers["content-length"] = "12345"
+    await proxy.hook("responseheaders", g)
+    assert g.response.headers["content-length"] == "12345"  # passed byte for byte: the length holds
+
+
 async def test_the_messages_route_is_observed_only_when_translation_is_off(proxy, caplog):
     proxy.configure(slots_anthropic="off")
     f = flow({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5}, path="/v1/messages")
