@@ -125,27 +125,27 @@ _LF_CR_LF = re.compile(rb"\n\r+\n")    # the end of a line, then a blank line of
 class SSEParser:
     """Incremental SSE parser: feed transport chunks, get parsed `data:` JSON payloads.
 
-    Bounded whatever the stream: a line longer than `max_line` bytes and an event whose `data:` lines add up
-    to more than `max_event` bytes are dropped whole (the event they belong to is not yielded), wherever the
+    Bounded whatever the stream: a line longer than `max_line` bytes and an event whose `data:` lines, joined,
+    are longer than `max_event` bytes are dropped whole (the event they belong to is not yielded), wherever the
     chunks are cut; what is held never exceeds `max_line + max_event` plus the chunk being fed. An upstream
     that never sends a newline, or a blank line, cannot grow the proxy (a 200 MB stream of `data: {}` lines
     without a blank line grew it to 4 GB). llama-server's events are one line of a few KB."""
 
     _buf: bytearray = field(default_factory=bytearray)
-    _data: list[bytes] = field(default_factory=list)
+    _data: bytearray = field(default_factory=bytearray)  # the event's `data:` lines, joined by newlines
     max_line: int = 4 << 20
     max_event: int = 4 << 20
     done: bool = False         # `data: [DONE]` came
     seen: bool = False         # some of the body has come
     dropped: int = 0           # events dropped for a line or an event over its cap
-    _held: int = 0             # bytes in `_data`
+    _lines: int = 0            # `data:` lines in `_data`
     _skipping: bool = False    # inside a line over `max_line`: dropped up to its newline
     _tainted: bool = False     # the current event lost a line or went over `max_event`
 
     @property
     def held(self) -> int:
         """Bytes held between chunks: the unfinished line and the unfinished event's data."""
-        return len(self._buf) + self._held
+        return len(self._buf) + len(self._data)
 
     def feed(self, chunk: bytes) -> Iterator[Any]:
         if chunk:
@@ -196,23 +196,22 @@ class SSEParser:
         elif line.startswith(b"data:") and not self._tainted:
             payload = line[5:]
             payload = payload[1:] if payload.startswith(b" ") else payload
-            self._held += len(payload) + 1
-            if self._held > self.max_event:
+            if len(self._data) + len(payload) + (self._lines > 0) > self.max_event:
                 self._data.clear()
-                self._held, self._tainted = 0, True
+                self._tainted = True
             else:
-                self._data.append(payload)
+                self._data += b"\n" + payload if self._lines else payload
+                self._lines += 1
 
     def _dispatch(self) -> Iterator[Any]:
-        tainted, self._tainted, self._held = self._tainted, False, 0
+        tainted, lines, self._tainted, self._lines = self._tainted, self._lines, False, 0
+        payload = bytes(self._data)
+        self._data.clear()
         if tainted:
-            self._data.clear()
             self.dropped += 1
             return
-        if not self._data:
+        if not lines:
             return
-        payload = b"\n".join(self._data)
-        self._data.clear()
         if payload.strip() == b"[DONE]":
             self.done = True
             return
