@@ -125,20 +125,24 @@ _LF_CR_LF = re.compile(rb"\n\r+\n")    # the end of a line, then a blank line of
 class SSEParser:
     """Incremental SSE parser: feed transport chunks, get parsed `data:` JSON payloads.
 
-    Bounded whatever the stream: a line longer than `max_line` bytes and an event whose `data:` lines, joined,
-    are longer than `max_event` bytes are dropped whole (the event they belong to is not yielded), wherever the
-    chunks are cut; what is held never exceeds `max_line + max_event` plus the chunk being fed. An upstream
+    Bounded whatever the stream: a line longer than `max_line` bytes, an event whose `data:` lines, joined,
+    are longer than `max_event` bytes, and an event of more than `max_event_lines` lines are dropped whole (the
+    event they belong to is not yielded), wherever the chunks are cut; what is held never exceeds `max_line +
+    max_event` plus the chunk being fed, and the lines of a dropped event are skipped at C speed. An upstream
     that never sends a newline, or a blank line, cannot grow the proxy (a 200 MB stream of `data: {}` lines
-    without a blank line grew it to 4 GB). llama-server's events are one line of a few KB."""
+    without a blank line grew it to 4 GB) nor hold its event loop line by line. llama-server's events are
+    one line of a few KB."""
 
     _buf: bytearray = field(default_factory=bytearray)
     _data: bytearray = field(default_factory=bytearray)  # the event's `data:` lines, joined by newlines
     max_line: int = 4 << 20
     max_event: int = 4 << 20
+    max_event_lines: int = 1024
     done: bool = False         # `data: [DONE]` came
     seen: bool = False         # some of the body has come
     dropped: int = 0           # events dropped for a line or an event over its cap
     _lines: int = 0            # `data:` lines in `_data`
+    _event_lines: int = 0      # lines of the current event so far
     _skipping: bool = False    # inside a line over `max_line`: dropped up to its newline
     _tainted: bool = False     # the current event lost a line or went over `max_event`
 
@@ -193,6 +197,11 @@ class SSEParser:
     def _line(self, line: bytes) -> Iterator[Any]:
         if not line:
             yield from self._dispatch()
+            return
+        self._event_lines += 1
+        if self._event_lines > self.max_event_lines:
+            self._data.clear()
+            self._tainted = True
         elif line.startswith(b"data:") and not self._tainted:
             payload = line[5:]
             payload = payload[1:] if payload.startswith(b" ") else payload
@@ -204,7 +213,7 @@ class SSEParser:
                 self._lines += 1
 
     def _dispatch(self) -> Iterator[Any]:
-        tainted, lines, self._tainted, self._lines = self._tainted, self._lines, False, 0
+        tainted, lines, self._tainted, self._lines, self._event_lines = self._tainted, self._lines, False, 0, 0
         payload = bytes(self._data)
         self._data.clear()
         if tainted:

@@ -113,12 +113,13 @@ def test_a_stream_cut_before_its_end_is_not_complete():
 
 # -- bounds: no stream can grow the parser (issue 20, item 4) -----------------------------------------------
 
-MAX_LINE, MAX_EVENT = 64, 160
+MAX_LINE, MAX_EVENT, MAX_LINES = 64, 160, 6
 
 
 def reference(stream: bytes) -> list:
     """What the parser must yield for `stream` whole, written plainly: lines over MAX_LINE (raw, before the
-    newline) and events whose data lines, joined, are longer than MAX_EVENT are dropped with their event."""
+    newline), events whose data lines, joined, are longer than MAX_EVENT and events of more than MAX_LINES
+    lines are dropped with their event."""
     out, data, tainted = [], [], False
     lines = stream.split(b"\n")
     if not lines[-1]:
@@ -130,13 +131,17 @@ def reference(stream: bytes) -> list:
             with contextlib.suppress(ValueError):
                 out.append(json.loads(payload))
 
+    n = 0
     for raw in lines:
         line = raw.rstrip(b"\r")
+        n += bool(line)
         if len(raw) > MAX_LINE:
             tainted = True
         elif not line:
             dispatch()
-            data, tainted = [], False
+            data, tainted, n = [], False, 0
+        elif n > MAX_LINES:
+            tainted = True
         elif line.startswith(b"data:") and not tainted:
             payload = line[5:][1:] if line[5:].startswith(b" ") else line[5:]
             data.append(payload)
@@ -159,7 +164,7 @@ def lines_of_every_length():
 def test_capped_parser_yields_the_same_however_the_stream_is_cut(lines, crlf, tail, cuts):
     nl = b"\r\n" if crlf else b"\n"
     stream = nl.join(lines) + (nl if tail else b"")
-    p = SSEParser(max_line=MAX_LINE, max_event=MAX_EVENT)
+    p = SSEParser(max_line=MAX_LINE, max_event=MAX_EVENT, max_event_lines=MAX_LINES)
     got, prev = [], 0
     for c in [*sorted({min(c, len(stream)) for c in cuts}), len(stream)]:
         got += list(p.feed(stream[prev:c]))
@@ -171,13 +176,14 @@ def test_capped_parser_yields_the_same_however_the_stream_is_cut(lines, crlf, ta
 
 def test_capped_parser_at_every_single_split_point():
     stream = (b'data: {"a":1}\n\n' + b"data: " + b"x" * (MAX_LINE + 3) + b"\n\n" + b'data: {"b":2}\n'
-              + b'data: {"c":3}\n'.replace(b"3", b"3" * 30) * 6 + b"\n" + b'data: {"d":4}\n\n')
-    want = [{"a": 1}, {"d": 4}]
+              + b'data: {"c":3}\n'.replace(b"3", b"3" * 30) * 5 + b"\n" + b'data: {"d":4}\n\n'
+              + b"data: 1\n" + b"data:\n" * MAX_LINES + b"\n" + b"data: 2\n" + b"data:\n" * (MAX_LINES - 1) + b"\n")
+    want = [{"a": 1}, {"d": 4}, 2]
     assert reference(stream) == want
     for cut in range(len(stream) + 1):
-        p = SSEParser(max_line=MAX_LINE, max_event=MAX_EVENT)
+        p = SSEParser(max_line=MAX_LINE, max_event=MAX_EVENT, max_event_lines=MAX_LINES)
         assert [*p.feed(stream[:cut]), *p.feed(stream[cut:]), *p.close()] == want
-        assert p.dropped == 2
+        assert p.dropped == 3
 
 
 def test_a_stream_of_data_lines_without_a_blank_line_stays_bounded():
