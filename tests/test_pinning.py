@@ -280,3 +280,13 @@ async def test_a_saved_flow_replays_offline_with_the_same_decision(proxy, fake_l
     replayed = saved.metadata["slotkeeper"]
     assert (replayed["slot"], replayed["reason"]) == (meta["slot"], meta["reason"])
     assert saved.request.raw_content == live.request.raw_content and UP in proxy.rt.replays
+
+
+async def test_control_bytes_in_the_request_path_never_reach_the_terminal(proxy, caplog):
+    f = await proxy.request(flow(chat(), path="/v1/chat/completions?\x1b[1A\x1b[2Kslotkeeper:%20fake"))
+    with caplog.at_level(logging.INFO):
+        await proxy.answer(f, http.Response.make(200, json.dumps(CHAT_ANSWER), {"content-type": "application/json"}))
+        await proxy.request(flow(None, path="/v1/chat/completions?\x1b]0;x\x07", raw=b"not json"))
+    lines = [r.getMessage() for r in caplog.records if "slotkeeper" in r.getMessage()]
+    assert lines and all("\x1b" not in m and "\x07" not in m for m in lines)
+    assert any("?\\x1b[1A\\x1b[2Kslotkeeper:%20fake session=" in m for m in lines)
