@@ -140,8 +140,11 @@ class Pinning:
         if req.stream is None and flow.live and flow.response.raw_content is not None:
             answer = req.upstream.keeper.answer_body(req.ticket, flow.response.status_code,
                                                      flows.response_body(flow.response))
-            if answer is not None:
-                flow.response.content = answer  # a translated request: the native route's answer
+            if answer is not None:  # a translated request: the native route's answer
+                flow.response.status_code, flow.response.content = answer
+                if answer[0] == 502:
+                    flow.response.headers["content-type"] = "application/json"
+                    obs.error_type = obs.error_type or "unreadable"
             elif req.ticket.learn is Learn.VERBOSE and flow.response.raw_content:
                 self._strip_verbose(flow, req.upstream.url)
         self._finish(flow, req, obs)

@@ -103,11 +103,17 @@ def from_chat(answer: dict[str, Any], *, model: str | None = None, request: dict
     named none, as `to_chat` ensures). `request` is the Anthropic request (reserved; not needed today)."""
     del request
     try:
-        choice = answer["choices"][0]
-        message = choice.get("message") or {}
-        finish = choice.get("finish_reason")
-    except (KeyError, IndexError, TypeError, AttributeError):
+        return _from_chat(answer, model)
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError):
         raise TranslationError("answer is not a chat completion") from None
+
+
+def _from_chat(answer: dict[str, Any], model: str | None) -> dict[str, Any]:
+    choice = answer["choices"][0]
+    message = choice.get("message") or {}
+    finish = choice.get("finish_reason")
+    if not isinstance(message, dict):
+        raise TypeError("message")
     calls = message.get("tool_calls") or []
     blocks: list[dict[str, Any]] = []
     reasoning = message.get("reasoning_content")
@@ -139,6 +145,15 @@ def counts(answer: dict[str, Any]) -> PromptCounts:
     """cache_n/prompt_n of a non-streamed chat answer, for the proxy's log."""
     prompt, cached, _ = _usage(answer)
     return PromptCounts(cache_n=cached, prompt_n=prompt - cached)
+
+
+UNREADABLE = "slotkeeper: the server's answer could not be read as a chat completion"
+
+
+def error_json(message: str, kind: str = "api_error") -> bytes:
+    """Anthropic's error body, for an answer the proxy cannot give (an unreadable server answer)."""
+    return json.dumps({"type": "error", "error": {"type": kind, "message": message}},
+                      separators=(",", ":")).encode()
 
 
 def error_body(status: int, upstream_body: bytes) -> bytes:

@@ -102,6 +102,18 @@ async def test_an_anthropic_request_is_sent_as_a_pinned_chat_completion_and_answ
     assert sent(g)["id_slot"] == sent(f)["id_slot"]  # the same session, the same slot
 
 
+@pytest.mark.parametrize("body", [b'{"choices":[{"message":"str"}]}', b'{"choices":["x"]}', b"{not json",
+                                  b'{"choices":[]}', b"[" * 100_000, b'{"choices":[{"message":{"tool_calls":[1]}}]}'])
+async def test_an_unreadable_answer_to_a_translated_request_is_an_anthropic_error(proxy, caplog, body):
+    """The client asked for a message: chat JSON it cannot read, with status 200, is not an answer."""
+    f = await proxy.request(flow(MESSAGES, path="/v1/messages"))
+    with caplog.at_level(logging.INFO):
+        await proxy.answer(f, http.Response.make(200, body, {"content-type": "application/json"}))
+    assert f.response.status_code == 502 and f.response.headers["content-type"] == "application/json"
+    got = json.loads(f.response.content)
+    assert got["type"] == "error" and got["error"]["type"] == "api_error" and "error=unreadable" in caplog.text
+
+
 async def test_a_translated_stream_is_converted_chunk_by_chunk(proxy):
     f = await proxy.request(flow(MESSAGES | {"stream": True}, path="/v1/messages"))
     assert sent(f)["stream"] is True and sent(f)["stream_options"] == {"include_usage": True}
