@@ -137,6 +137,8 @@ class Pinning:
         obs = observe_response(flow.response, req.stream)
         if flow.error is not None and not obs.complete:  # a saved flow cut mid-answer: as the live proxy saw it
             obs.error_type = obs.error_type or "transport"
+        elif req.stream is not None and not obs.complete:  # a clean end without finish_reason or [DONE]
+            obs.error_type = obs.error_type or "truncated"
         if req.stream is None and flow.live and flow.response.raw_content is not None:
             answer = req.upstream.keeper.answer_body(req.ticket, flow.response.status_code,
                                                      flows.response_body(flow.response))

@@ -169,6 +169,7 @@ def error_body(status: int, upstream_body: bytes) -> bytes:
 # --------------------------------------------------------------------------------------------------------
 
 TOO_LARGE = "slotkeeper: an upstream event was larger than 4 MB; the answer is incomplete"
+TRUNCATED = "slotkeeper: the server's answer ended before its end; the answer is incomplete"
 
 
 def error_event(message: str, kind: str = "api_error") -> bytes:
@@ -285,6 +286,9 @@ class StreamConverter:
             out.append(self._data(line[5:].strip()))
         if self._awaiting_usage and not self.finished:
             out.append(self._message_end())
+        elif not self.finished:  # a clean end before the answer's end (or an empty body): say so
+            out.append(self._flush_partial())
+            out.append(self._fail(TRUNCATED, "truncated"))
         return b"".join(out)
 
     def _fail(self, message: str, why: str = "too-large") -> bytes:

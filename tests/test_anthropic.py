@@ -605,3 +605,19 @@ def test_a_50_mb_line_ends_the_stream_with_an_error_event_quickly_and_holds_at_m
     names = [n for n, _ in parse_sse(b"".join(out))]
     assert names[0] == "message_start" and names[-1] == "error" and "message_stop" not in names
     assert conv.finished and conv.held == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(generated_answer(), st.integers(0, 200))
+def test_a_stream_cut_cleanly_before_its_end_ends_with_an_error_event(case: tuple[dict[str, Any], bytes],
+                                                                        where: int) -> None:
+    """Cut at an event boundary before the finish chunk (an empty body included):
+    every event converted so far, then Anthropic's error event, never message_stop."""
+    _, raw = case
+    events = raw.split(b"\n\n")[:-1]
+    cut = b"".join(e + b"\n\n" for e in events[: where % (len(events) - 2)])  # before the finish chunk
+    names = [n for n, _ in parse_sse(convert(cut, []))]
+    assert names[-1] == "error" and "message_stop" not in names
+    assert names[:-1] == [n for n, _ in parse_sse(convert(raw, []))][: len(names) - 1]
+    assert parse_sse(convert(b"", [])) == [("error", {"type": "error", "error": {"type": "api_error",
+                                                                                  "message": R.TRUNCATED}})]

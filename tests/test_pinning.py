@@ -302,3 +302,29 @@ async def test_control_bytes_in_the_request_path_never_reach_the_terminal(proxy,
     lines = [r.getMessage() for r in caplog.records if "slotkeeper" in r.getMessage()]
     assert lines and all("\x1b" not in m and "\x07" not in m for m in lines)
     assert any("?\\x1b[1A\\x1b[2Kslotkeeper:%20fake session=" in m for m in lines)
+
+
+CHAT_PARTIAL = (b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}],'
+                b'"timings":{"cache_n":10,"prompt_n":3}}\n\n'
+                b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}],"timings":{"cache_n":10,"prompt_n":3}}\n\n')
+
+
+@pytest.mark.parametrize("body", [CHAT_PARTIAL, b""], ids=["cut-between-events", "empty"])
+@pytest.mark.parametrize("translated", [False, True], ids=["chat", "anthropic"])
+async def test_a_stream_that_ends_cleanly_before_its_end_is_marked(proxy, caplog, body, translated):
+    """No finish_reason, no [DONE]: the log says error=truncated, and a translated client gets an error event
+    instead of a message without message_stop."""
+    f = await proxy.request(flow(MESSAGES | {"stream": True}, path="/v1/messages") if translated
+                            else flow(chat(stream=True)))
+    f.response = http.Response.make(200, b"", {"content-type": "text/event-stream"})
+    f.response.content = None
+    await proxy.hook("responseheaders", f)
+    out = streamed(f, body)
+    with caplog.at_level(logging.INFO):
+        await proxy.hook("response", f)
+    assert "error=truncated" in caplog.text
+    if translated:
+        assert out.endswith(b"\n\n") and b"message_stop" not in out
+        assert out.split(b"\n\n")[-2].startswith(b'event: error\ndata: {"type":"error","error":{"type":"api_error"')
+    else:
+        assert out == body
