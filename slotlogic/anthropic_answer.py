@@ -268,13 +268,13 @@ class StreamConverter:
             line = bytes(self._buf[:nl]).rstrip(b"\r")
             del self._buf[: nl + 1]
             if len(line) > self.max_line:
-                return b"".join(out) + self._fail(TOO_LARGE)
+                return b"".join(out) + self.fail(TOO_LARGE)
             if line.startswith(b"data:"):
                 out.append(self._data(line[5:].strip()))
         if self.finished:
             self._buf.clear()
         elif len(self._buf) > self.max_line:
-            return b"".join(out) + self._fail(TOO_LARGE)
+            return b"".join(out) + self.fail(TOO_LARGE)
         return b"".join(out)
 
     def close(self) -> bytes:
@@ -288,16 +288,17 @@ class StreamConverter:
             out.append(self._message_end())
         elif not self.finished:  # a clean end before the answer's end (or an empty body): say so
             out.append(self._flush_partial())
-            out.append(self._fail(TRUNCATED, "truncated"))
+            out.append(self.fail(TRUNCATED, why="truncated"))
         return b"".join(out)
 
-    def _fail(self, message: str, why: str = "too-large") -> bytes:
-        """End the client's stream with Anthropic's error event: the answer cannot be given whole."""
+    def fail(self, message: str, kind: str = "api_error", *, why: str = "too-large") -> bytes:
+        """End the client's stream with Anthropic's error event: the answer cannot be given whole (also the
+        proxy's own end of a request, the watchdog's deadline)."""
         self.finished = True
         self.failed = why
         self._buf.clear()
         self._pending.clear()
-        return error_event(message)
+        return error_event(message, kind)
 
     # -- one data line ---------------------------------------------------------------------------------
 
