@@ -314,7 +314,11 @@ class StreamConverter:
         if "error" in obj and "choices" not in obj:
             out = self._flush_partial()
             self.finished = True
-            return out + _sse("error", obj["error"])
+            err = obj["error"]
+            if isinstance(err, dict):  # llama-server's error object, as its native route sends it
+                return out + _sse("error", err)
+            self.failed = "upstream-error"  # a bare value (`"error":"boom"`): Anthropic's shape, never `data: "boom"`
+            return out + error_event(err if isinstance(err, str) else json.dumps(err)[:300])
         word = _stopping_word(obj)
         if word is not None:
             self.stop_sequence = word

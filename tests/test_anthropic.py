@@ -403,6 +403,15 @@ def test_final_result_is_formatted_with_fresh_block_state_like_the_server() -> N
                      ("message_delta", None), ("message_stop", None)]
 
 
+@pytest.mark.parametrize("err", ["boom", 7, None, ["a"]])
+def test_a_bare_error_value_becomes_anthropics_error_event(err: Any) -> None:
+    raw = SAMPLE.split(b"data: {\"choices\":[{\"finish_reason\":\"length\"")[0]
+    raw += b"data: " + json.dumps({"error": err}).encode() + b"\n\n"
+    name, data = parse_sse(convert(raw, []))[-1]
+    assert name == "error" and data["type"] == "error" and data["error"]["type"] == "api_error"
+    assert isinstance(data["error"]["message"], str)
+
+
 def test_stream_error_event_and_done() -> None:
     err = {"code": 500, "message": "boom", "type": "server_error"}
     raw = SAMPLE.split(b"data: {\"choices\":[{\"finish_reason\":\"length\"")[0]
