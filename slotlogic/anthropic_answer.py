@@ -168,6 +168,7 @@ def error_body(status: int, upstream_body: bytes) -> bytes:
 # streamed answer: chat-completions SSE → Anthropic SSE
 # --------------------------------------------------------------------------------------------------------
 
+UNTIMED_AFTER = 4  # chunks without timings before a stream counts as untimed (a result is role + 1-3 diffs)
 TOO_LARGE = "slotkeeper: an upstream event was larger than 4 MB; the answer is incomplete"
 TRUNCATED = "slotkeeper: the server's answer ended before its end; the answer is incomplete"
 
@@ -242,6 +243,8 @@ class StreamConverter:
     _thinking_started: bool = False
     _text_started: bool = False
     _awaiting_usage: bool = False
+    _timed: bool = False                      # a partial carried timings: results end where they do
+    _untimed: bool = False                    # none did in the first UNTIMED_AFTER chunks: every chunk is one
 
     @property
     def cache_n(self) -> int | None:
@@ -335,8 +338,11 @@ class StreamConverter:
         if choice.get("finish_reason") is not None:
             return self._final(obj)
         if "timings" in obj:
+            self._timed = True
             return self._flush_partial()
-        return b""
+        if not self._timed and len(self._pending) > UNTIMED_AFTER:
+            self._untimed = True  # a server without timings_per_token: a result's end cannot be seen
+        return self._flush_partial() if self._untimed else b""
 
     # -- a partial result: server_task_result_cmpl_partial::to_json_anthropic ---------------------------
 

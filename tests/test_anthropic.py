@@ -630,3 +630,30 @@ def test_a_stream_cut_cleanly_before_its_end_ends_with_an_error_event(case: tupl
     assert names[:-1] == [n for n, _ in parse_sse(convert(raw, []))][: len(names) - 1]
     assert parse_sse(convert(b"", [])) == [("error", {"type": "error", "error": {"type": "api_error",
                                                                                   "message": R.TRUNCATED}})]
+
+
+def untimed(raw: bytes) -> bytes:
+    """The same stream from a server that ignores timings_per_token: only the final chunks carry timings."""
+    out = []
+    for block in raw.split(b"\n\n")[:-1]:
+        obj = json.loads(block[6:]) if block != b"data: [DONE]" else None
+        if obj and obj["choices"] and obj["choices"][0].get("finish_reason") is None:
+            obj.pop("timings", None)
+            block = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+        out.append(block + b"\n\n")
+    return b"".join(out)
+
+
+def test_without_timings_per_token_events_leave_after_a_few_chunks_not_at_the_end() -> None:
+    """First event at 5.1 s instead of 0.1 s: every event was held until the final chunk."""
+    raw = untimed(chat_sse(partials=[[{"content": f"w{i}"}] for i in range(10)], final=[], finish="stop",
+                           n_decoded=10))
+    chunks = [b + b"\n\n" for b in raw.split(b"\n\n")[:-1]]
+    conv = R.StreamConverter()
+    first = next(i for i, c in enumerate(chunks) if conv.feed(c))
+    assert first == R.UNTIMED_AFTER  # the role chunk and four tokens: not the final chunk (index 11)
+    events = parse_sse(convert(raw, []))
+    assert assemble(events)["content"] == [{"type": "text", "text": "".join(f"w{i}" for i in range(10))}]
+    assert events[-1][0] == "message_stop"
+    for cut in range(0, len(raw), 7):
+        assert convert(raw, [cut]) == convert(raw, [])
