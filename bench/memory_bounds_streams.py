@@ -16,7 +16,8 @@ of the code before the fix can be taken on a shared machine without the kernel's
 Attacks: `sse-no-blank` (item 4: 200 MB of `data: {}` lines, no blank line), `sse-long-line` (item 4: one
 200 MB line), `anthropic-long-line` (item 5: a translated stream with one 200 MB line), `state-deep` (item 6:
 a state file 200k levels deep), `redis-deep` (item 6: a Redis key 100k levels deep; skipped without
-redis-server), `state-sparse` (item 15: a 1 GB sparse state file).
+redis-server), `state-sparse` (item 15: a 1 GB sparse state file), `json-large-chat` and
+`json-large-anthropic` (item 16: a 1 GB answer that is not a stream, plain and translated).
 """
 
 from __future__ import annotations
@@ -78,6 +79,12 @@ def attack_body(kind: str, mb: int) -> tuple[bytes, Iterator[bytes], bytes, int]
         piece = b"x" * PIECE
         n = size // PIECE
         return head, (piece for _ in range(n)), tail, n * PIECE
+    if kind == "json-large":
+        head = b'{"choices":[{"index":0,"finish_reason":"stop","message":{"role":"assistant","content":"'
+        tail = b'"}}],"timings":{"cache_n":0,"prompt_n":9}}'
+        piece = b"x" * PIECE
+        n = size // PIECE
+        return head, (piece for _ in range(n)), tail, n * PIECE
     raise ValueError(kind)
 
 
@@ -97,10 +104,10 @@ class AttackStub(StubLlama):
                 method, target, _ = lines[0].split(" ", 2)
                 headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
                 body = await reader.readexactly(int(headers.get("content-length") or 0))
-                streamed = method == "POST" and b'"stream":true' in body.replace(b" ", b"")
-                if streamed and self.kind:
+                if method == "POST" and self.kind and b"attack-" in body:  # the warm-up is answered as ever
                     start, middle, end, n = attack_body(self.kind, self.mb)
-                    writer.write((f"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nContent-Type: text/event-stream\r\n"
+                    ctype = "application/json" if self.kind == "json-large" else "text/event-stream"
+                    writer.write((f"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nContent-Type: {ctype}\r\n"
                                   f"Content-Length: {len(start) + n + len(end)}\r\n\r\n").encode() + start)
                     for piece in middle:
                         writer.write(piece)
@@ -246,7 +253,7 @@ def sse_attack(soak: Soak, kind: str, mb: int) -> Result:
     want = len(start) + n + len(end)
 
     def attack(px: Any, health: Health) -> str:
-        got, _, tail = read_stream(px.url, {"messages": soak.messages(kind), "stream": True}, health)
+        got, _, tail = read_stream(px.url, {"messages": soak.messages(f"attack-{kind}"), "stream": True}, health)
         return "ok: passed byte for byte" if got == want and tail.endswith(b"[DONE]\n\n") else \
             f"wrong: {got} of {want} bytes"
 
@@ -260,7 +267,7 @@ def anthropic_attack(soak: Soak, mb: int) -> Result:
 
     def attack(px: Any, health: Health) -> str:
         body = {"model": "m", "max_tokens": 8, "stream": True,
-                "messages": [{"role": "user", "content": f"{soak.sentinel} anthropic"}]}
+                "messages": [{"role": "user", "content": f"{soak.sentinel} attack-anthropic"}]}
         _, head, tail = read_stream(px.url, body, health, "/v1/messages")
         if b"event: message_start" in head and tail.endswith(b"\n\n") and b"event: error" in tail \
                 and b"message_stop" not in tail:
@@ -268,6 +275,25 @@ def anthropic_attack(soak: Soak, mb: int) -> Result:
         return f"wrong: ends {tail[-160:]!r}"
 
     return measured(soak, res, upstream, {"slots_state_dir": str(soak.dir("mb-anthropic"))}, attack, 240)
+
+
+def json_attack(soak: Soak, mb: int, translated: bool) -> Result:
+    kind = "json-large"
+    res = Result(f"{kind}-{'anthropic' if translated else 'chat'}", "16", "not buffered past slots_max_body_mb")
+    upstream = start_stub(soak, kind, mb)
+    start, _, end, n = attack_body(kind, mb)
+
+    def attack(px: Any, health: Health) -> str:
+        if translated:
+            body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "attack-json"}]}
+            got, head, _ = read_stream(px.url, body, health, "/v1/messages")
+            return "ok: an Anthropic error (502)" if b'"type":"error"' in head and got < 4096 else \
+                f"wrong: {got} bytes, {head[:120]!r}"
+        got, _, tail = read_stream(px.url, {"messages": soak.messages("attack-json")}, health)
+        want = len(start) + n + len(end)
+        return "ok: passed byte for byte" if got == want and tail.endswith(end) else f"wrong: {got} of {want} bytes"
+
+    return measured(soak, res, upstream, {"slots_state_dir": str(soak.dir(f"mb-json-{translated}"))}, attack, 300)
 
 
 def new_sessions(soak: Soak, px: Any, tag: str, n: int = 5) -> tuple[bool, float]:
@@ -358,7 +384,9 @@ def run(soak: Soak, mb: int = 200, only: list[str] | None = None) -> Row:
         ("anthropic-long-line", lambda: anthropic_attack(soak, mb)),
         ("state-deep", lambda: state_attack(soak, "state-deep")),
         ("redis-deep", lambda: redis_attack(soak)),
-        ("state-sparse", lambda: state_attack(soak, "state-sparse"))]
+        ("state-sparse", lambda: state_attack(soak, "state-sparse")),
+        ("json-large-chat", lambda: json_attack(soak, 1024, translated=False)),
+        ("json-large-anthropic", lambda: json_attack(soak, 1024, translated=True))]
     with timed(row):
         for name, attack in attacks:
             if only and name not in only:

@@ -147,6 +147,7 @@ def counts(answer: dict[str, Any]) -> PromptCounts:
     return PromptCounts(cache_n=cached, prompt_n=prompt - cached)
 
 
+TOO_LARGE_ANSWER = "slotkeeper: the server's answer was larger than slots_max_body_mb; not converted"
 UNREADABLE = "slotkeeper: the server's answer could not be read as a chat completion"
 
 

@@ -328,3 +328,31 @@ async def test_a_stream_that_ends_cleanly_before_its_end_is_marked(proxy, caplog
         assert out.split(b"\n\n")[-2].startswith(b'event: error\ndata: {"type":"error","error":{"type":"api_error"')
     else:
         assert out == body
+
+
+@pytest.mark.parametrize("translated", [False, True], ids=["chat", "anthropic"])
+async def test_an_answer_announcing_more_than_the_body_cap_is_not_buffered(proxy, caplog, translated):
+    """mitmproxy buffers every answer it does not stream (a 1 GB answer cost 3.6 GB): past slots_max_body_mb it
+    passes through unobserved, and a translated one, which would be converted whole, is Anthropic's error."""
+    proxy.configure(slots_max_body_mb=1)
+    f = await proxy.request(flow(MESSAGES, path="/v1/messages") if translated else flow(chat()))
+    f.response = http.Response.make(200, b"", {"content-type": "application/json"})
+    f.response.content = None
+    f.response.headers["content-length"] = str((1 << 20) + 1)
+    await proxy.hook("responseheaders", f)
+    if not translated:
+        assert f.response.stream is True and f.response.status_code == 200
+    else:
+        assert f.response.status_code == 502 and "content-length" not in f.response.headers
+        assert f.response.stream(b"x" * 1000) == []
+        got = json.loads(f.response.stream(b""))
+        assert got["type"] == "error" and "slots_max_body_mb" in got["error"]["message"]
+        with caplog.at_level(logging.INFO):
+            await proxy.hook("response", f)
+        assert "error=too-large" in caplog.text
+    g = await proxy.request(flow(chat("small")))
+    g.response = http.Response.make(200, b"", {"content-type": "application/json"})
+    g.response.content = None
+    g.response.headers["content-length"] = str(1 << 20)
+    await proxy.hook("responseheaders", g)
+    assert not g.response.stream  # within the cap: buffered and read as ever
