@@ -820,6 +820,7 @@ def main(argv: list[str] | None = None) -> int:
         ("upstream", lambda: upstream_faults(soak)), ("kills", lambda: kills(soak, a.kills)),
         ("load", lambda: load(soak, a.sessions)), ("bad", lambda: bad_input(soak, a.fuzz_examples)),
         ("security", lambda: security(soak))]
+    classes.append(("memory-streams", lambda: __import__("bench.memory_bounds_streams", fromlist=["run"]).run(soak)))
     rows: list[Row] = []
     try:
         for name, run in classes:

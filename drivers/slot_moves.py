@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
+from drivers import store_file
 from drivers.build_claims import BuildClaims
 from drivers.checkpoint_runner import CheckpointRunner
 from drivers.llama_http import LlamaClient
@@ -192,7 +191,7 @@ class SlotMoves:
                       and e.path != str(self.store.path)]
         for path in others:
             with contextlib.suppress(OSError, ValueError):
-                for name in shared.from_dict(json.loads(Path(path).read_bytes()), "").pages.values():
+                for name in shared.from_dict(store_file.read_document(path), "").pages.values():
                     files.pop(name.file, None)
         return files
 

@@ -10,7 +10,8 @@ index.
   which only costs a re-placement). Mode 0600; the directory is created
   0700 and an existing one is checked, never chmod-ed (`drivers/private_dir.py`); temp files a `kill -9`
   left behind are removed on first use.
-- A damaged file is moved aside (`.corrupt-<time>`) and logged, never silently lost, never a crash.
+- A damaged file (not JSON, nested too deep to parse, or larger than `MAX_BYTES`, which is never read) is
+  moved aside (`.corrupt-<time>`) and logged, never silently lost, never a crash.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from slotlogic.events import CorruptMovedAside, Event
 from slotlogic.notices import ClaimNotice
 
 LOCK_TIMEOUT = 10.0
+MAX_BYTES = 64 << 20  # far above any state we write (50k sessions are a few MB); a larger file is corrupt
 Emit = Callable[[Event], None]
 
 
@@ -56,6 +58,25 @@ def state_file_name(upstream: str) -> str:
 
 class CorruptFile(ValueError):
     """The file exists but is not valid JSON (it has been moved aside)."""
+
+
+def parse(raw: bytes) -> Any:
+    """A state document from its bytes; CorruptFile for anything that is not JSON, nesting too deep for the
+    parser included (a `RecursionError` is corrupt, not a crash: every new session failed on one)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise CorruptFile("not JSON") from None
+
+
+def read_document(path: str | Path) -> Any:
+    """The JSON document in `path` (FileNotFoundError when missing); CorruptFile when it does not parse or is
+    larger than MAX_BYTES, which is never read (a 1 GB sparse file cost 1.28 GB of memory before)."""
+    with open(path, "rb") as f:
+        raw = f.read(MAX_BYTES + 1) if os.fstat(f.fileno()).st_size <= MAX_BYTES else b""
+    if not raw or len(raw) > MAX_BYTES:
+        raise CorruptFile("empty, or larger than MAX_BYTES")
+    return parse(raw)
 
 
 class JsonFile:
@@ -87,17 +108,18 @@ class JsonFile:
     def load(self) -> Any:
         """The document, None when missing; raises CorruptFile (after moving it aside) when damaged."""
         try:
-            raw = self.path.read_bytes()
+            return read_document(self.path)
         except FileNotFoundError:
             return None
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            dest = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
-            with contextlib.suppress(OSError):
-                os.replace(self.path, dest)
-            self.emit(CorruptMovedAside("", str(self.path), str(dest)))
-            raise CorruptFile(str(self.path)) from None
+        except CorruptFile:
+            self._move_aside()
+            raise
+
+    def _move_aside(self) -> None:
+        dest = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+        with contextlib.suppress(OSError):
+            os.replace(self.path, dest)
+        self.emit(CorruptMovedAside("", str(self.path), str(dest)))
 
     def save(self, data: Any) -> None:
         self.ensure_dir()

@@ -218,7 +218,7 @@ class RedisSlotLocks:
 def _sent(raw: Any) -> tuple[str, float] | None:
     try:
         data = json.loads(raw) if raw else None
-    except (ValueError, UnicodeDecodeError, TypeError):
+    except (ValueError, UnicodeDecodeError, TypeError, RecursionError):
         return None
     if not isinstance(data, dict):
         return None
@@ -246,9 +246,11 @@ class RedisState:
         self.conn.notices.watch(self.channel, on_claim)
 
     def _parse(self, raw: Any) -> shared.ServerState:
+        """The state in the key; a damaged document (not JSON, nested too deep to parse) is an empty state
+        that the next transaction overwrites."""
         try:
             data = json.loads(raw) if raw else None
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             data = None
         return shared.from_dict(data, self.upstream)
 
@@ -278,8 +280,8 @@ class RedisState:
             yield local
             self.last = local
             return
-        before = notices.owners(state)
         try:
+            before = notices.owners(state)
             yield state
             changed = notices.changes(before, state, self.conn.instance, time.time())
             try:
@@ -313,7 +315,12 @@ class RedisState:
             self.conn.failed(e)
             return None, self.last
         self.conn.ok()
-        return lock, self._parse(raw)
+        try:
+            return lock, self._parse(raw)
+        except BaseException:  # never leave the lock held (every other proxy would wait for it)
+            with contextlib.suppress(*ERRORS, LockError):
+                await lock.release()
+            raise
 
     @contextlib.contextmanager
     def transaction_sync(self) -> Iterator[shared.ServerState]:
@@ -331,6 +338,9 @@ class RedisState:
                 state = self._parse(client.get(self.key))
             except (RedisError, OSError, LockError) as e:
                 self.conn.failed(e)
+                if lock is not None:
+                    with contextlib.suppress(RedisError, OSError, LockError):
+                        lock.release()
                 lock = None
         try:
             yield state

@@ -19,7 +19,7 @@ from drivers.store import parse_url
 from mitm import flows, options
 from mitm.runtime import Open, Runtime, guarded
 from mitm.sse_tap import SSETap, TranslatingTap
-from slotlogic import verbose
+from slotlogic import anthropic_answer, verbose
 from slotlogic.affinity import Learn
 from slotlogic.answers import Observation, StreamObserver, observe_json
 from slotlogic.decisions import Forward, Observe, Pin
@@ -113,6 +113,8 @@ class Pinning:
             # request sent within milliseconds could go out on it and get a 502 (mitmproxy #3038). Said
             # aloud, both sides close cleanly (docs/mitmproxy.md).
             flow.response.headers["connection"] = "close"
+        if not streamed and flow.live and not flow.response.raw_content:
+            self._large_answer(flow, req)
         # A streamed response has no body yet; a saved flow's body is already here (read in `response`).
         if streamed and not flow.response.raw_content:
             req.stream = StreamObserver()
@@ -123,6 +125,37 @@ class Pinning:
             strip = VerboseStripper() if req.ticket.learn is Learn.VERBOSE and converter is None else None
             flow.response.stream = (SSETap(req.stream, keep, on_error=on_error, strip=strip) if converter is None
                                     else TranslatingTap(req.stream, converter, keep, on_error=on_error))
+            if (converter is not None or strip is not None) and "content-length" in flow.response.headers:
+                # the client's body is not the server's: its length is unknown until the end (chunked)
+                del flow.response.headers["content-length"]
+                if flow.request.http_version == "HTTP/1.1":
+                    flow.response.headers["transfer-encoding"] = "chunked"
+
+    @staticmethod
+    def _large_answer(flow: http.HTTPFlow, req: Any) -> None:
+        """An answer that is not a stream and announces more than `slots_max_body_mb` is not buffered
+        (mitmproxy buffers every answer it does not stream: a 1 GB answer cost 3.6 GB): it passes through
+        unobserved, or, for a translated request, whose answer would have to be converted whole, becomes a 502
+        with Anthropic's error body. An answer of unknown length stays buffered (docs/mitmproxy.md)."""
+        assert flow.response is not None
+        length = flows.get(flow.response.headers.fields, b"content-length")
+        try:
+            size = int(length) if length is not None else None
+        except ValueError:
+            size = None
+        if size is None or size <= req.upstream.settings.max_body_bytes:
+            return
+        if not req.ticket.translated:
+            flow.response.stream = True
+            return
+        flow.response.status_code = 502
+        flow.response.headers["content-type"] = "application/json"
+        del flow.response.headers["content-length"]
+        if flow.request.http_version == "HTTP/1.1":
+            flow.response.headers["transfer-encoding"] = "chunked"
+        body = anthropic_answer.error_json(anthropic_answer.TOO_LARGE_ANSWER)
+        flow.response.stream = lambda chunk: [] if chunk else body
+        req.ended = "too-large"
 
     @guarded(Stage.RESPONSE)
     def response(self, flow: http.HTTPFlow) -> None:
@@ -130,13 +163,20 @@ class Pinning:
         if req is None or flow.response is None:
             return
         obs = observe_response(flow.response, req.stream)
-        if flow.error is not None and not obs.complete:  # a saved flow cut mid-answer: as the live proxy saw it
+        if req.ended == "too-large":
+            obs.error_type = req.ended
+        elif flow.error is not None and not obs.complete:  # a saved flow cut mid-answer: as the live proxy saw it
             obs.error_type = obs.error_type or "transport"
+        elif req.stream is not None and not obs.complete:  # a clean end without finish_reason or [DONE]
+            obs.error_type = obs.error_type or "truncated"
         if req.stream is None and flow.live and flow.response.raw_content is not None:
             answer = req.upstream.keeper.answer_body(req.ticket, flow.response.status_code,
                                                      flows.response_body(flow.response))
-            if answer is not None:
-                flow.response.content = answer  # a translated request: the native route's answer
+            if answer is not None:  # a translated request: the native route's answer
+                flow.response.status_code, flow.response.content = answer
+                if answer[0] == 502:
+                    flow.response.headers["content-type"] = "application/json"
+                    obs.error_type = obs.error_type or "unreadable"
             elif req.ticket.learn is Learn.VERBOSE and flow.response.raw_content:
                 self._strip_verbose(flow, req.upstream.url)
         self._finish(flow, req, obs)

@@ -46,10 +46,38 @@ class SSETap:
         self.copy: bytearray | None = bytearray() if keep else None
         self.max_copy = max_copy
         self.strip = strip
+        self.tail = b""                      # the last bytes the client got: is it between two events?
+        self._closing: bytes | None = None   # the proxy's own last event, passed on as it is
+
+    def closing(self, event: bytes, message: str) -> bytes:
+        """The proxy ends this stream with its own error `event` (the watchdog): what to inject so that it
+        arrives as an event of its own, after the blank line the event the client was receiving lacks (cut
+        inside an event, it was glued onto the unfinished line). `message` is for a translated stream."""
+        del message
+        if self.tail and not self.tail.endswith((b"\n\n", b"\r\n\r\n")):
+            event = (b"\n" if self.tail.endswith(b"\n") else b"\n\n") + event
+        self._closing = event
+        return event
+
+    def _injected(self, chunk: bytes) -> bool:
+        """The chunk is the proxy's own closing event: observed (the log says why the answer ended), and sent
+        to the client untouched."""
+        if self._closing is None or chunk != self._closing:
+            return False
+        self._closing = None
+        self._observe(chunk)
+        self._keep(chunk, chunk)
+        return True
+
+    def _sent(self, sent: bytes) -> bytes:
+        self.tail = (self.tail + sent)[-4:] if sent else self.tail
+        return sent
 
     def __call__(self, chunk: bytes) -> bytes | list[bytes]:
+        if self._injected(chunk):
+            return chunk
         self._observe(chunk)
-        sent = chunk if self.strip is None else self._strip(chunk)
+        sent = self._sent(chunk if self.strip is None else self._strip(chunk))
         self._keep(chunk, sent)
         return nothing_yet(chunk, sent)
 
@@ -111,16 +139,30 @@ class TranslatingTap(SSETap):
         self.broken = False
 
     def __call__(self, chunk: bytes) -> bytes | list[bytes]:
+        if self._injected(chunk):
+            return chunk
         self._observe(chunk)
         sent = self._convert(chunk)
         self._keep(chunk, sent)
         return nothing_yet(chunk, sent)
 
+    def closing(self, event: bytes, message: str) -> bytes:
+        """The client's stream is always between two Anthropic events here: it ends with Anthropic's error
+        event (the chat one `event` would be held as an unfinished line when the cut came inside an event)."""
+        del event
+        if self.broken or self.converter.finished:
+            return b""   # the client already had its last event
+        self._closing = self.converter.fail(message, "timeout_error", why="deadline")
+        return self._closing
+
     def _convert(self, chunk: bytes) -> bytes:
         if self.broken:
             return b""
         try:
-            return self.converter.feed(chunk) if chunk else self.converter.close()
+            sent = self.converter.feed(chunk) if chunk else self.converter.close()
+            if self.converter.failed and not self.observer.obs.error_type:
+                self.observer.obs.error_type = self.converter.failed  # the client got an error event: logged
+            return sent
         except Exception as e:
             self.broken = True
             self._error("convert", e)

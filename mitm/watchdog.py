@@ -34,6 +34,7 @@ from drivers.watcher import RequestWatch
 from mitm import abort, options
 from mitm.options import Option
 from mitm.runtime import Open, Runtime
+from mitm.sse_tap import SSETap
 from slotlogic import wording
 from slotlogic.endpoints import Route
 from slotlogic.events import Failed, RequestEnded, Stage, Waiting
@@ -166,12 +167,15 @@ class Watchdog:
         s = self.settings
         limit = s.first_token_timeout if end is End.STALLED else s.deadline
         streaming = flow.response is not None and callable(flow.response.stream)
-        # a native Anthropic stream gets Anthropic's error event; a translated one gets the chat route's, which
-        # its stream converter turns into Anthropic's like any other event
+        # a native Anthropic stream gets Anthropic's error event, and so does a translated one (its tap's)
         anthropic = req.ticket.route is Route.ANTHROPIC and not req.ticket.translated
         req.ended = "first-token-timeout" if end is End.STALLED else "deadline"
-        closed = abort.end_flow(flow, 504, wording.client_message(end, limit),
-                                wording.stream_error_event(end, limit, anthropic=anthropic) if streaming else None)
+        message = wording.client_message(end, limit)
+        event = wording.stream_error_event(end, limit, anthropic=anthropic) if streaming else None
+        tap = flow.response.stream if streaming and flow.response is not None else None
+        if event is not None and isinstance(tap, SSETap):
+            event = tap.closing(event, message)  # its own event: never glued onto an unfinished one
+        closed = abort.end_flow(flow, 504, message, event)
         self.rt.emit(RequestEnded(req.upstream.url, req.path, req.ticket.session.short, end,
                                   time.monotonic() - req.started, limit, streaming, closed))
         self.rt.waiting.pop(flow.id, None)

@@ -4,7 +4,8 @@
   (OAI), `usage.input_tokens_details.cached_tokens` (responses), `usage.cache_read_input_tokens`
   (Anthropic), `id_slot` (native, or `__verbose.id_slot`), errors such as `exceed_context_size_error`.
 - SSE streams: transport chunks are not events. `SSEParser` keeps a line buffer, splits events on a blank
-  line (CRLF normalised) and yields the JSON of each `data:` payload, skipping `[DONE]`. The *last*
+  line (CRLF normalised) and yields the JSON of each `data:` payload, skipping `[DONE]`; a line or an event
+  over its cap is dropped, so no stream can grow the buffers. The *last*
   event carrying timings wins; `/completion` partial chunks carry `id_slot: -1`, only the final one the
   real slot.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,47 +117,110 @@ def observe_json(raw: bytes) -> Observation:
     return obs
 
 
+_CR_LF = re.compile(rb"\r*\n")         # a blank line (CRs are stripped from a line's end)
+_LF_CR_LF = re.compile(rb"\n\r+\n")    # the end of a line, then a blank line of CRs
+
+
 @dataclass
 class SSEParser:
-    """Incremental SSE parser: feed transport chunks, get parsed `data:` JSON payloads."""
+    """Incremental SSE parser: feed transport chunks, get parsed `data:` JSON payloads.
+
+    Bounded whatever the stream: a line longer than `max_line` bytes, an event whose `data:` lines, joined,
+    are longer than `max_event` bytes, and an event of more than `max_event_lines` lines are dropped whole (the
+    event they belong to is not yielded), wherever the chunks are cut; what is held never exceeds `max_line +
+    max_event` plus the chunk being fed, and the lines of a dropped event are skipped at C speed. An upstream
+    that never sends a newline, or a blank line, cannot grow the proxy (a 200 MB stream of `data: {}` lines
+    without a blank line grew it to 4 GB) nor hold its event loop line by line. llama-server's events are
+    one line of a few KB."""
 
     _buf: bytearray = field(default_factory=bytearray)
-    _data: list[bytes] = field(default_factory=list)
-    max_buffer: int = 4 << 20  # a single line longer than this is dropped, not accumulated forever
+    _data: bytearray = field(default_factory=bytearray)  # the event's `data:` lines, joined by newlines
+    max_line: int = 4 << 20
+    max_event: int = 4 << 20
+    max_event_lines: int = 1024
     done: bool = False         # `data: [DONE]` came
+    seen: bool = False         # some of the body has come
+    dropped: int = 0           # events dropped for a line or an event over its cap
+    _lines: int = 0            # `data:` lines in `_data`
+    _event_lines: int = 0      # lines of the current event so far
+    _skipping: bool = False    # inside a line over `max_line`: dropped up to its newline
+    _tainted: bool = False     # the current event lost a line or went over `max_event`
+
+    @property
+    def held(self) -> int:
+        """Bytes held between chunks: the unfinished line and the unfinished event's data."""
+        return len(self._buf) + len(self._data)
 
     def feed(self, chunk: bytes) -> Iterator[Any]:
+        if chunk:
+            self.seen = True
         self._buf += chunk
         while True:
+            if self._tainted and not self._skipping:
+                self._skip_to_blank_line()
             nl = self._buf.find(b"\n")
             if nl < 0:
-                if len(self._buf) > self.max_buffer:
+                if len(self._buf) > self.max_line:
                     self._buf.clear()
+                    self._skipping = self._tainted = True
                 return
-            line = bytes(self._buf[:nl]).rstrip(b"\r")
+            over = self._skipping or nl > self.max_line
+            line = b"" if over else bytes(self._buf[:nl]).rstrip(b"\r")
             del self._buf[: nl + 1]
+            if over:
+                self._skipping, self._tainted = False, True
+                continue
             yield from self._line(line)
+
+    def _skip_to_blank_line(self) -> None:
+        """A dropped event's lines are dropped in one step, up to its blank line (a stream of tiny lines that
+        never ends its event would otherwise cost a Python loop per line). The buffer starts at a line."""
+        buf = self._buf
+        end = buf.rfind(b"\n") + 1
+        if end == 0 or _CR_LF.match(buf):
+            return
+        cuts = [i + 1 for i in (buf.find(b"\n\n", 0, end),) if i >= 0]
+        if buf.find(b"\n\r", 0, end) >= 0:
+            cuts += [m.start() + 1 for m in (_LF_CR_LF.search(buf, 0, end),) if m is not None]
+        del buf[: min(cuts, default=end)]
 
     def close(self) -> Iterator[Any]:
         """End of stream: a final event without its blank line still counts."""
-        if self._buf:
+        if self._buf and not self._skipping:
             line = bytes(self._buf).rstrip(b"\r")
             self._buf.clear()
             yield from self._line(line)
+        self._buf.clear()
+        self._skipping = False
         yield from self._dispatch()
 
     def _line(self, line: bytes) -> Iterator[Any]:
         if not line:
             yield from self._dispatch()
-        elif line.startswith(b"data:"):
+            return
+        self._event_lines += 1
+        if self._event_lines > self.max_event_lines:
+            self._data.clear()
+            self._tainted = True
+        elif line.startswith(b"data:") and not self._tainted:
             payload = line[5:]
-            self._data.append(payload[1:] if payload.startswith(b" ") else payload)
+            payload = payload[1:] if payload.startswith(b" ") else payload
+            if len(self._data) + len(payload) + (self._lines > 0) > self.max_event:
+                self._data.clear()
+                self._tainted = True
+            else:
+                self._data += b"\n" + payload if self._lines else payload
+                self._lines += 1
 
     def _dispatch(self) -> Iterator[Any]:
-        if not self._data:
-            return
-        payload = b"\n".join(self._data)
+        tainted, lines, self._tainted, self._lines, self._event_lines = self._tainted, self._lines, False, 0, 0
+        payload = bytes(self._data)
         self._data.clear()
+        if tainted:
+            self.dropped += 1
+            return
+        if not lines:
+            return
         if payload.strip() == b"[DONE]":
             self.done = True
             return
@@ -175,7 +240,7 @@ class StreamObserver:
     @property
     def started(self) -> bool:
         """Some of the body has come (a whole event, or part of one)."""
-        return self.obs.events > 0 or bool(self.parser._buf)
+        return self.obs.events > 0 or self.parser.seen
 
     def feed(self, chunk: bytes) -> None:
         events = self.parser.feed(chunk) if chunk else self.parser.close()

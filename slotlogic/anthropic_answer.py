@@ -103,11 +103,17 @@ def from_chat(answer: dict[str, Any], *, model: str | None = None, request: dict
     named none, as `to_chat` ensures). `request` is the Anthropic request (reserved; not needed today)."""
     del request
     try:
-        choice = answer["choices"][0]
-        message = choice.get("message") or {}
-        finish = choice.get("finish_reason")
-    except (KeyError, IndexError, TypeError, AttributeError):
+        return _from_chat(answer, model)
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError):
         raise TranslationError("answer is not a chat completion") from None
+
+
+def _from_chat(answer: dict[str, Any], model: str | None) -> dict[str, Any]:
+    choice = answer["choices"][0]
+    message = choice.get("message") or {}
+    finish = choice.get("finish_reason")
+    if not isinstance(message, dict):
+        raise TypeError("message")
     calls = message.get("tool_calls") or []
     blocks: list[dict[str, Any]] = []
     reasoning = message.get("reasoning_content")
@@ -141,6 +147,16 @@ def counts(answer: dict[str, Any]) -> PromptCounts:
     return PromptCounts(cache_n=cached, prompt_n=prompt - cached)
 
 
+TOO_LARGE_ANSWER = "slotkeeper: the server's answer was larger than slots_max_body_mb; not converted"
+UNREADABLE = "slotkeeper: the server's answer could not be read as a chat completion"
+
+
+def error_json(message: str, kind: str = "api_error") -> bytes:
+    """Anthropic's error body, for an answer the proxy cannot give (an unreadable server answer)."""
+    return json.dumps({"type": "error", "error": {"type": kind, "message": message}},
+                      separators=(",", ":")).encode()
+
+
 def error_body(status: int, upstream_body: bytes) -> bytes:
     """An upstream error as the native route sends it. llama-server answers `/v1/messages` errors with the
     same `{"error": {"code", "message", "type"}}` body and status as the chat route (`res->error()` in
@@ -153,6 +169,16 @@ def error_body(status: int, upstream_body: bytes) -> bytes:
 # streamed answer: chat-completions SSE → Anthropic SSE
 # --------------------------------------------------------------------------------------------------------
 
+UNTIMED_AFTER = 4  # chunks without timings before a stream counts as untimed (a result is role + 1-3 diffs)
+TOO_LARGE = "slotkeeper: an upstream event was larger than 4 MB; the answer is incomplete"
+TRUNCATED = "slotkeeper: the server's answer ended before its end; the answer is incomplete"
+
+
+def error_event(message: str, kind: str = "api_error") -> bytes:
+    """Anthropic's error event, for an answer the proxy cannot pass on whole."""
+    return _sse("error", {"type": "error", "error": {"type": kind, "message": message}})
+
+
 def _sse(event: str, data: dict[str, Any]) -> bytes:
     """`format_anthropic_sse()`: one event, compact JSON (nlohmann's dump of these shapes)."""
     return b"event: " + event.encode() + b"\ndata: " + json.dumps(
@@ -163,7 +189,6 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
 class _Call:
     id: str = ""
     name: str = ""
-    arguments: str = ""
 
 
 @dataclass
@@ -209,14 +234,18 @@ class StreamConverter:
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None
     finished: bool = False                    # message_stop (or an error event) was sent
-    _buf: bytes = b""
+    max_line: int = 4 << 20                   # a longer upstream line ends the stream with an error event
+    failed: str | None = None                 # why the converter ended the stream with its own error event
+    _buf: bytearray = field(default_factory=bytearray)
     _pending: list[dict[str, Any]] = field(default_factory=list)
-    _reasoning: str = ""
-    _content: str = ""
+    _reasoning: bool = False                  # the message has reasoning (only whether is read, not the text)
+    _content: bool = False
     _calls: dict[int, _Call] = field(default_factory=dict)
     _thinking_started: bool = False
     _text_started: bool = False
     _awaiting_usage: bool = False
+    _timed: bool = False                      # a partial carried timings: results end where they do
+    _untimed: bool = False                    # none did in the first UNTIMED_AFTER chunks: every chunk is one
 
     @property
     def cache_n(self) -> int | None:
@@ -226,29 +255,54 @@ class StreamConverter:
     def prompt_n(self) -> int | None:
         return self.prompt.prompt_n if self.prompt else None
 
+    @property
+    def held(self) -> int:
+        """Bytes of the upstream stream held between chunks (the unfinished line)."""
+        return len(self._buf)
+
     def feed(self, chunk: bytes) -> bytes:
+        if self.finished:  # after message_stop or an error event nothing more is sent, nor held
+            return b""
         self._buf += chunk
         out: list[bytes] = []
-        while True:
+        while not self.finished:
             nl = self._buf.find(b"\n")
             if nl < 0:
                 break
-            line = self._buf[:nl].rstrip(b"\r")
-            self._buf = self._buf[nl + 1:]
+            line = bytes(self._buf[:nl]).rstrip(b"\r")
+            del self._buf[: nl + 1]
+            if len(line) > self.max_line:
+                return b"".join(out) + self.fail(TOO_LARGE)
             if line.startswith(b"data:"):
                 out.append(self._data(line[5:].strip()))
+        if self.finished:
+            self._buf.clear()
+        elif len(self._buf) > self.max_line:
+            return b"".join(out) + self.fail(TOO_LARGE)
         return b"".join(out)
 
     def close(self) -> bytes:
         """End of the upstream body: a complete trailing line without newline still counts."""
         out = []
-        line = self._buf.rstrip(b"\r")
-        self._buf = b""
-        if line.startswith(b"data:"):
+        line = bytes(self._buf).rstrip(b"\r")
+        self._buf.clear()
+        if line.startswith(b"data:") and not self.finished:
             out.append(self._data(line[5:].strip()))
         if self._awaiting_usage and not self.finished:
             out.append(self._message_end())
+        elif not self.finished:  # a clean end before the answer's end (or an empty body): say so
+            out.append(self._flush_partial())
+            out.append(self.fail(TRUNCATED, why="truncated"))
         return b"".join(out)
+
+    def fail(self, message: str, kind: str = "api_error", *, why: str = "too-large") -> bytes:
+        """End the client's stream with Anthropic's error event: the answer cannot be given whole (also the
+        proxy's own end of a request, the watchdog's deadline)."""
+        self.finished = True
+        self.failed = why
+        self._buf.clear()
+        self._pending.clear()
+        return error_event(message, kind)
 
     # -- one data line ---------------------------------------------------------------------------------
 
@@ -257,14 +311,18 @@ class StreamConverter:
             return b""
         try:
             obj = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):
             return b""
         if not isinstance(obj, dict):
             return b""
         if "error" in obj and "choices" not in obj:
             out = self._flush_partial()
             self.finished = True
-            return out + _sse("error", obj["error"])
+            err = obj["error"]
+            if isinstance(err, dict):  # llama-server's error object, as its native route sends it
+                return out + _sse("error", err)
+            self.failed = "upstream-error"  # a bare value (`"error":"boom"`): Anthropic's shape, never `data: "boom"`
+            return out + error_event(err if isinstance(err, str) else json.dumps(err)[:300])
         word = _stopping_word(obj)
         if word is not None:
             self.stop_sequence = word
@@ -281,8 +339,11 @@ class StreamConverter:
         if choice.get("finish_reason") is not None:
             return self._final(obj)
         if "timings" in obj:
+            self._timed = True
             return self._flush_partial()
-        return b""
+        if not self._timed and len(self._pending) > UNTIMED_AFTER:
+            self._untimed = True  # a server without timings_per_token: a result's end cannot be seen
+        return self._flush_partial() if self._untimed else b""
 
     # -- a partial result: server_task_result_cmpl_partial::to_json_anthropic ---------------------------
 
@@ -328,13 +389,12 @@ class StreamConverter:
 
     def _accumulate(self, diffs: Iterable[_Diff]) -> None:
         for d in diffs:
-            self._reasoning += d.reasoning
-            self._content += d.content
+            self._reasoning = self._reasoning or bool(d.reasoning)
+            self._content = self._content or bool(d.content)
             if d.index is not None:
                 call = self._calls.setdefault(d.index, _Call())
                 call.id = call.id or d.call_id
                 call.name = call.name or d.name
-                call.arguments += d.arguments
 
     # -- the final result: server_task_result_cmpl_final::to_json_anthropic_stream ----------------------
 

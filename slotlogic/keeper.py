@@ -465,17 +465,20 @@ class Keeper(PageKeeping):
         """What turns the streamed chat answer of a translated request back into the native route's."""
         return anthropic_answer.StreamConverter() if ticket.translated else None
 
-    def answer_body(self, ticket: Ticket, status: int, raw: bytes) -> bytes | None:
-        """The native route's answer for a translated request's non-streamed chat answer; None: unchanged."""
+    def answer_body(self, ticket: Ticket, status: int, raw: bytes) -> tuple[int, bytes] | None:
+        """(status, body) of the native route's answer for a translated request's non-streamed chat answer;
+        None: unchanged. A 200 answer that is not a readable chat completion is a 502 with Anthropic's error
+        body: the client asked for a message and would otherwise get chat JSON it cannot read."""
         if not ticket.translated:
             return None
         if status != 200:
-            return anthropic_answer.error_body(status, raw)
+            return status, anthropic_answer.error_body(status, raw)
         try:
             answer = json.loads(raw)
-            return json.dumps(anthropic_answer.from_chat(answer), ensure_ascii=False, separators=(",", ":")).encode()
-        except (ValueError, anthropic.TranslationError):
-            return None
+            message = anthropic_answer.from_chat(answer)
+        except (ValueError, RecursionError, anthropic.TranslationError):
+            return 502, anthropic_answer.error_json(anthropic_answer.UNREADABLE)
+        return 200, json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode()
 
     def messages_probed(self, honoured: bool | None) -> None:
         """What the probe found: whether the server honours id_slot on /v1/messages (None: unknown)."""

@@ -8,6 +8,7 @@ Rule 2: only what the records hold can be printed, and they hold no prompt text 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
@@ -39,6 +40,16 @@ def fmt(v: object) -> str:
     return "-" if v is None else str(v)
 
 
+# C0 and C1 controls, DEL, line and paragraph separators, bidi overrides and isolates: what could move the
+# cursor, erase or fake a line, or reorder what a terminal shows (a request path is the client's own text).
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """`text` with every control character shown as an escape (`\\x1b`, `\\u202e`): one line stays one line."""
+    return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
+
+
 # ------------------------------------------------------------------------------------------- one request
 
 
@@ -51,15 +62,15 @@ def request_line(r: Report) -> str:
             f"{r.seconds:.2f}s")
     if obs.error_type:
         line += f" error={obs.error_type}"
-    return line
+    return printable(line)
 
 
 def comment(r: Report) -> str:
     """The flow's comment in mitmweb."""
     obs = r.obs
     reuse = f"{100 * obs.reuse:.0f}%" if obs.reuse is not None else "?"
-    return (f"s={r.ticket.session.short} slot={fmt(r.slot)} {r.ticket.reason} | cache {fmt(obs.cache_n)}"
-            f"/{fmt((obs.cache_n or 0) + (obs.prompt_n or 0))} {reuse}")
+    return printable(f"s={r.ticket.session.short} slot={fmt(r.slot)} {r.ticket.reason} | cache {fmt(obs.cache_n)}"
+                     f"/{fmt((obs.cache_n or 0) + (obs.prompt_n or 0))} {reuse}")
 
 
 def marker(r: Report) -> str:
@@ -92,7 +103,7 @@ def summary(upstream: str, stats: dict[str, SessionStats]) -> list[str]:
                  "server's own prefill speed, or the start-up probe's where an answer has none)")
     lost, unexpected = sum(s.lost for s in stats.values()), sum(s.lost_unexpected for s in stats.values())
     lines.append(f"  tokens lost: {lost} ({unexpected} of unexpected cause, marked !; see the `lost` log lines)")
-    return lines
+    return [printable(line) for line in lines]
 
 
 # ------------------------------------------------------------------------------------------- events
@@ -311,7 +322,7 @@ def _described(e: ev.ModelDescribed) -> str:
         return f"model on {e.upstream}: not described"
     lines = describe(e.facts, cache_type_k=e.cache_type_k, cache_type_v=e.cache_type_v, n_ctx=e.n_ctx,
                      swa_full=e.swa_full, checkpoints_in_files=e.checkpoints_in_files, files_wanted=e.files_wanted)
-    return ("\n" + PREFIX).join(lines)
+    return ("\n" + PREFIX).join(map(printable, lines))
 
 
 def _probed(e: ev.Probed) -> str:
@@ -349,7 +360,7 @@ def waiting(e: ev.Waiting) -> str:
 
 def waiting_comment(e: ev.Waiting) -> str:
     """The flow's comment in mitmweb while it waits (the final comment replaces it)."""
-    return f"s={e.session} waiting {_secs(e.waited)}: {waiting(e)}"
+    return printable(f"s={e.session} waiting {_secs(e.waited)}: {waiting(e)}")
 
 
 def _secs(s: float) -> str:
@@ -390,7 +401,8 @@ def stream_error_event(end: End, limit: float, *, anthropic: bool = False) -> by
 
 def event_line(event: ev.Event) -> tuple[Level, str]:
     level, text = _EVENTS[type(event)](event)
-    return level, PREFIX + text
+    multi = isinstance(event, ev.ModelDescribed)  # several lines on purpose, each made printable itself
+    return level, PREFIX + (text if multi else printable(text))
 
 
 def event_record(event: ev.Event) -> dict[str, Any] | None:

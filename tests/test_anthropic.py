@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import time
 from typing import Any
 
 import pytest
@@ -402,6 +403,15 @@ def test_final_result_is_formatted_with_fresh_block_state_like_the_server() -> N
                      ("message_delta", None), ("message_stop", None)]
 
 
+@pytest.mark.parametrize("err", ["boom", 7, None, ["a"]])
+def test_a_bare_error_value_becomes_anthropics_error_event(err: Any) -> None:
+    raw = SAMPLE.split(b"data: {\"choices\":[{\"finish_reason\":\"length\"")[0]
+    raw += b"data: " + json.dumps({"error": err}).encode() + b"\n\n"
+    name, data = parse_sse(convert(raw, []))[-1]
+    assert name == "error" and data["type"] == "error" and data["error"]["type"] == "api_error"
+    assert isinstance(data["error"]["message"], str)
+
+
 def test_stream_error_event_and_done() -> None:
     err = {"code": 500, "message": "boom", "type": "server_error"}
     raw = SAMPLE.split(b"data: {\"choices\":[{\"finish_reason\":\"length\"")[0]
@@ -546,3 +556,104 @@ def test_the_billing_block_can_be_dropped():
     assert A.strip_billing({"system": "x-anthropic-billing-header: v=1;\nYou are Claude Code."}) == {
         "system": "You are Claude Code."}
     assert A.strip_billing({"system": "You are Claude Code."}) is None and A.strip_billing({}) is None
+
+
+# --------------------------------------------------------------------------------------------------------
+# bounds: no upstream line can grow the converter (issue 20, item 5)
+# --------------------------------------------------------------------------------------------------------
+
+CAP = 1000
+
+
+def convert_capped(raw: bytes, cuts: list[int]) -> tuple[bytes, int]:
+    conv = R.StreamConverter(max_line=CAP)
+    out, prev, held = [], 0, 0
+    for c in [*sorted(set(cuts)), len(raw)]:
+        out.append(conv.feed(raw[prev:c]))
+        held = max(held, conv.held)
+        prev = c
+    return b"".join(out) + conv.close(), held
+
+
+@settings(max_examples=200, deadline=None)
+@given(generated_answer(), st.integers(0, 60), st.integers(0, CAP + 40), st.booleans(),
+       st.lists(st.integers(0, 4000), max_size=8))
+def test_a_line_of_any_length_converts_the_same_however_cut(case: tuple[dict[str, Any], bytes], where: int,
+                                                             length: int, as_text: bool, cuts: list[int]) -> None:
+    _, raw = case
+    lines = raw.split(b"\n\n")
+    assert max(map(len, lines)) < CAP - 40
+    at = where % (len(lines) - 2)  # before the usage chunk that ends the message
+    line = (b"data: " + json.dumps(_chunk({"content": "x" * length}), separators=(",", ":")).encode()
+            if as_text else b": " + b"x" * length)
+    raw = b"\n\n".join([*lines[:at], line, *lines[at:]])
+    whole, _ = convert_capped(raw, [])
+    split, held = convert_capped(raw, [c % (len(raw) + 1) for c in cuts])
+    assert split == whole and held <= CAP
+    events = parse_sse(whole)
+    names = [n for n, _ in events]
+    if len(line) > CAP:
+        assert names[-1] == "error" and "message_stop" not in names
+        assert events[-1][1] == {"type": "error", "error": {"type": "api_error", "message": R.TOO_LARGE}}
+    else:
+        assert names[-1] == "message_stop" and "error" not in names
+
+
+def test_a_50_mb_line_ends_the_stream_with_an_error_event_quickly_and_holds_at_most_the_cap() -> None:
+    conv = R.StreamConverter()
+    first = SAMPLE[:SAMPLE.index(b"\n\n", SAMPLE.index(b'"content":"I"')) + 2]
+    out = [conv.feed(first), conv.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"")]
+    chunk = b"x" * (64 << 10)
+    t0 = time.monotonic()
+    for _ in range((50 << 20) // len(chunk)):
+        out.append(conv.feed(chunk))
+        assert conv.held <= conv.max_line + len(chunk)
+    out.append(conv.feed(b'"}}]}\n\n' + SAMPLE[len(first):]))
+    out.append(conv.close())
+    assert time.monotonic() - t0 < 5
+    names = [n for n, _ in parse_sse(b"".join(out))]
+    assert names[0] == "message_start" and names[-1] == "error" and "message_stop" not in names
+    assert conv.finished and conv.held == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(generated_answer(), st.integers(0, 200))
+def test_a_stream_cut_cleanly_before_its_end_ends_with_an_error_event(case: tuple[dict[str, Any], bytes],
+                                                                        where: int) -> None:
+    """Cut at an event boundary before the finish chunk (an empty body included):
+    every event converted so far, then Anthropic's error event, never message_stop."""
+    _, raw = case
+    events = raw.split(b"\n\n")[:-1]
+    cut = b"".join(e + b"\n\n" for e in events[: where % (len(events) - 2)])  # before the finish chunk
+    names = [n for n, _ in parse_sse(convert(cut, []))]
+    assert names[-1] == "error" and "message_stop" not in names
+    assert names[:-1] == [n for n, _ in parse_sse(convert(raw, []))][: len(names) - 1]
+    assert parse_sse(convert(b"", [])) == [("error", {"type": "error", "error": {"type": "api_error",
+                                                                                  "message": R.TRUNCATED}})]
+
+
+def untimed(raw: bytes) -> bytes:
+    """The same stream from a server that ignores timings_per_token: only the final chunks carry timings."""
+    out = []
+    for block in raw.split(b"\n\n")[:-1]:
+        obj = json.loads(block[6:]) if block != b"data: [DONE]" else None
+        if obj and obj["choices"] and obj["choices"][0].get("finish_reason") is None:
+            obj.pop("timings", None)
+            block = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+        out.append(block + b"\n\n")
+    return b"".join(out)
+
+
+def test_without_timings_per_token_events_leave_after_a_few_chunks_not_at_the_end() -> None:
+    """First event at 5.1 s instead of 0.1 s: every event was held until the final chunk."""
+    raw = untimed(chat_sse(partials=[[{"content": f"w{i}"}] for i in range(10)], final=[], finish="stop",
+                           n_decoded=10))
+    chunks = [b + b"\n\n" for b in raw.split(b"\n\n")[:-1]]
+    conv = R.StreamConverter()
+    first = next(i for i, c in enumerate(chunks) if conv.feed(c))
+    assert first == R.UNTIMED_AFTER  # the role chunk and four tokens: not the final chunk (index 11)
+    events = parse_sse(convert(raw, []))
+    assert assemble(events)["content"] == [{"type": "text", "text": "".join(f"w{i}" for i in range(10))}]
+    assert events[-1][0] == "message_stop"
+    for cut in range(0, len(raw), 7):
+        assert convert(raw, [cut]) == convert(raw, [])

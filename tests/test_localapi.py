@@ -52,3 +52,19 @@ async def test_an_unreadable_state_file_is_an_answer_not_a_forwarded_request(pro
     state_file.mkdir()  # reading it now fails
     f = await proxy.request(api("/_slots/status"))
     assert f.response.status_code == 500 and "status unavailable" in json.loads(f.response.content)["error"]
+
+
+async def test_status_and_new_sessions_with_a_state_file_nested_too_deep(proxy, tmp_path):
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700, exist_ok=True)
+    up = next(iter(proxy.rt.upstreams.values()), None)
+    path = up.store.path if up is not None else None
+    if path is None:
+        await proxy.request(flow(chat("warm")))
+        path = next(iter(proxy.rt.upstreams.values())).store.path
+    path.write_bytes(b"[" * 200_000 + b"]" * 200_000)
+    f = await proxy.request(api("/_slots/status"))
+    assert f.response.status_code == 200
+    f = await proxy.request(flow(chat("a new session")))
+    assert json.loads(f.request.content)["id_slot"] in range(4)
+    assert any(".corrupt-" in p.name for p in state.iterdir())

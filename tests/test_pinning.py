@@ -102,6 +102,18 @@ async def test_an_anthropic_request_is_sent_as_a_pinned_chat_completion_and_answ
     assert sent(g)["id_slot"] == sent(f)["id_slot"]  # the same session, the same slot
 
 
+@pytest.mark.parametrize("body", [b'{"choices":[{"message":"str"}]}', b'{"choices":["x"]}', b"{not json",
+                                  b'{"choices":[]}', b"[" * 100_000, b'{"choices":[{"message":{"tool_calls":[1]}}]}'])
+async def test_an_unreadable_answer_to_a_translated_request_is_an_anthropic_error(proxy, caplog, body):
+    """The client asked for a message: chat JSON it cannot read, with status 200, is not an answer."""
+    f = await proxy.request(flow(MESSAGES, path="/v1/messages"))
+    with caplog.at_level(logging.INFO):
+        await proxy.answer(f, http.Response.make(200, body, {"content-type": "application/json"}))
+    assert f.response.status_code == 502 and f.response.headers["content-type"] == "application/json"
+    got = json.loads(f.response.content)
+    assert got["type"] == "error" and got["error"]["type"] == "api_error" and "error=unreadable" in caplog.text
+
+
 async def test_a_translated_stream_is_converted_chunk_by_chunk(proxy):
     f = await proxy.request(flow(MESSAGES | {"stream": True}, path="/v1/messages"))
     assert sent(f)["stream"] is True and sent(f)["stream_options"] == {"include_usage": True}
@@ -114,6 +126,23 @@ async def test_a_translated_stream_is_converted_chunk_by_chunk(proxy):
     text = f.response.stream(b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}],'
                              b'"timings":{"cache_n":10,"prompt_n":3}}\n\n')
     assert b"text_delta" in text and b'"Hi"' in text
+
+
+async def test_a_translated_stream_drops_the_servers_content_length(proxy):
+    """The converted body is not the server's: a server's Content-Length would make the client wait for bytes
+    that never come (or cut the answer), so the client's body goes chunked."""
+    f = await proxy.request(flow(MESSAGES | {"stream": True}, path="/v1/messages"))
+    f.response = http.Response.make(200, b"", {"content-type": "text/event-stream"})
+    f.response.content = None
+    f.response.headers["content-length"] = "12345"
+    await proxy.hook("responseheaders", f)
+    assert "content-length" not in f.response.headers and f.response.headers["transfer-encoding"] == "chunked"
+    g = await proxy.request(flow(chat("plain", stream=True)))
+    g.response = http.Response.make(200, b"", {"content-type": "text/event-stream"})
+    g.response.content = None
+    g.response.headers["content-length"] = "12345"
+    await proxy.hook("responseheaders", g)
+    assert g.response.headers["content-length"] == "12345"  # passed byte for byte: the length holds
 
 
 async def test_the_messages_route_is_observed_only_when_translation_is_off(proxy, caplog):
@@ -263,3 +292,67 @@ async def test_a_saved_flow_replays_offline_with_the_same_decision(proxy, fake_l
     replayed = saved.metadata["slotkeeper"]
     assert (replayed["slot"], replayed["reason"]) == (meta["slot"], meta["reason"])
     assert saved.request.raw_content == live.request.raw_content and UP in proxy.rt.replays
+
+
+async def test_control_bytes_in_the_request_path_never_reach_the_terminal(proxy, caplog):
+    f = await proxy.request(flow(chat(), path="/v1/chat/completions?\x1b[1A\x1b[2Kslotkeeper:%20fake"))
+    with caplog.at_level(logging.INFO):
+        await proxy.answer(f, http.Response.make(200, json.dumps(CHAT_ANSWER), {"content-type": "application/json"}))
+        await proxy.request(flow(None, path="/v1/chat/completions?\x1b]0;x\x07", raw=b"not json"))
+    lines = [r.getMessage() for r in caplog.records if "slotkeeper" in r.getMessage()]
+    assert lines and all("\x1b" not in m and "\x07" not in m for m in lines)
+    assert any("?\\x1b[1A\\x1b[2Kslotkeeper:%20fake session=" in m for m in lines)
+
+
+CHAT_PARTIAL = (b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}],'
+                b'"timings":{"cache_n":10,"prompt_n":3}}\n\n'
+                b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}],"timings":{"cache_n":10,"prompt_n":3}}\n\n')
+
+
+@pytest.mark.parametrize("body", [CHAT_PARTIAL, b""], ids=["cut-between-events", "empty"])
+@pytest.mark.parametrize("translated", [False, True], ids=["chat", "anthropic"])
+async def test_a_stream_that_ends_cleanly_before_its_end_is_marked(proxy, caplog, body, translated):
+    """No finish_reason, no [DONE]: the log says error=truncated, and a translated client gets an error event
+    instead of a message without message_stop."""
+    f = await proxy.request(flow(MESSAGES | {"stream": True}, path="/v1/messages") if translated
+                            else flow(chat(stream=True)))
+    f.response = http.Response.make(200, b"", {"content-type": "text/event-stream"})
+    f.response.content = None
+    await proxy.hook("responseheaders", f)
+    out = streamed(f, body)
+    with caplog.at_level(logging.INFO):
+        await proxy.hook("response", f)
+    assert "error=truncated" in caplog.text
+    if translated:
+        assert out.endswith(b"\n\n") and b"message_stop" not in out
+        assert out.split(b"\n\n")[-2].startswith(b'event: error\ndata: {"type":"error","error":{"type":"api_error"')
+    else:
+        assert out == body
+
+
+@pytest.mark.parametrize("translated", [False, True], ids=["chat", "anthropic"])
+async def test_an_answer_announcing_more_than_the_body_cap_is_not_buffered(proxy, caplog, translated):
+    """mitmproxy buffers every answer it does not stream (a 1 GB answer cost 3.6 GB): past slots_max_body_mb it
+    passes through unobserved, and a translated one, which would be converted whole, is Anthropic's error."""
+    proxy.configure(slots_max_body_mb=1)
+    f = await proxy.request(flow(MESSAGES, path="/v1/messages") if translated else flow(chat()))
+    f.response = http.Response.make(200, b"", {"content-type": "application/json"})
+    f.response.content = None
+    f.response.headers["content-length"] = str((1 << 20) + 1)
+    await proxy.hook("responseheaders", f)
+    if not translated:
+        assert f.response.stream is True and f.response.status_code == 200
+    else:
+        assert f.response.status_code == 502 and "content-length" not in f.response.headers
+        assert f.response.stream(b"x" * 1000) == []
+        got = json.loads(f.response.stream(b""))
+        assert got["type"] == "error" and "slots_max_body_mb" in got["error"]["message"]
+        with caplog.at_level(logging.INFO):
+            await proxy.hook("response", f)
+        assert "error=too-large" in caplog.text
+    g = await proxy.request(flow(chat("small")))
+    g.response = http.Response.make(200, b"", {"content-type": "application/json"})
+    g.response.content = None
+    g.response.headers["content-length"] = str(1 << 20)
+    await proxy.hook("responseheaders", g)
+    assert not g.response.stream  # within the cap: buffered and read as ever

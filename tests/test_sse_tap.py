@@ -52,3 +52,14 @@ def test_a_chunk_that_gives_the_client_nothing_yet_is_no_chunk_at_all():
                 b'"timings":{"cache_n":0,"prompt_n":9}}\n\n')
     assert isinstance(first, bytes) and b"message_start" in first
     assert SSETap(StreamObserver())(b":\n\n") == b":\n\n"  # passed through unchanged, as ever
+
+
+def test_a_translated_stream_ended_for_a_too_large_event_is_logged_as_an_error():
+    from mitm.sse_tap import TranslatingTap
+    from slotlogic.anthropic_answer import StreamConverter
+
+    observer = StreamObserver()
+    tap = TranslatingTap(observer, StreamConverter(max_line=100))
+    out = tap(b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 200)
+    assert isinstance(out, bytes) and out.startswith(b"event: error\n") and b"api_error" in out
+    assert tap(b'"}}]}\n\n') == [] and observer.obs.error_type == "too-large"

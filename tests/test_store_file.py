@@ -5,7 +5,9 @@ import json
 import multiprocessing
 import os
 import stat
+import tracemalloc
 
+from drivers import store_file
 from drivers.store_file import StateFile
 from slotlogic import placement
 from slotlogic import shared as st
@@ -79,3 +81,48 @@ def test_two_processes_never_share_a_slot_while_one_is_free(tmp_path):
         p.join(30)
     slots = sorted(q.get(timeout=5) for _ in range(6))
     assert slots == [0, 1, 2, 3, 4, 5]
+
+
+DEEP = b"[" * 200_000 + b"]" * 200_000
+
+
+async def test_a_state_file_nested_too_deep_to_parse_is_corrupt_moved_aside_and_replaced(tmp_path):
+    store = StateFile(tmp_path, "u")
+    store.dir.mkdir(exist_ok=True)
+    store.path.write_bytes(b'{"sessions":' + DEEP + b"}")
+    assert store.read().sessions == {}  # status views: an empty state, no RecursionError
+    store.path.write_bytes(b'{"sessions":' + DEEP + b"}")
+    async with store.transaction() as s:
+        st.claim(s, "a", 0, 1.0)
+    kept = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert kept and all(p.read_bytes().endswith(b"]}") for p in kept)
+    assert "a" in store.read().sessions
+
+
+async def test_a_1_gb_sparse_state_file_is_moved_aside_without_being_read(tmp_path):
+    store = StateFile(tmp_path, "u")
+    store.dir.mkdir(exist_ok=True)
+    with open(store.path, "wb") as f:
+        f.truncate(1 << 30)
+    tracemalloc.start()
+    try:
+        async with store.transaction() as s:
+            st.claim(s, "a", 0, 1.0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20
+    kept = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert len(kept) == 1 and kept[0].stat().st_size == 1 << 30
+    assert "a" in store.read().sessions
+
+
+def test_the_size_cap_is_exact(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_file, "MAX_BYTES", 100)
+    store = StateFile(tmp_path, "u")
+    store.dir.mkdir(exist_ok=True)
+    doc = json.dumps({"x": "y" * 100})[:100 - 2] + '"}'
+    store.path.write_text(doc)
+    assert len(store.path.read_bytes()) == 100 and store.file.load() == json.loads(doc)
+    store.path.write_text(doc[:-2] + 'y"}')
+    assert store.read().sessions == {} and not store.path.exists()

@@ -304,3 +304,38 @@ async def test_a_single_server_proxy_builds_locally_while_the_store_is_down(tmp_
     finally:
         store_server.start()
         c.__exit__(None, None, None)
+
+
+async def test_a_key_nested_too_deep_to_parse_is_an_empty_state_and_the_lock_is_never_left_held(url, store_server):
+    """A key another tool wrote 100k levels deep: every new session raised RecursionError with the lock held,
+    and every later one waited 10 s for it."""
+    r = redis.Redis(port=store_server.port)
+    r.set(state_key(SERVER), b"[" * 100_000 + b"]" * 100_000)
+    a = RedisState(RedisConnection(url, lambda e: None), SERVER)
+    b = RedisState(RedisConnection(url, lambda e: None), SERVER)
+    assert (await a.aread()).sessions == {}
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    async with a.transaction() as st:
+        assert st.sessions == {}
+        shared.claim(st, "a" * 16, 0, 1.0)
+    async with b.transaction() as st:
+        assert st.slots[0].owner == "a" * 16  # the damaged key was replaced by a's write
+    assert loop.time() - t0 < 2 and r.get(state_key(SERVER) + ":lock") is None
+    r.set(state_key(SERVER), b"[" * 100_000 + b"]" * 100_000)
+    with a.transaction_sync() as st:
+        assert st.sessions == {}
+    assert r.get(state_key(SERVER) + ":lock") is None
+
+
+async def test_the_lock_is_released_when_reading_the_state_fails_unexpectedly(url, store_server, monkeypatch):
+    store = RedisState(RedisConnection(url, lambda e: None), SERVER)
+
+    def broken(*_: Any) -> Any:
+        raise MemoryError
+
+    monkeypatch.setattr(shared, "from_dict", broken)
+    with pytest.raises(MemoryError):
+        async with store.transaction():
+            pass
+    assert redis.Redis(port=store_server.port).get(state_key(SERVER) + ":lock") is None

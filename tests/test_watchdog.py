@@ -147,6 +147,32 @@ async def test_the_messages_route_gets_anthropics_error_event(proxy, llama, ende
     assert sent.startswith(b"event: error\ndata: {") and b"deadline of 1 s reached" in sent
 
 
+@pytest.mark.parametrize("translated", [False, True], ids=["chat", "anthropic"])
+async def test_a_deadline_inside_an_event_sends_the_error_as_an_event_of_its_own(proxy, llama, ended, translated):
+    """Cut inside an event, the error line was glued onto the unfinished one (chat), and a translated stream got
+    no error event at all (its converter held the chat error as part of the unfinished line)."""
+    proxy.configure(slots_request_deadline=1, slots_anthropic="translate")
+    f = await proxy.request(flow({"model": "m", "max_tokens": 5, "stream": True,
+                                  "messages": [{"role": "user", "content": "hi"}]}, path="/v1/messages")
+                            if translated else flow(chat(stream=True)))
+    f.response = http.Response.make(200, b"", {"content-type": "text/event-stream"})
+    f.response.content = None
+    await proxy.hook("responseheaders", f)
+    got = f.response.stream(b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}],'
+                            b'"timings":{"cache_n":1,"prompt_n":2}}\n\ndata: {"choices":[{"index":0,"del')
+    await wait_for(lambda: ended, timeout=3)
+    sent = f.response.stream(ended[0][3])          # what mitmproxy does with the injected chunk
+    if translated:
+        assert got.startswith(b"event: message_start") and got.endswith(b"\n\n")
+        assert sent.startswith(b'event: error\ndata: {"type":"error","error":{"type":"timeout_error"')
+    else:
+        assert sent.startswith(b"\n\ndata: {") and b"deadline of 1 s reached" in sent
+    assert sent.endswith(b"\n\n") and b"deadline of 1 s reached" in sent
+    f.error = Error("slotkeeper: deadline")
+    await proxy.hook("error", f)
+    assert proxy.rt.reports[f.id].obs.error_type in ("timeout_error", "deadline")
+
+
 @pytest.mark.parametrize("option", [o.name for o in watchdog.OPTIONS])
 def test_negative_values_are_refused(proxy, option):
     with pytest.raises(exceptions.OptionsError):

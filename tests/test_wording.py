@@ -70,3 +70,16 @@ def test_failures_name_a_type_and_a_status_never_a_message():
     line = wording.event_line(ev.Failed("u", ev.Stage.REQUEST, "UnicodeEncodeError", "POST", "/v1/chat/completions"))
     assert line[1] == ("slotkeeper: internal error on POST /v1/chat/completions, forwarded unchanged: "
                        "UnicodeEncodeError")
+
+
+def test_control_bytes_from_a_request_path_are_escaped_and_one_line_stays_one_line():
+    """`?\x1b[1A\x1b[2K…` erased the previous line and drew a fake `slotkeeper:` line."""
+    path = "/v1/chat/completions?\x1b[1A\x1b[2K\rslotkeeper: fake\n\x9b2J\u202eevil\u2028x"
+    ticket = Ticket(SessionId("016d9bcc" + "0" * 8, "content:root"), Route.PINNABLE, slot=0, why=Why.KNOWN)
+    line = wording.request_line(Report(ticket, Observation(cache_n=1, prompt_n=1), 0, path, "u", 1.0))
+    assert line.isprintable() and line.count("slotkeeper:") == 2
+    assert "\\x1b[1A\\x1b[2K\\x0dslotkeeper: fake\\x0a" in line
+    assert "\\x9b2J\\u202eevil\\u2028x" in line
+    _, text = wording.event_line(ev.PassedThrough("u", "POST", path, Passed.NOT_JSON_OBJECT))
+    assert text.isprintable() and text.startswith("slotkeeper: POST /v1/chat/completions?\\x1b[1A")
+    assert wording.printable("plain é ✓") == "plain é ✓"
