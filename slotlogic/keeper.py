@@ -370,13 +370,12 @@ class Keeper(PageKeeping):
     def fallback(self, need: NeedSlot, now: float, last_known_total: int | None) -> tuple[Pin | Observe, Event]:
         """The server did not answer `/props`: pin by a stable hash over the last known slot count (every
         proxy process agrees without asking), or send the request unpinned when no count was ever known."""
-        total = self.total_slots or last_known_total
+        total = self.total_slots or last_known_total  # a hash's modulus only: never the size of anything
         ticket = need.ticket
         choice = placement.fallback(ticket.session.key, total)
         if choice is None or total is None:
             ticket.unpinned = Unpinned.SERVER_UNKNOWN
             return Observe(ticket), Unreachable(self.upstream, ticket.session.short)
-        self.total_slots = total
         self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix)
         return self.pin(need, choice.slot, choice.why, now), Unreachable(self.upstream, ticket.session.short,
                                                                          choice.slot, total)
@@ -461,7 +460,7 @@ class Keeper(PageKeeping):
         ours = {k: a.slot for k, a in self.table.sessions.items() if now - a.last_used < ttl}
         if not ours:
             return []
-        total = self.total_slots or state.total_slots
+        total = self.total_slots  # `/props` only: the state's count sizes nothing
         reserved = sidecalls.side_slot(total, self.settings.side_slot) if total and self.table.reserving(now) else None
         marked = [k for k in reconcile.misplaced(state, ours, now, ttl, total, reserved)
                   if k not in self.table.misplaced]
@@ -503,7 +502,8 @@ class Keeper(PageKeeping):
         """The status view of this server: its slots' claims (from the shared state) and this process's
         sessions. Hashes and counts only."""
         slots = []
-        for sid in range(self.total_slots or state.total_slots or 0):
+        # `/props`'s count when known, else the claimed slots themselves: the state's count sizes nothing.
+        for sid in range(self.total_slots) if self.total_slots else sorted(state.slots):
             rec = state.slots.get(sid)
             slots.append({"id": sid, "session": rec.owner[:8] if rec and rec.owner else None,
                           "last_used_s_ago": round(now - rec.last_used, 1) if rec else None,
