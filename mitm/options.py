@@ -132,6 +132,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("slots_health_interval", int, 5,
            "Seconds between /health checks of each server of slots_upstreams (a down server is "
            "asked again with back-off)."),
+    Option("slots_swap_max_models", int, 16,
+           "llama-swap in slots_upstreams: the most of its models that get a server of their own at once "
+           "(only models it lists in /v1/models or /running do; an idle one makes room)."),
     Option("slots_keep_streams", bool, False,
            "Keep a copy of streamed SSE bodies in the flow (for -w recordings, mitmweb and "
            "server replay on mitmproxy 11; on 12.x store_streamed_bodies does the same)."),
@@ -151,6 +154,7 @@ MINIMUMS: dict[str, tuple[int, str]] = {
     "slots_state_max_sessions": (16, "≥ 16"),
     "slots_max_body_mb": (1, "≥ 1"),
     "slots_health_interval": (1, "≥ 1"),
+    "slots_swap_max_models": (1, "≥ 1"),
 }
 
 
