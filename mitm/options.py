@@ -49,8 +49,9 @@ OPTIONS: tuple[Option, ...] = (
            "$XDG_STATE_HOME/slotkeeper (~/.local/state/slotkeeper)."),
     Option("slots_ttl", int, 120,
            "Seconds after its last request that a session's claim on its slot expires."),
-    Option("slots_override_client", bool, False,
-           "Replace a client's own valid id_slot instead of respecting it."),
+    Option("slots_override_client", bool, True,
+           "The proxy owns id_slot: a client's own id_slot is replaced. false: clients are trusted, and a "
+           "client's valid id_slot is honoured (its session's claim moves to that slot)."),
     Option("slots_session_headers", Sequence[str], list(sess.DEFAULT_SESSION_HEADERS),
            "Request headers that carry a session id, most reliable first (repeat --set)."),
     Option("slots_side_patterns", Sequence[str], list(sidecalls.DEFAULT_SIDE_PATTERNS),
