@@ -35,7 +35,7 @@ from slotlogic.session import SessionId
 
 WINDOW = 32        # bytes before the end of the head that index it (the end of the first user message)
 MAX_SHAPES = 256   # sessions remembered; the least recently matched go first
-MAX_BYTES = 64 << 20  # all shapes' heads, middles, tails and keys together
+MAX_BYTES = 32 << 20  # all shapes' heads, middles, tails and keys together
 OVERHEAD = 512     # bytes per shape besides its byte strings (the objects, the index entries)
 MAX_TRIES = 3      # learns of one session without a match in between: its bodies do not repeat, stop
 _WS = " \t\n\r"

@@ -16,8 +16,8 @@ Rule 3: a new session gets the longest learned prefix its system message starts 
         digest), so several clients, and several projects of one client, each get theirs.
 Rule 4: bounded: `MAX_LEARNED` prefixes (the least recently seen forgotten first), `MAX_SAMPLES` sample texts
         per context, `MAX_CONTEXTS` contexts, and `MAX_SAMPLE_BYTES` of sample text in all (the oldest samples
-        go first; a text past the whole budget is compared but not kept), so 60 sessions with 8 MB system
-        prompts keep 32 MB, not 60 × 8.
+        go first), so 60 sessions with 8 MB system prompts cannot keep 60 × 8. A system message past
+        `MAX_TEXT_BYTES` (4 MB: a million tokens, more than any slot's context) is neither compared nor kept.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ MAX_LEARNED = 64
 MAX_SAMPLES = 8
 MAX_CONTEXTS = 32
 MAX_SAMPLE_BYTES = 32 << 20  # the sample texts of every context together (their in-memory size)
+MAX_TEXT_BYTES = MAX_SAMPLE_BYTES // 8  # one system message worth learning from, at most
 MIN_CHARS = 256
 
 
@@ -112,7 +113,7 @@ class PrefixLearner:
         """A new session's first system message: compared with the other sessions' of the same context; the
         prefix learned from it, if any (new or seen again)."""
         first = first_system(body)
-        if first is None or len(first.text) < self.min_chars:
+        if first is None or len(first.text) < self.min_chars or sys.getsizeof(first.text) > MAX_TEXT_BYTES:
             return None
         context = _context(first)
         seen = self.samples.setdefault(context, OrderedDict())
@@ -125,10 +126,8 @@ class PrefixLearner:
             if n is not None and (best is None or n > best):
                 best = n
         self._drop(seen, session)
-        size = sys.getsizeof(first.text)
-        if size <= MAX_SAMPLE_BYTES:
-            seen[session] = first.text
-            self.sample_bytes += size
+        seen[session] = first.text
+        self.sample_bytes += sys.getsizeof(first.text)
         while len(seen) > MAX_SAMPLES:
             self._drop(seen, next(iter(seen)))
         while len(self.samples) > MAX_CONTEXTS or (self.sample_bytes > MAX_SAMPLE_BYTES and self.samples):

@@ -71,6 +71,7 @@ def test_sample_texts_stay_under_their_byte_budget_and_still_teach(monkeypatch):
     """Issue 20: 60 sessions with 8 MB system prompts kept 8 samples of 8 MB per context, in up to 32 contexts."""
     from slotlogic import learned_prefix as lp
     monkeypatch.setattr(lp, "MAX_SAMPLE_BYTES", 1 << 20)
+    monkeypatch.setattr(lp, "MAX_TEXT_BYTES", 1 << 19)
     learner = PrefixLearner(min_chars=256)
     shared = "Rules of the project.\n" * 20_000   # ~440 KB
     for i in range(12):
@@ -78,7 +79,7 @@ def test_sample_texts_stay_under_their_byte_budget_and_still_teach(monkeypatch):
         assert learner.sample_bytes <= 1 << 20
         assert learner.sample_bytes == sum(sys.getsizeof(t) for c in learner.samples.values() for t in c.values())
     assert learner.find(body(shared + env("/w/new", "d"), tools=[{"name": "t"}]), 20.0) is not None
-    learner.observe("huge", body("x" * (2 << 20)), 21.0)  # past the whole budget: compared, not kept
+    learner.observe("huge", body("x" * (1 << 19)), 21.0)  # past a million tokens' worth: neither compared nor kept
     assert all("huge" not in c for c in learner.samples.values()) and learner.sample_bytes <= 1 << 20
 
 
