@@ -194,8 +194,9 @@ class Pool:
                 return self.upstream(home), Forward(Passed.UNLISTED_MODEL, completion_route=True)
             self._note_use(up)
             return up, await up.decide(facts, flow_id)
-        if isinstance(first, Forward):
-            return self.upstream(self.members[0]), first
+        if isinstance(first, Forward):  # through the first server that is up, as the client sent it
+            home = next((m for m in self.members if m.health.up and m is not avoid), self.members[0])
+            return self.upstream(home), first
         decision = first.keeper.request(facts)
         up = first
         if isinstance(decision, NeedSlot):
