@@ -6,14 +6,14 @@ Attacks (one row each):
   asked and new sessions are placed (only `/props` may size anything; docs/reliability.md);
 - swap_models: `slots_upstreams` in front of a llama-swap stand-in that lists one model; 1,000 requests name
   1,000 other models (only listed models get an upstream; their number is capped; idle ones are forgotten);
-- fastpath_heads: 60 new sessions with 8 MB system prompts each (the fast path counts heads, tails and
-  middles against its byte cap).
+- fastpath_heads: 60 new sessions with 8 MB system prompts each, two turns (the fast path counts heads, tails
+  and middles against its byte cap; `BOUNDS_FAST_SESSIONS` changes the 60).
 
 For each: the proxy's peak resident memory growth over its baseline (VmHWM, /proc) next to the attack's cap,
 whether the proxy is still alive, and the slowest `/_slots/health` answer while the attack ran (asked every
 250 ms). A proxy whose memory grows past `KILL_MB` is killed at once (the machine is shared): that row fails.
 
-Row shape (`Attack`): name, cap_mb, growth_mb, alive, health_max_s, notes, failed. `run(soak)` returns one
+Row shape (`Attack`): name, cap_mb, growth_mb, alive, health_max_s, requests, notes, failed. `run(soak)` returns one
 summary row for the main table (duck-typed like `bench.reliability.Row`) with every attack in `notes`, and
 prints the per-attack table.
 """
@@ -50,6 +50,7 @@ class Attack:
     growth_mb: float = 0.0
     alive: bool = False
     health_max_s: float = 0.0
+    requests: int = 0   # sent through the proxy by the attack (health checks aside)
     notes: dict[str, Any] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)
 
@@ -292,6 +293,7 @@ def total_slots(soak: Any) -> Attack:
         server = next(iter(status.get("servers") or [{}]), {})
         row.notes["status_slots"] = len(server.get("slots") or [])
         row.notes["codes"] = sorted(set(codes))
+        row.requests = len(codes) + 1
     except (httpx.HTTPError, ValueError) as e:
         row.notes["error"] = type(e).__name__
     finally:
@@ -313,6 +315,7 @@ def swap_models(soak: Any) -> Attack:
                         "messages": [{"role": "system", "content": f"agent {i}"}, {"role": "user", "content": "go"}]}
                 with contextlib.suppress(httpx.HTTPError):
                     client.post(px.url + "/v1/chat/completions", json=body)
+        row.requests = SWAP_MODELS + 2
         row.notes["listed_model"] = _chat(px.url, [{"role": "system", "content": "real"},
                                                    {"role": "user", "content": "go"}])
         status = httpx.get(px.url + "/_slots/status", timeout=30)
@@ -350,6 +353,7 @@ def fastpath_heads(soak: Any) -> Attack:
             ok += _chat(px.url, msgs) == 200
             del system, msgs
         row.notes["requests_ok"] = ok
+        row.requests = 2 * FAST_SESSIONS
     finally:
         _end(soak, px, watch, row)
         server.close()
@@ -383,7 +387,8 @@ def run(soak: Any, only: tuple[str, ...] = ()) -> BoundsRow:
     print(table(attacks), flush=True)
     for a in attacks:
         print(f"  {a.name}: {json.dumps(a.notes)}", flush=True)
-    return BoundsRow(faults=len(attacks), survived=sum(a.alive for a in attacks), requests=0,
+    return BoundsRow(faults=len(attacks), survived=sum(a.alive and not a.failed for a in attacks),
+                     requests=sum(a.requests for a in attacks),
                      memory_mb=max((a.growth_mb for a in attacks), default=0.0),
                      seconds=round(time.monotonic() - t0, 1),
                      failed=[f"{a.name}: {f}" for a in attacks for f in a.failed],
