@@ -106,6 +106,8 @@ class Pool:
         up = self.make_upstream(url, self._loaded(member, model) if member.swap and model else None)
         if url not in self.servers:
             self.servers[url] = (member, model if member.swap else "")
+            if member.swap and model:
+                self.used[url] = time.monotonic()  # new: not idle (a request is on its way)
             up.keeper.shapes = self.shapes  # one recognition for the whole pool
             if self.marks is None:
                 self.marks = up.keeper.marks
@@ -143,11 +145,13 @@ class Pool:
             return None
         url = self._url(member, model)
         if url not in self.servers:
-            mine = {u: self.used.get(u, 0.0) for u, (m, name) in self.servers.items() if m is member and name}
+            mine = {u: self.used.get(u, now) for u, (m, name) in self.servers.items() if m is member and name}
             self._forget(swap_models.to_forget(mine, self.inflight, now, cap=self.max_models, room_for=1))
             if len(mine) - sum(u not in self.servers for u in mine) >= self.max_models:
                 return None  # every kept model has a request in flight
-        return self.upstream(member, model)
+        up = self.upstream(member, model)
+        self._note_use(up)
+        return up
 
     def _url(self, member: Member, model: str) -> str:
         return member.url + (f"/upstream/{quote(model, safe='')}" if member.swap and model else "")
@@ -166,7 +170,7 @@ class Pool:
     def forget_idle(self, now: float) -> None:
         for member in self.members:
             if member.swap:
-                mine = {u: self.used.get(u, 0.0) for u, (m, name) in self.servers.items() if m is member and name}
+                mine = {u: self.used.get(u, now) for u, (m, name) in self.servers.items() if m is member and name}
                 self._forget(swap_models.to_forget(mine, self.inflight, now, cap=self.max_models))
 
     def known(self) -> list[Upstream]:
@@ -197,6 +201,7 @@ class Pool:
         if isinstance(first, Forward):  # through the first server that is up, as the client sent it
             home = next((m for m in self.members if m.health.up and m is not avoid), self.members[0])
             return self.upstream(home), first
+        self._note_use(first)  # not idle while its request is placed
         decision = first.keeper.request(facts)
         up = first
         if isinstance(decision, NeedSlot):

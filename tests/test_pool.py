@@ -191,6 +191,13 @@ async def test_model_servers_are_capped_and_idle_ones_forgotten(swap, monkeypatc
     p.configure(slots_swap_max_models=2)
     pool = p.rt.pool
     assert pool is not None
+    real_props = Server.props
+
+    async def props_while_the_background_sweeps(self: Server) -> Any:
+        pool.forget_idle(time.monotonic())  # the background pass runs while a new model's server is asked
+        return await real_props(self)
+
+    monkeypatch.setattr(Server, "props", props_while_the_background_sweeps)
     for model in ("m1", "m2"):
         f = await p.request(flow(chat(f"task {model}") | {"model": model}))
         assert isinstance(sent(f)["id_slot"], int)
