@@ -15,6 +15,9 @@ Classes (each also has fast cases in `make test`; docs/reliability.md says which
 - bad input: crafted bodies through mitmdump (invalid UTF-8, lone surrogates, deep nesting, huge numbers,
   a 20 MB body, gzip/br/zstd bombs, duplicate and escaped keys, chunked uploads, broken encodings) and the
   hypothesis fuzzers of tests/test_fuzz.py at thousands of examples;
+- memory bounds (`bench/memory_bounds.py`): one value or one client that could grow the proxy without bound
+  (a huge `total_slots` in the state, unlisted llama-swap models, 8 MB system prompts), each against its own
+  proxy: peak RSS growth next to its cap, alive, health answered within 1 s throughout;
 - security: an `--api-key` llama-server; the local API from a non-loopback address; file modes; hostile
   symlinks in the save dir; and every output of the run (proxy logs, JSONL files, state files) scanned for
   the prompts' sentinel string.
@@ -51,6 +54,7 @@ import brotli
 import httpx
 from mitmproxy.net import encoding
 
+from bench import memory_bounds
 from launch.llama_server import LlamaServer, free_port
 from launch.mitmdump import ROOT, MitmProxy, mitm_argv
 from slotlogic import paging
@@ -812,13 +816,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=32)
     ap.add_argument("--fuzz-examples", type=int, default=2500)
     ap.add_argument("--threads", type=int, default=1, help="llama-server threads")
-    ap.add_argument("--only", nargs="*", default=[], help="upstream kills load bad security")
+    ap.add_argument("--only", nargs="*", default=[], help="upstream kills load bad security memory")
     ap.add_argument("--keep", action="store_true", help="keep the scratch dir")
     a = ap.parse_args(argv)
     soak = Soak(a.threads)
     classes: list[tuple[str, Callable[[], Row]]] = [
         ("upstream", lambda: upstream_faults(soak)), ("kills", lambda: kills(soak, a.kills)),
         ("load", lambda: load(soak, a.sessions)), ("bad", lambda: bad_input(soak, a.fuzz_examples)),
+        ("memory", lambda: memory_bounds.run(soak)),
         ("security", lambda: security(soak))]
     classes.append(("memory-streams", lambda: __import__("bench.memory_bounds_streams", fromlist=["run"]).run(soak)))
     rows: list[Row] = []

@@ -17,6 +17,8 @@ warnings work per server as with one); this pool adds what is between them:
 - llama-swap: a URL that answers `GET /running` is llama-swap. Each model behind it is its own server,
   reached through `/upstream/<model>/` for `/props`, `/slots` and slot save/restore; the model comes from
   the request body. A model llama-swap unloaded is not probed (that would load it) and counts as restarted.
+  Only a model llama-swap lists gets a server (`slotlogic.swap_models`: any other request passes through
+  unpinned), at most `slots_swap_max_models` of them, and one idle for a while is forgotten.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ from urllib.parse import quote, urlsplit
 from drivers.llama_http import LlamaClient
 from drivers.upstream import Upstream
 from slotlogic import prefix as pfx
-from slotlogic import routing, shared, sidecalls
-from slotlogic.decisions import Decision, NeedSlot, Pin, RequestFacts
+from slotlogic import routing, shared, sidecalls, swap_models
+from slotlogic.decisions import Decision, Forward, NeedSlot, Pin, RequestFacts
 from slotlogic.events import Event, ServerDown, ServerUp
 from slotlogic.fastpath import ShapeIndex
+from slotlogic.reasons import Passed
 from slotlogic.routing import Health, RouteWhy, ServerView
 from slotlogic.server import ServerInfo
 
@@ -61,6 +64,8 @@ class Member:
     health: Health = field(default_factory=Health)
     swap: bool | None = None   # None until asked
     checked: float = 0.0       # when `/health` was last asked
+    models: frozenset[str] = frozenset()  # llama-swap: the models it lists (`/v1/models`, `/running`)
+    models_asked: float | None = None     # when that list was last asked
 
     @property
     def address(self) -> tuple[str, int]:
@@ -70,9 +75,13 @@ class Member:
 
 class Pool:
     def __init__(self, urls: list[str], make_upstream: Callable[[str, Any], Upstream], emit: Emit,
-                 make_client: Callable[[str], LlamaClient] = LlamaClient, health_interval: float = 5.0) -> None:
+                 make_client: Callable[[str], LlamaClient] = LlamaClient, health_interval: float = 5.0, *,
+                 drop: Callable[[str], None] | None = None, max_models: int = swap_models.MAX_MODELS) -> None:
         self.members = [Member(base_of(u), i, make_client(base_of(u))) for i, u in enumerate(urls)]
         self.make_upstream = make_upstream
+        self.drop = drop                # forgets a model's server outside the pool (its driver, its tasks)
+        self.max_models = max_models    # model servers kept per llama-swap
+        self.used: dict[str, float] = {}  # a llama-swap model's server URL -> when a request last went there
         self.emit = emit
         self.health_interval = health_interval
         self.shapes = ShapeIndex()
@@ -93,10 +102,12 @@ class Pool:
         return next((m for m in self.members if m.address == tuple(address)), None)
 
     def upstream(self, member: Member, model: str = "") -> Upstream:
-        url = member.url + (f"/upstream/{quote(model, safe='')}" if member.swap and model else "")
+        url = self._url(member, model)
         up = self.make_upstream(url, self._loaded(member, model) if member.swap and model else None)
         if url not in self.servers:
             self.servers[url] = (member, model if member.swap else "")
+            if member.swap and model:
+                self.used[url] = time.monotonic()  # new: not idle (a request is on its way)
             up.keeper.shapes = self.shapes  # one recognition for the whole pool
             if self.marks is None:
                 self.marks = up.keeper.marks
@@ -117,6 +128,51 @@ class Pool:
             data = await member.client.get_json("/running")
             member.swap = isinstance(data, dict) and isinstance(data.get("running"), list)
 
+    async def _served(self, member: Member, model: str) -> Upstream | None:
+        """The server of `model` on `member`: a plain llama-server serves any; llama-swap only a model it
+        lists, and only while fewer than `max_models` of its models have a server (an idle one makes room).
+        None: the request passes through unpinned."""
+        if not member.swap:
+            return self.upstream(member)
+        now = time.monotonic()
+        if swap_models.due(member.models, model, member.models_asked, now):
+            member.models_asked = now
+            found = swap_models.listed(await member.client.get_json("/v1/models"),
+                                       await member.client.get_json("/running"))
+            if found is not None:
+                member.models = found
+        if not swap_models.accepts(member.models, model):
+            return None
+        url = self._url(member, model)
+        if url not in self.servers:
+            mine = {u: self.used.get(u, now) for u, (m, name) in self.servers.items() if m is member and name}
+            self._forget(swap_models.to_forget(mine, self.inflight, now, cap=self.max_models, room_for=1))
+            if len(mine) - sum(u not in self.servers for u in mine) >= self.max_models:
+                return None  # every kept model has a request in flight
+        up = self.upstream(member, model)
+        self._note_use(up)
+        return up
+
+    def _url(self, member: Member, model: str) -> str:
+        return member.url + (f"/upstream/{quote(model, safe='')}" if member.swap and model else "")
+
+    def _forget(self, urls: list[str]) -> None:
+        """Forget llama-swap model servers (idle, or past the cap): the sessions they served are placed again
+        at their next request (their claims stay in the state, so they resume their slots)."""
+        for url in urls:
+            self.servers.pop(url, None)
+            self.used.pop(url, None)
+            self.inflight.pop(url, None)
+            self.where = {k: up for k, up in self.where.items() if up.url != url}
+            if self.drop is not None:
+                self.drop(url)
+
+    def forget_idle(self, now: float) -> None:
+        for member in self.members:
+            if member.swap:
+                mine = {u: self.used.get(u, now) for u, (m, name) in self.servers.items() if m is member and name}
+                self._forget(swap_models.to_forget(mine, self.inflight, now, cap=self.max_models))
+
     def known(self) -> list[Upstream]:
         return [self.make_upstream(url, None) for url in self.servers]
 
@@ -136,8 +192,16 @@ class Pool:
         if first is None:
             first = await self._first_slow(facts, avoid)
         if first is None:  # nothing is up: as with one server (the first may be back; else the fallback)
-            up = self.upstream(self.members[0], _model_of(facts.content) if self.members[0].swap else "")
+            home = self.members[0]
+            up = await self._served(home, _model_of(facts.content) if home.swap else "")
+            if up is None:
+                return self.upstream(home), Forward(Passed.UNLISTED_MODEL, completion_route=True)
+            self._note_use(up)
             return up, await up.decide(facts, flow_id)
+        if isinstance(first, Forward):  # through the first server that is up, as the client sent it
+            home = next((m for m in self.members if m.health.up and m is not avoid), self.members[0])
+            return self.upstream(home), first
+        self._note_use(first)  # not idle while its request is placed
         decision = first.keeper.request(facts)
         up = first
         if isinstance(decision, NeedSlot):
@@ -150,7 +214,12 @@ class Pool:
         if ticket is not None:
             self.where[ticket.session.key] = up
             self.inflight[up.url] = self.inflight.get(up.url, 0) + 1
+        self._note_use(up)
         return up, decision
+
+    def _note_use(self, up: Upstream) -> None:
+        if self.servers.get(up.url, (None, ""))[1]:
+            self.used[up.url] = time.monotonic()
 
     def ended(self, up: Upstream) -> None:
         self.ended_url(up.url)
@@ -168,7 +237,7 @@ class Pool:
         if shape is None:
             return None
         up = self.where.get(shape.key.key)
-        if up is None or not self.is_up(up) or self.member_of(up) is avoid:
+        if up is None or up.url not in self.servers or not self.is_up(up) or self.member_of(up) is avoid:
             return None
         if shape.side:  # nobody's conversation: the least loaded server of the same model takes it
             model = self.servers[up.url][1]
@@ -176,16 +245,17 @@ class Pool:
                                        and self.is_up(u) and self.member_of(u) is not avoid]) or up
         return up
 
-    async def _first_slow(self, facts: RequestFacts, avoid: Member | None) -> Upstream | None:
-        """A request the shapes do not know: any up server of its model parses it (they share memory)."""
+    async def _first_slow(self, facts: RequestFacts, avoid: Member | None) -> Upstream | Forward | None:
+        """A request the shapes do not know: any up server of its model parses it (they share memory).
+        Forward: no server serves its model (llama-swap does not list it, or all its servers are busy)."""
         up_members = [m for m in self.members if m.health.up and m is not avoid]
         if not up_members:
             return None
         for m in up_members:
             await self._detect(m)
         model = _model_of(facts.content) if any(m.swap for m in up_members) else ""
-        cands = [self.upstream(m, model) for m in up_members]
-        return self._least_loaded(cands)
+        cands = [up for m in up_members if (up := await self._served(m, model)) is not None]
+        return self._least_loaded(cands) or Forward(Passed.UNLISTED_MODEL, completion_route=True)
 
     def _least_loaded(self, ups: list[Upstream]) -> Upstream | None:
         if not ups:
@@ -196,7 +266,8 @@ class Pool:
                      avoid: Member | None) -> tuple[Upstream, Decision]:
         key, now = need.ticket.session.key, facts.now
         model = _model_of_body(need.body) if self.servers[first.url][1] or self.member_of(first).swap else ""
-        cands = [self.upstream(m, model) for m in self.members if m.health.up and m is not avoid]
+        cands = [up for m in self.members if m.health.up and m is not avoid
+                 and (up := await self._served(m, model)) is not None]
         previous = self.where.get(key)
         was_down = previous is not None and (not self.is_up(previous) or self.member_of(previous) is avoid)
         for up in cands:  # the session lives on one of them: it goes back there
@@ -344,6 +415,7 @@ class Pool:
                 for m in due:
                     m.checked = now
                 await asyncio.gather(*(self.check(m) for m in due), return_exceptions=True)
+                self.forget_idle(now)
 
     def close(self) -> None:
         if self._task is not None:

@@ -49,8 +49,9 @@ OPTIONS: tuple[Option, ...] = (
            "$XDG_STATE_HOME/slotkeeper (~/.local/state/slotkeeper)."),
     Option("slots_ttl", int, 120,
            "Seconds after its last request that a session's claim on its slot expires."),
-    Option("slots_override_client", bool, False,
-           "Replace a client's own valid id_slot instead of respecting it."),
+    Option("slots_override_client", bool, True,
+           "The proxy owns id_slot: a client's own id_slot is replaced. false: clients are trusted, and a "
+           "client's valid id_slot is honoured (its session's claim moves to that slot)."),
     Option("slots_session_headers", Sequence[str], list(sess.DEFAULT_SESSION_HEADERS),
            "Request headers that carry a session id, most reliable first (repeat --set)."),
     Option("slots_side_patterns", Sequence[str], list(sidecalls.DEFAULT_SIDE_PATTERNS),
@@ -132,6 +133,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("slots_health_interval", int, 5,
            "Seconds between /health checks of each server of slots_upstreams (a down server is "
            "asked again with back-off)."),
+    Option("slots_swap_max_models", int, 16,
+           "llama-swap in slots_upstreams: the most of its models that get a server of their own at once "
+           "(only models it lists in /v1/models or /running do; an idle one makes room)."),
     Option("slots_keep_streams", bool, False,
            "Keep a copy of streamed SSE bodies in the flow (for -w recordings, mitmweb and "
            "server replay on mitmproxy 11; on 12.x store_streamed_bodies does the same)."),
@@ -151,6 +155,7 @@ MINIMUMS: dict[str, tuple[int, str]] = {
     "slots_state_max_sessions": (16, "≥ 16"),
     "slots_max_body_mb": (1, "≥ 1"),
     "slots_health_interval": (1, "≥ 1"),
+    "slots_swap_max_models": (1, "≥ 1"),
 }
 
 

@@ -49,7 +49,7 @@ class Pinning:
             raise exceptions.OptionsError(f"slots_state_url: {e}") from None
         self.rt.configure(settings, state_dir, options.fronted_upstreams(o.mode), state_url=o.slots_state_url,
                           servers=options.server_list(o.mode, o.slots_upstreams),
-                          health_interval=float(o.slots_health_interval))
+                          health_interval=float(o.slots_health_interval), swap_max_models=o.slots_swap_max_models)
 
     def running(self) -> None:
         """At start, each server this proxy fronts is probed before the first request comes (whether

@@ -8,6 +8,8 @@ event sink through which every log line leaves (`slotlogic.wording` words it).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 from collections import OrderedDict
@@ -65,9 +67,10 @@ class Runtime:
     pending: dict[str, Any] = field(default_factory=dict)  # client connection id -> its flow being sent
     _store_key: tuple[str, Path] | None = None
     tally: Tally = field(default_factory=Tally)   # the counters behind /_slots/metrics
+    _closing: set[Any] = field(default_factory=set)  # clients of forgotten servers being closed
 
     def configure(self, settings: Settings, state_dir: Path, fronted: frozenset[str], *, state_url: str = "",
-                  servers: list[str] | None = None, health_interval: float = 5.0) -> None:
+                  servers: list[str] | None = None, health_interval: float = 5.0, swap_max_models: int = 16) -> None:
         replaced = self.stores is None or self._store_key != (state_url, state_dir)
         if replaced:
             if self.stores is not None:
@@ -91,9 +94,10 @@ class Runtime:
             if self.pool is not None:
                 self.pool.close()
             self.pool = Pool(wanted, lambda url, loaded: self.upstream(url, loaded=loaded), self.emit,
-                             self.make_client, health_interval)
+                             self.make_client, health_interval, drop=self.drop_upstream)
         if self.pool is not None:
             self.pool.health_interval = health_interval
+            self.pool.max_models = swap_max_models
 
     def settings_for(self, url: str) -> Settings:
         return self.settings.for_upstream(url in self.fronted or base_of(url) in self.fronted)
@@ -111,6 +115,17 @@ class Runtime:
                   else Upstream.for_replay(url, settings, self.emit))
             pool[url] = up
         return up
+
+    def drop_upstream(self, url: str) -> None:
+        """A llama-swap model's server the pool forgot: its last touches written, its tasks and client closed."""
+        up = self.upstreams.pop(url, None)
+        if up is None:
+            return
+        up.close_sync()
+        with contextlib.suppress(RuntimeError):
+            task = asyncio.get_running_loop().create_task(up.aclose())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     def all_upstreams(self) -> list[Upstream]:
         return [*self.upstreams.values(), *self.replays.values()]

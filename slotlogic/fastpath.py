@@ -18,7 +18,8 @@ Rule 2: only a body that provably continues the messages array is taken: its mid
 Rule 3: only sessions recognised by their conversation root on a chat route, with no session header
         (headers and body keys name sessions the content cannot), are learned; anything unusual is simply
         not learned and keeps taking the full parse. Memory is bounded: at most `MAX_SHAPES` sessions and
-        `MAX_BYTES` of remembered middles, the least recently matched forgotten first.
+        `MAX_BYTES` of everything a shape keeps (head, middle, tail, key and a fixed overhead), the least
+        recently matched forgotten first; a body bigger than the cap on its own is not learned at all.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from slotlogic.session import SessionId
 
 WINDOW = 32        # bytes before the end of the head that index it (the end of the first user message)
 MAX_SHAPES = 256   # sessions remembered; the least recently matched go first
-MAX_BYTES = 64 << 20  # remembered middles (the conversations after their first user message), all sessions
+MAX_BYTES = 32 << 20  # all shapes' heads, middles, tails and keys together
+OVERHEAD = 512     # bytes per shape besides its byte strings (the objects, the index entries)
 MAX_TRIES = 3      # learns of one session without a match in between: its bodies do not repeat, stop
 _WS = " \t\n\r"
 _scan = json.JSONDecoder().scan_once
@@ -48,6 +50,11 @@ class Shape:
     head: bytes
     tail: bytes
     middle: bytes  # the messages after the first user message as sent last time (from its comma, no trailing space)
+
+    @property
+    def size(self) -> int:
+        """What this shape costs against `MAX_BYTES`: every byte it keeps."""
+        return len(self.head) + len(self.tail) + len(self.middle) + len(self.key.key) + OVERHEAD
 
 
 def locate(text: str) -> tuple[int, int] | None:
@@ -115,13 +122,14 @@ def _messages(s: str, i: int) -> tuple[tuple[int, int] | None, int]:
 
 
 class ShapeIndex:
-    def __init__(self, limit: int = MAX_SHAPES) -> None:
+    def __init__(self, limit: int = MAX_SHAPES, max_bytes: int = MAX_BYTES) -> None:
         self.limit = limit
+        self.max_bytes = max_bytes
         self.shapes: OrderedDict[str, Shape] = OrderedDict()   # session key -> its shape
         self.by_sig: dict[tuple[int, bytes], Shape] = {}       # (len(head), head[-WINDOW:]) -> shape
         self.ends: dict[int, int] = {}                         # len(head) -> how many shapes have it
         self.tries: dict[str, int] = {}                        # session key -> learns since its last match
-        self.bytes = 0                                         # len(middle) summed over the shapes
+        self.bytes = 0                                         # Shape.size summed over the shapes
 
     def learn(self, path: str, content: bytes, key: SessionId, side: bool) -> Shape | None:
         """Remember the shape of a fully parsed body of `key` (recognised by its conversation root)."""
@@ -145,24 +153,26 @@ class ShapeIndex:
         if head_end < WINDOW:
             return None
         self.forget(key.key)
+        if len(content) + len(key.key) + OVERHEAD > self.max_bytes:
+            return None  # alone past the cap: it would evict every other shape and still not fit
         shape = Shape(key, side, path, content[:head_end], content[tail_start:],
                       content[head_end:tail_start].rstrip())
         self.shapes[key.key] = shape
         self.by_sig[(head_end, shape.head[-WINDOW:])] = shape
         self.ends[head_end] = self.ends.get(head_end, 0) + 1
-        self.bytes += len(shape.middle)
+        self.bytes += shape.size
         self._bound()
         return shape
 
     def _bound(self) -> None:
-        while len(self.shapes) > self.limit or (self.bytes > MAX_BYTES and len(self.shapes) > 1):
+        while len(self.shapes) > self.limit or self.bytes > self.max_bytes:
             self.forget(next(iter(self.shapes)))
 
     def forget(self, key: str) -> None:
         shape = self.shapes.pop(key, None)
         if shape is None:
             return
-        self.bytes -= len(shape.middle)
+        self.bytes -= shape.size
         sig = (len(shape.head), shape.head[-WINDOW:])
         if self.by_sig.get(sig) is shape:
             del self.by_sig[sig]

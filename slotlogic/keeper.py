@@ -180,7 +180,7 @@ class Keeper(PageKeeping):
         if s.policy is Policy.OFF:
             ticket.unpinned = Unpinned.POLICY_OFF
             return Observe(ticket, read.original)
-        slot = self._placed(ticket, facts.now)
+        slot = self._placed(ticket, facts.now, req.body)
         if slot is not None:
             return self._pin(ticket, req.body, req.content, slot, facts.now)
         if s.policy is Policy.AFFINITY:
@@ -266,8 +266,15 @@ class Keeper(PageKeeping):
         slot = self._placed(ticket, facts.now)
         return self._pin(ticket, {}, content, slot, facts.now) if slot is not None else None
 
-    def _placed(self, ticket: Ticket, now: float) -> int | None:
-        """A side call, or a known session still on its slot: the slot, with no I/O. None: it needs a slot."""
+    def _client_slot(self, body: dict[str, Any], total: int | None) -> int | None:
+        """A trusted client's own valid `id_slot` (`slots_override_client=false`); None: the proxy chooses."""
+        if self.settings.override_client or not total:
+            return None
+        return rewrite.valid_client_slot(body, total)
+
+    def _placed(self, ticket: Ticket, now: float, body: dict[str, Any] | None = None) -> int | None:
+        """A side call, or a known session still on its slot: the slot, with no I/O. None: it needs a slot (a
+        trusted client asking for another slot than its session's is placed there, under the state lock)."""
         total = self.total_slots
         if ticket.side and total:
             reserved = sidecalls.side_slot(total, self.settings.side_slot)
@@ -280,6 +287,9 @@ class Keeper(PageKeeping):
         live = self.table.live(key, now)
         if (live is not None and (total is None or live.slot < total) and not self.table.displaced(key, live.slot)
                 and self.ledger.holds(live.slot, key)):
+            client = self._client_slot(body, total) if body else None
+            if client is not None and client != live.slot:
+                return None
             ticket.why = Why.KNOWN
             return live.slot
         return None
@@ -288,9 +298,11 @@ class Keeper(PageKeeping):
         total = self.total_slots or slot + 1
         result = rewrite.pin(body, slot, total, override_client=self.settings.override_client)
         ticket.slot = result.slot
+        key = ticket.session.key
         if result.client_slot_kept and result.slot != slot:
             ticket.why = Why.CLIENT_SLOT
-        key = ticket.session.key
+            if not ticket.side:  # the claim follows the slot used (in memory; the next flush writes it)
+                self._follow(key, result.slot, now)
         ticket.promise = self.ledger.pin(result.slot, key, side=ticket.why is Why.SIDE_CALL)
         self.table.dispatch("" if ticket.why is Why.SIDE_CALL else key, result.slot)
         if ticket.side:
@@ -309,6 +321,9 @@ class Keeper(PageKeeping):
             ticket.why = Why.CLIENT_SLOT
             ticket.slot = result.slot
             ticket.promise = self.ledger.pin(result.slot, ticket.session.key)
+            if not ticket.side:
+                self._follow(ticket.session.key, result.slot, now)
+                self.table.use(ticket.session.key, now)
             self.table.dispatch(ticket.session.key, result.slot)
         else:
             ticket.why = Why.PENDING
@@ -317,6 +332,13 @@ class Keeper(PageKeeping):
         if ticket.side:
             self.table.side_call(now)
         return _rewritten(ticket, content, body, result)
+
+    def _follow(self, key: str, slot: int, now: float) -> None:
+        """A trusted client ran its session on `slot`: the session is recorded there (the slot's former holder
+        is displaced, and the slot the proxy would have used is left alone)."""
+        known = self.table.sessions.get(key)
+        self.table.assign(key, slot, now, prefix=known.prefix if known else None,
+                          requests=known.requests if known else 0)
 
     def learn(self, ticket: Ticket, slot: int | None, now: float) -> SlotLearned | None:
         """Affinity: the slot llama-server chose for a pending request, from its answer (`slotlogic.affinity`).
@@ -388,7 +410,8 @@ class Keeper(PageKeeping):
         ticket.facts = {"props": dict(info.raw or {}), "slots": slot_facts(live)}
         choice = placement.assign(self.settings, state, ticket.session.key, need.prefix, live, total, now,
                                   side=ticket.side, local=self.table, displaced_from=need.displaced_from,
-                                  resume=ticket.session.key not in self.table.misplaced)
+                                  resume=ticket.session.key not in self.table.misplaced,
+                                  client_slot=self._client_slot(need.body, total))
         dropped = shared.compact(state, now, SESSION_KEEP_SECONDS, self.settings.state_max_sessions)
         self.pages = dict(state.pages)
         if choice.why is not Why.SIDE_CALL:
@@ -401,13 +424,12 @@ class Keeper(PageKeeping):
     def fallback(self, need: NeedSlot, now: float, last_known_total: int | None) -> tuple[Pin | Observe, Event]:
         """The server did not answer `/props`: pin by a stable hash over the last known slot count (every
         proxy process agrees without asking), or send the request unpinned when no count was ever known."""
-        total = self.total_slots or last_known_total
+        total = self.total_slots or last_known_total  # a hash's modulus only: never the size of anything
         ticket = need.ticket
         choice = placement.fallback(ticket.session.key, total)
         if choice is None or total is None:
             ticket.unpinned = Unpinned.SERVER_UNKNOWN
             return Observe(ticket), Unreachable(self.upstream, ticket.session.short)
-        self.total_slots = total
         self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix)
         return self.pin(need, choice.slot, choice.why, now), Unreachable(self.upstream, ticket.session.short,
                                                                          choice.slot, total)
@@ -416,7 +438,7 @@ class Keeper(PageKeeping):
         """A `NeedSlot` that another keeper of the same pool made (several servers share one shape index):
         this keeper's answer from memory when the session is live here, else None (and, when it was here
         but displaced, `need` says from which slot, for `assign`)."""
-        slot = self._placed(need.ticket, now)
+        slot = self._placed(need.ticket, now, need.body)
         if slot is not None:
             return self._pin(need.ticket, need.body, need.content, slot, now)
         live = self.table.live(need.ticket.session.key, now)
@@ -550,7 +572,7 @@ class Keeper(PageKeeping):
         ours = {k: a.slot for k, a in self.table.sessions.items() if now - a.last_used < ttl}
         if not ours:
             return []
-        total = self.total_slots or state.total_slots
+        total = self.total_slots  # `/props` only: the state's count sizes nothing
         reserved = sidecalls.side_slot(total, self.settings.side_slot) if total and self.table.reserving(now) else None
         marked = [k for k in reconcile.misplaced(state, ours, now, ttl, total, reserved)
                   if k not in self.table.misplaced]
@@ -596,7 +618,8 @@ class Keeper(PageKeeping):
         """The status view of this server: its slots' claims (from the shared state) and this process's
         sessions. Hashes and counts only."""
         slots = []
-        for sid in range(self.total_slots or state.total_slots or 0):
+        # `/props`'s count when known, else the claimed slots themselves: the state's count sizes nothing.
+        for sid in range(self.total_slots) if self.total_slots else sorted(state.slots):
             rec = state.slots.get(sid)
             slots.append({"id": sid, "session": rec.owner[:8] if rec and rec.owner else None,
                           "last_used_s_ago": round(now - rec.last_used, 1) if rec else None,

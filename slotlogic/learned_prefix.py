@@ -15,12 +15,15 @@ Rule 2: learned only from two sessions: the longest common prefix of their first
 Rule 3: a new session gets the longest learned prefix its system message starts with (checked by length and
         digest), so several clients, and several projects of one client, each get theirs.
 Rule 4: bounded: `MAX_LEARNED` prefixes (the least recently seen forgotten first), `MAX_SAMPLES` sample texts
-        per context, `MAX_CONTEXTS` contexts.
+        per context, `MAX_CONTEXTS` contexts, and `MAX_SAMPLE_BYTES` of sample text in all (the oldest samples
+        go first), so 60 sessions with 8 MB system prompts cannot keep 60 × 8. A system message past
+        `MAX_TEXT_BYTES` (4 MB: a million tokens, more than any slot's context) is neither compared nor kept.
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +34,8 @@ from slotlogic.prefix import First, StablePrefix, first_system
 MAX_LEARNED = 64
 MAX_SAMPLES = 8
 MAX_CONTEXTS = 32
+MAX_SAMPLE_BYTES = 32 << 20  # the sample texts of every context together (their in-memory size)
+MAX_TEXT_BYTES = MAX_SAMPLE_BYTES // 8  # one system message worth learning from, at most
 MIN_CHARS = 256
 
 
@@ -85,6 +90,7 @@ class PrefixLearner:
         self.min_chars = min_chars
         self.learned: OrderedDict[tuple[str, int, str], Learned] = OrderedDict()
         self.samples: OrderedDict[str, OrderedDict[str, str]] = OrderedDict()  # context -> session -> text
+        self.sample_bytes = 0  # sys.getsizeof of every sample text
 
     def find(self, body: dict[str, Any], now: float) -> StablePrefix | None:
         """The longest learned prefix this body's first system message starts with."""
@@ -107,7 +113,7 @@ class PrefixLearner:
         """A new session's first system message: compared with the other sessions' of the same context; the
         prefix learned from it, if any (new or seen again)."""
         first = first_system(body)
-        if first is None or len(first.text) < self.min_chars:
+        if first is None or len(first.text) < self.min_chars or sys.getsizeof(first.text) > MAX_TEXT_BYTES:
             return None
         context = _context(first)
         seen = self.samples.setdefault(context, OrderedDict())
@@ -119,17 +125,30 @@ class PrefixLearner:
             n = stable_cut(first.text, text, self.min_chars)
             if n is not None and (best is None or n > best):
                 best = n
+        self._drop(seen, session)
         seen[session] = first.text
-        seen.move_to_end(session)
+        self.sample_bytes += sys.getsizeof(first.text)
         while len(seen) > MAX_SAMPLES:
-            seen.popitem(last=False)
-        while len(self.samples) > MAX_CONTEXTS:
-            self.samples.popitem(last=False)
+            self._drop(seen, next(iter(seen)))
+        while len(self.samples) > MAX_CONTEXTS or (self.sample_bytes > MAX_SAMPLE_BYTES and self.samples):
+            oldest_context = next(iter(self.samples))
+            texts = self.samples[oldest_context]
+            if texts and (len(self.samples) <= MAX_CONTEXTS):
+                self._drop(texts, next(iter(texts)))
+                if texts:
+                    continue
+            for text in self.samples.pop(oldest_context).values():
+                self.sample_bytes -= sys.getsizeof(text)
         if best is None:
             return None
         rec = Learned(context, best, text_digest(first.text[:best]), now)
         self._remember(rec)
         return rec
+
+    def _drop(self, seen: OrderedDict[str, str], session: str) -> None:
+        text = seen.pop(session, None)
+        if text is not None:
+            self.sample_bytes -= sys.getsizeof(text)
 
     def sharing(self, prefix: StablePrefix) -> list[str]:
         """Sessions whose first system message, as observed, starts with `prefix` in the same context: their

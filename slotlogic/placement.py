@@ -6,6 +6,8 @@ Rule 2: a session keeps the slot the state file says it still owns (a restarted 
         where they were); otherwise `ranking.choose` picks, and the claim is recorded at once so that every
         other proxy process sharing the file sees it.
 Rule 3: a side call claims nothing (it is nobody's conversation); it gets the reserved slot when there is one.
+Rule 4: a trusted client's own valid `id_slot` (`slots_override_client=false`) is the slot the request runs on,
+        so it is the slot claimed: the claim follows the slot used, never a slot the request does not touch.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from slotlogic.table import SessionTable
 def assign(cfg: Settings, state: shared.ServerState, session_key: str, prefix: str | None,
            live_slots: Sequence[dict[str, Any]] | None, total_slots: int, now: float, *,
            side: bool = False, local: SessionTable | None = None, displaced_from: int | None = None,
-           resume: bool = True) -> Choice:
+           resume: bool = True, client_slot: int | None = None) -> Choice:
     """Choose and claim a slot for a session the table does not hold, or one displaced from
     `displaced_from`. A side call learns the slot count here on a server's first request. `resume=False`
     (a session found sharing its slot with another process's, `slotlogic.reconcile`) ranks even when the
@@ -31,6 +33,10 @@ def assign(cfg: Settings, state: shared.ServerState, session_key: str, prefix: s
     reserved = sidecalls.side_slot(total_slots, cfg.side_slot)
     if side and reserved is not None:
         return Choice(reserved, Why.SIDE_CALL)
+    if client_slot is not None and 0 <= client_slot < total_slots:
+        rec = state.sessions.get(session_key)
+        shared.claim(state, session_key, client_slot, now, prefix=prefix, requests=(rec.requests if rec else 0) + 1)
+        return Choice(client_slot, Why.CLIENT_SLOT)
     views = shared.views(state, total_slots, list(live_slots) if live_slots is not None else None, local)
     owned = shared.owned_slot(state, session_key)
     if resume and owned is not None and owned < total_slots:

@@ -27,7 +27,7 @@ def misplaced(state: ServerState, ours: Mapping[str, int], now: float, ttl: floa
               reserved: int | None = None) -> list[str]:
     """Keys of this process's live sessions (`ours`: key → slot, from memory) that share a slot with an
     earlier-claimed live session while another slot is free; sorted for determinism."""
-    total = total_slots or state.total_slots
+    total = total_slots  # `/props`'s count: the state's own is never the size of a range
     if not total:
         return []
     by_slot: dict[int, list[tuple[float, str]]] = {}

@@ -39,7 +39,7 @@ SESSION_KEEP_SECONDS = 7 * 24 * 3600  # the state file forgets a session (and de
 class Settings:
     policy: Policy = Policy.AUTO
     ttl: float = 120.0
-    override_client: bool = False
+    override_client: bool = True   # the proxy owns id_slot; False: clients are trusted to choose (docs/behaviour.md)
     session_headers: tuple[str, ...] = sess.DEFAULT_SESSION_HEADERS
     side_patterns: tuple[re.Pattern[str], ...] = field(
         default_factory=lambda: tuple(sidecalls.compile_patterns(sidecalls.DEFAULT_SIDE_PATTERNS)))

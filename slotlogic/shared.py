@@ -30,6 +30,11 @@ from slotlogic.server import ServerInfo
 from slotlogic.table import Assignment, SessionTable
 
 FORMAT_VERSION = 1
+# The most slots a shared state may speak of. Only `/props` says how many slots a server has; a count or a slot
+# id in the state (a file or Redis key any local process can write) is a hint for the hash fallback at most,
+# never the size of anything built. Beyond this it is junk and dropped (llama-server's own slot counts are a
+# few dozen at most in practice: each slot is a KV cache of its own).
+MAX_SLOTS = 1024
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ def from_dict(data: Any, upstream: str) -> ServerState:
         return st
     st.media_marker = _str(data.get("media_marker"))
     total = _int(data.get("total_slots"))
-    st.total_slots = total if total and total > 0 else None
+    st.total_slots = total if total and 0 < total <= MAX_SLOTS else None
     st.n_ctx = _int(data.get("n_ctx"))
     slots = data.get("slots")
     if isinstance(slots, dict):
@@ -96,7 +101,7 @@ def from_dict(data: Any, upstream: str) -> ServerState:
                 sid = int(k)
             except (TypeError, ValueError):
                 continue
-            if not isinstance(v, dict) or sid < 0 or _num(v.get("last_used")) is None:
+            if not isinstance(v, dict) or not 0 <= sid < MAX_SLOTS or _num(v.get("last_used")) is None:
                 continue
             epoch = _int(v.get("epoch")) or 0
             st.slots[sid] = SlotRecord(last_used=_num(v["last_used"]) or 0.0, owner=_str(v.get("owner")),
@@ -108,7 +113,7 @@ def from_dict(data: Any, upstream: str) -> ServerState:
             if not isinstance(k, str) or not isinstance(v, dict):
                 continue
             slot, used = _int(v.get("slot")), _num(v.get("last_used"))
-            if slot is None or slot < 0 or used is None:
+            if slot is None or not 0 <= slot < MAX_SLOTS or used is None:
                 continue
             st.sessions[k] = SessionRecord(slot=slot, last_used=used, requests=_int(v.get("requests")) or 0,
                                            prefix=_str(v.get("prefix")), claimed=_num(v.get("claimed")))

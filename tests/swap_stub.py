@@ -4,6 +4,7 @@ Debian), modelled on its routes (llama-swap's internal/server/server.go and api.
 - `POST /v1/chat/completions` (and the other model routes): the model named in the body, loaded on demand;
 - `/upstream/<model>/<path>`: any request passed to that model's own server, loading it first;
 - `GET /running`: `{"running": [{"model": ..., "state": "ready"}, ...]}`, the loaded models;
+- `GET /v1/models`: `{"object": "list", "data": [{"id": ...}, ...]}`, the configured models;
 - `GET /unload`: stops every model; `GET /health`: `OK`.
 
 Each model is a real `LlamaServer` started when first needed, so an unloaded model comes back as a new
@@ -84,6 +85,9 @@ class SwapStub:
                 if path == "/running":
                     running = [{"model": m, "state": "ready"} for m in sorted(stub.loaded)]
                     return self._send(200, json.dumps({"running": running}).encode())
+                if path == "/v1/models":  # llama-swap lists its configured models (not the loaded ones)
+                    listed = [{"id": m, "object": "model", "owned_by": "llama-swap"} for m in sorted(stub.specs)]
+                    return self._send(200, json.dumps({"object": "list", "data": listed}).encode())
                 if path == "/unload":
                     stub.unload()
                     return self._send(200, b"OK", "text/plain")

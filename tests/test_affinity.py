@@ -60,8 +60,8 @@ def facts(body, path=CHAT, now=0.0, replay=None):
     return RequestFacts("POST", path, (), json.dumps(body).encode(), now, replay)
 
 
-def keeper(total=4):
-    k = Keeper(Settings(policy=Policy.AFFINITY), "http://up")
+def keeper(total=4, **settings):
+    k = Keeper(Settings(policy=Policy.AFFINITY, **settings), "http://up")
     if total:
         k.note_server(shared.ServerState("http://up"), ServerInfo(total_slots=total, media_marker="m1"))
     return k
@@ -116,12 +116,19 @@ def test_routes_learn_their_own_way_and_a_clients_verbose_is_kept():
     assert pinned.ticket.why is Why.KNOWN and pinned.ticket.slot == 0
 
 
-def test_a_clients_own_valid_slot_is_kept():
-    k = keeper()
+def test_a_trusted_clients_own_valid_slot_is_kept_and_its_session_claims_it():
+    k = keeper(override_client=False)
     own = k.request(facts(chat(id_slot=1)))
     assert own.ticket.why is Why.CLIENT_SLOT and own.ticket.learn is None and own.ticket.slot == 1
+    assert k.table.sessions[own.ticket.session.key].slot == 1 and own.ticket.session.key in k.table.dirty
     bad = k.request(facts(chat(first="c", id_slot=9)))
     assert bad.ticket.why is Why.PENDING and json.loads(bad.body)["id_slot"] == -1
+
+
+def test_by_default_a_clients_id_slot_is_replaced():
+    k = keeper()
+    own = k.request(facts(chat(id_slot=1)))
+    assert own.ticket.why is Why.PENDING and json.loads(own.body)["id_slot"] == -1
 
 
 def test_a_displaced_session_and_every_session_after_a_resize_go_out_pending_again():

@@ -138,6 +138,30 @@ def test_bounded_and_stops_learning_bodies_that_never_repeat():
     assert idx.learn(CHAT, raw(b), key, False) is not None
 
 
+def test_heads_tails_and_keys_count_against_the_byte_cap():
+    """60 sessions with big system prompts (issue 20: 8 MB each grew the proxy by 700 MB): what the index keeps,
+    heads and tails included, stays under its cap; the newest sessions are the ones kept."""
+    cap = 1 << 20
+    idx = ShapeIndex(max_bytes=cap)
+    for i in range(60):
+        b = body(first=f"task {i}", system=f"agent {i} " + "x" * 100_000)
+        idx.learn(CHAT, raw(b), sess.resolve({}, b, CHAT), False)
+        kept = sum(len(sh.head) + len(sh.tail) + len(sh.middle) + len(sh.key.key) for sh in idx.shapes.values())
+        assert idx.bytes <= cap and kept <= idx.bytes
+    assert 1 < len(idx) < 11
+    newest = body(first="task 59", system="agent 59 " + "x" * 100_000, extra=1)
+    assert idx.match(CHAT, raw(newest)) is not None and idx.bytes <= cap
+
+
+def test_a_body_bigger_than_the_whole_cap_is_not_learned():
+    idx = ShapeIndex(max_bytes=64 << 10)
+    small = body(first="small")
+    idx.learn(CHAT, raw(small), sess.resolve({}, small, CHAT), False)
+    big = body(first="big", system="y" * (64 << 10))
+    assert idx.learn(CHAT, raw(big), sess.resolve({}, big, CHAT), False) is None
+    assert len(idx) == 1 and idx.match(CHAT, raw(body(first="small", extra=1))) is not None
+
+
 texts = s.text(alphabet=s.characters(blacklist_categories=("Cs",)), min_size=0, max_size=40)
 
 

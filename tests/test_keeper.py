@@ -92,7 +92,7 @@ def test_a_known_sessions_next_turn_is_not_parsed_and_gets_the_same_bytes(monkey
     assert parsed == [1, 1]
     own = later | {"messages": [*later["messages"], {"role": "user", "content": "x"}], "id_slot": 2}
     decided = k.request(facts(own, now=7.0))
-    assert parsed == [1, 1, 1] and real(decided.body)["id_slot"] == 2
+    assert parsed == [1, 1, 1] and real(decided.body)["id_slot"] == hot.ticket.slot  # the proxy owns id_slot
 
 
 def test_side_calls_go_to_the_reserved_slot():
@@ -125,13 +125,42 @@ def test_a_resized_or_restarted_server_is_noted():
     assert k.note_server(state, server(2, "m2")) == [PoolResized("http://up", 2)]
 
 
-def test_the_client_keeps_its_own_slot_unless_overridden():
+def test_the_proxy_owns_id_slot_unless_clients_are_trusted():
     k = make()
-    own = place(k, k.request(facts(chat(id_slot=2))))
-    assert sent(own)["id_slot"] == 2 and own.ticket.why in (Why.CLIENT_SLOT, Why.FREE_EMPTY)
-    k2 = make(override_client=True)
-    moved = place(k2, k2.request(facts(chat("other", id_slot=2))))
-    assert moved.ticket.why is not Why.CLIENT_SLOT and sent(moved)["id_slot"] == moved.ticket.slot
+    state = shared.ServerState("http://up")
+    owner = place(k, k.request(facts(chat("owner"))), state)
+    other = place(k, k.request(facts(chat("other", id_slot=owner.ticket.slot))), state)
+    assert other.ticket.why is not Why.CLIENT_SLOT and sent(other)["id_slot"] == other.ticket.slot != owner.ticket.slot
+    trusted = make(override_client=False)
+    own = place(trusted, trusted.request(facts(chat(id_slot=2))))
+    assert sent(own)["id_slot"] == 2 and own.ticket.why is Why.CLIENT_SLOT
+
+
+def test_a_trusted_clients_slot_is_the_slot_its_session_claims():
+    """Issue 20 item 8: B ran on A's slot 0 but was recorded on slot 1; C, untouched on slot 1, became
+    displaced, and A stayed `known`. The claim follows the slot used."""
+    k = make(override_client=False)
+    state = shared.ServerState("http://up")
+    a = place(k, k.request(facts(chat("A"))), state)
+    c = place(k, k.request(facts(chat("C"))), state)
+    busy = [dict(e, n_prompt_tokens=100) if e["id"] in (a.ticket.slot, c.ticket.slot) else e for e in FREE]
+    b = place(k, k.request(facts(chat("B", id_slot=a.ticket.slot), now=1.0)), state, live=busy, now=1.0)
+    assert sent(b)["id_slot"] == a.ticket.slot and b.ticket.why is Why.CLIENT_SLOT
+    assert state.slots[a.ticket.slot].owner == b.ticket.session.key  # the file's claim: the slot B ran on
+    assert [s for s, r in state.slots.items() if r.owner == b.ticket.session.key] == [a.ticket.slot]
+    assert isinstance(k.request(facts(chat("A") | {"messages": [*chat("A")["messages"],
+                                                                {"role": "assistant", "content": "x"}]},
+                                      now=2.0)), NeedSlot)  # A is displaced, not `known`
+    again = k.request(facts(chat("C") | {"messages": [*chat("C")["messages"], {"role": "assistant", "content": "y"}]},
+                            now=2.0))
+    assert isinstance(again, Pin) and again.ticket.why is Why.KNOWN and again.ticket.slot == c.ticket.slot
+    # a known session whose trusted client asks for another slot: placed there, the claim moves with it
+    moved = k.request(facts(chat("C", id_slot=3) | {"messages": [*chat("C")["messages"],
+                                                                 {"role": "assistant", "content": "y"}]}, now=3.0))
+    assert isinstance(moved, NeedSlot)
+    pin = place(k, moved, state, now=3.0)
+    assert pin.ticket.slot == 3 and state.slots[3].owner == c.ticket.session.key
+    assert k.table.sessions[c.ticket.session.key].slot == 3
 
 
 def test_the_fallback_pins_by_hash_or_sends_unpinned():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from hypothesis import given, settings
 from hypothesis import strategies as s
 
@@ -63,6 +65,22 @@ def test_learned_prefixes_survive_in_records_and_are_bounded():
         other.observe(f"s{i}", body(f"Prompt number {i}.\n" * 40), float(i))
         other.observe(f"t{i}", body(f"Prompt number {i}.\n" * 40), float(i))
     assert len(other.records()) == MAX_LEARNED
+
+
+def test_sample_texts_stay_under_their_byte_budget_and_still_teach(monkeypatch):
+    """Issue 20: 60 sessions with 8 MB system prompts kept 8 samples of 8 MB per context, in up to 32 contexts."""
+    from slotlogic import learned_prefix as lp
+    monkeypatch.setattr(lp, "MAX_SAMPLE_BYTES", 1 << 20)
+    monkeypatch.setattr(lp, "MAX_TEXT_BYTES", 1 << 19)
+    learner = PrefixLearner(min_chars=256)
+    shared = "Rules of the project.\n" * 20_000   # ~440 KB
+    for i in range(12):
+        learner.observe(f"s{i}", body(shared + env(f"/w/{i}", "d"), tools=[{"name": "t"}]), float(i))
+        assert learner.sample_bytes <= 1 << 20
+        assert learner.sample_bytes == sum(sys.getsizeof(t) for c in learner.samples.values() for t in c.values())
+    assert learner.find(body(shared + env("/w/new", "d"), tools=[{"name": "t"}]), 20.0) is not None
+    learner.observe("huge", body("x" * (1 << 19)), 21.0)  # past a million tokens' worth: neither compared nor kept
+    assert all("huge" not in c for c in learner.samples.values()) and learner.sample_bytes <= 1 << 20
 
 
 def test_short_or_markerless_texts_teach_nothing():

@@ -37,7 +37,8 @@ async def test_two_sessions_get_two_slots(proxy):
     assert sent(a)["id_slot"] != sent(b)["id_slot"]
 
 
-async def test_the_clients_own_slot_is_respected_unless_overridden(proxy, caplog):
+async def test_the_clients_own_slot_is_replaced_unless_clients_are_trusted(proxy, caplog):
+    proxy.configure(slots_override_client=False)
     f = await proxy.request(flow(chat(id_slot=2)))
     assert sent(f)["id_slot"] == 2
     proxy.configure(slots_override_client=True)

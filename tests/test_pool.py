@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -138,3 +139,74 @@ async def test_one_server_and_no_list_keeps_todays_path(proxy):
     assert proxy.rt.pool is None
     f = await proxy.request(flow(chat()))
     assert dest(f) == UP
+
+
+class Swap(Server):
+    """A scripted llama-swap root: lists `models` in `/v1/models`, none loaded in `/running`."""
+
+    def __init__(self, models: tuple[str, ...]) -> None:
+        super().__init__()
+        self.models = models
+
+    async def get_json(self, path: str, timeout: float | None = None) -> Any:
+        self.calls.append(f"get {path}")
+        if path == "/running":
+            return {"running": []}
+        if path == "/v1/models":
+            return {"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]}
+        return None
+
+
+@pytest.fixture
+def swap(tmp_path) -> Iterator[tuple[Proxy, Swap]]:
+    root = Swap(("m1", "m2", "m3"))
+    models: dict[str, Server] = {}
+    addons = addon_module.make_addons()
+    addons[0].rt.make_client = lambda url: root if url == UP else models.setdefault(url, Server())
+    with taddons.context(*addons) as tctx:
+        p = Proxy(tctx, addons)
+        p.configure(slots_state_dir=str(tmp_path / "state"), slots_probe_interval=0, slots_log_requests="off",
+                    mode=[f"reverse:{UP}@127.0.0.1:1"], slots_upstreams=[UP])
+        yield p, root
+
+
+def model_servers(p: Proxy) -> list[str]:
+    return sorted(url for url in p.rt.upstreams if "/upstream/" in url)
+
+
+async def test_only_models_llama_swap_lists_get_a_server(swap, tmp_path):
+    """Issue 20: 1,000 `model` values made 1,000 servers, 2,002 state files and an idle quarter core."""
+    p, root = swap
+    for i in range(200):
+        f = await p.request(flow(chat(f"task {i}") | {"model": f"attack-{i}"}))
+        assert "id_slot" not in sent(f)  # passed through untouched
+    assert model_servers(p) == [] and root.calls.count("get /v1/models") == 1  # one look-up per interval
+    assert not [f for f in (tmp_path / "state").glob("state-*.json") if "attack" in f.read_text()]
+    f = await p.request(flow(chat("real") | {"model": "m1"}))
+    assert isinstance(sent(f)["id_slot"], int) and model_servers(p) == [f"{UP}/upstream/m1"]
+
+
+async def test_model_servers_are_capped_and_idle_ones_forgotten(swap, monkeypatch):
+    p, _ = swap
+    p.configure(slots_swap_max_models=2)
+    pool = p.rt.pool
+    assert pool is not None
+    real_props = Server.props
+
+    async def props_while_the_background_sweeps(self: Server) -> Any:
+        pool.forget_idle(time.monotonic())  # the background pass runs while a new model's server is asked
+        return await real_props(self)
+
+    monkeypatch.setattr(Server, "props", props_while_the_background_sweeps)
+    for model in ("m1", "m2"):
+        f = await p.request(flow(chat(f"task {model}") | {"model": model}))
+        assert isinstance(sent(f)["id_slot"], int)
+    busy = await p.request(flow(chat("task m3") | {"model": "m3"}))  # both kept models have a request in flight
+    assert "id_slot" not in sent(busy) and len(model_servers(p)) == 2
+    for url in list(pool.inflight):
+        pool.ended_url(url)
+    f = await p.request(flow(chat("task m3") | {"model": "m3"}))  # the least recently used makes room
+    assert isinstance(sent(f)["id_slot"], int) and model_servers(p) == [f"{UP}/upstream/m2", f"{UP}/upstream/m3"]
+    pool.ended_url(f"{UP}/upstream/m3")
+    pool.forget_idle(time.monotonic() + 3600)
+    assert model_servers(p) == [] and not pool.where

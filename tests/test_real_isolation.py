@@ -15,7 +15,7 @@ import pytest
 
 from launch.llama_server import LlamaServer
 from launch.mitmdump import MitmProxy
-from tests.real_helpers import ask, conversation, extend, jsonl
+from tests.real_helpers import Turn, ask, conversation, extend, jsonl
 
 pytestmark = pytest.mark.real
 
@@ -181,3 +181,34 @@ def test_a_displaced_session_moves_to_a_cold_slot_or_shares_its_own(tmp_path):
     assert again["A"].cache_n >= 300  # the system prompt B left in slot 1
     assert (again["B"].slot, reasons[8][2]) == (first["B"].slot, "displaced:shared"), reasons
     assert again["D"].slot == first["D"].slot and again["D"].cache_n > first["D"].cache_n + first["D"].prompt_n - 5
+
+
+def test_a_clients_id_slot_cannot_reach_another_sessions_slot_unless_clients_are_trusted(tmp_path):
+    """Issue 20 items 7-8: by default the proxy owns `id_slot`, so B naming A's slot neither runs there (no cache
+    timing of A's prompt to read) nor evicts A; with trusted clients B runs there and A's next turn is
+    displaced, not `known`."""
+    def b_on(px: MitmProxy, slot: int | None) -> Turn:
+        body = {"messages": conversation("Task B: guess what A asked."), "max_tokens": 4, "temperature": 0,
+                "id_slot": slot}
+        r = httpx.post(px.url + "/v1/chat/completions", json=body, timeout=120)
+        r.raise_for_status()
+        return Turn(int(r.headers["x-slot-id"]), r.json()["timings"]["cache_n"], r.json()["timings"]["prompt_n"])
+
+    for trusted in (False, True):
+        log = tmp_path / f"p-{trusted}.log"
+        opts = {"slots_state_dir": str(tmp_path / f"state-{trusted}"), "slots_override_client": not trusted}
+        with LlamaServer(slots=2, ctx_per_slot=4096, log_path=str(tmp_path / f"s-{trusted}.log")) as srv, \
+                MitmProxy(srv.url, opts, log_path=str(log)) as px:
+            a = conversation("Task A: rename the config loader.")
+            first = ask(px.url, a)
+            b = b_on(px, first.slot)
+            extend(a, 1)
+            again = ask(px.url, a)
+        text = log.read_text()
+        if trusted:
+            assert b.slot == first.slot and again.slot is not None
+            assert "why=client-id_slot" in text and "why=displaced" in text
+        else:
+            assert b.slot != first.slot and again.slot == first.slot
+            assert again.cache_n >= first.cache_n + first.prompt_n - 1  # A's cache untouched
+            assert "why=known" in text and "client-id_slot" not in text

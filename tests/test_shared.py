@@ -85,3 +85,15 @@ def test_another_proxys_newer_claim_on_our_slot_is_a_displacement():
     assert st.displaced_by_others(state, ours, {1: "mine-a", 2: "mine-b"}) == {1: "theirs"}
     ours["mine-a"].last_used = 30.0  # our request went there after theirs
     assert st.displaced_by_others(state, ours, {1: "mine-a", 2: "mine-b"}) == {}
+
+
+def test_a_slot_count_or_slot_id_past_the_cap_in_the_state_is_junk():
+    """Only `/props` sizes anything: a state naming 100,000,000 slots (or slot ids that far out) is not read
+    as such (issue 20: it grew the proxy to 23 GB)."""
+    data = {"total_slots": 100_000_000, "slots": {"5": {"last_used": 1.0}, "99999999": {"last_used": 1.0}},
+            "sessions": {"a": {"slot": 99999999, "last_used": 1.0}, "b": {"slot": 5, "last_used": 1.0}}}
+    s = st.from_dict(data, "http://up")
+    assert s.total_slots is None and list(s.slots) == [5] and list(s.sessions) == ["b"]
+    capped = st.from_dict({"total_slots": st.MAX_SLOTS}, "http://up")
+    assert capped.total_slots == st.MAX_SLOTS
+    assert st.from_dict({"total_slots": st.MAX_SLOTS + 1}, "http://up").total_slots is None

@@ -339,3 +339,11 @@ async def test_the_lock_is_released_when_reading_the_state_fails_unexpectedly(ur
         async with store.transaction():
             pass
     assert redis.Redis(port=store_server.port).get(state_key(SERVER) + ":lock") is None
+
+
+async def test_a_huge_slot_count_in_the_redis_key_sizes_nothing(url, store_server):
+    """Issue 20 item 1: 3,000,000 slots written into the key by another tool grew the proxy by 3 GB in 43 s."""
+    redis.Redis(port=store_server.port).set(state_key(SERVER), '{"version":1,"total_slots":3000000,"slots":'
+                                            '{"2999999":{"last_used":1.0,"owner":"x"}},"sessions":{}}')
+    st = await RedisState(RedisConnection(url, lambda e: None), SERVER).aread()
+    assert st.total_slots is None and st.slots == {}

@@ -196,3 +196,23 @@ async def test_a_new_session_waits_for_the_slot_it_would_copy_while_that_slot_is
     waited = [e for e in seen if isinstance(e, ev.SourceAwaited)]
     assert len(waited) == 1 and waited[0].idle and waited[0].source == first.ticket.slot, seen
     assert time.monotonic() - started >= 0.45
+
+
+async def test_a_huge_slot_count_in_the_state_sizes_nothing_while_the_server_is_down(tmp_path, seen):
+    """A state file (any local process can write it) says 100,000,000 slots and the server is down: the status
+    lists only what is claimed, and a new session is not pinned to a slot no `/props` ever named."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    path = state / store_file.state_file_name(UP)
+    path.write_text(json.dumps({"version": 1, "upstream": UP, "total_slots": 100_000_000,
+                                "slots": {"3": {"last_used": 1.0, "owner": "k" * 64}}, "sessions": {}}))
+    os.chmod(path, 0o600)
+    dead = FakeLlama()
+    dead.props_data = None
+    up = Upstream(UP, Settings(probe_interval=0), state, seen.append, client=dead)
+    t0 = time.monotonic()
+    status = await up.status()
+    assert [s["id"] for s in status["slots"]] == [3] and time.monotonic() - t0 < 1
+    decision = await up.decide(facts(), "f1")
+    assert isinstance(decision, Observe) and up.keeper.total_slots is None
+    await up.reconcile()  # the background look for shared slots ranges over nothing the state says

@@ -1,0 +1,67 @@
+"""Which models behind a llama-swap get a server of their own, and which of those to forget.
+
+Why: behind llama-swap each model is its own llama-server (`/upstream/<model>/`), named by the request body's
+`model`, a value any client chooses. One upstream per name would let a client grow the proxy without bound
+(issue 20: 1,000 names, 1,000 upstreams, 937 MB, 2,002 state files, a quarter of a core busy while idle).
+
+Rule 1: pure. The driver (`drivers/pool.py`) asks llama-swap's `GET /v1/models` (the models its config lists;
+        llama-swap's own handler leaves out `unlisted` ones, and lists aliases only with `includeAliasesInList`)
+        and `GET /running` (the loaded ones), and hands the answers here.
+Rule 2: only a listed (or running) model gets an upstream; any other request passes through untouched,
+        unpinned. The list is asked again at most every `REFRESH_SECONDS` when an unknown name comes, so a
+        flood of names costs one look-up per interval, and a model added to llama-swap's config is seen soon.
+Rule 3: bounded: at most `max_models` model upstreams per llama-swap; one that had no request for
+        `IDLE_SECONDS` and has none in flight is forgotten (its state stays in the state file, so its sessions
+        resume their slots when they come back); past the cap the least recently used idle one goes first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+REFRESH_SECONDS = 30.0   # the shortest interval between two look-ups of llama-swap's model list
+IDLE_SECONDS = 600.0     # a model upstream without a request for this long is forgotten
+MAX_MODELS = 16          # model upstreams kept per llama-swap (`slots_swap_max_models`)
+MAX_NAME = 256           # a longer model name is nobody's configuration
+
+
+def listed(models: Any, running: Any) -> frozenset[str] | None:
+    """The model names llama-swap serves, from its `/v1/models` and `/running` answers; None when neither
+    answered as llama-swap does (keep what was known)."""
+    names: set[str] = set()
+    answered = False
+    data = models.get("data") if isinstance(models, Mapping) else None
+    if isinstance(data, list):
+        answered = True
+        names.update(e["id"] for e in data if isinstance(e, Mapping) and isinstance(e.get("id"), str))
+    run = running.get("running") if isinstance(running, Mapping) else None
+    if isinstance(run, list):
+        answered = True
+        names.update(e["model"] for e in run if isinstance(e, Mapping) and isinstance(e.get("model"), str))
+    return frozenset(n for n in names if n and len(n) <= MAX_NAME) if answered else None
+
+
+def accepts(known: frozenset[str], model: str) -> bool:
+    return bool(model) and model in known
+
+
+def due(known: frozenset[str], model: str, last_asked: float | None, now: float) -> bool:
+    """Whether to ask llama-swap's list again for `model` (unknown, and not asked lately)."""
+    return not accepts(known, model) and (last_asked is None or now - last_asked >= REFRESH_SECONDS)
+
+
+def to_forget(used: Mapping[str, float], inflight: Mapping[str, int], now: float, *, cap: int,
+              idle_seconds: float = IDLE_SECONDS, room_for: int = 0) -> list[str]:
+    """The model upstreams (URL -> when last used) to forget now: every idle one, then the least recently used
+    until `room_for` more fit under `cap`. One with a request in flight is never forgotten."""
+    free = sorted((t, url) for url, t in used.items() if not inflight.get(url))
+    out = [url for t, url in free if now - t >= idle_seconds]
+    keep = len(used) - len(out)
+    for _, url in free:
+        if keep + room_for <= cap:
+            break
+        if url not in out:
+            out.append(url)
+            keep -= 1
+    return out
