@@ -169,6 +169,7 @@ def error_body(status: int, upstream_body: bytes) -> bytes:
 # streamed answer: chat-completions SSE → Anthropic SSE
 # --------------------------------------------------------------------------------------------------------
 
+MAX_PENDING = 64   # chunks held for one result at most
 UNTIMED_AFTER = 4  # chunks without timings before a stream counts as untimed (a result is role + 1-3 diffs)
 TOO_LARGE = "slotkeeper: an upstream event was larger than 4 MB; the answer is incomplete"
 TRUNCATED = "slotkeeper: the server's answer ended before its end; the answer is incomplete"
@@ -343,7 +344,8 @@ class StreamConverter:
             return self._flush_partial()
         if not self._timed and len(self._pending) > UNTIMED_AFTER:
             self._untimed = True  # a server without timings_per_token: a result's end cannot be seen
-        return self._flush_partial() if self._untimed else b""
+        # a result is a few chunks: more pending than MAX_PENDING (timings that stopped coming) go out now
+        return self._flush_partial() if self._untimed or len(self._pending) > MAX_PENDING else b""
 
     # -- a partial result: server_task_result_cmpl_partial::to_json_anthropic ---------------------------
 

@@ -657,3 +657,12 @@ def test_without_timings_per_token_events_leave_after_a_few_chunks_not_at_the_en
     assert events[-1][0] == "message_stop"
     for cut in range(0, len(raw), 7):
         assert convert(raw, [cut]) == convert(raw, [])
+
+
+def test_chunks_held_for_one_result_are_bounded_when_timings_stop_coming() -> None:
+    conv = R.StreamConverter()
+    first = SAMPLE[:SAMPLE.index(b"\n\n", SAMPLE.index(b'"content":"I"')) + 2]  # a result with timings
+    conv.feed(first)
+    chunk = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
+    out = b"".join(conv.feed(chunk) for _ in range(10_000))
+    assert out.count(b"text_delta") == 10_000 - 10_000 % (R.MAX_PENDING + 1)  # out in groups, none held long
