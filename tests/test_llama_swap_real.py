@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 
 from launch.mitmdump import MitmProxy
@@ -16,8 +17,6 @@ pytestmark = pytest.mark.real
 
 
 def ask_model(base: str, msgs: list[dict[str, str]], model: str) -> tuple[int | None, dict]:
-    import httpx
-
     r = httpx.post(base + "/v1/chat/completions", json={"model": model, "messages": msgs, "max_tokens": 4,
                                                         "temperature": 0}, timeout=120)
     r.raise_for_status()
@@ -32,8 +31,11 @@ def test_each_model_behind_llama_swap_is_a_server_and_an_unloaded_model_a_restar
         opts = {"slots_upstreams": [swap.url], "slots_state_dir": str(tmp_path / "state"),
                 "slots_log_file": str(log), "slots_probe_interval": 1, "slots_prefix_cache": "off"}
         with MitmProxy(swap.url, opts, log_path=str(tmp_path / "p.log")) as px:
+            swap.model("m1")  # loaded before the first request: a load slower than /props' 3 s leaves it unpinned
             conv = conversation("Task S: behind llama-swap.")
             slot1, _ = ask_model(px.url, conv, "m1")
+            unlisted = httpx.post(px.url + "/v1/chat/completions", timeout=60, json={
+                "model": "nope", "messages": conversation("Task U: a model llama-swap does not list.")})
             extend(conv, 1)
             slot2, t2 = ask_model(px.url, conv, "m1")
             swap.unload()
@@ -47,6 +49,9 @@ def test_each_model_behind_llama_swap_is_a_server_and_an_unloaded_model_a_restar
         text = (tmp_path / "p.log").read_text()
     assert slot1 is not None and slot2 == slot1 and t2["cache_n"] > 0
     assert "GET /upstream/m1/props" in swap.paths and "GET /upstream/m1/slots" in swap.paths
+    assert unlisted.status_code == 400 and "x-slot-id" not in unlisted.headers  # llama-swap's answer, unpinned
+    assert not [p for p in swap.paths if "/upstream/nope" in p]  # no server made for it
+    assert "GET /v1/models" in swap.paths
     assert loads_while_unloaded == 1 and swap.loads == 2  # probes never loaded it; the next request did
     assert f"{swap.url}/upstream/m1 was unloaded by llama-swap" in text
     assert slot3 is not None and t3["prompt_n"] > 0  # a new process: every slot empty
