@@ -2,10 +2,10 @@
 
 The drivers read `time.time()` / `time.monotonic()` themselves (last use, TTLs, back-offs, waits), so the
 simulation replaces those two functions of the `time` module for the length of a run (`VirtualClock.patched`),
-and runs on an event loop whose selector, when nothing is ready and no worker thread is busy, moves the clock
-forward to the next timer instead of sleeping. A request that prefills for 3 virtual seconds therefore costs
-microseconds, timers and timeouts keep their order, and worker threads (the state file's I/O) are waited for
-in real time without the virtual clock moving. Bench and test code only: nothing in the product imports this.
+and runs on an event loop whose selector, when nothing is ready, moves the clock forward to the next timer
+instead of sleeping. A request that prefills for 3 virtual seconds therefore costs microseconds, and timers and
+timeouts keep their order. Jobs for worker threads (the state file's I/O) run inline, so a seed repeats
+exactly. Bench and test code only: nothing in the product imports this.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import selectors
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,7 +20,6 @@ from typing import Any
 
 _REAL_TIME = time.time
 _REAL_MONOTONIC = time.monotonic
-THREAD_POLL = 0.02  # real seconds a select waits for a worker thread before looking again
 
 
 class VirtualClock:
@@ -55,49 +53,38 @@ class VirtualClock:
             time.time, time.monotonic = saved  # type: ignore[assignment]
 
 
-class _CountingExecutor(ThreadPoolExecutor):
-    """The loop's default executor, counting jobs in flight (the selector waits for them in real time)."""
-
-    def __init__(self) -> None:
-        super().__init__(max_workers=4, thread_name_prefix="sim")
-        self.busy = 0
-        self._lock = threading.Lock()
+class _InlineExecutor(ThreadPoolExecutor):
+    """The loop's default executor: runs each job at once on the calling thread. Worker threads would finish
+    in real-time order, so runs would not repeat; the jobs here are short file operations."""
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        with self._lock:
-            self.busy += 1
-        fut = super().submit(fn, *args, **kwargs)
-        fut.add_done_callback(self._done)
+        fut: Future[Any] = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:
+            fut.set_exception(e)
         return fut
-
-    def _done(self, _fut: Future[Any]) -> None:
-        with self._lock:
-            self.busy -= 1
 
 
 class _VirtualSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
-    def __init__(self, clock: VirtualClock, executor: _CountingExecutor) -> None:
+    """Never sleeps: with nothing ready, the clock moves on to the next timer."""
+
+    def __init__(self, clock: VirtualClock) -> None:
         super().__init__()
         self.clock = clock
-        self.executor = executor
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         ready = super().select(0)
-        if ready or timeout == 0:
+        if ready or not timeout:
             return ready
-        if self.executor.busy > 0:  # a worker thread will wake the loop: wait for it, the clock stands still
-            return super().select(THREAD_POLL)
-        if timeout is None:  # nothing scheduled, nothing running: a stuck run; let the caller's guard see it
-            return super().select(THREAD_POLL)
         self.clock.advance(timeout)
         return []
 
 
 def new_loop(clock: VirtualClock) -> asyncio.AbstractEventLoop:
     """An event loop on `clock` (call inside `clock.patched()`: the loop's time is `time.monotonic`)."""
-    executor = _CountingExecutor()
-    loop = asyncio.SelectorEventLoop(_VirtualSelector(clock, executor))
-    loop.set_default_executor(executor)
+    loop = asyncio.SelectorEventLoop(_VirtualSelector(clock))
+    loop.set_default_executor(_InlineExecutor())
     return loop
 
 

@@ -113,6 +113,7 @@ class Done:
     ended: float
     generation: int          # the server process it ran on
     cache_prompt: bool = True
+    tokens: list[int] = field(default_factory=list, repr=False)   # the prompt (the limit is computed from these)
 
     @property
     def lost(self) -> int:
@@ -171,6 +172,7 @@ class SimServer:
         self.done: list[Done] = []
         self.events: list[SlotEvent] = []
         self.left: dict[str, list[int]] = {}   # tag -> what its last completed request left in its slot
+        self.left_before: dict[int, list[int]] = {}  # task -> its tag's left-over when it started
         self.restarts: list[float] = []
 
     # ------------------------------------------------------------------------------------------- clock
@@ -309,6 +311,8 @@ class SimServer:
         prompt_n = len(tokens) - cache_n
         left_before = self.left.get(tag) if tag is not None else None
         expected = common_prefix(left_before, tokens) if left_before is not None else 0
+        if left_before is not None:
+            self.left_before[task.id] = left_before
         started = self.now()
         slot.tokens, slot.n_prompt, slot.writer = tokens[:cache_n], len(tokens), tag
         self.events.append(SlotEvent(started, slot.id, "request", tag, before, len(tokens), cache_n))
@@ -329,7 +333,7 @@ class SimServer:
             self.left[tag] = list(slot.tokens)
         done = Done(task.id, tag, slot.id, len(tokens), cache_n, prompt_n, expected,
                     len(left_before) if left_before is not None else 0, started, self.now(), gen,
-                    bool(p["cache_prompt"]))
+                    bool(p["cache_prompt"]), tokens)
         self.done.append(done)
         prompt_ms = prompt_n / self.prefill_speed * 1000
         return {"content": text, "id_slot": slot.id, "tokens_cached": cache_n, "n_prompt": len(tokens),

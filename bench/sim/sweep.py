@@ -1,0 +1,109 @@
+"""Many generated workloads through the simulator (`make bench ARGS=--sim`): per seed the prefill against the
+physical limit (bench/limit.py's definition, on the simulator's tokens) and the lost tokens by cause; a seed
+with unlabelled lost tokens prints its reproduction (seed, shape, the loss step by step)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass, field
+
+from bench.limit import new_tokens
+from bench.sim.clock import VirtualClock, run
+from bench.sim.harness import Rig
+from bench.sim.losses import Loss, find_losses
+from bench.sim.traffic import Shape, play, shape_from_seed
+
+
+@dataclass
+class SeedResult:
+    seed: int
+    shape: str
+    requests: int
+    prefill: int
+    limit: int
+    losses: list[Loss] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def ratio(self) -> float:
+        return self.prefill / self.limit if self.limit else 1.0
+
+    @property
+    def lost(self) -> int:
+        """Unlabelled lost tokens: neither expected (restart, idle clearing) nor given away by the proxy."""
+        return sum(x.tokens for x in self.losses if not x.labelled)
+
+    @property
+    def lost_labelled(self) -> int:
+        return sum(x.tokens for x in self.losses if x.labelled)
+
+
+def run_shape(shape: Shape) -> tuple[SeedResult, Rig]:
+    """Play `shape` on a fresh rig; the rig stays readable afterwards (its servers' events and files)."""
+    started = time.perf_counter()
+    holder: dict[str, Rig] = {}
+
+    async def main() -> None:
+        async with Rig(shape.setup) as rig:
+            holder["rig"] = rig
+            await play(rig, shape)
+
+    error = None
+    try:
+        run(VirtualClock(), main)
+    except Exception as e:  # a crash of the harness or the product is a finding too
+        error = f"{type(e).__name__}: {e}"
+    rig = holder["rig"]
+    done = sorted((o.done for o in rig.outcomes if o.done is not None), key=lambda d: d.started)
+    limit = sum(new_tokens([d.tokens for d in done])) if done else 0
+    result = SeedResult(shape.seed, shape.describe(), len(rig.outcomes), rig.prefill_tokens, limit,
+                        find_losses(rig), time.perf_counter() - started, error)
+    return result, rig
+
+
+def run_seed(seed: int) -> SeedResult:
+    return run_shape(shape_from_seed(seed))[0]
+
+
+def sweep(seeds: range, processes: int | None = None) -> list[SeedResult]:
+    procs = processes or min(2, os.cpu_count() or 1)
+    if procs <= 1:
+        return [run_seed(s) for s in seeds]
+    with multiprocessing.get_context("fork").Pool(procs) as pool:
+        return pool.map(run_seed, seeds, chunksize=16)
+
+
+def reproduction(r: SeedResult) -> str:
+    lines = [f"  {r.shape}", f"  reproduce: python -m bench --sim --sim-seed {r.seed}"]
+    for x in r.losses:
+        if not x.labelled:
+            lines.append(f"  - {x.line()}")
+            lines += [f"      {s}" for s in x.steps]
+    if r.error:
+        lines.append(f"  error: {r.error}")
+    return "\n".join(lines)
+
+
+def summary(results: list[SeedResult], seconds: float) -> str:
+    worst = max(results, key=lambda r: r.ratio)
+    causes: dict[str, int] = {}
+    for r in results:
+        for x in r.losses:
+            causes[x.cause] = causes.get(x.cause, 0) + x.tokens
+    lost = sum(r.lost for r in results)
+    failing = [r for r in results if r.lost or r.error]
+    out = [f"simulated workloads: {len(results)}  requests: {sum(r.requests for r in results)}  "
+           f"seconds: {seconds:.1f}",
+           f"worst x limit: {worst.ratio:.2f} (seed {worst.seed})  "
+           f"median x limit: {sorted(r.ratio for r in results)[len(results) // 2]:.2f}",
+           f"lost tokens (unlabelled): {lost}  labelled (restart, idle clearing, given away): "
+           f"{sum(r.lost_labelled for r in results)}",
+           "lost tokens by cause: " + (", ".join(f"{k}={v}" for k, v in sorted(causes.items())) or "none"),
+           f"failing seeds: {len(failing)}" + (f" (first: {[r.seed for r in failing[:10]]})" if failing else "")]
+    for r in failing[:3]:
+        out.append(f"seed {r.seed}: lost {r.lost}" + (f", error {r.error}" if r.error else ""))
+        out.append(reproduction(r))
+    return "\n".join(out)
