@@ -8,7 +8,8 @@ between S's two requests (the simulated slots' event log) and from what the prox
 anew or called displaced without paging on (an eviction it chose) is given away knowingly. Anything else is a
 loss the product must not have:
 - the proxy said `known`/`resumed`, yet something wrote over the slot: `prefix-restore-over-owner`,
-  `page-in-over-owner`, `side-call-over-owner`, `proxy-request-over-owner`, `overwritten`, `erased`;
+  `page-in-over-owner`, `side-call-over-owner`, `proxy-request-over-owner`,
+  `other-proxy-request-over-owner`, `overwritten`, `erased`;
 - it paged the session in from the wrong file: `stale-page` (older than the conversation),
   `page-of-another-conversation`, `page-in-overwritten`;
 - it moved the session without paging it in (`not-paged-in`, paging on), to another slot (`moved-slot`) or
@@ -112,19 +113,22 @@ def _explain(rig: Rig, o: Outcome, prev: Outcome) -> Loss:
 
 
 def _overwritten(rig: Rig, events: list[SlotEvent], tag: str) -> str:
-    """What wrote over a slot the proxy still counted as `tag`'s."""
+    """What first wrote over a slot the proxy still counted as `tag`'s (the events after tag's last request)."""
     side = {o.tag for o in rig.outcomes if o.meta.get("side")}
-    kinds = [(e.kind, e.tag or "") for e in events]
-    if any(k == "restore" and t.startswith("prefix-") for k, t in kinds):
-        return "prefix-restore-over-owner"
-    if any(k == "restore" for k, _ in kinds):
-        return "page-in-over-owner"
-    if any(k == "request" and t in side for k, t in kinds):
-        return "side-call-over-owner"
-    if any(k == "request" and t and t != tag for k, t in kinds):
-        return "overwritten"
-    if any(k == "request" and not t for k, t in kinds):
-        return "proxy-request-over-owner"
-    if any(k in ("erase", "restore-failed") for k, _ in kinds):
-        return "erased"
+    proxy_of = {o.tag: o.proxy for o in rig.outcomes}
+    for e in events:
+        if e.kind == "request" and e.tag == tag:
+            continue
+        if e.kind == "save":
+            continue  # a save reads the slot
+        if e.kind == "restore":
+            return "prefix-restore-over-owner" if (e.tag or "").startswith("prefix-") else "page-in-over-owner"
+        if e.kind == "request" and e.tag in side:
+            return "side-call-over-owner"
+        if e.kind == "request" and e.tag is None:
+            return "proxy-request-over-owner"
+        if e.kind == "request":
+            return "other-proxy-request-over-owner" if proxy_of.get(e.tag) != proxy_of.get(tag) else "overwritten"
+        if e.kind in ("erase", "restore-failed"):
+            return "erased"
     return "unknown"

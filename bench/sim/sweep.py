@@ -4,6 +4,7 @@ with unlabelled lost tokens prints its reproduction (seed, shape, the loss step 
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import time
@@ -68,11 +69,18 @@ def run_seed(seed: int) -> SeedResult:
     return run_shape(shape_from_seed(seed))[0]
 
 
+def _quiet() -> None:
+    """The sweep reads the ground truth, not log lines: slotkeeper's lines (and mitmproxy's handling of each)
+    are skipped in its workers."""
+    logging.getLogger("slotkeeper").setLevel(logging.ERROR)
+
+
 def sweep(seeds: range, processes: int | None = None) -> list[SeedResult]:
     procs = processes or min(2, os.cpu_count() or 1)
+    _quiet()
     if procs <= 1:
         return [run_seed(s) for s in seeds]
-    with multiprocessing.get_context("fork").Pool(procs) as pool:
+    with multiprocessing.get_context("fork").Pool(procs, initializer=_quiet) as pool:
         return pool.map(run_seed, seeds, chunksize=16)
 
 
@@ -107,3 +115,20 @@ def summary(results: list[SeedResult], seconds: float) -> str:
         out.append(f"seed {r.seed}: lost {r.lost}" + (f", error {r.error}" if r.error else ""))
         out.append(reproduction(r))
     return "\n".join(out)
+
+
+def main(seeds: int, one: int | None = None, processes: int | None = None) -> int:
+    """`python -m bench --sim [--sim-seeds N]` or `--sim-seed S`: 1 when any seed lost unlabelled tokens."""
+    started = time.perf_counter()
+    if one is not None:
+        result = run_seed(one)
+        print(f"seed {one}: prefill {result.prefill}, limit {result.limit}, x limit {result.ratio:.2f}, "
+              f"lost {result.lost} (labelled {result.lost_labelled}), {result.seconds:.2f} s")
+        for x in result.losses:
+            print(f"  - {x.line()}" + (" (labelled)" if x.labelled else ""))
+            print("\n".join(f"      {s}" for s in x.steps))
+        print(reproduction(result) if result.error else f"  {result.shape}")
+        return 1 if result.lost or result.error else 0
+    results = sweep(range(seeds), processes)
+    print(summary(results, time.perf_counter() - started))
+    return 1 if any(r.lost or r.error for r in results) else 0
