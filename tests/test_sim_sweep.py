@@ -33,7 +33,8 @@ def causes(seed: int) -> set[str]:
     return {x.cause for x in run_seed(seed).losses if not x.labelled}
 
 
-# Each: the smallest seed of 0..299 with the cause. The assertion is the goal (no unlabelled loss); `causes`
+# Each: the smallest seed of 0..299 with the cause (seeds 59 and 79: the issue-19 traffic, seed % 10 == 9).
+# The assertion is the goal (no unlabelled loss); `causes`
 # is named in the reason so that a fix shows which one went.
 CAUSES = [
     (185, "side-call-over-owner: a title call is pinned to the reserved side slot (the highest) that a live "
@@ -46,6 +47,11 @@ CAUSES = [
          "session ran on the slot, and paging it in restores B's conversation: 204 of 238"),
     (62, "not-paged-in: a side call wiped a subagent's slot (side slot) with no page-out; the subagent comes back "
          "displaced:shared, its slot is saved (another session's tokens) and it prefills from the prefix: 202 of 235"),
+    (59, "stale-page (issue 19's second kind): 2 servers x 2 slots, slow server; m2 is paged back in from a page "
+         "of 559 tokens written before its last turn, which left 662: 559 of 662"),
+    (79, "page-in-over-owner (issue 19's first kind, with a page): m5's slot is paged out and another conversation "
+         "paged in, no request follows there, m5 stays `known` and finds 519 of 559; its old page (559) is later "
+         "restored though its conversation grew to 715 (stale-page)"),
     (201, "moved-server: two servers; an evicted session with a page on server A is placed on server B "
           "(free-same-prefix) instead of being paged back in on A: 129 of 163"),
 ]

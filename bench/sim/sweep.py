@@ -14,7 +14,7 @@ from bench.limit import new_tokens
 from bench.sim.clock import VirtualClock, run
 from bench.sim.harness import Rig
 from bench.sim.losses import Loss, find_losses
-from bench.sim.traffic import Shape, play, shape_from_seed
+from bench.sim.traffic import Shape, play, shape_for
 
 
 @dataclass
@@ -66,7 +66,7 @@ def run_shape(shape: Shape) -> tuple[SeedResult, Rig]:
 
 
 def run_seed(seed: int) -> SeedResult:
-    return run_shape(shape_from_seed(seed))[0]
+    return run_shape(shape_for(seed))[0]
 
 
 def _quiet() -> None:

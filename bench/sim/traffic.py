@@ -50,6 +50,7 @@ class Shape:
     def describe(self) -> str:
         s = self.setup
         return (f"seed={self.seed} servers={s.servers} slots={s.slots} paging={s.paging} proxies={s.proxies} "
+                f"prefill={s.prefill_speed:.0f}tok/s "
                 f"unified={s.unified} ttl={s.ttl} sessions={len(self.sessions)} "
                 f"requests={self.requests} restarts={len(self.restarts)}")
 
@@ -84,6 +85,26 @@ def shape_from_seed(seed: int, *, max_sessions: int = 6) -> Shape:
     restarts = tuple((rng.uniform(0.5, 20), rng.randrange(servers), rng.random() < 0.3)
                      for _ in range(1 if rng.random() < 0.1 else 0))
     return Shape(seed, setup, tuple(sessions), system_words=rng.randint(60, 200), restarts=restarts)
+
+
+def issue_shape(seed: int, servers: int = 1, slots: int = 4, prefill_speed: float = 150.0) -> Shape:
+    """The traffic issue 19 measured: 6 agent sessions without a known marker (a per-session environment block
+    after a long shared system prompt), each starting a 3-turn subagent it waits for, paging on, a slow server
+    (prefill at SmolLM2's speed on 2 cores), on 1 server x 4 slots or 2 x 2."""
+    rng = random.Random(seed)
+    sessions = tuple(SessionShape(turns=3, marker=False, stream=True, start=rng.uniform(0, 1.0),
+                                  think=(rng.uniform(0.5, 2), rng.uniform(0.5, 2)), subagent_at=rng.randrange(2),
+                                  subagent_turns=3) for _ in range(6))
+    return Shape(seed, Setup(servers=servers, slots=slots, paging=True, prefill_speed=prefill_speed), sessions,
+                 system_words=500, output_words=(60, 200))
+
+
+def shape_for(seed: int) -> Shape:
+    """The sweep's workload for `seed`: every tenth (seed % 10 == 9) the issue-19 traffic on 1 x 4 or 2 x 2
+    slots, the others drawn by `shape_from_seed`."""
+    if seed % 10 == 9:
+        return issue_shape(seed, *((1, 4) if seed % 20 == 9 else (2, 2)))
+    return shape_from_seed(seed)
 
 
 # ----------------------------------------------------------------------------------------------- content
