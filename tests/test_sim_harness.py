@@ -56,3 +56,28 @@ def test_shapes_vary_per_seed():
     assert {s.setup.proxies for s in shapes} == {1, 2} and any(s.restarts for s in shapes)
     assert any(x.subagent_at is not None for s in shapes for x in s.sessions)
     assert {x.marker for s in shapes for x in s.sessions} == {True, False}
+
+
+def test_the_invariant_checker_sees_a_slot_that_no_longer_holds_its_believed_owner():
+    from bench.sim.invariants import Checker
+
+    async def main() -> tuple[list[str], list[str]]:
+        async with Rig(Setup(slots=2)) as rig:
+            for tag in ("a", "b"):
+                await rig.send(tag, convo(tag, f"task {tag}"))
+            checker = Checker(rig)
+            before = checker.violations()
+            server = rig.servers["http://127.0.0.1:8080"]
+            slot = next(o.done.slot for o in rig.outcomes if o.tag == "b")
+            server.slots[slot].tokens = server.slots[slot].tokens[:5]  # another process wrote over it
+            return before, checker.violations()
+    before, after = run(VirtualClock(), main)
+    assert before == [] and len(after) == 1 and "believes b holds slot" in after[0]
+
+
+def test_an_eviction_without_paging_is_a_labelled_loss():
+    shape = Shape(3, Setup(slots=1), tuple(SessionShape(turns=2, marker=True, stream=False, start=0.1 * i,
+                                                        think=(0.5,)) for i in range(2)))
+    result, _ = run_shape(shape)
+    assert result.losses and all(x.cause == "given-away" and x.labelled for x in result.losses)
+    assert result.lost == 0 and result.lost_labelled > 0
