@@ -27,6 +27,7 @@ class SeedResult:
     losses: list[Loss] = field(default_factory=list)
     seconds: float = 0.0
     error: str | None = None
+    cpu: float = 0.0          # CPU seconds of its process (a loaded machine stretches `seconds`, not this)
 
     @property
     def ratio(self) -> float:
@@ -44,7 +45,7 @@ class SeedResult:
 
 def run_shape(shape: Shape) -> tuple[SeedResult, Rig]:
     """Play `shape` on a fresh rig; the rig stays readable afterwards (its servers' events and files)."""
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     holder: dict[str, Rig] = {}
 
     async def main() -> None:
@@ -61,7 +62,7 @@ def run_shape(shape: Shape) -> tuple[SeedResult, Rig]:
     done = sorted((o.done for o in rig.outcomes if o.done is not None), key=lambda d: d.started)
     limit = sum(new_tokens([d.tokens for d in done])) if done else 0
     result = SeedResult(shape.seed, shape.describe(), len(rig.outcomes), rig.prefill_tokens, limit,
-                        find_losses(rig), time.perf_counter() - started, error)
+                        find_losses(rig), time.perf_counter() - started, error, time.process_time() - cpu)
     return result, rig
 
 
@@ -75,13 +76,18 @@ def _quiet() -> None:
     logging.getLogger("slotkeeper").setLevel(logging.ERROR)
 
 
-def sweep(seeds: range, processes: int | None = None) -> list[SeedResult]:
+def sweep(seeds: range, processes: int | None = None, progress: bool = False) -> list[SeedResult]:
     procs = processes or min(2, os.cpu_count() or 1)
     _quiet()
     if procs <= 1:
         return [run_seed(s) for s in seeds]
+    out: list[SeedResult] = []
     with multiprocessing.get_context("fork").Pool(procs, initializer=_quiet) as pool:
-        return pool.map(run_seed, seeds, chunksize=16)
+        for r in pool.imap_unordered(run_seed, seeds, chunksize=8):
+            out.append(r)
+            if progress and len(out) % 100 == 0:
+                print(f"  {len(out)}/{len(seeds)} workloads", flush=True)
+    return sorted(out, key=lambda r: r.seed)
 
 
 def reproduction(r: SeedResult) -> str:
@@ -104,7 +110,8 @@ def summary(results: list[SeedResult], seconds: float) -> str:
     lost = sum(r.lost for r in results)
     failing = [r for r in results if r.lost or r.error]
     out = [f"simulated workloads: {len(results)}  requests: {sum(r.requests for r in results)}  "
-           f"seconds: {seconds:.1f}",
+           f"seconds: {seconds:.1f}  CPU seconds in the workers: {sum(r.cpu for r in results):.1f} "
+           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)",
            f"worst x limit: {worst.ratio:.2f} (seed {worst.seed})  "
            f"median x limit: {sorted(r.ratio for r in results)[len(results) // 2]:.2f}",
            f"lost tokens (unlabelled): {lost}  labelled (restart, idle clearing, given away): "
@@ -129,6 +136,6 @@ def main(seeds: int, one: int | None = None, processes: int | None = None) -> in
             print("\n".join(f"      {s}" for s in x.steps))
         print(reproduction(result) if result.error else f"  {result.shape}")
         return 1 if result.lost or result.error else 0
-    results = sweep(range(seeds), processes)
+    results = sweep(range(seeds), processes, progress=True)
     print(summary(results, time.perf_counter() - started))
     return 1 if any(r.lost or r.error for r in results) else 0
