@@ -60,6 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also run the scale workload: agents on 2 servers x 2 slots through slotkeeper, round-robin, "
                          "least-connections and two proxies on one Redis store, plus the hot path with the Redis "
                          "store vs the file store (~5-7 min on 2 cores: kept out of the default run)")
+    ap.add_argument("--sim", action="store_true",
+                    help="instead of a real server: generated workloads through the slot simulator (bench/sim, "
+                         "docs/simulator.md); prints workloads, seconds, worst x limit and lost tokens")
+    ap.add_argument("--sim-seeds", type=int, default=1000, help="simulated workloads (seeds 0..N-1) for --sim")
+    ap.add_argument("--sim-seed", type=int, default=None,
+                    help="one simulated seed with its whole reproduction (a failing seed of --sim)")
+    ap.add_argument("--sim-processes", type=int, default=None, help="worker processes for --sim (default: 2)")
     ap.add_argument("--scale-configs", default="slotkeeper,round-robin,least-conn,2 proxies+redis",
                     help="the scale configurations to run (comma-separated; the first one's order gives the limit)")
     a = ap.parse_args(argv)
@@ -106,6 +113,9 @@ def log(t0: float, msg: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.sim or a.sim_seed is not None:
+        from bench.sim import sweep  # no real server: the simulator only
+        return sweep.main(a.sim_seeds, a.sim_seed, a.sim_processes)
     a.threads = a.threads or configs.default_threads()
     t0 = time.monotonic()
     started = dt.datetime.now().isoformat(timespec="seconds")

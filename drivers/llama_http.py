@@ -27,9 +27,11 @@ STATS_TIMEOUT = 3.0
 
 
 class LlamaClient:
-    def __init__(self, base_url: str, *, timeout: float = STATS_TIMEOUT) -> None:
+    def __init__(self, base_url: str, *, timeout: float = STATS_TIMEOUT,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.transport = transport  # None: the network; the simulator's in-process server (bench/sim) otherwise
         self._clients: dict[int, httpx.AsyncClient] = {}
         self.auth: tuple[str, str] | None = None  # (header name, value) for an --api-key server
 
@@ -43,7 +45,7 @@ class LlamaClient:
         loop = asyncio.get_running_loop()
         client = self._clients.get(id(loop))
         if client is None or client.is_closed:
-            client = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout)
+            client = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, transport=self.transport)
             self._clients[id(loop)] = client
         return client
 

@@ -1,0 +1,83 @@
+"""The real addons and drivers in front of the simulator: requests are pinned, answers observed, runs repeat."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bench.sim.clock import VirtualClock, run
+from bench.sim.harness import Rig, Setup
+from bench.sim.sweep import run_seed, run_shape
+from bench.sim.traffic import SessionShape, Shape, shape_from_seed
+
+
+def convo(tag: str, *turns: str, stream: bool = False) -> dict:
+    msgs = [{"role": "system", "content": "You are a coding agent . " * 30 + f"\n<cwd>/home/{tag}</cwd>"}]
+    msgs += [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+    body = {"model": "sim", "messages": msgs, "max_tokens": 4}
+    return body | ({"stream": True, "stream_options": {"include_usage": True}} if stream else {})
+
+
+def test_two_sessions_through_the_real_addons_keep_their_slots_warm():
+    async def main() -> list:
+        async with Rig(Setup(slots=2)) as rig:
+            async def session(tag: str, stream: bool) -> None:
+                turns = [f"task {tag}"]
+                for i in range(3):
+                    out = await rig.send(tag, convo(tag, *turns, stream=stream))
+                    turns += [out.content, f"output {i} " * 10]
+            await asyncio.gather(session("a", True), session("b", False))
+            return rig.outcomes
+    outcomes = run(VirtualClock(), main)
+    assert len(outcomes) == 6 and all(o.done is not None and o.error is None for o in outcomes)
+    later = [o for o in outcomes if o.meta["reason"] == "known"]
+    assert len(later) == 4 and all(o.done.lost == 0 and o.done.cache_n == o.done.expected for o in later)
+    assert {o.meta["slot"] for o in outcomes if o.tag == "a"} != {o.meta["slot"] for o in outcomes if o.tag == "b"}
+    assert all(o.meta["cache_n"] == o.done.cache_n for o in outcomes)  # the proxy read the server's numbers
+
+
+def test_a_restart_mid_request_is_an_error_for_the_proxy_and_a_labelled_loss():
+    shape = Shape(0, Setup(slots=2), (SessionShape(turns=3, marker=True, stream=True, start=0.0,
+                                                   think=(1.0, 1.0)),), restarts=((0.05, 0, False),))
+    result, rig = run_shape(shape)
+    assert result.error is None and any(o.error == "restart" for o in rig.outcomes)
+    assert result.lost == 0
+
+
+def test_a_seed_repeats_exactly():
+    a, b = run_seed(7), run_seed(7)
+    assert (a.prefill, a.limit, a.requests, [x.line() for x in a.losses]) == (
+        b.prefill, b.limit, b.requests, [x.line() for x in b.losses])
+
+
+def test_shapes_vary_per_seed():
+    shapes = [shape_from_seed(s) for s in range(60)]
+    assert {s.setup.slots for s in shapes} == set(range(1, 9))
+    assert {s.setup.paging for s in shapes} == {True, False} and {s.setup.servers for s in shapes} == {1, 2}
+    assert {s.setup.proxies for s in shapes} == {1, 2} and any(s.restarts for s in shapes)
+    assert any(x.subagent_at is not None for s in shapes for x in s.sessions)
+    assert {x.marker for s in shapes for x in s.sessions} == {True, False}
+
+
+def test_the_invariant_checker_sees_a_slot_that_no_longer_holds_its_believed_owner():
+    from bench.sim.invariants import Checker
+
+    async def main() -> tuple[list[str], list[str]]:
+        async with Rig(Setup(slots=2)) as rig:
+            for tag in ("a", "b"):
+                await rig.send(tag, convo(tag, f"task {tag}"))
+            checker = Checker(rig)
+            before = checker.violations()
+            server = rig.servers["http://127.0.0.1:8080"]
+            slot = next(o.done.slot for o in rig.outcomes if o.tag == "b")
+            server.slots[slot].tokens = server.slots[slot].tokens[:5]  # another process wrote over it
+            return before, checker.violations()
+    before, after = run(VirtualClock(), main)
+    assert before == [] and len(after) == 1 and "believes b holds slot" in after[0]
+
+
+def test_an_eviction_without_paging_is_a_labelled_loss():
+    shape = Shape(3, Setup(slots=1), tuple(SessionShape(turns=2, marker=True, stream=False, start=0.1 * i,
+                                                        think=(0.5,)) for i in range(2)))
+    result, _ = run_shape(shape)
+    assert result.losses and all(x.cause == "given-away" and x.labelled for x in result.losses)
+    assert result.lost == 0 and result.lost_labelled > 0

@@ -1,0 +1,76 @@
+"""Seeded workloads through the simulator: the sweep stays within its bound, and each loss cause the simulator
+found in today's code has its shrunk seed here as a regression test (xfail until the cause is fixed; the
+causes, step by step: docs/simulator.md, "Causes found")."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.__main__ import main as bench_main
+from bench.sim.sweep import SeedResult, run_seed, sweep
+
+SWEEP = range(12)
+BOUND = 3.0  # × limit: the worst of 1,000 seeds was 2.9 (few slots, paging off, many sessions)
+
+
+@pytest.fixture(scope="module")
+def results() -> list[SeedResult]:
+    return sweep(SWEEP, processes=1)
+
+
+def test_the_seeded_sweep_runs_every_workload_within_the_bound(results):
+    assert [r.error for r in results] == [None] * len(SWEEP)
+    assert all(r.requests > 0 and r.prefill >= r.limit * 0.5 for r in results)
+    assert max(r.ratio for r in results) <= BOUND
+
+
+@pytest.mark.xfail(strict=True, reason="seed 4 loses 187 tokens: side-call-over-owner (see test_a_side_call_...)")
+def test_the_seeded_sweep_loses_nothing_unlabelled(results):
+    assert {r.seed: r.lost for r in results if r.lost} == {}
+
+
+def causes(seed: int) -> set[str]:
+    return {x.cause for x in run_seed(seed).losses if not x.labelled}
+
+
+# Each: the smallest seed of 0..299 with the cause (seeds 59 and 79: the issue-19 traffic, seed % 10 == 9).
+# The assertion is the goal (no unlabelled loss); `causes`
+# is named in the reason so that a fix shows which one went.
+CAUSES = [
+    (185, "side-call-over-owner: a title call is pinned to the reserved side slot (the highest) that a live "
+          "session was placed on before any side call came; the session stays `known` there and finds 3 of 282"),
+    (277, "prefix-restore-over-owner: two proxies on one state dir; proxy B evicts proxy A's live session, restores "
+          "the prefix checkpoint over it; A never hears of it and pins its session `known`: 127 of 167"),
+    (261, "other-proxy-request-over-owner: two proxies, one slot; B takes A's slot (evict-cheapest) without paging "
+          "A's session out (B's pager knows only its own holders); A pins it `known`: 183 of 217"),
+    (15, "page-of-another-conversation: two proxies, one slot; a page-out named for A's session is saved after B's "
+         "session ran on the slot, and paging it in restores B's conversation: 204 of 238"),
+    (62, "not-paged-in: a side call wiped a subagent's slot (side slot) with no page-out; the subagent comes back "
+         "displaced:shared, its slot is saved (another session's tokens) and it prefills from the prefix: 202 of 235"),
+    (59, "stale-page (issue 19's second kind): 2 servers x 2 slots, slow server; m2 is paged back in from a page "
+         "of 559 tokens written before its last turn, which left 662: 559 of 662"),
+    (79, "page-in-over-owner (issue 19's first kind, with a page): m5's slot is paged out and another conversation "
+         "paged in, no request follows there, m5 stays `known` and finds 519 of 559; its old page (559) is later "
+         "restored though its conversation grew to 715 (stale-page)"),
+    (201, "moved-server: two servers; an evicted session with a page on server A is placed on server B "
+          "(free-same-prefix) instead of being paged back in on A: 129 of 163"),
+]
+
+
+@pytest.mark.parametrize("seed", [pytest.param(seed, id=why.split(":")[0], marks=pytest.mark.xfail(
+    strict=True, reason=f"seed {seed}, {why}")) for seed, why in CAUSES])
+def test_a_shrunk_seed_of_each_cause_loses_nothing(seed):
+    assert causes(seed) == set()
+
+
+def test_bench_sim_runs_without_a_server_and_prints_the_figures(capsys):
+    code = bench_main(["--sim", "--sim-seeds", "3", "--sim-processes", "1"])
+    out = capsys.readouterr().out
+    assert "simulated workloads: 3" in out and "worst x limit:" in out and "lost tokens (unlabelled):" in out
+    assert code in (0, 1)
+
+
+def test_bench_sim_seed_prints_each_loss_step_by_step(capsys):
+    assert bench_main(["--sim-seed", "185"]) == 1
+    out = capsys.readouterr().out
+    assert "cause=side-call-over-owner why=known" in out and "request m1.title1" in out
