@@ -57,8 +57,12 @@ CAUSES = [
 ]
 
 
-@pytest.mark.parametrize("seed", [pytest.param(seed, id=why.split(":")[0], marks=pytest.mark.xfail(
-    strict=True, reason=f"seed {seed}, {why}")) for seed, why in CAUSES])
+FIXED = {185, 62, 59, 79}  # the slot ledger (docs/ledger.md): fenced moves, side calls page out, current pages
+
+
+@pytest.mark.parametrize("seed", [pytest.param(seed, id=why.split(":")[0], marks=() if seed in FIXED else
+                                               pytest.mark.xfail(strict=True, reason=f"seed {seed}, {why}"))
+                                  for seed, why in CAUSES])
 def test_a_shrunk_seed_of_each_cause_loses_nothing(seed):
     assert causes(seed) == set()
 
@@ -71,6 +75,6 @@ def test_bench_sim_runs_without_a_server_and_prints_the_figures(capsys):
 
 
 def test_bench_sim_seed_prints_each_loss_step_by_step(capsys):
-    assert bench_main(["--sim-seed", "185"]) == 1
+    assert bench_main(["--sim-seed", "261"]) == 1
     out = capsys.readouterr().out
-    assert "cause=side-call-over-owner why=known" in out and "request m1.title1" in out
+    assert "cause=other-proxy-request-over-owner" in out and "this request: slot" in out
