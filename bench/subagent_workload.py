@@ -71,7 +71,7 @@ class Shape:
 def shape(name: str, seed: int) -> Shape:
     """The seed's knobs. Sizes keep one run at a few minutes of SmolLM2 prefill on 2 shared cores."""
     rng = random.Random(f"{name}:shape:{seed}")
-    mains = rng.randint(3, 5)
+    mains = rng.randint(3, 4)
     bursts: list[int] = []
     while sum(bursts) < mains:
         bursts.append(min(rng.randint(1, 3), mains - sum(bursts)))
@@ -84,7 +84,7 @@ def shape(name: str, seed: int) -> Shape:
                  env_tokens=(env_lo, env_lo + rng.randint(20, 180)),
                  env_position=rng.choice(["end", "before-tail"]), tail_tokens=rng.randint(40, 160),
                  think_s=(round(think_lo, 2), round(think_lo + rng.uniform(0.5, 2.5), 2)),
-                 output_tokens=(50, rng.randint(120, 260)))
+                 output_tokens=(50, rng.randint(100, 200)))
 
 
 def environment_block(rng: random.Random, session: int, tokens: int) -> str:
