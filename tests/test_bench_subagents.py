@@ -158,3 +158,31 @@ def test_loss_columns_beside_x_limit_and_a_dash_without_a_meter() -> None:
     assert "\u2013" in table.splitlines()[2] and " 40 " in table.splitlines()[2] + " "
     row.update(loss.row_fields(loss.parse_metrics(METRICS), None))
     assert "105" in report.text_table([row], report.COLUMNS)
+
+
+def test_loss_trace_labels_both_kinds_of_loss(tmp_path) -> None:
+    """A bench result and a proxy log shaped as the seed-0 run's: a known session finds another placement's
+    seed in its slot, then is paged in from the page that placement wrote before its last turn."""
+    from bench import loss_trace
+
+    def rec(session: str, index: int, start: float, total: float, cache_n: int, prompt_n: int) -> dict:
+        return {"session": session, "index": index, "start_s": start, "total_s": total, "cache_n": cache_n,
+                "prompt_n": prompt_n, "error": None}
+
+    bench = [rec("a", 0, 0.0, 2.0, 868, 47), rec("a", 1, 3.0, 9.0, 774, 243), rec("a", 2, 14.0, 6.0, 915, 184)]
+    t = 1000.0
+    log = [{"t": t + 2.0, "kind": "request", "session": "05b99648ff", "slot": 1, "reason": "evict-waiting-parent",
+            "cache_n": 868, "prompt_n": 47, "seconds": 2.0},
+           {"t": t + 2.9, "kind": "page", "slot": 1, "out": "05b99648", "out_tokens": 918, "in": "1dd91cf8",
+            "in_tokens": 883, "seed": True},
+           {"t": t + 12.0, "kind": "request", "session": "05b99648ff", "slot": 1, "reason": "known",
+            "cache_n": 774, "prompt_n": 243, "seconds": 9.0},
+           {"t": t + 15.0, "kind": "page", "slot": 0, "out": "15be50ff", "out_tokens": 894, "in": "05b99648",
+            "in_tokens": 918, "seed": False},
+           {"t": t + 20.0, "kind": "request", "session": "05b99648ff", "slot": 0,
+            "reason": "displaced:evict-cheapest+paged-in", "cache_n": 915, "prompt_n": 184, "seconds": 6.0}]
+    (tmp_path / "subagents-auto+ckpt.requests.jsonl").write_text("\n".join(json.dumps(x) for x in log))
+    doc = {"meta": {"log_dir": str(tmp_path)},
+           "runs": [{"workload": "subagents", "config": "auto+ckpt", "records": bench}]}
+    got = [(x.session, x.index, x.tokens, x.kind) for x in loss_trace.trace(doc)]
+    assert got == [("a", 1, 141, "slot-written-under-owner"), ("a", 2, 102, "stale-page")]
