@@ -11,7 +11,8 @@ while the request runs may have written the slot before it), and labels the loss
 - `stale-page`: the session was paged in from a page shorter than the conversation it had already sent;
 - `unexplained`: none of the above (read the records).
 
-The records carry no prompt text; sessions are matched to the bench's by `cache_n`/`prompt_n` and time.
+When the proxy has a loss meter, its own `loss` of the request is printed beside it. The records carry no prompt
+text; sessions are matched to the bench's by `cache_n`/`prompt_n` and time.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Loss:
     reason: str | None
     slot: int | None
     records: list[dict[str, Any]]
+    proxy_loss: dict[str, Any] | None = None  # the proxy's own `loss` on that request record, once it has a meter
 
 
 def _match(rec: dict[str, Any], requests: list[dict[str, Any]], t0: float | None) -> dict[str, Any] | None:
@@ -105,7 +107,8 @@ def trace(doc: dict[str, Any], log_dir: Path | None = None) -> list[Loss]:
             own = q.get("session") if q else None
             kind = classify(q.get("reason") if q else None, slot, had, between, own)
             out.append(Loss(wl, cfg, r["session"], r["index"], had - r["cache_n"], had, r["cache_n"], kind,
-                            own[:8] if own else None, q.get("reason") if q else None, slot, between))
+                            own[:8] if own else None, q.get("reason") if q else None, slot, between,
+                            q.get("loss") if q else None))
     return out
 
 
@@ -115,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     losses = trace(json.loads(path.read_text()))
     for x in losses:
         print(f"{x.workload}/{x.config} {x.session}#{x.index} (proxy {x.proxy_session}) slot={x.slot} "
-              f"why={x.reason}: lost {x.tokens} of {x.had} tokens -> {x.kind}")
+              f"why={x.reason}: lost {x.tokens} of {x.had} tokens -> {x.kind}; the proxy's own: "
+              f"{json.dumps(x.proxy_loss) if x.proxy_loss else 'none'}")
         for rec in x.records:
             fields = {k: v for k, v in rec.items() if k not in ("upstream", "path", "source", "error")}
             print("    " + json.dumps(fields))
