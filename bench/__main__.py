@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          f"{','.join(configs.DEFAULT_CONFIGS)}, fewer for workloads that name their own)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sessions", type=int, default=None,
-                    help="sessions per workload (default: the workload's own, agents 6, fits 3)")
+                    help="sessions per workload (default: the workload's own, agents 6, fits 3; the subagents "
+                         "workloads take every size from --seed)")
     ap.add_argument("--turns", type=int, default=None,
                     help="requests per main conversation (default: the workload's own, agents 3, fits 2)")
     ap.add_argument("--subagent-turns", type=int, default=3, help="requests per subagent (agents only)")
