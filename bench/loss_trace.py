@@ -9,6 +9,8 @@ while the request runs may have written the slot before it), and labels the loss
 - `slot-written-under-owner`: the session went out as `known` on its slot, and a page step or prefix-cache
   step of another placement wrote that slot after the session's previous answer;
 - `stale-page`: the session was paged in from a page shorter than the conversation it had already sent;
+- `placed-as-new`: the proxy placed the session as a new one (its claim expired after `slots_ttl`, or it was
+  forgotten), and it was not given its conversation back;
 - `unexplained`: none of the above (read the records).
 
 When the proxy has a loss meter, its own `loss` of the request is printed beside it. The records carry no prompt
@@ -73,6 +75,8 @@ def classify(reason: str | None, slot: int | None, had: int, between: list[dict[
         writes = [p for p in between if p.get("slot") == slot and p.get("kind") in ("page", "checkpoint")]
         if writes:
             return "slot-written-under-owner"
+    if reason and not reason.startswith(("known", "displaced", "resumed", "side-call")):
+        return "placed-as-new"  # the proxy no longer knew the session (its claim expired, or it was forgotten)
     return "unexplained"
 
 
@@ -102,8 +106,9 @@ def trace(doc: dict[str, Any], log_dir: Path | None = None) -> list[Loss]:
             slot = q.get("slot") if q else None
             lo = p["t"] if p else float("-inf")
             hi = q["t"] if q else float("inf")  # a step that ends while the request runs may have written first
+            server = q.get("upstream") if q else None  # several servers: slot ids repeat across them
             between = [x for x in records if lo <= x.get("t", 0.0) <= hi and x is not p
-                       and (x.get("slot") == slot or x.get("kind") == "page")]
+                       and x.get("upstream") == server and (x.get("slot") == slot or x.get("kind") == "page")]
             own = q.get("session") if q else None
             kind = classify(q.get("reason") if q else None, slot, had, between, own)
             out.append(Loss(wl, cfg, r["session"], r["index"], had - r["cache_n"], had, r["cache_n"], kind,

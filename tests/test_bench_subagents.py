@@ -186,3 +186,5 @@ def test_loss_trace_labels_both_kinds_of_loss(tmp_path) -> None:
            "runs": [{"workload": "subagents", "config": "auto+ckpt", "records": bench}]}
     got = [(x.session, x.index, x.tokens, x.kind) for x in loss_trace.trace(doc)]
     assert got == [("a", 1, 141, "slot-written-under-owner"), ("a", 2, 102, "stale-page")]
+    assert loss_trace.classify("evict-cheapest", 0, 934, [], "2187b52f") == "placed-as-new"
+    assert loss_trace.classify("displaced:shared", 0, 934, [], "2187b52f") == "unexplained"
