@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import client_workloads, configs, limit, overhead, pi_workload, report, restart
+from bench import client_workloads, configs, limit, loss, overhead, pi_workload, report, restart, subagent_workload
 from bench.client import RequestRecord, run_workload
 from bench.workload import WORKLOADS, Workload, generate
 from slotlogic import anthropic
@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          f"{','.join(configs.DEFAULT_CONFIGS)}, fewer for workloads that name their own)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sessions", type=int, default=None,
-                    help="sessions per workload (default: the workload's own, agents 6, fits 3)")
+                    help="sessions per workload (default: the workload's own, agents 6, fits 3; the subagents "
+                         "workloads take every size from --seed)")
     ap.add_argument("--turns", type=int, default=None,
                     help="requests per main conversation (default: the workload's own, agents 3, fits 2)")
     ap.add_argument("--subagent-turns", type=int, default=3, help="requests per subagent (agents only)")
@@ -86,6 +87,8 @@ def _pick(ap: argparse.ArgumentParser, value: str, registry: dict[str, Any], wha
 
 def build_workload(name: str, a: argparse.Namespace) -> Workload:
     spec = WORKLOADS[name]
+    if name.startswith("subagents"):  # every size comes from the seed
+        return subagent_workload.generate(name, seed=a.seed, max_tokens=a.max_tokens)
     return generate(name, seed=a.seed, sessions=a.sessions or spec.sessions, turns=a.turns or spec.turns,
                     subagent_turns=a.subagent_turns if spec.subagents else 0, max_tokens=a.max_tokens)
 
@@ -161,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         for cfg_name in chosen:
             cfg = configs.CONFIGS[cfg_name]
             capture = wl_name == "pi" and cfg.proxy and not flows.exists()
+            lost_proxy = None
             with configs.stand_up(cfg, log_dir, tag=f"{wl_name}-", threads=a.threads,
-                                  extra=["-w", str(flows)] if capture else None) as stack:
+                                  extra=["-w", str(flows)] if capture else None, servers=spec.servers,
+                                  slots=spec.slots) as stack:
                 if wl_name == "pi":
                     records, wall = pi_workload.run(stack.url, cfg_name, log_dir / f"pi-{cfg_name}",
                                                     a.sessions or spec.sessions, a.turns or spec.turns)
@@ -170,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                     records, wall = asyncio.run(run_workload(stack.url, wl, cfg_name))
                     if wl_name not in limits:
                         limits[wl_name] = compute_limit(stack.server_url, wl, records, cfg_name)
+                if cfg.proxy:
+                    time.sleep(0.5)  # the last answer's counters are added once its stream has ended
+                    lost_proxy = loss.proxy_lost([stack.url])
                 warmup = stack.proxy_prefill()
                 paging = stack.proxy_paging() if cfg.save_dir else None
             if wl_name == "pi" and capture and wl_name not in limits:
@@ -180,12 +188,17 @@ def main(argv: list[str] | None = None) -> int:
                     limits[wl_name]["server_prompt_tokens"] = 0
             lim_tokens = limits[wl_name]["limit_tokens"] if wl_name in limits else None
             row = report.run_row(wl_name, cfg_name, records, wall, lim_tokens, warmup, paging)
+            lost_bench = None if wl_name == "pi" else loss.bench_lost(loss.sent_of(records, wl.by_key()))
+            row.update(loss.row_fields(lost_proxy, lost_bench))
             wl_rows.append(row)
             runs.append({"workload": wl_name, "config": cfg_name, "wall_s": wall,
                          "records": [r.to_dict() for r in records]})
             log(t0, f"{wl_name}/{cfg_name}: {row['requests']} requests, prefill {row['prefill']}, "
                     f"reuse {report.fmt('reuse_pct', row['reuse_pct'])}%, "
-                    f"x limit {report.fmt('ratio_to_limit', row['ratio_to_limit'])}, wall {wall:.1f}s, "
+                    f"x limit {report.fmt('ratio_to_limit', row['ratio_to_limit'])}, "
+                    f"lost {report.fmt('lost', row['lost'])} "
+                    f"(unlabelled {report.fmt('lost_unknown', row['lost_unknown'])}, bench "
+                    f"{report.fmt('lost_bench', row['lost_bench'])}), wall {wall:.1f}s, "
                     f"errors {row['errors']}"
                     + (f", paging: {paging['page_ins']} in ({paging['paged_in_tokens']} tok), "
                        f"{paging['page_outs']} out, server {paging['paging_ms']:.0f} ms" if paging else ""))

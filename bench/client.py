@@ -7,7 +7,8 @@ both layouts work. One HTTP write can carry several SSE events and one event can
 the addon's own incremental parser (`slotlogic.answers.SSEParser`) handles both.
 
 Concurrency model: one asyncio task (and one keep-alive `httpx.AsyncClient`) per session; a session's
-requests are sequential with think time in between, sessions run at the same time.
+requests are sequential with think time in between, sessions run at the same time. A session's forks
+(subagents) run as tasks of their own while it waits for all of them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from bench.workload import RequestSpec, Workload
+from bench.workload import RequestSpec, SessionScript, Workload
 from slotlogic.answers import SSEParser
 
 REQUEST_TIMEOUT_S = 300.0
@@ -100,11 +101,16 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], rec: R
 
 
 async def run_session(base_url: str, workload: Workload, specs: list[RequestSpec], config: str,
-                      t_start: float, out: list[RequestRecord]) -> None:
+                      t_start: float, out: list[RequestRecord],
+                      forks: dict[int, list[SessionScript]] | None = None) -> None:
+    """One session's requests in order; `forks[i]` (subagents) all run to their end before `specs[i]` starts."""
     url = base_url.rstrip("/") + workload.path
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout) as client:
-        for spec in specs:
+        for i, spec in enumerate(specs):
+            if children := (forks or {}).get(i):
+                await asyncio.gather(*(run_session(base_url, workload, c.requests, config, t_start, out, c.forks)
+                                       for c in children))
             await asyncio.sleep(spec.think_s)
             rec = RequestRecord(config, workload.name, spec.session, spec.index,
                                 start_s=time.perf_counter() - t_start, ttft_s=None, total_s=0.0, status=None)
@@ -116,7 +122,7 @@ async def run_workload(base_url: str, workload: Workload, config: str) -> tuple[
     """All sessions of `workload` concurrently against `base_url`; returns records (start order) and wall s."""
     records: list[RequestRecord] = []
     t_start = time.perf_counter()
-    await asyncio.gather(*(run_session(base_url, workload, s.requests, config, t_start, records)
+    await asyncio.gather(*(run_session(base_url, workload, s.requests, config, t_start, records, s.forks)
                            for s in workload.sessions))
     wall = time.perf_counter() - t_start
     return sorted(records, key=lambda r: r.start_s), wall

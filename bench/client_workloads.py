@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from bench import limit
+from bench import limit, loss
 from bench.client import RequestRecord
 from bench.configs import BenchConfig, Stack
 from bench.responses import ResponsesError
@@ -150,6 +150,7 @@ class ClientRun:
     total_s: float = 0.0  # the whole configuration: server and proxy start, the turns, rendering, shutdown
     checkpoints: dict[str, int] = field(default_factory=dict)  # the proxy's checkpoint steps by outcome
     no_marker: bool = False  # the proxy logged that no configured marker matched (a prefix is learned, if any)
+    lost: dict[str, Any] | None = None  # the proxy's loss counter at the end (bench/loss.py), None: no meter
 
 
 def read_flows(path: Path) -> list[Request]:
@@ -269,6 +270,8 @@ def run_config(client: str, cfg: BenchConfig, log_dir: Path, threads: int, sessi
                 if res.returncode not in (0, 1) and failed is None:  # Claude Code exits 1 after its resumes
                     failed = f"s{i + 1}t{k + 1} exited {res.returncode}: {res.stderr_tail[-400:]}"
         wall = time.perf_counter() - t0
+        time.sleep(0.5)  # the last answer's counters are added once its stream has ended
+        lost = loss.proxy_lost([stack.url])
         stop_proxy()  # the flows file and the JSONL log are complete once mitmdump has exited
         requests = read_flows(flows)
         assign_turns(requests, done)
@@ -280,7 +283,7 @@ def run_config(client: str, cfg: BenchConfig, log_dir: Path, threads: int, sessi
     no_marker = mitm_log.exists() and "no stable-prefix marker" in mitm_log.read_text(errors="replace")
     return ClientRun(name, cfg.name, wall, done, requests, stack.proxy_prefill(),
                      stack.proxy_paging() if cfg.save_dir else None, tokens, failed, own,
-                     time.perf_counter() - started, steps, no_marker)
+                     time.perf_counter() - started, steps, no_marker, lost)
 
 
 @contextlib.contextmanager
@@ -457,6 +460,9 @@ def run_workload(name: str, config_names: Sequence[str], configs: dict[str, Benc
         row = report.run_row(name, run.config, recs, run.wall_s, lim["limit_tokens"] if lim else None, run.warmup,
                              run.paging)
         row.update(row_extras(run))
+        row.update(loss.row_fields(run.lost, loss.bench_lost(
+            loss.Sent(r.session_key, t, r.cache_n, r.prompt_n) for r, t in zip(run.requests, run.tokens, strict=False)
+            if t and r.session_key and not r.side and r.cache_n is not None and r.prompt_n is not None)))
         row["total_s"] = run.total_s
         if run.own_tokens and all(run.own_tokens):  # this run's own conversation: clients vary their requests
             own = sum(limit.new_tokens(run.own_tokens))

@@ -99,14 +99,20 @@ class Stack:
 
 @contextlib.contextmanager
 def stand_up(cfg: BenchConfig, log_dir: Path, tag: str = "", threads: int = 2,
-             extra: list[str] | None = None) -> Iterator[Stack]:
-    """A fresh llama-server (and proxy, if the config has one); logs go to `log_dir/<tag><name>.*.log`."""
+             extra: list[str] | None = None, servers: int = 1, slots: int = SLOTS) -> Iterator[Stack]:
+    """A fresh llama-server (and proxy, if the config has one); logs go to `log_dir/<tag><name>.*.log`.
+    `servers` > 1: that many servers of `slots` slots (one save dir shared), behind one proxy
+    (`slots_upstreams`) or, for a configuration without a proxy, a round-robin balancer (bench/lb.py)."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    if servers > 1:
+        with _stand_up_many(cfg, log_dir, f"{tag}{cfg.name}", threads, servers, slots) as stack:
+            yield stack
+        return
     stem = f"{tag}{cfg.name}"
     with tempfile.TemporaryDirectory(prefix=f"slotkeeper-bench-{cfg.name}-") as tmp:
         slot_dir = Path(tmp) / "slots"
         slot_dir.mkdir()
-        with LlamaServer(slots=SLOTS, ctx_per_slot=CTX_PER_SLOT, threads=threads,
+        with LlamaServer(slots=slots, ctx_per_slot=CTX_PER_SLOT, threads=threads,
                          slot_save_path=str(slot_dir) if cfg.save_dir else None,
                          log_path=str(log_dir / f"{stem}.llama.log")) as server:
             if not cfg.proxy:
@@ -119,3 +125,30 @@ def stand_up(cfg: BenchConfig, log_dir: Path, tag: str = "", threads: int = 2,
             with MitmProxy(server.url, options, log_path=str(log_dir / f"{stem}.mitm.log"),
                            extra=extra) as proxy:
                 yield Stack(proxy.url, server.url, Path(str(options["slots_log_file"])), server)
+
+
+@contextlib.contextmanager
+def _stand_up_many(cfg: BenchConfig, log_dir: Path, stem: str, threads: int, servers: int,
+                   slots: int) -> Iterator[Stack]:
+    from bench.scale import balancer  # local: scale imports the client and report modules
+
+    with tempfile.TemporaryDirectory(prefix=f"slotkeeper-bench-{cfg.name}-") as tmp, contextlib.ExitStack() as st:
+        slot_dir = Path(tmp) / "slots"
+        slot_dir.mkdir()
+        each = max(1, threads // servers)  # the servers share the machine's cores
+        srvs = [st.enter_context(LlamaServer(slots=slots, ctx_per_slot=CTX_PER_SLOT, threads=each,
+                                             slot_save_path=str(slot_dir) if cfg.save_dir else None,
+                                             log_path=str(log_dir / f"{stem}-{i}.llama.log")))
+                for i in range(servers)]
+        urls = [s.url for s in srvs]
+        if not cfg.proxy:
+            yield Stack(st.enter_context(balancer("round-robin", urls, log_dir / f"{stem}.lb.log")), urls[0],
+                        server=srvs[0])
+            return
+        options: dict[str, object] = {**cfg.options, "slots_state_dir": str(Path(tmp) / "state"),
+                                      "slots_log_file": str(log_dir / f"{stem}.requests.jsonl"),
+                                      "slots_upstreams": urls[1:]}
+        if cfg.save_dir:
+            options["slots_save_dir"] = str(slot_dir)
+        proxy = st.enter_context(MitmProxy(urls[0], options, log_path=str(log_dir / f"{stem}.mitm.log")))
+        yield Stack(proxy.url, urls[0], Path(str(options["slots_log_file"])), srvs[0])

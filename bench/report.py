@@ -13,10 +13,15 @@ from typing import Any
 from bench.client import RequestRecord
 from bench.overhead import percentile
 
+# Beside x limit in every table: the proxy's own lost-token count (`–`: no proxy, or a proxy without the
+# meter), its unlabelled part, and the bench's ground truth from cache_n (bench/loss.py).
+LOSS_COLUMNS = [("lost", "lost"), ("lost_unknown", "lost unlabelled"), ("lost_bench", "lost (bench)")]
+NO_METER = "–"
+
 # The real-client rows (bench/client_workloads.py): key in the row, column title.
 CLIENT_COLUMNS = [("workload", "workload"), ("config", "config"), ("requests", "requests"),
                   ("side_calls", "side calls"), ("prefill", "prefill tok"), ("warmup", "of which warm-up"),
-                  ("ratio_to_limit", "x limit"), ("own_limit", "own limit"),
+                  ("ratio_to_limit", "x limit"), *LOSS_COLUMNS, ("own_limit", "own limit"),
                   ("ratio_to_own_limit", "x own limit"), ("later_reuse_pct", "turn 2+ reuse %"),
                   ("later_worst_pct", "worst turn 2+ %"), ("new_turn1", "new session turn 1 cached/new"),
                   ("page_ins", "page-ins"), ("mismatches", "count mismatches"), ("wall_s", "turns s"),
@@ -27,7 +32,7 @@ CLIENT_COLUMNS = [("workload", "workload"), ("config", "config"), ("requests", "
 COLUMNS = [("workload", "workload"), ("config", "config"), ("requests", "requests"),
            ("prefill", "prefill tok"), ("warmup", "of which proxy warm-up"), ("cached", "cached tok"),
            ("paged_in_tokens", "paged-in tok"), ("reuse_pct", "reuse %"),
-           ("ratio_to_limit", "x limit"), ("wall_s", "wall s"), ("ttft_p50_ms", "TTFT p50 ms"),
+           ("ratio_to_limit", "x limit"), *LOSS_COLUMNS, ("wall_s", "wall s"), ("ttft_p50_ms", "TTFT p50 ms"),
            ("ttft_p95_ms", "TTFT p95 ms"), ("errors", "errors"), ("evictions", "evicting placements")]
 OVERHEAD_COLUMNS = [("target", "target"), ("requests", "requests"), ("rps", "req/s"), ("p50_ms", "p50 ms"),
                     ("p99_ms", "p99 ms"), ("added_p50_ms", "added p50 ms"), ("added_p99_ms", "added p99 ms"),
@@ -57,12 +62,13 @@ def limit_row(workload: str, limit: dict[str, Any]) -> dict[str, Any]:
     total, need = limit["prompt_tokens"], limit["limit_tokens"]
     return {"workload": workload, "config": "limit", "requests": limit["requests"], "prefill": need,
             "cached": total - need, "reuse_pct": 100.0 * (total - need) / total if total else None,
-            "ratio_to_limit": 1.0, "wall_s": None, "ttft_p50_ms": None, "ttft_p95_ms": None, "errors": 0}
+            "ratio_to_limit": 1.0, "wall_s": None, "ttft_p50_ms": None, "ttft_p95_ms": None, "errors": 0,
+            **{k: "" for k, _ in LOSS_COLUMNS}}
 
 
 def fmt(key: str, value: Any) -> str:
     if value is None:
-        return "-"
+        return NO_METER if key in ("lost", "lost_unknown") else "-"
     if isinstance(value, float):
         if key.startswith("ratio_to_"):
             return f"{value:.2f}"
@@ -110,8 +116,10 @@ def render_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], overhead: 
              + ", ".join(f"`{k}={v}`" for k, v in meta["knobs"].items()), "",
              "Prefill/cached tokens are Σ`timings.prompt_n` / Σ`timings.cache_n` as reported by llama-server "
              "(prefill includes what the proxy's own checkpoint warm-ups and probes made the server prefill); "
-             "`x limit` is prefill divided by the physical limit (the `limit` row). Wall time includes the "
-             "clients' think time; TTFT is request sent -> first SSE data event.", "",
+             "`x limit` is prefill divided by the physical limit (the `limit` row). `lost` is the proxy's own count of "
+             "lost tokens (`slotkeeper_tokens_lost_total`; `–`: no proxy or no meter), `lost unlabelled` its "
+             "cause-`unknown` part, `lost (bench)` the bench's own count from `cache_n` (bench/loss.py). "
+             "Wall time includes the clients' think time; TTFT is request sent -> first SSE data event.", "",
              md_table(rows, COLUMNS), ""]
     if client_rows:
         parts += ["## Real clients (3 sessions x 2 turns, 2 slots; turn 2+ = main conversation only)", "",

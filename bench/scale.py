@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from bench import loss
 from bench.client import RequestRecord, run_session
 from bench.report import run_row
 from bench.workload import Workload
@@ -43,7 +44,7 @@ async def run_split(urls: list[str], wl: Workload, config: str) -> tuple[list[Re
     """Session i talks to urls[i % len(urls)]."""
     records: list[RequestRecord] = []
     t0 = time.perf_counter()
-    await asyncio.gather(*(run_session(urls[i % len(urls)], wl, s.requests, config, t0, records)
+    await asyncio.gather(*(run_session(urls[i % len(urls)], wl, s.requests, config, t0, records, s.forks)
                            for i, s in enumerate(wl.sessions)))
     return sorted(records, key=lambda r: r.start_s), time.perf_counter() - t0
 
@@ -123,6 +124,8 @@ def run_config(name: str, wl: Workload, log_dir: Path, threads: int) -> tuple[di
         time.sleep(1.0)  # the proxies' JSONL lines are written a moment after the answers
         recs = proxy_records(logs)
         row = run_row("scale", name, records, wall, None, warmup(recs), paging(recs) if logs else None)
+        row.update(loss.row_fields(loss.proxy_lost(entry) if logs else None,
+                                   loss.bench_lost(loss.sent_of(records, wl.by_key()))))
         if logs:
             row["evictions"] = evictions(recs)
             row["servers_used"] = len({r.get("upstream") for r in recs if r.get("kind") == "request"})

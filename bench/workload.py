@@ -46,10 +46,23 @@ class RequestSpec:
 
 @dataclass
 class SessionScript:
-    """A session's requests, strictly sequential (a subagent's requests are inlined: the parent waits)."""
+    """A session's requests, strictly sequential (a subagent's requests are inlined: the parent waits).
+
+    `forks[i]`: child scripts (subagents) that start together before `requests[i]` and all finish before it
+    is sent, as an agent that runs several subagents at once and waits for their reports."""
 
     id: str
     requests: list[RequestSpec] = field(default_factory=list)
+    forks: dict[int, list[SessionScript]] = field(default_factory=dict)
+
+    def all_requests(self) -> list[RequestSpec]:
+        """This script's requests and its children's, depth first (children before the request they block)."""
+        out: list[RequestSpec] = []
+        for i, spec in enumerate(self.requests):
+            for child in self.forks.get(i, []):
+                out += child.all_requests()
+            out.append(spec)
+        return out
 
 
 @dataclass
@@ -77,7 +90,7 @@ class Workload:
         return body
 
     def requests(self) -> list[RequestSpec]:
-        return [r for s in self.sessions for r in s.requests]
+        return [r for s in self.sessions for r in s.all_requests()]
 
     def by_key(self) -> dict[tuple[str, int], RequestSpec]:
         return {(r.session, r.index): r for r in self.requests()}
@@ -94,6 +107,8 @@ class WorkloadSpec:
     description: str
     not_wired: str | None = None
     configs: tuple[str, ...] | None = None  # the configurations a default run gives it (None: all of them)
+    servers: int = 1  # llama-servers behind the proxy (`slots_upstreams`); `stock` is then a round-robin balancer
+    slots: int = 4  # slots per server
 
 
 # Sizes are the time budget: `make bench` must finish in < 10 min on 2 cores, and SmolLM2 prefill runs at
@@ -109,6 +124,13 @@ WORKLOADS: dict[str, WorkloadSpec] = {w.name: w for w in [
     WorkloadSpec("generic", 6, 3, True, "like agents, but the system prompt has no known marker and each session "
                  "adds its own environment block (working directory, date) after the shared part",
                  configs=("stock", "auto", "auto+ckpt")),
+    # Shapes drawn from the seed (bench/subagent_workload.py): sizes are per-seed, not the fields above.
+    WorkloadSpec("subagents", 0, 0, True, "main sessions that start parallel subagents and wait for them, no known "
+                 "marker, a per-session environment block; shapes from the seed (bench/subagent_workload.py)",
+                 configs=("stock", "auto", "auto+ckpt")),
+    WorkloadSpec("subagents-2x2", 0, 0, True, "the subagents traffic on 2 llama-servers x 2 slots behind one "
+                 "proxy (`stock`: a round-robin balancer)", configs=("stock", "auto", "auto+ckpt"),
+                 servers=2, slots=2),
     # Real agent clients (bench/client_workloads.py): 3 sessions x 2 turns each, on 2 slots of a long-context
     # server; `stock` there is the proxy observing only. Sizes and the default run: docs/performance.md.
     *(WorkloadSpec(f"client-{c}", 3, 2, False, f"3 sessions x 2 turns of the real {c} client in one project "
