@@ -86,8 +86,10 @@ def test_queued_then_prefilling_is_logged_and_shown_while_it_waits(tmp_path):
     states = [w["state"] for w in waits]
     assert "queued" in states and "prefilling" in states, states
     assert states.index("queued") < len(states) - 1 - states[::-1].index("prefilling")
-    pre = next(w for w in waits if w["state"] == "prefilling")
-    assert pre["slot"] == 0 and pre["total"] > 300, pre
+    # The server may be polled in the instant it has launched the queued task on slot 0 but not yet loaded its
+    # prompt: that one reading still shows the finished request's prompt length (37). A later one shows ours.
+    pre = [w for w in waits if w["state"] == "prefilling"]
+    assert all(w["slot"] == 0 for w in pre) and any(w["total"] > 300 for w in pre), pre
     shown = [w for s in statuses for w in s["waiting"]]
     assert {"queued", "prefilling"} <= {w["state"] for w in shown}, shown
     log = (tmp_path / "p.log").read_text()

@@ -1,12 +1,11 @@
 """What must hold between the proxy's belief and the simulated slots whenever no request is in flight.
 
-Today's belief is the session table (`SessionTable.holders`: the session whose answer completed on a slot last,
-and `live`/`displaced`): a live, undisplaced holder's slot must still hold all that session left there. The
-core is getting a slot ledger (`Keeper.ledger_view()`: per slot an entry with `epoch`, `owner`, `tokens`,
-`prefix`) and a loss meter (`Report.loss`); where they exist they are checked too: a ledger entry's owner must
-find at least `tokens` of its conversation in the slot, epochs never go back, and every unlabelled loss of the
-ground truth must have been metered. Expected changes the proxy cannot know yet (a restart, unified-KV idle
-clearing) are not violations.
+Two beliefs are checked. The session table (`SessionTable.holders`: the session whose answer completed on a slot
+last, and `live`/`displaced`): a live, undisplaced holder's slot must still hold all that session left there.
+The slot ledger (`Keeper.ledger_view()`: per slot an entry with `epoch`, `owner`, `tokens`): an entry's owner
+must find at least `tokens` of its conversation in the slot, and epochs never go back. And the loss meter
+(`Report.loss`): every unlabelled loss of the ground truth must have been metered. Expected changes the proxy
+cannot know yet (a restart, unified-KV idle clearing) are not violations.
 """
 
 from __future__ import annotations
@@ -70,11 +69,8 @@ class Checker:
         return out
 
     def _ledger(self, pi: int, url: str, up: Any, sim: Any, tags: dict[str, str]) -> list[str]:
-        view_of = getattr(up.keeper, "ledger_view", None)  # TODO(issue 19): always present once the ledger lands
-        if view_of is None:
-            return []
         out = []
-        view = view_of()
+        view = up.keeper.ledger_view()
         items = view.items() if isinstance(view, dict) else enumerate(view)
         for slot, entry in items:
             epoch = getattr(entry, "epoch", None)
@@ -102,7 +98,7 @@ class Checker:
                 continue
             o = next((x for (tag, _), x in by_tag_slot.items() if tag == loss.tag and x.done is not None
                       and x.done.slot == loss.slot and x.done.cache_n == loss.cache_n), None)
-            if o is None or o.report is None or not hasattr(o.report, "loss"):  # TODO(issue 19): the loss meter
+            if o is None or o.report is None:
                 continue
             metered = getattr(o.report.loss, "tokens", 0) if o.report.loss is not None else 0
             if metered + TOLERANCE < loss.tokens:

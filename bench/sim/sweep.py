@@ -78,9 +78,14 @@ def _quiet() -> None:
 
 def sweep(seeds: range, processes: int | None = None, progress: bool = False) -> list[SeedResult]:
     procs = processes or min(2, os.cpu_count() or 1)
-    _quiet()
     if procs <= 1:
-        return [run_seed(s) for s in seeds]
+        logger = logging.getLogger("slotkeeper")
+        level = logger.level
+        _quiet()
+        try:
+            return [run_seed(s) for s in seeds]
+        finally:
+            logger.setLevel(level)  # in-process (a test): the caller's logging is left as it was
     out: list[SeedResult] = []
     with multiprocessing.get_context("fork").Pool(procs, initializer=_quiet) as pool:
         for r in pool.imap_unordered(run_seed, seeds, chunksize=8):
