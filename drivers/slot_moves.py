@@ -38,6 +38,7 @@ from slotlogic.settings import Settings
 REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its session stays (a restore planned)
 REMOTE_SETTLE = 10.0   # seconds a pager waits for another proxy's page-out of its session (a shared store)
 SOURCE_POLL = 0.2      # seconds between `/slots` looks while a new session waits for the slot it would copy
+MIN_SLEEP = 0.001      # a wait's last sliver below this is not slept (nor polled for)
 
 
 class SlotMoves:
@@ -80,9 +81,10 @@ class SlotMoves:
             return views
         source, budget = found
         started = time.monotonic()
+        deadline = started + budget
         idle = False
-        while not idle and time.monotonic() - started < budget:
-            await asyncio.sleep(min(SOURCE_POLL, max(0.0, budget - (time.monotonic() - started))))
+        while not idle and deadline - time.monotonic() >= MIN_SLEEP:  # a sliver left is not worth one more look
+            await asyncio.sleep(min(SOURCE_POLL, deadline - time.monotonic()))
             live = await self.client.slots()
             if live is None:
                 break
