@@ -104,6 +104,11 @@ class SlotMoves:
         # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
         if not await self.pages.hold(slot, flow_id, key):
             return Moved.NOTHING, fence
+        # Its turn: every request sent to the slot before has reached the server (a save now writes what
+        # they leave there). The moves are fenced by the slot's epoch as it is now.
+        if not await self.pages.quiet(slot):
+            return Moved.NOTHING, fence
+        fence = self.keeper.turn(fence) if fence is not None else None
         if self.store.remote:
             state = await self._fresh_pages(key)
             if not self.keeper.fence_holds(fence, state):  # another proxy claimed the slot since our claim

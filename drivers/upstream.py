@@ -212,6 +212,7 @@ class Upstream(SlotMoves):
         self.keeper.abandon(ticket)
         if self.pages is not None:
             self.pages.unlock(flow_id, sent=False)
+            self.pages.started(flow_id)
 
     async def place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
                     accept: Accept | None = None) -> Pin | Observe | None:
@@ -339,6 +340,13 @@ class Upstream(SlotMoves):
         of its slot may go."""
         if self.pages is not None:
             self.pages.unlock(flow_id)
+            self.pages.started(flow_id)
+
+    def sent(self, flow_id: str, slot: int | None) -> None:
+        """A request this proxy pinned to `slot` leaves for the server (hot path: two dict writes): a page-out
+        of that slot waits until the server has it (`PageRunner.quiet`)."""
+        if self.pages is not None and slot is not None:
+            self.pages.sent(slot, flow_id)
 
     def _probe_messages_once(self) -> None:
         if not self.offline and self.keeper.messages_native is None and "messages-probe" not in self.warned:

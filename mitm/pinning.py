@@ -97,6 +97,8 @@ class Pinning:
             asked = facts.replay.path if facts.replay is not None and facts.replay.path else original[2]
             self.rt.open[flow.id] = Open(decision.ticket, upstream, time.monotonic(), asked, flow=flow,
                                          original=original if pool is not None else None)
+            if isinstance(decision, Pin):
+                upstream.sent(flow.id, decision.ticket.slot)
         elif isinstance(decision, Forward) and decision.completion_route:
             self.rt.emit(PassedThrough(upstream.url, flow.request.method, flow.request.path, decision.reason))
 

@@ -69,6 +69,7 @@ class Ticket:
     learn: Learn | None = None   # pending (`slots_policy=affinity`): how the slot llama-server chose is read
     promise: Promise | None = None   # what the slot ledger said its slot holds for it when it was pinned
     extends: bool | None = None      # its messages start with all of its previous request's (None: unknown)
+    claimed: int | None = None       # the slot its placement claimed in the ledger, until it is pinned there
 
     @property
     def reason(self) -> str:

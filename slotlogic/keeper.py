@@ -278,11 +278,12 @@ class Keeper(PageKeeping):
         total = self.total_slots
         if ticket.side and total:
             reserved = sidecalls.side_slot(total, self.settings.side_slot)
-            if reserved is not None and not (self.settings.paging and self.ledger.conversation_on(reserved)):
+            if reserved is not None and not self.ledger.claimed(reserved) and not (
+                    self.settings.paging and self.ledger.conversation_on(reserved)):
                 ticket.why = Why.SIDE_CALL
                 return reserved
             if reserved is not None:
-                return None  # a session's conversation is there: the placement pages it out first
+                return None  # a placement is under way there, or a conversation to page out first
         key = ticket.session.key
         live = self.table.live(key, now)
         if (live is not None and (total is None or live.slot < total) and not self.table.displaced(key, live.slot)
@@ -304,6 +305,9 @@ class Keeper(PageKeeping):
             if not ticket.side:  # the claim follows the slot used (in memory; the next flush writes it)
                 self._follow(key, result.slot, now)
         ticket.promise = self.ledger.pin(result.slot, key, side=ticket.why is Why.SIDE_CALL)
+        if ticket.claimed is not None:  # its placement's moves are done: the slot is its session's now
+            self.ledger.unclaim(ticket.claimed, key)
+            ticket.claimed = None
         self.table.dispatch("" if ticket.why is Why.SIDE_CALL else key, result.slot)
         if ticket.side:
             self.table.side_call(now)
@@ -405,20 +409,26 @@ class Keeper(PageKeeping):
                 need.stable, need.prefix = found, found.signature
         shared.keep_learned(state, self.learner.records(), now, self.settings.checkpoint_ttl_days * 86400)
         total = info.total_slots
-        before = shared.views(state, total, list(live) if live is not None else None, self.table)
         ticket = need.ticket
+        if ticket.claimed is not None:  # placed again (its moves went stale): its old claim goes first
+            self.ledger.unclaim(ticket.claimed, ticket.session.key)
+            ticket.claimed = None
+        pending = self.ledger.claimed_slots()  # placements under way there: busy, as their requests soon are
+        before = shared.views(state, total, list(live) if live is not None else None, self.table, pending)
         ticket.facts = {"props": dict(info.raw or {}), "slots": slot_facts(live)}
         choice = placement.assign(self.settings, state, ticket.session.key, need.prefix, live, total, now,
                                   side=ticket.side, local=self.table, displaced_from=need.displaced_from,
                                   resume=ticket.session.key not in self.table.misplaced,
-                                  client_slot=self._client_slot(need.body, total))
+                                  client_slot=self._client_slot(need.body, total), pending=pending)
         dropped = shared.compact(state, now, SESSION_KEEP_SECONDS, self.settings.state_max_sessions)
         self.pages = dict(state.pages)
         if choice.why is not Why.SIDE_CALL:
             self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix, lead=leads.of(need.body))
         record = state.slots.get(choice.slot)
-        fence = self.ledger.claim(choice.slot, record.epoch if record is not None and record.owner == ticket.session.key
-                                  else None)
+        self.ledger.claim(choice.slot, ticket.session.key)
+        ticket.claimed = choice.slot
+        fence = Fence(choice.slot, self.ledger.entry(choice.slot).epoch,
+                      record.epoch if record is not None and record.owner == ticket.session.key else None)
         return Placement(choice.slot, choice.why, before[choice.slot], dropped, events, tuple(before), fence)
 
     def fallback(self, need: NeedSlot, now: float, last_known_total: int | None) -> tuple[Pin | Observe, Event]:
@@ -512,6 +522,12 @@ class Keeper(PageKeeping):
         """The slot's epoch now: a move planned now is performed only while it holds (`slot_written`)."""
         return self.ledger.fence(slot)
 
+    def turn(self, fence: Fence) -> Fence:
+        """A placement's turn on its slot has come (it holds the slot's lock and every request sent there
+        before has reached the server): the fence of its moves, the slot's epoch now (earlier placements on
+        the slot have written it since the claim), with the claim's epoch in the shared state."""
+        return Fence(fence.slot, self.ledger.entry(fence.slot).epoch, fence.shared)
+
     def fence_holds(self, fence: Fence | None, state: shared.ServerState | None = None) -> bool:
         """The slot has not moved on since `fence` (with `state`, a fresh read of the shared state: nor has
         another proxy claimed it since)."""
@@ -557,6 +573,9 @@ class Keeper(PageKeeping):
         it is pinned. The session is forgotten in memory, so its next request is placed again (its claim in
         the state file lets it resume the same slot when that is still right)."""
         slot, key = ticket.slot, ticket.session.key
+        if ticket.claimed is not None:
+            self.ledger.unclaim(ticket.claimed, key)
+            ticket.claimed = None
         if ticket.why is not Why.SIDE_CALL:
             self.table.forget(key)
         if slot is not None and self.table.dispatched.get(slot) in (key, ""):

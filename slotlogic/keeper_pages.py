@@ -56,6 +56,8 @@ class PageKeeping:
         `copy_live=False`: no live slot may be saved for it (another placement pages that slot)."""
         model = self.page_identity
         holder, tokens = self._holder(slot, view, sent)
+        if holder and self.ledger.moved_on(slot, holder):  # an older copy: its conversation went on elsewhere
+            holder, tokens = None, 0
         rec = self.pages.get(session_key)
         holds_own = (slot not in self.table.dispatched and view.owner == session_key and rec is not None
                      and (view.n_tokens or 0) >= rec.n_tokens)  # a restarted proxy, its session still there
@@ -67,16 +69,20 @@ class PageKeeping:
             return self._current_page(plan, session_key, salt) if copy_live else plan
         if holder == session_key or holds_own:
             return plan
+        if copy_live:  # no page, but its conversation is whole in another slot (its claim there is still to run)
+            live = self._current_page(plan, session_key, salt)
+            if live is not plan:
+                return live
         seed = self._any_seed(slot, session_key, holder, view, views, stable_chars, cold)
         return paging.seeded(plan, seed, self.pages, self.upstream, salt) if seed is not None else plan
 
     def _current_page(self, plan: paging.PagePlan, key: str, salt: str) -> paging.PagePlan:
-        """A page older than the conversation it stands for is not current: when the ledger says the whole
-        conversation is still in another slot (its session displaced by a claim whose request has not run
-        there yet), that slot is paged out again first and the new page restored; else the old page is
+        """A page older than the conversation it stands for (or no page at all) is not current: when the ledger
+        says the whole conversation is still in another slot (its session displaced by a claim whose request has
+        not run there yet), that slot is paged out again first and the new page restored; else the old page is
         restored and the rest prefilled (the loss meter names it `stale-page`)."""
         conversation = self.ledger.conversations.get(key, 0)
-        if plan.restore_tokens + tolerance(conversation) >= conversation:
+        if conversation <= 0 or plan.restore_tokens + tolerance(conversation) >= conversation:
             return plan
         for other in range(self.ledger.total):
             entry = self.ledger.entry(other)

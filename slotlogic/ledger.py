@@ -15,7 +15,14 @@ Rule 3: a promise per request. When a request is pinned, the ledger says how man
         session's conversation as of its previous answer and, for a shortfall beyond `tolerance`, names the
         cause from the slot's history (a prefix written over the owner, a page older than the conversation,
         a restart, another process, an unpinned request, an eviction). Expected causes are labelled so.
-Rule 4: bounded. At most `MAX_SLOTS` entries per server (only `/props` sizes the ledger; more is capped) and
+Rule 4: claims queue, they do not overwrite. A placement that chooses a slot `claim`s it: from then on no session
+        is "known" there (its next request is placed like a displaced one, never sent over the moves) and the
+        slot counts as busy for other placements, until the placement's own request is pinned (`pin`) or it
+        gives up (`unclaim`). The claim moves no epoch: placements on one slot take their turns (the driver's
+        slot lock), each fencing its moves by the epoch as it is when its turn comes (`fence`), so an earlier
+        placement's moves are never made stale by a later one's choice; only writes (and other processes'
+        claims) move epochs.
+Rule 5: bounded. At most `MAX_SLOTS` entries per server (only `/props` sizes the ledger; more is capped) and
         `MAX_SESSIONS` remembered conversations, the least recently answered forgotten first.
 """
 
@@ -72,6 +79,7 @@ class Entry:
     holds: Holds = Holds.UNKNOWN
     owner: str | None = None    # the session whose conversation (SESSION) or start (PREFIX, SEED) it is
     tokens: int = 0             # tokens the slot holds for `owner` (0: unknown or none promised)
+    mark: int = 0               # when `owner`'s conversation was brought here (its pin or page-in), ledger-wide
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,9 @@ class Ledger:
         self.marks: dict[str, tuple[int, str]] = {}  # session -> (messages, digest) of its last parsed request
         self.max_sessions = max_sessions
         self.stale = 0   # plans dropped because their slot moved on
+        self._claims: dict[int, list[str]] = {}  # slot -> sessions whose placements chose it, in claim order
+        self._tick = 0
+        self.latest: dict[str, int] = {}  # session -> the mark of its newest pin or page-in, on any slot
 
     # ------------------------------------------------------------------------------------------ reading
 
@@ -129,15 +140,34 @@ class Ledger:
         return self.entry(fence.slot).epoch == fence.epoch
 
     def holds(self, slot: int, key: str) -> bool:
-        """The slot holds `key`'s conversation, or what was put there for its request (nothing wrote since)."""
+        """The slot holds `key`'s conversation, or what was put there for its request (nothing wrote since), and
+        no placement has claimed it since: a request of `key` may go there without any move first."""
+        if self._claims and slot in self._claims:
+            return False
         e = self._slots.get(slot)
         return e is None or e.owner == key  # a slot never written since the ledger was sized: the table decides
 
+    def claimed(self, slot: int) -> bool:
+        """A placement has chosen `slot` and its request has not been pinned yet: its moves are to come."""
+        return bool(self._claims) and slot in self._claims
+
+    def claimed_slots(self) -> frozenset[int]:
+        return frozenset(self._claims)
+
     def conversation_on(self, slot: int) -> str | None:
-        """The session whose conversation `slot` holds (or is about to hold), if any: what a write for anyone
-        else would destroy unless it is paged out first."""
+        """The session whose current conversation `slot` holds (or is about to hold), if any: what a write for
+        anyone else would destroy unless it is paged out first. A copy its session has moved on from (it ran
+        on another slot since) is nobody's conversation any more."""
         e = self._slots.get(slot)
-        return e.owner if e is not None and e.owner and e.holds in (Holds.SESSION, Holds.PAGE) else None
+        if e is None or not e.owner or e.holds not in (Holds.SESSION, Holds.PAGE):
+            return None
+        return e.owner if self.latest.get(e.owner) == e.mark else None
+
+    def moved_on(self, slot: int, key: str) -> bool:
+        """`slot` does not hold `key`'s current conversation, though this proxy had it there: something else
+        wrote the slot since, or `key` ran (or was paged in) elsewhere since. What is left there of it is an
+        older copy at best, never its page."""
+        return key in self.latest and self.conversation_on(slot) != key
 
     def view(self) -> tuple[Entry, ...]:
         """Every slot's entry, in slot order (the simulator's invariants and the status view)."""
@@ -152,19 +182,29 @@ class Ledger:
         for e in self._slots.values():
             if e.owner and e.holds is Holds.SESSION and cause is not None:
                 self.gone[e.owner] = cause
+        self._claims = {s: keys for s, keys in self._claims.items() if s < total}
         if cause is Cause.RESTART:  # the same slots, emptied: each still its owner's, holding nothing
             self._slots = {s: Entry(self.entry(s).epoch + 1, Holds.EMPTY, self.entry(s).owner) for s in range(total)}
         else:
             self._slots = {s: Entry(self.entry(s).epoch + 1) for s in range(total)}
         self.total = total
 
-    def claim(self, slot: int, shared: int | None = None) -> Fence:
-        """A placement chose `slot`: every plan made for it before is stale; the new plan's fence (`shared`:
-        the slot's epoch in the shared state after this claim, which other proxies' claims move on)."""
-        e = self.entry(slot)
-        e = replace(e, epoch=e.epoch + 1)
-        self._put(slot, e)
-        return Fence(slot, e.epoch, shared)
+    def claim(self, slot: int, key: str) -> None:
+        """A placement for `key` chose `slot` (Rule 4): queued behind the placements that chose it before."""
+        if 0 <= slot < MAX_SLOTS:
+            self._claims.setdefault(slot, []).append(key)
+
+    def unclaim(self, slot: int, key: str) -> None:
+        """`key`'s placement on `slot` is over: its request was pinned there, or it went elsewhere or nowhere."""
+        keys = self._claims.get(slot)
+        if keys is None:
+            return
+        try:
+            keys.remove(key)
+        except ValueError:
+            return
+        if not keys:
+            del self._claims[slot]
 
     def admit(self, fence: Fence, holds: Holds, owner: str | None, tokens: int = 0,
               cause: Cause = Cause.UNKNOWN) -> Fence | None:
@@ -183,7 +223,18 @@ class Ledger:
         old = self.entry(slot)
         if old.owner and old.owner != owner and old.holds is Holds.SESSION:
             self.gone[old.owner] = cause
-        e = Entry(old.epoch + 1, holds, owner, max(0, tokens))
+        mark = 0
+        if owner and holds in (Holds.SESSION, Holds.PAGE):
+            if holds is Holds.SESSION and old.owner == owner and old.holds in (Holds.SESSION, Holds.PAGE):
+                mark = old.mark  # its next turn where its conversation is: the same one, further on
+            else:
+                self._tick += 1
+                mark = self._tick
+            self.latest[owner] = mark
+            if len(self.latest) > 2 * self.max_sessions:  # sessions pinned but never answered: keep the owners'
+                owners = {e.owner for e in self._slots.values()}
+                self.latest = {k: v for k, v in self.latest.items() if k in owners or k in self.conversations}
+        e = Entry(old.epoch + 1, holds, owner, max(0, tokens), mark)
         self._put(slot, e)
         return Fence(slot, e.epoch)
 
@@ -222,6 +273,7 @@ class Ledger:
                 old, _ = self.conversations.popitem(last=False)
                 self.gone.pop(old, None)
                 self.marks.pop(old, None)
+                self.latest.pop(old, None)
         return loss
 
     def ran_unpinned(self, slot: int, key: str) -> None:
@@ -232,6 +284,7 @@ class Ledger:
         self.write(slot, Holds.SESSION, claimant, 0, Cause.OTHER_PROCESS)
 
     def forget(self, key: str) -> None:
+        self.latest.pop(key, None)
         self.conversations.pop(key, None)
         self.gone.pop(key, None)
         self.marks.pop(key, None)

@@ -18,7 +18,7 @@ The in-memory side of the same facts is `slotlogic.table.SessionTable`: the hot 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -292,11 +292,12 @@ def compact(st: ServerState, now: float, keep_seconds: float, max_sessions: int)
 
 
 def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
-          local: SessionTable | None = None) -> list[SlotView]:
+          local: SessionTable | None = None, pending: Collection[int] = ()) -> list[SlotView]:
     """One `SlotView` per slot id: `/slots` numbers (when reachable) merged with the claims. `local` is this
     process's own session table: fresher than the file (touches reach it only every 2 s), the only place
     that knows when an owner's last answer completed, and the only place that knows which session ran on
-    a slot *last* (a known session pinned back to its slot claims nothing in the file)."""
+    a slot *last* (a known session pinned back to its slot claims nothing in the file). `pending`: slots a
+    placement of this process has chosen and not yet sent its request to: busy, as they soon are."""
     by_id: dict[int, dict[str, Any]] = {}
     for entry in live or []:
         sid = _int(entry.get("id")) if isinstance(entry, dict) else None
@@ -328,7 +329,7 @@ def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
         out.append(SlotView(
             id=sid,
             n_tokens=n_tokens,
-            busy=bool(entry.get("is_processing", False)),
+            busy=bool(entry.get("is_processing", False)) or sid in pending,
             last_used=rec.last_used if rec else None,
             owner=rec.owner if rec else None,
             owner_requests=rec.requests if rec else 0,

@@ -9,16 +9,34 @@ from slotlogic.reasons import Why
 from tests.test_keeper import CHAT, FREE, chat, facts, make, server
 
 
-def test_a_claim_makes_every_earlier_plan_for_the_slot_stale():
+def test_a_write_makes_every_earlier_plan_for_the_slot_stale():
     ledger = Ledger()
     ledger.resize(4)
     plan = ledger.fence(1)
-    ledger.claim(1)  # another placement chose slot 1 meanwhile
+    ledger.ran_unpinned(1, "c")  # a request the server placed itself ran there meanwhile
     assert ledger.admit(plan, Holds.PREFIX, "b", 700, Cause.PREFIX_OVER_OWNER) is None
     assert ledger.stale == 1
     fresh = ledger.fence(1)
     done = ledger.admit(fresh, Holds.PREFIX, "b", 700, Cause.PREFIX_OVER_OWNER)
     assert done is not None and done.epoch == fresh.epoch + 1 and ledger.entry(1).owner == "b"
+
+
+def test_a_claim_queues_it_keeps_the_owner_off_the_slot_but_stales_no_plan():
+    ledger = Ledger()
+    ledger.resize(2)
+    ledger.settle("a", ledger.pin(0, "a"), 0, 0, 856, None)
+    first = ledger.fence(0)
+    ledger.claim(0, "b")  # b's placement chose a's slot: a is no longer "known" there
+    ledger.claim(0, "c")  # and c's, after b's
+    assert not ledger.holds(0, "a") and ledger.claimed(0) and ledger.claimed_slots() == {0}
+    assert ledger.current(first)  # b's moves, planned when its turn comes, are not stale for c's claim
+    ledger.pin(0, "b")
+    ledger.unclaim(0, "b")
+    assert ledger.claimed(0) and not ledger.holds(0, "b")  # c's placement is still to come
+    ledger.unclaim(0, "c")
+    assert ledger.holds(0, "b") and not ledger.claimed(0)
+    ledger.unclaim(0, "nobody")  # an unknown claim is nothing to undo
+    assert ledger.claimed_slots() == frozenset()
 
 
 def test_a_slot_holds_its_owner_until_anything_else_writes_it():
@@ -56,7 +74,7 @@ def test_a_page_older_than_the_conversation_is_named_as_such():
     ledger = Ledger()
     ledger.resize(2)
     ledger.settle("a", ledger.pin(0, "a"), 0, 0, 1342, None)
-    fence = ledger.claim(1)
+    fence = ledger.fence(1)
     ledger.admit(fence, Holds.PAGE, "a", 856)  # the page holds the conversation as it was two turns earlier
     promise = ledger.pin(1, "a")
     assert promise.tokens == 856 and promise.page_tokens == 856 and promise.conversation == 1342
@@ -127,7 +145,7 @@ def test_the_keeper_reports_a_loss_and_warns_once():
 def test_a_stale_fence_refuses_the_write_and_names_both_epochs():
     k = make()
     old = k.slot_fence(0)
-    k.ledger.claim(0)  # another placement chose slot 0 after this plan was made
+    k.ledger.ran_unpinned(0, "y" * 16)  # the server put a request there after this plan was made
     assert not k.fence_holds(old) and k.slot_written(old, Holds.PAGE, "x", 5) is None
     assert k.ledger.entry(0).holds is not Holds.PAGE
     event = k.stale_plan(old, "page", "x" * 16)
