@@ -573,8 +573,9 @@ class Upstream(SlotMoves):
                                     and info.media_marker != known.media_marker) or (
             k.total_slots is not None and info.total_slots != k.total_slots)
         if changed:
+            live = await self._live_slots()  # what ran on the new server before this look is kept
             async with self.store.transaction() as state:
-                events = k.note_server(state, info)
+                events = k.note_server(state, info, live)
             for event in events:
                 self.emit(event)
             if k.messages_native is None:  # a restarted server may be another build; its slots are empty now

@@ -378,17 +378,21 @@ class Keeper(PageKeeping):
 
     # ------------------------------------------------------------------------------------------- new slots
 
-    def note_server(self, state: shared.ServerState, info: ServerInfo) -> list[Event]:
-        """Fold a `/props` answer into the shared state and this process's memory."""
+    def note_server(self, state: shared.ServerState, info: ServerInfo,
+                    live: Sequence[Mapping[str, Any]] | None = None) -> list[Event]:
+        """Fold a `/props` answer into the shared state and this process's memory. `live`: `/slots` as read with
+        it; after a restart, a slot it shows holding what our last request there left was written since the
+        restart (a request that went out before the restart was noticed) and is kept."""
         change = shared.note_server(state, info)
         events: list[Event] = []
         if change.restarted:
             events.append(ServerRestarted(self.upstream))
-            self.ledger.resize(info.total_slots, Cause.RESTART)
+            kept = self.ledger.written_since_restart(live, self.table.running)
+            self.ledger.resize(info.total_slots, Cause.RESTART, keep=kept)
             self.messages_native = None  # another build may be running now
             if self.settings.checkpoints is not CheckpointMode.OFF or self.settings.paging:
                 # Route every session through the slow path once, so its page or prefix is restored first.
-                self.table.forget_all()
+                self.table.forget_all(keep={self.ledger.entry(s).owner or "" for s in kept})
         if change.resized:
             events.append(PoolResized(self.upstream, info.total_slots))
             self.table.forget_all()
@@ -401,7 +405,7 @@ class Keeper(PageKeeping):
     def assign(self, need: NeedSlot, state: shared.ServerState, info: ServerInfo,
                live: Sequence[dict[str, Any]] | None, now: float) -> Placement:
         """Claim a slot for `need` in `state` (the caller holds the state lock and writes it back)."""
-        events = self.note_server(state, info)
+        events = self.note_server(state, info, live)
         self.learner.load(state.prefixes)
         if need.stable is None and not need.ticket.side and need.displaced_from is None:
             found = self.learner.find(need.body, now)  # learned by another process, or before a restart

@@ -29,6 +29,7 @@ Rule 5: bounded. At most `MAX_SLOTS` entries per server (only `/props` sizes the
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -175,19 +176,41 @@ class Ledger:
 
     # ------------------------------------------------------------------------------------------ writing
 
-    def resize(self, total: int, cause: Cause | None = None) -> None:
+    def resize(self, total: int, cause: Cause | None = None, keep: Collection[int] = ()) -> None:
         """A server of `total` slots (from `/props` only), or the same server restarted (`cause`): every
-        slot's content is unknown (EMPTY after a restart), and every conversation in one is gone."""
+        slot's content is unknown (EMPTY after a restart), and every conversation in one is gone, but for the
+        slots in `keep` (written since the restart: `written_since_restart`)."""
         total = max(0, min(total, MAX_SLOTS))
         for e in self._slots.values():
             if e.owner and e.holds is Holds.SESSION and cause is not None:
-                self.gone[e.owner] = cause
+                self.gone[e.owner] = cause  # a kept slot's request still running found the slot emptied too
         self._claims = {s: keys for s, keys in self._claims.items() if s < total}
         if cause is Cause.RESTART:  # the same slots, emptied: each still its owner's, holding nothing
-            self._slots = {s: Entry(self.entry(s).epoch + 1, Holds.EMPTY, self.entry(s).owner) for s in range(total)}
+            self._slots = {s: replace(self.entry(s), epoch=self.entry(s).epoch + 1) if s in keep else
+                           Entry(self.entry(s).epoch + 1, Holds.EMPTY, self.entry(s).owner) for s in range(total)}
         else:
             self._slots = {s: Entry(self.entry(s).epoch + 1) for s in range(total)}
         self.total = total
+
+    def written_since_restart(self, live: Sequence[Mapping[str, object]] | None,
+                              running: Mapping[int, str]) -> frozenset[int]:
+        """The slots whose conversation a request sent before the restart was noticed wrote on the new server
+        (which started with every slot empty): `/slots`, read after the restart, shows the slot holding at least
+        what our last request there left, or still running the request of the owner (`running`: slot -> the
+        session whose request this proxy sent there and has no answer for yet)."""
+        out = set()
+        for entry in live or ():
+            sid, n = entry.get("id"), entry.get("n_prompt_tokens")
+            if not isinstance(sid, int) or not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+                continue
+            e = self._slots.get(sid)
+            if e is None or not e.owner or e.holds is not Holds.SESSION:
+                continue
+            running_ours = entry.get("is_processing") is True and running.get(sid) == e.owner
+            left_there = not entry.get("is_processing") and 0 < e.tokens <= n + 1 and sid not in running
+            if running_ours or left_there:
+                out.add(sid)
+        return frozenset(out)
 
     def claim(self, slot: int, key: str) -> None:
         """A placement for `key` chose `slot` (Rule 4): queued behind the placements that chose it before."""

@@ -18,6 +18,7 @@ and a request pinned to a busy slot waits:
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
 from slotlogic.lead import Lead
@@ -149,8 +150,18 @@ class SessionTable:
         self.dirty.clear()
         return out
 
-    def forget_all(self) -> None:
-        """After a restart or resize: re-choose every session on its next request."""
+    def forget_all(self, keep: Collection[str] = ()) -> None:
+        """After a restart or resize: re-choose every session on its next request (but those in `keep`, whose
+        slots hold what they left there since)."""
+        if keep:
+            for key in [k for k in self.sessions if k not in keep]:
+                self.forget(key)
+            for where in (self.holders, self.running, self.dispatched):
+                for slot in [s for s, k in where.items() if k not in keep]:
+                    del where[slot]
+            self.misplaced.clear()
+            self.foreign.clear()
+            return
         self.sessions.clear()
         self.dirty.clear()
         self.misplaced.clear()

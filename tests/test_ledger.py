@@ -208,3 +208,23 @@ def test_a_page_older_than_a_conversation_still_in_a_slot_is_not_restored_the_li
     k.ledger.settle(a, None, None, 0, 870, None)  # a page as long as the conversation is current
     k.ledger.write(1, Holds.SESSION, a, 870)
     assert k.page_plan(2, a, SlotView(2, 0), views=[SlotView(i) for i in range(4)]).seed is None
+
+
+def test_a_restart_noticed_late_keeps_what_ran_on_the_new_server():
+    """A request sent before the restart was noticed ran on the new server: what it leaves there is kept (sim
+    seed 54); a slot the server shows empty, or holding less than our last request left, is not."""
+    ledger = Ledger()
+    ledger.resize(3)
+    for slot, key in enumerate("abc"):
+        ledger.settle(key, ledger.pin(slot, key), slot, 0, 200, None)
+    ledger.pin(1, "b")  # b's next turn is on its way when the restart is noticed
+    live = [{"id": 0, "n_prompt_tokens": 0, "is_processing": False},   # emptied by the restart
+            {"id": 1, "n_prompt_tokens": 240, "is_processing": True},  # b's request, running on the new server
+            {"id": 2, "n_prompt_tokens": 203, "is_processing": False}]  # c's answer came from the new server
+    kept = ledger.written_since_restart(live, {1: "b"})
+    assert kept == {1, 2}
+    ledger.resize(3, Cause.RESTART, keep=kept)
+    assert ledger.entry(0).holds is Holds.EMPTY and ledger.conversation_on(0) is None
+    assert ledger.conversation_on(1) == "b" and ledger.conversation_on(2) == "c"
+    assert ledger.gone["b"] is Cause.RESTART  # its running request found the slot emptied all the same
+    assert ledger.written_since_restart(live, {}) == {2}  # a busy slot running nothing of ours: not ours
