@@ -304,7 +304,8 @@ class Keeper(PageKeeping):
             ticket.why = Why.CLIENT_SLOT
             if not ticket.side:  # the claim follows the slot used (in memory; the next flush writes it)
                 self._follow(key, result.slot, now)
-        ticket.promise = self.ledger.pin(result.slot, key, side=ticket.why is Why.SIDE_CALL)
+        ticket.promise = self.ledger.pin(result.slot, key, side=ticket.why is Why.SIDE_CALL,
+                                         paging=self.settings.paging)
         if ticket.claimed is not None:  # its placement's moves are done: the slot is its session's now
             self.ledger.unclaim(ticket.claimed, key)
             ticket.claimed = None
@@ -423,7 +424,8 @@ class Keeper(PageKeeping):
         choice = placement.assign(self.settings, state, ticket.session.key, need.prefix, live, total, now,
                                   side=ticket.side, local=self.table, displaced_from=need.displaced_from,
                                   resume=ticket.session.key not in self.table.misplaced,
-                                  client_slot=self._client_slot(need.body, total), pending=pending)
+                                  client_slot=self._client_slot(need.body, total), pending=pending,
+                                  written_over=self.ledger.moved_on)
         dropped = shared.compact(state, now, SESSION_KEEP_SECONDS, self.settings.state_max_sessions)
         self.pages = dict(state.pages)
         if choice.why is not Why.SIDE_CALL:

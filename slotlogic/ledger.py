@@ -261,13 +261,15 @@ class Ledger:
         self._put(slot, e)
         return Fence(slot, e.epoch)
 
-    def pin(self, slot: int, key: str, *, side: bool = False) -> Promise:
-        """A request of `key` goes to `slot` now (the hot path: a few dict operations): what it will find."""
+    def pin(self, slot: int, key: str, *, side: bool = False, paging: bool = True) -> Promise:
+        """A request of `key` goes to `slot` now (the hot path: a few dict operations): what it will find.
+        A side call over a conversation is a fault with paging (it pages it out first), a known eviction
+        without (nothing could keep it)."""
         old = self.entry(slot)
         own = old.owner == key and old.holds in (Holds.SESSION, Holds.PREFIX, Holds.PAGE)
         promised = old.tokens if own else 0
         if side:
-            self.write(slot, Holds.SIDE, None, 0, Cause.SIDE_CALL)
+            self.write(slot, Holds.SIDE, None, 0, Cause.SIDE_CALL if paging else Cause.EVICTED)
         else:
             self.write(slot, Holds.SESSION, key, promised, Cause.EVICTED)
         page = old.tokens if own and old.holds is Holds.PAGE else None

@@ -12,7 +12,7 @@ Rule 4: a trusted client's own valid `id_slot` (`slots_override_client=false`) i
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from slotlogic import ranking, shared, sidecalls
@@ -25,12 +25,15 @@ from slotlogic.table import SessionTable
 def assign(cfg: Settings, state: shared.ServerState, session_key: str, prefix: str | None,
            live_slots: Sequence[dict[str, Any]] | None, total_slots: int, now: float, *,
            side: bool = False, local: SessionTable | None = None, displaced_from: int | None = None,
-           resume: bool = True, client_slot: int | None = None, pending: Collection[int] = ()) -> Choice:
+           resume: bool = True, client_slot: int | None = None, pending: Collection[int] = (),
+           written_over: Callable[[int, str], bool] | None = None) -> Choice:
     """Choose and claim a slot for a session the table does not hold, or one displaced from
     `displaced_from`. A side call learns the slot count here on a server's first request. `resume=False`
     (a session found sharing its slot with another process's, `slotlogic.reconcile`) ranks even when the
     state file says the slot is still its own. `pending`: slots other placements of this process have chosen
-    and not yet sent their request to (ranked as busy)."""
+    and not yet sent their request to (ranked as busy). `written_over(slot, session)`: this process knows the
+    slot no longer holds the session's conversation (a side call or another session wrote it since): its claim
+    there is not resumed."""
     reserved = sidecalls.side_slot(total_slots, cfg.side_slot)
     if side and reserved is not None:
         return Choice(reserved, Why.SIDE_CALL)
@@ -40,7 +43,7 @@ def assign(cfg: Settings, state: shared.ServerState, session_key: str, prefix: s
         return Choice(client_slot, Why.CLIENT_SLOT)
     views = shared.views(state, total_slots, list(live_slots) if live_slots is not None else None, local, pending)
     owned = shared.owned_slot(state, session_key)
-    if resume and owned is not None and owned < total_slots:
+    if resume and owned is not None and owned < total_slots and not (written_over and written_over(owned, session_key)):
         view = views[owned]
         claimed_by_other = view.owner not in (None, session_key) and ranking.is_claimed(view, now, cfg.ttl)
         if not claimed_by_other and (not view.busy or all(v.busy for v in views)):

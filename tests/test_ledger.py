@@ -228,3 +228,27 @@ def test_a_restart_noticed_late_keeps_what_ran_on_the_new_server():
     assert ledger.conversation_on(1) == "b" and ledger.conversation_on(2) == "c"
     assert ledger.gone["b"] is Cause.RESTART  # its running request found the slot emptied all the same
     assert ledger.written_since_restart(live, {}) == {2}  # a busy slot running nothing of ours: not ours
+
+
+def test_an_expired_session_is_not_resumed_on_a_slot_written_since():
+    """Sim seed 37 (paging off): a side call wrote the slot of a session that later expired; its claim in the
+    state still names that slot, but the ledger knows the conversation is gone there, so it is placed afresh
+    (a knowing eviction, `evicted`), not `resumed`."""
+    side = chat(system="You are a context summarization assistant. Summarize.")
+    k = make(paging=False)
+    state = shared.ServerState("http://up")
+    need = k.request(facts(chat("a")))
+    placed = k.assign(need, state, server(), FREE, 0.0)
+    k.answered(k.pin(need, placed.slot, placed.why, 0.0).ticket, Observation(cache_n=0, prompt_n=300),
+               path=CHAT, seconds=1, now=1.0)
+    reserved = 3
+    k.ledger.settle("s", k.ledger.pin(reserved, "s"), reserved, 0, 10, None)
+    k.table.assign(need.ticket.session.key, reserved, 1.0, prefix=None)  # as if a was on the side slot
+    shared.claim(state, need.ticket.session.key, reserved, 1.0, prefix=None)
+    k.ledger.write(reserved, Holds.SESSION, need.ticket.session.key, 300)
+    assert isinstance(k.request(facts(side, now=2.0)), Pin)  # paging off: the side call is pinned over it
+    assert k.ledger.gone[need.ticket.session.key] is Cause.EVICTED
+    later = k.request(facts(chat("a"), now=500.0))  # past the TTL: placed through the state
+    assert isinstance(later, NeedSlot)
+    again = k.assign(later, state, server(), FREE, 500.0)
+    assert again.why is not Why.RESUMED
