@@ -285,6 +285,8 @@ class Pool:
             previous.keeper.forget([key])
         page = await self._page_elsewhere(key, previous) if was_down and previous is not None else None
         asked = await asyncio.gather(*(u.ask() for u in cands))
+        if page is None and not need.ticket.side:  # a page another server of the pool wrote: the save dir is one
+            page = await self._page_anywhere(key, cands)
         views, infos = [], []
         for i, (up, (props, live)) in enumerate(zip(cands, asked, strict=True)):
             info = ServerInfo.parse(props)
@@ -357,7 +359,17 @@ class Pool:
         return ServerView(i, total_slots=info.total_slots, free=free, idle=idle, busy=busy,
                           queued=max(0, self.inflight.get(up.url, 0) - busy),
                           same_prefix=routing.holds_prefix_free(views, need.prefix, now, ttl),
-                          checkpoint=checkpoint, owned=shared.owned_slot(state, need.ticket.session.key) is not None)
+                          checkpoint=checkpoint, owned=shared.owned_slot(state, need.ticket.session.key) is not None,
+                          kept=up.keeper.keeps(state, need.ticket.session.key))
+
+    async def _page_anywhere(self, key: str, cands: list[Upstream]) -> Any:
+        """The session's restorable page on any server of the pool (their slot files share one save dir): the
+        server it is placed on restores it when its own state has none, as a failover does."""
+        for up in cands:
+            rec = up.keeper.pages.get(key)
+            if rec is not None and rec.n_tokens > 0:
+                return rec
+        return None
 
     async def _page_elsewhere(self, key: str, previous: Upstream) -> Any:
         """The page record of a session whose server is down (its state is still readable)."""

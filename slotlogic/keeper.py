@@ -570,6 +570,14 @@ class Keeper(PageKeeping):
         """A side call placed on `slot` would overwrite a session's conversation: page it out first."""
         return self.settings.paging and self.ledger.conversation_on(slot) is not None
 
+    def keeps(self, state: shared.ServerState, key: str) -> bool:
+        """`key`'s conversation is on this server: a restorable page of it in `state`, or a slot still holding
+        it (where routing sends it back, to be paged in rather than prefilled elsewhere)."""
+        rec = state.pages.get(key)
+        if rec is not None and rec.n_tokens > 0 and rec.model == self.page_identity:
+            return True
+        return self.ledger.where(key) is not None
+
     def ledger_view(self) -> tuple[object, ...]:
         """What the proxy believes each slot holds (`slotlogic.ledger.Entry`, in slot order)."""
         return self.ledger.view()

@@ -164,6 +164,14 @@ class Ledger:
             return None
         return e.owner if self.latest.get(e.owner) == e.mark else None
 
+    def where(self, key: str) -> int | None:
+        """The slot holding `key`'s current conversation, if one does (a scan: slow path only)."""
+        mark = self.latest.get(key)
+        if mark is None:
+            return None
+        return next((s for s, e in self._slots.items() if e.owner == key and e.mark == mark
+                     and e.holds in (Holds.SESSION, Holds.PAGE)), None)
+
     def moved_on(self, slot: int, key: str) -> bool:
         """`slot` does not hold `key`'s current conversation, though this proxy had it there: something else
         wrote the slot since, or `key` ran (or was paged in) elsewhere since. What is left there of it is an

@@ -6,8 +6,9 @@ A request's destination is (server, slot). Inside one server the slot is chosen 
 Rule 1: pure. The driver (`drivers/pool.py`) gathers one `ServerView` per server (health, `/slots`, the
         shared state's claims, this proxy's in-flight requests) and calls `choose`; the clock comes in.
 Rule 2: a session stays where it is. A known session goes back to its server (`home`) while that server is
-        up; a session the shared state says still owns a slot on some server goes back there. Only a new
-        session (or one whose server went down) is placed by cost.
+        up; a session the shared state says still owns a slot on some server goes back there, and so does one
+        whose conversation is on a server as a page or still in a slot (`kept`: paged back in there instead
+        of prefilled on another). Only a new session (or one whose server went down) is placed by cost.
 Rule 3: never a down server, while any server is up. With none up, `choose` returns None and the driver
         forwards the request where the client sent it (fail open: the server may be back).
 Rule 4: a new session's cost, cheapest first: a free slot that already holds its stable prefix (nothing to
@@ -38,6 +39,7 @@ class RouteWhy(Enum):
 
     HOME = "home"                   # a known session back on its server
     OWNED = "owned"                 # the shared state says the session still owns a slot there
+    KEPT = "kept"                   # its conversation is there, as a page or in a slot: paged back in there
     SAME_PREFIX = "same-prefix"     # a free slot there holds the session's stable prefix
     CHECKPOINT = "checkpoint"       # the server can restore the prefix from a checkpoint file
     LEAST_LOADED = "least-loaded"
@@ -61,6 +63,7 @@ class ServerView:
     same_prefix: bool = False        # a free slot holds the session's stable prefix
     checkpoint: bool = False         # a checkpoint file of the prefix that this server can restore
     owned: bool = False              # the session owns a slot there (shared state)
+    kept: bool = False               # the session's conversation is there: a restorable page, or still a slot's
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,9 @@ def choose(servers: Sequence[ServerView], *, side: bool = False, home: int | Non
     owned = [v for v in up if v.owned]
     if owned:
         return RouteChoice(min(owned, key=load_key).index, RouteWhy.OWNED)
+    kept = [v for v in up if v.kept]
+    if kept:
+        return RouteChoice(min(kept, key=load_key).index, RouteWhy.KEPT)
     for flag, why in ((lambda v: v.same_prefix and v.free > 0, RouteWhy.SAME_PREFIX),
                       (lambda v: v.checkpoint and v.free > 0, RouteWhy.CHECKPOINT)):
         hits = [v for v in up if flag(v)]

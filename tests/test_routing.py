@@ -69,3 +69,15 @@ def test_health_goes_down_once_backs_off_and_comes_back():
     assert not h.due(11.5) and h.due(11.0 + backoff(2))
     assert backoff(1) < backoff(2) < backoff(3) and backoff(50) == PROBE_MAX
     assert h.ok(20.0) is Change.CAME_BACK and h.up and h.failures == 0
+
+
+def test_a_session_whose_conversation_a_server_keeps_goes_back_there():
+    """Sim seed 201: a session paged out on one server was placed on the other (free-same-prefix) and prefilled
+    its conversation again. Its page there outranks a free slot with its prefix elsewhere (not an owned slot)."""
+    from slotlogic.routing import RouteWhy, ServerView, choose
+    views = [ServerView(0, free=0, idle=2, kept=True), ServerView(1, free=2, idle=2, same_prefix=True)]
+    assert choose(views).why is RouteWhy.KEPT
+    assert choose(views).index == 0
+    owned = [ServerView(0, kept=True), ServerView(1, owned=True)]
+    assert choose(owned).index == 1 and choose(owned).why is RouteWhy.OWNED
+    assert choose([ServerView(0, up=False, kept=True), ServerView(1)]).index == 1  # never a down server

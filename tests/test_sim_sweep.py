@@ -63,6 +63,8 @@ CAUSES = [
           "session's page, replacing its current one: paged in 559 of 696"),
     (54, "not-paged-in: a request that went out before a restart was noticed ran on the new server; noticing "
          "the restart then forgot what it left there, and the next placement wrote over it unsaved"),
+    (993, "moved-server: two one-slot servers; a session with a page on server A, placed on server B because a "
+          "side call took A's slot, prefilled its conversation there instead of restoring its page (one save dir)"),
     (37, "side-call-over-owner: paging off; a session that had expired was resumed on its old slot, which a side "
          "call had written since (the proxy had evicted it knowingly), and reported `resumed`"),
 ]
@@ -70,8 +72,9 @@ CAUSES = [
 
 # the slot ledger (docs/ledger.md): fenced moves, side calls page out, current pages; claims that queue, page-outs
 # after every earlier request reached the server, live copies of a displaced conversation, older copies never
-# paged, what ran on a restarted server kept, no resume over a slot written since
-FIXED = {185, 62, 59, 79, 6, 9, 129, 389, 54, 37}
+# paged, what ran on a restarted server kept, no resume over a slot written since; routing to the server that
+# keeps a session's conversation, and its page restored on another server of the pool when it must go there
+FIXED = {185, 62, 59, 79, 6, 9, 129, 389, 54, 37, 201, 993}
 
 
 @pytest.mark.parametrize("seed", [pytest.param(seed, id=why.split(":")[0], marks=() if seed in FIXED else

@@ -101,8 +101,10 @@ class Rig:
                                                  else None, prefill_speed=setup.prefill_speed,
                                                  unified_idle_clear=setup.unified, name=f"s{i}")
                         for i in range(setup.servers)}
+        files: dict[str, Any] = {}  # one save dir for the pool: any server reads the files another wrote
         for s in self.servers.values():
             s.left = left
+            s.files = files
         self.proxies: list[Proxy] = []
         self.outcomes: list[Outcome] = []
         self._stack = contextlib.ExitStack()

@@ -89,7 +89,10 @@ def _explain(rig: Rig, o: Outcome, prev: Outcome) -> Loss:
     elif any(e.kind == "idle-clear" for e in on_prev):
         loss.cause = "idle-clear"
     elif o.server != prev.server:
-        loss.cause = "moved-server"
+        # paging off, its slot written by another session since, placed anew: an eviction the proxy chose
+        taken = any(e.kind == "request" and e.tag != o.tag for e in on_prev)
+        loss.cause = "given-away" if taken and not rig.setup.paging and not why.startswith(KNOWN) \
+            else "moved-server"
     elif "paged-in" in why:
         restores = [e for e in before.events if e.slot == d.slot and e.kind == "restore" and e.t <= d.started]
         f = before.files.get(restores[-1].tag or "") if restores else None
