@@ -6,9 +6,8 @@ is only useful if the session's own request reaches the slot before anybody else
 taken before the save/restore and held until that request's response headers arrive (by then the server
 has queued it). Only slow-path requests (new, displaced or paged sessions) take it; the hot path never does.
 And a save is only the conversation it stands for if every request sent to the slot before it has reached
-the server (the server then defers the save until they are done): `quiet` waits for the response headers
-of every request this process sent to the slot (`sent`), hot-path ones included. The core's claim keeps new
-hot-path requests off a slot from the moment a placement chooses it, so that wait has an end.
+the server: the placement waits for that (`drivers.slot_gate.SlotGate.quiet`) after the lock. The core's
+claim keeps new hot-path requests off a slot from the moment a placement chooses it, so that wait has an end.
 
 With a store shared by proxies on several machines (Redis) the lock is also taken in the store
 (`shared`, `drivers.store_redis.RedisSlotLocks`), so that two proxies never page one slot at once, and the
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from drivers.llama_http import LlamaClient
+from drivers.slot_gate import SlotGate
 from drivers.store import SlotLocks
 from slotlogic.checkpoint_machine import Failure
 from slotlogic.events import Event, Failed, PageFailed, PageGone, PageRejected, PagingLockTimeout, Stage
@@ -70,9 +70,7 @@ class PageRunner:
         self.last_sent: dict[int, tuple[str, float] | None] = {}  # slot -> its last paged send, as the lock said
         self._tasks: set[asyncio.Task[None]] = set()
         self._doomed: set[str] = set()  # replaced page files whose deletion waits (`delete_later`)
-        self.unstarted: dict[int, dict[str, None]] = {}  # slot -> flows sent there whose headers have not come
-        self._flow_slot: dict[str, int] = {}
-        self._quiet: dict[int, asyncio.Event] = {}
+        self.gate: SlotGate = SlotGate(upstream, emit)  # which requests reached the server (Upstream shares its own)
 
     def busy(self, slot: int) -> bool:
         lock = self.locks.get(slot)
@@ -99,39 +97,6 @@ class PageRunner:
             if held:
                 self.remote[flow_id] = (slot, token, session)
                 self.last_sent[slot] = sent
-        return True
-
-    def sent(self, slot: int, flow_id: str) -> None:
-        """A request pinned to `slot` leaves the proxy (the hot path too: two dict writes)."""
-        self.started(flow_id)  # a retried flow's earlier slot
-        self.unstarted.setdefault(slot, {})[flow_id] = None
-        self._flow_slot[flow_id] = slot
-
-    def started(self, flow_id: str) -> None:
-        """The flow's response headers came (the server has its request), or it ended or never went."""
-        slot = self._flow_slot.pop(flow_id, None)
-        if slot is None:
-            return
-        flows = self.unstarted.get(slot)
-        if flows is not None:
-            flows.pop(flow_id, None)
-            if not flows:
-                del self.unstarted[slot]
-                event = self._quiet.pop(slot, None)
-                if event is not None:
-                    event.set()
-
-    async def quiet(self, slot: int, timeout: float = LOCK_WAIT) -> bool:
-        """Wait until every request sent to `slot` so far has reached the server; False when `timeout` ran out
-        first (the caller moves nothing then)."""
-        deadline = time.monotonic() + timeout
-        while slot in self.unstarted:
-            event = self._quiet.setdefault(slot, asyncio.Event())
-            try:
-                await asyncio.wait_for(event.wait(), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                self.emit(PagingLockTimeout(self.upstream, slot, timeout))
-                return False
         return True
 
     async def settled(self, session_key: str) -> None:
@@ -169,8 +134,8 @@ class PageRunner:
             # A live seed: its slot is saved first (its lock held meanwhile: the caller saw it free, so this
             # takes it at once), then that file goes into ours.
             async with self.locks.setdefault(plan.seed.slot, asyncio.Lock()):
-                saved = await self._save(plan.seed.slot, plan.seed_file, out) if await self.quiet(plan.seed.slot) \
-                    else None
+                saved = await self._save(plan.seed.slot, plan.seed_file, out) \
+                    if await self.gate.quiet(plan.seed.slot) else None
             if saved is None:
                 out.seconds = time.monotonic() - started
                 return out

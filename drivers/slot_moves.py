@@ -21,12 +21,14 @@ from drivers.build_claims import BuildClaims
 from drivers.checkpoint_runner import CheckpointRunner
 from drivers.llama_http import LlamaClient
 from drivers.page_runner import PageOutcome, PageRunner
+from drivers.slot_gate import SlotGate
 from drivers.store import StateStore
+from slotlogic import handover, shared
 from slotlogic import prefix as pfx
-from slotlogic import shared
 from slotlogic.checkpoint_machine import Outcome
 from slotlogic.decisions import NeedSlot
-from slotlogic.events import CheckpointDone, Event, Failed, NoSavePath, Paged, SourceAwaited, Stage
+from slotlogic.events import CheckpointDone, Event, Failed, HandedOver, NoSavePath, Paged, SourceAwaited, Stage
+from slotlogic.handover import Handover
 from slotlogic.keeper import Keeper
 from slotlogic.ledger import Cause, Fence, Holds
 from slotlogic.paging import Moved, PagePlan
@@ -38,6 +40,7 @@ from slotlogic.settings import Settings
 REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its session stays (a restore planned)
 REMOTE_SETTLE = 10.0   # seconds a pager waits for another proxy's page-out of its session (a shared store)
 SOURCE_POLL = 0.2      # seconds between `/slots` looks while a new session waits for the slot it would copy
+HANDOVER_POLL = 0.025  # seconds between looks at the store while a taker waits for the giver's answer
 MIN_SLEEP = 0.001      # a wait's last sliver below this is not slept (nor polled for)
 
 
@@ -50,6 +53,7 @@ class SlotMoves:
     store: StateStore
     client: LlamaClient
     pages: PageRunner | None
+    gate: SlotGate
     checkpoints: CheckpointRunner | None
     builds: BuildClaims | None
     warned: set[str]
@@ -106,30 +110,35 @@ class SlotMoves:
             return Moved.NOTHING, fence
         # Its turn: every request sent to the slot before has reached the server (a save now writes what
         # they leave there). The moves are fenced by the slot's epoch as it is now.
-        if not await self.pages.quiet(slot):
+        if not await self.gate.quiet(slot):
             return Moved.NOTHING, fence
         fence = self.keeper.turn(fence) if fence is not None else None
-        if self.store.remote:
-            state = await self._fresh_pages(key)
-            if not self.keeper.fence_holds(fence, state):  # another proxy claimed the slot since our claim
-                assert fence is not None
-                self.emit(self.keeper.stale_plan(fence, "page", key))
-                return Moved.NOTHING, fence
+        # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
+        # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
+        state = await self._fresh_pages(key) if self.store.remote else await self.store.aread()
+        given, stale = await self._writer(slot, key, fence, state)
+        if stale or not self.keeper.fence_holds(fence):  # we handed the slot on since our claim: place it again
+            assert fence is not None
+            self.emit(self.keeper.stale_plan(fence, "page", key))
+            return Moved.STALE, fence
+        self.gate.moves(slot, flow_id)
         plan = self.keeper.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
-                                     stable_chars=stable_chars, cold=cold)
+                                     stable_chars=stable_chars, cold=cold, given=given,
+                                     ours=self.gate.last_started.get(slot))
         if plan.seed is not None and plan.seed.slot is not None and (self.store.remote
                                                                      or self.pages.busy(plan.seed.slot)):
             # A live seed's slot is saved under its local lock only: never while another placement pages it,
             # nor when other proxies (a shared store) may be paging it. Its own live conversation: its page then.
             plan = plan.without_seed() if plan.seed.source != key else self.keeper.page_plan(
                 slot, key, view, sent=self.pages.last_sent.get(slot), views=views, stable_chars=stable_chars,
-                cold=cold, copy_live=False)
+                cold=cold, copy_live=False, given=given,
+                ours=self.gate.last_started.get(slot))
         if plan.empty:
             return Moved.NOTHING, fence  # nothing to move, but our request must still go after the page-in before it
         if plan.restore_file is not None and not self.keeper.fence_holds(fence):
             assert fence is not None
             self.emit(self.keeper.stale_plan(fence, "page", key))  # the slot moved on while the lock was awaited
-            return Moved.NOTHING, fence
+            return Moved.STALE, fence
         saving = None
         if plan.save_for is not None:
             saving = self.pages.saving[plan.save_for] = asyncio.Event()
@@ -162,6 +171,39 @@ class SlotMoves:
             return Moved.OWN, self.keeper.slot_written(fence, Holds.PAGE, key, out.restored_tokens)
         moved = Moved.PREFIX if plan.seed.prefix else Moved.SEED
         return moved, self.keeper.slot_written(fence, Holds.SEED, key, 0, over=Cause.SEED_OVER_OWNER)
+
+    async def _writer(self, slot: int, key: str, fence: Fence | None,
+                      state: shared.ServerState) -> tuple[Handover | None, bool]:
+        """Make this process the slot's writer before its moves (`slotlogic.handover`, Rule 2): at once when it is
+        already, nobody's or its writer is gone; else the writer is asked and its answer awaited (read from the
+        store every HANDOVER_POLL seconds, at most `handover.WAIT`; without it the slot is taken anyway). The
+        answer (None: none needed or none came), and whether this placement went stale meanwhile (we handed
+        the slot on to another proxy since its claim)."""
+        if self.keeper.may_write(state, slot):
+            return None, False
+        async with self.store.transaction() as state:
+            asked = self.keeper.writer_turn(state, slot, key, time.time())
+        if asked is None:
+            return None, False
+        started = time.monotonic()
+        answer, stale = None, False
+        while time.monotonic() - started < handover.WAIT:
+            await asyncio.sleep(HANDOVER_POLL)
+            state = await self.store.aread()
+            answer = self.keeper.handover_answer(state, asked)
+            if answer is not None:
+                self.keeper.writer_given(answer)
+                break
+            if not handover.alive(state.beats, asked.giver, time.time()):
+                break
+            if not self.keeper.fence_holds(fence):
+                stale = True
+                break
+        if answer is None and not stale:
+            async with self.store.transaction() as state:
+                self.keeper.writer_forced(state, asked, time.time())
+        self.emit(HandedOver(self.url, slot, time.monotonic() - started, answer is not None, giver=False))
+        return answer, stale
 
     async def _fresh_pages(self, key: str) -> shared.ServerState:
         """With the slot's lock held: the page index as the store has it now (another proxy may have paged
@@ -213,7 +255,7 @@ class SlotMoves:
         claim = await self.builds.claim(cp, need.stable, info) if self.builds is not None else None
         try:
             state = await self.store.aread() if self.store.remote and fence is not None else None
-            if not self.keeper.fence_holds(fence, state):  # the slot moved on while the build was awaited
+            if not self.keeper.fence_holds(fence, state, time.time()):  # the slot moved on while the build was awaited
                 assert fence is not None
                 self.emit(self.keeper.stale_plan(fence, "prefix", key))
                 return fence

@@ -38,9 +38,11 @@ from typing import Any
 
 from drivers.build_claims import BuildClaims
 from drivers.checkpoint_runner import CheckpointRunner
+from drivers.handovers import Handovers
 from drivers.llama_http import LlamaClient
 from drivers.model_check import ModelCheck
 from drivers.page_runner import PageRunner
+from drivers.slot_gate import SlotGate
 from drivers.slot_moves import SlotMoves
 from drivers.store import StateStore
 from drivers.store_file import StateFile
@@ -98,6 +100,8 @@ class Upstream(SlotMoves):
         self.settings = settings
         self.pages: PageRunner | None = None
         self.checkpoints: CheckpointRunner | None = None
+        self.gate = SlotGate(url, emit)  # which of our requests reached the server, slot by slot
+        self.handovers = Handovers(url, self.keeper, self.store, emit, self.gate)  # slots other proxies take
         self.model = ModelCheck(self.client, emit, url, on_speed=lambda pps: setattr(self.keeper, "prefill_speed", pps))
         self._runners(settings)
         self.warned: set[str] = set()
@@ -133,10 +137,12 @@ class Upstream(SlotMoves):
         if s.paging and s.save_dir:
             if self.pages is None or self.pages.save_dir != Path(s.save_dir):
                 self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
+                self.pages.gate = self.gate
             self.pages.max_bytes = s.page_max_bytes
             self.pages.shared = self.store.slot_locks
         else:
             self.pages = None
+        self.handovers.store = self.store
         if s.checkpoints is CheckpointMode.OFF:
             self.checkpoints = None
         elif self.checkpoints is None or self.checkpoints.settings != s or self.checkpoints.index.dir != self.state_dir:
@@ -210,9 +216,9 @@ class Upstream(SlotMoves):
     def abandon(self, ticket: Ticket, flow_id: str) -> None:
         """A decided request goes out unpinned after all: roll the core's bookkeeping back, free the slot lock."""
         self.keeper.abandon(ticket)
+        self.gate.started(flow_id)
         if self.pages is not None:
             self.pages.unlock(flow_id, sent=False)
-            self.pages.started(flow_id)
 
     async def place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
                     accept: Accept | None = None) -> Pin | Observe | None:
@@ -262,8 +268,14 @@ class Upstream(SlotMoves):
             self.emit(event)
         if self.pages is not None and placement.dropped_pages:
             self.pages.delete(placement.dropped_pages)
-        if placement.side and self.pages is not None and not self.offline \
-                and self.keeper.side_needs_page_out(placement.slot):
+        paged = self.pages is not None and not self.offline and (
+            not placement.side or self.keeper.side_needs_page_out(placement.slot))
+        if not paged and not self.offline:  # no moves, but another proxy may write the slot: it is asked first
+            state = await self.store.aread()
+            _, stale = await self._writer(placement.slot, key, placement.fence, state)
+            if stale and retries > 0:
+                return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
+        if placement.side and paged:
             # The side slot holds a session's conversation (placed there before side calls came): saved first,
             # so the session pages back in whole instead of finding a side call's prompt.
             await self._page(placement.slot, "", placement.view, flow_id, fence=placement.fence)
@@ -279,6 +291,13 @@ class Upstream(SlotMoves):
                                              cold)
             moved, fence = await self._page(placement.slot, key, placement.view, flow_id, views, stable_chars, cold,
                                             fence=fence)
+        if moved is Moved.STALE and retries > 0:  # another claim of the slot came first: place it again
+            self.gate.stopped(flow_id)
+            if self.pages is not None:
+                self.pages.unlock(flow_id, sent=False)
+            return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
+        if moved is Moved.STALE:  # twice: it goes where it was placed, with nothing moved (fail open)
+            moved = Moved.NOTHING
         if self.checkpoints is not None and need.stable is not None and moved in (Moved.NOTHING, Moved.PREFIX):
             fence = await self._warm(placement.slot, need, info, holds and moved is Moved.NOTHING, fence=fence)
         elif self.checkpoints is not None and need.stable is None and "no-marker" not in self.warned:
@@ -287,6 +306,7 @@ class Upstream(SlotMoves):
         if fence is not None and not self.keeper.fence_holds(fence) and retries > 0:
             # Another placement claimed the slot while this one's moves ran: plan this request again.
             self.emit(self.keeper.stale_plan(fence, "pin", key))
+            self.gate.stopped(flow_id)
             if self.pages is not None:
                 self.pages.unlock(flow_id, sent=False)
             return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
@@ -338,15 +358,15 @@ class Upstream(SlotMoves):
     def unlock(self, flow_id: str) -> None:
         """The flow's request reached the server (its response headers came), or never will: the next pager
         of its slot may go."""
+        self.gate.started(flow_id)
         if self.pages is not None:
             self.pages.unlock(flow_id)
-            self.pages.started(flow_id)
 
-    def sent(self, flow_id: str, slot: int | None) -> None:
-        """A request this proxy pinned to `slot` leaves for the server (hot path: two dict writes): a page-out
+    def sent(self, flow_id: str, slot: int | None, session: str = "") -> None:
+        """A request this proxy pinned to `slot` leaves for the server (hot path: a few dict writes): a page-out
         of that slot waits until the server has it (`PageRunner.quiet`)."""
-        if self.pages is not None and slot is not None:
-            self.pages.sent(slot, flow_id)
+        if slot is not None:
+            self.gate.sent(slot, flow_id, session)
 
     def _probe_messages_once(self) -> None:
         if not self.offline and self.keeper.messages_native is None and "messages-probe" not in self.warned:
@@ -462,6 +482,7 @@ class Upstream(SlotMoves):
         if self._task is None or self._task.done():
             with contextlib.suppress(RuntimeError):
                 self._task = asyncio.get_running_loop().create_task(self._background())
+        self.handovers.start()
 
     def _spawn(self, coro: Any) -> None:
         try:
@@ -495,7 +516,9 @@ class Upstream(SlotMoves):
         try:
             async with self.store.transaction() as state:
                 for key, a in touches.items():
-                    shared.touch(state, key, a.slot, a.last_used, requests=a.requests, prefix=a.prefix)
+                    shared.touch(state, key, a.slot, a.last_used, requests=a.requests, prefix=a.prefix,
+                                 proxy=self.keeper.instance)
+                self.keeper.beat(state, time.time())
                 self.note_displaced(state)
         except Exception as e:
             self.emit(Failed(self.url, Stage.STATE_WRITE, type(e).__name__))
@@ -535,6 +558,7 @@ class Upstream(SlotMoves):
         only; the listener's task calls it, never a request."""
         if self.offline:
             return
+        self.handovers.poke()  # a handover may be asked of us with it
         key = self.keeper.claimed_elsewhere(notice.slot, notice.claimant, notice.at if notice.sent else None)
         if key is not None:
             self.emit(DisplacedElsewhere(self.url, notice.slot, key[:8], notice.claimant[:8], Via.NOTICE))
@@ -655,6 +679,8 @@ class Upstream(SlotMoves):
         for task in (self._task, *self._side_tasks):
             if task is not None:
                 task.cancel()
+        self.handovers.stop()
 
     async def aclose(self) -> None:
+        self.handovers.stop()
         await self.client.aclose()

@@ -98,7 +98,8 @@ class Pinning:
             self.rt.open[flow.id] = Open(decision.ticket, upstream, time.monotonic(), asked, flow=flow,
                                          original=original if pool is not None else None)
             if isinstance(decision, Pin):
-                upstream.sent(flow.id, decision.ticket.slot)
+                t = decision.ticket
+                upstream.sent(flow.id, t.slot, "" if t.side else t.session.key)
         elif isinstance(decision, Forward) and decision.completion_route:
             self.rt.emit(PassedThrough(upstream.url, flow.request.method, flow.request.path, decision.reason))
 

@@ -170,6 +170,19 @@ class SourceAwaited(Event):
 
 
 @dataclass(frozen=True)
+class HandedOver(Event):
+    """A slot changed hands between two proxies sharing the state (`slotlogic.handover`): as the taker, how long
+    its placement waited for the giver's answer (`answered`: it came; else it moved in without); as the giver,
+    the session of ours the taker pages out (`session`, a short digest, or None: nothing of ours there)."""
+
+    slot: int
+    seconds: float
+    answered: bool
+    giver: bool           # this proxy gave the slot away (else it took it)
+    session: str | None = None
+
+
+@dataclass(frozen=True)
 class CheckpointStep(Event):
     note: Note
 

@@ -21,10 +21,21 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from slotlogic import affinity, anthropic, anthropic_answer, paging, placement, reconcile, rewrite, shared, sidecalls
+from slotlogic import (
+    affinity,
+    anthropic,
+    anthropic_answer,
+    handover,
+    paging,
+    placement,
+    reconcile,
+    rewrite,
+    shared,
+    sidecalls,
+)
 from slotlogic import lead as leads
 from slotlogic import prefix as pfx
 from slotlogic import session as sess
@@ -54,6 +65,7 @@ from slotlogic.events import (
     Unreachable,
 )
 from slotlogic.fastpath import ShapeIndex, fields_absent
+from slotlogic.handover import Handover
 from slotlogic.keeper_pages import PageKeeping
 from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
@@ -69,6 +81,7 @@ MAX_MARKS = 512  # prompts remembered for the continuation rule of raw `/complet
 RATE_MIN_TOKENS = 64  # a shorter prefill's rate is mostly the request's fixed overhead
 RATE_WEIGHT = 0.3     # of the newest answer in the prefill rate's moving average
 MAX_STATS = 1024  # sessions whose counters the status view and the summary show; the least recently answered go
+OTHER_PROXY = "\x00other-proxy"  # the ledger claim that keeps our sessions off a slot being handed over
 
 
 @dataclass(frozen=True)
@@ -278,12 +291,13 @@ class Keeper(PageKeeping):
         total = self.total_slots
         if ticket.side and total:
             reserved = sidecalls.side_slot(total, self.settings.side_slot)
-            if reserved is not None and not self.ledger.claimed(reserved) and not (
+            writes = not self.instance or reserved in self.ledger.writing  # no other proxy may write it now
+            if reserved is not None and not self.ledger.claimed(reserved) and writes and not (
                     self.settings.paging and self.ledger.conversation_on(reserved)):
                 ticket.why = Why.SIDE_CALL
                 return reserved
             if reserved is not None:
-                return None  # a placement is under way there, or a conversation to page out first
+                return None  # a placement is under way there, a conversation to page out first, or another writer
         key = ticket.session.key
         live = self.table.live(key, now)
         if (live is not None and (total is None or live.slot < total) and not self.table.displaced(key, live.slot)
@@ -431,10 +445,16 @@ class Keeper(PageKeeping):
         if choice.why is not Why.SIDE_CALL:
             self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix, lead=leads.of(need.body))
         record = state.slots.get(choice.slot)
+        if record is not None and record.owner == ticket.session.key and self.instance:
+            record = state.slots[choice.slot] = replace(record, proxy=self.instance)
+        if self.instance:
+            handover.beat(state.beats, self.instance, now)
+            handover.prune(state.handovers, state.beats, now)
         self.ledger.claim(choice.slot, ticket.session.key)
         ticket.claimed = choice.slot
         fence = Fence(choice.slot, self.ledger.entry(choice.slot).epoch,
-                      record.epoch if record is not None and record.owner == ticket.session.key else None)
+                      record.epoch if record is not None and record.owner == ticket.session.key else None,
+                      self.ledger.outside(choice.slot))
         return Placement(choice.slot, choice.why, before[choice.slot], dropped, events, tuple(before), fence)
 
     def fallback(self, need: NeedSlot, now: float, last_known_total: int | None) -> tuple[Pin | Observe, Event]:
@@ -532,19 +552,22 @@ class Keeper(PageKeeping):
         """A placement's turn on its slot has come (it holds the slot's lock and every request sent there
         before has reached the server): the fence of its moves, the slot's epoch now (earlier placements on
         the slot have written it since the claim), with the claim's epoch in the shared state."""
-        return Fence(fence.slot, self.ledger.entry(fence.slot).epoch, fence.shared)
+        return Fence(fence.slot, self.ledger.entry(fence.slot).epoch, fence.shared, fence.outside)
 
-    def fence_holds(self, fence: Fence | None, state: shared.ServerState | None = None) -> bool:
-        """The slot has not moved on since `fence` (with `state`, a fresh read of the shared state: nor has
-        another proxy claimed it since)."""
+    def fence_holds(self, fence: Fence | None, state: shared.ServerState | None = None,
+                    now: float | None = None) -> bool:
+        """The slot has not moved on since `fence`: nothing wrote it since but our own plans, in turn, and nothing
+        from outside this process since the placement's claim (another proxy we handed it to, a request the
+        server placed there, a restart). With `state` (a fresh read of the shared state) and `now`: nor did a
+        proxy that claimed it after us, and asked us for it, move in without our answer (`handover.WAIT`)."""
         if fence is None:
             return True
-        if not self.ledger.current(fence):
+        if not self.ledger.current(fence) or self.ledger.outside(fence.slot) != fence.outside:
             return False
-        if state is None or fence.shared is None:
+        if state is None or fence.shared is None or now is None:
             return True
-        record = state.slots.get(fence.slot)
-        return record is None or record.epoch == fence.shared
+        return not any(h.slot == fence.slot and h.giver == self.instance and h.answered is None
+                       and now - h.asked >= handover.WAIT for h in state.handovers.values())
 
     def slot_written(self, fence: Fence | None, holds: Holds, key: str, tokens: int, *,
                      over: Cause = Cause.UNKNOWN) -> Fence | None:
@@ -560,11 +583,75 @@ class Keeper(PageKeeping):
 
     def claimed_elsewhere(self, slot: int, claimant: str, sent_at: float | None) -> str | None:
         """Another proxy claimed `slot` for `claimant` (its notice): our session there is displaced, and the
-        ledger says the slot holds the claimant's conversation now. Returns the displaced key."""
+        ledger says the slot holds the claimant's conversation now. Returns the displaced key. Without paging
+        nothing keeps the conversation: a known eviction (the other proxy chose it)."""
         key = self.table.claimed_elsewhere(slot, claimant, sent_at)
         if key is not None:
-            self.ledger.claimed_elsewhere(slot, claimant)
+            self.ledger.claimed_elsewhere(slot, claimant, Cause.OTHER_PROCESS if self.settings.paging
+                                          else Cause.EVICTED)
         return key
+
+    # ------------------------------------------------------------------------------------------- handovers
+
+    def may_write(self, state: shared.ServerState, slot: int) -> bool:
+        """The shared state names this process as the slot's writer (`slotlogic.handover`, Rule 2)."""
+        if not self.instance or handover.writes(state.writers, slot, self.instance):
+            self.ledger.writing.add(slot)
+            return True
+        self.ledger.writing.discard(slot)
+        return False
+
+    def writer_turn(self, state: shared.ServerState, slot: int, key: str, now: float) -> Handover | None:
+        """In the store's transaction: the slot is ours to write now (None), or the handover asked of its writer."""
+        asked = handover.turn(state.writers, state.handovers, state.beats, slot, self.instance, key, now)
+        if asked is None:
+            self.ledger.writing.add(slot)
+        return asked
+
+    def writer_forced(self, state: shared.ServerState, asked: Handover, now: float) -> None:
+        handover.forced(state.writers, state.handovers, asked, now)
+        self.ledger.writing.add(asked.slot)
+
+    def writer_given(self, answer: Handover) -> None:
+        """The giver answered: the slot is this process's to write."""
+        self.ledger.writing.add(answer.slot)
+
+    def asked_of_us(self, state: shared.ServerState) -> list[Handover]:
+        """Handovers other proxies ask of this one (`slotlogic.handover`)."""
+        return handover.asked_of(state.handovers, self.instance) if self.instance else []
+
+    def hand_over_begins(self, h: Handover) -> None:
+        """Keep this process's sessions off the slot from now on (their next request is placed again)."""
+        self.ledger.claim(h.slot, OTHER_PROXY)
+
+    def hand_over_ends(self, h: Handover) -> str | None:
+        """Every request this process sent to the slot has reached the server and no move of its own is under
+        way there: the session whose conversation our last write left there (the taker pages it out), and
+        the slot is the other proxy's session's from now on."""
+        last = self.ledger.conversation_on(h.slot)
+        if self.claimed_elsewhere(h.slot, h.claimant, None) is None:
+            self.ledger.claimed_elsewhere(h.slot, h.claimant)
+        self.ledger.unclaim(h.slot, OTHER_PROXY)
+        self.ledger.writing.discard(h.slot)
+        return last
+
+    def hand_over_cleared(self, h: Handover) -> None:
+        """The handover of `h.slot` is over, answered or not: nothing of it keeps our sessions off the slot."""
+        self.ledger.unclaim(h.slot, OTHER_PROXY)
+
+    def holds_conversations(self) -> bool:
+        """A slot holds a conversation of ours, live or expired (a proxy that takes it must ask us first, so that
+        what we believe stays true: the other proxies must hear we are alive)."""
+        return any(self.ledger.conversation_on(s) is not None for s in range(self.ledger.total))
+
+    def handover_answer(self, state: shared.ServerState, asked: Handover) -> Handover | None:
+        return handover.answer(state.handovers, asked)
+
+    def beat(self, state: shared.ServerState, now: float) -> None:
+        """This process is alive, in the state of a server it has live sessions on."""
+        if self.instance:
+            handover.beat(state.beats, self.instance, now)
+            handover.prune(state.handovers, state.beats, now)
 
     def side_needs_page_out(self, slot: int) -> bool:
         """A side call placed on `slot` would overwrite a session's conversation: page it out first."""

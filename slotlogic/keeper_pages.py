@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from slotlogic import handover, paging, shared
 from slotlogic import lead as leads
-from slotlogic import paging, shared
 from slotlogic import prefix as pfx
 from slotlogic.decisions import NeedSlot, Report
+from slotlogic.handover import Handover
 from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ledger import Ledger, tolerance
 from slotlogic.ranking import SlotView
@@ -45,7 +46,8 @@ class PageKeeping:
 
     def page_plan(self, slot: int, session_key: str, view: SlotView, sent: tuple[str, float] | None = None, *,
                   views: Sequence[SlotView] = (), stable_chars: int = 0,
-                  cold: pfx.StablePrefix | None = None, copy_live: bool = True) -> paging.PagePlan:
+                  cold: pfx.StablePrefix | None = None, copy_live: bool = True,
+                  given: Handover | None = None, ours: tuple[str, float] | None = None) -> paging.PagePlan:
         """What to page out of and into `slot` before `session_key`'s request goes there. Asked once the slot's
         paging lock is held: by then every request sent to the slot before has reached the server. `sent`: the
         session the slot's previous pager of any proxy sent there, and when (a lock shared through the store).
@@ -53,9 +55,11 @@ class PageKeeping:
         slots or the pages) when they share more than the slot gives it anyway (`stable_chars`: its prefix).
         `cold`: its stable prefix, when no checkpoint file holds it yet: a live session that starts with it is
         copied in, and the checkpoint is built from that copy (a warm-up of a few tokens, not of the prefix).
-        `copy_live=False`: no live slot may be saved for it (another placement pages that slot)."""
+        `copy_live=False`: no live slot may be saved for it (another placement pages that slot). `given`: the
+        other proxy's answer to this placement's handover, with `ours` (this process's last request there to reach
+        the server): the later of the two is the slot's holder (`handover.holder`)."""
         model = self.page_identity
-        holder, tokens = self._holder(slot, view, sent)
+        holder, tokens = (handover.holder(given, ours), None) if given is not None else self._holder(slot, view, sent)
         if holder and self.ledger.moved_on(slot, holder):  # an older copy: its conversation went on elsewhere
             holder, tokens = None, 0
         rec = self.pages.get(session_key)

@@ -90,6 +90,7 @@ class Fence:
     slot: int
     epoch: int
     shared: int | None = None  # the slot's epoch in the shared state after the claim (several proxies)
+    outside: int = 0           # writes to the slot from outside this process's plans, as of the claim
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,8 @@ class Ledger:
         self.stale = 0   # plans dropped because their slot moved on
         self._claims: dict[int, list[str]] = {}  # slot -> sessions whose placements chose it, in claim order
         self._tick = 0
+        self._outside: dict[int, int] = {}  # slot -> writes from outside this process's plans (fences compare it)
+        self.writing: set[int] = set()  # slots this process is the writer of (`slotlogic.handover`), as it last knew
         self.latest: dict[str, int] = {}  # session -> the mark of its newest pin or page-in, on any slot
 
     # ------------------------------------------------------------------------------------------ reading
@@ -135,7 +138,15 @@ class Ledger:
         return self._slots.get(slot) or Entry(0)
 
     def fence(self, slot: int) -> Fence:
-        return Fence(slot, self.entry(slot).epoch)
+        return Fence(slot, self.entry(slot).epoch, outside=self.outside(slot))
+
+    def outside(self, slot: int) -> int:
+        """How many writes to `slot` came from outside this process's own plans (another proxy took it, the
+        server put a request there, a restart): a placement claimed before one of them is stale."""
+        return self._outside.get(slot, 0)
+
+    def _from_outside(self, slot: int) -> None:
+        self._outside[slot] = self._outside.get(slot, 0) + 1
 
     def current(self, fence: Fence) -> bool:
         return self.entry(fence.slot).epoch == fence.epoch
@@ -193,6 +204,8 @@ class Ledger:
             if e.owner and e.holds is Holds.SESSION and cause is not None:
                 self.gone[e.owner] = cause  # a kept slot's request still running found the slot emptied too
         self._claims = {s: keys for s, keys in self._claims.items() if s < total}
+        for s in range(total):
+            self._from_outside(s)
         if cause is Cause.RESTART:  # the same slots, emptied: each still its owner's, holding nothing
             self._slots = {s: replace(self.entry(s), epoch=self.entry(s).epoch + 1) if s in keep else
                            Entry(self.entry(s).epoch + 1, Holds.EMPTY, self.entry(s).owner) for s in range(total)}
@@ -243,7 +256,8 @@ class Ledger:
         if not self.current(fence) or fence.slot >= max(self.total, fence.slot + 1) > MAX_SLOTS:
             self.stale += 1
             return None
-        return replace(self.write(fence.slot, holds, owner, tokens, cause), shared=fence.shared)
+        return replace(self.write(fence.slot, holds, owner, tokens, cause), shared=fence.shared,
+                       outside=fence.outside)
 
     def write(self, slot: int, holds: Holds, owner: str | None, tokens: int = 0,
               cause: Cause = Cause.UNKNOWN) -> Fence:
@@ -311,10 +325,12 @@ class Ledger:
 
     def ran_unpinned(self, slot: int, key: str) -> None:
         """An unpinned request (the server chose) ran on `slot`: it holds `key`'s prompt now."""
+        self._from_outside(slot)
         self.write(slot, Holds.SESSION, key, 0, Cause.UNPINNED)
 
-    def claimed_elsewhere(self, slot: int, claimant: str) -> None:
-        self.write(slot, Holds.SESSION, claimant, 0, Cause.OTHER_PROCESS)
+    def claimed_elsewhere(self, slot: int, claimant: str, cause: Cause = Cause.OTHER_PROCESS) -> None:
+        self._from_outside(slot)
+        self.write(slot, Holds.SESSION, claimant, 0, cause)
 
     def forget(self, key: str) -> None:
         self.latest.pop(key, None)

@@ -115,6 +115,7 @@ class Moved(Enum):
     OWN = "own"          # its own page: paged in
     SEED = "seed"        # another session's conversation it shares its start with
     PREFIX = "prefix"    # another session's conversation that starts with its stable prefix (a cheap build)
+    STALE = "stale"      # nothing was moved: the slot moved on since the placement (place the request again)
 
 
 class PageCheck(Enum):

@@ -22,6 +22,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from slotlogic import handover
+from slotlogic.handover import Handover
 from slotlogic.learned_prefix import MAX_LEARNED, Learned
 from slotlogic.paging import FILE_RE as PAGE_FILE_RE
 from slotlogic.paging import PageRecord
@@ -44,6 +46,7 @@ class SlotRecord:
     requests: int = 0
     prefix: str | None = None
     epoch: int = 0  # every claim of the slot, by any proxy, increments it: the fence of moves planned for it
+    proxy: str | None = None  # the process whose session made the claim (a handover is asked of it)
 
 
 MAX_EPOCH = 1 << 62  # an epoch read from the store past this is not ours: reset (never a value that sizes memory)
@@ -68,6 +71,9 @@ class ServerState:
     sessions: dict[str, SessionRecord] = field(default_factory=dict)
     pages: dict[str, PageRecord] = field(default_factory=dict)  # session key -> its paged-out conversation
     prefixes: list[Learned] = field(default_factory=list)       # stable prefixes learned from traffic (no text)
+    handovers: dict[tuple[int, str], Handover] = field(default_factory=dict)  # (slot, taker) -> its ask (handover.py)
+    beats: dict[str, float] = field(default_factory=dict)        # proxy -> when it last said it is alive
+    writers: dict[int, str] = field(default_factory=dict)        # slot -> the proxy that may write it
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -104,9 +110,11 @@ def from_dict(data: Any, upstream: str) -> ServerState:
             if not isinstance(v, dict) or not 0 <= sid < MAX_SLOTS or _num(v.get("last_used")) is None:
                 continue
             epoch = _int(v.get("epoch")) or 0
+            proxy = v.get("proxy")
             st.slots[sid] = SlotRecord(last_used=_num(v["last_used"]) or 0.0, owner=_str(v.get("owner")),
                                        requests=_int(v.get("requests")) or 0, prefix=_str(v.get("prefix")),
-                                       epoch=epoch if 0 <= epoch < MAX_EPOCH else 0)
+                                       epoch=epoch if 0 <= epoch < MAX_EPOCH else 0,
+                                       proxy=proxy if handover.valid_id(proxy) else None)
     sessions = data.get("sessions")
     if isinstance(sessions, dict):
         for k, v in sessions.items():
@@ -127,6 +135,23 @@ def from_dict(data: Any, upstream: str) -> ServerState:
                 continue
             st.pages[k] = PageRecord(file=file, n_tokens=n, saved=saved, bytes=_int(v.get("bytes")) or 0,
                                      model=_str(v.get("model")) or "")
+    handovers = data.get("handovers")
+    if isinstance(handovers, list):
+        for v in handovers[:handover.MAX_HANDOVERS]:
+            sid = _int(v.get("slot")) if isinstance(v, dict) else None
+            h = handover.from_dict(sid, v) if sid is not None and 0 <= sid < MAX_SLOTS else None
+            if h is not None:
+                st.handovers[(h.slot, h.taker)] = h
+    writers = data.get("writers")
+    if isinstance(writers, dict):
+        for k, v in list(writers.items())[:MAX_SLOTS]:
+            if isinstance(k, str) and k.isdigit() and len(k) < 6 and int(k) < MAX_SLOTS and handover.valid_id(v):
+                st.writers[int(k)] = v
+    beats = data.get("beats")
+    if isinstance(beats, dict):
+        for k, v in list(beats.items())[:handover.MAX_PROXIES]:
+            if handover.valid_id(k) and _num(v) is not None:
+                st.beats[k] = _num(v) or 0.0
     prefixes = data.get("prefixes")
     if isinstance(prefixes, list):
         for v in prefixes:
@@ -147,13 +172,17 @@ def to_dict(st: ServerState) -> dict[str, Any]:
         "total_slots": st.total_slots,
         "n_ctx": st.n_ctx,
         "slots": {str(k): {"last_used": v.last_used, "owner": v.owner, "requests": v.requests,
-                           "prefix": v.prefix, "epoch": v.epoch} for k, v in sorted(st.slots.items())},
+                           "prefix": v.prefix, "epoch": v.epoch, "proxy": v.proxy}
+                  for k, v in sorted(st.slots.items())},
         "sessions": {k: {"slot": v.slot, "last_used": v.last_used, "requests": v.requests,
                          "prefix": v.prefix, "claimed": v.claimed} for k, v in sorted(st.sessions.items())},
         "pages": {k: {"file": v.file, "n_tokens": v.n_tokens, "saved": v.saved, "bytes": v.bytes,
                       "model": v.model} for k, v in sorted(st.pages.items())},
         "prefixes": [{"context": p.context, "length": p.length, "digest": p.digest, "last_seen": p.last_seen}
                      for p in st.prefixes],
+        "handovers": [handover.to_dict(h) for _, h in sorted(st.handovers.items())],
+        "beats": dict(st.beats),
+        "writers": {str(k): v for k, v in sorted(st.writers.items())},
     }
 
 
@@ -220,7 +249,7 @@ def claim(st: ServerState, session: str, slot: int, now: float, *, prefix: str |
 
 
 def touch(st: ServerState, session: str, slot: int, when: float, *, requests: int,
-          prefix: str | None) -> None:
+          prefix: str | None, proxy: str | None = None) -> None:
     """Merge one coalesced touch: only refreshes a slot the session still owns (or nobody claimed)."""
     current = st.slots.get(slot)
     if current is not None and current.owner not in (None, session) and current.last_used >= when:
@@ -228,7 +257,8 @@ def touch(st: ServerState, session: str, slot: int, when: float, *, requests: in
     last = max(when, current.last_used if current and current.owner == session else 0.0)
     st.slots[slot] = SlotRecord(last_used=last, owner=session, requests=requests,
                                 prefix=prefix or (current.prefix if current else None),
-                                epoch=current.epoch if current is not None else 0)
+                                epoch=current.epoch if current is not None else 0,
+                                proxy=proxy or (current.proxy if current is not None else None))
     before = st.sessions.get(session)
     claimed = before.claimed if before is not None and before.slot == slot and before.claimed else when
     st.sessions[session] = SessionRecord(slot=slot, last_used=last, requests=requests, prefix=prefix, claimed=claimed)

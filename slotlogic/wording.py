@@ -187,6 +187,11 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
     ev.SourceAwaited: lambda e: (Level.INFO, f"slot {e.slot} waited {_secs(e.seconds)} for slot {e.source} to finish "
                                              "its request, " + ("to start from a copy of its conversation" if e.idle
                                                                 else "then gave up (prefilling is as quick)")),
+    ev.HandedOver: lambda e: (Level.INFO, (
+        f"slot {e.slot} handed to another proxy after {_secs(e.seconds)} (it pages out "
+        + (f"session {e.session})" if e.session else "nothing of ours)")) if e.giver else (
+        f"slot {e.slot} taken from another proxy: its answer came in {_secs(e.seconds)}" if e.answered else
+        f"slot {e.slot} taken from another proxy without its answer after {_secs(e.seconds)}")),
     ev.CheckpointStep: lambda e: (Level.INFO, f"prefix-cache {note(e.note)}"),
     ev.CheckpointStarted: lambda e: (Level.INFO, f"prefix-cache fingerprint={e.fingerprint[:16]}… slot={e.slot}"),
     ev.CheckpointWaiting: lambda e: (Level.INFO, f"prefix-cache waiting for the build of {e.file} in progress"),
@@ -411,6 +416,9 @@ def event_record(event: ev.Event) -> dict[str, Any] | None:
         return {"kind": "page", "upstream": event.upstream, "slot": event.slot, "out": event.out,
                 "out_tokens": event.out_tokens, "in": event.into, "in_tokens": event.in_tokens, "seed": event.seed,
                 "seconds": round(event.seconds, 4), "server_ms": round(event.server_ms, 2)}
+    if isinstance(event, ev.HandedOver):
+        return {"kind": "handover", "upstream": event.upstream, "slot": event.slot, "seconds": round(event.seconds, 3),
+                "answered": event.answered, "role": "giver" if event.giver else "taker", "session": event.session}
     if isinstance(event, ev.SourceAwaited):
         return {"kind": "source-wait", "upstream": event.upstream, "slot": event.slot, "source": event.source,
                 "seconds": round(event.seconds, 3), "idle": event.idle}

@@ -171,20 +171,30 @@ def test_a_side_call_never_overwrites_a_conversation_without_its_page_out():
             assert isinstance(k.request(facts(side, now=1.0)), Pin)  # the next side call: the hot path again
 
 
-def test_the_epoch_lives_in_the_shared_state_and_another_proxys_claim_makes_a_plan_stale():
+def test_the_epoch_lives_in_the_shared_state_and_only_another_proxy_moving_in_makes_a_plan_stale():
+    """Claims queue across proxies too (slotlogic/handover.py): another proxy's later claim of our slot does not
+    make our placement stale; its moving in does: once we handed the slot over, or once its ask of us went
+    unanswered for longer than its wait (it then moved in without our answer)."""
+    from slotlogic import handover
     state = shared.ServerState("http://up")
-    one, two = make(), make()
-    need, placed = None, None
+    one = make()
+    one.instance = "a" * 16
     need = one.request(facts(chat("a")))
     placed = one.assign(need, state, server(), FREE, 0.0)
     assert placed.fence is not None and placed.fence.shared == state.slots[placed.slot].epoch
-    assert one.fence_holds(placed.fence, state)
     again = shared.from_dict(shared.to_dict(state), "http://up")  # the epoch survives the store
-    assert again.slots[placed.slot].epoch == placed.fence.shared and one.fence_holds(placed.fence, again)
+    assert again.slots[placed.slot].epoch == placed.fence.shared and one.fence_holds(placed.fence, again, 0.0)
+    assert one.writer_turn(state, placed.slot, need.ticket.session.key, 0.0) is None  # ours to write
     shared.claim(state, "another proxy's session", placed.slot, 1.0)  # under the store's lock, elsewhere
     assert state.slots[placed.slot].epoch == placed.fence.shared + 1
-    assert one.fence_holds(placed.fence) and not one.fence_holds(placed.fence, state)
-    assert two.fence_holds(None, state)
+    asked = handover.turn(state.writers, state.handovers, {**state.beats, "b" * 16: 1.0}, placed.slot, "b" * 16,
+                          "another proxy's session", 1.0)
+    assert asked is not None and one.asked_of_us(state) == [asked]
+    assert one.fence_holds(placed.fence, state, 1.0 + handover.WAIT / 2)  # asked, not yet moved in
+    assert not one.fence_holds(placed.fence, state, 1.0 + handover.WAIT)   # its wait ran out: it moved in
+    one.hand_over_begins(asked)
+    one.hand_over_ends(asked)
+    assert not one.fence_holds(placed.fence)  # handed over: what we planned before is stale
     bad = shared.from_dict({"slots": {"0": {"last_used": 1.0, "epoch": 1 << 70}}}, "u")
     assert bad.slots[0].epoch == 0
 

@@ -82,13 +82,15 @@ async def test_a_claim_by_one_proxy_marks_the_other_proxys_session_displaced_at_
     await until(lambda: conn_a.notices.connected)
     if up_a._task is not None:  # no background flush on A: only a notice can tell it
         up_a._task.cancel()
+    up_a.handovers.stop()  # nor its handover loop (B then waits out its answer, `handover.WAIT`, and moves in)
     assert (await a.request(flow(next_turn(mine)))).id in a.rt.open  # A's hot path, from memory
     calls = conn_a.calls
     t0 = time.monotonic()
-    assert sent(await b.request(flow(chat("task on proxy B"))))["id_slot"] == 0  # one slot: B takes it
+    taking = asyncio.create_task(b.request(flow(chat("task on proxy B"))))  # one slot: B takes it
     await until(lambda: any(isinstance(e, DisplacedElsewhere) for e in a_events))
     assert time.monotonic() - t0 < NOTICE_WITHIN
     assert conn_a.calls == calls  # A learned it without a single command of its own
+    assert sent(await taking)["id_slot"] == 0
     [event] = [e for e in a_events if isinstance(e, DisplacedElsewhere)]
     assert event.via is Via.NOTICE and event.slot == 0
     f = await a.request(flow(next_turn(next_turn(mine))))  # A's session is placed again, not sent from memory

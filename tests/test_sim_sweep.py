@@ -65,6 +65,8 @@ CAUSES = [
          "the restart then forgot what it left there, and the next placement wrote over it unsaved"),
     (993, "moved-server: two one-slot servers; a session with a page on server A, placed on server B because a "
           "side call took A's slot, prefilled its conversation there instead of restoring its page (one save dir)"),
+    (98, "page-in-over-owner: two proxies, one slot; a taker's ask was overwritten by another taker's before it "
+         "read its answer, waited it out and moved in anyway, over the other's moves"),
     (37, "side-call-over-owner: paging off; a session that had expired was resumed on its old slot, which a side "
          "call had written since (the proxy had evicted it knowingly), and reported `resumed`"),
 ]
@@ -73,8 +75,9 @@ CAUSES = [
 # the slot ledger (docs/ledger.md): fenced moves, side calls page out, current pages; claims that queue, page-outs
 # after every earlier request reached the server, live copies of a displaced conversation, older copies never
 # paged, what ran on a restarted server kept, no resume over a slot written since; routing to the server that
-# keeps a session's conversation, and its page restored on another server of the pool when it must go there
-FIXED = {185, 62, 59, 79, 6, 9, 129, 389, 54, 37, 201, 993}
+# keeps a session's conversation, and its page restored on another server of the pool when it must go there;
+# two proxies hand a slot over (slotlogic/handover.py): one writer per slot, the giver answers before the taker moves
+FIXED = {185, 62, 59, 79, 6, 9, 129, 389, 54, 37, 201, 993, 277, 261, 15, 98}
 
 
 @pytest.mark.parametrize("seed", [pytest.param(seed, id=why.split(":")[0], marks=() if seed in FIXED else
@@ -92,6 +95,6 @@ def test_bench_sim_runs_without_a_server_and_prints_the_figures(capsys):
 
 
 def test_bench_sim_seed_prints_each_loss_step_by_step(capsys):
-    assert bench_main(["--sim-seed", "261"]) == 1
+    assert bench_main(["--sim-seed", "633"]) == 1  # a seed that still loses (docs/simulator.md)
     out = capsys.readouterr().out
-    assert "cause=other-proxy-request-over-owner" in out and "this request: slot" in out
+    assert "cause=not-paged-in" in out and "this request: slot" in out

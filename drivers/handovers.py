@@ -1,0 +1,126 @@
+"""The giver's side of slot handovers between proxies sharing one state (`slotlogic.handover`), and the beat.
+
+One background task per server this proxy fronts (started with the first placement or flush): it looks at the
+shared state for handovers other proxies ask of this one, and answers each once this proxy's sessions are off
+the slot, its requests there have reached the server and no move of its own is under way; and, while this
+proxy has live sessions on the server, it says it is alive (`handover.beat`) every `handover.BEAT` seconds.
+
+Cost: the file store is looked at only when its file changed (one `stat` every `FILE_POLL` seconds); a shared
+store (Redis) is read every `REMOTE_POLL` seconds, and at once when a claim notice arrives (`poke`). Nothing
+here is on a request's path. Fail open: a store that cannot be read or written leaves the taker to wait out its
+bound (`handover.WAIT`), then move in anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable
+
+from drivers.slot_gate import SlotGate
+from drivers.store import StateStore
+from slotlogic import handover
+from slotlogic.events import Event, Failed, HandedOver, Stage
+from slotlogic.handover import Handover
+from slotlogic.keeper import Keeper
+
+FILE_POLL = 0.05
+REMOTE_POLL = 0.5
+
+
+class Handovers:
+    def __init__(self, url: str, keeper: Keeper, store: StateStore, emit: Callable[[Event], None],
+                 gate: SlotGate) -> None:
+        self.url = url
+        self.keeper = keeper
+        self.store = store
+        self.emit = emit
+        self.gate = gate
+        self._task: asyncio.Task[None] | None = None
+        self._giving: set[tuple[int, str]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._seen: int | None = None       # the state file's mtime at the last look
+        self._beat = 0.0                    # monotonic time of the last beat written
+        self._poke = asyncio.Event()
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            with contextlib.suppress(RuntimeError):
+                self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def poke(self) -> None:
+        """A claim notice came: look now."""
+        self._poke.set()
+
+    def stop(self) -> None:
+        for task in (self._task, *self._tasks):
+            if task is not None and not task.done():
+                task.cancel()
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._poke.wait(), REMOTE_POLL if self.store.remote else FILE_POLL)
+                self._poke.clear()
+                try:
+                    await self._look()
+                except Exception as e:  # fail open: the taker's wait is bounded
+                    self.emit(Failed(self.url, Stage.BACKGROUND, type(e).__name__))
+                    await asyncio.sleep(1.0)
+        except asyncio.CancelledError:
+            raise
+
+    async def _look(self) -> None:
+        now = time.monotonic()
+        if now - self._beat >= handover.BEAT and self.keeper.holds_conversations():
+            self._beat = now
+            async with self.store.transaction() as state:
+                self.keeper.beat(state, time.time())
+            asked = self.keeper.asked_of_us(state)
+        elif not self._changed():
+            return
+        else:
+            asked = self.keeper.asked_of_us(await self.store.aread())
+        for h in asked:
+            if (h.slot, h.taker) not in self._giving:
+                self._giving.add((h.slot, h.taker))
+                task = asyncio.get_running_loop().create_task(self._give(h))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    def _changed(self) -> bool:
+        """The shared state may hold something new for us (a file: its mtime moved on; Redis: always)."""
+        if self.store.remote:
+            return True
+        path = getattr(self.store, "path", None)
+        try:
+            mtime = os.stat(path).st_mtime_ns if path is not None else None
+        except OSError:
+            return False
+        changed, self._seen = mtime != self._seen, mtime
+        return changed
+
+    async def _give(self, h: Handover) -> None:
+        started = time.monotonic()
+        try:
+            self.keeper.hand_over_begins(h)  # our sessions stay off the slot from now on
+            await self.gate.still(h.slot, handover.WAIT)
+            last = self.keeper.hand_over_ends(h)
+            ran = self.gate.last_started.get(h.slot)
+            if ran is not None:  # the last of our requests there to reach the server: what the slot holds
+                last = ran[0] or None
+            async with self.store.transaction() as state:
+                answered = handover.acknowledge(state.writers, state.handovers, h, last, ran[1] if ran else None,
+                                                time.time())
+            if answered:
+                self.emit(HandedOver(self.url, h.slot, time.monotonic() - started, True, giver=True,
+                                     session=last[:8] if last else None))
+        except Exception as e:
+            self.emit(Failed(self.url, Stage.BACKGROUND, type(e).__name__, slot=h.slot))
+        finally:
+            self.keeper.hand_over_cleared(h)
+            self._giving.discard((h.slot, h.taker))
+
