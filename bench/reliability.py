@@ -15,15 +15,18 @@ Classes (each also has fast cases in `make test`; docs/reliability.md says which
 - bad input: crafted bodies through mitmdump (invalid UTF-8, lone surrogates, deep nesting, huge numbers,
   a 20 MB body, gzip/br/zstd bombs, duplicate and escaped keys, chunked uploads, broken encodings) and the
   hypothesis fuzzers of tests/test_fuzz.py at thousands of examples;
-- memory bounds (`bench/memory_bounds.py`): one value or one client that could grow the proxy without bound
-  (a huge `total_slots` in the state, unlisted llama-swap models, 8 MB system prompts), each against its own
-  proxy: peak RSS growth next to its cap, alive, health answered within 1 s throughout;
+- memory bounds (`bench/memory_bounds.py`, `bench/memory_bounds_streams.py`): one value, one client or one
+  upstream stream that could grow the proxy without bound (a huge `total_slots` in the state, unlisted
+  llama-swap models, 8 MB system prompts, SSE without line or event ends, one huge line in a translated stream,
+  deeply nested and huge state, 1 GB answers that are not streams), each against its own proxy: peak RSS
+  growth next to its cap, alive, health answered within 1 s throughout; its per-attack table is printed too;
 - security: an `--api-key` llama-server; the local API from a non-loopback address; file modes; hostile
   symlinks in the save dir; and every output of the run (proxy logs, JSONL files, state files) scanned for
   the prompts' sentinel string.
 
 Printed: ONE table (faults injected, survived; bad inputs tried; requests; lost; state files corrupted; memory
-peak of the proxy processes) and the failed checks, if any; the details go to bench/results/reliability.json.
+peak of the proxy processes), after the memory-bounds class's own table (one row per attack), and the failed
+checks, if any; the details go to bench/results/reliability.json.
 """
 
 from __future__ import annotations
@@ -825,7 +828,6 @@ def main(argv: list[str] | None = None) -> int:
         ("load", lambda: load(soak, a.sessions)), ("bad", lambda: bad_input(soak, a.fuzz_examples)),
         ("memory", lambda: memory_bounds.run(soak)),
         ("security", lambda: security(soak))]
-    classes.append(("memory-streams", lambda: __import__("bench.memory_bounds_streams", fromlist=["run"]).run(soak)))
     rows: list[Row] = []
     try:
         for name, run in classes:
@@ -834,12 +836,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"reliability: {name} ...", flush=True)
             rows.append(run())
         if rows:
-            scan_outputs(soak, rows[-1] if rows[-1].name == "security" else rows[0])
+            scan_outputs(soak, next((r for r in rows if r.name == "security"), rows[0]))
     finally:
         soak.close()
         if not a.keep:
             shutil.rmtree(soak.root, ignore_errors=True)
     print(table(rows))
+    for r in rows:
+        if r.name == "memory bounds" and r.notes.get("table"):
+            print(f"\nmemory bounds, one row per attack:\n{r.notes['table']}")
     failed = [f"{r.name}: {f}" for r in rows for f in r.failed]
     for f in failed:
         print("FAILED", f)

@@ -16,18 +16,64 @@ runs it on whichever one is installed): `Proxyserver.inject_event`, `Proxyserver
 attributes `layer`/`child_layer`/`streams` to find the flow's stream id, and the constructor-free use of the
 two event classes. `ResponseProtocolError.code` is the HTTP status on 11 and an `ErrorCode` whose
 `http_status_code()` gives it on 12. Anything unexpected returns False, and the request simply goes on.
+
+The error answer's body: mitmproxy's HTTP/1 layer builds it with the module-level `make_error_response` of
+`mitmproxy.proxy.layers.http._http1` (an HTML page, `text/html`), from the injected event's `message`, which it
+receives unchanged. Clients of these routes parse an error body as OpenAI or Anthropic JSON, so `end_flow`
+passes its message as an `ErrorPage` (a `str` carrying the JSON body) and `install_json_errors` wraps that
+function once: an `ErrorPage` becomes the same answer with the JSON body and `application/json`; any other
+call (mitmproxy's own errors) goes to the original untouched. Where the wrapper cannot be installed, or on an
+HTTP/2 or HTTP/3 client connection (whose layers build their page inline; only reachable through a TLS or QUIC
+listener), the message is still a `str` and the client gets mitmproxy's page with it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from mitmproxy import ctx, http
+from mitmproxy import ctx, http, version
+from mitmproxy.net.http import http1
 from mitmproxy.proxy import events
-from mitmproxy.proxy.layers.http import ResponseData, ResponseProtocolError
+from mitmproxy.proxy.layers.http import ResponseData, ResponseProtocolError, _http1
 
 log = logging.getLogger("slotkeeper")
+
+
+class ErrorPage(str):
+    """An injected error's message that carries the JSON body its error answer gets (`install_json_errors`).
+    As a `str` it is the message itself: `flow.error`, logs and mitmproxy's own page read it as one."""
+
+    body: bytes = b""
+
+    def __new__(cls, message: str, body: bytes = b"") -> ErrorPage:
+        page = super().__new__(cls, message)
+        page.body = body
+        return page
+
+
+def _json_errors(original: Callable[..., bytes]) -> Callable[..., bytes]:
+    def make_error_response(status_code: int, message: str = "") -> bytes:
+        if isinstance(message, ErrorPage) and message.body:
+            headers = http.Headers(Server=version.MITMPROXY, Connection="close", Content_Type="application/json")
+            return http1.assemble_response(http.Response.make(status_code, message.body, headers))
+        return original(status_code, message)
+
+    make_error_response.slotkeeper_original = original  # type: ignore[attr-defined]
+    return make_error_response
+
+
+def install_json_errors() -> bool:
+    """Wrap mitmproxy's HTTP/1 `make_error_response` once (idempotent: the addon script may be loaded again),
+    so an injected `ErrorPage` is answered as JSON. False when the function is not where it was."""
+    current = getattr(_http1, "make_error_response", None)
+    if not callable(current):
+        log.warning("slotkeeper: mitmproxy's error answers moved; the watchdog's 504s stay its HTML page")
+        return False
+    if not hasattr(current, "slotkeeper_original"):
+        _http1.make_error_response = _json_errors(current)
+    return True
 
 
 class _Status:
@@ -84,9 +130,11 @@ def _stream_id(proxyserver: Any, flow: http.HTTPFlow) -> int | None:
     return None
 
 
-def end_flow(flow: http.HTTPFlow, status: int, message: str, stream_event: bytes | None = None) -> bool:
-    """End `flow` now: `status` + `message` when no response has reached the client, else `stream_event` (if
-    given) as the stream's last chunk; then both connections close. True when the events were injected."""
+def end_flow(flow: http.HTTPFlow, status: int, message: str, stream_event: bytes | None = None,
+             body: bytes | None = None) -> bool:
+    """End `flow` now: `status` + `message` when no response has reached the client (as the JSON `body` when
+    given, else mitmproxy's HTML page), else `stream_event` (if given) as the stream's last chunk; then both
+    connections close. True when the events were injected."""
     try:
         proxyserver = ctx.master.addons.get("proxyserver")
         if proxyserver is None or not flow.live:
@@ -97,8 +145,11 @@ def end_flow(flow: http.HTTPFlow, status: int, message: str, stream_event: bytes
         streaming = flow.response is not None and callable(flow.response.stream)
         if streaming and stream_event:
             proxyserver.inject_event(_InjectedData(flow, sid, stream_event))
-        proxyserver.inject_event(_InjectedError(flow, sid, message, status))
+        proxyserver.inject_event(_InjectedError(flow, sid, ErrorPage(message, body) if body else message, status))
         return True
     except Exception as e:  # internals moved: say so once per call, and let the request go on
         log.debug("slotkeeper: could not end a request (%s)", type(e).__name__)
         return False
+
+
+JSON_ERRORS = install_json_errors()

@@ -10,7 +10,7 @@ shown as the flow's comment in mitmweb (`slotlogic.watch` decides, `drivers.watc
 `slots_first_token_timeout`: when every slot stays idle and nothing moves that long, the request gets a 504
 and its upstream connection is closed, so llama-server cancels it. `slots_request_deadline`: a request still
 running that long after it left the proxy is ended the same way (a stream that has started gets an error
-event before the close). Both go through `mitm/abort.py`.
+event before the close). Both go through `mitm/abort.py`; the 504's body is JSON in the route's shape.
 
 No hook runs per request: one sweeper task (started at `running`) finds, every tick, the open requests
 (`Runtime.open`, with their flows) that have waited `slots_watch_interval_ms` (or reached their deadline)
@@ -175,7 +175,9 @@ class Watchdog:
         tap = flow.response.stream if streaming and flow.response is not None else None
         if event is not None and isinstance(tap, SSETap):
             event = tap.closing(event, message)  # its own event: never glued onto an unfinished one
-        closed = abort.end_flow(flow, 504, message, event)
+        # the 504 of a request with no answer yet: JSON in the shape its client reads (a translated one too)
+        body = wording.client_error_body(end, limit, anthropic=req.ticket.route is Route.ANTHROPIC)
+        closed = abort.end_flow(flow, 504, message, event, body)
         self.rt.emit(RequestEnded(req.upstream.url, req.path, req.ticket.session.short, end,
                                   time.monotonic() - req.started, limit, streaming, closed))
         self.rt.waiting.pop(flow.id, None)

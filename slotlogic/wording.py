@@ -394,6 +394,15 @@ def client_message(end: End, limit: float) -> str:
     return f"slotkeeper: {_limit(end, limit)}; the request was cancelled"
 
 
+def client_error_body(end: End, limit: float, *, anthropic: bool = False) -> bytes:
+    """The 504 answer's JSON body in the route's own shape: Anthropic's error body on `/v1/messages` (as the
+    proxy's other Anthropic errors), llama-server's OpenAI-style error object on every other route."""
+    message = client_message(end, limit)
+    body: dict[str, Any] = ({"type": "error", "error": {"type": "timeout_error", "message": message}} if anthropic
+                            else {"error": {"code": 504, "message": message, "type": "timeout_error"}})
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 def stream_error_event(end: End, limit: float, *, anthropic: bool = False) -> bytes:
     """The last event of a stream the proxy ends: an error in the route's own format."""
     message = client_message(end, limit)

@@ -27,8 +27,18 @@ def test_the_stand_in_lists_only_its_models_like_llama_swap():
 
 def test_the_summary_row_has_every_field_of_the_soaks_rows_and_fails_with_its_attacks():
     assert {f.name for f in fields(Row)} <= {f.name for f in fields(mb.BoundsRow)}
-    over = mb.Attack("x", growth_mb=400.0, alive=True)
+    over = mb.Attack("x", "1", growth_mb=400.0, alive=True)
     over.check(over.growth_mb <= over.cap_mb, "over the cap")
-    assert "| x      | 400" in mb.table([over]) and over.failed == ["over the cap"]
+    assert "| x      | 1    |" in mb.table([over]) and "| 400 " in mb.table([over]) and over.failed == ["over the cap"]
     empty = mb.run(object(), only=("no-such-attack",))
     assert empty.failed == [] and empty.faults == 0 and empty.check(False, "x") is False
+
+
+def test_every_attack_of_the_issue_has_a_row_with_its_item():
+    """Items 1-6, 15 and 16 of issue 20 each have at least one attack in the class."""
+    names = mb.attack_names()
+    assert len(names) == len(mb.attacks()) == len(set(names)) == 11
+    assert names[:3] == ["total_slots", "swap_models", "fastpath_heads"]
+    small, full = mb.Sizes.small(), mb.Sizes()
+    assert small.stream_mb > 4 and small.json_mb > 64 and small.fast_prompt > 4 << 20   # past every cap
+    assert (full.stream_mb, full.json_mb, full.swap_models, full.sparse_bytes) == (200, 1024, 1000, 1 << 30)

@@ -124,7 +124,8 @@ def test_the_deadline_ends_a_stream_and_a_plain_request_and_the_server_stops_wor
     assert len(lines) > 5 and errors and errors[0]["error"]["code"] == 504, lines[-3:]
     assert "deadline of 3 s reached (slots_request_deadline)" in errors[0]["error"]["message"]
     assert 3 <= stream_s < 8 and stream_idle
-    assert plain.status_code == 504 and "deadline of 3 s reached" in plain.text and 3 <= plain_s < 8
+    assert plain.status_code == 504 and plain.headers["content-type"] == "application/json" and 3 <= plain_s < 8
+    assert "deadline of 3 s reached" in plain.json()["error"]["message"]
     assert plain_idle
     assert (tmp_path / "s.log").read_text().count("cancel task") >= 2
     ended = [r for r in jsonl(tmp_path / "req.jsonl") if r["kind"] == "ended"]
@@ -165,26 +166,57 @@ class Swallow(BaseHTTPRequestHandler):
 
 
 def test_a_stalled_request_gets_a_504_and_its_upstream_connection_is_closed(tmp_path):
+    """The 504 is JSON in the route's shape: llama-server's error object for a chat completion, Anthropic's
+    error body for /v1/messages (translated, and native on a second proxy)."""
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_watch_interval_ms": 300,
             "slots_first_token_timeout": 2, "slots_log_file": str(tmp_path / "req.jsonl")}
-    with LlamaServer(slots=2, ctx_per_slot=2048, threads=1, log_path=str(tmp_path / "s.log")) as srv:
+    native = {**opts, "slots_state_dir": str(tmp_path / "state2"), "slots_log_file": str(tmp_path / "req2.jsonl"),
+              "slots_anthropic": "native"}
+    messages = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
+    with LlamaServer(slots=3, ctx_per_slot=2048, threads=1, log_path=str(tmp_path / "s.log")) as srv:
         Swallow.upstream, Swallow.closed = srv.url, []
         shim = ThreadingHTTPServer(("127.0.0.1", free_port()), Swallow)
         threading.Thread(target=shim.serve_forever, daemon=True).start()
+        shim_url = f"http://127.0.0.1:{shim.server_address[1]}"
+        got: dict[str, tuple[httpx.Response, float]] = {}
+
+        def post(name: str, url: str, body: dict[str, Any]) -> None:
+            t0 = time.monotonic()
+            r = httpx.post(url, json=body, timeout=30)
+            got[name] = (r, time.monotonic() - t0)
+
         try:
-            with MitmProxy(f"http://127.0.0.1:{shim.server_address[1]}", opts,
-                           log_path=str(tmp_path / "p.log")) as px:
-                t0 = time.monotonic()
-                r = httpx.post(px.url + "/v1/chat/completions", timeout=30,
-                               json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2})
+            with MitmProxy(shim_url, opts, log_path=str(tmp_path / "p.log")) as px, \
+                    MitmProxy(shim_url, native, log_path=str(tmp_path / "p2.log")) as px2:
+                calls = [threading.Thread(target=post, args=a) for a in (
+                    ("chat", px.url + "/v1/chat/completions",
+                     {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}),
+                    ("translated", px.url + "/v1/messages", messages),
+                    ("native", px2.url + "/v1/messages", messages))]
+                for c in calls:
+                    c.start()
+                for c in calls:
+                    c.join(40)
                 answered = time.monotonic()
-                assert wait_until(lambda: Swallow.closed, 5)
+                # three closes: our requests' upstream connections (a proxy's own start-up POST is swallowed too)
+                assert wait_until(lambda: len(Swallow.closed) >= 3, 5), Swallow.closed
                 time.sleep(0.5)
         finally:
             shim.shutdown()
             shim.server_close()
-    assert r.status_code == 504 and "every slot stayed idle for 2 s (slots_first_token_timeout)" in r.text
-    assert 2 <= answered - t0 < 6 and Swallow.closed[0] - answered < 2
+    message = "every slot stayed idle for 2 s (slots_first_token_timeout)"
+    for name, (r, took) in got.items():
+        assert r.status_code == 504 and r.headers["content-type"] == "application/json", (name, r.headers)
+        assert 2 <= took < 8, (name, took)
+        body = r.json()
+        if name == "chat":
+            assert body["error"]["code"] == 504 and body["error"]["type"] == "timeout_error"
+            text = body["error"]["message"]
+        else:
+            assert body["type"] == "error" and body["error"]["type"] == "timeout_error", (name, body)
+            text = body["error"]["message"]
+        assert message in text and set(body) == ({"error"} if name == "chat" else {"type", "error"}), body
+    assert len(got) == 3 and sorted(Swallow.closed)[2] - answered < 2
     waits = [w for w in jsonl(tmp_path / "req.jsonl") if w["kind"] == "waiting"]
     assert waits and all(w["state"] == "stalled" for w in waits) and waits[-1]["idle_for"] >= 2 - 0.3 - 0.2
     # the last line comes from the last poll before the timeout fired: up to one interval (0.3 s) and a
@@ -192,6 +224,7 @@ def test_a_stalled_request_gets_a_504_and_its_upstream_connection_is_closed(tmp_
     log = (tmp_path / "p.log").read_text()
     assert "stalled: every slot idle for" in log and "answered 504 and closed the upstream connection" in log
     print("\n".join(line for line in log.splitlines() if "stalled" in line or "ended after" in line))
+    print({name: r.text for name, (r, _) in got.items()})
 
 
 class Canned(Swallow):

@@ -6,13 +6,14 @@ so `abort.end_flow` is recorded here and exercised for real in tests/test_real_w
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import pytest
 from mitmproxy import exceptions, http
 from mitmproxy.flow import Error
 
-from mitm import watchdog
+from mitm import abort, watchdog
 from tests.conftest import FakeLlama, chat, flow
 
 
@@ -45,8 +46,8 @@ async def llama(proxy):
 def ended(monkeypatch):
     calls = []
 
-    def end_flow(f, status, message, stream_event=None):
-        calls.append((f.id, status, message, stream_event))
+    def end_flow(f, status, message, stream_event=None, body=None):
+        calls.append((f.id, status, message, stream_event, body))
         return True
     monkeypatch.setattr(watchdog.abort, "end_flow", end_flow)
     return calls
@@ -86,13 +87,51 @@ async def test_a_stall_gets_a_504_and_the_report_says_why(proxy, llama, ended, c
     with caplog.at_level(logging.INFO):
         f = await proxy.request(flow(chat()))
         await wait_for(lambda: ended, timeout=4)
-    (fid, status, message, event), = ended
+    (fid, status, message, event, body), = ended
     assert (fid, status, event) == (f.id, 504, None)
     assert message.startswith("slotkeeper: no first byte while every slot stayed idle for 1 s")
+    assert json.loads(body) == {"error": {"code": 504, "message": message, "type": "timeout_error"}}
     assert "stalled: every slot idle" in caplog.text and "answered 504 and closed the upstream" in caplog.text
     f.error = Error("slotkeeper: …")
     await proxy.hook("error", f)
     assert proxy.rt.reports[f.id].obs.error_type == "first-token-timeout"
+
+
+@pytest.mark.parametrize("mode", ["native", "translate"])
+async def test_a_stalled_messages_request_gets_anthropics_error_body(proxy, llama, ended, mode):
+    """The 504's body on /v1/messages is Anthropic's error body, translated (sent upstream as a chat completion)
+    or not: its client is an Anthropic client either way."""
+    proxy.configure(slots_watch_interval_ms=100, slots_first_token_timeout=1, slots_anthropic=mode)
+    llama.poll = [{"id": i, "is_processing": False, "id_task": 3, "n_prompt_tokens": 0} for i in range(4)]
+    f = await proxy.request(flow({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+                                 path="/v1/messages"))
+    await wait_for(lambda: ended, timeout=4)
+    (_, status, message, event, body), = ended
+    assert (status, event) == (504, None)
+    assert json.loads(body) == {"type": "error", "error": {"type": "timeout_error", "message": message}}
+    f.error = Error(message)
+    await proxy.hook("error", f)
+
+
+def test_an_error_page_is_answered_as_json_and_mitmproxys_own_errors_stay_html():
+    """The wrapped `make_error_response` of mitmproxy's HTTP/1 layer (what its client side calls with the
+    injected error's message): an `ErrorPage` becomes its JSON body, anything else mitmproxy's page."""
+    from mitmproxy.net.http import http1
+    from mitmproxy.proxy.layers.http import _http1
+
+    assert abort.install_json_errors() and abort.install_json_errors()      # idempotent: wrapped once
+    assert not hasattr(_http1.make_error_response.slotkeeper_original, "slotkeeper_original")
+    body = b'{"error":{"code":504,"message":"slotkeeper: late","type":"timeout_error"}}'
+    page = abort.ErrorPage("slotkeeper: late", body)
+    assert page == "slotkeeper: late" and isinstance(page, str)
+    raw = _http1.make_error_response(504, page)
+    head, _, got = raw.partition(b"\r\n\r\n")
+    response = http1.read_response_head(head.split(b"\r\n"))
+    assert response.status_code == 504 and response.headers["content-type"] == "application/json"
+    assert got == body and response.headers["content-length"] == str(len(body))
+    for message in ("slotkeeper: late", abort.ErrorPage("no body")):              # mitmproxy's page, unchanged
+        html = _http1.make_error_response(502, message)
+        assert b"content-type: text/html" in html.lower() and message.encode() in html
 
 
 async def test_a_busy_server_never_counts_as_stalled(proxy, llama, ended, caplog):
@@ -116,7 +155,7 @@ async def test_a_started_stream_is_not_polled_and_its_deadline_ends_it_with_an_e
     await asyncio.sleep(0.3)
     assert llama.polls == []                               # the first byte came before the first poll
     await wait_for(lambda: ended, timeout=3)
-    (_, status, _, event), = ended
+    (_, status, _, event, _), = ended
     assert status == 504 and b'"code": 504' in event and b"deadline of 1 s reached" in event
     f.response.stream(event)                               # what mitmproxy does with the injected chunk
     await proxy.hook("response", f)
