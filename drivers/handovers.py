@@ -27,6 +27,7 @@ from slotlogic.handover import Handover
 from slotlogic.keeper import Keeper
 
 FILE_POLL = 0.05
+IDLE_POLL = 1.0   # no other proxy alive in the state: nobody can ask us (a new one beats before it asks)
 REMOTE_POLL = 0.5
 
 
@@ -43,7 +44,8 @@ class Handovers:
         self._tasks: set[asyncio.Task[None]] = set()
         self._seen: int | None = None       # the state file's mtime at the last look
         self._beat = 0.0                    # monotonic time of the last beat written
-        self._poke = asyncio.Event()
+        self._wake: asyncio.Future[None] | None = None
+        self._others = True  # another live proxy was in the state last seen (until the first look says)
 
     def start(self) -> None:
         if self._task is None or self._task.done():
@@ -52,7 +54,20 @@ class Handovers:
 
     def poke(self) -> None:
         """A claim notice came: look now."""
-        self._poke.set()
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def _pause(self) -> None:
+        """Until the next look: FILE_POLL while another proxy is alive in the state last seen (it may ask us
+        for a slot), IDLE_POLL while none is; a shared store every REMOTE_POLL, or at once on a notice."""
+        loop = asyncio.get_running_loop()
+        interval = REMOTE_POLL if self.store.remote else FILE_POLL if self._others else IDLE_POLL
+        self._wake = loop.create_future()
+        handle = loop.call_later(interval, lambda f=self._wake: f.done() or f.set_result(None))
+        try:
+            await self._wake
+        finally:
+            handle.cancel()
 
     def stop(self) -> None:
         for task in (self._task, *self._tasks):
@@ -62,9 +77,7 @@ class Handovers:
     async def _run(self) -> None:
         try:
             while True:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._poke.wait(), REMOTE_POLL if self.store.remote else FILE_POLL)
-                self._poke.clear()
+                await self._pause()
                 try:
                     await self._look()
                 except Exception as e:  # fail open: the taker's wait is bounded
@@ -79,11 +92,12 @@ class Handovers:
             self._beat = now
             async with self.store.transaction() as state:
                 self.keeper.beat(state, time.time())
-            asked = self.keeper.asked_of_us(state)
         elif not self._changed():
             return
         else:
-            asked = self.keeper.asked_of_us(await self.store.aread())
+            state = await self.store.aread()
+        self._others = self.keeper.others_alive(state, time.time())
+        asked = self.keeper.asked_of_us(state)
         for h in asked:
             if (h.slot, h.taker) not in self._giving:
                 self._giving.add((h.slot, h.taker))

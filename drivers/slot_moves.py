@@ -115,7 +115,7 @@ class SlotMoves:
         fence = self.keeper.turn(fence) if fence is not None else None
         # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
         # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
-        state = await self._fresh_pages(key) if self.store.remote else await self.store.aread()
+        state = await self._fresh_pages(key) if self.store.remote else await self.store.fresh()
         given, stale = await self._writer(slot, key, fence, state)
         if stale or not self.keeper.fence_holds(fence):  # we handed the slot on since our claim: place it again
             assert fence is not None
@@ -189,7 +189,7 @@ class SlotMoves:
         answer, stale = None, False
         while time.monotonic() - started < handover.WAIT:
             await asyncio.sleep(HANDOVER_POLL)
-            state = await self.store.aread()
+            state = await self.store.fresh()
             answer = self.keeper.handover_answer(state, asked)
             if answer is not None:
                 self.keeper.writer_given(answer)

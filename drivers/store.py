@@ -54,6 +54,10 @@ class StateStore(Protocol):
 
     async def aread(self) -> shared.ServerState: ...
 
+    async def fresh(self) -> shared.ServerState:
+        """The state as it is now (what the last read or transaction saw, when nothing changed it since)."""
+        ...
+
     def watch(self, on_claim: Callable[[ClaimNotice], None]) -> None: ...
 
 

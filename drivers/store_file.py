@@ -164,6 +164,26 @@ class StateFile:
         self.file = JsonFile(Path(directory) / state_file_name(upstream), emit, compact=True)
         self.last = shared.ServerState(upstream=upstream)  # as of the last transaction: for sync views
         self.dir, self.path = self.file.dir, self.file.path
+        self._seen: tuple[tuple[int, int, int], shared.ServerState] | None = None  # (file's stamp, its state)
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        """The file's inode, size and mtime: every write replaces the file, so a new inode is a new state."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    async def fresh(self) -> shared.ServerState:
+        """The state as it is now, without reading it when the file is the one this process last read or
+        wrote (a `stat`; the slow path asks this at a placement's turn). Read-only: never change what it gives."""
+        stamp = self._stamp()
+        if stamp is not None and self._seen is not None and self._seen[0] == stamp:
+            return self._seen[1]
+        state = await self.aread()
+        if stamp is not None and self._stamp() == stamp:  # unchanged while it was read
+            self._seen = (stamp, state)
+        return state
 
     def read(self) -> shared.ServerState:
         """Read without the lock (status views, the hash fallback); tolerant of anything."""
@@ -192,6 +212,8 @@ class StateFile:
             yield state
             await asyncio.to_thread(self.write, state)
             self.last = state
+            stamp = self._stamp()  # still under the lock: nobody else wrote since
+            self._seen = (stamp, state) if stamp else None
 
     @contextlib.contextmanager
     def transaction_sync(self) -> Iterator[shared.ServerState]:

@@ -258,6 +258,10 @@ class RedisState:
         """The last state seen (sync callers never wait for the network)."""
         return self.last
 
+    async def fresh(self) -> shared.ServerState:
+        """Another machine may have written it at any time: always a read."""
+        return await self.aread()
+
     async def aread(self) -> shared.ServerState:
         if not self.conn.usable():
             return self.last

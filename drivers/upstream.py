@@ -271,7 +271,7 @@ class Upstream(SlotMoves):
         paged = self.pages is not None and not self.offline and (
             not placement.side or self.keeper.side_needs_page_out(placement.slot))
         if not paged and not self.offline:  # no moves, but another proxy may write the slot: it is asked first
-            state = await self.store.aread()
+            state = await self.store.fresh()
             _, stale = await self._writer(placement.slot, key, placement.fence, state)
             if stale and retries > 0:
                 return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)

@@ -635,6 +635,10 @@ class Keeper(PageKeeping):
         self.ledger.writing.discard(h.slot)
         return last
 
+    def others_alive(self, state: shared.ServerState, now: float) -> bool:
+        """Another proxy beats in this server's state: it may ask us for a slot."""
+        return any(p != self.instance and handover.alive(state.beats, p, now) for p in state.beats)
+
     def hand_over_cleared(self, h: Handover) -> None:
         """The handover of `h.slot` is over, answered or not: nothing of it keeps our sessions off the slot."""
         self.ledger.unclaim(h.slot, OTHER_PROXY)
