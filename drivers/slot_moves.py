@@ -179,13 +179,23 @@ class SlotMoves:
         store every HANDOVER_POLL seconds, at most `handover.WAIT`; without it the slot is taken anyway). The
         answer (None: none needed or none came), and whether this placement went stale meanwhile (we handed
         the slot on to another proxy since its claim)."""
-        if self.keeper.may_write(state, slot):
-            return None, False
-        async with self.store.transaction() as state:
-            asked = self.keeper.writer_turn(state, slot, key, time.time())
-        if asked is None:
-            return None, False
         started = time.monotonic()
+        while True:
+            # Never decided while this process is handing the slot to another proxy (a state read before that
+            # answer is written is stale): wait for the answer to be out, then ask for the slot back. What is
+            # decided here and `gate.moves` after it run without a pause between (nothing else runs between).
+            while self.keeper.handing_over(slot) and time.monotonic() - started < handover.WAIT:
+                await asyncio.sleep(HANDOVER_POLL)
+                state = await self.store.fresh()
+            if self.keeper.may_write(state, slot):
+                return None, False
+            async with self.store.transaction() as state:
+                asked = self.keeper.writer_turn(state, slot, key or "side-call", time.time())
+            if asked is not None:
+                break
+            if not self.keeper.handing_over(slot):
+                return None, False
+            state = await self.store.fresh()
         answer, stale = None, False
         while time.monotonic() - started < handover.WAIT:
             await asyncio.sleep(HANDOVER_POLL)

@@ -268,15 +268,16 @@ class Upstream(SlotMoves):
             self.emit(event)
         if self.pages is not None and placement.dropped_pages:
             self.pages.delete(placement.dropped_pages)
-        paged = self.pages is not None and not self.offline and (
-            not placement.side or self.keeper.side_needs_page_out(placement.slot))
+        # A side call on the slow path takes its turn too: a placement may be under way there (its session's
+        # conversation is then paged out first, once its request reached the server).
+        paged = self.pages is not None and not self.offline
         if not paged and not self.offline:  # no moves, but another proxy may write the slot: it is asked first
             state = await self.store.fresh()
             _, stale = await self._writer(placement.slot, key, placement.fence, state)
             if stale and retries > 0:
                 return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
         if placement.side and paged:
-            # The side slot holds a session's conversation (placed there before side calls came): saved first,
+            # The side slot may hold a session's conversation (placed there before side calls came): saved first,
             # so the session pages back in whole instead of finding a side call's prompt.
             await self._page(placement.slot, "", placement.view, flow_id, fence=placement.fence)
         if placement.side or self.offline:

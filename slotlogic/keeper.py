@@ -594,7 +594,10 @@ class Keeper(PageKeeping):
     # ------------------------------------------------------------------------------------------- handovers
 
     def may_write(self, state: shared.ServerState, slot: int) -> bool:
-        """The shared state names this process as the slot's writer (`slotlogic.handover`, Rule 2)."""
+        """The shared state names this process as the slot's writer (`slotlogic.handover`, Rule 2), and it is not
+        handing the slot to another proxy right now (a state read before that answer was written is stale)."""
+        if self.handing_over(slot):
+            return False
         if not self.instance or handover.writes(state.writers, slot, self.instance):
             self.ledger.writing.add(slot)
             return True
@@ -620,6 +623,10 @@ class Keeper(PageKeeping):
         """Handovers other proxies ask of this one (`slotlogic.handover`)."""
         return handover.asked_of(state.handovers, self.instance) if self.instance else []
 
+    def handing_over(self, slot: int) -> bool:
+        """This process is handing `slot` to another proxy right now."""
+        return self.ledger.handing_over(slot, OTHER_PROXY)
+
     def hand_over_begins(self, h: Handover) -> None:
         """Keep this process's sessions off the slot from now on (their next request is placed again)."""
         self.ledger.claim(h.slot, OTHER_PROXY)
@@ -631,9 +638,8 @@ class Keeper(PageKeeping):
         last = self.ledger.conversation_on(h.slot)
         if self.claimed_elsewhere(h.slot, h.claimant, None) is None:
             self.ledger.claimed_elsewhere(h.slot, h.claimant)
-        self.ledger.unclaim(h.slot, OTHER_PROXY)
         self.ledger.writing.discard(h.slot)
-        return last
+        return last  # our sessions stay off the slot until the answer is written (`hand_over_cleared`)
 
     def others_alive(self, state: shared.ServerState, now: float) -> bool:
         """Another proxy beats in this server's state: it may ask us for a slot."""

@@ -60,7 +60,12 @@ class PageKeeping:
         the server): the later of the two is the slot's holder (`handover.holder`)."""
         model = self.page_identity
         holder, tokens = (handover.holder(given, ours), None) if given is not None else self._holder(slot, view, sent)
-        if holder and self.ledger.moved_on(slot, holder):  # an older copy: its conversation went on elsewhere
+        # An older copy (its conversation went on elsewhere) is nobody's page. After a handover our ledger has
+        # lost sight of the slot, but the handover says whose conversation is there: only a newer copy in
+        # another of our slots overrules it.
+        older = self.ledger.moved_on(slot, holder) if given is None else self.ledger.where(holder) not in (None, slot) \
+            if holder else False
+        if holder and older:
             holder, tokens = None, 0
         rec = self.pages.get(session_key)
         holds_own = (slot not in self.table.dispatched and view.owner == session_key and rec is not None
@@ -98,6 +103,10 @@ class PageKeeping:
         """Whose conversation `slot` holds, and how many tokens (`paging.holder_of`), given what this process
         sent there, the snapshot's claim, and `sent` (the slot's last paged send of any proxy)."""
         dispatched = self.table.dispatched
+        if self.instance and dispatched.get(slot) is not None:
+            # One writer per slot (slotlogic.handover): what another proxy did there came with its answer
+            # (`given`), and since then only we wrote it. The state's newer claims say nothing of its content.
+            return paging.holder_of(slot, view, dispatched)
         if view.owner is not None and view.owner not in self.table.sessions and dispatched.get(slot):
             # The snapshot names another proxy's session as the slot's newest claim (`shared.views` shows
             # a claim from the shared state only when it is newer than what this process did there): it

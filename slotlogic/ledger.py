@@ -163,6 +163,10 @@ class Ledger:
         """A placement has chosen `slot` and its request has not been pinned yet: its moves are to come."""
         return bool(self._claims) and slot in self._claims
 
+    def handing_over(self, slot: int, marker: str) -> bool:
+        """`marker`'s claim is queued on `slot`: it is being handed to another proxy."""
+        return bool(self._claims) and marker in self._claims.get(slot, ())
+
     def claimed_slots(self) -> frozenset[int]:
         return frozenset(self._claims)
 
