@@ -70,6 +70,7 @@ class PageRunner:
         self.last_sent: dict[int, tuple[str, float] | None] = {}  # slot -> its last paged send, as the lock said
         self._tasks: set[asyncio.Task[None]] = set()
         self._doomed: set[str] = set()  # replaced page files whose deletion waits (`delete_later`)
+        self._waits: dict[int, int] = {}  # slot whose lock is held -> the slot its holder waits for (`wait_free`)
         self.gate: SlotGate = SlotGate(upstream, emit)  # which requests reached the server (Upstream shares its own)
 
     def busy(self, slot: int) -> bool:
@@ -97,6 +98,23 @@ class PageRunner:
             if held:
                 self.remote[flow_id] = (slot, token, session)
                 self.last_sent[slot] = sent
+        return True
+
+    async def wait_free(self, slot: int, mine: int, timeout: float) -> bool:
+        """Wait until the placement holding `slot`'s lock lets it go (the slot is not taken: only waited for),
+        while this one holds `mine`'s; False when `timeout` ran out first, or when that placement waits for
+        `mine` itself (two sessions trading slots: one of them goes on without waiting)."""
+        if self._waits.get(slot) == mine:
+            return False
+        lock = self.locks.setdefault(slot, asyncio.Lock())
+        self._waits[mine] = slot
+        try:
+            await asyncio.wait_for(lock.acquire(), timeout)
+        except TimeoutError:
+            return False
+        finally:
+            self._waits.pop(mine, None)
+        lock.release()
         return True
 
     async def settled(self, session_key: str) -> None:

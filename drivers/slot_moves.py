@@ -40,6 +40,7 @@ from slotlogic.settings import Settings
 REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its session stays (a restore planned)
 REMOTE_SETTLE = 10.0   # seconds a pager waits for another proxy's page-out of its session (a shared store)
 SOURCE_POLL = 0.2      # seconds between `/slots` looks while a new session waits for the slot it would copy
+SEED_SLOT_WAIT = 30.0  # seconds a placement waits for the slot its own conversation is being paged out of
 HANDOVER_POLL = 0.025  # seconds between looks at the store while a taker waits for the giver's answer
 MIN_SLEEP = 0.001      # a wait's last sliver below this is not slept (nor polled for)
 
@@ -125,6 +126,14 @@ class SlotMoves:
         plan = self.keeper.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
                                      stable_chars=stable_chars, cold=cold, given=given,
                                      ours=self.gate.last_started.get(slot))
+        # Our own conversation is on a slot another placement is paging now: its page of us is recorded by the
+        # time it lets that slot go; wait for that, then plan again (the page is there then).
+        if plan.seed is not None and plan.seed.source == key and plan.seed.slot is not None \
+                and not self.store.remote and self.pages.busy(plan.seed.slot) \
+                and await self.pages.wait_free(plan.seed.slot, slot, SEED_SLOT_WAIT):
+            plan = self.keeper.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
+                                         stable_chars=stable_chars, cold=cold, given=given,
+                                         ours=self.gate.last_started.get(slot))
         if plan.seed is not None and plan.seed.slot is not None and (self.store.remote
                                                                      or self.pages.busy(plan.seed.slot)):
             # A live seed's slot is saved under its local lock only: never while another placement pages it,

@@ -75,6 +75,10 @@ CAUSES = [
           "slot's holder instead of what its own last request left there"),
     (984, "prefix-restore-over-owner: two proxies, one slot; a placement of the giver decided it was the writer in "
           "the moment between its handover's answer and that answer's write"),
+    (1224, "not-paged-in: an expired session came back while another placement was paging its slot out: no copy of "
+           "its live slot (busy), no page yet, so it prefilled"),
+    (2034, "stale-page: a session came back while a side call paged its slot out: its older page was restored "
+           "instead of the one being written"),
     (37, "side-call-over-owner: paging off; a session that had expired was resumed on its old slot, which a side "
          "call had written since (the proxy had evicted it knowingly), and reported `resumed`"),
 ]
@@ -85,7 +89,7 @@ CAUSES = [
 # paged, what ran on a restarted server kept, no resume over a slot written since; routing to the server that
 # keeps a session's conversation, and its page restored on another server of the pool when it must go there;
 # two proxies hand a slot over (slotlogic/handover.py): one writer per slot, the giver answers before the taker moves
-FIXED = {185, 62, 59, 79, 6, 9, 129, 389, 54, 37, 201, 993, 277, 261, 98, 153, 381, 633, 984}
+FIXED = {185, 62, 59, 79, 6, 9, 129, 389, 54, 37, 201, 993, 277, 261, 98, 153, 381, 633, 984, 1224, 2034}
 
 
 @pytest.mark.parametrize("seed", [pytest.param(seed, id=why.split(":")[0], marks=() if seed in FIXED else
