@@ -82,7 +82,7 @@ def test_every_route_learns_the_slot_the_server_chose_and_the_client_sees_no_dif
             assert first["slot"] is None and isinstance(second["slot"], int)
         else:
             assert isinstance(first["slot"], int) and second["slot"] == first["slot"], (path, second)
-        assert second["reason"] == "known", (path, second)
+        assert second["reason"] == "known", (path, first, second, log.read_text()[-3000:])
         assert second["cache_n"] > 50 and second["cache_n"] >= (first["prompt_n"] or 0) - 8, (path, first, second)
     server_log = (tmp_path / "s.log").read_text()
     chosen = server_log.count("selected slot by LRU") + server_log.count("selected slot by LCP similarity")

@@ -180,7 +180,16 @@ def test_a_displaced_session_moves_to_a_cold_slot_or_shares_its_own(tmp_path):
     assert reasons[4][2] == "evict-cheapest" and [r for _, _, r in reasons[5:7]] == ["known"] * 2, reasons
     assert (again["A"].slot, reasons[7][2]) == (first["B"].slot, "displaced:evict-cheapest"), reasons
     assert again["A"].cache_n >= 300  # the system prompt B left in slot 1
-    assert (again["B"].slot, reasons[8][2]) == (first["B"].slot, "displaced:shared"), reasons
+    # B stays on its slot with A, unless E's slot has gone cold compared with A's (COLD_AFTER, and 3x as long:
+    # `ranking.worth_moving`): on a loaded machine the turns of D, C and A can take that long. Which one the
+    # rule gives is read from the log's own clock, so the check holds however long the turns took.
+    records = [r for r in jsonl(tmp_path / "req.jsonl") if r["kind"] == "request"]
+    b_at = records[8]["t"] - records[8]["seconds"]
+    idle_e, idle_a = b_at - records[4]["t"], b_at - records[7]["t"]
+    if idle_e >= max(5.0, 3 * idle_a):
+        assert (again["B"].slot, reasons[8][2]) == (first["A"].slot, "displaced:evict-cheapest"), (reasons, idle_e)
+    else:
+        assert (again["B"].slot, reasons[8][2]) == (first["B"].slot, "displaced:shared"), (reasons, idle_e)
     assert again["D"].slot == first["D"].slot and again["D"].cache_n > first["D"].cache_n + first["D"].prompt_n - 5
 
 
