@@ -366,7 +366,7 @@ class Pool:
         """The session's restorable page on any server of the pool (their slot files share one save dir): the
         server it is placed on restores it when its own state has none, as a failover does."""
         for up in cands:
-            rec = up.keeper.pages.get(key)
+            rec = up.keeper.pager.page_of(key)
             if rec is not None and rec.n_tokens > 0:
                 return rec
         return None
@@ -375,7 +375,7 @@ class Pool:
         """The page record of a session whose server is down (its state is still readable)."""
         with contextlib.suppress(Exception):
             state = await previous.store.aread()
-            return state.pages.get(key) or previous.keeper.pages.get(key)
+            return state.pages.get(key) or previous.keeper.pager.page_of(key)
         return None
 
     # ------------------------------------------------------------------------------------------- health

@@ -3,7 +3,7 @@ and the prefix checkpoint step, performed once the slot's paging lock is held.
 
 Why apart: `Upstream` answers requests; this part moves conversations between slots and files, on the slow
 path only (new, displaced and paged sessions). What to move is decided by the core
-(`slotlogic.keeper_pages`), performed by `drivers.page_runner` and `drivers.checkpoint_runner`.
+(`slotlogic.pager`), performed by `drivers.page_runner` and `drivers.checkpoint_runner`.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class SlotMoves:
         pages = self.pages
         # A slot whose paging lock is held is as good as busy: its placement's request is on its way there.
         busy = [replace(v, busy=True) if not v.busy and pages.busy(v.id) else v for v in views]
-        found = self.keeper.busy_source(slot, key, view, busy, stable_chars, cold, sent=pages.last_sent.get(slot))
+        found = self.keeper.pager.busy_source(slot, key, view, busy, stable_chars, cold, sent=pages.last_sent.get(slot))
         if found is None:
             return views
         source, budget = found
@@ -93,7 +93,7 @@ class SlotMoves:
             live = await self.client.slots()
             if live is None:
                 break
-            idle = not pages.busy(source) and self.keeper.source_idle(source, live)
+            idle = not pages.busy(source) and self.keeper.pager.source_idle(source, live)
         self.emit(SourceAwaited(self.url, slot, source, time.monotonic() - started, idle))
         return [replace(v, busy=False) if v.id == source else v for v in views] if idle else views
 
@@ -123,7 +123,7 @@ class SlotMoves:
             self.emit(self.keeper.stale_plan(fence, "page", key))
             return Moved.STALE, fence
         self.gate.moves(slot, flow_id)
-        plan = self.keeper.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
+        plan = self.keeper.pager.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
                                      stable_chars=stable_chars, cold=cold, given=given,
                                      ours=self.gate.last_started.get(slot))
         # Our own conversation is on a slot another placement is paging now: its page of us is recorded by the
@@ -131,14 +131,14 @@ class SlotMoves:
         if plan.seed is not None and plan.seed.source == key and plan.seed.slot is not None \
                 and not self.store.remote and self.pages.busy(plan.seed.slot) \
                 and await self.pages.wait_free(plan.seed.slot, slot, SEED_SLOT_WAIT):
-            plan = self.keeper.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
+            plan = self.keeper.pager.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
                                          stable_chars=stable_chars, cold=cold, given=given,
                                          ours=self.gate.last_started.get(slot))
         if plan.seed is not None and plan.seed.slot is not None and (self.store.remote
                                                                      or self.pages.busy(plan.seed.slot)):
             # A live seed's slot is saved under its local lock only: never while another placement pages it,
             # nor when other proxies (a shared store) may be paging it. Its own live conversation: its page then.
-            plan = plan.without_seed() if plan.seed.source != key else self.keeper.page_plan(
+            plan = plan.without_seed() if plan.seed.source != key else self.keeper.pager.page_plan(
                 slot, key, view, sent=self.pages.last_sent.get(slot), views=views, stable_chars=stable_chars,
                 cold=cold, copy_live=False, given=given,
                 ours=self.gate.last_started.get(slot))
@@ -154,7 +154,7 @@ class SlotMoves:
         try:
             if plan.saves:  # the holder's page-out and a live seed's save: both recorded before they are written
                 async with self.store.transaction() as state:
-                    replaced = self.keeper.page_intent(state, plan, time.time())
+                    replaced = self.keeper.pager.page_intent(state, plan, time.time())
                 # Another placement (of any proxy) may have planned its restore from the record just replaced:
                 # a seed from this session's page, on a slot whose lock it holds, not this one.
                 self.pages.delete_later(replaced, REPLACED_GRACE)
@@ -230,7 +230,7 @@ class SlotMoves:
         Returns the state last read (its slot epochs fence the moves)."""
         deadline = time.monotonic() + REMOTE_SETTLE
         state = await self.store.aread()
-        while self.keeper.pages_seen(state, key, time.time(), REMOTE_SETTLE) and time.monotonic() < deadline:
+        while self.keeper.pager.pages_seen(state, key, time.time(), REMOTE_SETTLE) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
             state = await self.store.aread()
         return state
@@ -244,8 +244,9 @@ class SlotMoves:
             files = await asyncio.to_thread(self._unrecorded_files)
         async with self.store.transaction() as state:
             seed = (out.seed_tokens, out.seed_bytes) if out.seed_tokens is not None else None
-            doomed = self.keeper.pages_recorded(state, plan, out.saved_tokens, out.saved_bytes, out.restore_failed,
-                                                time.time(), self.pages.max_bytes, files, seed_saved=seed)
+            doomed = self.keeper.pager.pages_recorded(state, plan, out.saved_tokens, out.saved_bytes,
+                                                      out.restore_failed, time.time(), self.pages.max_bytes, files,
+                                                      seed_saved=seed)
         self.pages.delete(doomed)
 
     def _unrecorded_files(self) -> dict[str, Any]:

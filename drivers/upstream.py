@@ -284,7 +284,7 @@ class Upstream(SlotMoves):
             return self.keeper.pin(need, placement.slot, placement.why, now)
         moved = Moved.NOTHING
         fence = placement.fence
-        holds = self.keeper.holds_prefix(need, placement.view)
+        holds = self.keeper.pager.holds_prefix(need, placement.view)
         if self.pages is not None:
             stable_chars = len(need.stable.text) if need.stable is not None and self.checkpoints is not None else 0
             cold = need.stable if not holds and await self._unbuilt(need, info) else None
@@ -418,8 +418,8 @@ class Upstream(SlotMoves):
             self.kick()
         if not self.offline and report.slot is not None and self.keeper.lost_cache(report):
             self._spawn(self.explain_cache_loss(report.slot))
-        check = self.keeper.page_doubtful(report) if self.pages is not None else None
-        page = self.keeper.pages.get(ticket.session.key)
+        check = self.keeper.pager.page_doubtful(report) if self.pages is not None else None
+        page = self.keeper.pager.page_of(ticket.session.key)
         if check is not None and report.slot is not None and page is not None:
             self.emit(PageRejected(self.url, report.slot, check))
             self._spawn(self._drop_page(ticket.session.key, page.file))
@@ -427,7 +427,7 @@ class Upstream(SlotMoves):
 
     async def _drop_page(self, key: str, file: str) -> None:
         async with self.store.transaction() as state:
-            doomed = self.keeper.page_dropped(state, key, file)
+            doomed = self.keeper.pager.page_dropped(state, key, file)
         if self.pages is not None:
             self.pages.delete(doomed)
 

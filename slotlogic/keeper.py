@@ -29,7 +29,6 @@ from slotlogic import (
     anthropic,
     anthropic_answer,
     handover,
-    paging,
     placement,
     reconcile,
     rewrite,
@@ -66,10 +65,10 @@ from slotlogic.events import (
 )
 from slotlogic.fastpath import ShapeIndex, fields_absent
 from slotlogic.handover import Handover
-from slotlogic.keeper_pages import PageKeeping
 from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
 from slotlogic.ledger import Cause, Fence, Holds, Ledger
+from slotlogic.pager import Pager
 from slotlogic.ranking import Policy, SlotView
 from slotlogic.reasons import Passed, Unpinned, Why
 from slotlogic.server import ServerInfo, slot_facts
@@ -134,7 +133,7 @@ class LowerHeaders(dict[str, str]):
             self.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
 
 
-class Keeper(PageKeeping):
+class Keeper:
     def __init__(self, settings: Settings, upstream: str = "") -> None:
         self.settings = settings
         self.upstream = upstream
@@ -146,19 +145,33 @@ class Keeper(PageKeeping):
         self.stats: OrderedDict[str, SessionStats] = OrderedDict()
         self.server: ServerInfo | None = None   # the last `/props` seen
         self.total_slots: int | None = None     # the last known slot count
-        self.pages: dict[str, paging.PageRecord] = {}  # the page index as of the last state transaction
         self.messages_native: bool | None = None  # the server honours id_slot on /v1/messages (probed)
         self.learner = PrefixLearner(settings.prefix_min_chars)  # stable prefixes of marker-less clients
         self.instance = ""   # set by the driver: unique to this process, so its page file names are its own
-        self._page_seq = 0
         self.learned: list[SlotLearned] = []  # affinity: slots learned from answers, for the driver to log
         self.prefill_speed: float | None = None  # the start-up probe's prefill tok/s (answers without timings)
         self.prefill_rate: float | None = None   # prompt tok/s of this server's recent answers (a moving average)
         self._headers = settings.header_bytes
+        self._pager = Pager(settings, upstream, self.table, self.ledger, self.learner, self)
+
+    @property
+    def pager(self) -> Pager:
+        """This server's pager: page-outs, page-ins and seeds around a slot's new owner (`slotlogic.pager`)."""
+        return self._pager
+
+    @property
+    def page_identity(self) -> str:
+        """What a page written now must match to be restored later (`ServerInfo.page_identity`)."""
+        return self.server.page_identity(self.settings.server_id) if self.server else ""
+
+    def prefill_estimate(self) -> float | None:
+        """Prompt tokens a second on this server: its recent answers', else the start-up probe's."""
+        return self.prefill_rate or self.prefill_speed
 
     def reconfigure(self, settings: Settings) -> None:
         """A changed option: the new settings replace the old whole; what the proxy learned stays."""
         self.settings = settings
+        self._pager.settings = settings
         self.table.ttl = settings.ttl
         self._headers = settings.header_bytes
         self.learner.min_chars = settings.prefix_min_chars
@@ -441,7 +454,7 @@ class Keeper(PageKeeping):
                                   client_slot=self._client_slot(need.body, total), pending=pending,
                                   written_over=self.ledger.moved_on)
         dropped = shared.compact(state, now, SESSION_KEEP_SECONDS, self.settings.state_max_sessions)
-        self.pages = dict(state.pages)
+        self._pager.load(state.pages)
         if choice.why is not Why.SIDE_CALL:
             self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix, lead=leads.of(need.body))
         record = state.slots.get(choice.slot)

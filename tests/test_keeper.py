@@ -254,7 +254,7 @@ def test_a_session_back_on_its_own_untouched_slot_keeps_its_conversation():
     back = k.assign(again, state, server(), live, 400.0)
     assert back.slot == placed.slot and back.view.owner == need.ticket.session.key
     again.prefix = "another-prefix-signature"  # e.g. learned since its first turn
-    assert k.holds_prefix(again, back.view)
+    assert k.pager.holds_prefix(again, back.view)
     stranger = k.request(facts(body=chat("other"), now=400.0))
     stranger.prefix = "another-prefix-signature"
-    assert not k.holds_prefix(stranger, back.view)  # someone else's conversation, another prefix
+    assert not k.pager.holds_prefix(stranger, back.view)  # someone else's conversation, another prefix

@@ -55,10 +55,10 @@ def test_a_page_from_a_server_with_another_n_ctx_is_not_restored():
     k = Keeper(Settings(paging=True, save_dir="/x"), UP)
     state = st.ServerState(UP)
     k.note_server(state, info())
-    k.pages = {"a": PageRecord(paging.page_file(UP, "a"), 900, 1.0, 100, k.page_identity)}
-    assert k.page_plan(0, "a", SlotView(0, 0)).restore_for == "a"
+    k.pager.index = {"a": PageRecord(paging.page_file(UP, "a"), 900, 1.0, 100, k.page_identity)}
+    assert k.pager.page_plan(0, "a", SlotView(0, 0)).restore_for == "a"
     k.note_server(state, info(n_ctx=2048, media_marker="<new>"))
-    assert k.page_plan(0, "a", SlotView(0, 0)).restore_file is None
+    assert k.pager.page_plan(0, "a", SlotView(0, 0)).restore_file is None
 
 
 def test_the_checks_after_a_restore():
@@ -160,7 +160,7 @@ async def test_a_request_that_reuses_little_of_its_restored_page_drops_the_page(
     async with up.store.transaction() as state:
         st.claim(state, key, 0, 1.0)
         state.pages[key] = PageRecord(name, 900, 1.0, 2, "")
-        up.keeper.pages = dict(state.pages)
+        up.keeper.pager.load(state.pages)
     ticket = Ticket(SessionId(key, "content:root"), Route.PINNABLE, slot=0, why=Why.RESUMED, paged_in=True)
     up.answered(ticket, Observation(cache_n=12, prompt_n=950), path="/v1/chat/completions", seconds=1.0)
     await up.settle()
@@ -190,13 +190,13 @@ async def test_two_saves_of_one_session_never_share_a_file(tmp_path):
     k1, k2 = Keeper(Settings(paging=True, save_dir="/x"), UP), Keeper(Settings(paging=True, save_dir="/x"), UP)
     k1.instance, k2.instance = "p1", "p2"
     s = st.ServerState(UP)
-    plans = [k.page_plan(0, "other", SlotView(0, 900, owner="a")) for k in (k1, k2)]
+    plans = [k.pager.page_plan(0, "other", SlotView(0, 900, owner="a")) for k in (k1, k2)]
     assert plans[0].save_file != plans[1].save_file
-    assert k1.page_intent(s, plans[0], 1.0) == []
-    assert k2.page_intent(s, plans[1], 2.0) == [plans[0].save_file]  # the older page goes
-    doomed = k1.pages_recorded(s, plans[0], 900, 4096, False, 3.0, 1 << 30, None)  # k1's save answers last
+    assert k1.pager.page_intent(s, plans[0], 1.0) == []
+    assert k2.pager.page_intent(s, plans[1], 2.0) == [plans[0].save_file]  # the older page goes
+    doomed = k1.pager.pages_recorded(s, plans[0], 900, 4096, False, 3.0, 1 << 30, None)  # k1's save answers last
     assert doomed == [plans[0].save_file] and s.pages["a"].file == plans[1].save_file and s.pages["a"].n_tokens == 0
-    k2.pages_recorded(s, plans[1], 800, 4096, False, 4.0, 1 << 30, None)
+    k2.pager.pages_recorded(s, plans[1], 800, 4096, False, 4.0, 1 << 30, None)
     assert (s.pages["a"].file, s.pages["a"].n_tokens) == (plans[1].save_file, 800)
 
 
@@ -210,18 +210,18 @@ def test_a_save_is_labelled_with_the_last_paged_send_of_any_proxy():
     k.table.dispatch("ours", 0)
     k.table.assign("new", 0, 11.0, prefix=None)   # the session being placed there (claimed in the state)
     view = SlotView(0, 900, owner="ours")          # the slot before that claim
-    assert k.page_plan(0, "new", view).save_for == "ours"
-    assert k.page_plan(0, "new", view, sent=("theirs", 12.0)).save_for == "theirs"
-    assert k.page_plan(0, "new", view, sent=("theirs", 8.0)).save_for == "ours"  # ours went after theirs
-    assert k.page_plan(0, "new", SlotView(0, 900), sent=("new", 12.0)).empty     # the slot holds the session itself
+    assert k.pager.page_plan(0, "new", view).save_for == "ours"
+    assert k.pager.page_plan(0, "new", view, sent=("theirs", 12.0)).save_for == "theirs"
+    assert k.pager.page_plan(0, "new", view, sent=("theirs", 8.0)).save_for == "ours"  # ours went after theirs
+    assert k.pager.page_plan(0, "new", SlotView(0, 900), sent=("new", 12.0)).empty  # the slot holds the session
 
 
 def test_a_page_being_written_by_another_pager_is_worth_waiting_for():
     k = Keeper(Settings(paging=True, save_dir="/x"), UP)
     s = st.ServerState(UP)
-    assert not k.pages_seen(s, "a", 100.0, 10.0)                       # no page at all: nothing to wait for
+    assert not k.pager.pages_seen(s, "a", 100.0, 10.0)                       # no page at all: nothing to wait for
     paging.intent(s.pages, "a", paging.page_file(UP, "a", "x"), 95.0, "m")
-    assert k.pages_seen(s, "a", 100.0, 10.0) and k.pages["a"].n_tokens == 0  # recorded, not written yet
-    assert not k.pages_seen(s, "a", 120.0, 10.0)                       # its writer gave up long ago
-    paging.saved(s.pages, "a", k.pages["a"].file, 900, 4096, 101.0, "m")
-    assert not k.pages_seen(s, "a", 102.0, 10.0) and k.pages["a"].n_tokens == 900
+    assert k.pager.pages_seen(s, "a", 100.0, 10.0) and k.pager.index["a"].n_tokens == 0  # recorded, not written yet
+    assert not k.pager.pages_seen(s, "a", 120.0, 10.0)                       # its writer gave up long ago
+    paging.saved(s.pages, "a", k.pager.index["a"].file, 900, 4096, 101.0, "m")
+    assert not k.pager.pages_seen(s, "a", 102.0, 10.0) and k.pager.index["a"].n_tokens == 900

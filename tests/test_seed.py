@@ -123,14 +123,14 @@ def test_a_new_session_on_an_empty_slot_is_seeded_from_the_idle_one():
     k, state, first = keeper_with_one_session()
     slot = placed(k, state, codex("write the docs", "s2"), "s2", 1.0, pin=False)
     new_key = k.table.holders[slot]
-    plan = k.page_plan(slot, new_key, SlotView(slot, 0), views=[SlotView(i) for i in range(4)])
+    plan = k.pager.page_plan(slot, new_key, SlotView(slot, 0), views=[SlotView(i) for i in range(4)])
     assert plan.seed is not None and plan.seed.slot == first
     assert plan.restore_file == plan.seed_file and plan.seed_file.startswith("page-")
     assert [k for k, _ in plan.saves] == [plan.seed.source] and plan.save_for is None
     # the source's slot busy: no live seed; a checkpoint that covers as much: not worth one either
     busy = [SlotView(i, busy=i == first) for i in range(4)]
-    assert k.page_plan(slot, new_key, SlotView(slot, 0), views=busy).seed is None
-    assert k.page_plan(slot, new_key, SlotView(slot, 0), views=[SlotView(i) for i in range(4)],
+    assert k.pager.page_plan(slot, new_key, SlotView(slot, 0), views=busy).seed is None
+    assert k.pager.page_plan(slot, new_key, SlotView(slot, 0), views=[SlotView(i) for i in range(4)],
                        stable_chars=plan.seed.chars).seed is None
 
 
@@ -141,22 +141,22 @@ def test_no_seed_when_the_slot_keeps_a_conversation_that_shares_as_much():
     new_key = next(key for key, a in k.table.sessions.items() if a.last_used == 2.0)
     holder = k.table.dispatched[first]
     views = [SlotView(i) for i in range(4)]
-    plan = k.page_plan(first, new_key, SlotView(first, 4000, owner=holder), views=views)
+    plan = k.pager.page_plan(first, new_key, SlotView(first, 4000, owner=holder), views=views)
     assert plan.seed is None and plan.restore_file is None and plan.save_for == holder  # saved, then reused
     # the same slot emptied meanwhile: the third session's conversation is worth copying in
-    assert k.page_plan(first, new_key, SlotView(first, 0, owner=holder), views=views).seed is not None
+    assert k.pager.page_plan(first, new_key, SlotView(first, 0, owner=holder), views=views).seed is not None
 
 
 def test_a_seed_save_is_recorded_as_the_sources_page():
     k, state, _ = keeper_with_one_session()
     slot = placed(k, state, codex("write the docs", "s2"), "s2", 1.0, pin=False)
-    plan = k.page_plan(slot, k.table.holders[slot], SlotView(slot, 0), views=[SlotView(i) for i in range(4)])
+    plan = k.pager.page_plan(slot, k.table.holders[slot], SlotView(slot, 0), views=[SlotView(i) for i in range(4)])
     assert plan.seed is not None
-    assert k.page_intent(state, plan, 2.0) == []
+    assert k.pager.page_intent(state, plan, 2.0) == []
     assert state.pages[plan.seed.source].n_tokens == 0                 # recorded before the save, not restorable
-    k.pages_recorded(state, plan, None, 0, False, 3.0, 10**9, None, seed_saved=(4000, 10**6))
+    k.pager.pages_recorded(state, plan, None, 0, False, 3.0, 10**9, None, seed_saved=(4000, 10**6))
     assert state.pages[plan.seed.source] == PageRecord(plan.seed_file, 4000, 3.0, 10**6, k.page_identity)
-    failed = k.page_plan(slot, k.table.holders[slot], SlotView(slot, 0), views=[SlotView(i) for i in range(4)])
+    failed = k.pager.page_plan(slot, k.table.holders[slot], SlotView(slot, 0), views=[SlotView(i) for i in range(4)])
     assert failed.seed is not None and failed.seed.slot is None         # now its page is the seed: no save
 
 
@@ -176,11 +176,11 @@ def test_a_conversation_left_in_the_slot_that_starts_with_our_prefix_is_not_warm
     assert d.stable is not None
     # the slot's recorded prefix says nothing (another process's claim, a prefix learned since): the
     # conversation left there still starts with ours, and more
-    assert k.holds_prefix(d, SlotView(first, 4000, owner=s1, prefix="other"))
-    assert not k.holds_prefix(d, SlotView(first, 0, owner=s1, prefix="other"))       # emptied meanwhile
+    assert k.pager.holds_prefix(d, SlotView(first, 4000, owner=s1, prefix="other"))
+    assert not k.pager.holds_prefix(d, SlotView(first, 0, owner=s1, prefix="other"))       # emptied meanwhile
     d3 = need(k, pi_like("three", folder="/elsewhere"), "s3", 2.0)
     k.assign(d3, state, info(), LIVE, 2.0)
-    assert not k.holds_prefix(d3, SlotView(first, 4000, owner=s1, prefix="other"))   # its first message differs
+    assert not k.pager.holds_prefix(d3, SlotView(first, 4000, owner=s1, prefix="other"))   # its first message differs
 
 
 def generic(prompt: str, folder: str) -> dict:
@@ -197,13 +197,13 @@ def test_a_cold_prefix_is_copied_from_a_live_session_that_starts_with_it():
     p = k.assign(d, state, info(), LIVE, 1.0)
     assert d.stable is not None and d.stable.text == SYS.rstrip()
     views = [SlotView(i) for i in range(4)]
-    plan = k.page_plan(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=views, cold=d.stable)
+    plan = k.pager.page_plan(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=views, cold=d.stable)
     assert plan.seed is not None and plan.seed.prefix and plan.seed.slot == first
     assert plan.restore_file == plan.seed_file
     # no cold build coming (its checkpoint file exists): nothing to copy for the prefix alone
-    assert k.page_plan(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=views).seed is None
+    assert k.pager.page_plan(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=views).seed is None
     busy = [SlotView(i, busy=i == first) for i in range(4)]
-    assert k.page_plan(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=busy, cold=d.stable).seed is None
+    assert k.pager.page_plan(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=busy, cold=d.stable).seed is None
 
 
 def test_two_sessions_that_start_together_wait_for_the_first_to_copy_it():
@@ -216,16 +216,16 @@ def test_two_sessions_that_start_together_wait_for_the_first_to_copy_it():
     p = k.assign(d, state, info(), LIVE, 1.0)
     key, view = d.ticket.session.key, SlotView(p.slot, 0)
     busy = [SlotView(i, busy=i == first) for i in range(4)]
-    found = k.busy_source(p.slot, key, view, busy, cold=d.stable)
+    found = k.pager.busy_source(p.slot, key, view, busy, cold=d.stable)
     assert found == (first, Settings().seed_wait)                          # no prefill rate measured yet
     k.prefill_rate = 100.0                                                 # tokens/s
-    assert found[0] == first and k.busy_source(p.slot, key, view, busy, cold=d.stable) == (
+    assert found[0] == first and k.pager.busy_source(p.slot, key, view, busy, cold=d.stable) == (
         first, pytest.approx(len(d.stable.text) / paging.CHARS_PER_TOKEN / 100.0))
     idle = [SlotView(i) for i in range(4)]
-    assert k.busy_source(p.slot, key, view, idle, cold=d.stable) is None    # copy it now, no wait
-    assert k.busy_source(p.slot, key, view, busy) is None                  # its checkpoint exists: restore that
-    k.settings = Settings(seed_wait=0.0)
-    assert k.busy_source(p.slot, key, view, busy, cold=d.stable) is None    # waiting turned off
+    assert k.pager.busy_source(p.slot, key, view, idle, cold=d.stable) is None    # copy it now, no wait
+    assert k.pager.busy_source(p.slot, key, view, busy) is None                  # its checkpoint exists: restore that
+    k.reconfigure(Settings(seed_wait=0.0))
+    assert k.pager.busy_source(p.slot, key, view, busy, cold=d.stable) is None    # waiting turned off
 
 
 def test_a_lead_seed_waits_only_when_it_gives_more_than_the_idle_choice():
@@ -233,9 +233,9 @@ def test_a_lead_seed_waits_only_when_it_gives_more_than_the_idle_choice():
     slot = placed(k, state, codex("write the docs", "s2"), "s2", 1.0, pin=False)
     key, view = k.table.holders[slot], SlotView(slot, 0)
     busy = [SlotView(i, busy=i == first) for i in range(4)]
-    assert k.busy_source(slot, key, view, busy) == (first, Settings().seed_wait)
+    assert k.pager.busy_source(slot, key, view, busy) == (first, Settings().seed_wait)
     chars = lead.shared(k.table.sessions[key].lead, k.table.sessions[k.table.holders[first]].lead)[1]
-    assert k.busy_source(slot, key, view, busy, stable_chars=chars) is None  # its checkpoint gives as much
+    assert k.pager.busy_source(slot, key, view, busy, stable_chars=chars) is None  # its checkpoint gives as much
 
 
 def test_source_wait_never_exceeds_the_prefill_it_saves_nor_the_cap():
@@ -255,8 +255,9 @@ def test_a_session_whose_request_has_not_gone_out_or_still_runs_is_no_idle_sourc
     d = need(k, generic("two", "/b"), "s2", 1.0)
     p = k.assign(d, state, info(), LIVE, 1.0)
     key, view, idle = d.ticket.session.key, SlotView(p.slot, 0), [SlotView(i) for i in range(4)]
-    assert k.page_plan(p.slot, key, view, views=idle, cold=d.stable).seed is None
-    assert k.busy_source(p.slot, key, view, idle, cold=d.stable) == ((first, Settings().seed_wait) if sent else None)
+    assert k.pager.page_plan(p.slot, key, view, views=idle, cold=d.stable).seed is None
+    expected = (first, Settings().seed_wait) if sent else None
+    assert k.pager.busy_source(p.slot, key, view, idle, cold=d.stable) == expected
 
 
 def test_the_awaited_slot_is_idle_only_once_slots_says_so_and_its_answer_came():
@@ -266,6 +267,7 @@ def test_the_awaited_slot_is_idle_only_once_slots_says_so_and_its_answer_came():
     p = k.assign(d, state, info(), LIVE, 0.0)
     k.pin(d, p.slot, p.why, 0.0)
     busy = [{**e, "is_processing": e["id"] == p.slot} for e in LIVE]
-    assert not k.source_idle(p.slot, LIVE)            # /slots idle, but its answer has not come yet
+    assert not k.pager.source_idle(p.slot, LIVE)            # /slots idle, but its answer has not come yet
     k.answered(d.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions", seconds=1.0, now=1.0)
-    assert k.source_idle(p.slot, LIVE) and not k.source_idle(p.slot, busy) and not k.source_idle(p.slot, [])
+    pager = k.pager
+    assert pager.source_idle(p.slot, LIVE) and not pager.source_idle(p.slot, busy) and not pager.source_idle(p.slot, [])

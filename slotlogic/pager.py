@@ -1,13 +1,16 @@
-"""The paging half of `slotlogic.keeper.Keeper`: what to save and restore around a slot's new owner.
+"""The pager of one server's core: what to save and restore around a slot's new owner, and the page index.
 
-Why apart: the keeper decides requests; this part decides slot moves (page-outs, page-ins, seeds, the page
-index in the shared state), asked by the driver once a slot's paging lock is held. Same rules as the
-keeper: pure, typed facts in and typed plans out (`slotlogic.paging`).
+Why apart: the keeper decides requests; the pager decides slot moves (page-outs, page-ins, seeds, the page
+index in the shared state), asked by the driver once a slot's turn has come. Same rules as the keeper: pure,
+typed facts in and typed plans out (`slotlogic.paging`). It reads the session table, the ledger and the
+learned prefixes it is given, and what the keeper knows of the server (`PagerHost`), and owns only the page
+index (as of the last state transaction) and the counter that makes its page file names unique.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from slotlogic import handover, paging, shared
 from slotlogic import lead as leads
@@ -17,32 +20,50 @@ from slotlogic.handover import Handover
 from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ledger import Ledger, tolerance
 from slotlogic.ranking import SlotView
-from slotlogic.server import ServerInfo
 from slotlogic.settings import SESSION_KEEP_SECONDS, Settings
 from slotlogic.table import SessionTable
 
 ORPHAN_GRACE = 600.0  # seconds an unrecorded page file is left alone before the budget may take it
 
 
-class PageKeeping:
-    """Mixed into `Keeper`, whose state it reads: the session table, the page index, the learner."""
+class PagerHost(Protocol):
+    """What the pager reads of its keeper: the server as last seen, this process's name, the prefill speed."""
 
-    settings: Settings
-    upstream: str
-    table: SessionTable
-    server: ServerInfo | None
-    pages: dict[str, paging.PageRecord]
-    learner: PrefixLearner
-    instance: str
-    _page_seq: int
-    prefill_speed: float | None
-    prefill_rate: float | None
-    ledger: Ledger
+    @property
+    def page_identity(self) -> str: ...
+
+    @property
+    def instance(self) -> str: ...
+
+    def prefill_estimate(self) -> float | None: ...
+
+
+class Pager:
+    def __init__(self, settings: Settings, upstream: str, table: SessionTable, ledger: Ledger,
+                 learner: PrefixLearner, host: PagerHost) -> None:
+        self.settings = settings
+        self.upstream = upstream
+        self.table = table
+        self.ledger = ledger
+        self.learner = learner
+        self.host = host
+        self.index: dict[str, paging.PageRecord] = {}  # the page index as of the last state transaction
+        self._seq = 0
 
     @property
     def page_identity(self) -> str:
-        """What a page written now must match to be restored later (`ServerInfo.page_identity`)."""
-        return self.server.page_identity(self.settings.server_id) if self.server else ""
+        return self.host.page_identity
+
+    def load(self, pages: Mapping[str, paging.PageRecord]) -> None:
+        """The page index of a state just read or written."""
+        self.index = dict(pages)
+
+    def has(self, key: str) -> bool:
+        return key in self.index
+
+    def page_of(self, key: str) -> paging.PageRecord | None:
+        """`key`'s page as the index has it (a value: never edit it)."""
+        return self.index.get(key)
 
     def page_plan(self, slot: int, session_key: str, view: SlotView, sent: tuple[str, float] | None = None, *,
                   views: Sequence[SlotView] = (), stable_chars: int = 0,
@@ -67,12 +88,12 @@ class PageKeeping:
             if holder else False
         if holder and older:
             holder, tokens = None, 0
-        rec = self.pages.get(session_key)
+        rec = self.index.get(session_key)
         holds_own = (slot not in self.table.dispatched and view.owner == session_key and rec is not None
                      and (view.n_tokens or 0) >= rec.n_tokens)  # a restarted proxy, its session still there
-        self._page_seq += 1
-        salt = f"{self.instance}:{self._page_seq}"
-        plan = paging.plan(slot, session_key, holder, tokens, self.pages, self.upstream, model, holds_own=holds_own,
+        self._seq += 1
+        salt = f"{self.host.instance}:{self._seq}"
+        plan = paging.plan(slot, session_key, holder, tokens, self.index, self.upstream, model, holds_own=holds_own,
                            salt=salt)
         if plan.restore_file is not None:
             return self._current_page(plan, session_key, salt) if copy_live else plan
@@ -83,7 +104,7 @@ class PageKeeping:
             if live is not plan:
                 return live
         seed = self._any_seed(slot, session_key, holder, view, views, stable_chars, cold)
-        return paging.seeded(plan, seed, self.pages, self.upstream, salt) if seed is not None else plan
+        return paging.seeded(plan, seed, self.index, self.upstream, salt) if seed is not None else plan
 
     def _current_page(self, plan: paging.PagePlan, key: str, salt: str) -> paging.PagePlan:
         """A page older than the conversation it stands for (or no page at all) is not current: when the ledger
@@ -96,14 +117,14 @@ class PageKeeping:
         for other in range(self.ledger.total):
             entry = self.ledger.entry(other)
             if other != plan.slot and self.ledger.conversation_on(other) == key and entry.tokens > plan.restore_tokens:
-                return paging.seeded(plan.without_seed(), paging.Seed(key, 0, other), self.pages, self.upstream, salt)
+                return paging.seeded(plan.without_seed(), paging.Seed(key, 0, other), self.index, self.upstream, salt)
         return plan
 
     def _holder(self, slot: int, view: SlotView, sent: tuple[str, float] | None) -> tuple[str | None, int]:
         """Whose conversation `slot` holds, and how many tokens (`paging.holder_of`), given what this process
         sent there, the snapshot's claim, and `sent` (the slot's last paged send of any proxy)."""
         dispatched = self.table.dispatched
-        if self.instance and dispatched.get(slot) is not None:
+        if self.host.instance and dispatched.get(slot) is not None:
             # One writer per slot (slotlogic.handover): what another proxy did there came with its answer
             # (`given`), and since then only we wrote it. The state's newer claims say nothing of its content.
             return paging.holder_of(slot, view, dispatched)
@@ -125,7 +146,7 @@ class PageKeeping:
         now (two sessions that start together: the first is still prefilling what the second would copy), and
         how long waiting for it is worth (`paging.source_wait`); None when nothing better is worth waiting for.
         Asked before the slot's paging lock is taken; `page_plan` decides again after the wait."""
-        if not views or session_key in self.pages:
+        if not views or session_key in self.index:
             return None
         holder, _ = self._holder(slot, view, sent)
         if holder == session_key:
@@ -135,7 +156,7 @@ class PageKeeping:
         if then is None or then.slot is None or (now is not None and now.slot == then.slot):
             return None
         gain = then.chars - (now.chars if now is not None else 0 if cold is not None else stable_chars)
-        wait = paging.source_wait(gain, self.prefill_rate or self.prefill_speed, self.settings.seed_wait)
+        wait = paging.source_wait(gain, self.host.prefill_estimate(), self.settings.seed_wait)
         return (then.slot, wait) if gain > 0 and wait > 0 else None
 
     def source_idle(self, source: int, live: Sequence[object]) -> bool:
@@ -163,7 +184,7 @@ class PageKeeping:
         have = leads.shared(mine.lead, left.lead)[1] if left is not None and view.n_tokens != 0 else 0
         candidates = [(other, a.lead, self._idle_on(other, slot, views, busy_too))
                       for other, a in self.table.sessions.items() if other not in (key, holder) and a.lead is not None]
-        return paging.choose_seed(mine.lead, candidates, self.pages, self.page_identity,
+        return paging.choose_seed(mine.lead, candidates, self.index, self.page_identity,
                                   beat=max(have, stable_chars))
 
     def _prefix_seed(self, slot: int, key: str, holder: str | None, views: Sequence[SlotView],
@@ -192,7 +213,7 @@ class PageKeeping:
         """Take the page index of a fresh read of the shared state; True while `session_key`'s own page is
         being written by another pager (recorded, not restorable yet, for less than `wait` seconds): worth
         waiting for, a page-in beats prefilling the conversation again."""
-        self.pages = dict(state.pages)
+        self.index = dict(state.pages)
         rec = state.pages.get(session_key)
         return rec is not None and rec.n_tokens == 0 and now - rec.saved < wait
 
@@ -204,7 +225,7 @@ class PageKeeping:
             old = paging.intent(state.pages, key, file, now, self.page_identity)
             if old:
                 replaced.append(old)
-        self.pages = dict(state.pages)
+        self.index = dict(state.pages)
         return replaced
 
     def pages_recorded(self, state: shared.ServerState, plan: paging.PagePlan, saved_tokens: int | None,
@@ -236,13 +257,13 @@ class PageKeeping:
             doomed += paging.sweep(files, state.pages, budget, now, keep_seconds=SESSION_KEEP_SECONDS,
                                    grace=ORPHAN_GRACE)
         doomed += [state.pages.pop(gone).file for gone in paging.over_budget(state.pages, budget, keep=keep)]
-        self.pages = dict(state.pages)
+        self.index = dict(state.pages)
         return doomed
 
     def page_doubtful(self, report: Report) -> paging.PageCheck | None:
         """The request that followed a page-in reused less than half of the page: drop the page."""
         t = report.ticket
-        rec = self.pages.get(t.session.key)
+        rec = self.index.get(t.session.key)
         if not t.paged_in or rec is None:
             return None
         return paging.doubtful(rec.n_tokens, report.obs.cache_n)
@@ -252,7 +273,7 @@ class PageKeeping:
         rec = state.pages.get(key)
         if rec is not None and rec.file == file:
             del state.pages[key]
-        self.pages = dict(state.pages)
+        self.index = dict(state.pages)
         return [file]
 
     def holds_prefix(self, need: NeedSlot, view: SlotView) -> bool:
