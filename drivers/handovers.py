@@ -88,16 +88,16 @@ class Handovers:
 
     async def _look(self) -> None:
         now = time.monotonic()
-        if now - self._beat >= handover.BEAT and self.keeper.holds_conversations():
+        if now - self._beat >= handover.BEAT and self.keeper.turns.holds_conversations():
             self._beat = now
             async with self.store.transaction() as state:
-                self.keeper.beat(state, time.time())
+                self.keeper.turns.beat(state, time.time())
         elif not self._changed():
             return
         else:
             state = await self.store.aread()
-        self._others = self.keeper.others_alive(state, time.time())
-        asked = self.keeper.asked_of_us(state)
+        self._others = self.keeper.turns.others_alive(state, time.time())
+        asked = self.keeper.turns.asked_of_us(state)
         for h in asked:
             if (h.slot, h.taker) not in self._giving:
                 self._giving.add((h.slot, h.taker))
@@ -120,9 +120,9 @@ class Handovers:
     async def _give(self, h: Handover) -> None:
         started = time.monotonic()
         try:
-            self.keeper.hand_over_begins(h)  # our sessions stay off the slot from now on
+            self.keeper.turns.hand_over_begins(h)  # our sessions stay off the slot from now on
             await self.gate.still(h.slot, handover.WAIT)
-            last = self.keeper.hand_over_ends(h)
+            last = self.keeper.turns.hand_over_ends(h)
             ran = self.gate.last_started.get(h.slot)
             if ran is not None:  # the last of our requests there to reach the server: what the slot holds
                 last = ran[0] or None
@@ -135,6 +135,6 @@ class Handovers:
         except Exception as e:
             self.emit(Failed(self.url, Stage.BACKGROUND, type(e).__name__, slot=h.slot))
         finally:
-            self.keeper.hand_over_cleared(h)
+            self.keeper.turns.hand_over_cleared(h)
             self._giving.discard((h.slot, h.taker))
 

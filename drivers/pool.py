@@ -360,7 +360,7 @@ class Pool:
                           queued=max(0, self.inflight.get(up.url, 0) - busy),
                           same_prefix=routing.holds_prefix_free(views, need.prefix, now, ttl),
                           checkpoint=checkpoint, owned=shared.owned_slot(state, need.ticket.session.key) is not None,
-                          kept=up.keeper.keeps(state, need.ticket.session.key))
+                          kept=up.keeper.pager.keeps(state, need.ticket.session.key))
 
     async def _page_anywhere(self, key: str, cands: list[Upstream]) -> Any:
         """The session's restorable page on any server of the pool (their slot files share one save dir): the

@@ -113,14 +113,14 @@ class SlotMoves:
         # they leave there). The moves are fenced by the slot's epoch as it is now.
         if not await self.gate.quiet(slot):
             return Moved.NOTHING, fence
-        fence = self.keeper.turn(fence) if fence is not None else None
+        fence = self.keeper.turns.turn(fence) if fence is not None else None
         # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
         # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
         state = await self._fresh_pages(key) if self.store.remote else await self.store.fresh()
         given, stale = await self._writer(slot, key, fence, state)
-        if stale or not self.keeper.fence_holds(fence):  # we handed the slot on since our claim: place it again
+        if stale or not self.keeper.turns.fence_holds(fence):  # we handed the slot on since our claim: place it again
             assert fence is not None
-            self.emit(self.keeper.stale_plan(fence, "page", key))
+            self.emit(self.keeper.turns.stale_plan(fence, "page", key))
             return Moved.STALE, fence
         self.gate.moves(slot, flow_id)
         plan = self.keeper.pager.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
@@ -144,9 +144,9 @@ class SlotMoves:
                 ours=self.gate.last_started.get(slot))
         if plan.empty:
             return Moved.NOTHING, fence  # nothing to move, but our request must still go after the page-in before it
-        if plan.restore_file is not None and not self.keeper.fence_holds(fence):
+        if plan.restore_file is not None and not self.keeper.turns.fence_holds(fence):
             assert fence is not None
-            self.emit(self.keeper.stale_plan(fence, "page", key))  # the slot moved on while the lock was awaited
+            self.emit(self.keeper.turns.stale_plan(fence, "page", key))  # the slot moved on while the lock was awaited
             return Moved.STALE, fence
         saving = None
         if plan.save_for is not None:
@@ -177,9 +177,9 @@ class SlotMoves:
         if out.restored_tokens is None:
             return Moved.NOTHING, fence
         if plan.seed is None or plan.seed.source == key:  # its own page (a fresh one, saved from its live slot)
-            return Moved.OWN, self.keeper.slot_written(fence, Holds.PAGE, key, out.restored_tokens)
+            return Moved.OWN, self.keeper.turns.slot_written(fence, Holds.PAGE, key, out.restored_tokens)
         moved = Moved.PREFIX if plan.seed.prefix else Moved.SEED
-        return moved, self.keeper.slot_written(fence, Holds.SEED, key, 0, over=Cause.SEED_OVER_OWNER)
+        return moved, self.keeper.turns.slot_written(fence, Holds.SEED, key, 0, over=Cause.SEED_OVER_OWNER)
 
     async def _writer(self, slot: int, key: str, fence: Fence | None,
                       state: shared.ServerState) -> tuple[Handover | None, bool]:
@@ -193,34 +193,34 @@ class SlotMoves:
             # Never decided while this process is handing the slot to another proxy (a state read before that
             # answer is written is stale): wait for the answer to be out, then ask for the slot back. What is
             # decided here and `gate.moves` after it run without a pause between (nothing else runs between).
-            while self.keeper.handing_over(slot) and time.monotonic() - started < handover.WAIT:
+            while self.keeper.turns.handing_over(slot) and time.monotonic() - started < handover.WAIT:
                 await asyncio.sleep(HANDOVER_POLL)
                 state = await self.store.fresh()
-            if self.keeper.may_write(state, slot):
+            if self.keeper.turns.may_write(state, slot):
                 return None, False
             async with self.store.transaction() as state:
-                asked = self.keeper.writer_turn(state, slot, key or "side-call", time.time())
+                asked = self.keeper.turns.writer_turn(state, slot, key or "side-call", time.time())
             if asked is not None:
                 break
-            if not self.keeper.handing_over(slot):
+            if not self.keeper.turns.handing_over(slot):
                 return None, False
             state = await self.store.fresh()
         answer, stale = None, False
         while time.monotonic() - started < handover.WAIT:
             await asyncio.sleep(HANDOVER_POLL)
             state = await self.store.fresh()
-            answer = self.keeper.handover_answer(state, asked)
+            answer = self.keeper.turns.handover_answer(state, asked)
             if answer is not None:
-                self.keeper.writer_given(answer)
+                self.keeper.turns.writer_given(answer)
                 break
             if not handover.alive(state.beats, asked.giver, time.time()):
                 break
-            if not self.keeper.fence_holds(fence):
+            if not self.keeper.turns.fence_holds(fence):
                 stale = True
                 break
         if answer is None and not stale:
             async with self.store.transaction() as state:
-                self.keeper.writer_forced(state, asked, time.time())
+                self.keeper.turns.writer_forced(state, asked, time.time())
         self.emit(HandedOver(self.url, slot, time.monotonic() - started, answer is not None, giver=False))
         return answer, stale
 
@@ -275,9 +275,10 @@ class SlotMoves:
         claim = await self.builds.claim(cp, need.stable, info) if self.builds is not None else None
         try:
             state = await self.store.aread() if self.store.remote and fence is not None else None
-            if not self.keeper.fence_holds(fence, state, time.time()):  # the slot moved on while the build was awaited
+            # the slot moved on while the build was awaited
+            if not self.keeper.turns.fence_holds(fence, state, time.time()):
                 assert fence is not None
-                self.emit(self.keeper.stale_plan(fence, "prefix", key))
+                self.emit(self.keeper.turns.stale_plan(fence, "prefix", key))
                 return fence
             orch = await cp.prepare(slot, need.stable, info, holds_prefix=holds)
         except Exception as e:
@@ -291,6 +292,6 @@ class SlotMoves:
                                      orch.divergent, time.monotonic() - started))
             if orch.outcome is not Outcome.HIT:  # a restore or warm-up wrote the prefix into the slot
                 tokens = orch.restored_tokens or orch.saved_tokens or 0
-                fence = self.keeper.slot_written(fence, Holds.PREFIX, key, tokens, over=Cause.PREFIX_OVER_OWNER) \
+                fence = self.keeper.turns.slot_written(fence, Holds.PREFIX, key, tokens, over=Cause.PREFIX_OVER_OWNER) \
                     or fence
         return fence

@@ -304,9 +304,9 @@ class Upstream(SlotMoves):
         elif self.checkpoints is not None and need.stable is None and "no-marker" not in self.warned:
             self.warned.add("no-marker")
             self.emit(NoPrefixMarker(self.url, need.ticket.session.short, self.settings.markers))
-        if fence is not None and not self.keeper.fence_holds(fence) and retries > 0:
+        if fence is not None and not self.keeper.turns.fence_holds(fence) and retries > 0:
             # Another placement claimed the slot while this one's moves ran: plan this request again.
-            self.emit(self.keeper.stale_plan(fence, "pin", key))
+            self.emit(self.keeper.turns.stale_plan(fence, "pin", key))
             self.gate.stopped(flow_id)
             if self.pages is not None:
                 self.pages.unlock(flow_id, sent=False)
@@ -519,7 +519,7 @@ class Upstream(SlotMoves):
                 for key, a in touches.items():
                     shared.touch(state, key, a.slot, a.last_used, requests=a.requests, prefix=a.prefix,
                                  proxy=self.keeper.instance)
-                self.keeper.beat(state, time.time())
+                self.keeper.turns.beat(state, time.time())
                 self.note_displaced(state)
         except Exception as e:
             self.emit(Failed(self.url, Stage.STATE_WRITE, type(e).__name__))
@@ -560,7 +560,7 @@ class Upstream(SlotMoves):
         if self.offline:
             return
         self.handovers.poke()  # a handover may be asked of us with it
-        key = self.keeper.claimed_elsewhere(notice.slot, notice.claimant, notice.at if notice.sent else None)
+        key = self.keeper.turns.claimed_elsewhere(notice.slot, notice.claimant, notice.at if notice.sent else None)
         if key is not None:
             self.emit(DisplacedElsewhere(self.url, notice.slot, key[:8], notice.claimant[:8], Via.NOTICE))
 

@@ -59,12 +59,10 @@ from slotlogic.events import (
     PoolResized,
     ServerRestarted,
     SlotLearned,
-    StalePlan,
     TokensLost,
     Unreachable,
 )
 from slotlogic.fastpath import ShapeIndex, fields_absent
-from slotlogic.handover import Handover
 from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
 from slotlogic.ledger import Cause, Fence, Holds, Ledger
@@ -75,12 +73,12 @@ from slotlogic.server import ServerInfo, slot_facts
 from slotlogic.settings import SESSION_KEEP_SECONDS, AnthropicMode, CheckpointMode, Settings
 from slotlogic.stats import SessionStats
 from slotlogic.table import SessionTable
+from slotlogic.turns import Turns
 
 MAX_MARKS = 512  # prompts remembered for the continuation rule of raw `/completion` bodies
 RATE_MIN_TOKENS = 64  # a shorter prefill's rate is mostly the request's fixed overhead
 RATE_WEIGHT = 0.3     # of the newest answer in the prefill rate's moving average
 MAX_STATS = 1024  # sessions whose counters the status view and the summary show; the least recently answered go
-OTHER_PROXY = "\x00other-proxy"  # the ledger claim that keeps our sessions off a slot being handed over
 
 
 @dataclass(frozen=True)
@@ -153,11 +151,17 @@ class Keeper:
         self.prefill_rate: float | None = None   # prompt tok/s of this server's recent answers (a moving average)
         self._headers = settings.header_bytes
         self._pager = Pager(settings, upstream, self.table, self.ledger, self.learner, self)
+        self._turns = Turns(settings, upstream, self.table, self.ledger, self)
 
     @property
     def pager(self) -> Pager:
         """This server's pager: page-outs, page-ins and seeds around a slot's new owner (`slotlogic.pager`)."""
         return self._pager
+
+    @property
+    def turns(self) -> Turns:
+        """Whether a planned move may happen now, and whose turn a slot shared with other proxies is."""
+        return self._turns
 
     @property
     def page_identity(self) -> str:
@@ -172,6 +176,7 @@ class Keeper:
         """A changed option: the new settings replace the old whole; what the proxy learned stays."""
         self.settings = settings
         self._pager.settings = settings
+        self._turns.settings = settings
         self.table.ttl = settings.ttl
         self._headers = settings.header_bytes
         self.learner.min_chars = settings.prefix_min_chars
@@ -554,139 +559,6 @@ class Keeper:
     def messages_probed(self, honoured: bool | None) -> None:
         """What the probe found: whether the server honours id_slot on /v1/messages (None: unknown)."""
         self.messages_native = honoured
-
-    # ------------------------------------------------------------------------------------------- the ledger
-
-    def slot_fence(self, slot: int) -> Fence:
-        """The slot's epoch now: a move planned now is performed only while it holds (`slot_written`)."""
-        return self.ledger.fence(slot)
-
-    def turn(self, fence: Fence) -> Fence:
-        """A placement's turn on its slot has come (it holds the slot's lock and every request sent there
-        before has reached the server): the fence of its moves, the slot's epoch now (earlier placements on
-        the slot have written it since the claim), with the claim's epoch in the shared state."""
-        return Fence(fence.slot, self.ledger.entry(fence.slot).epoch, fence.shared, fence.outside)
-
-    def fence_holds(self, fence: Fence | None, state: shared.ServerState | None = None,
-                    now: float | None = None) -> bool:
-        """The slot has not moved on since `fence`: nothing wrote it since but our own plans, in turn, and nothing
-        from outside this process since the placement's claim (another proxy we handed it to, a request the
-        server placed there, a restart). With `state` (a fresh read of the shared state) and `now`: nor did a
-        proxy that claimed it after us, and asked us for it, move in without our answer (`handover.WAIT`)."""
-        if fence is None:
-            return True
-        if not self.ledger.current(fence) or self.ledger.outside(fence.slot) != fence.outside:
-            return False
-        if state is None or fence.shared is None or now is None:
-            return True
-        return not any(h.slot == fence.slot and h.giver == self.instance and h.answered is None
-                       and now - h.asked >= handover.WAIT for h in state.handovers.values())
-
-    def slot_written(self, fence: Fence | None, holds: Holds, key: str, tokens: int, *,
-                     over: Cause = Cause.UNKNOWN) -> Fence | None:
-        """A planned move wrote the slot (a page-in: `Holds.PAGE`; a seed: `SEED`; a prefix: `PREFIX`), for
-        `key`'s request: the new fence. None when the plan was stale (the caller logs `stale_plan`)."""
-        if fence is None:
-            return None
-        return self.ledger.admit(fence, holds, key, tokens, over)
-
-    def stale_plan(self, fence: Fence, move: str, session: str) -> StalePlan:
-        """A plan whose slot moved on since it was made: dropped (the caller plans again)."""
-        return StalePlan(self.upstream, fence.slot, move, session[:8], fence.epoch, self.ledger.entry(fence.slot).epoch)
-
-    def claimed_elsewhere(self, slot: int, claimant: str, sent_at: float | None) -> str | None:
-        """Another proxy claimed `slot` for `claimant` (its notice): our session there is displaced, and the
-        ledger says the slot holds the claimant's conversation now. Returns the displaced key. Without paging
-        nothing keeps the conversation: a known eviction (the other proxy chose it)."""
-        key = self.table.claimed_elsewhere(slot, claimant, sent_at)
-        if key is not None:
-            self.ledger.claimed_elsewhere(slot, claimant, Cause.OTHER_PROCESS if self.settings.paging
-                                          else Cause.EVICTED)
-        return key
-
-    # ------------------------------------------------------------------------------------------- handovers
-
-    def may_write(self, state: shared.ServerState, slot: int) -> bool:
-        """The shared state names this process as the slot's writer (`slotlogic.handover`, Rule 2), and it is not
-        handing the slot to another proxy right now (a state read before that answer was written is stale)."""
-        if self.handing_over(slot):
-            return False
-        if not self.instance or handover.writes(state.writers, slot, self.instance):
-            self.ledger.writing.add(slot)
-            return True
-        self.ledger.writing.discard(slot)
-        return False
-
-    def writer_turn(self, state: shared.ServerState, slot: int, key: str, now: float) -> Handover | None:
-        """In the store's transaction: the slot is ours to write now (None), or the handover asked of its writer."""
-        asked = handover.turn(state.writers, state.handovers, state.beats, slot, self.instance, key, now)
-        if asked is None:
-            self.ledger.writing.add(slot)
-        return asked
-
-    def writer_forced(self, state: shared.ServerState, asked: Handover, now: float) -> None:
-        handover.forced(state.writers, state.handovers, asked, now)
-        self.ledger.writing.add(asked.slot)
-
-    def writer_given(self, answer: Handover) -> None:
-        """The giver answered: the slot is this process's to write."""
-        self.ledger.writing.add(answer.slot)
-
-    def asked_of_us(self, state: shared.ServerState) -> list[Handover]:
-        """Handovers other proxies ask of this one (`slotlogic.handover`)."""
-        return handover.asked_of(state.handovers, self.instance) if self.instance else []
-
-    def handing_over(self, slot: int) -> bool:
-        """This process is handing `slot` to another proxy right now."""
-        return self.ledger.handing_over(slot, OTHER_PROXY)
-
-    def hand_over_begins(self, h: Handover) -> None:
-        """Keep this process's sessions off the slot from now on (their next request is placed again)."""
-        self.ledger.claim(h.slot, OTHER_PROXY)
-
-    def hand_over_ends(self, h: Handover) -> str | None:
-        """Every request this process sent to the slot has reached the server and no move of its own is under
-        way there: the session whose conversation our last write left there (the taker pages it out), and
-        the slot is the other proxy's session's from now on."""
-        last = self.ledger.conversation_on(h.slot)
-        if self.claimed_elsewhere(h.slot, h.claimant, None) is None:
-            self.ledger.claimed_elsewhere(h.slot, h.claimant)
-        self.ledger.writing.discard(h.slot)
-        return last  # our sessions stay off the slot until the answer is written (`hand_over_cleared`)
-
-    def others_alive(self, state: shared.ServerState, now: float) -> bool:
-        """Another proxy beats in this server's state: it may ask us for a slot."""
-        return any(p != self.instance and handover.alive(state.beats, p, now) for p in state.beats)
-
-    def hand_over_cleared(self, h: Handover) -> None:
-        """The handover of `h.slot` is over, answered or not: nothing of it keeps our sessions off the slot."""
-        self.ledger.unclaim(h.slot, OTHER_PROXY)
-
-    def holds_conversations(self) -> bool:
-        """A slot holds a conversation of ours, live or expired (a proxy that takes it must ask us first, so that
-        what we believe stays true: the other proxies must hear we are alive)."""
-        return any(self.ledger.conversation_on(s) is not None for s in range(self.ledger.total))
-
-    def handover_answer(self, state: shared.ServerState, asked: Handover) -> Handover | None:
-        return handover.answer(state.handovers, asked)
-
-    def beat(self, state: shared.ServerState, now: float) -> None:
-        """This process is alive, in the state of a server it has live sessions on."""
-        if self.instance:
-            handover.beat(state.beats, self.instance, now)
-            handover.prune(state.handovers, state.beats, now)
-
-    def side_needs_page_out(self, slot: int) -> bool:
-        """A side call placed on `slot` would overwrite a session's conversation: page it out first."""
-        return self.settings.paging and self.ledger.conversation_on(slot) is not None
-
-    def keeps(self, state: shared.ServerState, key: str) -> bool:
-        """`key`'s conversation is on this server: a restorable page of it in `state`, or a slot still holding
-        it (where routing sends it back, to be paged in rather than prefilled elsewhere)."""
-        rec = state.pages.get(key)
-        if rec is not None and rec.n_tokens > 0 and rec.model == self.page_identity:
-            return True
-        return self.ledger.where(key) is not None
 
     def ledger_view(self) -> tuple[object, ...]:
         """What the proxy believes each slot holds (`slotlogic.ledger.Entry`, in slot order)."""

@@ -58,6 +58,14 @@ class Pager:
         """The page index of a state just read or written."""
         self.index = dict(pages)
 
+    def keeps(self, state: shared.ServerState, key: str) -> bool:
+        """`key`'s conversation is on this server: a restorable page of it in `state`, or a slot still holding
+        it (where routing sends it back, to be paged in rather than prefilled elsewhere)."""
+        rec = state.pages.get(key)
+        if rec is not None and rec.n_tokens > 0 and rec.model == self.page_identity:
+            return True
+        return self.ledger.where(key) is not None
+
     def has(self, key: str) -> bool:
         return key in self.index
 

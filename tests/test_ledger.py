@@ -120,7 +120,7 @@ def test_a_known_session_whose_slot_got_another_write_is_placed_again_not_pinned
     k.answered(pin.ticket, Observation(cache_n=0, prompt_n=856), path=CHAT, seconds=1, now=1.0)
     assert isinstance(k.request(facts(chat("a"), now=2.0)), Pin)  # known: the slot holds its conversation
     # A prefix restore for another session's placement writes that slot (the first loss of issue 19):
-    k.slot_written(k.slot_fence(placed.slot), Holds.PREFIX, "other", 763, over=Cause.PREFIX_OVER_OWNER)
+    k.turns.slot_written(k.turns.slot_fence(placed.slot), Holds.PREFIX, "other", 763, over=Cause.PREFIX_OVER_OWNER)
     again = k.request(facts(chat("a"), now=3.0))
     assert isinstance(again, NeedSlot) and again.ticket.displaced
 
@@ -144,11 +144,11 @@ def test_the_keeper_reports_a_loss_and_warns_once():
 
 def test_a_stale_fence_refuses_the_write_and_names_both_epochs():
     k = make()
-    old = k.slot_fence(0)
+    old = k.turns.slot_fence(0)
     k.ledger.ran_unpinned(0, "y" * 16)  # the server put a request there after this plan was made
-    assert not k.fence_holds(old) and k.slot_written(old, Holds.PAGE, "x", 5) is None
+    assert not k.turns.fence_holds(old) and k.turns.slot_written(old, Holds.PAGE, "x", 5) is None
     assert k.ledger.entry(0).holds is not Holds.PAGE
-    event = k.stale_plan(old, "page", "x" * 16)
+    event = k.turns.stale_plan(old, "page", "x" * 16)
     assert event.planned == old.epoch and event.now == old.epoch + 1 and event.session == "x" * 8
 
 
@@ -159,15 +159,16 @@ def test_a_side_call_never_overwrites_a_conversation_without_its_page_out():
     side = chat(system="You are a context summarization assistant. Summarize.")
     for paging, expected in ((True, NeedSlot), (False, Pin)):
         k = make(paging=paging)
-        k.slot_written(k.slot_fence(3), Holds.PAGE, "s" * 16, 1342)  # a session's conversation on the side slot
+        # a session's conversation on the side slot
+        k.turns.slot_written(k.turns.slot_fence(3), Holds.PAGE, "s" * 16, 1342)
         decision = k.request(facts(side))
         assert isinstance(decision, expected)
         if paging:
-            assert k.side_needs_page_out(3)
+            assert k.turns.side_needs_page_out(3)
             placed = k.assign(decision, shared.ServerState("http://up"), server(), FREE, 0.0)
             assert placed.side and placed.slot == 3
             k.pin(decision, placed.slot, placed.why, 0.0)
-            assert not k.side_needs_page_out(3)  # the side call's prompt is there now: nobody's conversation
+            assert not k.turns.side_needs_page_out(3)  # the side call's prompt is there now: nobody's conversation
             assert isinstance(k.request(facts(side, now=1.0)), Pin)  # the next side call: the hot path again
 
 
@@ -183,18 +184,18 @@ def test_the_epoch_lives_in_the_shared_state_and_only_another_proxy_moving_in_ma
     placed = one.assign(need, state, server(), FREE, 0.0)
     assert placed.fence is not None and placed.fence.shared == state.slots[placed.slot].epoch
     again = shared.from_dict(shared.to_dict(state), "http://up")  # the epoch survives the store
-    assert again.slots[placed.slot].epoch == placed.fence.shared and one.fence_holds(placed.fence, again, 0.0)
-    assert one.writer_turn(state, placed.slot, need.ticket.session.key, 0.0) is None  # ours to write
+    assert again.slots[placed.slot].epoch == placed.fence.shared and one.turns.fence_holds(placed.fence, again, 0.0)
+    assert one.turns.writer_turn(state, placed.slot, need.ticket.session.key, 0.0) is None  # ours to write
     shared.claim(state, "another proxy's session", placed.slot, 1.0)  # under the store's lock, elsewhere
     assert state.slots[placed.slot].epoch == placed.fence.shared + 1
     asked = handover.turn(state.writers, state.handovers, {**state.beats, "b" * 16: 1.0}, placed.slot, "b" * 16,
                           "another proxy's session", 1.0)
-    assert asked is not None and one.asked_of_us(state) == [asked]
-    assert one.fence_holds(placed.fence, state, 1.0 + handover.WAIT / 2)  # asked, not yet moved in
-    assert not one.fence_holds(placed.fence, state, 1.0 + handover.WAIT)   # its wait ran out: it moved in
-    one.hand_over_begins(asked)
-    one.hand_over_ends(asked)
-    assert not one.fence_holds(placed.fence)  # handed over: what we planned before is stale
+    assert asked is not None and one.turns.asked_of_us(state) == [asked]
+    assert one.turns.fence_holds(placed.fence, state, 1.0 + handover.WAIT / 2)  # asked, not yet moved in
+    assert not one.turns.fence_holds(placed.fence, state, 1.0 + handover.WAIT)   # its wait ran out: it moved in
+    one.turns.hand_over_begins(asked)
+    one.turns.hand_over_ends(asked)
+    assert not one.turns.fence_holds(placed.fence)  # handed over: what we planned before is stale
     bad = shared.from_dict({"slots": {"0": {"last_used": 1.0, "epoch": 1 << 70}}}, "u")
     assert bad.slots[0].epoch == 0
 

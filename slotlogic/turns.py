@@ -1,0 +1,157 @@
+"""The turns of one server's slots: which writes may happen now, fenced by the ledger's epochs, and the hand-over
+of a slot between proxies that share one state.
+
+Why apart: the keeper decides requests and the pager what to move; this part says whether a planned move is still
+valid when it is performed (`fence_holds`, `slot_written`: docs/ledger.md, "Fenced moves") and whose turn it is
+to write a slot when several proxies share it (`may_write`, `writer_turn`, the giver's `hand_over_*`:
+`slotlogic.handover`). Pure: the driver passes the shared state it has just read or is writing, and the clock.
+It reads the session table and the ledger it is given, and the keeper's name for this process (`TurnsHost`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from slotlogic import handover, shared
+from slotlogic.events import StalePlan
+from slotlogic.handover import Handover
+from slotlogic.ledger import Cause, Fence, Holds, Ledger
+from slotlogic.settings import Settings
+from slotlogic.table import SessionTable
+
+OTHER_PROXY = "\x00other-proxy"  # the ledger claim that keeps our sessions off a slot being handed over
+
+
+class TurnsHost(Protocol):
+    @property
+    def instance(self) -> str: ...
+
+
+class Turns:
+    def __init__(self, settings: Settings, upstream: str, table: SessionTable, ledger: Ledger, host: TurnsHost) -> None:
+        self.settings = settings
+        self.upstream = upstream
+        self.table = table
+        self.ledger = ledger
+        self.host = host
+
+    def slot_fence(self, slot: int) -> Fence:
+        """The slot's epoch now: a move planned now is performed only while it holds (`slot_written`)."""
+        return self.ledger.fence(slot)
+
+    def turn(self, fence: Fence) -> Fence:
+        """A placement's turn on its slot has come (it holds the slot's lock and every request sent there
+        before has reached the server): the fence of its moves, the slot's epoch now (earlier placements on
+        the slot have written it since the claim), with the claim's epoch in the shared state."""
+        return Fence(fence.slot, self.ledger.entry(fence.slot).epoch, fence.shared, fence.outside)
+
+    def fence_holds(self, fence: Fence | None, state: shared.ServerState | None = None,
+                    now: float | None = None) -> bool:
+        """The slot has not moved on since `fence`: nothing wrote it since but our own plans, in turn, and nothing
+        from outside this process since the placement's claim (another proxy we handed it to, a request the
+        server placed there, a restart). With `state` (a fresh read of the shared state) and `now`: nor did a
+        proxy that claimed it after us, and asked us for it, move in without our answer (`handover.WAIT`)."""
+        if fence is None:
+            return True
+        if not self.ledger.current(fence) or self.ledger.outside(fence.slot) != fence.outside:
+            return False
+        if state is None or fence.shared is None or now is None:
+            return True
+        return not any(h.slot == fence.slot and h.giver == self.host.instance and h.answered is None
+                       and now - h.asked >= handover.WAIT for h in state.handovers.values())
+
+    def slot_written(self, fence: Fence | None, holds: Holds, key: str, tokens: int, *,
+                     over: Cause = Cause.UNKNOWN) -> Fence | None:
+        """A planned move wrote the slot (a page-in: `Holds.PAGE`; a seed: `SEED`; a prefix: `PREFIX`), for
+        `key`'s request: the new fence. None when the plan was stale (the caller logs `stale_plan`)."""
+        if fence is None:
+            return None
+        return self.ledger.admit(fence, holds, key, tokens, over)
+
+    def stale_plan(self, fence: Fence, move: str, session: str) -> StalePlan:
+        """A plan whose slot moved on since it was made: dropped (the caller plans again)."""
+        return StalePlan(self.upstream, fence.slot, move, session[:8], fence.epoch, self.ledger.entry(fence.slot).epoch)
+
+    def claimed_elsewhere(self, slot: int, claimant: str, sent_at: float | None) -> str | None:
+        """Another proxy claimed `slot` for `claimant` (its notice): our session there is displaced, and the
+        ledger says the slot holds the claimant's conversation now. Returns the displaced key. Without paging
+        nothing keeps the conversation: a known eviction (the other proxy chose it)."""
+        key = self.table.claimed_elsewhere(slot, claimant, sent_at)
+        if key is not None:
+            self.ledger.claimed_elsewhere(slot, claimant, Cause.OTHER_PROCESS if self.settings.paging
+                                          else Cause.EVICTED)
+        return key
+
+    def may_write(self, state: shared.ServerState, slot: int) -> bool:
+        """The shared state names this process as the slot's writer (`slotlogic.handover`, Rule 2), and it is not
+        handing the slot to another proxy right now (a state read before that answer was written is stale)."""
+        if self.handing_over(slot):
+            return False
+        if not self.host.instance or handover.writes(state.writers, slot, self.host.instance):
+            self.ledger.writing.add(slot)
+            return True
+        self.ledger.writing.discard(slot)
+        return False
+
+    def writer_turn(self, state: shared.ServerState, slot: int, key: str, now: float) -> Handover | None:
+        """In the store's transaction: the slot is ours to write now (None), or the handover asked of its writer."""
+        asked = handover.turn(state.writers, state.handovers, state.beats, slot, self.host.instance, key, now)
+        if asked is None:
+            self.ledger.writing.add(slot)
+        return asked
+
+    def writer_forced(self, state: shared.ServerState, asked: Handover, now: float) -> None:
+        handover.forced(state.writers, state.handovers, asked, now)
+        self.ledger.writing.add(asked.slot)
+
+    def writer_given(self, answer: Handover) -> None:
+        """The giver answered: the slot is this process's to write."""
+        self.ledger.writing.add(answer.slot)
+
+    def asked_of_us(self, state: shared.ServerState) -> list[Handover]:
+        """Handovers other proxies ask of this one (`slotlogic.handover`)."""
+        return handover.asked_of(state.handovers, self.host.instance) if self.host.instance else []
+
+    def handing_over(self, slot: int) -> bool:
+        """This process is handing `slot` to another proxy right now."""
+        return self.ledger.handing_over(slot, OTHER_PROXY)
+
+    def hand_over_begins(self, h: Handover) -> None:
+        """Keep this process's sessions off the slot from now on (their next request is placed again)."""
+        self.ledger.claim(h.slot, OTHER_PROXY)
+
+    def hand_over_ends(self, h: Handover) -> str | None:
+        """Every request this process sent to the slot has reached the server and no move of its own is under
+        way there: the session whose conversation our last write left there (the taker pages it out), and
+        the slot is the other proxy's session's from now on."""
+        last = self.ledger.conversation_on(h.slot)
+        if self.claimed_elsewhere(h.slot, h.claimant, None) is None:
+            self.ledger.claimed_elsewhere(h.slot, h.claimant)
+        self.ledger.writing.discard(h.slot)
+        return last  # our sessions stay off the slot until the answer is written (`hand_over_cleared`)
+
+    def others_alive(self, state: shared.ServerState, now: float) -> bool:
+        """Another proxy beats in this server's state: it may ask us for a slot."""
+        return any(p != self.host.instance and handover.alive(state.beats, p, now) for p in state.beats)
+
+    def hand_over_cleared(self, h: Handover) -> None:
+        """The handover of `h.slot` is over, answered or not: nothing of it keeps our sessions off the slot."""
+        self.ledger.unclaim(h.slot, OTHER_PROXY)
+
+    def holds_conversations(self) -> bool:
+        """A slot holds a conversation of ours, live or expired (a proxy that takes it must ask us first, so that
+        what we believe stays true: the other proxies must hear we are alive)."""
+        return any(self.ledger.conversation_on(s) is not None for s in range(self.ledger.total))
+
+    def handover_answer(self, state: shared.ServerState, asked: Handover) -> Handover | None:
+        return handover.answer(state.handovers, asked)
+
+    def beat(self, state: shared.ServerState, now: float) -> None:
+        """This process is alive, in the state of a server it has live sessions on."""
+        if self.host.instance:
+            handover.beat(state.beats, self.host.instance, now)
+            handover.prune(state.handovers, state.beats, now)
+
+    def side_needs_page_out(self, slot: int) -> bool:
+        """A side call placed on `slot` would overwrite a session's conversation: page it out first."""
+        return self.settings.paging and self.ledger.conversation_on(slot) is not None
