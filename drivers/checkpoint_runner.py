@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from slotlogic.settings import CheckpointMode, Settings
 
 ACTION_TIMEOUT = 120.0
 INDEX_FILE = "checkpoints.json"
+KNOWN_PREFIXES = 64  # prefixes remembered to build longer ones on (their text stays in memory only)
 
 
 class CheckpointRunner:
@@ -51,6 +53,9 @@ class CheckpointRunner:
         self.current: set[str] = set()
         self.building: dict[str, asyncio.Future[None]] = {}  # cold builds in flight
         self.elsewhere: set[str] = set()  # files another proxy built and saved (the shared store says so)
+        # prefixes this process (every server of its pool) restored or built: a longer one is built on the longest
+        # of them it starts with. Memory only: prompt text is never written anywhere.
+        self.known: OrderedDict[str, pfx.StablePrefix] = OrderedDict()
         self.warned: set[str] = set()
         self.cleaned = False
 
@@ -118,13 +123,20 @@ class CheckpointRunner:
                        holds_prefix: bool, built: bool) -> Orchestrator:
         """`built`: a build of this file just ended (here or in another proxy): restore it even if this state
         dir's index does not know it; a failed restore falls back to warming (and saving) as for a cold one."""
-        orch = Orchestrator(slot, prefix, name, persist=self.persist, holds_prefix=holds_prefix,
-                            file_known=self.persist and self.file_known(name, info, built))
+        known = self.persist and self.file_known(name, info, built)
+        base = self._base(prefix, info, name) if self.persist and not known and not holds_prefix else None
+        orch = Orchestrator(slot, prefix, name, persist=self.persist, holds_prefix=holds_prefix, file_known=known,
+                            base=base)
         self.emit(CheckpointStarted(self.upstream, fp, slot))
         while (action := orch.next_action()) is not None:
             orch.feed(await self.perform(action))
         for note in orch.notes:
             self.emit(CheckpointStep(self.upstream, note))
+        if orch.outcome in (Outcome.RESTORED, Outcome.RESTORED_UNVERIFIED, Outcome.WARMED_SAVED):
+            self.known[name] = prefix
+            self.known.move_to_end(name)
+            while len(self.known) > KNOWN_PREFIXES:
+                self.known.popitem(last=False)
         if orch.outcome is Outcome.WARMED_SAVED or orch.file_bad:
             self.elsewhere.discard(name)  # the file is this proxy's now (in its index), or not worth a restore
         if orch.missing_save_path and "save-path" not in self.warned:
@@ -136,6 +148,20 @@ class CheckpointRunner:
                 self.cleaned = True
                 await self.cleanup()
         return orch
+
+    def _base(self, prefix: pfx.StablePrefix, info: ServerInfo, name: str) -> str | None:
+        """The file of the longest prefix this process knows that `prefix` starts with (same route, tools and
+        template arguments), when it is there to restore: a family's prefix is then built on the shared one."""
+        best: tuple[int, str] | None = None
+        for other_name, other in self.known.items():
+            if (other_name == name or len(other.text) >= len(prefix.text) or not prefix.text.startswith(other.text)
+                    or (other.role, other.route, other.tools, other.template_kwargs)
+                    != (prefix.role, prefix.route, prefix.tools, prefix.template_kwargs)):
+                continue
+            file = pfx.file_name(self.fingerprint(other, info))
+            if (best is None or len(other.text) > best[0]) and self.file_known(file, info):
+                best = (len(other.text), file)
+        return best[1] if best else None
 
     async def perform(self, action: Action) -> Result:
         if action.kind.slot_action:

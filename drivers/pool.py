@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,7 @@ class Pool:
         self.inflight: dict[str, int] = {}                 # server URL -> requests in flight
         self.routes: dict[tuple[str, str], int] = {}       # (server URL, RouteWhy value) -> count (metrics)
         self.building: dict[str, asyncio.Future[None]] = {}  # prefix checkpoints being built, all servers
+        self.known_prefixes: OrderedDict[str, Any] = OrderedDict()  # prefixes any server restored or built
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------------------------------- membership
@@ -327,6 +329,7 @@ class Pool:
         all proxies: each server's `Upstream` claims the build, `drivers.build_claims`)."""
         if up.checkpoints is not None:
             up.checkpoints.building = self.building
+            up.checkpoints.known = self.known_prefixes
 
     async def _place(self, up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str, asked: Any,
                      why: RouteWhy) -> Decision:

@@ -11,7 +11,10 @@ Rule 3: fail open. Whatever happens, the machine ends in DONE and the user's req
 Theory of operation
 -------------------
 START:    the slot already holds the prefix (in-process knowledge, confirmed alive) → DONE (hit);
-          persistence on and a matching file known → RESTORING; otherwise → WARMING (cold).
+          persistence on and a matching file known → RESTORING; otherwise cold: → RESTORING_BASE when a file
+          of a shorter prefix it starts with is known (a family's prefix extends the shared one: only the
+          difference is then prefilled), else → WARMING.
+RESTORING_BASE → WARMING, whatever the answer (a failed restore only wipes the slot).
 RESTORING → VERIFY_IDENTICAL on 200. Any failure → WARMING (a failed restore wipes the slot).
 VERIFY_IDENTICAL: the warm-up request re-sent must come back ≥ `gate` (90%) from cache, else the file is
           bad → ERASING → WARMING (then SAVING overwrites the file).
@@ -34,6 +37,7 @@ PROBE_USER = "Reply with OK."
 
 class Phase(Enum):
     START = "start"
+    RESTORING_BASE = "restoring-base"
     RESTORING = "restoring"
     VERIFY_IDENTICAL = "verify-identical"
     VERIFY_DIVERGENT = "verify-divergent"
@@ -63,6 +67,7 @@ class NoteKind(Enum):
 
     HIT = "hit"
     COLD = "cold"
+    BASE_RESTORED = "base-restored"
     RESTORED = "restored"
     NO_FILE = "no-file"
     VERIFY_DID_NOT_RUN = "verify-did-not-run"
@@ -159,6 +164,8 @@ class Result:
 
 # (phase, verdict) → next phase. Verdicts: ok, fail, low (verification below its bar).
 TRANSITIONS: dict[tuple[Phase, str], Phase] = {
+    (Phase.RESTORING_BASE, "ok"): Phase.WARMING,
+    (Phase.RESTORING_BASE, "fail"): Phase.WARMING,
     (Phase.RESTORING, "ok"): Phase.VERIFY_IDENTICAL,
     (Phase.RESTORING, "fail"): Phase.WARMING,
     (Phase.VERIFY_IDENTICAL, "ok"): Phase.VERIFY_DIVERGENT,
@@ -184,6 +191,7 @@ class Orchestrator:
     persist: bool
     holds_prefix: bool = False
     file_known: bool = False
+    base: str | None = None      # a known file of a shorter prefix this one starts with (restored before a warm-up)
     gate: float = 0.9
     phase: Phase = Phase.START
     outcome: Outcome | None = None
@@ -205,12 +213,14 @@ class Orchestrator:
             self.phase = Phase.RESTORING
         else:
             self._note(NoteKind.COLD)
-            self.phase = Phase.WARMING
+            self.phase = Phase.RESTORING_BASE if self.persist and self.base else Phase.WARMING
 
     # -------------------------------------------------------------------------------- driver interface
 
     def next_action(self) -> Action | None:
         p, s = self.phase, self.slot
+        if p is Phase.RESTORING_BASE:
+            return Action(ActionKind.RESTORE, s, filename=self.base)
         if p is Phase.RESTORING:
             return Action(ActionKind.RESTORE, s, filename=self.filename)
         route = self.prefix.path
@@ -239,6 +249,12 @@ class Orchestrator:
             self.outcome = Outcome.WARMED if phase is Phase.WARMING and verdict == "ok" else Outcome.FAILED
 
     # -------------------------------------------------------------------------------- per-phase verdicts
+
+    def _on_restoring_base(self, r: Result) -> str:
+        if r.ok:
+            self._note(NoteKind.BASE_RESTORED, filename=self.base or "", tokens=_int(r.data, "n_restored"))
+            return "ok"
+        return "fail"
 
     def _on_restoring(self, r: Result) -> str:
         if r.ok:
@@ -319,3 +335,8 @@ class Orchestrator:
     @property
     def done(self) -> bool:
         return self.phase is Phase.DONE
+
+
+def _int(data: Any, key: str) -> int | None:
+    v = data.get(key) if isinstance(data, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) else None

@@ -131,6 +131,8 @@ def note(n: Note) -> str:
         return f"cache=MISS → warming slot={n.slot} (cold)"
     if k is NoteKind.RESTORED:
         return f"RESTORE {n.filename}: n_restored={n.tokens}"
+    if k is NoteKind.BASE_RESTORED:
+        return f"RESTORE {n.filename} first (a shorter prefix it starts with): n_restored={n.tokens}"
     if k is NoteKind.NO_FILE:
         return f"no checkpoint (restore {failure(n.failure)}) → cold build"
     if k is NoteKind.VERIFY_DID_NOT_RUN:

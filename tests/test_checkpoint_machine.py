@@ -98,3 +98,16 @@ def test_feeding_a_finished_machine_is_an_error():
     o = Orchestrator(1, P, "f.bin", persist=True, holds_prefix=True)
     with pytest.raises(RuntimeError):
         o.feed(SAVED)
+
+
+def test_a_cold_prefix_is_built_on_the_shorter_one_it_starts_with():
+    """A family's prefix extends the shared one: its file is restored first, so the warm-up prefills only the
+    difference (subagents of two families, 2 servers: 925 of 930 tokens prefilled before); a failed restore of
+    the base only costs the warm-up it would have paid anyway."""
+    o = Orchestrator(1, P, "f.bin", persist=True, base="base.bin")
+    kinds = run(o, [RESTORED, chat(774, 156), SAVED])
+    assert kinds == ["restore", "warm", "save"] and o.outcome is Outcome.WARMED_SAVED and o.spent_prefill == 156
+    assert any(line.startswith("RESTORE base.bin first") for line in lines(o))
+    failed = Orchestrator(1, P, "f.bin", persist=True, base="base.bin")
+    assert run(failed, [RESTORE_400, chat(0, 930), SAVED]) == ["restore", "warm", "save"]
+    assert run(Orchestrator(1, P, "f.bin", persist=False, base="base.bin"), [chat(0, 930)]) == ["warm"]
