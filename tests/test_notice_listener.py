@@ -5,7 +5,6 @@ notices the background flush still finds the displacement."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 from collections.abc import Iterator
 
@@ -18,8 +17,6 @@ from slotlogic import shared
 from slotlogic.events import DisplacedElsewhere, NoticesBack, NoticesLost, Via
 from tests.conftest import FakeLlama, Proxy, chat, flow, sent
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                reason="redis-server is not installed (apt-get install redis-server; .ci/run does)")
 SERVER = "http://127.0.0.1:8080"
 NOTICE_WITHIN = 1.0  # seconds from a claim to the other proxy's mark (a few ms when idle; a loaded CI is slower)
 

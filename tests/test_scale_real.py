@@ -5,7 +5,6 @@ shared save dir); the store going away mid-run loses no request."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -15,12 +14,10 @@ import pytest
 
 from launch.llama_server import LlamaServer
 from launch.mitmdump import MitmProxy
-from launch.redis_server import RedisServer
 from tests.real_helpers import ask, conversation, extend, jsonl
+from tests.redis_fixtures import new_redis
 
 pytestmark = pytest.mark.real
-needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                 reason="redis-server is not installed (apt-get install redis-server; .ci/run does)")
 
 
 def server(tmp: Path, name: str, slots: int, save: Path | None = None) -> LlamaServer:
@@ -40,10 +37,9 @@ def pair(tmp_path_factory) -> Iterator[tuple[LlamaServer, LlamaServer, Path]]:
         yield a, b, tmp
 
 
-@needs_redis
 def test_two_proxies_on_one_store_never_share_a_slot_while_one_is_free(pair, tmp_path):
     a, b, _ = pair
-    with RedisServer() as store:
+    with new_redis() as store:
         opts = {"slots_state_url": store.url, "slots_upstreams": [b.url], "slots_prefix_cache": "off"}
         logs = [tmp_path / "p1.jsonl", tmp_path / "p2.jsonl"]
         with MitmProxy(a.url, {**opts, "slots_state_dir": str(tmp_path / "s1"), "slots_log_file": str(logs[0])},
@@ -65,10 +61,9 @@ def test_two_proxies_on_one_store_never_share_a_slot_while_one_is_free(pair, tmp
     assert {srv for _, srv, _ in placed} == {a.url, b.url}
 
 
-@needs_redis
 def test_the_store_going_away_mid_run_loses_no_request(pair, tmp_path):
     a, b, _ = pair
-    with RedisServer() as store:
+    with new_redis() as store:
         log = tmp_path / "p.jsonl"
         opts = {"slots_state_url": store.url, "slots_upstreams": [b.url], "slots_prefix_cache": "off",
                 "slots_state_dir": str(tmp_path / "s"), "slots_log_file": str(log)}

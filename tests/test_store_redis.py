@@ -4,7 +4,6 @@ connections, a TTL on every document, fail open when the store goes away, and no
 from __future__ import annotations
 
 import asyncio
-import shutil
 from typing import Any
 
 import pytest
@@ -21,8 +20,6 @@ from slotlogic.events import StoreBack, StoreUnavailable
 from slotlogic.server import ServerInfo
 from tests.conftest import UP, FakeLlama, Proxy, chat, flow, sent
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                reason="redis-server is not installed (apt-get install redis-server; .ci/run does)")
 SERVER = "http://127.0.0.1:8080"
 
 
