@@ -23,7 +23,7 @@ from drivers.llama_http import LlamaClient
 from drivers.page_runner import PageOutcome, PageRunner
 from drivers.slot_gate import SlotGate
 from drivers.store import StateStore
-from slotlogic import handover, shared
+from slotlogic import handover, paging, shared
 from slotlogic import prefix as pfx
 from slotlogic.checkpoint_machine import Outcome
 from slotlogic.decisions import NeedSlot
@@ -84,16 +84,21 @@ class SlotMoves:
         found = self.keeper.pager.busy_source(slot, key, view, busy, stable_chars, cold, sent=pages.last_sent.get(slot))
         if found is None:
             return views
-        source, budget = found
+        source = found.slot
         started = time.monotonic()
-        deadline = started + budget
-        idle = False
-        while not idle and deadline - time.monotonic() >= MIN_SLEEP:  # a sliver left is not worth one more look
-            await asyncio.sleep(min(SOURCE_POLL, deadline - time.monotonic()))
+        deadline = started + found.budget
+        idle, entry = False, None
+        # a sliver of the budget left is not worth one more look, but a source still prefilling what we would
+        # copy is (paging.keep_waiting)
+        while not idle and paging.keep_waiting(found, entry, time.monotonic() - started,
+                                               deadline - time.monotonic() - MIN_SLEEP):
+            left = deadline - time.monotonic()
+            await asyncio.sleep(min(SOURCE_POLL, left) if left >= MIN_SLEEP else SOURCE_POLL)
             live = await self.client.slots()
             if live is None:
                 break
             idle = not pages.busy(source) and self.keeper.pager.source_idle(source, live)
+            entry = next((e for e in live if isinstance(e, dict) and e.get("id") == source), None)
         self.emit(SourceAwaited(self.url, slot, source, time.monotonic() - started, idle))
         return [replace(v, busy=False) if v.id == source else v for v in views] if idle else views
 

@@ -149,7 +149,7 @@ class Pager:
 
     def busy_source(self, slot: int, session_key: str, view: SlotView, views: Sequence[SlotView],
                     stable_chars: int = 0, cold: pfx.StablePrefix | None = None,
-                    sent: tuple[str, float] | None = None) -> tuple[int, float] | None:
+                    sent: tuple[str, float] | None = None) -> paging.SourceWait | None:
         """The slot of the conversation `session_key` would start from if that slot were not running a request
         now (two sessions that start together: the first is still prefilling what the second would copy), and
         how long waiting for it is worth (`paging.source_wait`); None when nothing better is worth waiting for.
@@ -165,7 +165,9 @@ class Pager:
             return None
         gain = then.chars - (now.chars if now is not None else 0 if cold is not None else stable_chars)
         wait = paging.source_wait(gain, self.host.prefill_estimate(), self.settings.seed_wait)
-        return (then.slot, wait) if gain > 0 and wait > 0 else None
+        if gain <= 0 or wait <= 0:
+            return None
+        return paging.SourceWait(then.slot, wait, gain // paging.CHARS_PER_TOKEN, self.settings.seed_wait)
 
     def source_idle(self, source: int, live: Sequence[object]) -> bool:
         """The slot waited for (`busy_source`) is idle now: `/slots` says so and no request this process sent

@@ -189,6 +189,37 @@ def source_wait(chars: int, prefill_rate: float | None, cap: float) -> float:
     return min(cap, chars / CHARS_PER_TOKEN / prefill_rate)
 
 
+@dataclass(frozen=True)
+class SourceWait:
+    """A busy slot a new session would start from (`Pager.busy_source`): how long waiting for it is worth, and
+    how many tokens the copy would spare (4 characters a token)."""
+
+    slot: int
+    budget: float
+    tokens: int
+    cap: float
+
+
+def keep_waiting(wait: SourceWait, entry: Mapping[str, object] | None, waited: float, budget_left: float) -> bool:
+    """Whether to go on waiting for `wait.slot` after `waited` seconds (its `/slots` entry as it is now): within
+    the budget; past it, as long as the source is still prefilling and has at most twice the tokens it would
+    spare us left to go (prefilling them beside it on the same server would take at least as long, the two
+    sharing its compute); never past the cap."""
+    if waited >= wait.cap:
+        return False
+    if budget_left > 0:
+        return True
+    if not isinstance(entry, Mapping) or entry.get("is_processing") is not True:
+        return False
+    nt = entry.get("next_token")
+    first = nt[0] if isinstance(nt, list) and nt and isinstance(nt[0], Mapping) else nt
+    decoded = first.get("n_decoded") if isinstance(first, Mapping) else None
+    total, done = entry.get("n_prompt_tokens"), entry.get("n_prompt_tokens_processed")
+    if decoded or not isinstance(total, int) or not isinstance(done, int):
+        return False
+    return 0 <= total - done <= 2 * wait.tokens
+
+
 def seeded(plan: PagePlan, seed: Seed, pages: Mapping[str, PageRecord], upstream: str, salt: str) -> PagePlan:
     """`plan` with `seed` restored into its slot after its save (a live seed's slot saved first)."""
     if seed.slot is None:

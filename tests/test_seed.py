@@ -217,9 +217,10 @@ def test_two_sessions_that_start_together_wait_for_the_first_to_copy_it():
     key, view = d.ticket.session.key, SlotView(p.slot, 0)
     busy = [SlotView(i, busy=i == first) for i in range(4)]
     found = k.pager.busy_source(p.slot, key, view, busy, cold=d.stable)
-    assert found == (first, Settings().seed_wait)                          # no prefill rate measured yet
+    assert found is not None and (found.slot, found.budget) == (first, Settings().seed_wait)  # no rate measured
     k.prefill_rate = 100.0                                                 # tokens/s
-    assert found[0] == first and k.pager.busy_source(p.slot, key, view, busy, cold=d.stable) == (
+    again = k.pager.busy_source(p.slot, key, view, busy, cold=d.stable)
+    assert again is not None and (again.slot, again.budget) == (
         first, pytest.approx(len(d.stable.text) / paging.CHARS_PER_TOKEN / 100.0))
     idle = [SlotView(i) for i in range(4)]
     assert k.pager.busy_source(p.slot, key, view, idle, cold=d.stable) is None    # copy it now, no wait
@@ -233,7 +234,8 @@ def test_a_lead_seed_waits_only_when_it_gives_more_than_the_idle_choice():
     slot = placed(k, state, codex("write the docs", "s2"), "s2", 1.0, pin=False)
     key, view = k.table.holders[slot], SlotView(slot, 0)
     busy = [SlotView(i, busy=i == first) for i in range(4)]
-    assert k.pager.busy_source(slot, key, view, busy) == (first, Settings().seed_wait)
+    found = k.pager.busy_source(slot, key, view, busy)
+    assert found is not None and (found.slot, found.budget) == (first, Settings().seed_wait)
     chars = lead.shared(k.table.sessions[key].lead, k.table.sessions[k.table.holders[first]].lead)[1]
     assert k.pager.busy_source(slot, key, view, busy, stable_chars=chars) is None  # its checkpoint gives as much
 
@@ -256,8 +258,8 @@ def test_a_session_whose_request_has_not_gone_out_or_still_runs_is_no_idle_sourc
     p = k.assign(d, state, info(), LIVE, 1.0)
     key, view, idle = d.ticket.session.key, SlotView(p.slot, 0), [SlotView(i) for i in range(4)]
     assert k.pager.page_plan(p.slot, key, view, views=idle, cold=d.stable).seed is None
-    expected = (first, Settings().seed_wait) if sent else None
-    assert k.pager.busy_source(p.slot, key, view, idle, cold=d.stable) == expected
+    found = k.pager.busy_source(p.slot, key, view, idle, cold=d.stable)
+    assert ((found.slot, found.budget) if found else None) == ((first, Settings().seed_wait) if sent else None)
 
 
 def test_the_awaited_slot_is_idle_only_once_slots_says_so_and_its_answer_came():
@@ -271,3 +273,18 @@ def test_the_awaited_slot_is_idle_only_once_slots_says_so_and_its_answer_came():
     k.answered(d.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions", seconds=1.0, now=1.0)
     pager = k.pager
     assert pager.source_idle(p.slot, LIVE) and not pager.source_idle(p.slot, busy) and not pager.source_idle(p.slot, [])
+
+
+def test_a_source_still_prefilling_what_would_be_copied_is_waited_for_past_the_budget():
+    """Two subagents of a new family start together: the second's budget (the copied part at the measured rate)
+    runs out while the first still prefills on a shared server; prefilling the same tokens beside it would take
+    at least as long, so it waits on while the source has at most twice those tokens left, never past the cap."""
+    wait = paging.SourceWait(slot=0, budget=1.0, tokens=1000, cap=30.0)
+    prefilling = {"id": 0, "is_processing": True, "n_prompt_tokens": 1500, "n_prompt_tokens_processed": 400,
+                  "next_token": [{"n_decoded": 0}]}
+    assert paging.keep_waiting(wait, None, 0.5, 0.5)                      # within the budget
+    assert paging.keep_waiting(wait, prefilling, 5.0, -1.0)               # 1,100 left <= 2 x 1,000
+    assert not paging.keep_waiting(wait, {**prefilling, "n_prompt_tokens": 4000}, 5.0, -1.0)  # too far behind
+    assert not paging.keep_waiting(wait, {**prefilling, "next_token": [{"n_decoded": 3}]}, 5.0, -1.0)  # generating
+    assert not paging.keep_waiting(wait, {**prefilling, "is_processing": False}, 5.0, -1.0)
+    assert not paging.keep_waiting(wait, prefilling, 30.0, -1.0)          # the cap
