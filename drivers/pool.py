@@ -39,7 +39,7 @@ from slotlogic import prefix as pfx
 from slotlogic import routing, shared, sidecalls, swap_models
 from slotlogic.decisions import Decision, Forward, NeedSlot, Pin, RequestFacts
 from slotlogic.events import Event, ServerDown, ServerUp
-from slotlogic.fastpath import ShapeIndex
+from slotlogic.intake import Recognition
 from slotlogic.reasons import Passed
 from slotlogic.routing import Health, RouteWhy, ServerView
 from slotlogic.server import ServerInfo
@@ -77,7 +77,8 @@ class Member:
 class Pool:
     def __init__(self, urls: list[str], make_upstream: Callable[[str, Any], Upstream], emit: Emit,
                  make_client: Callable[[str], LlamaClient] = LlamaClient, health_interval: float = 5.0, *,
-                 drop: Callable[[str], None] | None = None, max_models: int = swap_models.MAX_MODELS) -> None:
+                 drop: Callable[[str], None] | None = None, max_models: int = swap_models.MAX_MODELS,
+                 recognition: Recognition | None = None) -> None:
         self.members = [Member(base_of(u), i, make_client(base_of(u))) for i, u in enumerate(urls)]
         self.make_upstream = make_upstream
         self.drop = drop                # forgets a model's server outside the pool (its driver, its tasks)
@@ -85,8 +86,7 @@ class Pool:
         self.used: dict[str, float] = {}  # a llama-swap model's server URL -> when a request last went there
         self.emit = emit
         self.health_interval = health_interval
-        self.shapes = ShapeIndex()
-        self.marks: Any = None
+        self.recognition = recognition or Recognition()  # its servers' keepers are made with the same one
         self.servers: dict[str, tuple[Member, str]] = {}   # server URL -> (member, model or "")
         self.where: dict[str, Upstream] = {}               # session key -> the server of its last request
         self.inflight: dict[str, int] = {}                 # server URL -> requests in flight
@@ -110,10 +110,6 @@ class Pool:
             self.servers[url] = (member, model if member.swap else "")
             if member.swap and model:
                 self.used[url] = time.monotonic()  # new: not idle (a request is on its way)
-            up.keeper.shapes = self.shapes  # one recognition for the whole pool
-            if self.marks is None:
-                self.marks = up.keeper.marks
-            up.keeper.marks = self.marks
         return up
 
     def _loaded(self, member: Member, model: str) -> Callable[[], Any]:
@@ -233,9 +229,10 @@ class Pool:
 
     def _first(self, facts: RequestFacts, avoid: Member | None) -> Upstream | None:
         """The server a known session's next turn goes to, from memory (the hot path); None: look further."""
-        if facts.replay is not None or not facts.content or not self.shapes:
+        shapes = self.recognition.shapes
+        if facts.replay is not None or not facts.content or not shapes:
             return None
-        shape = self.shapes.match(facts.path, facts.content)
+        shape = shapes.match(facts.path, facts.content)
         if shape is None:
             return None
         up = self.where.get(shape.key.key)

@@ -65,6 +65,7 @@ from slotlogic.events import (
     Stage,
     Via,
 )
+from slotlogic.intake import Recognition
 from slotlogic.keeper import Keeper
 from slotlogic.notices import ClaimNotice
 from slotlogic.paging import Moved
@@ -84,12 +85,13 @@ Facts = tuple[dict[str, Any] | None, list[dict[str, Any]] | None]   # `/props` a
 class Upstream(SlotMoves):
     def __init__(self, url: str, settings: Settings, state_dir: str | Path, emit: Emit, *,
                  offline: bool = False, client: LlamaClient | None = None, store: StateStore | None = None,
-                 loaded: Callable[[], Any] | None = None, builds: BuildClaims | None = None) -> None:
+                 loaded: Callable[[], Any] | None = None, builds: BuildClaims | None = None,
+                 recognition: Recognition | None = None) -> None:
         self.url = url
         self.offline = offline  # replaying saved flows: no network, no background task, no slot files
         self.emit = emit
         self.client = client or LlamaClient(url)
-        self.keeper = Keeper(settings, url)
+        self.keeper = Keeper(settings, url, recognition)  # a pool's servers share one
         self.keeper.instance = os.urandom(8).hex()  # this process's page file names are its own
         self.state_dir = Path(state_dir)
         self.store: StateStore = store if store is not None else StateFile(self.state_dir, url, emit)

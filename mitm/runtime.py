@@ -27,6 +27,7 @@ from slotlogic import wording
 from slotlogic.answers import StreamObserver
 from slotlogic.decisions import Report, Ticket
 from slotlogic.events import Event, Failed, Stage
+from slotlogic.intake import Recognition
 from slotlogic.settings import Settings
 from slotlogic.tally import Tally
 
@@ -68,6 +69,7 @@ class Runtime:
     _store_key: tuple[str, Path] | None = None
     tally: Tally = field(default_factory=Tally)   # the counters behind /_slots/metrics
     _closing: set[Any] = field(default_factory=set)  # clients of forgotten servers being closed
+    recognition: Recognition = field(default_factory=Recognition)  # known sessions' requests, every live server
 
     def configure(self, settings: Settings, state_dir: Path, fronted: frozenset[str], *, state_url: str = "",
                   servers: list[str] | None = None, health_interval: float = 5.0, swap_max_models: int = 16) -> None:
@@ -94,7 +96,8 @@ class Runtime:
             if self.pool is not None:
                 self.pool.close()
             self.pool = Pool(wanted, lambda url, loaded: self.upstream(url, loaded=loaded), self.emit,
-                             self.make_client, health_interval, drop=self.drop_upstream)
+                             self.make_client, health_interval, drop=self.drop_upstream,
+                             recognition=self.recognition)
         if self.pool is not None:
             self.pool.health_interval = health_interval
             self.pool.max_models = swap_max_models
@@ -111,7 +114,8 @@ class Runtime:
             if self.stores is None:
                 self.stores = Stores("", self.state_dir, self.emit)
             up = (Upstream(url, settings, self.state_dir, self.emit, client=self.make_client(url),
-                           store=self.stores.for_server(url), loaded=loaded, builds=self.stores.builds) if live
+                           store=self.stores.for_server(url), loaded=loaded, builds=self.stores.builds,
+                           recognition=self.recognition) if live
                   else Upstream.for_replay(url, settings, self.emit))
             pool[url] = up
         return up

@@ -36,18 +36,14 @@ from slotlogic import (
     sidecalls,
 )
 from slotlogic import lead as leads
-from slotlogic import prefix as pfx
-from slotlogic import session as sess
 from slotlogic.answers import Observation
 from slotlogic.decisions import (
     TRANSLATED_PATH,
     Decision,
-    Fields,
     Forward,
     NeedSlot,
     Observe,
     Pin,
-    Replay,
     Report,
     RequestFacts,
     Ticket,
@@ -62,7 +58,7 @@ from slotlogic.events import (
     TokensLost,
     Unreachable,
 )
-from slotlogic.fastpath import ShapeIndex, fields_absent
+from slotlogic.intake import Arrival, Intake, Recognition
 from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
 from slotlogic.ledger import Cause, Fence, Holds, Ledger
@@ -70,12 +66,11 @@ from slotlogic.pager import Pager
 from slotlogic.ranking import Policy, SlotView
 from slotlogic.reasons import Passed, Unpinned, Why
 from slotlogic.server import ServerInfo, slot_facts
-from slotlogic.settings import SESSION_KEEP_SECONDS, AnthropicMode, CheckpointMode, Settings
+from slotlogic.settings import SESSION_KEEP_SECONDS, CheckpointMode, Settings
 from slotlogic.stats import SessionStats
 from slotlogic.table import SessionTable
 from slotlogic.turns import Turns
 
-MAX_MARKS = 512  # prompts remembered for the continuation rule of raw `/completion` bodies
 RATE_MIN_TOKENS = 64  # a shorter prefill's rate is mostly the request's fixed overhead
 RATE_WEIGHT = 0.3     # of the newest answer in the prefill rate's moving average
 MAX_STATS = 1024  # sessions whose counters the status view and the summary show; the least recently answered go
@@ -98,48 +93,12 @@ class Placement:
         return self.why is Why.SIDE_CALL
 
 
-@dataclass(frozen=True)
-class _Read:
-    """A request body parsed (a recorded flow's rewrite undone: `original` is what the client sent)."""
-
-    body: dict[str, Any]
-    content: bytes
-    original: bytes | None
-
-
-@dataclass
-class _Seen:
-    """The body to send (`body`, `content`) and the chat-shaped view that names the session (`seen`)."""
-
-    body: dict[str, Any]
-    content: bytes
-    chat: dict[str, Any] | None    # an Anthropic request as a chat completion (None: not one, or untranslatable)
-    seen: dict[str, Any]
-    seen_path: str
-    native: bool                   # an Anthropic request goes to the server's own /v1/messages
-
-
-class LowerHeaders(dict[str, str]):
-    """Request headers as a plain dict with lower-case names, built from the raw fields (mitmproxy's multidict
-    look-ups are slow). The first value of a repeated header wins."""
-
-    lowercase_keys = True
-
-    def __init__(self, fields: Fields) -> None:
-        super().__init__()
-        for k, v in fields:
-            self.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
-
-
 class Keeper:
-    def __init__(self, settings: Settings, upstream: str = "") -> None:
+    def __init__(self, settings: Settings, upstream: str = "", recognition: Recognition | None = None) -> None:
         self.settings = settings
         self.upstream = upstream
         self.table = SessionTable(ttl=settings.ttl)
         self.ledger = Ledger()  # what each slot holds, fenced by its epoch; the loss meter (slotlogic/ledger.py)
-        self.shapes = ShapeIndex()  # known sessions' request shapes: the hot path without a parse
-        self.marks: OrderedDict[str, sess.PromptMark] = OrderedDict()
-        self.threads = sess.Threads()  # conversations of one content root, told apart by their user messages
         self.stats: OrderedDict[str, SessionStats] = OrderedDict()
         self.server: ServerInfo | None = None   # the last `/props` seen
         self.total_slots: int | None = None     # the last known slot count
@@ -149,9 +108,14 @@ class Keeper:
         self.learned: list[SlotLearned] = []  # affinity: slots learned from answers, for the driver to log
         self.prefill_speed: float | None = None  # the start-up probe's prefill tok/s (answers without timings)
         self.prefill_rate: float | None = None   # prompt tok/s of this server's recent answers (a moving average)
-        self._headers = settings.header_bytes
+        self._intake = Intake(settings, self.ledger, self.learner, self, recognition)
         self._pager = Pager(settings, upstream, self.table, self.ledger, self.learner, self)
         self._turns = Turns(settings, upstream, self.table, self.ledger, self)
+
+    @property
+    def recognition(self) -> Recognition:
+        """What recognises this server's sessions' next requests (shared by the servers of one pool)."""
+        return self._intake.recognition
 
     @property
     def pager(self) -> Pager:
@@ -177,8 +141,8 @@ class Keeper:
         self.settings = settings
         self._pager.settings = settings
         self._turns.settings = settings
+        self._intake.settings = settings
         self.table.ttl = settings.ttl
-        self._headers = settings.header_bytes
         self.learner.min_chars = settings.prefix_min_chars
 
     # ------------------------------------------------------------------------------------------- requests
@@ -187,115 +151,38 @@ class Keeper:
         route = classify(facts.method, facts.path)
         if route is Route.OTHER:
             return Forward(Passed.NOT_COMPLETION, completion_route=False)
-        if facts.replay is None and self.shapes and facts.content:
-            known = self._recognise(facts, route)
-            if known is not None:
-                return known
-        read = _read(facts)
-        if isinstance(read, Forward):
-            return read
-        req = self._as_seen(read, route, facts.path)
         s = self.settings
-        key = sess.resolve(LowerHeaders(facts.fields), req.seen, req.seen_path, header_names=s.session_headers,
-                           known_prompts=self.marks, threads=self.threads)
-        ticket = Ticket(key, route, client={k: req.body.get(k) for k in ("id_slot", "cache_prompt")})
-        self._remember_prompt(key.key, sess.prompt_mark(req.body))
-        ticket.extends, mark = leads.extends(req.seen, self.ledger.marks.get(key.key))
-        if mark is not None:
-            self.ledger.marks[key.key] = mark
-        if route is Route.ANTHROPIC and not self._translate(ticket, req):
-            return Observe(ticket, read.original)
-        ticket.side = sidecalls.is_side_call(sess.system_text(req.seen, req.seen_path), s.side_patterns)
-        if facts.replay is None and fields_absent(req.body):
-            self.shapes.learn(facts.path, req.content, key, ticket.side)
+        ticket = self._intake.known(facts, route)  # the hot path: a known session's next turn, from its bytes
+        if ticket is not None:
+            if s.policy is Policy.OFF:
+                ticket.unpinned = Unpinned.POLICY_OFF
+                return Observe(ticket)
+            slot = self._placed(ticket, facts.now)
+            if slot is not None:
+                return self._pin(ticket, {}, facts.content or b"", slot, facts.now)
+        arrival = self._intake.read(facts, route)
+        if not isinstance(arrival, Arrival):
+            return arrival
+        ticket, req = arrival.ticket, arrival.req
         if s.policy is Policy.OFF:
             ticket.unpinned = Unpinned.POLICY_OFF
-            return Observe(ticket, read.original)
+            return Observe(ticket, arrival.original)
         slot = self._placed(ticket, facts.now, req.body)
         if slot is not None:
             return self._pin(ticket, req.body, req.content, slot, facts.now)
         if s.policy is Policy.AFFINITY:
             return self._pending(ticket, req.body, req.content, TRANSLATED_PATH if ticket.translated else facts.path,
                                  facts.now)
-        return self._need_slot(ticket, req, facts.now)
+        return self._intake.need_slot(ticket, req, facts.now, self._displaced_from(ticket, facts.now))
 
-    def _as_seen(self, read: _Read, route: Route, path: str) -> _Seen:
-        """The request as the rest of the core sees it: an Anthropic request (its billing block dropped when
-        configured) as the chat request it renders as, so it names its session and prefix like one."""
-        s = self.settings
-        body, content = read.body, read.content
-        native = self._messages_native()
-        if route is not Route.ANTHROPIC:
-            return _Seen(body, content, None, body, path, native)
-        if s.strip_billing and s.anthropic is not AnthropicMode.OFF:
-            stripped = anthropic.strip_billing(body)
-            if stripped is not None:
-                body = stripped
-                if native:  # the native route sends these bytes (a translated request is encoded later)
-                    content = _encoded(stripped) or content
-        chat = _as_chat(body)
-        seen = body if chat is None else {**chat, "metadata": body.get("metadata")}
-        return _Seen(body, content, chat, seen, path if chat is None else TRANSLATED_PATH, native)
-
-    def _messages_native(self) -> bool:
-        mode = self.settings.anthropic
-        return mode is AnthropicMode.NATIVE or (mode is AnthropicMode.TRANSLATE and self.messages_native is True)
-
-    def _translate(self, ticket: Ticket, req: _Seen) -> bool:
-        """An Anthropic request made ready to pin: as it is (native), or as its chat completion (translate).
-        False when it is only observed (the mode is off, or the request cannot be translated)."""
-        if self.settings.anthropic is AnthropicMode.OFF:
-            ticket.unpinned = Unpinned.ROUTE
-            return False
-        if req.native:
-            return True
-        encoded = _encoded(req.chat)
-        if req.chat is None or encoded is None:
-            ticket.unpinned = Unpinned.UNTRANSLATABLE
-            return False
-        req.body, req.content, ticket.translated = req.chat, encoded, True
-        return True
-
-    def _need_slot(self, ticket: Ticket, req: _Seen, now: float) -> NeedSlot:
-        """A new or displaced session: what the driver needs to claim it a slot (its stable prefix above all)."""
+    def _displaced_from(self, ticket: Ticket, now: float) -> int | None:
+        """The slot a session still live here was on: another session ran there since (else it would have been
+        placed from memory), so staying has no value of its own; it chooses again, its own slot a candidate."""
         live = self.table.live(ticket.session.key, now)
-        displaced_from = None
         if live is not None and (self.total_slots is None or live.slot < self.total_slots):
-            # Another session ran on this slot since: our conversation is no longer there, so staying has no
-            # value of its own; choose again, like a new session (its own slot is one of the candidates).
-            ticket.displaced, displaced_from = True, live.slot
-        # The stable prefix: up to a client's known marker (the instant path), else learned from traffic: a new
-        # session's system message is compared with the other sessions' (never a displaced one's, nor a side
-        # call's: those are no new conversations).
-        stable = pfx.extract(req.seen, self.settings.markers)
-        if stable is None and not ticket.side and displaced_from is None:
-            self.learner.observe(ticket.session.key, req.seen, now)
-        if stable is None:
-            stable = self.learner.find(req.seen, now)
-        # What the ranking compares slot contents by: the stable prefix when there is one (windows of two
-        # projects share it), else the whole system prompt + tools.
-        prefix = stable.signature if stable else sess.prefix_signature(req.seen, req.seen_path)
-        return NeedSlot(ticket, req.body, req.content, prefix, stable, displaced_from)
-
-    def _recognise(self, facts: RequestFacts, route: Route) -> Decision | None:
-        """The hot path without a parse (`slotlogic.fastpath`): a known session's next chat request, with an
-        empty stand-in for the body (the byte match proved it carries no id_slot/cache_prompt)."""
-        if route is not Route.PINNABLE:
-            return None
-        if any(k.lower() in self._headers for k, _ in facts.fields):
-            return None  # a header names the session: the full path reads it
-        content = facts.content or b""
-        shape = self.shapes.match(facts.path, content)
-        if shape is None:
-            return None
-        ticket = Ticket(shape.key, route, side=shape.side, client={"id_slot": None, "cache_prompt": None},
-                        extends=True)  # the byte match proved it appends to the previous request's messages
-        self.ledger.marks.pop(shape.key.key, None)  # its last parsed request is not its previous one any more
-        if self.settings.policy is Policy.OFF:
-            ticket.unpinned = Unpinned.POLICY_OFF
-            return Observe(ticket)
-        slot = self._placed(ticket, facts.now)
-        return self._pin(ticket, {}, content, slot, facts.now) if slot is not None else None
+            ticket.displaced = True
+            return live.slot
+        return None
 
     def _client_slot(self, body: dict[str, Any], total: int | None) -> int | None:
         """A trusted client's own valid `id_slot` (`slots_override_client=false`); None: the proxy chooses."""
@@ -400,14 +287,6 @@ class Keeper:
         if live is None or obs.error_type is not None:
             return None
         return self.learn(ticket, affinity.slot_from_slots(live, obs.tokens_total, self.total_slots), now)
-
-    def _remember_prompt(self, key: str, mark: sess.PromptMark | None) -> None:
-        if mark is None:
-            return
-        self.marks[key] = mark
-        self.marks.move_to_end(key)
-        while len(self.marks) > MAX_MARKS:
-            self.marks.popitem(last=False)
 
     # ------------------------------------------------------------------------------------------- new slots
 
@@ -680,57 +559,3 @@ def _rewritten(ticket: Ticket, content: bytes, body: dict[str, Any], result: rew
     if out is None:  # cannot happen for a body that parsed as an object; never re-serialise it
         raise ValueError("request body could not be rewritten in place")
     return Pin(ticket, out)
-
-
-def _read(facts: RequestFacts) -> _Read | Forward:
-    content = facts.content or b""
-    body = _parse(content)
-    original = None
-    if facts.replay is not None and isinstance(body, dict):
-        body, original = _undo_rewrite(body, content, facts.replay)
-        content = original or content
-    if not isinstance(body, dict):
-        return Forward(Passed.NOT_JSON_OBJECT, completion_route=True)
-    return _Read(body, content, original)
-
-
-def _as_chat(body: dict[str, Any]) -> dict[str, Any] | None:
-    try:
-        return anthropic.to_chat(body)
-    except anthropic.TranslationError:
-        return None
-
-
-def _encoded(chat: dict[str, Any] | None) -> bytes | None:
-    try:
-        return anthropic.encode(chat) if chat is not None else None
-    except anthropic.TranslationError:
-        return None
-
-
-def _parse(content: bytes) -> Any:
-    if not content:
-        return None
-    try:
-        return json.loads(content)
-    except (ValueError, UnicodeDecodeError, RecursionError):  # 100k nested arrays: not ours
-        return None
-
-
-def _undo_rewrite(body: dict[str, Any], content: bytes, replay: Replay) -> tuple[dict[str, Any], bytes | None]:
-    """A saved flow holds the body we sent upstream: put back what the client itself had sent, and its bytes
-    when our rewrite was the splice (so the replayed rewrite gives the recorded bytes again)."""
-    client = replay.client
-    if not isinstance(client, Mapping):
-        return body, None
-    out = dict(body)
-    for name in ("id_slot", "cache_prompt", "verbose"):
-        if name in client:
-            if client[name] is None:
-                out.pop(name, None)
-            else:
-                out[name] = client[name]
-    original = None
-    if client.get("id_slot") is None and client.get("cache_prompt") is None:
-        original = rewrite.unsplice(content)
-    return out, original

@@ -7,7 +7,7 @@ import json
 import time
 
 from drivers.upstream import Upstream
-from slotlogic import fastpath, keeper
+from slotlogic import fastpath, intake, keeper
 from slotlogic import shared as st
 from slotlogic.answers import Observation
 from slotlogic.decisions import RequestFacts
@@ -37,8 +37,8 @@ async def test_one_shot_sessions_leave_bounded_memory(tmp_path, monkeypatch):
         body = json.dumps(chat(f"one-shot {i}", system=f"system {i} " * 8)).encode()
         pin = await up.decide(RequestFacts("POST", "/v1/chat/completions", (), body, now + i * 0.01), f"f{i}")
         up.answered(pin.ticket, Observation(cache_n=0, prompt_n=10), path="/v1/chat/completions", seconds=0.1)
-    assert len(k.table.sessions) <= 80 and len(k.stats) <= 100 and len(k.marks) <= keeper.MAX_MARKS
-    assert len(k.shapes) <= fastpath.MAX_SHAPES < 400
+    assert len(k.table.sessions) <= 80 and len(k.stats) <= 100 and len(k.recognition.marks) <= intake.MAX_MARKS
+    assert len(k.recognition.shapes) <= fastpath.MAX_SHAPES < 400
     status = await up.status()
     assert len(status["sessions"]) <= 100
     state = json.loads(up.store.path.read_text())

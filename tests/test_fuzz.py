@@ -115,10 +115,10 @@ def test_the_fast_path_agrees_with_the_full_parse(first, later, system, junk, wh
     cut = {"end": good.rindex(b"]"), "mid": good.index(b"}, {") + 1 if b"}, {" in good else len(good) - 1,
            "tail": len(good) - 1}[where]
     candidate = good[:cut] + junk + good[cut:]
-    slow.shapes.shapes.clear()
-    slow.shapes.by_sig.clear()
-    slow.shapes.ends.clear()
-    event("fast path taken" if fast.shapes.match(CHAT, candidate) is not None else "full parse")
+    slow.recognition.shapes.shapes.clear()
+    slow.recognition.shapes.by_sig.clear()
+    slow.recognition.shapes.ends.clear()
+    event("fast path taken" if fast.recognition.shapes.match(CHAT, candidate) is not None else "full parse")
     d_fast, d_slow = fast.request(facts(candidate)), slow.request(facts(candidate))
     out_fast, out_slow = outgoing(candidate, place(fast, d_fast)), outgoing(candidate, place(slow, d_slow))
     if isinstance(d_fast, Pin) and d_fast.ticket.session.source == "content:root" and isinstance(d_slow, Pin):
