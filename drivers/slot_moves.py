@@ -27,7 +27,17 @@ from slotlogic import handover, paging, shared
 from slotlogic import prefix as pfx
 from slotlogic.checkpoint_machine import Outcome
 from slotlogic.decisions import NeedSlot
-from slotlogic.events import CheckpointDone, Event, Failed, HandedOver, NoSavePath, Paged, SourceAwaited, Stage
+from slotlogic.events import (
+    CheckpointDone,
+    CostWeighed,
+    Event,
+    Failed,
+    HandedOver,
+    NoSavePath,
+    Paged,
+    SourceAwaited,
+    Stage,
+)
 from slotlogic.handover import Handover
 from slotlogic.keeper import Keeper
 from slotlogic.ledger import Cause, Fence, Holds
@@ -147,6 +157,8 @@ class SlotMoves:
                 slot, key, view, sent=self.pages.last_sent.get(slot), views=views, stable_chars=stable_chars,
                 cold=cold, copy_live=False, given=given,
                 ours=self.gate.last_started.get(slot))
+        for choice in plan.choices:
+            self.emit(CostWeighed(self.url, slot, choice.session[:8] or None, choice))
         if plan.empty:
             return Moved.NOTHING, fence  # nothing to move, but our request must still go after the page-in before it
         if plan.restore_file is not None and not self.keeper.turns.fence_holds(fence):

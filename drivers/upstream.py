@@ -49,6 +49,7 @@ from drivers.store_file import StateFile
 from slotlogic import shared
 from slotlogic.affinity import Learn
 from slotlogic.answers import Observation
+from slotlogic.costs import Direction, SlotFileAnswer
 from slotlogic.decisions import Decision, Fields, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
 from slotlogic.events import (
     DisplacedElsewhere,
@@ -62,6 +63,7 @@ from slotlogic.events import (
     PageRejected,
     SlotShared,
     SlotsSlow,
+    SpeedsMeasured,
     Stage,
     Via,
 )
@@ -105,6 +107,7 @@ class Upstream(SlotMoves):
         self.gate = SlotGate(url, emit)  # which of our requests reached the server, slot by slot
         self.handovers = Handovers(url, self.keeper, self.store, emit, self.gate)  # slots other proxies take
         self.model = ModelCheck(self.client, emit, url, on_speed=lambda pps: setattr(self.keeper, "prefill_speed", pps))
+        self.model.on_answer = self._slot_answer
         self._runners(settings)
         self.warned: set[str] = set()
         self._task: asyncio.Task[None] | None = None
@@ -140,6 +143,7 @@ class Upstream(SlotMoves):
             if self.pages is None or self.pages.save_dir != Path(s.save_dir):
                 self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
                 self.pages.gate = self.gate
+                self.pages.on_answer = self._slot_answer
             self.pages.max_bytes = s.page_max_bytes
             self.pages.shared = self.store.slot_locks
         else:
@@ -149,6 +153,16 @@ class Upstream(SlotMoves):
             self.checkpoints = None
         elif self.checkpoints is None or self.checkpoints.settings != s or self.checkpoints.index.dir != self.state_dir:
             self.checkpoints = CheckpointRunner(self.client, self.state_dir, s, self.emit, self.url)
+            self.checkpoints.on_answer = self._slot_answer
+            self.checkpoints.rates = self.keeper.rates
+
+    def _slot_answer(self, answer: SlotFileAnswer) -> None:
+        """A slot save or restore answered: its throughput into the server's speeds (`slotlogic.costs`)."""
+        if self.keeper.speeds.note(answer):
+            rates = self.keeper.rates()
+            bps = rates.save_bps if answer.direction is Direction.SAVE else rates.restore_bps
+            self.emit(SpeedsMeasured(self.url, answer.direction.value, bps or 0.0, rates.kv_bytes_per_token,
+                                     rates.prefill_tps))
 
     def _authorize(self) -> None:
         """The key the proxy's own calls carry: the option, else what a client sent (never logged or stored)."""

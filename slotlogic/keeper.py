@@ -28,6 +28,7 @@ from slotlogic import (
     affinity,
     anthropic,
     anthropic_answer,
+    costs,
     handover,
     placement,
     reconcile,
@@ -108,6 +109,7 @@ class Keeper:
         self.learned: list[SlotLearned] = []  # affinity: slots learned from answers, for the driver to log
         self.prefill_speed: float | None = None  # the start-up probe's prefill tok/s (answers without timings)
         self.prefill_rate: float | None = None   # prompt tok/s of this server's recent answers (a moving average)
+        self.speeds = costs.Speeds()  # slot save/restore throughput, KV bytes a token (fed by the drivers)
         self._intake = Intake(settings, self.ledger, self.learner, self, recognition)
         self._pager = Pager(settings, upstream, self.table, self.ledger, self.learner, self)
         self._turns = Turns(settings, upstream, self.table, self.ledger, self)
@@ -135,6 +137,10 @@ class Keeper:
     def prefill_estimate(self) -> float | None:
         """Prompt tokens a second on this server: its recent answers', else the start-up probe's."""
         return self.prefill_rate or self.prefill_speed
+
+    def rates(self) -> costs.Rates:
+        """The measured speeds the cost of a slot move is weighed with (`slotlogic.costs`)."""
+        return self.speeds.rates(self.prefill_estimate())
 
     def reconfigure(self, settings: Settings) -> None:
         """A changed option: the new settings replace the old whole; what the proxy learned stays."""
@@ -412,6 +418,7 @@ class Keeper:
         if pps and obs.prompt_n and obs.prompt_n >= RATE_MIN_TOKENS:
             old = self.prefill_rate
             self.prefill_rate = pps if old is None else old + RATE_WEIGHT * (pps - old)
+            self.speeds.prefill(obs.prompt_n, obs.cache_n, pps)
         while len(self.stats) > MAX_STATS:
             self.stats.popitem(last=False)
         return Report(ticket, obs, slot, path, self.upstream, seconds, loss)
@@ -525,6 +532,7 @@ class Keeper:
             "total_slots": self.total_slots,
             "n_ctx_per_slot": server.n_ctx if server else None,
             "slots": slots,
+            "speeds": self.rates().as_dict(),
             "prefill_s_saved": round(sum(st.saved_s for st in self.stats.values()), 2),
             "sessions": {k[:8]: {"slot": s.slot, "requests": s.requests, "prefill_tokens": s.prefill,
                                  "cached_tokens": s.cached,
