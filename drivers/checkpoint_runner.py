@@ -74,7 +74,9 @@ class CheckpointRunner:
             stat = os.stat(info.model_path)
             size, mtime = stat.st_size, stat.st_mtime
         return pfx.fingerprint(prefix, model_path=info.model_path, model_size=size, model_mtime=mtime,
-                               build_info=info.build_info, server_id=self.settings.server_id,
+                               build_info=info.build_info,
+                               server_id=self.settings.server_id + ("|kv=" + info.identity["kv_cache"]
+                                                                    if "kv_cache" in info.identity else ""),
                                addon_version=__version__)
 
     def read_index(self) -> dict[str, Any] | None:

@@ -46,7 +46,7 @@ from drivers.slot_gate import SlotGate
 from drivers.slot_moves import SlotMoves
 from drivers.store import StateStore
 from drivers.store_file import StateFile
-from slotlogic import shared
+from slotlogic import kv_types, shared
 from slotlogic.affinity import Learn
 from slotlogic.answers import Observation
 from slotlogic.costs import Direction, SlotFileAnswer
@@ -56,6 +56,7 @@ from slotlogic.events import (
     Event,
     Failed,
     IdleSlotsCleared,
+    KvCacheLearned,
     MessagesProbed,
     ModelUnloaded,
     NoPrefixMarker,
@@ -108,6 +109,8 @@ class Upstream(SlotMoves):
         self.handovers = Handovers(url, self.keeper, self.store, emit, self.gate)  # slots other proxies take
         self.model = ModelCheck(self.client, emit, url, on_speed=lambda pps: setattr(self.keeper, "prefill_speed", pps))
         self.model.on_answer = self._slot_answer
+        # (media_marker, "K/V"): the KV cache types a save's size showed that server process (else: the option's)
+        self.kv_cache: tuple[str | None, str] | None = None
         self._runners(settings)
         self.warned: set[str] = set()
         self._task: asyncio.Task[None] | None = None
@@ -157,7 +160,17 @@ class Upstream(SlotMoves):
             self.checkpoints.rates = self.keeper.rates
 
     def _slot_answer(self, answer: SlotFileAnswer) -> None:
-        """A slot save or restore answered: its throughput into the server's speeds (`slotlogic.costs`)."""
+        """A slot save or restore answered: its throughput into the server's speeds (`slotlogic.costs`); a save's
+        size tells the server's KV cache types (`slotlogic.kv_types`)."""
+        info = self.keeper.server
+        if answer.direction is Direction.SAVE and info is not None:
+            s = self.settings
+            found = kv_types.infer(self.model.facts, answer.tokens, answer.bytes, info.total_slots,
+                                   (s.cache_type_k, s.cache_type_v))
+            if found is not None and kv_types.label(*found) != info.kv_cache:
+                self.kv_cache = (info.media_marker, kv_types.label(*found))
+                self.keeper.server = replace(info, kv_cache=self.kv_cache[1])
+                self.emit(KvCacheLearned(self.url, self.kv_cache[1], kv_types.label(s.cache_type_k, s.cache_type_v)))
         if self.keeper.speeds.note(answer):
             rates = self.keeper.rates()
             bps = rates.save_bps if answer.direction is Direction.SAVE else rates.restore_bps
@@ -357,7 +370,12 @@ class Upstream(SlotMoves):
         """`/props` parsed, with the model file's size and mtime when it is on this machine (a page written
         for another file of the same name must not be restored)."""
         info = ServerInfo.parse(props)
-        if info is None or not info.model_path:
+        if info is None:
+            return info
+        s = self.settings
+        learned = self.kv_cache[1] if self.kv_cache is not None and self.kv_cache[0] == info.media_marker else None
+        info = replace(info, kv_cache=learned or kv_types.label(s.cache_type_k, s.cache_type_v))
+        if not info.model_path:
             return info
         try:
             st = os.stat(info.model_path)
@@ -614,6 +632,8 @@ class Upstream(SlotMoves):
                                     and info.media_marker != known.media_marker) or (
             k.total_slots is not None and info.total_slots != k.total_slots)
         if changed:
+            if known is not None:  # a new server process: its cache types are to learn again
+                k.speeds.kv_bytes_per_token = None
             live = await self._live_slots()  # what ran on the new server before this look is kept
             async with self.store.transaction() as state:
                 events = k.note_server(state, info, live)

@@ -342,6 +342,15 @@ class SpeedsMeasured(Event):
 
 
 @dataclass(frozen=True)
+class KvCacheLearned(Event):
+    """A save's size showed the server's KV cache types (`slotlogic.kv_types`): pages and checkpoints are
+    recorded with them, and ones saved under other types are not restored."""
+
+    kv_cache: str        # "K/V" as found
+    configured: str      # what `slots_cache_type` says
+
+
+@dataclass(frozen=True)
 class CostWeighed(Event):
     """A slot move weighed by its cost (`slotlogic.costs.Choice`): what it would take and what prefilling the
     same tokens would, and whether it was made."""

@@ -223,6 +223,9 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
     ev.Probed: lambda e: (Level.INFO, _probed(e)),
     ev.SpeedsMeasured: lambda e: (Level.INFO, _speeds(e)),
     ev.CostWeighed: lambda e: (Level.INFO, _weighed(e)),
+    ev.KvCacheLearned: lambda e: (Level.WARNING, f"{e.upstream} runs with KV cache {e.kv_cache} (a slot save's size "
+                                                f"says so), not {e.configured} as slots_cache_type says: pages and "
+                                                "checkpoints follow the server; set slots_cache_type to match"),
     ev.Waiting: lambda e: (Level.INFO, f"{e.path} session={e.session} waiting {_secs(e.waited)} for its first "
                                        f"byte: {waiting(e)}"),
     ev.RequestEnded: lambda e: (Level.WARNING, _ended(e)),

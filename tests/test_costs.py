@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
+import gguf
 import pytest
 
-from slotlogic import costs, paging
+from drivers import gguf_io
+from slotlogic import costs, kv_types, paging
 from slotlogic import shared as st
 from slotlogic.costs import Choice, Direction, Move, PrefillFit, Rates, SlotFileAnswer, Speeds
 from slotlogic.keeper import Keeper
+from slotlogic.model_facts import ModelFacts
 from slotlogic.paging import PagePlan, PageRecord
 from slotlogic.ranking import SlotView
 from slotlogic.server import ServerInfo
 from slotlogic.settings import Settings
+from tests.test_model_facts import common, write_gguf
 
 UP = "http://up"
 KIB = 1024
@@ -135,7 +142,6 @@ def test_unmeasured_or_unknown_sizes_keep_todays_behaviour():
 
 def replace_choices(plan: PagePlan, *choices: Choice | None) -> PagePlan:
     """`plan` with the restore dropped (what `judge` makes of a short page at GPU speeds)."""
-    from dataclasses import replace
     kept = tuple(replace(c, session="a") for c in choices if c is not None)
     return replace(plan, restore_for=None, restore_file=None, restore_tokens=0, choices=kept)
 
@@ -165,3 +171,34 @@ def test_the_pager_weighs_its_plan_once_speeds_are_measured():
     assert k.status(st.ServerState(UP), 0.0)["speeds"]["restore_mb_s"] == 2000.0
     k.prefill_speed = 100.0                                                        # a CPU: page in
     assert k.pager.page_plan(0, "a", SlotView(0, 0)).restore_for == "a"
+
+
+# --- the KV cache type, read off a save's size (slotlogic/kv_types.py) ------------------------------------------
+
+def eight_b(tmp_path: Path) -> ModelFacts:
+    """An 8B-class KV layout: 32 layers × 8 KV heads × 128 dims."""
+    def fill(w: gguf.GGUFWriter) -> None:
+        common(w, layers=32, embd=4096, heads=32)
+        w.add_head_count_kv(8)
+    return ModelFacts.from_metadata(gguf_io.read_metadata(write_gguf(tmp_path / "m.gguf", "llama", fill)) or {})
+
+
+def test_a_saves_size_tells_the_cache_type_and_a_page_under_another_is_not_restored(tmp_path):
+    facts = eight_b(tmp_path)
+    assert facts.kv_bytes_per_token() == 128 * KIB
+    for kv in (("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("f16", "q8_0")):  # K and V rows: same size
+        size = facts.slot_file_bytes(1342, *kv, n_streams=4)
+        assert kv_types.infer(facts, 1342, size, 4, ("f16", "f16")) == kv
+    assert kv_types.infer(facts, 1342, facts.slot_file_bytes(1342, "bf16", "bf16", 4), 4, ("bf16", "bf16")) == (
+        "bf16", "bf16")                                                  # a tie goes to the configured type
+    assert kv_types.infer(facts, 1342, 12345, 4, ("f16", "f16")) is None  # nothing matches: nothing concluded
+    assert kv_types.infer(None, 1342, 12345, 4, ("f16", "f16")) is None
+    f16 = ServerInfo(total_slots=4, model_path="/m.gguf", build_info="b1", n_ctx=8192, kv_cache="f16/f16")
+    q8 = replace(f16, kv_cache="q8_0/q8_0")
+    assert f16.page_identity("") != q8.page_identity("") and f16.identity != q8.identity
+    k = Keeper(Settings(paging=True, save_dir="/x"), UP)
+    k.note_server(st.ServerState(UP), f16)
+    k.pager.index = {"a": PageRecord(paging.page_file(UP, "a"), 900, 1.0, 100, k.page_identity)}
+    assert k.pager.page_plan(0, "a", SlotView(0, 0)).restore_for == "a"
+    k.server = q8
+    assert k.pager.page_plan(0, "a", SlotView(0, 0)).restore_file is None

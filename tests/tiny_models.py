@@ -118,3 +118,39 @@ def mamba(path: Path, *, layers: int = 2, ctx: int = 4096) -> Path:
               f"blk.{i}.ssm_out.weight": _rand(rng, EMBD, d_inner)}
     _finish(w, t)
     return path
+
+
+def dense_8b_kv(path: Path, *, layers: int = 32, kv_heads: int = 8, head_dim: int = 128, ctx: int = 32768) -> Path:
+    """A llama model with an 8B-class KV layout (32 layers × 8 KV heads × 128 dims: 128 KiB a token in f16, as
+    Llama-3-8B) around a tiny hidden size (64), so slot files and save/restore times are an 8B model's while
+    the weights stay ~20 MB. Attention is full size too (8 query heads of 128 dims): prefill slows with depth
+    as a real model's does; only the matrix products of the hidden size are small."""
+    rng = np.random.default_rng(3)
+    heads, ff = kv_heads, 128
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(ctx)
+    w.add_embedding_length(EMBD)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(1e-5)
+    n_vocab = _tokenizer(w)
+    ones = np.ones(EMBD, dtype=np.float32)
+    t: dict[str, np.ndarray] = {"token_embd.weight": _rand(rng, n_vocab, EMBD).astype(np.float16),
+                                "output_norm.weight": ones}
+    for i in range(layers):
+        t |= {f"blk.{i}.attn_norm.weight": ones,
+              f"blk.{i}.attn_q.weight": _rand(rng, heads * head_dim, EMBD).astype(np.float16),
+              f"blk.{i}.attn_k.weight": _rand(rng, kv_heads * head_dim, EMBD).astype(np.float16),
+              f"blk.{i}.attn_v.weight": _rand(rng, kv_heads * head_dim, EMBD).astype(np.float16),
+              f"blk.{i}.attn_output.weight": _rand(rng, EMBD, heads * head_dim).astype(np.float16),
+              f"blk.{i}.ffn_norm.weight": ones,
+              f"blk.{i}.ffn_gate.weight": _rand(rng, ff, EMBD).astype(np.float16),
+              f"blk.{i}.ffn_up.weight": _rand(rng, ff, EMBD).astype(np.float16),
+              f"blk.{i}.ffn_down.weight": _rand(rng, EMBD, ff).astype(np.float16)}
+    _finish(w, t)
+    return path
