@@ -104,7 +104,7 @@ class Upstream(SlotMoves):
         self.checkpoints: CheckpointRunner | None = None
         self.gate = SlotGate(url, emit)  # which of our requests reached the server, slot by slot
         self.handovers = Handovers(url, self.keeper, self.store, emit, self.gate)  # slots other proxies take
-        self.model = ModelCheck(self.client, emit, url, on_speed=lambda pps: setattr(self.keeper, "prefill_speed", pps))
+        self.model = ModelCheck(self.client, emit, url, on_speed=self.keeper.outcomes.probed)
         self._runners(settings)
         self.warned: set[str] = set()
         self._task: asyncio.Task[None] | None = None
@@ -411,14 +411,14 @@ class Upstream(SlotMoves):
     # ------------------------------------------------------------------------------------------- answers
 
     def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float) -> Report:
-        report = self.keeper.answered(ticket, obs, path=path, seconds=seconds, now=time.time())
-        for event in self.keeper.warnings(report):
+        report = self.keeper.outcomes.answered(ticket, obs, path=path, seconds=seconds, now=time.time())
+        for event in self.keeper.outcomes.warnings(report):
             self.emit(event)
         if ticket.learn is not None:  # affinity: a learned slot is a new claim for the state file
             if ticket.learn is Learn.SLOTS and not self.offline and obs.error_type is None:
                 self._spawn(self._learn_from_slots(ticket, obs))
             self.kick()
-        if not self.offline and report.slot is not None and self.keeper.lost_cache(report):
+        if not self.offline and report.slot is not None and self.keeper.outcomes.lost_cache(report):
             self._spawn(self.explain_cache_loss(report.slot))
         check = self.keeper.pager.page_doubtful(report) if self.pages is not None else None
         page = self.keeper.pager.page_of(ticket.session.key)
@@ -435,7 +435,7 @@ class Upstream(SlotMoves):
 
     async def _learn_from_slots(self, ticket: Ticket, obs: Observation) -> None:
         """Affinity on a route whose answer does not name the slot: read `/slots` once, right after it."""
-        learned = self.keeper.learn_from_slots(ticket, obs, await self.client.slots(), time.time())
+        learned = self.keeper.outcomes.learn_from_slots(ticket, obs, await self.client.slots(), time.time())
         if learned is not None:
             self.emit(learned)
             self.kick()
@@ -471,7 +471,7 @@ class Upstream(SlotMoves):
         live = await self.client.slots()
         if live is None or "unified" in self.warned:
             return
-        cleared = self.keeper.idle_cleared(live, slot, time.time())
+        cleared = self.keeper.outcomes.idle_cleared(live, slot, time.time())
         if cleared is not None:
             self.warned.add("unified")
             self.emit(IdleSlotsCleared(self.url, cleared))

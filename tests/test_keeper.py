@@ -107,7 +107,7 @@ def test_a_known_session_whose_slot_ran_another_session_is_displaced():
     k = make()
     mine = place(k, k.request(facts()))
     slot = mine.ticket.slot
-    k.answered(mine.ticket, Observation(cache_n=0, prompt_n=10), path=CHAT, seconds=1.0, now=1.0)
+    k.outcomes.answered(mine.ticket, Observation(cache_n=0, prompt_n=10), path=CHAT, seconds=1.0, now=1.0)
     assert k.request(facts(now=5.0)).ticket.why is Why.KNOWN
     k.move("other", slot, 6.0)  # another session was put on our slot
     again = k.request(facts(now=7.0))
@@ -186,14 +186,14 @@ def test_answers_move_the_bookkeeping_on_and_report():
     k = make()
     pin = place(k, k.request(facts()))
     obs = Observation(cache_n=90, prompt_n=10)
-    report = k.answered(pin.ticket, obs, path=CHAT, seconds=0.5, now=1.0)
+    report = k.outcomes.answered(pin.ticket, obs, path=CHAT, seconds=0.5, now=1.0)
     assert report.metadata["slot"] == pin.ticket.slot and report.metadata["outcome"] == "hit"
     assert report.metadata["session"] == pin.ticket.session.key and report.metadata["cache_n"] == 90
     again = k.request(facts(now=2.0))
-    cold = k.answered(again.ticket, Observation(cache_n=0, prompt_n=100), path=CHAT, seconds=0.5, now=3.0)
-    assert k.lost_cache(cold)
+    cold = k.outcomes.answered(again.ticket, Observation(cache_n=0, prompt_n=100), path=CHAT, seconds=0.5, now=3.0)
+    assert k.outcomes.lost_cache(cold)
     overflow = Observation(error_type="exceed_context_size_error", n_prompt_tokens=9000, n_ctx=4096)
-    assert k.warnings(k.answered(again.ticket, overflow, path=CHAT, seconds=0.1, now=4.0)) == [
+    assert k.outcomes.warnings(k.outcomes.answered(again.ticket, overflow, path=CHAT, seconds=0.1, now=4.0)) == [
         ContextOverflow("http://up", 9000, 4096)]
 
 
