@@ -540,7 +540,7 @@ class Upstream(SlotMoves):
 
     def _reconciled(self, state: shared.ServerState) -> None:
         self._last_reconcile = time.monotonic()
-        for key in self.keeper.reconcile(state, time.time()):
+        for key in self.keeper.turns.reconcile(state, time.time()):
             self.emit(SlotShared(self.url, key[:8], self.keeper.table.sessions[key].slot))
 
     def note_displaced(self, state: shared.ServerState) -> None:
@@ -631,7 +631,7 @@ class Upstream(SlotMoves):
             return []
         slots = {k: (self.keeper.table.sessions[k].slot if k in self.keeper.table.sessions
                      else self.store.last.sessions[k].slot) for k in keys}
-        self.keeper.forget(keys)
+        self.keeper.turns.forget(keys)
         self._spawn(self._release_in_file(keys))
         return [f"{k[:8]} (slot {slots[k]}) on {self.url}" for k in keys]
 
@@ -651,7 +651,7 @@ class Upstream(SlotMoves):
         file follows in the background)."""
         keys = shared.match_sessions(list({*self.store.last.sessions, *self.keeper.table.sessions}), wanted)
         now = time.time()
-        moved = {key: self.keeper.move(key, slot, now) for key in keys}
+        moved = {key: self.keeper.turns.move(key, slot, now) for key in keys}
         if moved:
             self._spawn(self._claim_in_file(moved, slot, now))
         return [f"{k[:8]} → slot {slot} on {self.url}" for k in keys]

@@ -18,18 +18,14 @@ whose slot ran another session since its last answer is *displaced* and is place
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from slotlogic import (
     affinity,
-    anthropic,
-    anthropic_answer,
     handover,
     placement,
-    reconcile,
     rewrite,
     shared,
     sidecalls,
@@ -55,7 +51,7 @@ from slotlogic.events import (
 from slotlogic.intake import Arrival, Intake, Recognition
 from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
-from slotlogic.ledger import Cause, Fence, Holds, Ledger
+from slotlogic.ledger import Cause, Fence, Ledger
 from slotlogic.outcomes import Outcomes
 from slotlogic.pager import Pager
 from slotlogic.ranking import Policy, SlotView
@@ -360,25 +356,6 @@ class Keeper:
 
     # ------------------------------------------------------------------------------------------- answers
 
-    def answer_stream(self, ticket: Ticket) -> anthropic_answer.StreamConverter | None:
-        """What turns the streamed chat answer of a translated request back into the native route's."""
-        return anthropic_answer.StreamConverter() if ticket.translated else None
-
-    def answer_body(self, ticket: Ticket, status: int, raw: bytes) -> tuple[int, bytes] | None:
-        """(status, body) of the native route's answer for a translated request's non-streamed chat answer;
-        None: unchanged. A 200 answer that is not a readable chat completion is a 502 with Anthropic's error
-        body: the client asked for a message and would otherwise get chat JSON it cannot read."""
-        if not ticket.translated:
-            return None
-        if status != 200:
-            return status, anthropic_answer.error_body(status, raw)
-        try:
-            answer = json.loads(raw)
-            message = anthropic_answer.from_chat(answer)
-        except (ValueError, RecursionError, anthropic.TranslationError):
-            return 502, anthropic_answer.error_json(anthropic_answer.UNREADABLE)
-        return 200, json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode()
-
     def messages_probed(self, honoured: bool | None) -> None:
         """What the probe found: whether the server honours id_slot on /v1/messages (None: unknown)."""
         self.messages_native = honoured
@@ -402,59 +379,11 @@ class Keeper:
         ticket.slot, ticket.why, ticket.paged_in, ticket.seeded = None, None, False, False
         ticket.unpinned = Unpinned.FAILED
 
-    def reconcile(self, state: shared.ServerState, now: float) -> list[str]:
-        """Mark this process's sessions that share a slot with an earlier one of another process while a slot is
-        free (`slotlogic.reconcile`); their next request is placed again. Off the hot path: the background
-        flush calls it with the state it has just written or read. Returns the keys marked."""
-        ttl = self.settings.ttl
-        ours = {k: a.slot for k, a in self.table.sessions.items() if now - a.last_used < ttl}
-        if not ours:
-            return []
-        total = self.total_slots  # `/props` only: the state's count sizes nothing
-        reserved = sidecalls.side_slot(total, self.settings.side_slot) if total and self.table.reserving(now) else None
-        marked = [k for k in reconcile.misplaced(state, ours, now, ttl, total, reserved)
-                  if k not in self.table.misplaced]
-        for key in marked:
-            self.table.misplace(key)
-        return marked
-
     # ------------------------------------------------------------------------------------------- views
 
     def status(self, state: shared.ServerState, now: float) -> dict[str, Any]:
-        """The status view of this server: its slots' claims (from the shared state) and this process's
-        sessions. Hashes and counts only."""
-        slots = []
-        # `/props`'s count when known, else the claimed slots themselves: the state's count sizes nothing.
-        for sid in range(self.total_slots) if self.total_slots else sorted(state.slots):
-            rec = state.slots.get(sid)
-            slots.append({"id": sid, "session": rec.owner[:8] if rec and rec.owner else None,
-                          "last_used_s_ago": round(now - rec.last_used, 1) if rec else None,
-                          "claimed": bool(rec and now - rec.last_used < self.settings.ttl)})
-        server = self.server
-        return {
-            "upstream": self.upstream,
-            "media_marker": server.media_marker if server else None,
-            "total_slots": self.total_slots,
-            "n_ctx_per_slot": server.n_ctx if server else None,
-            "slots": slots,
-            **self._outcomes.sessions_view(),
-        }
-
-    # ------------------------------------------------------------------------------------------- commands
-
-    def forget(self, keys: Sequence[str]) -> None:
-        for key in keys:
-            self.table.forget(key)
-
-    def move(self, key: str, slot: int, now: float) -> str | None:
-        """The slots.pin command: `key` goes to `slot` from its next request on; returns its prefix."""
-        known = self.table.sessions.get(key)
-        prefix = known.prefix if known else None
-        self.table.assign(key, slot, now, prefix=prefix, requests=known.requests if known else 0)
-        entry = self.ledger.entry(slot)
-        if entry.owner != key:  # the operator's move: the slot is its from now on, holding nothing of it yet
-            self.ledger.write(slot, Holds.SESSION, key, 0, Cause.UNKNOWN)
-        return prefix
+        """The status view of this server (`Outcomes.status`): hashes and counts only."""
+        return self._outcomes.status(state, now, self.server)
 
 
 def _rewritten(ticket: Ticket, content: bytes, body: dict[str, Any], result: rewrite.Rewrite) -> Pin:

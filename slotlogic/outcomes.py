@@ -8,16 +8,18 @@ the exit summary), moves the server's prefill rate on, and, under affinity, teac
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from slotlogic import affinity
+from slotlogic import affinity, anthropic, anthropic_answer, shared
 from slotlogic.answers import Observation
 from slotlogic.decisions import Report, Ticket
 from slotlogic.events import ContextOverflow, Event, SlotLearned, TokensLost
 from slotlogic.ledger import Ledger
 from slotlogic.reasons import Why
+from slotlogic.server import ServerInfo
 from slotlogic.stats import SessionStats
 from slotlogic.table import SessionTable
 
@@ -141,6 +143,25 @@ class Outcomes:
                 return sid
         return None
 
+    def answer_stream(self, ticket: Ticket) -> anthropic_answer.StreamConverter | None:
+        """What turns the streamed chat answer of a translated request back into the native route's."""
+        return anthropic_answer.StreamConverter() if ticket.translated else None
+
+    def answer_body(self, ticket: Ticket, status: int, raw: bytes) -> tuple[int, bytes] | None:
+        """(status, body) of the native route's answer for a translated request's non-streamed chat answer;
+        None: unchanged. A 200 answer that is not a readable chat completion is a 502 with Anthropic's error
+        body: the client asked for a message and would otherwise get chat JSON it cannot read."""
+        if not ticket.translated:
+            return None
+        if status != 200:
+            return status, anthropic_answer.error_body(status, raw)
+        try:
+            answer = json.loads(raw)
+            message = anthropic_answer.from_chat(answer)
+        except (ValueError, RecursionError, anthropic.TranslationError):
+            return 502, anthropic_answer.error_json(anthropic_answer.UNREADABLE)
+        return 200, json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode()
+
     def summary(self) -> dict[str, SessionStats]:
         """Each session's counters, least recently answered first (the exit summary and the status view)."""
         return dict(self.stats)
@@ -155,4 +176,23 @@ class Outcomes:
                                  "saved_s": round(s.saved_s, 2), "source": s.source, "lost_tokens": s.lost,
                                  "lost_unexpected": s.lost_unexpected}
                          for k, s in self.stats.items()},
+        }
+
+    def status(self, state: shared.ServerState, now: float, server: ServerInfo | None) -> dict[str, Any]:
+        """The status view of this server: its slots' claims (from the shared state) and this process's
+        sessions. Hashes and counts only."""
+        slots = []
+        # `/props`'s count when known, else the claimed slots themselves: the state's count sizes nothing.
+        for sid in range(self.host.total_slots) if self.host.total_slots else sorted(state.slots):
+            rec = state.slots.get(sid)
+            slots.append({"id": sid, "session": rec.owner[:8] if rec and rec.owner else None,
+                          "last_used_s_ago": round(now - rec.last_used, 1) if rec else None,
+                          "claimed": bool(rec and now - rec.last_used < self.host.ttl)})
+        return {
+            "upstream": self.upstream,
+            "media_marker": server.media_marker if server else None,
+            "total_slots": self.host.total_slots,
+            "n_ctx_per_slot": server.n_ctx if server else None,
+            "slots": slots,
+            **self.sessions_view(),
         }

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from slotlogic import keeper as keeper_module
+from slotlogic import intake as intake_module
 from slotlogic import shared
 from slotlogic.answers import Observation
 from slotlogic.decisions import Forward, NeedSlot, Observe, Pin, Replay, RequestFacts
@@ -81,8 +81,8 @@ def test_a_known_sessions_next_turn_is_not_parsed_and_gets_the_same_bytes(monkey
     later = body | {"messages": [*body["messages"], {"role": "assistant", "content": "done"}]}
     slow = Keeper(Settings(), "x").request  # a keeper that never saw the session parses everything
     parsed = []
-    real = keeper_module.json.loads
-    monkeypatch.setattr(keeper_module.json, "loads", lambda *a, **kw: parsed.append(1) or real(*a, **kw))
+    real = intake_module.json.loads
+    monkeypatch.setattr(intake_module.json, "loads", lambda *a, **kw: parsed.append(1) or real(*a, **kw))
     hot = k.request(facts(later, now=5.0))
     assert parsed == [] and isinstance(hot, Pin) and hot.ticket.why is Why.KNOWN
     assert hot.body == json.dumps(later).encode()[:-1] + b',"id_slot":%d,"cache_prompt":true}' % hot.ticket.slot
@@ -109,7 +109,7 @@ def test_a_known_session_whose_slot_ran_another_session_is_displaced():
     slot = mine.ticket.slot
     k.outcomes.answered(mine.ticket, Observation(cache_n=0, prompt_n=10), path=CHAT, seconds=1.0, now=1.0)
     assert k.request(facts(now=5.0)).ticket.why is Why.KNOWN
-    k.move("other", slot, 6.0)  # another session was put on our slot
+    k.turns.move("other", slot, 6.0)  # another session was put on our slot
     again = k.request(facts(now=7.0))
     assert isinstance(again, NeedSlot) and again.ticket.displaced and again.displaced_from == slot
     placed = place(k, again, now=7.0)
