@@ -91,8 +91,8 @@ class Upstream(SlotMoves):
         self.offline = offline  # replaying saved flows: no network, no background task, no slot files
         self.emit = emit
         self.client = client or LlamaClient(url)
-        self.keeper = Keeper(settings, url, recognition)  # a pool's servers share one
-        self.keeper.instance = os.urandom(8).hex()  # this process's page file names are its own
+        # A pool's servers share one recognition; this process's page file names are its own.
+        self.keeper = Keeper(settings, url, recognition, instance=os.urandom(8).hex())
         self.state_dir = Path(state_dir)
         self.store: StateStore = store if store is not None else StateFile(self.state_dir, url, emit)
         self.store.watch(self.claimed_elsewhere)

@@ -80,7 +80,8 @@ class Placement:
 
 
 class Keeper:
-    def __init__(self, settings: Settings, upstream: str = "", recognition: Recognition | None = None) -> None:
+    def __init__(self, settings: Settings, upstream: str = "", recognition: Recognition | None = None,
+                 instance: str = "") -> None:
         self.settings = settings
         self.upstream = upstream
         self.table = SessionTable(ttl=settings.ttl)
@@ -89,7 +90,7 @@ class Keeper:
         self.total_slots: int | None = None     # the last known slot count
         self.messages_native: bool | None = None  # the server honours id_slot on /v1/messages (probed)
         self.learner = PrefixLearner(settings.prefix_min_chars)  # stable prefixes of marker-less clients
-        self.instance = ""   # set by the driver: unique to this process, so its page file names are its own
+        self.instance = instance  # unique to this process ("" offline), so its page file names are its own
         self._intake = Intake(settings, self.ledger, self.learner, self, recognition)
         self._pager = Pager(settings, upstream, self.table, self.ledger, self.learner, self)
         self._turns = Turns(settings, upstream, self.table, self.ledger, self)
@@ -99,10 +100,6 @@ class Keeper:
     def outcomes(self) -> Outcomes:
         """What this server's answers taught: session counters, losses settled, the prefill rate, learned slots."""
         return self._outcomes
-
-    @property
-    def ttl(self) -> float:
-        return self.settings.ttl
 
     @property
     def recognition(self) -> Recognition:
@@ -176,12 +173,6 @@ class Keeper:
             return live.slot
         return None
 
-    def _client_slot(self, body: dict[str, Any], total: int | None) -> int | None:
-        """A trusted client's own valid `id_slot` (`slots_override_client=false`); None: the proxy chooses."""
-        if self.settings.override_client or not total:
-            return None
-        return rewrite.valid_client_slot(body, total)
-
     def _placed(self, ticket: Ticket, now: float, body: dict[str, Any] | None = None) -> int | None:
         """A side call, or a known session still on its slot: the slot, with no I/O. None: it needs a slot (a
         trusted client asking for another slot than its session's is placed there, under the state lock)."""
@@ -199,7 +190,7 @@ class Keeper:
         live = self.table.live(key, now)
         if (live is not None and (total is None or live.slot < total) and not self.table.displaced(key, live.slot)
                 and self.ledger.holds(live.slot, key)):
-            client = self._client_slot(body, total) if body else None
+            client = rewrite.trusted_client_slot(body, total, self.settings.override_client) if body else None
             if client is not None and client != live.slot:
                 return None
             ticket.why = Why.KNOWN
@@ -303,7 +294,9 @@ class Keeper:
         choice = placement.assign(self.settings, state, ticket.session.key, need.prefix, live, total, now,
                                   side=ticket.side, local=self.table, displaced_from=need.displaced_from,
                                   resume=ticket.session.key not in self.table.misplaced,
-                                  client_slot=self._client_slot(need.body, total), pending=pending,
+                                  client_slot=rewrite.trusted_client_slot(need.body, total,
+                                                                          self.settings.override_client),
+                                  pending=pending,
                                   written_over=self.ledger.moved_on)
         dropped = shared.compact(state, now, SESSION_KEEP_SECONDS, self.settings.state_max_sessions)
         self._pager.load(state.pages)

@@ -29,13 +29,10 @@ MAX_STATS = 1024  # sessions whose counters the status view and the summary show
 
 
 class OutcomesHost(Protocol):
-    """What the outcomes read of their keeper: the server's slot count as last seen, and the session TTL."""
+    """What the outcomes read of their keeper: the server's slot count as last seen."""
 
     @property
     def total_slots(self) -> int | None: ...
-
-    @property
-    def ttl(self) -> float: ...
 
 
 class Outcomes:
@@ -138,7 +135,7 @@ class Outcomes:
             if sid == cold_slot or entry.get("is_processing") or not isinstance(sid, int):
                 continue
             holders = [k for k, a in self.table.sessions.items()
-                       if a.slot == sid and a.requests > 0 and now - a.last_used < self.host.ttl]
+                       if a.slot == sid and a.requests > 0 and now - a.last_used < self.table.ttl]
             if holders and entry.get("n_prompt_tokens") == 0:
                 return sid
         return None
@@ -187,7 +184,7 @@ class Outcomes:
             rec = state.slots.get(sid)
             slots.append({"id": sid, "session": rec.owner[:8] if rec and rec.owner else None,
                           "last_used_s_ago": round(now - rec.last_used, 1) if rec else None,
-                          "claimed": bool(rec and now - rec.last_used < self.host.ttl)})
+                          "claimed": bool(rec and now - rec.last_used < self.table.ttl)})
         return {
             "upstream": self.upstream,
             "media_marker": server.media_marker if server else None,
