@@ -45,6 +45,7 @@ from drivers.page_runner import PageRunner
 from drivers.server_probe import Facts, ServerProbe
 from drivers.slot_gate import SlotGate
 from drivers.slot_moves import SlotMoves
+from drivers.state_sync import StateSync
 from drivers.store import StateStore
 from drivers.store_file import StateFile
 from drivers.tasks import Tasks
@@ -53,15 +54,12 @@ from slotlogic.affinity import Learn
 from slotlogic.answers import Observation
 from slotlogic.decisions import Decision, Fields, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
 from slotlogic.events import (
-    DisplacedElsewhere,
     Event,
     Failed,
     NoPrefixMarker,
     NoSlotsEndpoint,
     PageRejected,
-    SlotShared,
     Stage,
-    Via,
 )
 from slotlogic.intake import Recognition
 from slotlogic.keeper import Keeper
@@ -104,13 +102,12 @@ class Upstream(SlotMoves):
         self.prober = ServerProbe(url, self.client, self.keeper, emit, self.model, self.tasks, loaded=loaded,
                                  on_checked=lambda: self._runners(self.settings))
         self.prober.store = self.store
+        self.sync = StateSync(url, self.keeper, self.store, emit, self.tasks, delete_pages=self._delete_pages,
+                              poke=self.handovers.poke)
         self._runners(settings)
         self.warned: set[str] = set()  # one-time notices given: "no-slots", "no-marker", "page-save-path"
         self._task: asyncio.Task[None] | None = None
         self._swept = False
-        self._file_total: int | None = None
-        self._file_total_read = False
-        self._last_reconcile = 0.0
         self._client_auth: tuple[str, str] | None = None   # a client's own key for this server (memory only)
         self._authorize()
         self._started = False
@@ -144,6 +141,10 @@ class Upstream(SlotMoves):
             self.checkpoints = None
         elif self.checkpoints is None or self.checkpoints.settings != s or self.checkpoints.index.dir != self.state_dir:
             self.checkpoints = CheckpointRunner(self.client, self.state_dir, s, self.emit, self.url)
+
+    def _delete_pages(self, files: list[str]) -> None:
+        if self.pages is not None:
+            self.pages.delete(files)
 
     def _authorize(self) -> None:
         """The key the proxy's own calls carry: the option, else what a client sent (never logged or stored)."""
@@ -180,14 +181,14 @@ class Upstream(SlotMoves):
         self._authorize()
         if store is not None:
             self.state_dir = Path(state_dir)
-            self.store = self.prober.store = store
+            self.store = self.prober.store = self.sync.store = store
             self.builds = builds
             store.watch(self.claimed_elsewhere)
             if self.pages is not None:
                 self.pages.shared = store.slot_locks
         elif Path(state_dir) != self.state_dir:
             self.state_dir = Path(state_dir)
-            self.store = self.prober.store = StateFile(self.state_dir, self.url, self.emit)
+            self.store = self.prober.store = self.sync.store = StateFile(self.state_dir, self.url, self.emit)
         self._runners(settings)
 
     # ------------------------------------------------------------------------------------------- requests
@@ -258,7 +259,7 @@ class Upstream(SlotMoves):
         if info is not None and not self.offline:
             self.prober.seen(info)
         if info is None:
-            decision, event = self.keeper.fallback(need, now, await self._last_known_total())
+            decision, event = self.keeper.fallback(need, now, await self.sync.last_known_total())
             self.emit(event)
             return decision
         if live is None and not self.offline and "no-slots" not in self.warned:
@@ -317,13 +318,6 @@ class Upstream(SlotMoves):
             return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
         return self.keeper.pin(need, placement.slot, placement.why, now, paged_in=moved is Moved.OWN,
                                seeded=moved in (Moved.SEED, Moved.PREFIX))
-
-    async def _last_known_total(self) -> int | None:
-        """The slot count in the state file, for the hash fallback after a proxy restart (read once)."""
-        if not self._file_total_read:
-            self._file_total_read = True
-            self._file_total = (await self.store.aread()).total_slots
-        return self._file_total
 
     def unlock(self, flow_id: str) -> None:
         """The flow's request reached the server (its response headers came), or never will: the next pager
@@ -394,8 +388,8 @@ class Upstream(SlotMoves):
         try:
             while True:
                 await asyncio.sleep(self.settings.flush_interval)
-                if not await self.flush() and time.monotonic() - self._last_reconcile >= RECONCILE_EVERY:
-                    await self.reconcile()
+                if not await self.sync.flush() and time.monotonic() - self.sync.last_reconcile >= RECONCILE_EVERY:
+                    await self.sync.reconcile()
                 every = self.settings.probe_interval
                 if every > 0 and time.monotonic() - self.prober.last_probe >= every:
                     await self.prober.probe()
@@ -403,74 +397,6 @@ class Upstream(SlotMoves):
             raise
         except Exception as e:  # the background task must never die silently
             self.emit(Failed(self.url, Stage.BACKGROUND, type(e).__name__))
-
-    async def flush(self) -> bool:
-        """Write the coalesced touches (and look for a slot shared with another process in what was written);
-        False when there was nothing to write."""
-        touches = self.keeper.table.drain()
-        if not touches:
-            return False
-        try:
-            async with self.store.transaction() as state:
-                for key, a in touches.items():
-                    shared.touch(state, key, a.slot, a.last_used, requests=a.requests, prefix=a.prefix,
-                                 proxy=self.keeper.instance)
-                self.keeper.turns.beat(state, time.time())
-                self.note_displaced(state)
-        except Exception as e:
-            self.emit(Failed(self.url, Stage.STATE_WRITE, type(e).__name__))
-            self.keeper.table.dirty.update(touches)
-            return True
-        self._reconciled(state)
-        return True
-
-    async def reconcile(self) -> None:
-        """With nothing to flush: read the state (no lock, a worker thread) and look for a shared slot."""
-        if not self.keeper.table.sessions:
-            return
-        state = await self.store.aread()  # a worker thread for the file, one GET for Redis
-        self.note_displaced(state)
-        self._reconciled(state)
-
-    def _reconciled(self, state: shared.ServerState) -> None:
-        self._last_reconcile = time.monotonic()
-        for key in self.keeper.turns.reconcile(state, time.time()):
-            self.emit(SlotShared(self.url, key[:8], self.keeper.table.sessions[key].slot))
-
-    def note_displaced(self, state: shared.ServerState) -> None:
-        """Another proxy's session ran on a slot after our session's last request there (the shared state's
-        newest claim is theirs): our session is displaced, and its next request is placed again (paged in
-        when that proxy paged it out). Memory only; the hot path reads it."""
-        if not self.store.remote:  # proxies on one machine: the file store's own reconcile covers them
-            return
-        table = self.keeper.table
-        for slot, other in shared.displaced_by_others(state, table.sessions, table.holders).items():
-            self.emit(DisplacedElsewhere(self.url, slot, table.holders[slot][:8], other[:8], Via.FLUSH))
-            table.holders[slot] = other
-
-    def claimed_elsewhere(self, notice: ClaimNotice) -> None:
-        """Another proxy claimed a slot of this server (its notice, pushed through the store): the session of
-        ours that believed it held the slot is displaced now, not at the next flush, so its next request is
-        placed again (and paged in) instead of prefilling on a slot that holds another conversation. Memory
-        only; the listener's task calls it, never a request."""
-        if self.offline:
-            return
-        self.handovers.poke()  # a handover may be asked of us with it
-        key = self.keeper.turns.claimed_elsewhere(notice.slot, notice.claimant, notice.at if notice.sent else None)
-        if key is not None:
-            self.emit(DisplacedElsewhere(self.url, notice.slot, key[:8], notice.claimant[:8], Via.NOTICE))
-
-    def flush_sync(self) -> None:
-        """The last flush at shutdown (`done` must stay sync)."""
-        touches = self.keeper.table.drain()
-        if not touches or self.offline:
-            return
-        try:
-            with self.store.transaction_sync() as state:
-                for key, a in touches.items():
-                    shared.touch(state, key, a.slot, a.last_used, requests=a.requests, prefix=a.prefix)
-        except Exception as e:
-            self.emit(Failed(self.url, Stage.FINAL_FLUSH, type(e).__name__))
 
     # ------------------------------------------------------------------------------------------- commands
 
@@ -483,44 +409,22 @@ class Upstream(SlotMoves):
         """The status view from memory (the state as of the last transaction): for sync callers."""
         return {**self.keeper.status(self.store.last, time.time()), **self.model.status(self.settings)}
 
-    def release(self, wanted: str) -> list[str]:
-        """Forget the sessions whose key starts with `wanted`: their slots are free for the next new session.
-        This process forgets them at once; the state file follows in the background (never a blocking lock
-        on the event loop)."""
-        keys = shared.match_sessions(list({*self.store.last.sessions, *self.keeper.table.sessions}), wanted)
-        if not keys:
-            return []
-        slots = {k: (self.keeper.table.sessions[k].slot if k in self.keeper.table.sessions
-                     else self.store.last.sessions[k].slot) for k in keys}
-        self.keeper.turns.forget(keys)
-        self.tasks.spawn(self._release_in_file(keys))
-        return [f"{k[:8]} (slot {slots[k]}) on {self.url}" for k in keys]
+    async def flush(self) -> bool:
+        return await self.sync.flush()
 
-    async def _release_in_file(self, keys: list[str]) -> None:
-        doomed = []
-        async with self.store.transaction() as state:
-            for key in keys:
-                shared.forget_session(state, key)
-                page = state.pages.pop(key, None)
-                if page is not None:
-                    doomed.append(page.file)
-        if self.pages is not None:
-            self.pages.delete(doomed)
+    async def reconcile(self) -> None:
+        await self.sync.reconcile()
+
+    def claimed_elsewhere(self, notice: ClaimNotice) -> None:
+        """Another proxy's claim notice (pushed through the store): `StateSync.claimed_elsewhere`."""
+        if not self.offline:
+            self.sync.claimed_elsewhere(notice)
+
+    def release(self, wanted: str) -> list[str]:
+        return self.sync.release(wanted)
 
     def move(self, wanted: str, slot: int) -> list[str]:
-        """Move the sessions whose key starts with `wanted` to `slot` from their next request on (the state
-        file follows in the background)."""
-        keys = shared.match_sessions(list({*self.store.last.sessions, *self.keeper.table.sessions}), wanted)
-        now = time.time()
-        moved = {key: self.keeper.turns.move(key, slot, now) for key in keys}
-        if moved:
-            self.tasks.spawn(self._claim_in_file(moved, slot, now))
-        return [f"{k[:8]} → slot {slot} on {self.url}" for k in keys]
-
-    async def _claim_in_file(self, moved: dict[str, str | None], slot: int, now: float) -> None:
-        async with self.store.transaction() as state:
-            for key, prefix in moved.items():
-                shared.claim(state, key, slot, now, prefix=prefix)
+        return self.sync.move(wanted, slot)
 
     async def settle(self) -> None:
         """Wait for the background work a command or an answer started (tests, shutdown)."""
@@ -536,7 +440,7 @@ class Upstream(SlotMoves):
         if self.offline:
             shutil.rmtree(self.state_dir, ignore_errors=True)
             return
-        self.flush_sync()
+        self.sync.flush_sync()
         if self.pages is not None:
             self.pages.delete_doomed_now()
         if self._task is not None:
