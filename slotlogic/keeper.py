@@ -7,8 +7,8 @@ Rule 2: a known, live session is answered from memory (`request` returns `Pin`):
 Rule 3: everything else that needs the server or the shared state comes out as `NeedSlot`; the driver then
         calls, in this order: `assign` (under the state lock; claims a slot), `page_plan` (under that slot's
         paging lock), `pin` (the rewrite). Or `fallback` when the server cannot be asked.
-Rule 4: the answer comes back through `answered`, which moves the slot bookkeeping on (whose conversation a
-        slot holds now) and returns the `Report` every view of the request is rendered from.
+Rule 4: the answer comes back through `outcomes.answered` (`slotlogic.outcomes`), which moves the slot
+        bookkeeping on (whose conversation a slot holds now) and returns the `Report` every view is rendered from.
 
 Theory of operation: a request is classified by route (`endpoints`), its session resolved from headers, body
 or content (`session`), side calls spotted (`sidecalls`), and the session table consulted (`table`). A session
@@ -18,26 +18,20 @@ whose slot ran another session since its last answer is *displaced* and is place
 
 from __future__ import annotations
 
-import json
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from slotlogic import (
     affinity,
-    anthropic,
-    anthropic_answer,
     costs,
     handover,
     placement,
-    reconcile,
     rewrite,
     shared,
     sidecalls,
 )
 from slotlogic import lead as leads
-from slotlogic.answers import Observation
 from slotlogic.decisions import (
     TRANSLATED_PATH,
     Decision,
@@ -45,36 +39,26 @@ from slotlogic.decisions import (
     NeedSlot,
     Observe,
     Pin,
-    Report,
     RequestFacts,
     Ticket,
 )
 from slotlogic.endpoints import Route, classify
 from slotlogic.events import (
-    ContextOverflow,
     Event,
-    PoolResized,
-    ServerRestarted,
-    SlotLearned,
-    TokensLost,
     Unreachable,
 )
 from slotlogic.intake import Arrival, Intake, Recognition
 from slotlogic.learned_prefix import PrefixLearner
-from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
-from slotlogic.ledger import Cause, Fence, Holds, Ledger
+from slotlogic.ledger import Fence, Ledger
+from slotlogic.outcomes import Outcomes
 from slotlogic.pager import Pager
 from slotlogic.ranking import Policy, SlotView
 from slotlogic.reasons import Passed, Unpinned, Why
 from slotlogic.server import ServerInfo, slot_facts
-from slotlogic.settings import SESSION_KEEP_SECONDS, CheckpointMode, Settings
-from slotlogic.stats import SessionStats
+from slotlogic.server_facts import ServerFacts
+from slotlogic.settings import SESSION_KEEP_SECONDS, Settings
 from slotlogic.table import SessionTable
 from slotlogic.turns import Turns
-
-RATE_MIN_TOKENS = 64  # a shorter prefill's rate is mostly the request's fixed overhead
-RATE_WEIGHT = 0.3     # of the newest answer in the prefill rate's moving average
-MAX_STATS = 1024  # sessions whose counters the status view and the summary show; the least recently answered go
 
 
 @dataclass(frozen=True)
@@ -95,24 +79,51 @@ class Placement:
 
 
 class Keeper:
-    def __init__(self, settings: Settings, upstream: str = "", recognition: Recognition | None = None) -> None:
+    def __init__(self, settings: Settings, upstream: str = "", recognition: Recognition | None = None,
+                 instance: str = "") -> None:
         self.settings = settings
         self.upstream = upstream
-        self.table = SessionTable(ttl=settings.ttl)
+        self._table = SessionTable(ttl=settings.ttl)
         self.ledger = Ledger()  # what each slot holds, fenced by its epoch; the loss meter (slotlogic/ledger.py)
-        self.stats: OrderedDict[str, SessionStats] = OrderedDict()
-        self.server: ServerInfo | None = None   # the last `/props` seen
-        self.total_slots: int | None = None     # the last known slot count
-        self.messages_native: bool | None = None  # the server honours id_slot on /v1/messages (probed)
+        self._facts = ServerFacts(settings, upstream, self._table, self.ledger)  # `/props` as last seen
         self.learner = PrefixLearner(settings.prefix_min_chars)  # stable prefixes of marker-less clients
-        self.instance = ""   # set by the driver: unique to this process, so its page file names are its own
-        self.learned: list[SlotLearned] = []  # affinity: slots learned from answers, for the driver to log
-        self.prefill_speed: float | None = None  # the start-up probe's prefill tok/s (answers without timings)
-        self.prefill_rate: float | None = None   # prompt tok/s of this server's recent answers (a moving average)
-        self.speeds = costs.Speeds()  # slot save/restore throughput, KV bytes a token (fed by the drivers)
+        self._instance = instance  # unique to this process ("" offline), so its page file names are its own
         self._intake = Intake(settings, self.ledger, self.learner, self, recognition)
-        self._pager = Pager(settings, upstream, self.table, self.ledger, self.learner, self)
-        self._turns = Turns(settings, upstream, self.table, self.ledger, self)
+        self._pager = Pager(settings, upstream, self._table, self.ledger, self.learner, self)
+        self._turns = Turns(settings, upstream, self._table, self.ledger, self)
+        self._outcomes = Outcomes(upstream, self._table, self.ledger, self)
+
+    # What the drivers and the core's parts may read (values; the core alone changes them).
+
+    @property
+    def table(self) -> SessionTable:
+        return self._table
+
+    @property
+    def facts(self) -> ServerFacts:
+        """The server as last seen; what a new `/props` means (`note_server`, `props_seen`, `messages_probed`)."""
+        return self._facts
+
+    @property
+    def server(self) -> ServerInfo | None:
+        return self._facts.server
+
+    @property
+    def total_slots(self) -> int | None:
+        return self._facts.total_slots
+
+    @property
+    def messages_native(self) -> bool | None:
+        return self._facts.messages_native
+
+    @property
+    def instance(self) -> str:
+        return self._instance
+
+    @property
+    def outcomes(self) -> Outcomes:
+        """What this server's answers taught: session counters, losses settled, the prefill rate, learned slots."""
+        return self._outcomes
 
     @property
     def recognition(self) -> Recognition:
@@ -131,24 +142,29 @@ class Keeper:
 
     @property
     def page_identity(self) -> str:
-        """What a page written now must match to be restored later (`ServerInfo.page_identity`)."""
-        return self.server.page_identity(self.settings.server_id) if self.server else ""
+        return self._facts.page_identity()
 
     def prefill_estimate(self) -> float | None:
         """Prompt tokens a second on this server: its recent answers', else the start-up probe's."""
-        return self.prefill_rate or self.prefill_speed
+        return self._outcomes.prefill_estimate()
+
+    @property
+    def speeds(self) -> costs.Speeds:
+        """Slot save/restore throughput and KV bytes a token, measured (the drivers feed it every answer)."""
+        return self._outcomes.speeds
 
     def rates(self) -> costs.Rates:
         """The measured speeds the cost of a slot move is weighed with (`slotlogic.costs`)."""
-        return self.speeds.rates(self.prefill_estimate())
+        return self._outcomes.rates()
 
     def reconfigure(self, settings: Settings) -> None:
         """A changed option: the new settings replace the old whole; what the proxy learned stays."""
         self.settings = settings
         self._pager.settings = settings
         self._turns.settings = settings
+        self._facts.settings = settings
         self._intake.settings = settings
-        self.table.ttl = settings.ttl
+        self._table.ttl = settings.ttl
         self.learner.min_chars = settings.prefix_min_chars
 
     # ------------------------------------------------------------------------------------------- requests
@@ -184,17 +200,11 @@ class Keeper:
     def _displaced_from(self, ticket: Ticket, now: float) -> int | None:
         """The slot a session still live here was on: another session ran there since (else it would have been
         placed from memory), so staying has no value of its own; it chooses again, its own slot a candidate."""
-        live = self.table.live(ticket.session.key, now)
+        live = self._table.live(ticket.session.key, now)
         if live is not None and (self.total_slots is None or live.slot < self.total_slots):
             ticket.displaced = True
             return live.slot
         return None
-
-    def _client_slot(self, body: dict[str, Any], total: int | None) -> int | None:
-        """A trusted client's own valid `id_slot` (`slots_override_client=false`); None: the proxy chooses."""
-        if self.settings.override_client or not total:
-            return None
-        return rewrite.valid_client_slot(body, total)
 
     def _placed(self, ticket: Ticket, now: float, body: dict[str, Any] | None = None) -> int | None:
         """A side call, or a known session still on its slot: the slot, with no I/O. None: it needs a slot (a
@@ -202,7 +212,7 @@ class Keeper:
         total = self.total_slots
         if ticket.side and total:
             reserved = sidecalls.side_slot(total, self.settings.side_slot)
-            writes = not self.instance or reserved in self.ledger.writing  # no other proxy may write it now
+            writes = not self._instance or reserved in self.ledger.writing  # no other proxy may write it now
             if reserved is not None and not self.ledger.claimed(reserved) and writes and not (
                     self.settings.paging and self.ledger.conversation_on(reserved)):
                 ticket.why = Why.SIDE_CALL
@@ -210,10 +220,10 @@ class Keeper:
             if reserved is not None:
                 return None  # a placement is under way there, a conversation to page out first, or another writer
         key = ticket.session.key
-        live = self.table.live(key, now)
-        if (live is not None and (total is None or live.slot < total) and not self.table.displaced(key, live.slot)
+        live = self._table.live(key, now)
+        if (live is not None and (total is None or live.slot < total) and not self._table.displaced(key, live.slot)
                 and self.ledger.holds(live.slot, key)):
-            client = self._client_slot(body, total) if body else None
+            client = rewrite.trusted_client_slot(body, total, self.settings.override_client) if body else None
             if client is not None and client != live.slot:
                 return None
             ticket.why = Why.KNOWN
@@ -234,11 +244,11 @@ class Keeper:
         if ticket.claimed is not None:  # its placement's moves are done: the slot is its session's now
             self.ledger.unclaim(ticket.claimed, key)
             ticket.claimed = None
-        self.table.dispatch("" if ticket.why is Why.SIDE_CALL else key, result.slot)
+        self._table.dispatch("" if ticket.why is Why.SIDE_CALL else key, result.slot)
         if ticket.side:
-            self.table.side_call(now)
-        if key in self.table.sessions:  # side calls on the reserved slot are not sessions
-            self.table.use(key, now)
+            self._table.side_call(now)
+        if key in self._table.sessions:  # side calls on the reserved slot are not sessions
+            self._table.use(key, now)
         return _rewritten(ticket, content, body, result)
 
     def _pending(self, ticket: Ticket, body: dict[str, Any], content: bytes, path: str, now: float) -> Pin:
@@ -253,77 +263,29 @@ class Keeper:
             ticket.promise = self.ledger.pin(result.slot, ticket.session.key)
             if not ticket.side:
                 self._follow(ticket.session.key, result.slot, now)
-                self.table.use(ticket.session.key, now)
-            self.table.dispatch(ticket.session.key, result.slot)
+                self._table.use(ticket.session.key, now)
+            self._table.dispatch(ticket.session.key, result.slot)
         else:
             ticket.why = Why.PENDING
             ticket.learn = how
             ticket.client["verbose"] = body.get("verbose")
         if ticket.side:
-            self.table.side_call(now)
+            self._table.side_call(now)
         return _rewritten(ticket, content, body, result)
 
     def _follow(self, key: str, slot: int, now: float) -> None:
         """A trusted client ran its session on `slot`: the session is recorded there (the slot's former holder
         is displaced, and the slot the proxy would have used is left alone)."""
-        known = self.table.sessions.get(key)
-        self.table.assign(key, slot, now, prefix=known.prefix if known else None,
+        known = self._table.sessions.get(key)
+        self._table.assign(key, slot, now, prefix=known.prefix if known else None,
                           requests=known.requests if known else 0)
-
-    def learn(self, ticket: Ticket, slot: int | None, now: float) -> SlotLearned | None:
-        """Affinity: the slot llama-server chose for a pending request, from its answer (`slotlogic.affinity`).
-        The session is pinned there from its next request on (another session pinned there is displaced, and
-        goes out pending again). Side calls are nobody's session and teach nothing."""
-        if ticket.learn is None or ticket.side or not affinity.valid(slot, self.total_slots):
-            return None
-        assert slot is not None
-        key = ticket.session.key
-        known = self.table.sessions.get(key)
-        self.table.assign(key, slot, now, prefix=known.prefix if known else None,
-                          requests=known.requests if known else 0)
-        if self.ledger.entry(slot).owner != key:
-            self.ledger.ran_unpinned(slot, key)
-        self.table.use(key, now)  # counts the request and marks the claim for the next flush of the state file
-        return SlotLearned(self.upstream, ticket.session.short, slot, ticket.learn)
-
-    def learn_from_slots(self, ticket: Ticket, obs: Observation, live: Sequence[dict[str, Any]] | None,
-                         now: float) -> SlotLearned | None:
-        """Affinity on a route that does not say which slot ran it: the idle slot holding exactly this answer's
-        tokens, read from `/slots` right after it."""
-        if live is None or obs.error_type is not None:
-            return None
-        return self.learn(ticket, affinity.slot_from_slots(live, obs.tokens_total, self.total_slots), now)
 
     # ------------------------------------------------------------------------------------------- new slots
-
-    def note_server(self, state: shared.ServerState, info: ServerInfo,
-                    live: Sequence[Mapping[str, Any]] | None = None) -> list[Event]:
-        """Fold a `/props` answer into the shared state and this process's memory. `live`: `/slots` as read with
-        it; after a restart, a slot it shows holding what our last request there left was written since the
-        restart (a request that went out before the restart was noticed) and is kept."""
-        change = shared.note_server(state, info)
-        events: list[Event] = []
-        if change.restarted:
-            events.append(ServerRestarted(self.upstream))
-            kept = self.ledger.written_since_restart(live, self.table.running)
-            self.ledger.resize(info.total_slots, Cause.RESTART, keep=kept)
-            self.messages_native = None  # another build may be running now
-            if self.settings.checkpoints is not CheckpointMode.OFF or self.settings.paging:
-                # Route every session through the slow path once, so its page or prefix is restored first.
-                self.table.forget_all(keep={self.ledger.entry(s).owner or "" for s in kept})
-        if change.resized:
-            events.append(PoolResized(self.upstream, info.total_slots))
-            self.table.forget_all()
-        if change.resized or (self.ledger.total != min(info.total_slots, MAX_LEDGER) and not change.restarted):
-            self.ledger.resize(info.total_slots, Cause.MODEL_CHANGE if change.resized else None)
-        self.server = info
-        self.total_slots = info.total_slots
-        return events
 
     def assign(self, need: NeedSlot, state: shared.ServerState, info: ServerInfo,
                live: Sequence[dict[str, Any]] | None, now: float) -> Placement:
         """Claim a slot for `need` in `state` (the caller holds the state lock and writes it back)."""
-        events = self.note_server(state, info, live)
+        events = self._facts.note_server(state, info, live)
         self.learner.load(state.prefixes)
         if need.stable is None and not need.ticket.side and need.displaced_from is None:
             found = self.learner.find(need.body, now)  # learned by another process, or before a restart
@@ -336,22 +298,24 @@ class Keeper:
             self.ledger.unclaim(ticket.claimed, ticket.session.key)
             ticket.claimed = None
         pending = self.ledger.claimed_slots()  # placements under way there: busy, as their requests soon are
-        before = shared.views(state, total, list(live) if live is not None else None, self.table, pending)
+        before = shared.views(state, total, list(live) if live is not None else None, self._table, pending)
         ticket.facts = {"props": dict(info.raw or {}), "slots": slot_facts(live)}
         choice = placement.assign(self.settings, state, ticket.session.key, need.prefix, live, total, now,
-                                  side=ticket.side, local=self.table, displaced_from=need.displaced_from,
-                                  resume=ticket.session.key not in self.table.misplaced,
-                                  client_slot=self._client_slot(need.body, total), pending=pending,
+                                  side=ticket.side, local=self._table, displaced_from=need.displaced_from,
+                                  resume=ticket.session.key not in self._table.misplaced,
+                                  client_slot=rewrite.trusted_client_slot(need.body, total,
+                                                                          self.settings.override_client),
+                                  pending=pending,
                                   written_over=self.ledger.moved_on)
         dropped = shared.compact(state, now, SESSION_KEEP_SECONDS, self.settings.state_max_sessions)
         self._pager.load(state.pages)
         if choice.why is not Why.SIDE_CALL:
-            self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix, lead=leads.of(need.body))
+            self._table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix, lead=leads.of(need.body))
         record = state.slots.get(choice.slot)
-        if record is not None and record.owner == ticket.session.key and self.instance:
-            record = state.slots[choice.slot] = replace(record, proxy=self.instance)
-        if self.instance:
-            handover.beat(state.beats, self.instance, now)
+        if record is not None and record.owner == ticket.session.key and self._instance:
+            record = state.slots[choice.slot] = replace(record, proxy=self._instance)
+        if self._instance:
+            handover.beat(state.beats, self._instance, now)
             handover.prune(state.handovers, state.beats, now)
         self.ledger.claim(choice.slot, ticket.session.key)
         ticket.claimed = choice.slot
@@ -369,7 +333,7 @@ class Keeper:
         if choice is None or total is None:
             ticket.unpinned = Unpinned.SERVER_UNKNOWN
             return Observe(ticket), Unreachable(self.upstream, ticket.session.short)
-        self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix)
+        self._table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix)
         return self.pin(need, choice.slot, choice.why, now), Unreachable(self.upstream, ticket.session.short,
                                                                          choice.slot, total)
 
@@ -380,7 +344,7 @@ class Keeper:
         slot = self._placed(need.ticket, now, need.body)
         if slot is not None:
             return self._pin(need.ticket, need.body, need.content, slot, now)
-        live = self.table.live(need.ticket.session.key, now)
+        live = self._table.live(need.ticket.session.key, now)
         if live is not None and need.displaced_from is None and (self.total_slots is None
                                                                    or live.slot < self.total_slots):
             need.ticket.displaced, need.displaced_from = True, live.slot
@@ -393,58 +357,6 @@ class Keeper:
         return self._pin(need.ticket, need.body, need.content, slot, now)
 
     # ------------------------------------------------------------------------------------------- answers
-
-    def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float, now: float) -> Report:
-        slot = obs.id_slot if obs.id_slot is not None else ticket.slot
-        if ticket.learn is not None and ticket.learn is not affinity.Learn.SLOTS and obs.error_type is None:
-            learned = self.learn(ticket, obs.id_slot, now)
-            if learned is not None:
-                self.learned.append(learned)
-        key = ticket.session.key
-        loss = None
-        if obs.error_type is None:
-            if ticket.slot is None and obs.id_slot is not None and self.ledger.entry(obs.id_slot).owner != key:
-                self.ledger.ran_unpinned(obs.id_slot, key)  # the server chose the slot (affinity, or unpinned)
-            loss = self.ledger.settle(key, ticket.promise, slot, obs.cache_n, obs.prompt_n,
-                                      ticket.extends if not ticket.side else None)
-        self.table.answered(key, slot, now)
-        stats = self.stats.pop(key, None) or SessionStats()
-        self.stats[key] = stats  # most recently answered last
-        stats.add(obs, slot, ticket.session.source, fallback_pps=self.prefill_speed)
-        if loss is not None:
-            stats.lost += loss.tokens
-            stats.lost_unexpected += 0 if loss.expected else loss.tokens
-        pps = obs.prompt_per_second
-        if pps and obs.prompt_n and obs.prompt_n >= RATE_MIN_TOKENS:
-            old = self.prefill_rate
-            self.prefill_rate = pps if old is None else old + RATE_WEIGHT * (pps - old)
-            self.speeds.prefill(obs.prompt_n, obs.cache_n, pps)
-        while len(self.stats) > MAX_STATS:
-            self.stats.popitem(last=False)
-        return Report(ticket, obs, slot, path, self.upstream, seconds, loss)
-
-    def answer_stream(self, ticket: Ticket) -> anthropic_answer.StreamConverter | None:
-        """What turns the streamed chat answer of a translated request back into the native route's."""
-        return anthropic_answer.StreamConverter() if ticket.translated else None
-
-    def answer_body(self, ticket: Ticket, status: int, raw: bytes) -> tuple[int, bytes] | None:
-        """(status, body) of the native route's answer for a translated request's non-streamed chat answer;
-        None: unchanged. A 200 answer that is not a readable chat completion is a 502 with Anthropic's error
-        body: the client asked for a message and would otherwise get chat JSON it cannot read."""
-        if not ticket.translated:
-            return None
-        if status != 200:
-            return status, anthropic_answer.error_body(status, raw)
-        try:
-            answer = json.loads(raw)
-            message = anthropic_answer.from_chat(answer)
-        except (ValueError, RecursionError, anthropic.TranslationError):
-            return 502, anthropic_answer.error_json(anthropic_answer.UNREADABLE)
-        return 200, json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode()
-
-    def messages_probed(self, honoured: bool | None) -> None:
-        """What the probe found: whether the server honours id_slot on /v1/messages (None: unknown)."""
-        self.messages_native = honoured
 
     def ledger_view(self) -> tuple[object, ...]:
         """What the proxy believes each slot holds (`slotlogic.ledger.Entry`, in slot order)."""
@@ -459,104 +371,17 @@ class Keeper:
             self.ledger.unclaim(ticket.claimed, key)
             ticket.claimed = None
         if ticket.why is not Why.SIDE_CALL:
-            self.table.forget(key)
-        if slot is not None and self.table.dispatched.get(slot) in (key, ""):
-            del self.table.dispatched[slot]
+            self._table.forget(key)
+        if slot is not None and self._table.dispatched.get(slot) in (key, ""):
+            del self._table.dispatched[slot]
         ticket.slot, ticket.why, ticket.paged_in, ticket.seeded = None, None, False, False
         ticket.unpinned = Unpinned.FAILED
-
-    def reconcile(self, state: shared.ServerState, now: float) -> list[str]:
-        """Mark this process's sessions that share a slot with an earlier one of another process while a slot is
-        free (`slotlogic.reconcile`); their next request is placed again. Off the hot path: the background
-        flush calls it with the state it has just written or read. Returns the keys marked."""
-        ttl = self.settings.ttl
-        ours = {k: a.slot for k, a in self.table.sessions.items() if now - a.last_used < ttl}
-        if not ours:
-            return []
-        total = self.total_slots  # `/props` only: the state's count sizes nothing
-        reserved = sidecalls.side_slot(total, self.settings.side_slot) if total and self.table.reserving(now) else None
-        marked = [k for k in reconcile.misplaced(state, ours, now, ttl, total, reserved)
-                  if k not in self.table.misplaced]
-        for key in marked:
-            self.table.misplace(key)
-        return marked
-
-    def warnings(self, report: Report) -> list[Event]:
-        obs = report.obs
-        out: list[Event] = [*self.learned]
-        self.learned.clear()
-        if report.loss is not None:
-            loss = report.loss
-            out.append(TokensLost(self.upstream, report.ticket.session.short, report.slot, loss.tokens, loss.cause,
-                                  loss.expected))
-        if obs.error_type == "exceed_context_size_error":
-            out.append(ContextOverflow(self.upstream, obs.n_prompt_tokens, obs.n_ctx))
-        return out
-
-    def lost_cache(self, report: Report) -> bool:
-        """A known session came back to its own slot and found nothing there: worth explaining."""
-        t = report.ticket
-        stats = self.stats.get(t.session.key)
-        return (t.why is Why.KNOWN and not t.displaced and not t.paged_in and t.slot is not None
-                and report.obs.cache_n == 0 and stats is not None and stats.requests > 1)
-
-    def idle_cleared(self, live: Sequence[dict[str, Any]], cold_slot: int, now: float) -> int | None:
-        """A slot other than `cold_slot` that a live session of ours used and that now holds 0 tokens: the
-        server empties idle slots (unified KV + --cache-idle-slots). None when nothing shows that."""
-        for entry in live:
-            sid = entry.get("id")
-            if sid == cold_slot or entry.get("is_processing") or not isinstance(sid, int):
-                continue
-            holders = [k for k, a in self.table.sessions.items()
-                       if a.slot == sid and a.requests > 0 and now - a.last_used < self.settings.ttl]
-            if holders and entry.get("n_prompt_tokens") == 0:
-                return sid
-        return None
 
     # ------------------------------------------------------------------------------------------- views
 
     def status(self, state: shared.ServerState, now: float) -> dict[str, Any]:
-        """The status view of this server: its slots' claims (from the shared state) and this process's
-        sessions. Hashes and counts only."""
-        slots = []
-        # `/props`'s count when known, else the claimed slots themselves: the state's count sizes nothing.
-        for sid in range(self.total_slots) if self.total_slots else sorted(state.slots):
-            rec = state.slots.get(sid)
-            slots.append({"id": sid, "session": rec.owner[:8] if rec and rec.owner else None,
-                          "last_used_s_ago": round(now - rec.last_used, 1) if rec else None,
-                          "claimed": bool(rec and now - rec.last_used < self.settings.ttl)})
-        server = self.server
-        return {
-            "upstream": self.upstream,
-            "media_marker": server.media_marker if server else None,
-            "total_slots": self.total_slots,
-            "n_ctx_per_slot": server.n_ctx if server else None,
-            "slots": slots,
-            "speeds": self.rates().as_dict(),
-            "prefill_s_saved": round(sum(st.saved_s for st in self.stats.values()), 2),
-            "sessions": {k[:8]: {"slot": s.slot, "requests": s.requests, "prefill_tokens": s.prefill,
-                                 "cached_tokens": s.cached,
-                                 "reuse_pct": round(100 * s.reuse, 1) if s.reuse is not None else None,
-                                 "saved_s": round(s.saved_s, 2), "source": s.source, "lost_tokens": s.lost,
-                                 "lost_unexpected": s.lost_unexpected}
-                         for k, s in self.stats.items()},
-        }
-
-    # ------------------------------------------------------------------------------------------- commands
-
-    def forget(self, keys: Sequence[str]) -> None:
-        for key in keys:
-            self.table.forget(key)
-
-    def move(self, key: str, slot: int, now: float) -> str | None:
-        """The slots.pin command: `key` goes to `slot` from its next request on; returns its prefix."""
-        known = self.table.sessions.get(key)
-        prefix = known.prefix if known else None
-        self.table.assign(key, slot, now, prefix=prefix, requests=known.requests if known else 0)
-        entry = self.ledger.entry(slot)
-        if entry.owner != key:  # the operator's move: the slot is its from now on, holding nothing of it yet
-            self.ledger.write(slot, Holds.SESSION, key, 0, Cause.UNKNOWN)
-        return prefix
+        """The status view of this server (`Outcomes.status`): hashes and counts only."""
+        return self._outcomes.status(state, now, self.server)
 
 
 def _rewritten(ticket: Ticket, content: bytes, body: dict[str, Any], result: rewrite.Rewrite) -> Pin:

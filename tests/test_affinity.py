@@ -63,14 +63,14 @@ def facts(body, path=CHAT, now=0.0, replay=None):
 def keeper(total=4, **settings):
     k = Keeper(Settings(policy=Policy.AFFINITY, **settings), "http://up")
     if total:
-        k.note_server(shared.ServerState("http://up"), ServerInfo(total_slots=total, media_marker="m1"))
+        k.facts.note_server(shared.ServerState("http://up"), ServerInfo(total_slots=total, media_marker="m1"))
     return k
 
 
 def answer(k, decision, slot, now=1.0, **obs):
-    report = k.answered(decision.ticket, Observation(id_slot=slot, cache_n=0, prompt_n=10, **obs), path=CHAT,
+    report = k.outcomes.answered(decision.ticket, Observation(id_slot=slot, cache_n=0, prompt_n=10, **obs), path=CHAT,
                         seconds=0.1, now=now)
-    return report, k.warnings(report)
+    return report, k.outcomes.warnings(report)
 
 
 def test_a_new_session_goes_out_pending_then_rides_the_slot_the_server_chose():
@@ -110,7 +110,7 @@ def test_routes_learn_their_own_way_and_a_clients_verbose_is_kept():
     assert answer(k, responses, slot=None)[1] == []                   # learned from /slots instead
     live = [{"id": 0, "n_prompt_tokens": 41, "is_processing": False},
             {"id": 3, "n_prompt_tokens": 9, "is_processing": False}]
-    learned = k.learn_from_slots(responses.ticket, Observation(tokens_total=42), live, 2.0)
+    learned = k.outcomes.learn_from_slots(responses.ticket, Observation(tokens_total=42), live, 2.0)
     assert learned is not None and learned.slot == 0 and learned.how is Learn.SLOTS
     pinned = k.request(facts({"input": "hi", "model": "m"}, path="/v1/responses", now=3.0))
     assert pinned.ticket.why is Why.KNOWN and pinned.ticket.slot == 0
@@ -134,14 +134,14 @@ def test_by_default_a_clients_id_slot_is_replaced():
 def test_a_displaced_session_and_every_session_after_a_resize_go_out_pending_again():
     k = keeper(total=0)
     state = shared.ServerState("http://up")
-    k.note_server(state, ServerInfo(total_slots=4, media_marker="m1"))
+    k.facts.note_server(state, ServerInfo(total_slots=4, media_marker="m1"))
     a = k.request(facts(chat("A")))
     answer(k, a, slot=1)
     b = k.request(facts(chat("B")))
     answer(k, b, slot=1, now=2.0)                       # the server put B on A's slot
     assert k.request(facts(chat("A"), now=3.0)).ticket.why is Why.PENDING
     assert k.request(facts(chat("B"), now=3.0)).ticket.why is Why.KNOWN
-    events = k.note_server(state, ServerInfo(total_slots=2, media_marker="m1"))
+    events = k.facts.note_server(state, ServerInfo(total_slots=2, media_marker="m1"))
     assert events and k.request(facts(chat("B"), now=4.0)).ticket.why is Why.PENDING
 
 
