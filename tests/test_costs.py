@@ -160,7 +160,8 @@ def test_judge_drops_each_move_that_costs_more_than_it_spares():
 
 def test_the_pager_weighs_its_plan_once_speeds_are_measured():
     k = Keeper(Settings(paging=True, save_dir="/x"), UP)
-    k.facts.note_server(st.ServerState(UP), ServerInfo(total_slots=4, model_path="/m.gguf", build_info="b1", n_ctx=8192))
+    k.facts.note_server(st.ServerState(UP), ServerInfo(total_slots=4, model_path="/m.gguf", build_info="b1",
+                                                       n_ctx=8192))
     k.pager.index = {"a": PageRecord(paging.page_file(UP, "a"), 1342, 1.0, 1342 * 128 * KIB, k.page_identity)}
     assert k.pager.page_plan(0, "a", SlotView(0, 0)).restore_for == "a"            # nothing measured: page in
     k.outcomes.probed(20_000)

@@ -154,3 +154,40 @@ def dense_8b_kv(path: Path, *, layers: int = 32, kv_heads: int = 8, head_dim: in
               f"blk.{i}.ffn_down.weight": _rand(rng, EMBD, ff).astype(np.float16)}
     _finish(w, t)
     return path
+
+
+def qwen3moe(path: Path, *, layers: int = 4, experts: int = 8, used: int = 2, ctx: int = 4096) -> Path:
+    """A Qwen3-MoE model (src/models/qwen3moe.cpp): attention with Q/K norms, a router and `experts` FFNs per
+    layer of which `used` run a token. Its KV cache is a plain attention cache: 4 layers × 2 KV heads × 32."""
+    rng = np.random.default_rng(4)
+    heads, kv_heads, hd, ff = 4, 2, 32, 64
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(layers)
+    w.add_context_length(ctx)
+    w.add_embedding_length(EMBD)
+    w.add_feed_forward_length(ff)
+    w.add_expert_feed_forward_length(ff)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(used)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(1e-6)
+    n_vocab = _tokenizer(w)
+    ones = np.ones(EMBD, dtype=np.float32)
+    t: dict[str, np.ndarray] = {"token_embd.weight": _rand(rng, n_vocab, EMBD).astype(np.float16),
+                                "output_norm.weight": ones}
+    for i in range(layers):
+        t |= {f"blk.{i}.attn_norm.weight": ones, f"blk.{i}.attn_q.weight": _rand(rng, heads * hd, EMBD),
+              f"blk.{i}.attn_k.weight": _rand(rng, kv_heads * hd, EMBD),
+              f"blk.{i}.attn_v.weight": _rand(rng, kv_heads * hd, EMBD),
+              f"blk.{i}.attn_output.weight": _rand(rng, EMBD, heads * hd),
+              f"blk.{i}.attn_q_norm.weight": np.ones(hd, np.float32),
+              f"blk.{i}.attn_k_norm.weight": np.ones(hd, np.float32), f"blk.{i}.ffn_norm.weight": ones,
+              f"blk.{i}.ffn_gate_inp.weight": _rand(rng, experts, EMBD),
+              f"blk.{i}.ffn_gate_exps.weight": _rand(rng, experts, ff, EMBD),
+              f"blk.{i}.ffn_up_exps.weight": _rand(rng, experts, ff, EMBD),
+              f"blk.{i}.ffn_down_exps.weight": _rand(rng, experts, EMBD, ff)}
+    _finish(w, t)
+    return path
