@@ -351,7 +351,8 @@ def _rate(bps: float) -> str:
 def _weighed(e: ev.CostWeighed) -> str:
     c = e.choice
     who = f"session {e.session} " if e.session else ""
-    size = f"({fmt(c.tokens)} tokens, {c.bytes / 1e6:,.1f} MB)"
+    mb = f"{c.bytes / 1e6:,.1f} MB" if c.bytes >= 1e5 else f"{c.bytes / 1e3:,.0f} KB"
+    size = f"({fmt(c.tokens)} tokens, {mb})"
     move = {"page-in": "restore", "page-out": "save+restore", "live-seed": "copy", "prefix": "restore"}[c.move.value]
     verb = {"page-in": ("paged in", "prefilled instead of paging in"),
             "page-out": ("paged out", "let go instead of paging out"),

@@ -118,10 +118,12 @@ def test_a_page_saved_under_q8_0_is_not_restored_after_a_restart_with_f16(tmp_pa
 
 
 # dense_8b_kv passes too (run by hand for docs/model-capability.md: ~90 s on a busy 2-core machine, so not here)
-@pytest.mark.parametrize("make", ["qwen3moe"])
+@pytest.mark.parametrize("make", ["qwen3moe", "lfm2"])
 def test_other_architectures_are_checked_pinned_paged_and_resume(tmp_path, monkeypatch, make):
-    """A tiny Qwen3-MoE (tests/tiny_models.py): its KV cache is a plain attention cache, so the model check
-    keeps slot files on, and an evicted session is paged back in and resumes."""
+    """Tiny models (tests/tiny_models.py): a Qwen3-MoE (its KV cache is a plain attention cache) and a hybrid
+    LFM2 (short-convolution + attention layers: this build appends context checkpoints to slot files, the
+    probe save shows it): the model check keeps slot files on, and an evicted session is paged back in and
+    resumes."""
     model = getattr(tiny_models, make)(tmp_path / f"{make}.gguf")
     monkeypatch.setenv("SLOTKEEPER_MODEL", str(model))
     save = tmp_path / "slots"
@@ -139,9 +141,10 @@ def test_other_architectures_are_checked_pinned_paged_and_resume(tmp_path, monke
         back = ask(px.url, convs["B"])
         status = httpx.get(px.url + "/_slots/status", timeout=10).json()["servers"][0]
     text = log.read_text()
-    arch = {"qwen3moe": "qwen3moe", "dense_8b_kv": "llama"}[make]
-    assert f"model: {arch}, " in text and "prefixes reusable" in text
-    assert status["model"]["slot_files"] == "on" and status["speeds"]["kv_bytes_per_token"] > 1024
+    arch, verdict = {"qwen3moe": ("qwen3moe", "prefixes reusable"), "dense_8b_kv": ("llama", "prefixes reusable"),
+                     "lfm2": ("lfm2", "slot files carry context checkpoints")}[make]
+    assert f"model: {arch}, " in text and verdict in text, text
+    assert status["model"]["slot_files"] == "on" and status["speeds"]["kv_bytes_per_token"] > 0
     reqs = [r for r in jsonl(tmp_path / "req.jsonl") if r["kind"] == "request"]
     assert reqs[-1]["reason"].endswith("+paged-in") and back.cache_n > 64, (reqs[-1], back)
     print(next(x for x in text.splitlines() if f"model: {arch}" in x), reqs[-1]["reason"], back)

@@ -191,3 +191,40 @@ def qwen3moe(path: Path, *, layers: int = 4, experts: int = 8, used: int = 2, ct
               f"blk.{i}.ffn_down_exps.weight": _rand(rng, experts, EMBD, ff)}
     _finish(w, t)
     return path
+
+
+def lfm2(path: Path, *, layers: int = 4, attention: tuple[int, ...] = (1, 3), ctx: int = 4096) -> Path:
+    """A hybrid LFM2 model (src/models/lfm2.cpp): short-convolution layers (recurrent state: the last
+    `l_cache` inputs) and attention layers at `attention`; a layer with 0 KV heads is a convolution one."""
+    rng = np.random.default_rng(5)
+    heads, kv_heads, hd, ff, l_cache = 4, 2, 16, 128, 3
+    w = gguf.GGUFWriter(str(path), "lfm2")
+    w.add_block_count(layers)
+    w.add_context_length(ctx)
+    w.add_embedding_length(EMBD)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv([kv_heads if i in attention else 0 for i in range(layers)])
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_uint32("lfm2.shortconv.l_cache", l_cache)
+    n_vocab = _tokenizer(w)
+    ones = np.ones(EMBD, dtype=np.float32)
+    t: dict[str, np.ndarray] = {"token_embd.weight": _rand(rng, n_vocab, EMBD).astype(np.float16),
+                                "token_embd_norm.weight": ones}
+    for i in range(layers):
+        t |= {f"blk.{i}.attn_norm.weight": ones, f"blk.{i}.ffn_norm.weight": ones,
+              f"blk.{i}.ffn_gate.weight": _rand(rng, ff, EMBD), f"blk.{i}.ffn_up.weight": _rand(rng, ff, EMBD),
+              f"blk.{i}.ffn_down.weight": _rand(rng, EMBD, ff)}
+        if i in attention:
+            t |= {f"blk.{i}.attn_q.weight": _rand(rng, heads * hd, EMBD),
+                  f"blk.{i}.attn_k.weight": _rand(rng, kv_heads * hd, EMBD),
+                  f"blk.{i}.attn_v.weight": _rand(rng, kv_heads * hd, EMBD),
+                  f"blk.{i}.attn_output.weight": _rand(rng, EMBD, heads * hd),
+                  f"blk.{i}.attn_q_norm.weight": np.ones(hd, np.float32),
+                  f"blk.{i}.attn_k_norm.weight": np.ones(hd, np.float32)}
+        else:
+            t |= {f"blk.{i}.shortconv.conv.weight": _rand(rng, EMBD, l_cache),
+                  f"blk.{i}.shortconv.in_proj.weight": _rand(rng, 3 * EMBD, EMBD),
+                  f"blk.{i}.shortconv.out_proj.weight": _rand(rng, EMBD, EMBD)}
+    _finish(w, t)
+    return path
