@@ -37,14 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from drivers.build_claims import BuildClaims
-from drivers.checkpoint_runner import CheckpointRunner
+from drivers.checkpoint_runner import CheckpointRunner, PrefixRegistry
 from drivers.handovers import Handovers
 from drivers.llama_http import LlamaClient
 from drivers.model_check import ModelCheck
 from drivers.page_runner import PageRunner
 from drivers.server_probe import Facts, ServerProbe
 from drivers.slot_gate import SlotGate
-from drivers.slot_moves import SlotMoves
+from drivers.slot_moves import SlotMover
 from drivers.state_sync import StateSync
 from drivers.store import StateStore
 from drivers.store_file import StateFile
@@ -77,7 +77,7 @@ AUTH_HEADERS = (b"authorization", b"x-api-key")
 Accept = Callable[[shared.ServerState, ServerInfo, list[dict[str, Any]] | None], bool]
 
 
-class Upstream(SlotMoves):
+class Upstream:
     def __init__(self, url: str, settings: Settings, state_dir: str | Path, emit: Emit, *,
                  offline: bool = False, client: LlamaClient | None = None, store: StateStore | None = None,
                  loaded: Callable[[], Any] | None = None, builds: BuildClaims | None = None,
@@ -91,23 +91,21 @@ class Upstream(SlotMoves):
         self.state_dir = Path(state_dir)
         self.store: StateStore = store if store is not None else StateFile(self.state_dir, url, emit)
         self.store.watch(self.claimed_elsewhere)
-        self.builds = builds  # a shared store's build markers: one prefix build for all proxies (None: local)
         self.settings = settings
-        self.pages: PageRunner | None = None
-        self.checkpoints: CheckpointRunner | None = None
         self.gate = SlotGate(url, emit)  # which of our requests reached the server, slot by slot
+        self.mover = SlotMover(url, self.client, self.keeper, self.store, emit, self.gate, self.state_dir,
+                               builds=builds)  # pages and prefix checkpoints
         self.handovers = Handovers(url, self.keeper, self.store, emit, self.gate)  # slots other proxies take
         self.model = ModelCheck(self.client, emit, url, on_speed=self.keeper.outcomes.probed)
         self.tasks = Tasks()  # background work an answer or a command started
         self.prober = ServerProbe(url, self.client, self.keeper, emit, self.model, self.tasks, loaded=loaded,
                                  on_checked=lambda: self._runners(self.settings))
         self.prober.store = self.store
-        self.sync = StateSync(url, self.keeper, self.store, emit, self.tasks, delete_pages=self._delete_pages,
+        self.sync = StateSync(url, self.keeper, self.store, emit, self.tasks, delete_pages=self.mover.delete_pages,
                               poke=self.handovers.poke)
         self._runners(settings)
         self.warned: set[str] = set()  # one-time notices given: "no-slots", "no-marker", "page-save-path"
         self._task: asyncio.Task[None] | None = None
-        self._swept = False
         self._client_auth: tuple[str, str] | None = None   # a client's own key for this server (memory only)
         self._authorize()
         self._started = False
@@ -120,31 +118,24 @@ class Upstream(SlotMoves):
         return cls(url, quiet, tempfile.mkdtemp(prefix="slotkeeper-replay-"), emit, offline=True)
 
     def _runners(self, s: Settings) -> None:
-        """Paging and checkpoint runners for these settings (a runner whose settings stay is kept: its slot
-        locks may be held). Where the model check found that a restore cannot resume, no slot files: no
-        paging, and prefix checkpoints only in memory."""
+        """The mover's runners for these settings (`SlotMover.configure`); a replay has none."""
         if self.offline:
             return
-        if self.model.files_blocked:
-            s = replace(s, paging=False, checkpoints=CheckpointMode.MEMORY
-                        if s.checkpoints is CheckpointMode.DISK else s.checkpoints)
-        if s.paging and s.save_dir:
-            if self.pages is None or self.pages.save_dir != Path(s.save_dir):
-                self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
-                self.pages.gate = self.gate
-            self.pages.max_bytes = s.page_max_bytes
-            self.pages.shared = self.store.slot_locks
-        else:
-            self.pages = None
-        self.handovers.store = self.store
-        if s.checkpoints is CheckpointMode.OFF:
-            self.checkpoints = None
-        elif self.checkpoints is None or self.checkpoints.settings != s or self.checkpoints.index.dir != self.state_dir:
-            self.checkpoints = CheckpointRunner(self.client, self.state_dir, s, self.emit, self.url)
+        self.handovers.store = self.mover.store = self.store
+        self.mover.state_dir = self.state_dir
+        self.mover.configure(s, files_blocked=self.model.files_blocked)
 
-    def _delete_pages(self, files: list[str]) -> None:
-        if self.pages is not None:
-            self.pages.delete(files)
+    @property
+    def pages(self) -> PageRunner | None:
+        return self.mover.pages
+
+    @property
+    def checkpoints(self) -> CheckpointRunner | None:
+        return self.mover.checkpoints
+
+    def share_prefixes(self, registry: PrefixRegistry) -> None:
+        """This server joined a pool: prefix builds and known prefixes are shared with its other servers."""
+        self.mover.share(registry)
 
     def _authorize(self) -> None:
         """The key the proxy's own calls carry: the option, else what a client sent (never logged or stored)."""
@@ -182,7 +173,7 @@ class Upstream(SlotMoves):
         if store is not None:
             self.state_dir = Path(state_dir)
             self.store = self.prober.store = self.sync.store = store
-            self.builds = builds
+            self.mover.builds = builds
             store.watch(self.claimed_elsewhere)
             if self.pages is not None:
                 self.pages.shared = store.slot_locks
@@ -215,9 +206,7 @@ class Upstream(SlotMoves):
     def abandon(self, ticket: Ticket, flow_id: str) -> None:
         """A decided request goes out unpinned after all: roll the core's bookkeeping back, free the slot lock."""
         self.keeper.abandon(ticket)
-        self.gate.started(flow_id)
-        if self.pages is not None:
-            self.pages.unlock(flow_id, sent=False)
+        self.mover.stopped(flow_id)
 
     async def place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
                     accept: Accept | None = None) -> Pin | Observe | None:
@@ -278,43 +267,30 @@ class Upstream(SlotMoves):
         paged = self.pages is not None and not self.offline
         if not paged and not self.offline:  # no moves, but another proxy may write the slot: it is asked first
             state = await self.store.fresh()
-            _, stale = await self._writer(placement.slot, key, placement.fence, state)
+            _, stale = await self.mover.writer(placement.slot, key, placement.fence, state)
             if stale and retries > 0:
                 return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
         if placement.side and paged:
             # The side slot may hold a session's conversation (placed there before side calls came): saved first,
             # so the session pages back in whole instead of finding a side call's prompt.
-            await self._page(placement.slot, "", placement.view, flow_id, fence=placement.fence)
+            await self.mover.page(placement.slot, "", placement.view, flow_id, fence=placement.fence)
         if placement.side or self.offline:
             return self.keeper.pin(need, placement.slot, placement.why, now)
-        moved = Moved.NOTHING
-        fence = placement.fence
-        holds = self.keeper.pager.holds_prefix(need, placement.view)
-        if self.pages is not None:
-            stable_chars = len(need.stable.text) if need.stable is not None and self.checkpoints is not None else 0
-            cold = need.stable if not holds and await self._unbuilt(need, info) else None
-            views = await self._await_source(placement.slot, key, placement.view, placement.views, stable_chars,
-                                             cold)
-            moved, fence = await self._page(placement.slot, key, placement.view, flow_id, views, stable_chars, cold,
-                                            fence=fence)
+        moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id)
         if moved is Moved.STALE and retries > 0:  # another claim of the slot came first: place it again
-            self.gate.stopped(flow_id)
-            if self.pages is not None:
-                self.pages.unlock(flow_id, sent=False)
+            self.mover.stopped(flow_id)
             return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
         if moved is Moved.STALE:  # twice: it goes where it was placed, with nothing moved (fail open)
             moved = Moved.NOTHING
         if self.checkpoints is not None and need.stable is not None and moved in (Moved.NOTHING, Moved.PREFIX):
-            fence = await self._warm(placement.slot, need, info, holds and moved is Moved.NOTHING, fence=fence)
+            fence = await self.mover.warm(placement.slot, need, info, holds and moved is Moved.NOTHING, fence=fence)
         elif self.checkpoints is not None and need.stable is None and "no-marker" not in self.warned:
             self.warned.add("no-marker")
             self.emit(NoPrefixMarker(self.url, need.ticket.session.short, self.settings.markers))
         if fence is not None and not self.keeper.turns.fence_holds(fence) and retries > 0:
             # Another placement claimed the slot while this one's moves ran: plan this request again.
             self.emit(self.keeper.turns.stale_plan(fence, "pin", key))
-            self.gate.stopped(flow_id)
-            if self.pages is not None:
-                self.pages.unlock(flow_id, sent=False)
+            self.mover.stopped(flow_id)
             return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
         return self.keeper.pin(need, placement.slot, placement.why, now, paged_in=moved is Moved.OWN,
                                seeded=moved in (Moved.SEED, Moved.PREFIX))
