@@ -102,6 +102,12 @@ class SlotMover:
         if self.pages is not None:
             self.pages.delete(files)
 
+    async def drop_page(self, key: str, file: str) -> None:
+        """A page the answer showed to be wrong (`Pager.page_doubtful`): out of the index, its file deleted."""
+        async with self.store.transaction() as state:
+            doomed = self.keeper.pager.page_dropped(state, key, file)
+        self.delete_pages(doomed)
+
     async def moves_for(self, need: NeedSlot, placement: Placement, info: ServerInfo,
                         flow_id: str) -> tuple[Moved, Fence | None, bool]:
         """What the core planned around the new owner of `placement.slot`, performed: the holder paged out and
@@ -303,28 +309,13 @@ class SlotMover:
         files = None
         if not self._swept:  # once per process: page files no state refers to
             self._swept = True
-            files = await asyncio.to_thread(self._unrecorded_files)
+            files = await asyncio.to_thread(unrecorded_files, self.pages, self.state_dir, str(self.store.path))
         async with self.store.transaction() as state:
             seed = (out.seed_tokens, out.seed_bytes) if out.seed_tokens is not None else None
             doomed = self.keeper.pager.pages_recorded(state, plan, out.saved_tokens, out.saved_bytes,
                                                       out.restore_failed, time.time(), self.pages.max_bytes, files,
                                                       seed_saved=seed)
         self.pages.delete(doomed)
-
-    def _unrecorded_files(self) -> dict[str, Any]:
-        """The save dir's page files, less those the state files of other servers in our state dir record
-        (a save dir may be shared by several servers; their pages are not our orphans). Worker thread."""
-        assert self.pages is not None
-        files = self.pages.files()
-        others: list[str] = []
-        with contextlib.suppress(OSError), os.scandir(self.state_dir) as entries:
-            others = [e.path for e in entries if e.name.startswith("state-") and e.name.endswith(".json")
-                      and e.path != str(self.store.path)]
-        for path in others:
-            with contextlib.suppress(OSError, ValueError):
-                for name in shared.from_dict(store_file.read_document(path), "").pages.values():
-                    files.pop(name.file, None)
-        return files
 
     async def warm(self, slot: int, need: NeedSlot, info: ServerInfo, holds: bool,
                     fence: Fence | None = None) -> Fence | None:
@@ -357,3 +348,18 @@ class SlotMover:
                 fence = self.keeper.turns.slot_written(fence, Holds.PREFIX, key, tokens, over=Cause.PREFIX_OVER_OWNER) \
                     or fence
         return fence
+
+
+def unrecorded_files(pages: PageRunner, state_dir: Path, own_state: str) -> dict[str, Any]:
+    """The save dir's page files, less those the state files of other servers in our state dir record
+    (a save dir may be shared by several servers; their pages are not our orphans). Worker thread."""
+    files = pages.files()
+    others: list[str] = []
+    with contextlib.suppress(OSError), os.scandir(state_dir) as entries:
+        others = [e.path for e in entries if e.name.startswith("state-") and e.name.endswith(".json")
+                  and e.path != own_state]
+    for path in others:
+        with contextlib.suppress(OSError, ValueError):
+            for name in shared.from_dict(store_file.read_document(path), "").pages.values():
+                files.pop(name.file, None)
+    return files

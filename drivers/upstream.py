@@ -19,8 +19,7 @@ The order of one request that the core cannot answer from memory (`NeedSlot`):
 Anything that fails after step 3 rolls the bookkeeping back (`Keeper.abandon`): the request goes out as the
 client sent it and nothing says it was pinned.
 
-The proxy's own calls carry llama-server's API key when it needs one: `slots_api_key`, else the
-`Authorization` / `X-Api-Key` header a client sent to that server (kept in memory only, never logged).
+The proxy's own calls carry llama-server's API key when it needs one (`drivers.server_auth`).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from drivers.handovers import Handovers
 from drivers.llama_http import LlamaClient
 from drivers.model_check import ModelCheck
 from drivers.page_runner import PageRunner
+from drivers.server_auth import ServerAuth
 from drivers.server_probe import Facts, ServerProbe
 from drivers.slot_gate import SlotGate
 from drivers.slot_moves import SlotMover
@@ -52,7 +52,7 @@ from drivers.tasks import Tasks
 from slotlogic import shared
 from slotlogic.affinity import Learn
 from slotlogic.answers import Observation
-from slotlogic.decisions import Decision, Fields, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
+from slotlogic.decisions import Decision, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
 from slotlogic.events import (
     Event,
     Failed,
@@ -73,15 +73,24 @@ PROBE_TIMEOUT = 30.0
 SLOW = 1.0          # seconds: a /props or /slots that failed after this long hung (the timeout is 3 s)
 BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the background probe may clear it)
 RECONCILE_EVERY = 5.0  # seconds between looks for a slot shared with another process while idle
-AUTH_HEADERS = (b"authorization", b"x-api-key")
 Accept = Callable[[shared.ServerState, ServerInfo, list[dict[str, Any]] | None], bool]
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What one server's driver shares with the rest of the proxy: the state store (None: this machine's file)
+    with the build claims of a store several proxies share, and the recognition of the pool's sessions."""
+
+    store: StateStore | None = None
+    builds: BuildClaims | None = None
+    recognition: Recognition | None = None
 
 
 class Upstream:
     def __init__(self, url: str, settings: Settings, state_dir: str | Path, emit: Emit, *,
-                 offline: bool = False, client: LlamaClient | None = None, store: StateStore | None = None,
-                 loaded: Callable[[], Any] | None = None, builds: BuildClaims | None = None,
-                 recognition: Recognition | None = None) -> None:
+                 offline: bool = False, client: LlamaClient | None = None, shared_with: Shared = Shared(),
+                 loaded: Callable[[], Any] | None = None) -> None:
+        store, builds, recognition = shared_with.store, shared_with.builds, shared_with.recognition
         self.url = url
         self.offline = offline  # replaying saved flows: no network, no background task, no slot files
         self.emit = emit
@@ -106,8 +115,7 @@ class Upstream:
         self._runners(settings)
         self.warned: set[str] = set()  # one-time notices given: "no-slots", "no-marker", "page-save-path"
         self._task: asyncio.Task[None] | None = None
-        self._client_auth: tuple[str, str] | None = None   # a client's own key for this server (memory only)
-        self._authorize()
+        self.auth = ServerAuth(self.client, settings.api_key)  # the key the proxy's own calls carry
         self._started = False
 
     @classmethod
@@ -137,24 +145,6 @@ class Upstream:
         """This server joined a pool: prefix builds and known prefixes are shared with its other servers."""
         self.mover.share(registry)
 
-    def _authorize(self) -> None:
-        """The key the proxy's own calls carry: the option, else what a client sent (never logged or stored)."""
-        key = self.settings.api_key
-        self.client.auth = ("authorization", f"Bearer {key}") if key else self._client_auth
-
-    def learn_auth(self, fields: Fields) -> None:
-        """Remember the API key a client sends to this server, for the proxy's own calls (slow path only)."""
-        if self.settings.api_key:
-            return
-        for k, v in fields:
-            name = k.lower()
-            if name in AUTH_HEADERS and v:
-                found = (name.decode("latin-1"), v.decode("latin-1"))
-                if found != self._client_auth:
-                    self._client_auth = found
-                    self._authorize()
-                return
-
     def reconfigure(self, settings: Settings, state_dir: str | Path, store: StateStore | None = None,
                     builds: BuildClaims | None = None) -> None:
         """New settings replace the old whole; the sessions this process knows stay. A new `store` comes with
@@ -169,7 +159,7 @@ class Upstream:
         self.settings = settings
         self.prober.settings = settings
         self.keeper.reconfigure(settings)
-        self._authorize()
+        self.auth.configure(settings.api_key)
         if store is not None:
             self.state_dir = Path(state_dir)
             self.store = self.prober.store = self.sync.store = store
@@ -221,13 +211,6 @@ class Upstream:
         self.kick()
         return decision
 
-    async def probe(self) -> None:
-        """The background `/props` look, now (`ServerProbe.probe`)."""
-        await self.prober.probe()
-
-    async def probe_messages(self) -> bool | None:
-        return await self.prober.probe_messages()
-
     async def ask(self) -> Facts:
         """`/props` and, when it answered, `/slots` (an endpoint that hung lately is not asked)."""
         return await self.prober.ask()
@@ -242,7 +225,7 @@ class Upstream:
             props = recorded.get("props") or {"total_slots": self.keeper.total_slots or 4}
             live = recorded.get("slots")
         else:
-            self.learn_auth(facts.fields)
+            self.auth.learn(facts.fields)
             props, live = asked if asked is not None else await self.ask()
         info = self.prober.server_info(props)
         if info is not None and not self.offline:
@@ -324,14 +307,8 @@ class Upstream:
         page = self.keeper.pager.page_of(ticket.session.key)
         if check is not None and report.slot is not None and page is not None:
             self.emit(PageRejected(self.url, report.slot, check))
-            self.tasks.spawn(self._drop_page(ticket.session.key, page.file))
+            self.tasks.spawn(self.mover.drop_page(ticket.session.key, page.file))
         return report
-
-    async def _drop_page(self, key: str, file: str) -> None:
-        async with self.store.transaction() as state:
-            doomed = self.keeper.pager.page_dropped(state, key, file)
-        if self.pages is not None:
-            self.pages.delete(doomed)
 
     async def _learn_from_slots(self, ticket: Ticket, obs: Observation) -> None:
         """Affinity on a route whose answer does not name the slot: read `/slots` once, right after it."""
@@ -385,22 +362,10 @@ class Upstream:
         """The status view from memory (the state as of the last transaction): for sync callers."""
         return {**self.keeper.status(self.store.last, time.time()), **self.model.status(self.settings)}
 
-    async def flush(self) -> bool:
-        return await self.sync.flush()
-
-    async def reconcile(self) -> None:
-        await self.sync.reconcile()
-
     def claimed_elsewhere(self, notice: ClaimNotice) -> None:
         """Another proxy's claim notice (pushed through the store): `StateSync.claimed_elsewhere`."""
         if not self.offline:
             self.sync.claimed_elsewhere(notice)
-
-    def release(self, wanted: str) -> list[str]:
-        return self.sync.release(wanted)
-
-    def move(self, wanted: str, slot: int) -> list[str]:
-        return self.sync.move(wanted, slot)
 
     async def settle(self) -> None:
         """Wait for the background work a command or an answer started (tests, shutdown)."""

@@ -123,7 +123,7 @@ async def test_the_hot_path_sends_nothing_to_the_store(tmp_path, url):
             assert p.rt.open[f.id].ticket.why.value == "known"
         assert stores.redis.calls == before  # no round trip: decided from memory
         up = next(iter(p.rt.upstreams.values()))
-        await up.flush()  # the background flush carries the touches
+        await up.sync.flush()  # the background flush carries the touches
         assert stores.redis.calls > before
     finally:
         c.__exit__(None, None, None)
