@@ -27,12 +27,12 @@ import asyncio
 import contextlib
 import json
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from drivers.checkpoint_runner import PrefixRegistry
 from drivers.llama_http import LlamaClient
 from drivers.upstream import Upstream
 from slotlogic import prefix as pfx
@@ -91,8 +91,10 @@ class Pool:
         self.where: dict[str, Upstream] = {}               # session key -> the server of its last request
         self.inflight: dict[str, int] = {}                 # server URL -> requests in flight
         self.routes: dict[tuple[str, str], int] = {}       # (server URL, RouteWhy value) -> count (metrics)
-        self.building: dict[str, asyncio.Future[None]] = {}  # prefix checkpoints being built, all servers
-        self.known_prefixes: OrderedDict[str, Any] = OrderedDict()  # prefixes any server restored or built
+        # The servers of a pool share one save dir: a prefix checkpoint being built for one of them is waited for
+        # and restored by the others, not built once per server (and, with a shared store, once for all proxies:
+        # each server's `Upstream` claims the build, `drivers.build_claims`).
+        self.prefixes = PrefixRegistry()
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------------------------------- membership
@@ -110,6 +112,7 @@ class Pool:
             self.servers[url] = (member, model if member.swap else "")
             if member.swap and model:
                 self.used[url] = time.monotonic()  # new: not idle (a request is on its way)
+            up.share_prefixes(self.prefixes)
         return up
 
     def _loaded(self, member: Member, model: str) -> Callable[[], Any]:
@@ -310,7 +313,6 @@ class Pool:
                     state.pages[key] = page  # the page file is readable here: the shared save dir
                 return True
 
-            self._share_builds(up)
             decision = await up.place(need, facts, flow_id, asked=asked[choice.index], accept=accept)
             if decision is None:  # another proxy took the last free slot there since the look-up
                 full.add(choice.index)
@@ -320,18 +322,9 @@ class Pool:
         up = first  # nothing answered: the server the request was parsed for, as with one server
         return up, await self._place(up, need, facts, flow_id, None, RouteWhy.ONLY)
 
-    def _share_builds(self, up: Upstream) -> None:
-        """The servers of a pool share one save dir: a prefix checkpoint being built for one of them is
-        waited for and restored by the others, not built once per server (and, with a shared store, once for
-        all proxies: each server's `Upstream` claims the build, `drivers.build_claims`)."""
-        if up.checkpoints is not None:
-            up.checkpoints.building = self.building
-            up.checkpoints.known = self.known_prefixes
-
     async def _place(self, up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str, asked: Any,
                      why: RouteWhy) -> Decision:
         self._count(up, why)
-        self._share_builds(up)
         decision = await up.place(need, facts, flow_id, asked=asked)
         assert decision is not None
         return decision

@@ -22,7 +22,7 @@ from drivers.llama_http import LlamaClient
 from drivers.pool import Pool, base_of
 from drivers.store_file import default_state_dir
 from drivers.stores import Stores
-from drivers.upstream import Upstream
+from drivers.upstream import Shared, Upstream
 from slotlogic import wording
 from slotlogic.answers import StreamObserver
 from slotlogic.decisions import Report, Ticket
@@ -113,9 +113,9 @@ class Runtime:
             settings = self.settings_for(url)
             if self.stores is None:
                 self.stores = Stores("", self.state_dir, self.emit)
+            shared_with = Shared(self.stores.for_server(url), self.stores.builds, self.recognition)
             up = (Upstream(url, settings, self.state_dir, self.emit, client=self.make_client(url),
-                           store=self.stores.for_server(url), loaded=loaded, builds=self.stores.builds,
-                           recognition=self.recognition) if live
+                           shared_with=shared_with, loaded=loaded) if live
                   else Upstream.for_replay(url, settings, self.emit))
             pool[url] = up
         return up
