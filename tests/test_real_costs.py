@@ -97,25 +97,27 @@ def test_a_page_saved_under_q8_0_is_not_restored_after_a_restart_with_f16(tmp_pa
         deadline = time.monotonic() + 60
         while "runs with KV cache" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
             time.sleep(0.2)
-        convs = three_sessions(px.url)                                  # B paged out under q8_0
+        convs = three_sessions(px.url)                                  # a session paged out under q8_0
         q8 = httpx.get(px.url + "/_slots/status", timeout=10).json()["servers"][0]["speeds"]["kv_bytes_per_token"]
+        records = jsonl(tmp_path / "req.jsonl")
+        order = list(dict.fromkeys(r["session"][:8] for r in records if r["kind"] == "request"))  # A, B, C
+        out = [r["out"] for r in records if r["kind"] == "page" and r["out"] is not None and r["out_tokens"]]
+        assert out, records
+        comes_back = "ABC"[order.index(out[-1])]                      # the last one paged out under q8_0
         srv.cfg.extra = []
+        restarted = time.time()
         srv.restart()
         time.sleep(1.0)
-        extend(convs["B"], 2)
-        back = ask(px.url, convs["B"])
+        extend(convs[comes_back], 2)
+        back = ask(px.url, convs[comes_back])
         f16 = httpx.get(px.url + "/_slots/status", timeout=10).json()["servers"][0]["speeds"]["kv_bytes_per_token"]
     text = log.read_text()
     assert "runs with KV cache q8_0/q8_0 (a slot save's size says so), not f16/f16" in text
     assert 12_000 < q8 < 12_800, q8                        # 34/64 of f16's 23,040 bytes, plus the metadata
-    pages = [r for r in jsonl(tmp_path / "req.jsonl") if r["kind"] == "page"]
-    b_out = [p for p in pages if p["out"] is not None and p["out_tokens"]]
-    assert b_out, pages                                    # B was paged out while the server ran q8_0
-    restored = [p for p in pages if p["in"] is not None and not p["seed"]]
-    assert restored == [], restored                        # and never paged in after the restart
-    assert "page restored into slot" not in text and "could not" not in text
-    assert back.cache_n < 20 and f16 != q8, (back, f16)
-
+    pages = [r for r in jsonl(tmp_path / "req.jsonl") if r["kind"] == "page" and r["t"] > restarted]
+    assert [p for p in pages if p["in"] is not None and not p["seed"]] == [], pages   # its q8_0 page stays out
+    assert "failed (HTTP" not in text and "page restored into slot" not in text
+    assert back.cache_n < 20, (back, f16)
 
 # dense_8b_kv passes too (run by hand for docs/model-capability.md: ~90 s on a busy 2-core machine, so not here)
 @pytest.mark.parametrize("make", ["qwen3moe", "lfm2"])
