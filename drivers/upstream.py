@@ -175,18 +175,25 @@ class Upstream:
     # ------------------------------------------------------------------------------------------- requests
 
     async def decide(self, facts: RequestFacts, flow_id: str) -> Decision:
-        """The decision for one request; a `NeedSlot` is resolved here, so the result is never one."""
-        decision = self.keeper.request(facts)
+        """The decision for one request; a `NeedSlot` is placed here, so the result is never one."""
+        decision = self.request(facts)
         if isinstance(decision, NeedSlot):
-            need = decision
-            try:
-                decision = await self._place(need, facts, flow_id)
-            except BaseException:  # an error or a cancelled flow: the request is not going out pinned
-                self.abandon(need.ticket, flow_id)
-                raise
-            self.kick()  # a new claim: the background pass will also look for a slot shared with another process
-        elif self.keeper.table.dirty:
+            placed = await self.place(decision, facts, flow_id)
+            assert placed is not None  # no `accept` to refuse it
+            decision = placed
+        return self.decided(decision)
+
+    def request(self, facts: RequestFacts) -> Decision:
+        """The core's answer from memory (a `NeedSlot` when it needs a slot placed: `place`, by this server or,
+        in a pool, by the server the router chooses)."""
+        decision = self.keeper.request(facts)
+        if not isinstance(decision, NeedSlot) and self.keeper.table.has_touches():
             self.kick()
+        return decision
+
+    def decided(self, decision: Decision) -> Decision:
+        """What a request's decision starts in the background on the server it goes to: the `/v1/messages`
+        probe for a translated request, learning the server for a pending (affinity) one."""
         if isinstance(decision, Pin) and decision.ticket.translated and not self.offline:
             self.prober.probe_messages_once()
         if isinstance(decision, Pin) and decision.ticket.learn is not None and self.keeper.server is None:
