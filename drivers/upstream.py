@@ -615,12 +615,14 @@ class Upstream(SlotMoves):
 
     async def status(self) -> dict[str, Any]:
         """The status view, from a fresh read of the state file (in a worker thread)."""
-        return {**self.keeper.status(await self.store.aread(), time.time()),
-                **self.model.status(self.settings)}
+        state = await self.store.aread()
+        return {**self.keeper.status(state, time.time()), **self.model.status(self.settings),
+                "pages": page_sizes(state)}
 
     def status_now(self) -> dict[str, Any]:
         """The status view from memory (the state as of the last transaction): for sync callers."""
-        return {**self.keeper.status(self.store.last, time.time()), **self.model.status(self.settings)}
+        return {**self.keeper.status(self.store.last, time.time()), **self.model.status(self.settings),
+                "pages": page_sizes(self.store.last)}
 
     def release(self, wanted: str) -> list[str]:
         """Forget the sessions whose key starts with `wanted`: their slots are free for the next new session.
@@ -687,3 +689,8 @@ class Upstream(SlotMoves):
     async def aclose(self) -> None:
         self.handovers.stop()
         await self.client.aclose()
+
+
+def page_sizes(state: shared.ServerState) -> dict[str, dict[str, int]]:
+    """Each session's page file on this server (any proxy's, from the shared state): its size and tokens."""
+    return {key[:8]: {"bytes": p.bytes, "tokens": p.n_tokens} for key, p in state.pages.items()}

@@ -49,6 +49,21 @@ class _Collector(Collector):
             for labels, v in sorted(data.items()):
                 fam.add_metric(list(labels), v)
             yield fam
+        for name, doc, data in (
+                ("client_requests", "Completion requests answered, by server and client kind.", t.client_requests),
+                ("reused_tokens", "Prompt tokens the server reused from the slot (timings.cache_n), by client kind.",
+                 t.reused),
+                ("prefill_seconds_saved", "Prefill seconds the reused tokens would have cost at the server's "
+                 "measured prefill speed, by client kind.", t.saved_s)):
+            fam = CounterMetricFamily(f"slotkeeper_{name}", doc, labels=["server", "client"])
+            for labels, v in sorted(data.items()):
+                fam.add_metric(list(labels), v)
+            yield fam
+        fam = CounterMetricFamily("slotkeeper_client_tokens_lost", "Tokens lost (the loss meter), by client kind "
+                                  "and cause.", labels=["server", "client", "cause"])
+        for labels, v in sorted(t.client_lost.items()):
+            fam.add_metric(list(labels), v)
+        yield fam
         now = time.time()
         live = GaugeMetricFamily("slotkeeper_live_sessions", "Sessions used within slots_ttl, per server.",
                                  labels=["server"])
