@@ -617,12 +617,19 @@ class Upstream(SlotMoves):
         """The status view, from a fresh read of the state file (in a worker thread)."""
         state = await self.store.aread()
         return {**self.keeper.status(state, time.time()), **self.model.status(self.settings),
-                "pages": page_sizes(state)}
+                **self._page_view(state)}
 
     def status_now(self) -> dict[str, Any]:
         """The status view from memory (the state as of the last transaction): for sync callers."""
         return {**self.keeper.status(self.store.last, time.time()), **self.model.status(self.settings),
-                "pages": page_sizes(self.store.last)}
+                **self._page_view(self.store.last)}
+
+    def _page_view(self, state: shared.ServerState) -> dict[str, Any]:
+        """What the slot page adds: the measured prefill speed (recent answers, else the start-up probe) and
+        each session's page file on this server (any proxy's, from the shared state)."""
+        pps = self.keeper.prefill_estimate()
+        return {"prefill_tok_s": round(pps, 1) if pps else None,
+                "pages": {key[:8]: {"bytes": p.bytes, "tokens": p.n_tokens} for key, p in state.pages.items()}}
 
     def release(self, wanted: str) -> list[str]:
         """Forget the sessions whose key starts with `wanted`: their slots are free for the next new session.
@@ -690,7 +697,3 @@ class Upstream(SlotMoves):
         self.handovers.stop()
         await self.client.aclose()
 
-
-def page_sizes(state: shared.ServerState) -> dict[str, dict[str, int]]:
-    """Each session's page file on this server (any proxy's, from the shared state): its size and tokens."""
-    return {key[:8]: {"bytes": p.bytes, "tokens": p.n_tokens} for key, p in state.pages.items()}

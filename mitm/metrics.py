@@ -61,7 +61,7 @@ class _Collector(Collector):
             yield fam
         fam = CounterMetricFamily("slotkeeper_client_tokens_lost", "Tokens lost (the loss meter), by client kind "
                                   "and cause.", labels=["server", "client", "cause"])
-        for labels, v in sorted(t.client_lost.items()):
+        for labels, v in sorted(t.client_lost_by_cause().items()):
             fam.add_metric(list(labels), v)
         yield fam
         now = time.time()

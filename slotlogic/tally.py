@@ -43,6 +43,12 @@ class Tally:
         out.update(self.lost)
         return out
 
+    def client_lost_by_cause(self) -> dict[tuple[str, str, str], int]:
+        """Tokens lost per (server, client kind, cause), every cause of every client seen present (0 when none)."""
+        out = {(srv, client, c.value): 0 for srv, client in self.client_requests for c in Cause}
+        out.update(self.client_lost)
+        return out
+
     def report(self, r: Report, fallback_pps: float | None = None) -> None:
         """`fallback_pps`: the server's measured prefill speed, for answers without their own timings."""
         key = (r.upstream, "-" if r.slot is None else str(r.slot))
