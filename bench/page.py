@@ -5,8 +5,9 @@ a known session's request latency through a real mitmdump with and without the p
   timeline: 2,048 spans, 1,024 marks); each load is timed from navigation start to the end of its first
   render (`data-first-render-at`), and each later refresh's render alone (`data-render-ms`).
 - hot path: one mitmdump + addon in front of `bench.fake_upstream` (answers in microseconds, so what is
-  measured is the proxy); a known session sends `--requests` requests per phase, phases alternate without
-  and with a headless Chromium showing `/_slots/` (refreshing every second), `--phases` times each.
+  measured is the proxy); a known session sends `--requests` requests per phase, and phases alternate
+  between one headless Chromium on `about:blank` and the same browser showing `/_slots/` (refreshing every
+  second), `--phases` times each.
 """
 
 from __future__ import annotations
@@ -123,22 +124,19 @@ def hot_path(requests: int, phases: int) -> dict[str, dict[str, float]]:
                                                        "slots_probe_interval": 0}) as px, \
                 httpx.Client(base_url=px.url, timeout=10) as client:
             client.post("/v1/chat/completions", json=body).raise_for_status()  # the slow path, once
-            for _ in range(phases):
-                for name in lat:
-                    browser = Browser() if name != "without page" else None
-                    try:
-                        if browser is not None:
-                            browser.open(px.url + "/_slots/")
+            with Browser() as browser:  # one browser for both: only the open, refreshing page differs
+                for _ in range(phases):
+                    for name in lat:
+                        page = name != "without page"
+                        browser.driver.get(px.url + "/_slots/" if page else "about:blank")
+                        seen = browser.renders() if page else 0
                         for _ in range(requests):
                             t0 = time.perf_counter()
                             client.post("/v1/chat/completions", json=body).raise_for_status()
                             lat[name].append((time.perf_counter() - t0) * 1000)
-                            time.sleep(0.01)  # spread over several refreshes
-                        if browser is not None:
-                            assert browser.renders() >= 2, "the page did not refresh during the phase"
-                    finally:
-                        if browser is not None:
-                            browser.close()
+                            time.sleep(0.03)  # a phase spans 3 s or more: several refreshes
+                        if page:
+                            assert browser.renders() > seen + 1, "the page did not refresh during the phase"
     finally:
         fake.terminate()
         fake.wait(5)
@@ -151,8 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--sessions", type=int, default=200)
     ap.add_argument("--loads", type=int, default=5)
-    ap.add_argument("--requests", type=int, default=200, help="requests per phase")
-    ap.add_argument("--phases", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=100, help="requests per phase")
+    ap.add_argument("--phases", type=int, default=8)
     a = ap.parse_args(argv)
     r = render_times(a.slots, a.sessions, a.loads)
     print(f"render, {a.slots} slots, {a.sessions} sessions, {a.loads} loads: first render p50 "

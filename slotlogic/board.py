@@ -23,7 +23,7 @@ MAX_SPANS = 2048       # answered requests kept per server (a busy server's last
 MAX_MARKS = 1024       # page-out / page-in / prefix / loss marks kept per server
 MAX_WARNINGS = 32      # warning lines kept per server
 WARNING_S = 600.0      # a warning is "current" for this long
-MAX_SESSIONS = 512     # sessions' extras kept per server (the keeper's own stats keep as many)
+MAX_SESSIONS = 1024    # sessions' extras kept per server (as many as the keeper's own counters, outcomes.MAX_STATS)
 
 # Client kinds: a fixed vocabulary, so the metrics' `client` label stays bounded whatever clients send.
 _NAMED = {
