@@ -77,3 +77,18 @@ def test_the_page_shows_every_session_and_number_of_a_large_status():
         assert float(row["cached_tokens"]) == s["cached_tokens"] and float(row["saved_s"]) == s["saved_s"]
         assert row["page_bytes"] == (str(srv["pages"][key]["bytes"]) if key in srv["pages"] else "")
     assert got["marks"] and set(got["marks"]) <= {"page-out", "page-in", "seed", "prefix", "loss"}
+
+
+@needs_browser
+def test_several_servers_get_a_card_each_with_their_own_sessions():
+    status = synthetic_status(slots=4, sessions=6)
+    (one,) = status["servers"]
+    two = json.loads(json.dumps(one)) | {"upstream": "http://127.0.0.1:8090", "total_slots": 2}
+    two["slots"], two["sessions"] = two["slots"][:2], dict(list(two["sessions"].items())[:2])
+    status["servers"] = [one, two]
+    with serve_page(lambda: status) as base, browser.Browser() as b:
+        b.open(base + "/_slots/")
+        page = browser.shown(b)
+    assert set(page) == {one["upstream"], two["upstream"]}
+    assert page[two["upstream"]]["slots"] == 2 and set(page[two["upstream"]]["sessions"]) == set(two["sessions"])
+    assert len(page[one["upstream"]]["sessions"]) == 6
