@@ -2,7 +2,8 @@
 
 Counting costs a few dict additions per request (`slotlogic.tally.Tally`, fed by the runtime's reports and events); the
 metric families are built only when a scraper asks (`render`), so the hot path never touches the library.
-Labels are server URLs, slot ids and enum words: never a session, never prompt text.
+Labels are server URLs, slot ids, enum words and client kinds (a fixed vocabulary, `slotlogic.board.client_kind`):
+never a session, never prompt text.
 """
 
 from __future__ import annotations
