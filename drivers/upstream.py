@@ -42,10 +42,12 @@ from drivers.handovers import Handovers
 from drivers.llama_http import LlamaClient
 from drivers.model_check import ModelCheck
 from drivers.page_runner import PageRunner
+from drivers.server_probe import Facts, ServerProbe
 from drivers.slot_gate import SlotGate
 from drivers.slot_moves import SlotMoves
 from drivers.store import StateStore
 from drivers.store_file import StateFile
+from drivers.tasks import Tasks
 from slotlogic import shared
 from slotlogic.affinity import Learn
 from slotlogic.answers import Observation
@@ -54,14 +56,10 @@ from slotlogic.events import (
     DisplacedElsewhere,
     Event,
     Failed,
-    IdleSlotsCleared,
-    MessagesProbed,
-    ModelUnloaded,
     NoPrefixMarker,
     NoSlotsEndpoint,
     PageRejected,
     SlotShared,
-    SlotsSlow,
     Stage,
     Via,
 )
@@ -69,8 +67,8 @@ from slotlogic.intake import Recognition
 from slotlogic.keeper import Keeper
 from slotlogic.notices import ClaimNotice
 from slotlogic.paging import Moved
-from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
-from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
+from slotlogic.server import ServerInfo
+from slotlogic.settings import CheckpointMode, Settings
 
 Emit = Callable[[Event], None]
 PROBE_TIMEOUT = 30.0
@@ -79,7 +77,6 @@ BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the 
 RECONCILE_EVERY = 5.0  # seconds between looks for a slot shared with another process while idle
 AUTH_HEADERS = (b"authorization", b"x-api-key")
 Accept = Callable[[shared.ServerState, ServerInfo, list[dict[str, Any]] | None], bool]
-Facts = tuple[dict[str, Any] | None, list[dict[str, Any]] | None]   # `/props` and `/slots` as asked
 
 
 class Upstream(SlotMoves):
@@ -97,24 +94,22 @@ class Upstream(SlotMoves):
         self.store: StateStore = store if store is not None else StateFile(self.state_dir, url, emit)
         self.store.watch(self.claimed_elsewhere)
         self.builds = builds  # a shared store's build markers: one prefix build for all proxies (None: local)
-        self.loaded = loaded  # llama-swap: whether the model is loaded (a probe must not load it)
-        self.unloaded = False
         self.settings = settings
         self.pages: PageRunner | None = None
         self.checkpoints: CheckpointRunner | None = None
         self.gate = SlotGate(url, emit)  # which of our requests reached the server, slot by slot
         self.handovers = Handovers(url, self.keeper, self.store, emit, self.gate)  # slots other proxies take
         self.model = ModelCheck(self.client, emit, url, on_speed=self.keeper.outcomes.probed)
+        self.tasks = Tasks()  # background work an answer or a command started
+        self.prober = ServerProbe(url, self.client, self.keeper, emit, self.model, self.tasks, loaded=loaded,
+                                 on_checked=lambda: self._runners(self.settings))
+        self.prober.store = self.store
         self._runners(settings)
-        self.warned: set[str] = set()
+        self.warned: set[str] = set()  # one-time notices given: "no-slots", "no-marker", "page-save-path"
         self._task: asyncio.Task[None] | None = None
-        self._side_tasks: set[asyncio.Task[None]] = set()
-        self._last_probe = 0.0
         self._swept = False
         self._file_total: int | None = None
         self._file_total_read = False
-        self._hung: dict[str, float] = {}          # endpoint -> monotonic time until which it is not asked
-        self._last_live: list[dict[str, Any]] | None = None  # the last /slots answer (counts for a hung /slots)
         self._last_reconcile = 0.0
         self._client_auth: tuple[str, str] | None = None   # a client's own key for this server (memory only)
         self._authorize()
@@ -178,20 +173,21 @@ class Upstream(SlotMoves):
                         "throughput_probe")
         if any(getattr(settings, n) != getattr(self.settings, n) for n in model_inputs):
             self.model.forget()  # the verdict depends on them: check again at the next /props
-            self._spawn(self.probe())
+            self.tasks.spawn(self.prober.probe())
         self.settings = settings
+        self.prober.settings = settings
         self.keeper.reconfigure(settings)
         self._authorize()
         if store is not None:
             self.state_dir = Path(state_dir)
-            self.store = store
+            self.store = self.prober.store = store
             self.builds = builds
             store.watch(self.claimed_elsewhere)
             if self.pages is not None:
                 self.pages.shared = store.slot_locks
         elif Path(state_dir) != self.state_dir:
             self.state_dir = Path(state_dir)
-            self.store = StateFile(self.state_dir, self.url, self.emit)
+            self.store = self.prober.store = StateFile(self.state_dir, self.url, self.emit)
         self._runners(settings)
 
     # ------------------------------------------------------------------------------------------- requests
@@ -209,8 +205,8 @@ class Upstream(SlotMoves):
             self.kick()  # a new claim: the background pass will also look for a slot shared with another process
         elif self.keeper.table.dirty:
             self.kick()
-        if isinstance(decision, Pin) and decision.ticket.translated:
-            self._probe_messages_once()
+        if isinstance(decision, Pin) and decision.ticket.translated and not self.offline:
+            self.prober.probe_messages_once()
         if isinstance(decision, Pin) and decision.ticket.learn is not None and self.keeper.server is None:
             self.start()  # a pending request (affinity) asks nothing: learn the server in the background
         return decision
@@ -235,10 +231,16 @@ class Upstream(SlotMoves):
         self.kick()
         return decision
 
+    async def probe(self) -> None:
+        """The background `/props` look, now (`ServerProbe.probe`)."""
+        await self.prober.probe()
+
+    async def probe_messages(self) -> bool | None:
+        return await self.prober.probe_messages()
+
     async def ask(self) -> Facts:
         """`/props` and, when it answered, `/slots` (an endpoint that hung lately is not asked)."""
-        props = await self._ask("/props", self.client.props)
-        return props, (await self._live_slots() if props is not None else None)
+        return await self.prober.ask()
 
     async def _place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
                      accept: Accept | None = None, retries: int = 1) -> Any:
@@ -252,9 +254,9 @@ class Upstream(SlotMoves):
         else:
             self.learn_auth(facts.fields)
             props, live = asked if asked is not None else await self.ask()
-        info = self._server_info(props)
-        if info is not None:
-            self._seen(info)
+        info = self.prober.server_info(props)
+        if info is not None and not self.offline:
+            self.prober.seen(info)
         if info is None:
             decision, event = self.keeper.fallback(need, now, await self._last_known_total())
             self.emit(event)
@@ -316,41 +318,6 @@ class Upstream(SlotMoves):
         return self.keeper.pin(need, placement.slot, placement.why, now, paged_in=moved is Moved.OWN,
                                seeded=moved in (Moved.SEED, Moved.PREFIX))
 
-    async def _ask(self, endpoint: str, call: Callable[[], Any]) -> Any:
-        """One look-up, unless the endpoint hung lately: then None at once (the caller falls back)."""
-        now = time.monotonic()
-        if self._hung.get(endpoint, 0.0) > now:
-            return None
-        answer = await call()
-        if answer is None and time.monotonic() - now >= SLOW:
-            self._hung[endpoint] = time.monotonic() + BACKOFF
-            self.emit(SlotsSlow(self.url, endpoint, BACKOFF))
-        elif answer is not None:
-            self._hung.pop(endpoint, None)
-        return answer
-
-    async def _live_slots(self) -> list[dict[str, Any]] | None:
-        """`/slots`, or while it hangs the last answer's token counts (nothing marked busy: that is unknown)."""
-        live = await self._ask("/slots", self.client.slots)
-        if live is not None:
-            self._last_live = live
-            return live
-        if "/slots" in self._hung and self._last_live is not None:
-            return [{**e, "is_processing": False} for e in self._last_live]
-        return None
-
-    def _server_info(self, props: Any) -> ServerInfo | None:
-        """`/props` parsed, with the model file's size and mtime when it is on this machine (a page written
-        for another file of the same name must not be restored)."""
-        info = ServerInfo.parse(props)
-        if info is None or not info.model_path:
-            return info
-        try:
-            st = os.stat(info.model_path)
-        except (OSError, ValueError):
-            return info
-        return replace(info, model_size=st.st_size, model_mtime=st.st_mtime)
-
     async def _last_known_total(self) -> int | None:
         """The slot count in the state file, for the hash fallback after a proxy restart (read once)."""
         if not self._file_total_read:
@@ -371,43 +338,6 @@ class Upstream(SlotMoves):
         if slot is not None:
             self.gate.sent(slot, flow_id, session)
 
-    def _probe_messages_once(self) -> None:
-        if not self.offline and self.keeper.messages_native is None and "messages-probe" not in self.warned:
-            self.warned.add("messages-probe")
-            self._spawn(self.probe_messages())
-
-    async def probe_messages(self) -> bool | None:
-        """Whether the server honours `id_slot` on `/v1/messages` (upstream PR #26758): while every slot is
-        empty (at start, after a restart), two one-token requests pinned to slot 0, and `/slots` says which slot
-        ran each; a server that ignores the field puts them on its LRU choice, the highest empty slot. Unknown
-        (slots in use, other traffic): tried again later; meanwhile requests are translated, which is always
-        correct."""
-        if self.settings.anthropic is not AnthropicMode.TRANSLATE:
-            return None
-        honoured: bool | None = None
-        before = await self.client.slots()
-        target = probe_slot(before) if before is not None else None
-        if before is not None and target is not None:
-            honoured = True
-            body = {"max_tokens": 1, "messages": [{"role": "user", "content": "ok"}], "id_slot": target}
-            for _ in range(2):
-                status, _ = await self.client.post_json("/v1/messages", body, PROBE_TIMEOUT)
-                after = await self.client.slots()
-                ran = slot_that_ran(before, after) if status == 200 and after is not None else None
-                if ran is None:
-                    honoured = None
-                    break
-                if ran != target:
-                    honoured = False
-                    break
-                before = after
-        if honoured is None:
-            self.warned.discard("messages-probe")
-        else:
-            self.keeper.messages_probed(honoured)
-            self.emit(MessagesProbed(self.url, honoured))
-        return honoured
-
     # ------------------------------------------------------------------------------------------- answers
 
     def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float) -> Report:
@@ -416,15 +346,15 @@ class Upstream(SlotMoves):
             self.emit(event)
         if ticket.learn is not None:  # affinity: a learned slot is a new claim for the state file
             if ticket.learn is Learn.SLOTS and not self.offline and obs.error_type is None:
-                self._spawn(self._learn_from_slots(ticket, obs))
+                self.tasks.spawn(self._learn_from_slots(ticket, obs))
             self.kick()
         if not self.offline and report.slot is not None and self.keeper.outcomes.lost_cache(report):
-            self._spawn(self.explain_cache_loss(report.slot))
+            self.tasks.spawn(self.prober.explain_cache_loss(report.slot))
         check = self.keeper.pager.page_doubtful(report) if self.pages is not None else None
         page = self.keeper.pager.page_of(ticket.session.key)
         if check is not None and report.slot is not None and page is not None:
             self.emit(PageRejected(self.url, report.slot, check))
-            self._spawn(self._drop_page(ticket.session.key, page.file))
+            self.tasks.spawn(self._drop_page(ticket.session.key, page.file))
         return report
 
     async def _drop_page(self, key: str, file: str) -> None:
@@ -440,12 +370,6 @@ class Upstream(SlotMoves):
             self.emit(learned)
             self.kick()
 
-    def _seen(self, info: ServerInfo) -> None:
-        """A `/props` answer: a model file, or a server process, not checked yet gets the model check."""
-        if not self.offline and self.model.due(info):
-            self.model.claim(info)
-            self._spawn(self.model.run(info, self.settings, lambda: self._runners(self.settings)))
-
     def start(self) -> None:
         """At proxy start, before clients come (or at the first request): in the background, once, what can only
         be learned while the slots are empty (whether `/v1/messages` honours id_slot), then the server itself
@@ -453,28 +377,7 @@ class Upstream(SlotMoves):
         if self._started or self.offline:
             return
         self._started = True
-        self._spawn(self._start())
-
-    async def _start(self) -> None:
-        if self.keeper.messages_native is None and "messages-probe" not in self.warned:
-            self.warned.add("messages-probe")
-            await self.probe_messages()  # first: it needs every slot empty, the model probe takes one
-        if self.keeper.server is None:
-            await self.probe()
-
-    async def explain_cache_loss(self, slot: int) -> None:
-        """A known session's pinned slot came back cold: restart? idle clearing (unified KV)? say which."""
-        before = self.keeper.server.media_marker if self.keeper.server else None
-        await self.probe()
-        if (self.keeper.server.media_marker if self.keeper.server else None) != before:
-            return  # a restart explains it; already logged
-        live = await self.client.slots()
-        if live is None or "unified" in self.warned:
-            return
-        cleared = self.keeper.outcomes.idle_cleared(live, slot, time.time())
-        if cleared is not None:
-            self.warned.add("unified")
-            self.emit(IdleSlotsCleared(self.url, cleared))
+        self.tasks.spawn(self.prober.start())
 
     # ------------------------------------------------------------------------------------------- background
 
@@ -487,24 +390,15 @@ class Upstream(SlotMoves):
                 self._task = asyncio.get_running_loop().create_task(self._background())
         self.handovers.start()
 
-    def _spawn(self, coro: Any) -> None:
-        try:
-            task = asyncio.get_running_loop().create_task(coro)
-        except RuntimeError:
-            coro.close()
-            return
-        self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
-
     async def _background(self) -> None:
         try:
             while True:
                 await asyncio.sleep(self.settings.flush_interval)
                 if not await self.flush() and time.monotonic() - self._last_reconcile >= RECONCILE_EVERY:
                     await self.reconcile()
-                probe = self.settings.probe_interval
-                if probe > 0 and time.monotonic() - self._last_probe >= probe:
-                    await self.probe()
+                every = self.settings.probe_interval
+                if every > 0 and time.monotonic() - self.prober.last_probe >= every:
+                    await self.prober.probe()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the background task must never die silently
@@ -578,39 +472,6 @@ class Upstream(SlotMoves):
         except Exception as e:
             self.emit(Failed(self.url, Stage.FINAL_FLUSH, type(e).__name__))
 
-    async def probe(self) -> None:
-        """`/props` only (never wakes a sleeping server): restart and resize detection. A model that
-        llama-swap unloaded is not asked (asking would load it): its slots are empty, as after a restart."""
-        self._last_probe = time.monotonic()
-        if self.loaded is not None and await self.loaded() is False:
-            if not self.unloaded:
-                self.unloaded = True
-                self.keeper.table.forget_all()
-                self.emit(ModelUnloaded(self.url))
-            return
-        self.unloaded = False
-        info = self._server_info(await self.client.props())
-        if info is None:
-            return
-        self._hung.pop("/props", None)  # it answers again: new sessions may ask it
-        self._seen(info)
-        k = self.keeper
-        known = k.server
-        changed = known is None or (info.media_marker and known.media_marker
-                                    and info.media_marker != known.media_marker) or (
-            k.total_slots is not None and info.total_slots != k.total_slots)
-        if changed:
-            live = await self._live_slots()  # what ran on the new server before this look is kept
-            async with self.store.transaction() as state:
-                events = k.note_server(state, info, live)
-            for event in events:
-                self.emit(event)
-            if k.messages_native is None:  # a restarted server may be another build; its slots are empty now
-                self.warned.discard("messages-probe")
-                self._probe_messages_once()
-        else:
-            k.server, k.total_slots = info, info.total_slots
-
     # ------------------------------------------------------------------------------------------- commands
 
     async def status(self) -> dict[str, Any]:
@@ -641,7 +502,7 @@ class Upstream(SlotMoves):
         slots = {k: (self.keeper.table.sessions[k].slot if k in self.keeper.table.sessions
                      else self.store.last.sessions[k].slot) for k in keys}
         self.keeper.turns.forget(keys)
-        self._spawn(self._release_in_file(keys))
+        self.tasks.spawn(self._release_in_file(keys))
         return [f"{k[:8]} (slot {slots[k]}) on {self.url}" for k in keys]
 
     async def _release_in_file(self, keys: list[str]) -> None:
@@ -662,7 +523,7 @@ class Upstream(SlotMoves):
         now = time.time()
         moved = {key: self.keeper.turns.move(key, slot, now) for key in keys}
         if moved:
-            self._spawn(self._claim_in_file(moved, slot, now))
+            self.tasks.spawn(self._claim_in_file(moved, slot, now))
         return [f"{k[:8]} → slot {slot} on {self.url}" for k in keys]
 
     async def _claim_in_file(self, moved: dict[str, str | None], slot: int, now: float) -> None:
@@ -672,8 +533,7 @@ class Upstream(SlotMoves):
 
     async def settle(self) -> None:
         """Wait for the background work a command or an answer started (tests, shutdown)."""
-        while self._side_tasks:
-            await asyncio.gather(*list(self._side_tasks), return_exceptions=True)
+        await self.tasks.settle()
 
     async def cleanup(self) -> list[str]:
         return await self.checkpoints.cleanup() if self.checkpoints is not None else []
@@ -688,9 +548,9 @@ class Upstream(SlotMoves):
         self.flush_sync()
         if self.pages is not None:
             self.pages.delete_doomed_now()
-        for task in (self._task, *self._side_tasks):
-            if task is not None:
-                task.cancel()
+        if self._task is not None:
+            self._task.cancel()
+        self.tasks.cancel()
         self.handovers.stop()
 
     async def aclose(self) -> None:
