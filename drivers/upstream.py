@@ -362,12 +362,21 @@ class Upstream:
 
     async def status(self) -> dict[str, Any]:
         """The status view, from a fresh read of the state file (in a worker thread)."""
-        return {**self.keeper.status(await self.store.aread(), time.time()),
-                **self.model.status(self.settings)}
+        state = await self.store.aread()
+        return {**self.keeper.status(state, time.time()), **self.model.status(self.settings),
+                **self._page_view(state)}
 
     def status_now(self) -> dict[str, Any]:
         """The status view from memory (the state as of the last transaction): for sync callers."""
-        return {**self.keeper.status(self.store.last, time.time()), **self.model.status(self.settings)}
+        return {**self.keeper.status(self.store.last, time.time()), **self.model.status(self.settings),
+                **self._page_view(self.store.last)}
+
+    def _page_view(self, state: shared.ServerState) -> dict[str, Any]:
+        """What the slot page adds: the measured prefill speed (recent answers, else the start-up probe) and
+        each session's page file on this server (any proxy's, from the shared state)."""
+        pps = self.keeper.prefill_estimate()
+        return {"prefill_tok_s": round(pps, 1) if pps else None,
+                "pages": {key[:8]: {"bytes": p.bytes, "tokens": p.n_tokens} for key, p in state.pages.items()}}
 
     def claimed_elsewhere(self, notice: ClaimNotice) -> None:
         """Another proxy's claim notice (pushed through the store): `StateSync.claimed_elsewhere`."""
@@ -399,3 +408,4 @@ class Upstream:
     async def aclose(self) -> None:
         self.handovers.stop()
         await self.client.aclose()
+
