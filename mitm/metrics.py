@@ -69,8 +69,7 @@ class _Collector(Collector):
         live = GaugeMetricFamily("slotkeeper_live_sessions", "Sessions used within slots_ttl, per server.",
                                  labels=["server"])
         for up in self.rt.upstreams.values():
-            n = sum(1 for a in up.keeper.table.sessions.values() if now - a.last_used < up.settings.ttl)
-            live.add_metric([up.url], n)
+            live.add_metric([up.url], up.keeper.table.live_count(now))
         yield live
         pool = self.rt.pool
         up_fam = GaugeMetricFamily("slotkeeper_server_up", "1 while the server answers (slots_upstreams).",

@@ -50,6 +50,10 @@ class Outcomes:
         """Prompt tokens a second on this server: its recent answers', else the start-up probe's."""
         return self.prefill_rate or self.prefill_speed
 
+    def probed_speed(self) -> float | None:
+        """The start-up probe's prefill tok/s (what answers without timings are counted at)."""
+        return self.prefill_speed
+
     def probed(self, prefill_tok_s: float | None) -> None:
         """The start-up probe's measured prefill speed (for answers that carry no timings)."""
         self.prefill_speed = prefill_tok_s
