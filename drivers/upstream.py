@@ -178,18 +178,25 @@ class Upstream:
     # ------------------------------------------------------------------------------------------- requests
 
     async def decide(self, facts: RequestFacts, flow_id: str) -> Decision:
-        """The decision for one request; a `NeedSlot` is resolved here, so the result is never one."""
-        decision = self.keeper.request(facts)
+        """The decision for one request; a `NeedSlot` is placed here, so the result is never one."""
+        decision = self.request(facts)
         if isinstance(decision, NeedSlot):
-            need = decision
-            try:
-                decision = await self._place(need, facts, flow_id)
-            except BaseException:  # an error or a cancelled flow: the request is not going out pinned
-                self.abandon(need.ticket, flow_id)
-                raise
-            self.kick()  # a new claim: the background pass will also look for a slot shared with another process
-        elif self.keeper.table.dirty:
+            placed = await self.place(decision, facts, flow_id)
+            assert placed is not None  # no `accept` to refuse it
+            decision = placed
+        return self.decided(decision)
+
+    def request(self, facts: RequestFacts) -> Decision:
+        """The core's answer from memory (a `NeedSlot` when it needs a slot placed: `place`, by this server or,
+        in a pool, by the server the router chooses)."""
+        decision = self.keeper.request(facts)
+        if not isinstance(decision, NeedSlot) and self.keeper.table.has_touches():
             self.kick()
+        return decision
+
+    def decided(self, decision: Decision) -> Decision:
+        """What a request's decision starts in the background on the server it goes to: the `/v1/messages`
+        probe for a translated request, learning the server for a pending (affinity) one."""
         if isinstance(decision, Pin) and decision.ticket.translated and not self.offline:
             self.prober.probe_messages_once()
         if isinstance(decision, Pin) and decision.ticket.learn is not None and self.keeper.server is None:
@@ -358,12 +365,21 @@ class Upstream:
 
     async def status(self) -> dict[str, Any]:
         """The status view, from a fresh read of the state file (in a worker thread)."""
-        return {**self.keeper.status(await self.store.aread(), time.time()),
-                **self.model.status(self.settings)}
+        state = await self.store.aread()
+        return {**self.keeper.status(state, time.time()), **self.model.status(self.settings),
+                **self._page_view(state)}
 
     def status_now(self) -> dict[str, Any]:
         """The status view from memory (the state as of the last transaction): for sync callers."""
-        return {**self.keeper.status(self.store.last, time.time()), **self.model.status(self.settings)}
+        return {**self.keeper.status(self.store.last, time.time()), **self.model.status(self.settings),
+                **self._page_view(self.store.last)}
+
+    def _page_view(self, state: shared.ServerState) -> dict[str, Any]:
+        """What the slot page adds: the measured prefill speed (recent answers, else the start-up probe) and
+        each session's page file on this server (any proxy's, from the shared state)."""
+        pps = self.keeper.prefill_estimate()
+        return {"prefill_tok_s": round(pps, 1) if pps else None,
+                "pages": {key[:8]: {"bytes": p.bytes, "tokens": p.n_tokens} for key, p in state.pages.items()}}
 
     def claimed_elsewhere(self, notice: ClaimNotice) -> None:
         """Another proxy's claim notice (pushed through the store): `StateSync.claimed_elsewhere`."""
@@ -395,3 +411,4 @@ class Upstream:
     async def aclose(self) -> None:
         self.handovers.stop()
         await self.client.aclose()
+

@@ -55,6 +55,10 @@ class Outcomes:
         """The measured speeds a slot move's cost is weighed with (`slotlogic.costs`)."""
         return self.speeds.rates(self.prefill_estimate())
 
+    def probed_speed(self) -> float | None:
+        """The start-up probe's prefill tok/s (what answers without timings are counted at)."""
+        return self.prefill_speed
+
     def probed(self, prefill_tok_s: float | None) -> None:
         """The start-up probe's measured prefill speed (for answers that carry no timings)."""
         self.prefill_speed = prefill_tok_s
