@@ -151,9 +151,6 @@ class RedisConnection:
             return None
         return value.decode() if isinstance(value, bytes) else value
 
-    async def build_running(self, name: str) -> bool:
-        return await self.build_owner(name) not in (None, BUILT)
-
     async def release_build(self, name: str, token: str) -> None:
         """Delete the marker if it is still ours (a Lua compare-and-delete: never another proxy's)."""
         with contextlib.suppress(*ERRORS):

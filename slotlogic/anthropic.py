@@ -249,11 +249,6 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def is_stream(chat: dict[str, Any]) -> bool:
-    """Whether the translated request streams (after `to_chat`, `stream` is a boolean or absent)."""
-    return chat.get("stream") is True
-
-
 def encode(chat: dict[str, Any]) -> bytes:
     """The chat body as UTF-8 JSON; rejects what llama-server's parser would (lone surrogates, NaN)."""
     try:

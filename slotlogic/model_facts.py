@@ -300,18 +300,6 @@ class ModelFacts:
             return checkpoints_in_files is True
         return kind in (ReuseKind.FULL, ReuseKind.UNKNOWN)
 
-    def matches_server(self, meta: Mapping[str, Any]) -> bool | None:
-        """Whether `/v1/models` `meta` (n_ctx_train, n_embd, n_vocab) describes this file; None if unsure.
-
-        Guards against a local file at the same path as a remote server's but with other contents.
-        """
-        checks = [(meta.get("n_ctx_train"), self.context_length), (meta.get("n_embd"), self.embedding_length),
-                  (meta.get("n_vocab"), self.n_vocab)]
-        seen = [(a, b) for a, b in checks if isinstance(a, int) and not isinstance(a, bool) and a > 0 and b > 0]
-        if not seen:
-            return None
-        return all(a == b for a, b in seen)
-
 
 def _row(cache_type: str, n_values: int) -> int:
     try:

@@ -56,10 +56,6 @@ class WatchSettings:
     first_token_timeout: float = 0.0     # seconds every slot may stay idle and unchanged before a 504 (0: off)
     deadline: float = 0.0                # seconds a request may run at all (0: off)
 
-    @property
-    def active(self) -> bool:
-        return self.interval > 0 or self.deadline > 0
-
 
 @dataclass(frozen=True)
 class Progress:

@@ -164,7 +164,7 @@ def test_stream_adds_what_the_translated_route_needs() -> None:
     chat = A.to_chat({"messages": [], "stream": True})
     assert chat["stream"] is True and chat["stream_options"] == {"include_usage": True}
     assert chat["timings_per_token"] is True and "verbose" not in chat
-    assert A.is_stream(chat) and not A.is_stream(A.to_chat({"messages": [], "stream": False}))
+    assert A.to_chat({"messages": [], "stream": False}).get("stream") in (None, False)
     with pytest.raises(A.TranslationError):
         A.to_chat({"messages": [], "stream": "yes"})
 

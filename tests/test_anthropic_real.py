@@ -73,7 +73,7 @@ def translated(url: str, body: dict[str, Any], chat: dict[str, Any] | None = Non
     """What the proxy does: to_chat → /v1/chat/completions (pinned) → from_chat / StreamConverter."""
     chat = {**(chat or A.to_chat(body)), "id_slot": 0, "cache_prompt": True}
     headers = {"content-type": "application/json"}
-    if A.is_stream(chat):
+    if chat.get("stream") is True:
         conv = R.StreamConverter()
         with httpx.stream("POST", url + "/v1/chat/completions", content=A.encode(chat), headers=headers,
                           timeout=120) as r:

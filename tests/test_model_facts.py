@@ -362,9 +362,6 @@ def test_smollm2_file():
     assert facts.prefix_reuse().kind is ReuseKind.FULL and facts.restore_helps(None)
     assert describe(facts) == ["model: llama, 30 layers, 3 KV heads × 64+64 dims: ~23.0 KB KV per token (f16); "
                                "a slot file ~23.1 MB per 1K tokens; prefixes reusable"]
-    assert facts.matches_server({"n_ctx_train": 8192, "n_embd": 576, "n_vocab": 49152})
-    assert facts.matches_server({"n_ctx_train": 4096, "n_embd": 576}) is False
-    assert facts.matches_server({}) is None
 
 
 @pytest.mark.real
@@ -391,7 +388,7 @@ def test_slot_file_size_estimate_matches_a_real_save(tmp_path):
     assert n > 400
     assert abs(written - estimate) / written < 0.001
     assert abs(written / n - facts.kv_bytes_per_token()) / facts.kv_bytes_per_token() < 0.02
-    assert facts.matches_server(meta) is True
+    assert (meta["n_embd"], meta["n_vocab"]) == (576, 49152)
 
 
 @pytest.fixture(scope="module")
