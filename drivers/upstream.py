@@ -44,9 +44,10 @@ from drivers.model_check import ModelCheck
 from drivers.page_runner import PageRunner
 from drivers.slot_gate import SlotGate
 from drivers.slot_moves import SlotMoves
+from drivers.slot_wait import SlotWaits
 from drivers.store import StateStore
 from drivers.store_file import StateFile
-from slotlogic import shared
+from slotlogic import shared, wait
 from slotlogic.affinity import Learn
 from slotlogic.answers import Observation
 from slotlogic.decisions import Decision, Fields, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
@@ -69,6 +70,7 @@ from slotlogic.intake import Recognition
 from slotlogic.keeper import Keeper
 from slotlogic.notices import ClaimNotice
 from slotlogic.paging import Moved
+from slotlogic.reasons import Unpinned
 from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
 from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
 
@@ -103,6 +105,7 @@ class Upstream(SlotMoves):
         self.pages: PageRunner | None = None
         self.checkpoints: CheckpointRunner | None = None
         self.gate = SlotGate(url, emit)  # which of our requests reached the server, slot by slot
+        self.waits = SlotWaits()  # our requests open on each slot: a request behind them waits a bounded time
         self.handovers = Handovers(url, self.keeper, self.store, emit, self.gate)  # slots other proxies take
         self.model = ModelCheck(self.client, emit, url, on_speed=lambda pps: setattr(self.keeper, "prefill_speed", pps))
         self._runners(settings)
@@ -365,11 +368,44 @@ class Upstream(SlotMoves):
         if self.pages is not None:
             self.pages.unlock(flow_id)
 
-    def sent(self, flow_id: str, slot: int | None, session: str = "") -> None:
+    def sent(self, flow_id: str, slot: int | None, session: str = "", chars: int = 0) -> None:
         """A request this proxy pinned to `slot` leaves for the server (hot path: a few dict writes): a page-out
-        of that slot waits until the server has it (`PageRunner.quiet`)."""
+        of that slot waits until the server has it (`PageRunner.quiet`), a request behind it until it ends."""
         if slot is not None:
             self.gate.sent(slot, flow_id, session)
+            self.waits.entered(slot, flow_id, chars, session)
+
+    def ended(self, flow_id: str) -> None:
+        """The flow's answer ended, or it failed: a request held behind it looks again (`hold`)."""
+        self.waits.left(flow_id)
+
+    def must_wait(self, decision: Pin) -> bool:
+        """Our earlier requests run on the request's slot, and another slot could run it (one dict look-up)."""
+        slot = decision.ticket.slot
+        return (slot is not None and bool(self.waits.open.get(slot)) and not self.offline
+                and self.settings.wait_bound > 0 and (self.keeper.total_slots or 0) > 1)
+
+    async def hold(self, decision: Pin, flow_id: str, content: bytes | None) -> Pin:
+        """A request pinned to a slot where our earlier requests still run waits here rather than in the
+        server's queue, at most `slots_wait_bound` seconds; then (or at once, for a side call behind longer
+        work) it goes out with `id_slot: -1` (`slotlogic.wait`). A free slot costs one dict look-up."""
+        t = decision.ticket
+        if t.slot is None or not self.must_wait(decision):
+            return decision
+        raw = decision.body if decision.body is not None else content
+        plan = await self.waits.hold(t.slot, flow_id, bound=self.settings.wait_bound, side=t.side,
+                                     own_chars=len(raw or b""), rate=self.keeper.prefill_estimate)
+        if plan.verdict is not wait.Verdict.UNPIN or not raw:
+            return decision
+        body = wait.unpinned_body(raw)
+        if body is None:
+            return decision
+        holder = self.waits.holder(t.slot, flow_id)
+        self.keeper.unpin(t, Unpinned.WAIT_BOUND if plan.why is wait.WaitWhy.BOUND else Unpinned.SIDE_BUSY, holder)
+        self.gate.started(flow_id)
+        if self.pages is not None:
+            self.pages.unlock(flow_id, sent=False)
+        return Pin(t, body)
 
     def _probe_messages_once(self) -> None:
         if not self.offline and self.keeper.messages_native is None and "messages-probe" not in self.warned:

@@ -83,8 +83,15 @@ class Pinning:
             else:
                 assert upstream is not None
                 decision = await upstream.decide(facts, flow.id)
+            held = time.monotonic()
+            if isinstance(decision, Pin) and upstream.must_wait(decision):
+                # its slot runs our earlier requests: a bounded wait here (slotlogic.wait), watched like the rest
+                self.rt.open[flow.id] = Open(decision.ticket, upstream, held, original[2], flow=flow,
+                                             original=original if pool is not None else None)
+                decision = await upstream.hold(decision, flow.id, body if isinstance(body, bytes) else None)
             await self._apply(flow, decision, encoding)
         except Exception as e:  # fail open: the original request goes out untouched
+            self.rt.open.pop(flow.id, None)
             flow.request.raw_content, flow.request.headers.fields, flow.request.path = original
             if upstream is not None:
                 if isinstance(decision, Pin | Observe):
@@ -95,11 +102,12 @@ class Pinning:
             return
         if isinstance(decision, Pin | Observe):
             asked = facts.replay.path if facts.replay is not None and facts.replay.path else original[2]
-            self.rt.open[flow.id] = Open(decision.ticket, upstream, time.monotonic(), asked, flow=flow,
+            self.rt.open[flow.id] = Open(decision.ticket, upstream, held, asked, flow=flow,
                                          original=original if pool is not None else None)
             if isinstance(decision, Pin):
                 t = decision.ticket
-                upstream.sent(flow.id, t.slot, "" if t.side else t.session.key)
+                upstream.sent(flow.id, t.slot, "" if t.side else t.session.key,
+                              len(body) if isinstance(body, bytes) else 0)
         elif isinstance(decision, Forward) and decision.completion_route:
             self.rt.emit(PassedThrough(upstream.url, flow.request.method, flow.request.path, decision.reason))
 
@@ -228,6 +236,7 @@ class Pinning:
         req = self.rt.open.pop(flow.id, None)
         if req is not None:
             req.upstream.unlock(flow.id)
+            req.upstream.ended(flow.id)
             pool.ended(req.upstream)
             if req.original is not None:
                 flow.request.raw_content, flow.request.headers.fields, flow.request.path = req.original
@@ -280,6 +289,7 @@ class Pinning:
         flows.apply(flow, decision)
 
     def _finish(self, flow: http.HTTPFlow, req: Open, obs: Observation) -> None:
+        req.upstream.ended(flow.id)
         report = req.upstream.answered(req.ticket, obs, path=req.path, seconds=time.monotonic() - req.started)
         flow.metadata["slotkeeper"] = report.metadata
         self.rt.finished(flow.id, report)

@@ -458,6 +458,23 @@ class Keeper:
         ticket.slot, ticket.why, ticket.paged_in, ticket.seeded = None, None, False, False
         ticket.unpinned = Unpinned.FAILED
 
+    def unpin(self, ticket: Ticket, reason: Unpinned, holder: str | None = None) -> None:
+        """A pinned request goes out with `id_slot: -1` after all: it waited too long behind our own requests
+        on its slot (`slotlogic.wait`). The slot's last dispatch is its `holder`'s again (the request ahead:
+        "" a side call, None unknown); the session stays where it was (its conversation is still on that
+        slot), and its answer says which slot the server ran it on."""
+        slot, key = ticket.slot, ticket.session.key
+        if ticket.claimed is not None:
+            self.ledger.unclaim(ticket.claimed, key)
+            ticket.claimed = None
+        if slot is not None and self.table.dispatched.get(slot) in (key, ""):
+            if holder is None:
+                del self.table.dispatched[slot]
+            else:
+                self.table.dispatched[slot] = holder
+        ticket.slot, ticket.why, ticket.paged_in, ticket.seeded, ticket.promise = None, None, False, False, None
+        ticket.unpinned = reason
+
     def reconcile(self, state: shared.ServerState, now: float) -> list[str]:
         """Mark this process's sessions that share a slot with an earlier one of another process while a slot is
         free (`slotlogic.reconcile`); their next request is placed again. Off the hot path: the background
