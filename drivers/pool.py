@@ -281,7 +281,7 @@ class Pool:
         if first.keeper.table.live(key, now) is not None and self.is_up(first):
             return first, await self._place(first, need, facts, flow_id, None, RouteWhy.HOME)
         if was_down and previous is not None:
-            previous.keeper.forget([key])
+            previous.keeper.turns.forget([key])
         page = await self._page_elsewhere(key, previous) if was_down and previous is not None else None
         asked = await asyncio.gather(*(u.ask() for u in cands))
         if page is None and not need.ticket.side:  # a page another server of the pool wrote: the save dir is one

@@ -70,7 +70,6 @@ from slotlogic.intake import Recognition
 from slotlogic.keeper import Keeper
 from slotlogic.notices import ClaimNotice
 from slotlogic.paging import Moved
-from slotlogic.reasons import Unpinned
 from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
 from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
 
@@ -93,8 +92,8 @@ class Upstream(SlotMoves):
         self.offline = offline  # replaying saved flows: no network, no background task, no slot files
         self.emit = emit
         self.client = client or LlamaClient(url)
-        self.keeper = Keeper(settings, url, recognition)  # a pool's servers share one
-        self.keeper.instance = os.urandom(8).hex()  # this process's page file names are its own
+        # A pool's servers share one recognition; this process's page file names are its own.
+        self.keeper = Keeper(settings, url, recognition, instance=os.urandom(8).hex())
         self.state_dir = Path(state_dir)
         self.store: StateStore = store if store is not None else StateFile(self.state_dir, url, emit)
         self.store.watch(self.claimed_elsewhere)
@@ -107,7 +106,7 @@ class Upstream(SlotMoves):
         self.gate = SlotGate(url, emit)  # which of our requests reached the server, slot by slot
         self.waits = SlotWaits()  # our requests open on each slot: a request behind them waits a bounded time
         self.handovers = Handovers(url, self.keeper, self.store, emit, self.gate)  # slots other proxies take
-        self.model = ModelCheck(self.client, emit, url, on_speed=lambda pps: setattr(self.keeper, "prefill_speed", pps))
+        self.model = ModelCheck(self.client, emit, url, on_speed=self.keeper.outcomes.probed)
         self._runners(settings)
         self.warned: set[str] = set()
         self._task: asyncio.Task[None] | None = None
@@ -401,7 +400,7 @@ class Upstream(SlotMoves):
         if body is None:
             return decision
         holder = self.waits.holder(t.slot, flow_id)
-        self.keeper.unpin(t, Unpinned.WAIT_BOUND if plan.why is wait.WaitWhy.BOUND else Unpinned.SIDE_BUSY, holder)
+        wait.unpin(t, plan.why or wait.WaitWhy.BOUND, holder, self.keeper.ledger, self.keeper.table)
         self.gate.started(flow_id)
         if self.pages is not None:
             self.pages.unlock(flow_id, sent=False)
@@ -447,14 +446,14 @@ class Upstream(SlotMoves):
     # ------------------------------------------------------------------------------------------- answers
 
     def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float) -> Report:
-        report = self.keeper.answered(ticket, obs, path=path, seconds=seconds, now=time.time())
-        for event in self.keeper.warnings(report):
+        report = self.keeper.outcomes.answered(ticket, obs, path=path, seconds=seconds, now=time.time())
+        for event in self.keeper.outcomes.warnings(report):
             self.emit(event)
         if ticket.learn is not None:  # affinity: a learned slot is a new claim for the state file
             if ticket.learn is Learn.SLOTS and not self.offline and obs.error_type is None:
                 self._spawn(self._learn_from_slots(ticket, obs))
             self.kick()
-        if not self.offline and report.slot is not None and self.keeper.lost_cache(report):
+        if not self.offline and report.slot is not None and self.keeper.outcomes.lost_cache(report):
             self._spawn(self.explain_cache_loss(report.slot))
         check = self.keeper.pager.page_doubtful(report) if self.pages is not None else None
         page = self.keeper.pager.page_of(ticket.session.key)
@@ -471,7 +470,7 @@ class Upstream(SlotMoves):
 
     async def _learn_from_slots(self, ticket: Ticket, obs: Observation) -> None:
         """Affinity on a route whose answer does not name the slot: read `/slots` once, right after it."""
-        learned = self.keeper.learn_from_slots(ticket, obs, await self.client.slots(), time.time())
+        learned = self.keeper.outcomes.learn_from_slots(ticket, obs, await self.client.slots(), time.time())
         if learned is not None:
             self.emit(learned)
             self.kick()
@@ -507,7 +506,7 @@ class Upstream(SlotMoves):
         live = await self.client.slots()
         if live is None or "unified" in self.warned:
             return
-        cleared = self.keeper.idle_cleared(live, slot, time.time())
+        cleared = self.keeper.outcomes.idle_cleared(live, slot, time.time())
         if cleared is not None:
             self.warned.add("unified")
             self.emit(IdleSlotsCleared(self.url, cleared))
@@ -576,7 +575,7 @@ class Upstream(SlotMoves):
 
     def _reconciled(self, state: shared.ServerState) -> None:
         self._last_reconcile = time.monotonic()
-        for key in self.keeper.reconcile(state, time.time()):
+        for key in self.keeper.turns.reconcile(state, time.time()):
             self.emit(SlotShared(self.url, key[:8], self.keeper.table.sessions[key].slot))
 
     def note_displaced(self, state: shared.ServerState) -> None:
@@ -667,7 +666,7 @@ class Upstream(SlotMoves):
             return []
         slots = {k: (self.keeper.table.sessions[k].slot if k in self.keeper.table.sessions
                      else self.store.last.sessions[k].slot) for k in keys}
-        self.keeper.forget(keys)
+        self.keeper.turns.forget(keys)
         self._spawn(self._release_in_file(keys))
         return [f"{k[:8]} (slot {slots[k]}) on {self.url}" for k in keys]
 
@@ -687,7 +686,7 @@ class Upstream(SlotMoves):
         file follows in the background)."""
         keys = shared.match_sessions(list({*self.store.last.sessions, *self.keeper.table.sessions}), wanted)
         now = time.time()
-        moved = {key: self.keeper.move(key, slot, now) for key in keys}
+        moved = {key: self.keeper.turns.move(key, slot, now) for key in keys}
         if moved:
             self._spawn(self._claim_in_file(moved, slot, now))
         return [f"{k[:8]} → slot {slot} on {self.url}" for k in keys]

@@ -24,7 +24,8 @@ class Commands:
     def status(self) -> str:
         """The slot table and per-session summary as text."""
         data = self.rt.status([up.status_now() for up in self.rt.upstreams.values()])
-        lines = [line for up in self.rt.upstreams.values() for line in wording.summary(up.url, up.keeper.stats)]
+        lines = [line for up in self.rt.upstreams.values()
+                 for line in wording.summary(up.url, up.keeper.outcomes.summary())]
         return json.dumps(data, indent=1) + "\n" + "\n".join(lines)
 
     @command.command("slots.release")

@@ -131,7 +131,7 @@ class Pinning:
             req.stream = StreamObserver()
             keep = self._keeper_of(flow.response) if req.upstream.settings.keep_streams else None
             on_error = self._stream_error(req.upstream.url)
-            converter = req.upstream.keeper.answer_stream(req.ticket)
+            converter = req.upstream.keeper.outcomes.answer_stream(req.ticket)
             # a pending request (affinity) asked for `__verbose`: stripped again (a translated answer drops it)
             strip = VerboseStripper() if req.ticket.learn is Learn.VERBOSE and converter is None else None
             flow.response.stream = (SSETap(req.stream, keep, on_error=on_error, strip=strip) if converter is None
@@ -181,7 +181,7 @@ class Pinning:
         elif req.stream is not None and not obs.complete:  # a clean end without finish_reason or [DONE]
             obs.error_type = obs.error_type or "truncated"
         if req.stream is None and flow.live and flow.response.raw_content is not None:
-            answer = req.upstream.keeper.answer_body(req.ticket, flow.response.status_code,
+            answer = req.upstream.keeper.outcomes.answer_body(req.ticket, flow.response.status_code,
                                                      flows.response_body(flow.response))
             if answer is not None:  # a translated request: the native route's answer
                 flow.response.status_code, flow.response.content = answer

@@ -105,7 +105,7 @@ class RequestLog:
     def done(self) -> None:
         self.terminal.flush()
         for up in self.rt.upstreams.values():
-            for line in wording.summary(up.url, up.keeper.stats):
+            for line in wording.summary(up.url, up.keeper.outcomes.summary()):
                 log.info(line)
         if self.file is not None:
             self.file.flush()

@@ -7,8 +7,8 @@ Rule 2: a known, live session is answered from memory (`request` returns `Pin`):
 Rule 3: everything else that needs the server or the shared state comes out as `NeedSlot`; the driver then
         calls, in this order: `assign` (under the state lock; claims a slot), `page_plan` (under that slot's
         paging lock), `pin` (the rewrite). Or `fallback` when the server cannot be asked.
-Rule 4: the answer comes back through `answered`, which moves the slot bookkeeping on (whose conversation a
-        slot holds now) and returns the `Report` every view of the request is rendered from.
+Rule 4: the answer comes back through `outcomes.answered` (`slotlogic.outcomes`), which moves the slot
+        bookkeeping on (whose conversation a slot holds now) and returns the `Report` every view is rendered from.
 
 Theory of operation: a request is classified by route (`endpoints`), its session resolved from headers, body
 or content (`session`), side calls spotted (`sidecalls`), and the session table consulted (`table`). A session
@@ -18,25 +18,19 @@ whose slot ran another session since its last answer is *displaced* and is place
 
 from __future__ import annotations
 
-import json
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from slotlogic import (
     affinity,
-    anthropic,
-    anthropic_answer,
     handover,
     placement,
-    reconcile,
     rewrite,
     shared,
     sidecalls,
 )
 from slotlogic import lead as leads
-from slotlogic.answers import Observation
 from slotlogic.decisions import (
     TRANSLATED_PATH,
     Decision,
@@ -44,36 +38,28 @@ from slotlogic.decisions import (
     NeedSlot,
     Observe,
     Pin,
-    Report,
     RequestFacts,
     Ticket,
 )
 from slotlogic.endpoints import Route, classify
 from slotlogic.events import (
-    ContextOverflow,
     Event,
     PoolResized,
     ServerRestarted,
-    SlotLearned,
-    TokensLost,
     Unreachable,
 )
 from slotlogic.intake import Arrival, Intake, Recognition
 from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
-from slotlogic.ledger import Cause, Fence, Holds, Ledger
+from slotlogic.ledger import Cause, Fence, Ledger
+from slotlogic.outcomes import Outcomes
 from slotlogic.pager import Pager
 from slotlogic.ranking import Policy, SlotView
 from slotlogic.reasons import Passed, Unpinned, Why
 from slotlogic.server import ServerInfo, slot_facts
 from slotlogic.settings import SESSION_KEEP_SECONDS, CheckpointMode, Settings
-from slotlogic.stats import SessionStats
 from slotlogic.table import SessionTable
 from slotlogic.turns import Turns
-
-RATE_MIN_TOKENS = 64  # a shorter prefill's rate is mostly the request's fixed overhead
-RATE_WEIGHT = 0.3     # of the newest answer in the prefill rate's moving average
-MAX_STATS = 1024  # sessions whose counters the status view and the summary show; the least recently answered go
 
 
 @dataclass(frozen=True)
@@ -94,23 +80,26 @@ class Placement:
 
 
 class Keeper:
-    def __init__(self, settings: Settings, upstream: str = "", recognition: Recognition | None = None) -> None:
+    def __init__(self, settings: Settings, upstream: str = "", recognition: Recognition | None = None,
+                 instance: str = "") -> None:
         self.settings = settings
         self.upstream = upstream
         self.table = SessionTable(ttl=settings.ttl)
         self.ledger = Ledger()  # what each slot holds, fenced by its epoch; the loss meter (slotlogic/ledger.py)
-        self.stats: OrderedDict[str, SessionStats] = OrderedDict()
         self.server: ServerInfo | None = None   # the last `/props` seen
         self.total_slots: int | None = None     # the last known slot count
         self.messages_native: bool | None = None  # the server honours id_slot on /v1/messages (probed)
         self.learner = PrefixLearner(settings.prefix_min_chars)  # stable prefixes of marker-less clients
-        self.instance = ""   # set by the driver: unique to this process, so its page file names are its own
-        self.learned: list[SlotLearned] = []  # affinity: slots learned from answers, for the driver to log
-        self.prefill_speed: float | None = None  # the start-up probe's prefill tok/s (answers without timings)
-        self.prefill_rate: float | None = None   # prompt tok/s of this server's recent answers (a moving average)
+        self.instance = instance  # unique to this process ("" offline), so its page file names are its own
         self._intake = Intake(settings, self.ledger, self.learner, self, recognition)
         self._pager = Pager(settings, upstream, self.table, self.ledger, self.learner, self)
         self._turns = Turns(settings, upstream, self.table, self.ledger, self)
+        self._outcomes = Outcomes(upstream, self.table, self.ledger, self)
+
+    @property
+    def outcomes(self) -> Outcomes:
+        """What this server's answers taught: session counters, losses settled, the prefill rate, learned slots."""
+        return self._outcomes
 
     @property
     def recognition(self) -> Recognition:
@@ -134,7 +123,7 @@ class Keeper:
 
     def prefill_estimate(self) -> float | None:
         """Prompt tokens a second on this server: its recent answers', else the start-up probe's."""
-        return self.prefill_rate or self.prefill_speed
+        return self._outcomes.prefill_estimate()
 
     def reconfigure(self, settings: Settings) -> None:
         """A changed option: the new settings replace the old whole; what the proxy learned stays."""
@@ -184,12 +173,6 @@ class Keeper:
             return live.slot
         return None
 
-    def _client_slot(self, body: dict[str, Any], total: int | None) -> int | None:
-        """A trusted client's own valid `id_slot` (`slots_override_client=false`); None: the proxy chooses."""
-        if self.settings.override_client or not total:
-            return None
-        return rewrite.valid_client_slot(body, total)
-
     def _placed(self, ticket: Ticket, now: float, body: dict[str, Any] | None = None) -> int | None:
         """A side call, or a known session still on its slot: the slot, with no I/O. None: it needs a slot (a
         trusted client asking for another slot than its session's is placed there, under the state lock)."""
@@ -207,7 +190,7 @@ class Keeper:
         live = self.table.live(key, now)
         if (live is not None and (total is None or live.slot < total) and not self.table.displaced(key, live.slot)
                 and self.ledger.holds(live.slot, key)):
-            client = self._client_slot(body, total) if body else None
+            client = rewrite.trusted_client_slot(body, total, self.settings.override_client) if body else None
             if client is not None and client != live.slot:
                 return None
             ticket.why = Why.KNOWN
@@ -264,30 +247,6 @@ class Keeper:
         self.table.assign(key, slot, now, prefix=known.prefix if known else None,
                           requests=known.requests if known else 0)
 
-    def learn(self, ticket: Ticket, slot: int | None, now: float) -> SlotLearned | None:
-        """Affinity: the slot llama-server chose for a pending request, from its answer (`slotlogic.affinity`).
-        The session is pinned there from its next request on (another session pinned there is displaced, and
-        goes out pending again). Side calls are nobody's session and teach nothing."""
-        if ticket.learn is None or ticket.side or not affinity.valid(slot, self.total_slots):
-            return None
-        assert slot is not None
-        key = ticket.session.key
-        known = self.table.sessions.get(key)
-        self.table.assign(key, slot, now, prefix=known.prefix if known else None,
-                          requests=known.requests if known else 0)
-        if self.ledger.entry(slot).owner != key:
-            self.ledger.ran_unpinned(slot, key)
-        self.table.use(key, now)  # counts the request and marks the claim for the next flush of the state file
-        return SlotLearned(self.upstream, ticket.session.short, slot, ticket.learn)
-
-    def learn_from_slots(self, ticket: Ticket, obs: Observation, live: Sequence[dict[str, Any]] | None,
-                         now: float) -> SlotLearned | None:
-        """Affinity on a route that does not say which slot ran it: the idle slot holding exactly this answer's
-        tokens, read from `/slots` right after it."""
-        if live is None or obs.error_type is not None:
-            return None
-        return self.learn(ticket, affinity.slot_from_slots(live, obs.tokens_total, self.total_slots), now)
-
     # ------------------------------------------------------------------------------------------- new slots
 
     def note_server(self, state: shared.ServerState, info: ServerInfo,
@@ -335,7 +294,9 @@ class Keeper:
         choice = placement.assign(self.settings, state, ticket.session.key, need.prefix, live, total, now,
                                   side=ticket.side, local=self.table, displaced_from=need.displaced_from,
                                   resume=ticket.session.key not in self.table.misplaced,
-                                  client_slot=self._client_slot(need.body, total), pending=pending,
+                                  client_slot=rewrite.trusted_client_slot(need.body, total,
+                                                                          self.settings.override_client),
+                                  pending=pending,
                                   written_over=self.ledger.moved_on)
         dropped = shared.compact(state, now, SESSION_KEEP_SECONDS, self.settings.state_max_sessions)
         self._pager.load(state.pages)
@@ -388,53 +349,6 @@ class Keeper:
 
     # ------------------------------------------------------------------------------------------- answers
 
-    def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float, now: float) -> Report:
-        slot = obs.id_slot if obs.id_slot is not None else ticket.slot
-        if ticket.learn is not None and ticket.learn is not affinity.Learn.SLOTS and obs.error_type is None:
-            learned = self.learn(ticket, obs.id_slot, now)
-            if learned is not None:
-                self.learned.append(learned)
-        key = ticket.session.key
-        loss = None
-        if obs.error_type is None:
-            if ticket.slot is None and obs.id_slot is not None and self.ledger.entry(obs.id_slot).owner != key:
-                self.ledger.ran_unpinned(obs.id_slot, key)  # the server chose the slot (affinity, or unpinned)
-            loss = self.ledger.settle(key, ticket.promise, slot, obs.cache_n, obs.prompt_n,
-                                      ticket.extends if not ticket.side else None)
-        self.table.answered(key, slot, now)
-        stats = self.stats.pop(key, None) or SessionStats()
-        self.stats[key] = stats  # most recently answered last
-        stats.add(obs, slot, ticket.session.source, fallback_pps=self.prefill_speed)
-        if loss is not None:
-            stats.lost += loss.tokens
-            stats.lost_unexpected += 0 if loss.expected else loss.tokens
-        pps = obs.prompt_per_second
-        if pps and obs.prompt_n and obs.prompt_n >= RATE_MIN_TOKENS:
-            old = self.prefill_rate
-            self.prefill_rate = pps if old is None else old + RATE_WEIGHT * (pps - old)
-        while len(self.stats) > MAX_STATS:
-            self.stats.popitem(last=False)
-        return Report(ticket, obs, slot, path, self.upstream, seconds, loss)
-
-    def answer_stream(self, ticket: Ticket) -> anthropic_answer.StreamConverter | None:
-        """What turns the streamed chat answer of a translated request back into the native route's."""
-        return anthropic_answer.StreamConverter() if ticket.translated else None
-
-    def answer_body(self, ticket: Ticket, status: int, raw: bytes) -> tuple[int, bytes] | None:
-        """(status, body) of the native route's answer for a translated request's non-streamed chat answer;
-        None: unchanged. A 200 answer that is not a readable chat completion is a 502 with Anthropic's error
-        body: the client asked for a message and would otherwise get chat JSON it cannot read."""
-        if not ticket.translated:
-            return None
-        if status != 200:
-            return status, anthropic_answer.error_body(status, raw)
-        try:
-            answer = json.loads(raw)
-            message = anthropic_answer.from_chat(answer)
-        except (ValueError, RecursionError, anthropic.TranslationError):
-            return 502, anthropic_answer.error_json(anthropic_answer.UNREADABLE)
-        return 200, json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode()
-
     def messages_probed(self, honoured: bool | None) -> None:
         """What the probe found: whether the server honours id_slot on /v1/messages (None: unknown)."""
         self.messages_native = honoured
@@ -458,114 +372,11 @@ class Keeper:
         ticket.slot, ticket.why, ticket.paged_in, ticket.seeded = None, None, False, False
         ticket.unpinned = Unpinned.FAILED
 
-    def unpin(self, ticket: Ticket, reason: Unpinned, holder: str | None = None) -> None:
-        """A pinned request goes out with `id_slot: -1` after all: it waited too long behind our own requests
-        on its slot (`slotlogic.wait`). The slot's last dispatch is its `holder`'s again (the request ahead:
-        "" a side call, None unknown); the session stays where it was (its conversation is still on that
-        slot), and its answer says which slot the server ran it on."""
-        slot, key = ticket.slot, ticket.session.key
-        if ticket.claimed is not None:
-            self.ledger.unclaim(ticket.claimed, key)
-            ticket.claimed = None
-        if slot is not None and self.table.dispatched.get(slot) in (key, ""):
-            if holder is None:
-                del self.table.dispatched[slot]
-            else:
-                self.table.dispatched[slot] = holder
-        ticket.slot, ticket.why, ticket.paged_in, ticket.seeded, ticket.promise = None, None, False, False, None
-        ticket.unpinned = reason
-
-    def reconcile(self, state: shared.ServerState, now: float) -> list[str]:
-        """Mark this process's sessions that share a slot with an earlier one of another process while a slot is
-        free (`slotlogic.reconcile`); their next request is placed again. Off the hot path: the background
-        flush calls it with the state it has just written or read. Returns the keys marked."""
-        ttl = self.settings.ttl
-        ours = {k: a.slot for k, a in self.table.sessions.items() if now - a.last_used < ttl}
-        if not ours:
-            return []
-        total = self.total_slots  # `/props` only: the state's count sizes nothing
-        reserved = sidecalls.side_slot(total, self.settings.side_slot) if total and self.table.reserving(now) else None
-        marked = [k for k in reconcile.misplaced(state, ours, now, ttl, total, reserved)
-                  if k not in self.table.misplaced]
-        for key in marked:
-            self.table.misplace(key)
-        return marked
-
-    def warnings(self, report: Report) -> list[Event]:
-        obs = report.obs
-        out: list[Event] = [*self.learned]
-        self.learned.clear()
-        if report.loss is not None:
-            loss = report.loss
-            out.append(TokensLost(self.upstream, report.ticket.session.short, report.slot, loss.tokens, loss.cause,
-                                  loss.expected))
-        if obs.error_type == "exceed_context_size_error":
-            out.append(ContextOverflow(self.upstream, obs.n_prompt_tokens, obs.n_ctx))
-        return out
-
-    def lost_cache(self, report: Report) -> bool:
-        """A known session came back to its own slot and found nothing there: worth explaining."""
-        t = report.ticket
-        stats = self.stats.get(t.session.key)
-        return (t.why is Why.KNOWN and not t.displaced and not t.paged_in and t.slot is not None
-                and report.obs.cache_n == 0 and stats is not None and stats.requests > 1)
-
-    def idle_cleared(self, live: Sequence[dict[str, Any]], cold_slot: int, now: float) -> int | None:
-        """A slot other than `cold_slot` that a live session of ours used and that now holds 0 tokens: the
-        server empties idle slots (unified KV + --cache-idle-slots). None when nothing shows that."""
-        for entry in live:
-            sid = entry.get("id")
-            if sid == cold_slot or entry.get("is_processing") or not isinstance(sid, int):
-                continue
-            holders = [k for k, a in self.table.sessions.items()
-                       if a.slot == sid and a.requests > 0 and now - a.last_used < self.settings.ttl]
-            if holders and entry.get("n_prompt_tokens") == 0:
-                return sid
-        return None
-
     # ------------------------------------------------------------------------------------------- views
 
     def status(self, state: shared.ServerState, now: float) -> dict[str, Any]:
-        """The status view of this server: its slots' claims (from the shared state) and this process's
-        sessions. Hashes and counts only."""
-        slots = []
-        # `/props`'s count when known, else the claimed slots themselves: the state's count sizes nothing.
-        for sid in range(self.total_slots) if self.total_slots else sorted(state.slots):
-            rec = state.slots.get(sid)
-            slots.append({"id": sid, "session": rec.owner[:8] if rec and rec.owner else None,
-                          "last_used_s_ago": round(now - rec.last_used, 1) if rec else None,
-                          "claimed": bool(rec and now - rec.last_used < self.settings.ttl)})
-        server = self.server
-        return {
-            "upstream": self.upstream,
-            "media_marker": server.media_marker if server else None,
-            "total_slots": self.total_slots,
-            "n_ctx_per_slot": server.n_ctx if server else None,
-            "slots": slots,
-            "prefill_s_saved": round(sum(st.saved_s for st in self.stats.values()), 2),
-            "sessions": {k[:8]: {"slot": s.slot, "requests": s.requests, "prefill_tokens": s.prefill,
-                                 "cached_tokens": s.cached,
-                                 "reuse_pct": round(100 * s.reuse, 1) if s.reuse is not None else None,
-                                 "saved_s": round(s.saved_s, 2), "source": s.source, "lost_tokens": s.lost,
-                                 "lost_unexpected": s.lost_unexpected}
-                         for k, s in self.stats.items()},
-        }
-
-    # ------------------------------------------------------------------------------------------- commands
-
-    def forget(self, keys: Sequence[str]) -> None:
-        for key in keys:
-            self.table.forget(key)
-
-    def move(self, key: str, slot: int, now: float) -> str | None:
-        """The slots.pin command: `key` goes to `slot` from its next request on; returns its prefix."""
-        known = self.table.sessions.get(key)
-        prefix = known.prefix if known else None
-        self.table.assign(key, slot, now, prefix=prefix, requests=known.requests if known else 0)
-        entry = self.ledger.entry(slot)
-        if entry.owner != key:  # the operator's move: the slot is its from now on, holding nothing of it yet
-            self.ledger.write(slot, Holds.SESSION, key, 0, Cause.UNKNOWN)
-        return prefix
+        """The status view of this server (`Outcomes.status`): hashes and counts only."""
+        return self._outcomes.status(state, now, self.server)
 
 
 def _rewritten(ticket: Ticket, content: bytes, body: dict[str, Any], result: rewrite.Rewrite) -> Pin:

@@ -23,6 +23,11 @@ _WS = " \t\n\r"
 _scan = json.JSONDecoder().scan_once
 
 
+def trusted_client_slot(body: dict[str, Any], total: int | None, override_client: bool) -> int | None:
+    """A trusted client's own valid `id_slot` (`slots_override_client=false`); None: the proxy chooses."""
+    return None if override_client or not total else valid_client_slot(body, total)
+
+
 def valid_client_slot(body: dict[str, Any], total_slots: int) -> int | None:
     """The client's own `id_slot` when it is a usable integer slot, else None."""
     value = body.get("id_slot")

@@ -4,15 +4,18 @@ of a slot between proxies that share one state.
 Why apart: the keeper decides requests and the pager what to move; this part says whether a planned move is still
 valid when it is performed (`fence_holds`, `slot_written`: docs/ledger.md, "Fenced moves") and whose turn it is
 to write a slot when several proxies share it (`may_write`, `writer_turn`, the giver's `hand_over_*`:
-`slotlogic.handover`). Pure: the driver passes the shared state it has just read or is writing, and the clock.
-It reads the session table and the ledger it is given, and the keeper's name for this process (`TurnsHost`).
+`slotlogic.handover`), which of this process's sessions share a slot with another's (`reconcile`), and the
+operator's commands that move or release a session (`move`, `forget`). Pure: the driver passes the shared
+state it has just read or is writing, and the clock. It reads the session table and the ledger it is given, and
+the keeper's name for this process and slot count (`TurnsHost`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
-from slotlogic import handover, shared
+from slotlogic import handover, reconcile, shared, sidecalls
 from slotlogic.events import StalePlan
 from slotlogic.handover import Handover
 from slotlogic.ledger import Cause, Fence, Holds, Ledger
@@ -25,6 +28,9 @@ OTHER_PROXY = "\x00other-proxy"  # the ledger claim that keeps our sessions off 
 class TurnsHost(Protocol):
     @property
     def instance(self) -> str: ...
+
+    @property
+    def total_slots(self) -> int | None: ...
 
 
 class Turns:
@@ -155,3 +161,35 @@ class Turns:
     def side_needs_page_out(self, slot: int) -> bool:
         """A side call placed on `slot` would overwrite a session's conversation: page it out first."""
         return self.settings.paging and self.ledger.conversation_on(slot) is not None
+
+    def reconcile(self, state: shared.ServerState, now: float) -> list[str]:
+        """Mark this process's sessions that share a slot with an earlier one of another process while a slot is
+        free (`slotlogic.reconcile`); their next request is placed again. Off the hot path: the background
+        flush calls it with the state it has just written or read. Returns the keys marked."""
+        ttl = self.settings.ttl
+        ours = {k: a.slot for k, a in self.table.sessions.items() if now - a.last_used < ttl}
+        if not ours:
+            return []
+        total = self.host.total_slots  # `/props` only: the state's count sizes nothing
+        reserved = sidecalls.side_slot(total, self.settings.side_slot) if total and self.table.reserving(now) else None
+        marked = [k for k in reconcile.misplaced(state, ours, now, ttl, total, reserved)
+                  if k not in self.table.misplaced]
+        for key in marked:
+            self.table.misplace(key)
+        return marked
+
+    # ------------------------------------------------------------------------------------------- commands
+
+    def forget(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self.table.forget(key)
+
+    def move(self, key: str, slot: int, now: float) -> str | None:
+        """The slots.pin command: `key` goes to `slot` from its next request on; returns its prefix."""
+        known = self.table.sessions.get(key)
+        prefix = known.prefix if known else None
+        self.table.assign(key, slot, now, prefix=prefix, requests=known.requests if known else 0)
+        entry = self.ledger.entry(slot)
+        if entry.owner != key:  # the operator's move: the slot is its from now on, holding nothing of it yet
+            self.ledger.write(slot, Holds.SESSION, key, 0, Cause.UNKNOWN)
+        return prefix

@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from enum import Enum
 
 from slotlogic import rewrite
+from slotlogic.decisions import Ticket
+from slotlogic.ledger import Ledger
+from slotlogic.reasons import Unpinned
+from slotlogic.table import SessionTable
 
 CHARS_PER_TOKEN = 4  # a body's bytes per prompt token, roughly (JSON and English text)
 
@@ -88,3 +92,20 @@ def unpinned_body(raw: bytes) -> bytes | None:
         return None
     out = {"id_slot": -1, "cache_prompt": True if body.get("cache_prompt") is None else body["cache_prompt"]}
     return rewrite.set_fields(raw, rewrite.Rewrite(body=out, slot=-1, changed=True, client_slot_kept=False))
+
+
+def unpin(ticket: Ticket, why: WaitWhy, holder: str | None, ledger: Ledger, table: SessionTable) -> None:
+    """The bookkeeping of a pinned request that goes out with `id_slot: -1` after all. The slot's last
+    dispatch is its `holder`'s again (the request ahead: "" a side call, None unknown); the session stays
+    where it was (its conversation is still on that slot), and its answer says where the server ran it."""
+    slot, key = ticket.slot, ticket.session.key
+    if ticket.claimed is not None:
+        ledger.unclaim(ticket.claimed, key)
+        ticket.claimed = None
+    if slot is not None and table.dispatched.get(slot) in (key, ""):
+        if holder is None:
+            del table.dispatched[slot]
+        else:
+            table.dispatched[slot] = holder
+    ticket.slot, ticket.why, ticket.paged_in, ticket.seeded, ticket.promise = None, None, False, False, None
+    ticket.unpinned = Unpinned.WAIT_BOUND if why is WaitWhy.BOUND else Unpinned.SIDE_BUSY

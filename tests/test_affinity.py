@@ -68,9 +68,9 @@ def keeper(total=4, **settings):
 
 
 def answer(k, decision, slot, now=1.0, **obs):
-    report = k.answered(decision.ticket, Observation(id_slot=slot, cache_n=0, prompt_n=10, **obs), path=CHAT,
+    report = k.outcomes.answered(decision.ticket, Observation(id_slot=slot, cache_n=0, prompt_n=10, **obs), path=CHAT,
                         seconds=0.1, now=now)
-    return report, k.warnings(report)
+    return report, k.outcomes.warnings(report)
 
 
 def test_a_new_session_goes_out_pending_then_rides_the_slot_the_server_chose():
@@ -110,7 +110,7 @@ def test_routes_learn_their_own_way_and_a_clients_verbose_is_kept():
     assert answer(k, responses, slot=None)[1] == []                   # learned from /slots instead
     live = [{"id": 0, "n_prompt_tokens": 41, "is_processing": False},
             {"id": 3, "n_prompt_tokens": 9, "is_processing": False}]
-    learned = k.learn_from_slots(responses.ticket, Observation(tokens_total=42), live, 2.0)
+    learned = k.outcomes.learn_from_slots(responses.ticket, Observation(tokens_total=42), live, 2.0)
     assert learned is not None and learned.slot == 0 and learned.how is Learn.SLOTS
     pinned = k.request(facts({"input": "hi", "model": "m"}, path="/v1/responses", now=3.0))
     assert pinned.ticket.why is Why.KNOWN and pinned.ticket.slot == 0

@@ -7,7 +7,7 @@ import json
 import time
 
 from drivers.upstream import Upstream
-from slotlogic import fastpath, intake, keeper
+from slotlogic import fastpath, intake, outcomes
 from slotlogic import shared as st
 from slotlogic.answers import Observation
 from slotlogic.decisions import RequestFacts
@@ -27,7 +27,7 @@ def test_the_session_table_keeps_the_most_recently_used():
 
 
 async def test_one_shot_sessions_leave_bounded_memory(tmp_path, monkeypatch):
-    monkeypatch.setattr(keeper, "MAX_STATS", 100)
+    monkeypatch.setattr(outcomes, "MAX_STATS", 100)
     up = Upstream(UP, Settings(probe_interval=0, state_max_sessions=40), tmp_path / "state", [].append,
                   client=FakeLlama())
     k = up.keeper
@@ -37,7 +37,7 @@ async def test_one_shot_sessions_leave_bounded_memory(tmp_path, monkeypatch):
         body = json.dumps(chat(f"one-shot {i}", system=f"system {i} " * 8)).encode()
         pin = await up.decide(RequestFacts("POST", "/v1/chat/completions", (), body, now + i * 0.01), f"f{i}")
         up.answered(pin.ticket, Observation(cache_n=0, prompt_n=10), path="/v1/chat/completions", seconds=0.1)
-    assert len(k.table.sessions) <= 80 and len(k.stats) <= 100 and len(k.recognition.marks) <= intake.MAX_MARKS
+    assert len(k.table.sessions) <= 80 and len(k.outcomes.stats) <= 100 and len(k.recognition.marks) <= intake.MAX_MARKS
     assert len(k.recognition.shapes) <= fastpath.MAX_SHAPES < 400
     status = await up.status()
     assert len(status["sessions"]) <= 100

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from slotlogic import keeper as keeper_module
+from slotlogic import intake as intake_module
 from slotlogic import shared
 from slotlogic.answers import Observation
 from slotlogic.decisions import Forward, NeedSlot, Observe, Pin, Replay, RequestFacts
@@ -81,8 +81,8 @@ def test_a_known_sessions_next_turn_is_not_parsed_and_gets_the_same_bytes(monkey
     later = body | {"messages": [*body["messages"], {"role": "assistant", "content": "done"}]}
     slow = Keeper(Settings(), "x").request  # a keeper that never saw the session parses everything
     parsed = []
-    real = keeper_module.json.loads
-    monkeypatch.setattr(keeper_module.json, "loads", lambda *a, **kw: parsed.append(1) or real(*a, **kw))
+    real = intake_module.json.loads
+    monkeypatch.setattr(intake_module.json, "loads", lambda *a, **kw: parsed.append(1) or real(*a, **kw))
     hot = k.request(facts(later, now=5.0))
     assert parsed == [] and isinstance(hot, Pin) and hot.ticket.why is Why.KNOWN
     assert hot.body == json.dumps(later).encode()[:-1] + b',"id_slot":%d,"cache_prompt":true}' % hot.ticket.slot
@@ -107,9 +107,9 @@ def test_a_known_session_whose_slot_ran_another_session_is_displaced():
     k = make()
     mine = place(k, k.request(facts()))
     slot = mine.ticket.slot
-    k.answered(mine.ticket, Observation(cache_n=0, prompt_n=10), path=CHAT, seconds=1.0, now=1.0)
+    k.outcomes.answered(mine.ticket, Observation(cache_n=0, prompt_n=10), path=CHAT, seconds=1.0, now=1.0)
     assert k.request(facts(now=5.0)).ticket.why is Why.KNOWN
-    k.move("other", slot, 6.0)  # another session was put on our slot
+    k.turns.move("other", slot, 6.0)  # another session was put on our slot
     again = k.request(facts(now=7.0))
     assert isinstance(again, NeedSlot) and again.ticket.displaced and again.displaced_from == slot
     placed = place(k, again, now=7.0)
@@ -186,14 +186,14 @@ def test_answers_move_the_bookkeeping_on_and_report():
     k = make()
     pin = place(k, k.request(facts()))
     obs = Observation(cache_n=90, prompt_n=10)
-    report = k.answered(pin.ticket, obs, path=CHAT, seconds=0.5, now=1.0)
+    report = k.outcomes.answered(pin.ticket, obs, path=CHAT, seconds=0.5, now=1.0)
     assert report.metadata["slot"] == pin.ticket.slot and report.metadata["outcome"] == "hit"
     assert report.metadata["session"] == pin.ticket.session.key and report.metadata["cache_n"] == 90
     again = k.request(facts(now=2.0))
-    cold = k.answered(again.ticket, Observation(cache_n=0, prompt_n=100), path=CHAT, seconds=0.5, now=3.0)
-    assert k.lost_cache(cold)
+    cold = k.outcomes.answered(again.ticket, Observation(cache_n=0, prompt_n=100), path=CHAT, seconds=0.5, now=3.0)
+    assert k.outcomes.lost_cache(cold)
     overflow = Observation(error_type="exceed_context_size_error", n_prompt_tokens=9000, n_ctx=4096)
-    assert k.warnings(k.answered(again.ticket, overflow, path=CHAT, seconds=0.1, now=4.0)) == [
+    assert k.outcomes.warnings(k.outcomes.answered(again.ticket, overflow, path=CHAT, seconds=0.1, now=4.0)) == [
         ContextOverflow("http://up", 9000, 4096)]
 
 

@@ -117,7 +117,7 @@ def test_a_known_session_whose_slot_got_another_write_is_placed_again_not_pinned
     k = make()
     need, placed = _placed(k, chat("a"), 0.0)
     pin = k.pin(need, placed.slot, placed.why, 0.0)
-    k.answered(pin.ticket, Observation(cache_n=0, prompt_n=856), path=CHAT, seconds=1, now=1.0)
+    k.outcomes.answered(pin.ticket, Observation(cache_n=0, prompt_n=856), path=CHAT, seconds=1, now=1.0)
     assert isinstance(k.request(facts(chat("a"), now=2.0)), Pin)  # known: the slot holds its conversation
     # A prefix restore for another session's placement writes that slot (the first loss of issue 19):
     k.turns.slot_written(k.turns.slot_fence(placed.slot), Holds.PREFIX, "other", 763, over=Cause.PREFIX_OVER_OWNER)
@@ -129,15 +129,15 @@ def test_the_keeper_reports_a_loss_and_warns_once():
     k = make()
     need, placed = _placed(k, chat("a"), 0.0)
     pin = k.pin(need, placed.slot, placed.why, 0.0)
-    k.answered(pin.ticket, Observation(cache_n=0, prompt_n=900), path=CHAT, seconds=1, now=1.0)
+    k.outcomes.answered(pin.ticket, Observation(cache_n=0, prompt_n=900), path=CHAT, seconds=1, now=1.0)
     body = {"messages": [*chat("a")["messages"], {"role": "assistant", "content": "ok"},
                          {"role": "user", "content": "next"}]}
     nxt = k.request(facts(body, now=2.0))
     assert isinstance(nxt, Pin) and nxt.ticket.why is Why.KNOWN and nxt.ticket.extends
-    report = k.answered(nxt.ticket, Observation(cache_n=0, prompt_n=950), path=CHAT, seconds=1, now=3.0)
+    report = k.outcomes.answered(nxt.ticket, Observation(cache_n=0, prompt_n=950), path=CHAT, seconds=1, now=3.0)
     assert report.loss is not None and report.loss.tokens == 900 and report.loss.cause is Cause.UNKNOWN
     assert report.metadata["loss"] == {"tokens": 900, "cause": "unknown", "expected": False}
-    warned = [e for e in k.warnings(report) if isinstance(e, TokensLost)]
+    warned = [e for e in k.outcomes.warnings(report) if isinstance(e, TokensLost)]
     assert len(warned) == 1 and warned[0].tokens == 900 and not warned[0].expected
     assert k.status(shared.ServerState("http://up"), 4.0)["sessions"][pin.ticket.session.short]["lost_tokens"] == 900
 
@@ -251,7 +251,7 @@ def test_an_expired_session_is_not_resumed_on_a_slot_written_since():
     state = shared.ServerState("http://up")
     need = k.request(facts(chat("a")))
     placed = k.assign(need, state, server(), FREE, 0.0)
-    k.answered(k.pin(need, placed.slot, placed.why, 0.0).ticket, Observation(cache_n=0, prompt_n=300),
+    k.outcomes.answered(k.pin(need, placed.slot, placed.why, 0.0).ticket, Observation(cache_n=0, prompt_n=300),
                path=CHAT, seconds=1, now=1.0)
     reserved = 3
     k.ledger.settle("s", k.ledger.pin(reserved, "s"), reserved, 0, 10, None)

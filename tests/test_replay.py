@@ -274,7 +274,7 @@ def test_slotlogic_alone_reaches_the_same_decisions(name: str) -> None:
         assert (decision.ticket.slot, decision.ticket.reason) == (meta["slot"], meta["reason"]), f"{name} flow {i}"
         if f.response is not None:  # a session's time to live counts from its last answer
             obs = Observation(cache_n=meta.get("cache_n"), prompt_n=meta.get("prompt_n"), complete=True)
-            k.answered(decision.ticket, obs, path=f.request.path, seconds=0.0,
+            k.outcomes.answered(decision.ticket, obs, path=f.request.path, seconds=0.0,
                        now=f.response.timestamp_end or f.response.timestamp_start or now)
 
 

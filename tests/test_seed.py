@@ -108,8 +108,8 @@ def placed(k: Keeper, state: shared.ServerState, body: dict, key: str, now: floa
     if pin:
         k.pin(d, p.slot, p.why, now)
         if answer:
-            k.answered(d.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions", seconds=1.0,
-                       now=now + 0.5)
+            k.outcomes.answered(d.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions",
+                                seconds=1.0, now=now + 0.5)
     return p.slot
 
 
@@ -218,7 +218,7 @@ def test_two_sessions_that_start_together_wait_for_the_first_to_copy_it():
     busy = [SlotView(i, busy=i == first) for i in range(4)]
     found = k.pager.busy_source(p.slot, key, view, busy, cold=d.stable)
     assert found is not None and (found.slot, found.budget) == (first, Settings().seed_wait)  # no rate measured
-    k.prefill_rate = 100.0                                                 # tokens/s
+    k.outcomes.prefill_rate = 100.0                                                 # tokens/s
     again = k.pager.busy_source(p.slot, key, view, busy, cold=d.stable)
     assert again is not None and (again.slot, again.budget) == (
         first, pytest.approx(len(d.stable.text) / paging.CHARS_PER_TOKEN / 100.0))
@@ -270,7 +270,8 @@ def test_the_awaited_slot_is_idle_only_once_slots_says_so_and_its_answer_came():
     k.pin(d, p.slot, p.why, 0.0)
     busy = [{**e, "is_processing": e["id"] == p.slot} for e in LIVE]
     assert not k.pager.source_idle(p.slot, LIVE)            # /slots idle, but its answer has not come yet
-    k.answered(d.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions", seconds=1.0, now=1.0)
+    k.outcomes.answered(d.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions", seconds=1.0,
+                        now=1.0)
     pager = k.pager
     assert pager.source_idle(p.slot, LIVE) and not pager.source_idle(p.slot, busy) and not pager.source_idle(p.slot, [])
 

@@ -1,0 +1,195 @@
+"""What one server's answers teach (pure): per-session counters, the loss meter's settlement, the server's prefill
+rate, and affinity's learned slots.
+
+Why apart: the keeper decides where a request goes; this part reads what came back. An answer settles the slot's
+promise in the ledger (a shortfall is a loss, typed by cause), adds to its session's counters (the status view and
+the exit summary), moves the server's prefill rate on, and, under affinity, teaches the slot llama-server chose.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from slotlogic import affinity, anthropic, anthropic_answer, shared
+from slotlogic.answers import Observation
+from slotlogic.decisions import Report, Ticket
+from slotlogic.events import ContextOverflow, Event, SlotLearned, TokensLost
+from slotlogic.ledger import Ledger
+from slotlogic.reasons import Why
+from slotlogic.server import ServerInfo
+from slotlogic.stats import SessionStats
+from slotlogic.table import SessionTable
+
+RATE_MIN_TOKENS = 64  # a shorter prefill's rate is mostly the request's fixed overhead
+RATE_WEIGHT = 0.3     # of the newest answer in the prefill rate's moving average
+MAX_STATS = 1024  # sessions whose counters the status view and the summary show; the least recently answered go
+
+
+class OutcomesHost(Protocol):
+    """What the outcomes read of their keeper: the server's slot count as last seen."""
+
+    @property
+    def total_slots(self) -> int | None: ...
+
+
+class Outcomes:
+    def __init__(self, upstream: str, table: SessionTable, ledger: Ledger, host: OutcomesHost) -> None:
+        self.upstream = upstream
+        self.table = table
+        self.ledger = ledger
+        self.host = host
+        self.stats: OrderedDict[str, SessionStats] = OrderedDict()
+        self.learned: list[SlotLearned] = []  # affinity: slots learned from answers, for the driver to log
+        self.prefill_speed: float | None = None  # the start-up probe's prefill tok/s (answers without timings)
+        self.prefill_rate: float | None = None   # prompt tok/s of this server's recent answers (a moving average)
+
+    def prefill_estimate(self) -> float | None:
+        """Prompt tokens a second on this server: its recent answers', else the start-up probe's."""
+        return self.prefill_rate or self.prefill_speed
+
+    def probed(self, prefill_tok_s: float | None) -> None:
+        """The start-up probe's measured prefill speed (for answers that carry no timings)."""
+        self.prefill_speed = prefill_tok_s
+
+    def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float, now: float) -> Report:
+        """The answer moves the slot bookkeeping on (whose conversation a slot holds now) and returns the `Report`
+        every view of the request is rendered from."""
+        slot = obs.id_slot if obs.id_slot is not None else ticket.slot
+        if ticket.learn is not None and ticket.learn is not affinity.Learn.SLOTS and obs.error_type is None:
+            learned = self.learn(ticket, obs.id_slot, now)
+            if learned is not None:
+                self.learned.append(learned)
+        key = ticket.session.key
+        loss = None
+        if obs.error_type is None:
+            if ticket.slot is None and obs.id_slot is not None and self.ledger.entry(obs.id_slot).owner != key:
+                self.ledger.ran_unpinned(obs.id_slot, key)  # the server chose the slot (affinity, or unpinned)
+            loss = self.ledger.settle(key, ticket.promise, slot, obs.cache_n, obs.prompt_n,
+                                      ticket.extends if not ticket.side else None)
+        self.table.answered(key, slot, now)
+        stats = self.stats.pop(key, None) or SessionStats()
+        self.stats[key] = stats  # most recently answered last
+        stats.add(obs, slot, ticket.session.source, fallback_pps=self.prefill_speed)
+        if loss is not None:
+            stats.lost += loss.tokens
+            stats.lost_unexpected += 0 if loss.expected else loss.tokens
+        pps = obs.prompt_per_second
+        if pps and obs.prompt_n and obs.prompt_n >= RATE_MIN_TOKENS:
+            old = self.prefill_rate
+            self.prefill_rate = pps if old is None else old + RATE_WEIGHT * (pps - old)
+        while len(self.stats) > MAX_STATS:
+            self.stats.popitem(last=False)
+        return Report(ticket, obs, slot, path, self.upstream, seconds, loss)
+
+    def learn(self, ticket: Ticket, slot: int | None, now: float) -> SlotLearned | None:
+        """Affinity: the slot llama-server chose for a pending request, from its answer (`slotlogic.affinity`).
+        The session is pinned there from its next request on (another session pinned there is displaced, and
+        goes out pending again). Side calls are nobody's session and teach nothing."""
+        if ticket.learn is None or ticket.side or not affinity.valid(slot, self.host.total_slots):
+            return None
+        assert slot is not None
+        key = ticket.session.key
+        known = self.table.sessions.get(key)
+        self.table.assign(key, slot, now, prefix=known.prefix if known else None,
+                          requests=known.requests if known else 0)
+        if self.ledger.entry(slot).owner != key:
+            self.ledger.ran_unpinned(slot, key)
+        self.table.use(key, now)  # counts the request and marks the claim for the next flush of the state file
+        return SlotLearned(self.upstream, ticket.session.short, slot, ticket.learn)
+
+    def learn_from_slots(self, ticket: Ticket, obs: Observation, live: Sequence[dict[str, Any]] | None,
+                         now: float) -> SlotLearned | None:
+        """Affinity on a route that does not say which slot ran it: the idle slot holding exactly this answer's
+        tokens, read from `/slots` right after it."""
+        if live is None or obs.error_type is not None:
+            return None
+        return self.learn(ticket, affinity.slot_from_slots(live, obs.tokens_total, self.host.total_slots), now)
+
+    def warnings(self, report: Report) -> list[Event]:
+        obs = report.obs
+        out: list[Event] = [*self.learned]
+        self.learned.clear()
+        if report.loss is not None:
+            loss = report.loss
+            out.append(TokensLost(self.upstream, report.ticket.session.short, report.slot, loss.tokens, loss.cause,
+                                  loss.expected))
+        if obs.error_type == "exceed_context_size_error":
+            out.append(ContextOverflow(self.upstream, obs.n_prompt_tokens, obs.n_ctx))
+        return out
+
+    def lost_cache(self, report: Report) -> bool:
+        """A known session came back to its own slot and found nothing there: worth explaining."""
+        t = report.ticket
+        stats = self.stats.get(t.session.key)
+        return (t.why is Why.KNOWN and not t.displaced and not t.paged_in and t.slot is not None
+                and report.obs.cache_n == 0 and stats is not None and stats.requests > 1)
+
+    def idle_cleared(self, live: Sequence[dict[str, Any]], cold_slot: int, now: float) -> int | None:
+        """A slot other than `cold_slot` that a live session of ours used and that now holds 0 tokens: the
+        server empties idle slots (unified KV + --cache-idle-slots). None when nothing shows that."""
+        for entry in live:
+            sid = entry.get("id")
+            if sid == cold_slot or entry.get("is_processing") or not isinstance(sid, int):
+                continue
+            holders = [k for k, a in self.table.sessions.items()
+                       if a.slot == sid and a.requests > 0 and now - a.last_used < self.table.ttl]
+            if holders and entry.get("n_prompt_tokens") == 0:
+                return sid
+        return None
+
+    def answer_stream(self, ticket: Ticket) -> anthropic_answer.StreamConverter | None:
+        """What turns the streamed chat answer of a translated request back into the native route's."""
+        return anthropic_answer.StreamConverter() if ticket.translated else None
+
+    def answer_body(self, ticket: Ticket, status: int, raw: bytes) -> tuple[int, bytes] | None:
+        """(status, body) of the native route's answer for a translated request's non-streamed chat answer;
+        None: unchanged. A 200 answer that is not a readable chat completion is a 502 with Anthropic's error
+        body: the client asked for a message and would otherwise get chat JSON it cannot read."""
+        if not ticket.translated:
+            return None
+        if status != 200:
+            return status, anthropic_answer.error_body(status, raw)
+        try:
+            answer = json.loads(raw)
+            message = anthropic_answer.from_chat(answer)
+        except (ValueError, RecursionError, anthropic.TranslationError):
+            return 502, anthropic_answer.error_json(anthropic_answer.UNREADABLE)
+        return 200, json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode()
+
+    def summary(self) -> dict[str, SessionStats]:
+        """Each session's counters, least recently answered first (the exit summary and the status view)."""
+        return dict(self.stats)
+
+    def sessions_view(self) -> dict[str, Any]:
+        """The status view's part: seconds of prefill saved, and each session's counters (hashes and counts)."""
+        return {
+            "prefill_s_saved": round(sum(st.saved_s for st in self.stats.values()), 2),
+            "sessions": {k[:8]: {"slot": s.slot, "requests": s.requests, "prefill_tokens": s.prefill,
+                                 "cached_tokens": s.cached,
+                                 "reuse_pct": round(100 * s.reuse, 1) if s.reuse is not None else None,
+                                 "saved_s": round(s.saved_s, 2), "source": s.source, "lost_tokens": s.lost,
+                                 "lost_unexpected": s.lost_unexpected}
+                         for k, s in self.stats.items()},
+        }
+
+    def status(self, state: shared.ServerState, now: float, server: ServerInfo | None) -> dict[str, Any]:
+        """The status view of this server: its slots' claims (from the shared state) and this process's
+        sessions. Hashes and counts only."""
+        slots = []
+        # `/props`'s count when known, else the claimed slots themselves: the state's count sizes nothing.
+        for sid in range(self.host.total_slots) if self.host.total_slots else sorted(state.slots):
+            rec = state.slots.get(sid)
+            slots.append({"id": sid, "session": rec.owner[:8] if rec and rec.owner else None,
+                          "last_used_s_ago": round(now - rec.last_used, 1) if rec else None,
+                          "claimed": bool(rec and now - rec.last_used < self.table.ttl)})
+        return {
+            "upstream": self.upstream,
+            "media_marker": server.media_marker if server else None,
+            "total_slots": self.host.total_slots,
+            "n_ctx_per_slot": server.n_ctx if server else None,
+            "slots": slots,
+            **self.sessions_view(),
+        }
