@@ -44,11 +44,13 @@ class SlotWaits:
         if event is not None:
             event.set()
 
-    def ahead(self, slot: int, flow_id: str = "") -> wait.Ahead:
+    def ahead(self, slot: int, flow_id: str = "", session: str = "") -> wait.Ahead:
+        """Our other requests open on `slot`; those of the same `session` do not count (its own work: on its
+        own slot it finds its cache after them), side calls ("") always do."""
         flows = self.open.get(slot)
         if not flows:
             return wait.Ahead()
-        others = [chars for fid, (chars, _) in flows.items() if fid != flow_id]
+        others = [chars for fid, (chars, key) in flows.items() if fid != flow_id and not (session and key == session)]
         return wait.Ahead(len(others), sum(others))
 
     def holder(self, slot: int, flow_id: str = "") -> str | None:
@@ -57,11 +59,11 @@ class SlotWaits:
         return flows[-1] if flows else None
 
     async def hold(self, slot: int, flow_id: str, *, bound: float, side: bool, own_chars: int,
-                   rate: Callable[[], float | None]) -> wait.Plan:
+                   rate: Callable[[], float | None], session: str = "") -> wait.Plan:
         """Wait while our earlier requests occupy `slot`: GO once it is free, UNPIN when the rules say so."""
         started = self.clock()
         while True:
-            p = wait.plan(self.ahead(slot, flow_id), self.clock() - started, bound, side=side,
+            p = wait.plan(self.ahead(slot, flow_id, session), self.clock() - started, bound, side=side,
                           own_chars=own_chars, rate=rate())
             if p.verdict is not wait.Verdict.WAIT:
                 return p

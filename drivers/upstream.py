@@ -380,8 +380,10 @@ class Upstream(SlotMoves):
 
     def must_wait(self, decision: Pin) -> bool:
         """Our earlier requests run on the request's slot, and another slot could run it (one dict look-up)."""
-        slot = decision.ticket.slot
+        t = decision.ticket
+        slot = t.slot
         return (slot is not None and bool(self.waits.open.get(slot)) and not self.offline
+                and self.waits.ahead(slot, session="" if t.side else t.session.key).count > 0
                 and self.settings.wait_bound > 0 and (self.keeper.total_slots or 0) > 1)
 
     async def hold(self, decision: Pin, flow_id: str, content: bytes | None) -> Pin:
@@ -393,7 +395,8 @@ class Upstream(SlotMoves):
             return decision
         raw = decision.body if decision.body is not None else content
         plan = await self.waits.hold(t.slot, flow_id, bound=self.settings.wait_bound, side=t.side,
-                                     own_chars=len(raw or b""), rate=self.keeper.prefill_estimate)
+                                     own_chars=len(raw or b""), rate=self.keeper.prefill_estimate,
+                                     session="" if t.side else t.session.key)
         if plan.verdict is not wait.Verdict.UNPIN or not raw:
             return decision
         body = wait.unpinned_body(raw)

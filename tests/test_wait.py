@@ -73,20 +73,25 @@ def _side(text: str) -> dict:
     return {"model": "m", "messages": [{"role": "system", "content": SIDE_SYSTEM}, {"role": "user", "content": text}]}
 
 
-async def test_a_turn_behind_its_sessions_open_request_goes_unpinned_after_the_bound(proxy, caplog):
+async def test_a_request_behind_another_on_its_slot_goes_unpinned_after_the_bound(proxy, caplog):
     proxy.configure(slots_wait_bound=1)
-    first = await proxy.request(flow(chat("task A")))
-    slot = sent(first)["id_slot"]
-    again = chat("task A")  # the same session, while its first request still runs
-    with caplog.at_level(logging.INFO):
-        second = await asyncio.wait_for(proxy.request(flow(again)), 5.0)
+    first = await proxy.request(flow(_side("the first title")))
+    assert sent(first)["id_slot"] == 3
+    with caplog.at_level(logging.INFO):  # no prefill rate measured yet: it waits the whole bound
+        second = await asyncio.wait_for(proxy.request(flow(_side("the second title"))), 5.0)
         assert sent(second)["id_slot"] == -1
-        await proxy.answer(second, http.Response.make(
-            200, b'{"id_slot":%d,"timings":{"cache_n":0,"prompt_n":5}}' % ((slot + 1) % 4), {}))
+        await proxy.answer(second, http.Response.make(200, b'{"id_slot":0,"timings":{"cache_n":0,"prompt_n":5}}', {}))
     assert "why=wait-bound" in caplog.text
     await proxy.answer(first, http.Response.make(200, b'{"timings":{"cache_n":0,"prompt_n":5}}', {}))
-    third = await asyncio.wait_for(proxy.request(flow(chat("task A"))), 1.0)
-    assert sent(third)["id_slot"] in range(4)  # nothing ahead any more: pinned again, no wait
+    third = await asyncio.wait_for(proxy.request(flow(_side("the third title"))), 1.0)
+    assert sent(third)["id_slot"] == 3  # nothing ahead any more: pinned again, no wait
+
+
+async def test_a_sessions_own_open_request_holds_nothing(proxy):
+    proxy.configure(slots_wait_bound=1)
+    first = await proxy.request(flow(chat("task A")))
+    again = await asyncio.wait_for(proxy.request(flow(chat("task A"))), 0.5)  # its own work: its cache is there
+    assert sent(again)["id_slot"] == sent(first)["id_slot"]
 
 
 async def test_a_side_call_behind_a_long_side_call_goes_elsewhere_at_once(proxy, caplog):

@@ -1,0 +1,57 @@
+"""A side call behind a long request on its slot, on a real llama-server behind a real mitmdump: it waits in
+the proxy at most `slots_wait_bound` seconds, then goes out with `id_slot: -1` and runs on the idle slot
+(`why=wait-bound`), answered while the long request still generates, where pinned it would have queued
+behind that whole generation (slotlogic/wait.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from launch.llama_server import LlamaServer
+from launch.mitmdump import MitmProxy
+from tests.real_helpers import jsonl
+
+pytestmark = pytest.mark.real
+
+TITLE = "You are a title generator. Reply with a short title for the conversation."
+
+
+def side(text: str, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": TITLE}, {"role": "user", "content": text}],
+            "temperature": 0, **extra}
+
+
+def test_a_side_call_behind_a_long_one_runs_on_the_idle_slot_after_its_bound(tmp_path):
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
+            "slots_wait_bound": 2}
+    with LlamaServer(slots=2, ctx_per_slot=4096, threads=2, log_path=str(tmp_path / "s.log")) as srv, \
+            MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
+        started = threading.Event()
+        long_done: dict[str, float] = {}
+
+        def long_call() -> None:
+            body = side("Count from one to one thousand.", max_tokens=300, ignore_eos=True, stream=True)
+            with httpx.stream("POST", px.url + "/v1/chat/completions", json=body, timeout=300) as r:
+                for _ in r.iter_raw():
+                    started.set()
+            long_done["at"] = time.monotonic()
+
+        t = threading.Thread(target=long_call)
+        t.start()
+        assert started.wait(120)
+        r = httpx.post(px.url + "/v1/chat/completions", json=side("Title for: fixing a flaky test.", max_tokens=4),
+                       timeout=120)
+        short_done = time.monotonic()
+        assert r.status_code == 200
+        t.join(300)
+        assert "at" in long_done and short_done < long_done["at"]  # not queued behind the whole generation
+        records = [x for x in jsonl(tmp_path / "req.jsonl") if "reason" in x]
+    reasons = [x["reason"] for x in records]
+    assert reasons.count("side-call") == 1 and reasons.count("wait-bound") == 1, reasons
+    short = next(x for x in records if x["reason"] == "wait-bound")
+    assert short.get("error") is None and short["prompt_n"] is not None
