@@ -8,6 +8,7 @@ import json
 import logging
 
 from mitmproxy import http
+from mitmproxy.flow import Error as flow_error
 
 from drivers.slot_wait import SlotWaits
 from slotlogic import wait
@@ -112,3 +113,16 @@ async def test_a_known_session_on_a_free_slot_is_not_held(proxy):
     assert up.waits.open == {}
     b = await asyncio.wait_for(proxy.request(flow(chat("task A"))), 0.5)
     assert sent(b)["id_slot"] == sent(a)["id_slot"]
+
+
+async def test_a_client_that_hangs_up_while_held_is_logged_as_gone_with_the_time_it_waited(proxy, caplog):
+    proxy.configure(slots_wait_bound=1)
+    await proxy.request(flow(_side("the first title")))
+    second = await proxy.request(flow(_side("the second title")))  # held 1 s, then sent unpinned
+    second.error = flow_error("Client disconnected.")
+    with caplog.at_level(logging.INFO):
+        await proxy.hook("error", second)
+    line = next(x for x in caplog.text.splitlines() if "why=wait-bound" in x)
+    assert "error=client-gone" in line
+    seconds = float(line.split("reuse=")[1].split()[1].rstrip("s"))
+    assert seconds >= 1.0  # the proxy's own wait is in the line, not 0.00s
