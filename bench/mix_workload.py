@@ -60,8 +60,8 @@ class Mix:
 MIXES: dict[str, Mix] = {
     "mix-4": Mix(("claude-code", "opencode", "codex", "qwen-code"), 2, 2, 3,
                  "4 real clients x 2 sessions x 2 turns at once on 3 slots"),
-    "mix-3": Mix(("opencode", "qwen-code", "claude-code"), 1, 3, 2,
-                 "3 real clients x 1 session x 3 turns at once on 2 slots"),
+    "mix-3": Mix(("opencode", "qwen-code", "claude-code"), 1, 2, 2,
+                 "3 real clients x 1 session x 2 turns at once on 2 slots"),
 }
 DEFAULT_CONFIGS = ("stock", "auto")
 
@@ -121,7 +121,7 @@ def run_config(name: str, mix: Mix, cfg: BenchConfig, log_dir: Path, threads: in
                 done.append(TurnDone(client, i, k, res.seconds, res.returncode, res.stderr_tail[-400:]))
                 log(f"{tag}: {client} s{i + 1}t{k + 1} exit {res.returncode} in {res.seconds:.0f}s")
 
-        threads_ = [threading.Thread(target=session, args=(c, i, STAGGER_S * n))
+        threads_ = [threading.Thread(target=session, args=(c, i, STAGGER_S * n), daemon=True)
                     for n, (c, i) in enumerate((c, i) for i in range(mix.sessions) for c in mix.clients)]
         t0 = time.perf_counter()
         for t in threads_:
