@@ -42,36 +42,32 @@ from drivers.handovers import Handovers
 from drivers.llama_http import LlamaClient
 from drivers.model_check import ModelCheck
 from drivers.page_runner import PageRunner
+from drivers.server_probe import Facts, ServerProbe
 from drivers.slot_gate import SlotGate
 from drivers.slot_moves import SlotMoves
 from drivers.slot_wait import SlotWaits
+from drivers.state_sync import StateSync
 from drivers.store import StateStore
 from drivers.store_file import StateFile
+from drivers.tasks import Tasks
 from slotlogic import shared, wait
 from slotlogic.affinity import Learn
 from slotlogic.answers import Observation
 from slotlogic.decisions import Decision, Fields, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
 from slotlogic.events import (
-    DisplacedElsewhere,
     Event,
     Failed,
-    IdleSlotsCleared,
-    MessagesProbed,
-    ModelUnloaded,
     NoPrefixMarker,
     NoSlotsEndpoint,
     PageRejected,
-    SlotShared,
-    SlotsSlow,
     Stage,
-    Via,
 )
 from slotlogic.intake import Recognition
 from slotlogic.keeper import Keeper
 from slotlogic.notices import ClaimNotice
 from slotlogic.paging import Moved
-from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
-from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
+from slotlogic.server import ServerInfo
+from slotlogic.settings import CheckpointMode, Settings
 
 Emit = Callable[[Event], None]
 PROBE_TIMEOUT = 30.0
@@ -80,7 +76,6 @@ BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the 
 RECONCILE_EVERY = 5.0  # seconds between looks for a slot shared with another process while idle
 AUTH_HEADERS = (b"authorization", b"x-api-key")
 Accept = Callable[[shared.ServerState, ServerInfo, list[dict[str, Any]] | None], bool]
-Facts = tuple[dict[str, Any] | None, list[dict[str, Any]] | None]   # `/props` and `/slots` as asked
 
 
 class Upstream(SlotMoves):
@@ -98,8 +93,6 @@ class Upstream(SlotMoves):
         self.store: StateStore = store if store is not None else StateFile(self.state_dir, url, emit)
         self.store.watch(self.claimed_elsewhere)
         self.builds = builds  # a shared store's build markers: one prefix build for all proxies (None: local)
-        self.loaded = loaded  # llama-swap: whether the model is loaded (a probe must not load it)
-        self.unloaded = False
         self.settings = settings
         self.pages: PageRunner | None = None
         self.checkpoints: CheckpointRunner | None = None
@@ -107,17 +100,16 @@ class Upstream(SlotMoves):
         self.waits = SlotWaits()  # our requests open on each slot: a request behind them waits a bounded time
         self.handovers = Handovers(url, self.keeper, self.store, emit, self.gate)  # slots other proxies take
         self.model = ModelCheck(self.client, emit, url, on_speed=self.keeper.outcomes.probed)
+        self.tasks = Tasks()  # background work an answer or a command started
+        self.prober = ServerProbe(url, self.client, self.keeper, emit, self.model, self.tasks, loaded=loaded,
+                                 on_checked=lambda: self._runners(self.settings))
+        self.prober.store = self.store
+        self.sync = StateSync(url, self.keeper, self.store, emit, self.tasks, delete_pages=self._delete_pages,
+                              poke=self.handovers.poke)
         self._runners(settings)
-        self.warned: set[str] = set()
+        self.warned: set[str] = set()  # one-time notices given: "no-slots", "no-marker", "page-save-path"
         self._task: asyncio.Task[None] | None = None
-        self._side_tasks: set[asyncio.Task[None]] = set()
-        self._last_probe = 0.0
         self._swept = False
-        self._file_total: int | None = None
-        self._file_total_read = False
-        self._hung: dict[str, float] = {}          # endpoint -> monotonic time until which it is not asked
-        self._last_live: list[dict[str, Any]] | None = None  # the last /slots answer (counts for a hung /slots)
-        self._last_reconcile = 0.0
         self._client_auth: tuple[str, str] | None = None   # a client's own key for this server (memory only)
         self._authorize()
         self._started = False
@@ -152,6 +144,10 @@ class Upstream(SlotMoves):
         elif self.checkpoints is None or self.checkpoints.settings != s or self.checkpoints.index.dir != self.state_dir:
             self.checkpoints = CheckpointRunner(self.client, self.state_dir, s, self.emit, self.url)
 
+    def _delete_pages(self, files: list[str]) -> None:
+        if self.pages is not None:
+            self.pages.delete(files)
+
     def _authorize(self) -> None:
         """The key the proxy's own calls carry: the option, else what a client sent (never logged or stored)."""
         key = self.settings.api_key
@@ -180,20 +176,21 @@ class Upstream(SlotMoves):
                         "throughput_probe")
         if any(getattr(settings, n) != getattr(self.settings, n) for n in model_inputs):
             self.model.forget()  # the verdict depends on them: check again at the next /props
-            self._spawn(self.probe())
+            self.tasks.spawn(self.prober.probe())
         self.settings = settings
+        self.prober.settings = settings
         self.keeper.reconfigure(settings)
         self._authorize()
         if store is not None:
             self.state_dir = Path(state_dir)
-            self.store = store
+            self.store = self.prober.store = self.sync.store = store
             self.builds = builds
             store.watch(self.claimed_elsewhere)
             if self.pages is not None:
                 self.pages.shared = store.slot_locks
         elif Path(state_dir) != self.state_dir:
             self.state_dir = Path(state_dir)
-            self.store = StateFile(self.state_dir, self.url, self.emit)
+            self.store = self.prober.store = self.sync.store = StateFile(self.state_dir, self.url, self.emit)
         self._runners(settings)
 
     # ------------------------------------------------------------------------------------------- requests
@@ -211,8 +208,8 @@ class Upstream(SlotMoves):
             self.kick()  # a new claim: the background pass will also look for a slot shared with another process
         elif self.keeper.table.dirty:
             self.kick()
-        if isinstance(decision, Pin) and decision.ticket.translated:
-            self._probe_messages_once()
+        if isinstance(decision, Pin) and decision.ticket.translated and not self.offline:
+            self.prober.probe_messages_once()
         if isinstance(decision, Pin) and decision.ticket.learn is not None and self.keeper.server is None:
             self.start()  # a pending request (affinity) asks nothing: learn the server in the background
         return decision
@@ -237,10 +234,16 @@ class Upstream(SlotMoves):
         self.kick()
         return decision
 
+    async def probe(self) -> None:
+        """The background `/props` look, now (`ServerProbe.probe`)."""
+        await self.prober.probe()
+
+    async def probe_messages(self) -> bool | None:
+        return await self.prober.probe_messages()
+
     async def ask(self) -> Facts:
         """`/props` and, when it answered, `/slots` (an endpoint that hung lately is not asked)."""
-        props = await self._ask("/props", self.client.props)
-        return props, (await self._live_slots() if props is not None else None)
+        return await self.prober.ask()
 
     async def _place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
                      accept: Accept | None = None, retries: int = 1) -> Any:
@@ -254,11 +257,11 @@ class Upstream(SlotMoves):
         else:
             self.learn_auth(facts.fields)
             props, live = asked if asked is not None else await self.ask()
-        info = self._server_info(props)
-        if info is not None:
-            self._seen(info)
+        info = self.prober.server_info(props)
+        if info is not None and not self.offline:
+            self.prober.seen(info)
         if info is None:
-            decision, event = self.keeper.fallback(need, now, await self._last_known_total())
+            decision, event = self.keeper.fallback(need, now, await self.sync.last_known_total())
             self.emit(event)
             return decision
         if live is None and not self.offline and "no-slots" not in self.warned:
@@ -318,48 +321,6 @@ class Upstream(SlotMoves):
         return self.keeper.pin(need, placement.slot, placement.why, now, paged_in=moved is Moved.OWN,
                                seeded=moved in (Moved.SEED, Moved.PREFIX))
 
-    async def _ask(self, endpoint: str, call: Callable[[], Any]) -> Any:
-        """One look-up, unless the endpoint hung lately: then None at once (the caller falls back)."""
-        now = time.monotonic()
-        if self._hung.get(endpoint, 0.0) > now:
-            return None
-        answer = await call()
-        if answer is None and time.monotonic() - now >= SLOW:
-            self._hung[endpoint] = time.monotonic() + BACKOFF
-            self.emit(SlotsSlow(self.url, endpoint, BACKOFF))
-        elif answer is not None:
-            self._hung.pop(endpoint, None)
-        return answer
-
-    async def _live_slots(self) -> list[dict[str, Any]] | None:
-        """`/slots`, or while it hangs the last answer's token counts (nothing marked busy: that is unknown)."""
-        live = await self._ask("/slots", self.client.slots)
-        if live is not None:
-            self._last_live = live
-            return live
-        if "/slots" in self._hung and self._last_live is not None:
-            return [{**e, "is_processing": False} for e in self._last_live]
-        return None
-
-    def _server_info(self, props: Any) -> ServerInfo | None:
-        """`/props` parsed, with the model file's size and mtime when it is on this machine (a page written
-        for another file of the same name must not be restored)."""
-        info = ServerInfo.parse(props)
-        if info is None or not info.model_path:
-            return info
-        try:
-            st = os.stat(info.model_path)
-        except (OSError, ValueError):
-            return info
-        return replace(info, model_size=st.st_size, model_mtime=st.st_mtime)
-
-    async def _last_known_total(self) -> int | None:
-        """The slot count in the state file, for the hash fallback after a proxy restart (read once)."""
-        if not self._file_total_read:
-            self._file_total_read = True
-            self._file_total = (await self.store.aread()).total_slots
-        return self._file_total
-
     def unlock(self, flow_id: str) -> None:
         """The flow's request reached the server (its response headers came), or never will: the next pager
         of its slot may go."""
@@ -409,43 +370,6 @@ class Upstream(SlotMoves):
             self.pages.unlock(flow_id, sent=False)
         return Pin(t, body)
 
-    def _probe_messages_once(self) -> None:
-        if not self.offline and self.keeper.messages_native is None and "messages-probe" not in self.warned:
-            self.warned.add("messages-probe")
-            self._spawn(self.probe_messages())
-
-    async def probe_messages(self) -> bool | None:
-        """Whether the server honours `id_slot` on `/v1/messages` (upstream PR #26758): while every slot is
-        empty (at start, after a restart), two one-token requests pinned to slot 0, and `/slots` says which slot
-        ran each; a server that ignores the field puts them on its LRU choice, the highest empty slot. Unknown
-        (slots in use, other traffic): tried again later; meanwhile requests are translated, which is always
-        correct."""
-        if self.settings.anthropic is not AnthropicMode.TRANSLATE:
-            return None
-        honoured: bool | None = None
-        before = await self.client.slots()
-        target = probe_slot(before) if before is not None else None
-        if before is not None and target is not None:
-            honoured = True
-            body = {"max_tokens": 1, "messages": [{"role": "user", "content": "ok"}], "id_slot": target}
-            for _ in range(2):
-                status, _ = await self.client.post_json("/v1/messages", body, PROBE_TIMEOUT)
-                after = await self.client.slots()
-                ran = slot_that_ran(before, after) if status == 200 and after is not None else None
-                if ran is None:
-                    honoured = None
-                    break
-                if ran != target:
-                    honoured = False
-                    break
-                before = after
-        if honoured is None:
-            self.warned.discard("messages-probe")
-        else:
-            self.keeper.messages_probed(honoured)
-            self.emit(MessagesProbed(self.url, honoured))
-        return honoured
-
     # ------------------------------------------------------------------------------------------- answers
 
     def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float) -> Report:
@@ -454,15 +378,15 @@ class Upstream(SlotMoves):
             self.emit(event)
         if ticket.learn is not None:  # affinity: a learned slot is a new claim for the state file
             if ticket.learn is Learn.SLOTS and not self.offline and obs.error_type is None:
-                self._spawn(self._learn_from_slots(ticket, obs))
+                self.tasks.spawn(self._learn_from_slots(ticket, obs))
             self.kick()
         if not self.offline and report.slot is not None and self.keeper.outcomes.lost_cache(report):
-            self._spawn(self.explain_cache_loss(report.slot))
+            self.tasks.spawn(self.prober.explain_cache_loss(report.slot))
         check = self.keeper.pager.page_doubtful(report) if self.pages is not None else None
         page = self.keeper.pager.page_of(ticket.session.key)
         if check is not None and report.slot is not None and page is not None:
             self.emit(PageRejected(self.url, report.slot, check))
-            self._spawn(self._drop_page(ticket.session.key, page.file))
+            self.tasks.spawn(self._drop_page(ticket.session.key, page.file))
         return report
 
     async def _drop_page(self, key: str, file: str) -> None:
@@ -478,12 +402,6 @@ class Upstream(SlotMoves):
             self.emit(learned)
             self.kick()
 
-    def _seen(self, info: ServerInfo) -> None:
-        """A `/props` answer: a model file, or a server process, not checked yet gets the model check."""
-        if not self.offline and self.model.due(info):
-            self.model.claim(info)
-            self._spawn(self.model.run(info, self.settings, lambda: self._runners(self.settings)))
-
     def start(self) -> None:
         """At proxy start, before clients come (or at the first request): in the background, once, what can only
         be learned while the slots are empty (whether `/v1/messages` honours id_slot), then the server itself
@@ -491,28 +409,7 @@ class Upstream(SlotMoves):
         if self._started or self.offline:
             return
         self._started = True
-        self._spawn(self._start())
-
-    async def _start(self) -> None:
-        if self.keeper.messages_native is None and "messages-probe" not in self.warned:
-            self.warned.add("messages-probe")
-            await self.probe_messages()  # first: it needs every slot empty, the model probe takes one
-        if self.keeper.server is None:
-            await self.probe()
-
-    async def explain_cache_loss(self, slot: int) -> None:
-        """A known session's pinned slot came back cold: restart? idle clearing (unified KV)? say which."""
-        before = self.keeper.server.media_marker if self.keeper.server else None
-        await self.probe()
-        if (self.keeper.server.media_marker if self.keeper.server else None) != before:
-            return  # a restart explains it; already logged
-        live = await self.client.slots()
-        if live is None or "unified" in self.warned:
-            return
-        cleared = self.keeper.outcomes.idle_cleared(live, slot, time.time())
-        if cleared is not None:
-            self.warned.add("unified")
-            self.emit(IdleSlotsCleared(self.url, cleared))
+        self.tasks.spawn(self.prober.start())
 
     # ------------------------------------------------------------------------------------------- background
 
@@ -525,129 +422,19 @@ class Upstream(SlotMoves):
                 self._task = asyncio.get_running_loop().create_task(self._background())
         self.handovers.start()
 
-    def _spawn(self, coro: Any) -> None:
-        try:
-            task = asyncio.get_running_loop().create_task(coro)
-        except RuntimeError:
-            coro.close()
-            return
-        self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
-
     async def _background(self) -> None:
         try:
             while True:
                 await asyncio.sleep(self.settings.flush_interval)
-                if not await self.flush() and time.monotonic() - self._last_reconcile >= RECONCILE_EVERY:
-                    await self.reconcile()
-                probe = self.settings.probe_interval
-                if probe > 0 and time.monotonic() - self._last_probe >= probe:
-                    await self.probe()
+                if not await self.sync.flush() and time.monotonic() - self.sync.last_reconcile >= RECONCILE_EVERY:
+                    await self.sync.reconcile()
+                every = self.settings.probe_interval
+                if every > 0 and time.monotonic() - self.prober.last_probe >= every:
+                    await self.prober.probe()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the background task must never die silently
             self.emit(Failed(self.url, Stage.BACKGROUND, type(e).__name__))
-
-    async def flush(self) -> bool:
-        """Write the coalesced touches (and look for a slot shared with another process in what was written);
-        False when there was nothing to write."""
-        touches = self.keeper.table.drain()
-        if not touches:
-            return False
-        try:
-            async with self.store.transaction() as state:
-                for key, a in touches.items():
-                    shared.touch(state, key, a.slot, a.last_used, requests=a.requests, prefix=a.prefix,
-                                 proxy=self.keeper.instance)
-                self.keeper.turns.beat(state, time.time())
-                self.note_displaced(state)
-        except Exception as e:
-            self.emit(Failed(self.url, Stage.STATE_WRITE, type(e).__name__))
-            self.keeper.table.dirty.update(touches)
-            return True
-        self._reconciled(state)
-        return True
-
-    async def reconcile(self) -> None:
-        """With nothing to flush: read the state (no lock, a worker thread) and look for a shared slot."""
-        if not self.keeper.table.sessions:
-            return
-        state = await self.store.aread()  # a worker thread for the file, one GET for Redis
-        self.note_displaced(state)
-        self._reconciled(state)
-
-    def _reconciled(self, state: shared.ServerState) -> None:
-        self._last_reconcile = time.monotonic()
-        for key in self.keeper.turns.reconcile(state, time.time()):
-            self.emit(SlotShared(self.url, key[:8], self.keeper.table.sessions[key].slot))
-
-    def note_displaced(self, state: shared.ServerState) -> None:
-        """Another proxy's session ran on a slot after our session's last request there (the shared state's
-        newest claim is theirs): our session is displaced, and its next request is placed again (paged in
-        when that proxy paged it out). Memory only; the hot path reads it."""
-        if not self.store.remote:  # proxies on one machine: the file store's own reconcile covers them
-            return
-        table = self.keeper.table
-        for slot, other in shared.displaced_by_others(state, table.sessions, table.holders).items():
-            self.emit(DisplacedElsewhere(self.url, slot, table.holders[slot][:8], other[:8], Via.FLUSH))
-            table.holders[slot] = other
-
-    def claimed_elsewhere(self, notice: ClaimNotice) -> None:
-        """Another proxy claimed a slot of this server (its notice, pushed through the store): the session of
-        ours that believed it held the slot is displaced now, not at the next flush, so its next request is
-        placed again (and paged in) instead of prefilling on a slot that holds another conversation. Memory
-        only; the listener's task calls it, never a request."""
-        if self.offline:
-            return
-        self.handovers.poke()  # a handover may be asked of us with it
-        key = self.keeper.turns.claimed_elsewhere(notice.slot, notice.claimant, notice.at if notice.sent else None)
-        if key is not None:
-            self.emit(DisplacedElsewhere(self.url, notice.slot, key[:8], notice.claimant[:8], Via.NOTICE))
-
-    def flush_sync(self) -> None:
-        """The last flush at shutdown (`done` must stay sync)."""
-        touches = self.keeper.table.drain()
-        if not touches or self.offline:
-            return
-        try:
-            with self.store.transaction_sync() as state:
-                for key, a in touches.items():
-                    shared.touch(state, key, a.slot, a.last_used, requests=a.requests, prefix=a.prefix)
-        except Exception as e:
-            self.emit(Failed(self.url, Stage.FINAL_FLUSH, type(e).__name__))
-
-    async def probe(self) -> None:
-        """`/props` only (never wakes a sleeping server): restart and resize detection. A model that
-        llama-swap unloaded is not asked (asking would load it): its slots are empty, as after a restart."""
-        self._last_probe = time.monotonic()
-        if self.loaded is not None and await self.loaded() is False:
-            if not self.unloaded:
-                self.unloaded = True
-                self.keeper.table.forget_all()
-                self.emit(ModelUnloaded(self.url))
-            return
-        self.unloaded = False
-        info = self._server_info(await self.client.props())
-        if info is None:
-            return
-        self._hung.pop("/props", None)  # it answers again: new sessions may ask it
-        self._seen(info)
-        k = self.keeper
-        known = k.server
-        changed = known is None or (info.media_marker and known.media_marker
-                                    and info.media_marker != known.media_marker) or (
-            k.total_slots is not None and info.total_slots != k.total_slots)
-        if changed:
-            live = await self._live_slots()  # what ran on the new server before this look is kept
-            async with self.store.transaction() as state:
-                events = k.note_server(state, info, live)
-            for event in events:
-                self.emit(event)
-            if k.messages_native is None:  # a restarted server may be another build; its slots are empty now
-                self.warned.discard("messages-probe")
-                self._probe_messages_once()
-        else:
-            k.server, k.total_slots = info, info.total_slots
 
     # ------------------------------------------------------------------------------------------- commands
 
@@ -660,49 +447,26 @@ class Upstream(SlotMoves):
         """The status view from memory (the state as of the last transaction): for sync callers."""
         return {**self.keeper.status(self.store.last, time.time()), **self.model.status(self.settings)}
 
-    def release(self, wanted: str) -> list[str]:
-        """Forget the sessions whose key starts with `wanted`: their slots are free for the next new session.
-        This process forgets them at once; the state file follows in the background (never a blocking lock
-        on the event loop)."""
-        keys = shared.match_sessions(list({*self.store.last.sessions, *self.keeper.table.sessions}), wanted)
-        if not keys:
-            return []
-        slots = {k: (self.keeper.table.sessions[k].slot if k in self.keeper.table.sessions
-                     else self.store.last.sessions[k].slot) for k in keys}
-        self.keeper.turns.forget(keys)
-        self._spawn(self._release_in_file(keys))
-        return [f"{k[:8]} (slot {slots[k]}) on {self.url}" for k in keys]
+    async def flush(self) -> bool:
+        return await self.sync.flush()
 
-    async def _release_in_file(self, keys: list[str]) -> None:
-        doomed = []
-        async with self.store.transaction() as state:
-            for key in keys:
-                shared.forget_session(state, key)
-                page = state.pages.pop(key, None)
-                if page is not None:
-                    doomed.append(page.file)
-        if self.pages is not None:
-            self.pages.delete(doomed)
+    async def reconcile(self) -> None:
+        await self.sync.reconcile()
+
+    def claimed_elsewhere(self, notice: ClaimNotice) -> None:
+        """Another proxy's claim notice (pushed through the store): `StateSync.claimed_elsewhere`."""
+        if not self.offline:
+            self.sync.claimed_elsewhere(notice)
+
+    def release(self, wanted: str) -> list[str]:
+        return self.sync.release(wanted)
 
     def move(self, wanted: str, slot: int) -> list[str]:
-        """Move the sessions whose key starts with `wanted` to `slot` from their next request on (the state
-        file follows in the background)."""
-        keys = shared.match_sessions(list({*self.store.last.sessions, *self.keeper.table.sessions}), wanted)
-        now = time.time()
-        moved = {key: self.keeper.turns.move(key, slot, now) for key in keys}
-        if moved:
-            self._spawn(self._claim_in_file(moved, slot, now))
-        return [f"{k[:8]} → slot {slot} on {self.url}" for k in keys]
-
-    async def _claim_in_file(self, moved: dict[str, str | None], slot: int, now: float) -> None:
-        async with self.store.transaction() as state:
-            for key, prefix in moved.items():
-                shared.claim(state, key, slot, now, prefix=prefix)
+        return self.sync.move(wanted, slot)
 
     async def settle(self) -> None:
         """Wait for the background work a command or an answer started (tests, shutdown)."""
-        while self._side_tasks:
-            await asyncio.gather(*list(self._side_tasks), return_exceptions=True)
+        await self.tasks.settle()
 
     async def cleanup(self) -> list[str]:
         return await self.checkpoints.cleanup() if self.checkpoints is not None else []
@@ -714,12 +478,12 @@ class Upstream(SlotMoves):
         if self.offline:
             shutil.rmtree(self.state_dir, ignore_errors=True)
             return
-        self.flush_sync()
+        self.sync.flush_sync()
         if self.pages is not None:
             self.pages.delete_doomed_now()
-        for task in (self._task, *self._side_tasks):
-            if task is not None:
-                task.cancel()
+        if self._task is not None:
+            self._task.cancel()
+        self.tasks.cancel()
         self.handovers.stop()
 
     async def aclose(self) -> None:

@@ -18,7 +18,7 @@ whose slot ran another session since its last answer is *displaced* and is place
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -44,20 +44,18 @@ from slotlogic.decisions import (
 from slotlogic.endpoints import Route, classify
 from slotlogic.events import (
     Event,
-    PoolResized,
-    ServerRestarted,
     Unreachable,
 )
 from slotlogic.intake import Arrival, Intake, Recognition
 from slotlogic.learned_prefix import PrefixLearner
-from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
-from slotlogic.ledger import Cause, Fence, Ledger
+from slotlogic.ledger import Fence, Ledger
 from slotlogic.outcomes import Outcomes
 from slotlogic.pager import Pager
 from slotlogic.ranking import Policy, SlotView
 from slotlogic.reasons import Passed, Unpinned, Why
 from slotlogic.server import ServerInfo, slot_facts
-from slotlogic.settings import SESSION_KEEP_SECONDS, CheckpointMode, Settings
+from slotlogic.server_facts import ServerFacts
+from slotlogic.settings import SESSION_KEEP_SECONDS, Settings
 from slotlogic.table import SessionTable
 from slotlogic.turns import Turns
 
@@ -84,17 +82,42 @@ class Keeper:
                  instance: str = "") -> None:
         self.settings = settings
         self.upstream = upstream
-        self.table = SessionTable(ttl=settings.ttl)
+        self._table = SessionTable(ttl=settings.ttl)
         self.ledger = Ledger()  # what each slot holds, fenced by its epoch; the loss meter (slotlogic/ledger.py)
-        self.server: ServerInfo | None = None   # the last `/props` seen
-        self.total_slots: int | None = None     # the last known slot count
-        self.messages_native: bool | None = None  # the server honours id_slot on /v1/messages (probed)
+        self._facts = ServerFacts(settings, upstream, self._table, self.ledger)  # `/props` as last seen
         self.learner = PrefixLearner(settings.prefix_min_chars)  # stable prefixes of marker-less clients
-        self.instance = instance  # unique to this process ("" offline), so its page file names are its own
+        self._instance = instance  # unique to this process ("" offline), so its page file names are its own
         self._intake = Intake(settings, self.ledger, self.learner, self, recognition)
-        self._pager = Pager(settings, upstream, self.table, self.ledger, self.learner, self)
-        self._turns = Turns(settings, upstream, self.table, self.ledger, self)
-        self._outcomes = Outcomes(upstream, self.table, self.ledger, self)
+        self._pager = Pager(settings, upstream, self._table, self.ledger, self.learner, self)
+        self._turns = Turns(settings, upstream, self._table, self.ledger, self)
+        self._outcomes = Outcomes(upstream, self._table, self.ledger, self)
+
+    # What the drivers and the core's parts may read (values; the core alone changes them).
+
+    @property
+    def table(self) -> SessionTable:
+        return self._table
+
+    @property
+    def facts(self) -> ServerFacts:
+        """The server as last seen; what a new `/props` means (`note_server`, `props_seen`, `messages_probed`)."""
+        return self._facts
+
+    @property
+    def server(self) -> ServerInfo | None:
+        return self._facts.server
+
+    @property
+    def total_slots(self) -> int | None:
+        return self._facts.total_slots
+
+    @property
+    def messages_native(self) -> bool | None:
+        return self._facts.messages_native
+
+    @property
+    def instance(self) -> str:
+        return self._instance
 
     @property
     def outcomes(self) -> Outcomes:
@@ -118,8 +141,7 @@ class Keeper:
 
     @property
     def page_identity(self) -> str:
-        """What a page written now must match to be restored later (`ServerInfo.page_identity`)."""
-        return self.server.page_identity(self.settings.server_id) if self.server else ""
+        return self._facts.page_identity()
 
     def prefill_estimate(self) -> float | None:
         """Prompt tokens a second on this server: its recent answers', else the start-up probe's."""
@@ -130,8 +152,9 @@ class Keeper:
         self.settings = settings
         self._pager.settings = settings
         self._turns.settings = settings
+        self._facts.settings = settings
         self._intake.settings = settings
-        self.table.ttl = settings.ttl
+        self._table.ttl = settings.ttl
         self.learner.min_chars = settings.prefix_min_chars
 
     # ------------------------------------------------------------------------------------------- requests
@@ -167,7 +190,7 @@ class Keeper:
     def _displaced_from(self, ticket: Ticket, now: float) -> int | None:
         """The slot a session still live here was on: another session ran there since (else it would have been
         placed from memory), so staying has no value of its own; it chooses again, its own slot a candidate."""
-        live = self.table.live(ticket.session.key, now)
+        live = self._table.live(ticket.session.key, now)
         if live is not None and (self.total_slots is None or live.slot < self.total_slots):
             ticket.displaced = True
             return live.slot
@@ -179,7 +202,7 @@ class Keeper:
         total = self.total_slots
         if ticket.side and total:
             reserved = sidecalls.side_slot(total, self.settings.side_slot)
-            writes = not self.instance or reserved in self.ledger.writing  # no other proxy may write it now
+            writes = not self._instance or reserved in self.ledger.writing  # no other proxy may write it now
             if reserved is not None and not self.ledger.claimed(reserved) and writes and not (
                     self.settings.paging and self.ledger.conversation_on(reserved)):
                 ticket.why = Why.SIDE_CALL
@@ -187,8 +210,8 @@ class Keeper:
             if reserved is not None:
                 return None  # a placement is under way there, a conversation to page out first, or another writer
         key = ticket.session.key
-        live = self.table.live(key, now)
-        if (live is not None and (total is None or live.slot < total) and not self.table.displaced(key, live.slot)
+        live = self._table.live(key, now)
+        if (live is not None and (total is None or live.slot < total) and not self._table.displaced(key, live.slot)
                 and self.ledger.holds(live.slot, key)):
             client = rewrite.trusted_client_slot(body, total, self.settings.override_client) if body else None
             if client is not None and client != live.slot:
@@ -211,11 +234,11 @@ class Keeper:
         if ticket.claimed is not None:  # its placement's moves are done: the slot is its session's now
             self.ledger.unclaim(ticket.claimed, key)
             ticket.claimed = None
-        self.table.dispatch("" if ticket.why is Why.SIDE_CALL else key, result.slot)
+        self._table.dispatch("" if ticket.why is Why.SIDE_CALL else key, result.slot)
         if ticket.side:
-            self.table.side_call(now)
-        if key in self.table.sessions:  # side calls on the reserved slot are not sessions
-            self.table.use(key, now)
+            self._table.side_call(now)
+        if key in self._table.sessions:  # side calls on the reserved slot are not sessions
+            self._table.use(key, now)
         return _rewritten(ticket, content, body, result)
 
     def _pending(self, ticket: Ticket, body: dict[str, Any], content: bytes, path: str, now: float) -> Pin:
@@ -230,53 +253,29 @@ class Keeper:
             ticket.promise = self.ledger.pin(result.slot, ticket.session.key)
             if not ticket.side:
                 self._follow(ticket.session.key, result.slot, now)
-                self.table.use(ticket.session.key, now)
-            self.table.dispatch(ticket.session.key, result.slot)
+                self._table.use(ticket.session.key, now)
+            self._table.dispatch(ticket.session.key, result.slot)
         else:
             ticket.why = Why.PENDING
             ticket.learn = how
             ticket.client["verbose"] = body.get("verbose")
         if ticket.side:
-            self.table.side_call(now)
+            self._table.side_call(now)
         return _rewritten(ticket, content, body, result)
 
     def _follow(self, key: str, slot: int, now: float) -> None:
         """A trusted client ran its session on `slot`: the session is recorded there (the slot's former holder
         is displaced, and the slot the proxy would have used is left alone)."""
-        known = self.table.sessions.get(key)
-        self.table.assign(key, slot, now, prefix=known.prefix if known else None,
+        known = self._table.sessions.get(key)
+        self._table.assign(key, slot, now, prefix=known.prefix if known else None,
                           requests=known.requests if known else 0)
 
     # ------------------------------------------------------------------------------------------- new slots
 
-    def note_server(self, state: shared.ServerState, info: ServerInfo,
-                    live: Sequence[Mapping[str, Any]] | None = None) -> list[Event]:
-        """Fold a `/props` answer into the shared state and this process's memory. `live`: `/slots` as read with
-        it; after a restart, a slot it shows holding what our last request there left was written since the
-        restart (a request that went out before the restart was noticed) and is kept."""
-        change = shared.note_server(state, info)
-        events: list[Event] = []
-        if change.restarted:
-            events.append(ServerRestarted(self.upstream))
-            kept = self.ledger.written_since_restart(live, self.table.running)
-            self.ledger.resize(info.total_slots, Cause.RESTART, keep=kept)
-            self.messages_native = None  # another build may be running now
-            if self.settings.checkpoints is not CheckpointMode.OFF or self.settings.paging:
-                # Route every session through the slow path once, so its page or prefix is restored first.
-                self.table.forget_all(keep={self.ledger.entry(s).owner or "" for s in kept})
-        if change.resized:
-            events.append(PoolResized(self.upstream, info.total_slots))
-            self.table.forget_all()
-        if change.resized or (self.ledger.total != min(info.total_slots, MAX_LEDGER) and not change.restarted):
-            self.ledger.resize(info.total_slots, Cause.MODEL_CHANGE if change.resized else None)
-        self.server = info
-        self.total_slots = info.total_slots
-        return events
-
     def assign(self, need: NeedSlot, state: shared.ServerState, info: ServerInfo,
                live: Sequence[dict[str, Any]] | None, now: float) -> Placement:
         """Claim a slot for `need` in `state` (the caller holds the state lock and writes it back)."""
-        events = self.note_server(state, info, live)
+        events = self._facts.note_server(state, info, live)
         self.learner.load(state.prefixes)
         if need.stable is None and not need.ticket.side and need.displaced_from is None:
             found = self.learner.find(need.body, now)  # learned by another process, or before a restart
@@ -289,11 +288,11 @@ class Keeper:
             self.ledger.unclaim(ticket.claimed, ticket.session.key)
             ticket.claimed = None
         pending = self.ledger.claimed_slots()  # placements under way there: busy, as their requests soon are
-        before = shared.views(state, total, list(live) if live is not None else None, self.table, pending)
+        before = shared.views(state, total, list(live) if live is not None else None, self._table, pending)
         ticket.facts = {"props": dict(info.raw or {}), "slots": slot_facts(live)}
         choice = placement.assign(self.settings, state, ticket.session.key, need.prefix, live, total, now,
-                                  side=ticket.side, local=self.table, displaced_from=need.displaced_from,
-                                  resume=ticket.session.key not in self.table.misplaced,
+                                  side=ticket.side, local=self._table, displaced_from=need.displaced_from,
+                                  resume=ticket.session.key not in self._table.misplaced,
                                   client_slot=rewrite.trusted_client_slot(need.body, total,
                                                                           self.settings.override_client),
                                   pending=pending,
@@ -301,12 +300,12 @@ class Keeper:
         dropped = shared.compact(state, now, SESSION_KEEP_SECONDS, self.settings.state_max_sessions)
         self._pager.load(state.pages)
         if choice.why is not Why.SIDE_CALL:
-            self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix, lead=leads.of(need.body))
+            self._table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix, lead=leads.of(need.body))
         record = state.slots.get(choice.slot)
-        if record is not None and record.owner == ticket.session.key and self.instance:
-            record = state.slots[choice.slot] = replace(record, proxy=self.instance)
-        if self.instance:
-            handover.beat(state.beats, self.instance, now)
+        if record is not None and record.owner == ticket.session.key and self._instance:
+            record = state.slots[choice.slot] = replace(record, proxy=self._instance)
+        if self._instance:
+            handover.beat(state.beats, self._instance, now)
             handover.prune(state.handovers, state.beats, now)
         self.ledger.claim(choice.slot, ticket.session.key)
         ticket.claimed = choice.slot
@@ -324,7 +323,7 @@ class Keeper:
         if choice is None or total is None:
             ticket.unpinned = Unpinned.SERVER_UNKNOWN
             return Observe(ticket), Unreachable(self.upstream, ticket.session.short)
-        self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix)
+        self._table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix)
         return self.pin(need, choice.slot, choice.why, now), Unreachable(self.upstream, ticket.session.short,
                                                                          choice.slot, total)
 
@@ -335,7 +334,7 @@ class Keeper:
         slot = self._placed(need.ticket, now, need.body)
         if slot is not None:
             return self._pin(need.ticket, need.body, need.content, slot, now)
-        live = self.table.live(need.ticket.session.key, now)
+        live = self._table.live(need.ticket.session.key, now)
         if live is not None and need.displaced_from is None and (self.total_slots is None
                                                                    or live.slot < self.total_slots):
             need.ticket.displaced, need.displaced_from = True, live.slot
@@ -348,10 +347,6 @@ class Keeper:
         return self._pin(need.ticket, need.body, need.content, slot, now)
 
     # ------------------------------------------------------------------------------------------- answers
-
-    def messages_probed(self, honoured: bool | None) -> None:
-        """What the probe found: whether the server honours id_slot on /v1/messages (None: unknown)."""
-        self.messages_native = honoured
 
     def ledger_view(self) -> tuple[object, ...]:
         """What the proxy believes each slot holds (`slotlogic.ledger.Entry`, in slot order)."""
@@ -366,9 +361,9 @@ class Keeper:
             self.ledger.unclaim(ticket.claimed, key)
             ticket.claimed = None
         if ticket.why is not Why.SIDE_CALL:
-            self.table.forget(key)
-        if slot is not None and self.table.dispatched.get(slot) in (key, ""):
-            del self.table.dispatched[slot]
+            self._table.forget(key)
+        if slot is not None and self._table.dispatched.get(slot) in (key, ""):
+            del self._table.dispatched[slot]
         ticket.slot, ticket.why, ticket.paged_in, ticket.seeded = None, None, False, False
         ticket.unpinned = Unpinned.FAILED
 

@@ -18,7 +18,7 @@ and a request pinned to a busy slot waits:
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from slotlogic.lead import Lead
@@ -149,6 +149,25 @@ class SessionTable:
         out = {k: replace(self.sessions[k]) for k in self.dirty if k in self.sessions}
         self.dirty.clear()
         return out
+
+    def retouch(self, touches: Mapping[str, Assignment]) -> None:
+        """A flush that failed: its touches are flushed again next time."""
+        self.dirty.update(touches)
+
+    def has_touches(self) -> bool:
+        return bool(self.dirty)
+
+    def keys(self) -> list[str]:
+        """The sessions this process knows on this server."""
+        return list(self.sessions)
+
+    def slot_of(self, key: str) -> int | None:
+        a = self.sessions.get(key)
+        return a.slot if a is not None else None
+
+    def live_count(self, now: float) -> int:
+        """Sessions used within the TTL (the metrics' gauge)."""
+        return sum(1 for a in self.sessions.values() if now - a.last_used < self.ttl)
 
     def forget_all(self, keep: Collection[str] = ()) -> None:
         """After a restart or resize: re-choose every session on its next request (but those in `keep`, whose

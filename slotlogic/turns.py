@@ -178,6 +178,17 @@ class Turns:
             self.table.misplace(key)
         return marked
 
+    def displaced_by_others(self, state: shared.ServerState) -> list[tuple[int, str, str]]:
+        """Another proxy's session ran on a slot after our session's last request there (the shared state's
+        newest claim is theirs): our session is displaced, and its next request is placed again (paged in
+        when that proxy paged it out). Returns (slot, ours, theirs) for each, the table already updated."""
+        table = self.table
+        out = []
+        for slot, other in shared.displaced_by_others(state, table.sessions, table.holders).items():
+            out.append((slot, table.holders[slot], other))
+            table.holders[slot] = other
+        return out
+
     # ------------------------------------------------------------------------------------------- commands
 
     def forget(self, keys: Sequence[str]) -> None:

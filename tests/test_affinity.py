@@ -63,7 +63,7 @@ def facts(body, path=CHAT, now=0.0, replay=None):
 def keeper(total=4, **settings):
     k = Keeper(Settings(policy=Policy.AFFINITY, **settings), "http://up")
     if total:
-        k.note_server(shared.ServerState("http://up"), ServerInfo(total_slots=total, media_marker="m1"))
+        k.facts.note_server(shared.ServerState("http://up"), ServerInfo(total_slots=total, media_marker="m1"))
     return k
 
 
@@ -134,14 +134,14 @@ def test_by_default_a_clients_id_slot_is_replaced():
 def test_a_displaced_session_and_every_session_after_a_resize_go_out_pending_again():
     k = keeper(total=0)
     state = shared.ServerState("http://up")
-    k.note_server(state, ServerInfo(total_slots=4, media_marker="m1"))
+    k.facts.note_server(state, ServerInfo(total_slots=4, media_marker="m1"))
     a = k.request(facts(chat("A")))
     answer(k, a, slot=1)
     b = k.request(facts(chat("B")))
     answer(k, b, slot=1, now=2.0)                       # the server put B on A's slot
     assert k.request(facts(chat("A"), now=3.0)).ticket.why is Why.PENDING
     assert k.request(facts(chat("B"), now=3.0)).ticket.why is Why.KNOWN
-    events = k.note_server(state, ServerInfo(total_slots=2, media_marker="m1"))
+    events = k.facts.note_server(state, ServerInfo(total_slots=2, media_marker="m1"))
     assert events and k.request(facts(chat("B"), now=4.0)).ticket.why is Why.PENDING
 
 

@@ -19,7 +19,9 @@ from slotlogic.answers import SSEParser, StreamObserver
 from slotlogic.decisions import Forward, NeedSlot, Observe, Pin, RequestFacts
 from slotlogic.keeper import Keeper
 from slotlogic.reasons import Why
+from slotlogic.server import ServerInfo
 from slotlogic.settings import Settings
+from slotlogic.shared import ServerState
 
 EXAMPLES = int(os.environ.get("SLOTKEEPER_FUZZ_EXAMPLES", "60"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
@@ -36,7 +38,7 @@ ODD_TOKENS = [b"1e400", b"-1e400", b"1" * 500, b'"\\ud800"', b'"\\udc00x"', b'"i
 
 def keeper() -> Keeper:
     k = Keeper(Settings(), "http://u:1")
-    k.total_slots = 4
+    k.facts.note_server(ServerState("http://u:1"), ServerInfo(total_slots=4, media_marker="m", raw={"total_slots": 4}))
     return k
 
 

@@ -35,9 +35,9 @@ def server(total=4, marker="m1"):
                       raw={"total_slots": total, "media_marker": marker})
 
 
-def make(total=4, **settings):
-    k = Keeper(Settings(**settings), "http://up")
-    k.note_server(shared.ServerState("http://up"), server(total))
+def make(total=4, instance="", **settings):
+    k = Keeper(Settings(**settings), "http://up", instance=instance)
+    k.facts.note_server(shared.ServerState("http://up"), server(total))
     return k
 
 
@@ -120,9 +120,9 @@ def test_a_resized_or_restarted_server_is_noted():
     k = make(checkpoints=CheckpointMode.MEMORY)
     place(k, k.request(facts()))
     state = shared.ServerState("http://up", media_marker="m1", total_slots=4)
-    assert k.note_server(state, server(4, "m2")) == [ServerRestarted("http://up")]
+    assert k.facts.note_server(state, server(4, "m2")) == [ServerRestarted("http://up")]
     assert isinstance(k.request(facts(now=1.0)), NeedSlot)  # checkpoints: its prefix is restored first
-    assert k.note_server(state, server(2, "m2")) == [PoolResized("http://up", 2)]
+    assert k.facts.note_server(state, server(2, "m2")) == [PoolResized("http://up", 2)]
 
 
 def test_the_proxy_owns_id_slot_unless_clients_are_trusted():
@@ -204,7 +204,7 @@ def test_a_session_on_a_slot_out_of_range_is_placed_again(total):
                                              for i in range(4)])
     assert pin.ticket.slot == 3
     if total:
-        k.note_server(shared.ServerState("http://up"), server(total))
+        k.facts.note_server(shared.ServerState("http://up"), server(total))
         assert isinstance(k.request(facts(now=1.0)), NeedSlot)
     else:
         assert isinstance(k.request(facts(now=1.0)), Pin)

@@ -178,8 +178,7 @@ def test_the_epoch_lives_in_the_shared_state_and_only_another_proxy_moving_in_ma
     unanswered for longer than its wait (it then moved in without our answer)."""
     from slotlogic import handover
     state = shared.ServerState("http://up")
-    one = make()
-    one.instance = "a" * 16
+    one = make(instance="a" * 16)
     need = one.request(facts(chat("a")))
     placed = one.assign(need, state, server(), FREE, 0.0)
     assert placed.fence is not None and placed.fence.shared == state.slots[placed.slot].epoch

@@ -54,10 +54,10 @@ def test_a_page_from_a_server_with_another_n_ctx_is_not_restored():
     """The probe's case: a restart with n_ctx changed from 8192 to 2048 restored an old page."""
     k = Keeper(Settings(paging=True, save_dir="/x"), UP)
     state = st.ServerState(UP)
-    k.note_server(state, info())
+    k.facts.note_server(state, info())
     k.pager.index = {"a": PageRecord(paging.page_file(UP, "a"), 900, 1.0, 100, k.page_identity)}
     assert k.pager.page_plan(0, "a", SlotView(0, 0)).restore_for == "a"
-    k.note_server(state, info(n_ctx=2048, media_marker="<new>"))
+    k.facts.note_server(state, info(n_ctx=2048, media_marker="<new>"))
     assert k.pager.page_plan(0, "a", SlotView(0, 0)).restore_file is None
 
 
@@ -187,8 +187,7 @@ async def test_unrecorded_page_files_are_swept_by_size(tmp_path):
 async def test_two_saves_of_one_session_never_share_a_file(tmp_path):
     """Two processes may page out the same session at once: each save writes its own file, and a record only
     ever names the file its own save wrote (a shared name let one process record the other's content)."""
-    k1, k2 = Keeper(Settings(paging=True, save_dir="/x"), UP), Keeper(Settings(paging=True, save_dir="/x"), UP)
-    k1.instance, k2.instance = "p1", "p2"
+    k1, k2 = (Keeper(Settings(paging=True, save_dir="/x"), UP, instance=name) for name in ("p1", "p2"))
     s = st.ServerState(UP)
     plans = [k.pager.page_plan(0, "other", SlotView(0, 900, owner="a")) for k in (k1, k2)]
     assert plans[0].save_file != plans[1].save_file
@@ -204,7 +203,7 @@ def test_a_save_is_labelled_with_the_last_paged_send_of_any_proxy():
     """Under a slot lock shared by proxies, the previous pager's send (another proxy's session) is what the
     slot holds when our save reaches it, unless our own send there came later."""
     k = Keeper(Settings(paging=True, save_dir="/x"), UP)
-    k.note_server(st.ServerState(UP), info())
+    k.facts.note_server(st.ServerState(UP), info())
     k.table.assign("ours", 0, 10.0, prefix=None)
     k.table.use("ours", 10.0)
     k.table.dispatch("ours", 0)

@@ -251,7 +251,7 @@ def test_slotlogic_alone_reaches_the_same_decisions(name: str) -> None:
     # from it): the same server's props, recorded with the first placement.
     props = next(f.metadata["slotkeeper"]["facts"]["props"] for f in load(name)
                  if ours(f) and (f.metadata["slotkeeper"].get("facts") or {}).get("props"))
-    k.note_server(state, ServerInfo.parse(props))
+    k.facts.note_server(state, ServerInfo.parse(props))
     for i, f in enumerate(load(name)):
         if not ours(f):
             continue

@@ -115,7 +115,7 @@ def placed(k: Keeper, state: shared.ServerState, body: dict, key: str, now: floa
 
 def keeper_with_one_session() -> tuple[Keeper, shared.ServerState, int]:
     k, state = Keeper(Settings(), U), shared.ServerState(U)
-    k.note_server(state, info())
+    k.facts.note_server(state, info())
     return k, state, placed(k, state, codex("fix the parser", "s1"), "s1", 0.0)
 
 
@@ -168,7 +168,7 @@ def pi_like(prompt: str, folder: str = "/home/u/project") -> dict:
 
 def test_a_conversation_left_in_the_slot_that_starts_with_our_prefix_is_not_warmed_over():
     k, state = Keeper(Settings(), U), shared.ServerState(U)
-    k.note_server(state, info())
+    k.facts.note_server(state, info())
     first = placed(k, state, pi_like("one"), "s1", 0.0)
     s1 = k.table.dispatched[first]
     d = need(k, pi_like("two"), "s2", 1.0)
@@ -191,7 +191,7 @@ def generic(prompt: str, folder: str) -> dict:
 
 def test_a_cold_prefix_is_copied_from_a_live_session_that_starts_with_it():
     k, state = Keeper(Settings(), U), shared.ServerState(U)
-    k.note_server(state, info())
+    k.facts.note_server(state, info())
     first = placed(k, state, generic("one", "/a"), "s1", 0.0)
     d = need(k, generic("two", "/b"), "s2", 1.0)       # the second session teaches the shared part
     p = k.assign(d, state, info(), LIVE, 1.0)
@@ -210,7 +210,7 @@ def test_two_sessions_that_start_together_wait_for_the_first_to_copy_it():
     """The second session's source is still running its first request: waiting for it is worth at most what
     prefilling the copied part takes; nothing is waited for once the copy is there or a checkpoint covers it."""
     k, state = Keeper(Settings(), U), shared.ServerState(U)
-    k.note_server(state, info())
+    k.facts.note_server(state, info())
     first = placed(k, state, generic("one", "/a"), "s1", 0.0)
     d = need(k, generic("two", "/b"), "s2", 1.0)
     p = k.assign(d, state, info(), LIVE, 1.0)
@@ -252,7 +252,7 @@ def test_a_session_whose_request_has_not_gone_out_or_still_runs_is_no_idle_sourc
     """`/slots` may call such a slot idle (the request is on its way): a copy of it would be empty, or cut
     short. One still running is waited for; one not sent yet holds nothing to wait for."""
     k, state = Keeper(Settings(), U), shared.ServerState(U)
-    k.note_server(state, info())
+    k.facts.note_server(state, info())
     first = placed(k, state, generic("one", "/a"), "s1", 0.0, pin=sent, answer=False)
     d = need(k, generic("two", "/b"), "s2", 1.0)
     p = k.assign(d, state, info(), LIVE, 1.0)
@@ -264,7 +264,7 @@ def test_a_session_whose_request_has_not_gone_out_or_still_runs_is_no_idle_sourc
 
 def test_the_awaited_slot_is_idle_only_once_slots_says_so_and_its_answer_came():
     k, state = Keeper(Settings(), U), shared.ServerState(U)
-    k.note_server(state, info())
+    k.facts.note_server(state, info())
     d = need(k, generic("one", "/a"), "s1", 0.0)
     p = k.assign(d, state, info(), LIVE, 0.0)
     k.pin(d, p.slot, p.why, 0.0)

@@ -1,0 +1,75 @@
+"""What one server is, as the proxy last saw it (pure): its `/props`, its slot count, whether `/v1/messages`
+honours `id_slot`, and what a new `/props` means (a restart, a resized pool, a new model).
+
+Why apart: the keeper places requests with these facts; this part decides what a change of them does to the
+ledger (a restart loses every slot's content, except what a request sent since wrote) and to the session table
+(every session placed again once, so its page or prefix is restored first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from slotlogic import shared
+from slotlogic.events import Event, PoolResized, ServerRestarted
+from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
+from slotlogic.ledger import Cause, Ledger
+from slotlogic.server import ServerInfo
+from slotlogic.settings import CheckpointMode, Settings
+from slotlogic.table import SessionTable
+
+
+class ServerFacts:
+    def __init__(self, settings: Settings, upstream: str, table: SessionTable, ledger: Ledger) -> None:
+        self.settings = settings
+        self.upstream = upstream
+        self.table = table
+        self.ledger = ledger
+        self.server: ServerInfo | None = None   # the last `/props` seen
+        self.total_slots: int | None = None     # the last known slot count
+        self.messages_native: bool | None = None  # the server honours id_slot on /v1/messages (probed)
+
+    def page_identity(self) -> str:
+        """What a page written now must match to be restored later (`ServerInfo.page_identity`)."""
+        return self.server.page_identity(self.settings.server_id) if self.server else ""
+
+    def messages_probed(self, honoured: bool | None) -> None:
+        """What the probe found: whether the server honours id_slot on /v1/messages (None: unknown)."""
+        self.messages_native = honoured
+
+    def props_seen(self, info: ServerInfo) -> bool:
+        """A background `/props` answer: True when it shows a server not seen yet, restarted (another
+        `media_marker`) or resized, which the driver records in the shared state (`note_server`); else it is
+        simply this server's latest facts."""
+        known = self.server
+        changed = known is None or bool(info.media_marker and known.media_marker
+                                        and info.media_marker != known.media_marker) or (
+            self.total_slots is not None and info.total_slots != self.total_slots)
+        if not changed:
+            self.server, self.total_slots = info, info.total_slots
+        return changed
+
+    def note_server(self, state: shared.ServerState, info: ServerInfo,
+                    live: Sequence[Mapping[str, Any]] | None = None) -> list[Event]:
+        """Fold a `/props` answer into the shared state and this process's memory. `live`: `/slots` as read with
+        it; after a restart, a slot it shows holding what our last request there left was written since the
+        restart (a request that went out before the restart was noticed) and is kept."""
+        change = shared.note_server(state, info)
+        events: list[Event] = []
+        if change.restarted:
+            events.append(ServerRestarted(self.upstream))
+            kept = self.ledger.written_since_restart(live, self.table.running)
+            self.ledger.resize(info.total_slots, Cause.RESTART, keep=kept)
+            self.messages_native = None  # another build may be running now
+            if self.settings.checkpoints is not CheckpointMode.OFF or self.settings.paging:
+                # Route every session through the slow path once, so its page or prefix is restored first.
+                self.table.forget_all(keep={self.ledger.entry(s).owner or "" for s in kept})
+        if change.resized:
+            events.append(PoolResized(self.upstream, info.total_slots))
+            self.table.forget_all()
+        if change.resized or (self.ledger.total != min(info.total_slots, MAX_LEDGER) and not change.restarted):
+            self.ledger.resize(info.total_slots, Cause.MODEL_CHANGE if change.resized else None)
+        self.server = info
+        self.total_slots = info.total_slots
+        return events
