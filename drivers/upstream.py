@@ -51,7 +51,7 @@ from drivers.store import StateStore
 from drivers.store_file import StateFile
 from drivers.tasks import Tasks
 from slotlogic import shared, wait
-from slotlogic.affinity import Learn
+from slotlogic.affinity import Learn, slot_from_slots
 from slotlogic.answers import Observation
 from slotlogic.decisions import Decision, Fields, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
 from slotlogic.events import (
@@ -380,6 +380,8 @@ class Upstream(SlotMoves):
             if ticket.learn is Learn.SLOTS and not self.offline and obs.error_type is None:
                 self.tasks.spawn(self._learn_from_slots(ticket, obs))
             self.kick()
+        if ticket.unpinned in wait.UNPINNED and not self.offline and obs.error_type is None:
+            self.tasks.spawn(self._ran_unpinned(ticket, obs))
         if not self.offline and report.slot is not None and self.keeper.outcomes.lost_cache(report):
             self.tasks.spawn(self.prober.explain_cache_loss(report.slot))
         check = self.keeper.pager.page_doubtful(report) if self.pages is not None else None
@@ -394,6 +396,12 @@ class Upstream(SlotMoves):
             doomed = self.keeper.pager.page_dropped(state, key, file)
         if self.pages is not None:
             self.pages.delete(doomed)
+
+    async def _ran_unpinned(self, ticket: Ticket, obs: Observation) -> None:
+        """A request the wait sent with `id_slot: -1`: which slot ran it, from `/slots` right after its answer."""
+        slot = slot_from_slots(await self.client.slots() or [], obs.tokens_total, self.keeper.total_slots)
+        if slot is not None:
+            wait.ran(self.keeper.ledger, slot, ticket)
 
     async def _learn_from_slots(self, ticket: Ticket, obs: Observation) -> None:
         """Affinity on a route whose answer does not name the slot: read `/slots` once, right after it."""

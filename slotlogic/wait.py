@@ -25,11 +25,14 @@ from enum import Enum
 
 from slotlogic import rewrite
 from slotlogic.decisions import Ticket
-from slotlogic.ledger import Ledger
+from slotlogic.ledger import Cause, Holds, Ledger
 from slotlogic.reasons import Unpinned
 from slotlogic.table import SessionTable
 
 CHARS_PER_TOKEN = 4  # a body's bytes per prompt token, roughly (JSON and English text)
+
+
+UNPINNED = (Unpinned.WAIT_BOUND, Unpinned.SIDE_BUSY)  # the requests this module sent with id_slot -1
 
 
 class Verdict(Enum):
@@ -109,3 +112,12 @@ def unpin(ticket: Ticket, why: WaitWhy, holder: str | None, ledger: Ledger, tabl
             table.dispatched[slot] = holder
     ticket.slot, ticket.why, ticket.paged_in, ticket.seeded, ticket.promise = None, None, False, False, None
     ticket.unpinned = Unpinned.WAIT_BOUND if why is WaitWhy.BOUND else Unpinned.SIDE_BUSY
+
+
+def ran(ledger: Ledger, slot: int, ticket: Ticket) -> None:
+    """Where a request sent with `id_slot: -1` ran (read from `/slots` after its answer): that slot holds its
+    prompt now, so what the slot's owner had there is a labelled eviction, not a surprise at its next turn."""
+    if ticket.side:
+        ledger.write(slot, Holds.SIDE, None, 0, Cause.UNPINNED)
+    elif ledger.entry(slot).owner != ticket.session.key:
+        ledger.ran_unpinned(slot, ticket.session.key)

@@ -126,3 +126,19 @@ async def test_a_client_that_hangs_up_while_held_is_logged_as_gone_with_the_time
     assert "error=client-gone" in line
     seconds = float(line.split("reuse=")[1].split()[1].rstrip("s"))
     assert seconds >= 1.0  # the proxy's own wait is in the line, not 0.00s
+
+
+def test_where_an_unpinned_request_ran_is_written_in_the_ledger():
+    from slotlogic.decisions import Ticket
+    from slotlogic.endpoints import Route
+    from slotlogic.ledger import Holds, Ledger
+    from slotlogic.session import SessionId
+
+    ledger = Ledger()
+    ledger.write(0, Holds.SESSION, "owner-a", 900)
+    turn = Ticket(SessionId("mine", "header:x"), Route.PINNABLE)
+    wait.ran(ledger, 0, turn)
+    assert ledger.entry(0).owner == "mine"
+    side = Ticket(SessionId("side", "content:root"), Route.PINNABLE, side=True)
+    wait.ran(ledger, 0, side)
+    assert ledger.entry(0).holds is Holds.SIDE and ledger.entry(0).owner is None
