@@ -18,8 +18,8 @@ Clock = Callable[[], float]
 
 
 class SlotWaits:
-    def __init__(self, clock: Clock = time.monotonic) -> None:
-        self.clock = clock
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock: Clock = clock or (lambda: time.monotonic())  # read at each call: the simulator patches it
         self.open: dict[int, dict[str, tuple[int, str]]] = {}  # slot -> flow -> (body chars, session; "" side)
         self._slot_of: dict[str, int] = {}
         self._freed: dict[int, asyncio.Event] = {}
