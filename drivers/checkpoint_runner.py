@@ -14,6 +14,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,20 +43,31 @@ INDEX_FILE = "checkpoints.json"
 KNOWN_PREFIXES = 64  # prefixes remembered to build longer ones on (their text stays in memory only)
 
 
+@dataclass
+class PrefixRegistry:
+    """Prefix checkpoints being built and prefixes restored or built, shared by the servers of one pool (they
+    share one save dir: a build for one is waited for and restored by the others, and a longer prefix is built
+    on the longest one any of them holds). Memory only: prompt text is never written anywhere."""
+
+    building: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # cold builds in flight
+    known: OrderedDict[str, pfx.StablePrefix] = field(default_factory=OrderedDict)
+
+
 class CheckpointRunner:
     def __init__(self, client: LlamaClient, state_dir: Path, settings: Settings, emit: Callable[[Event], None],
-                 upstream: str = "") -> None:
+                 upstream: str = "", registry: PrefixRegistry | None = None) -> None:
         self.client = client
         self.settings = settings
         self.emit = emit
         self.upstream = upstream
         self.index = JsonFile(Path(state_dir) / INDEX_FILE, emit)
         self.current: set[str] = set()
-        self.building: dict[str, asyncio.Future[None]] = {}  # cold builds in flight
+        registry = registry or PrefixRegistry()
+        self.building = registry.building  # cold builds in flight (every server of the pool)
         self.elsewhere: set[str] = set()  # files another proxy built and saved (the shared store says so)
         # prefixes this process (every server of its pool) restored or built: a longer one is built on the longest
-        # of them it starts with. Memory only: prompt text is never written anywhere.
-        self.known: OrderedDict[str, pfx.StablePrefix] = OrderedDict()
+        # of them it starts with.
+        self.known = registry.known
         self.warned: set[str] = set()
         self.cleaned = False
 

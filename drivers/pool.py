@@ -27,19 +27,20 @@ import asyncio
 import contextlib
 import json
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from drivers.checkpoint_runner import PrefixRegistry
 from drivers.llama_http import LlamaClient
 from drivers.upstream import Upstream
 from slotlogic import prefix as pfx
-from slotlogic import routing, shared, sidecalls, swap_models
-from slotlogic.decisions import Decision, Forward, NeedSlot, Pin, RequestFacts
+from slotlogic import routing, shared, swap_models
+from slotlogic.decisions import Decision, Forward, NeedSlot, RequestFacts
 from slotlogic.events import Event, ServerDown, ServerUp
 from slotlogic.intake import Recognition
+from slotlogic.ranking import SlotView
 from slotlogic.reasons import Passed
 from slotlogic.routing import Health, RouteWhy, ServerView
 from slotlogic.server import ServerInfo
@@ -91,8 +92,10 @@ class Pool:
         self.where: dict[str, Upstream] = {}               # session key -> the server of its last request
         self.inflight: dict[str, int] = {}                 # server URL -> requests in flight
         self.routes: dict[tuple[str, str], int] = {}       # (server URL, RouteWhy value) -> count (metrics)
-        self.building: dict[str, asyncio.Future[None]] = {}  # prefix checkpoints being built, all servers
-        self.known_prefixes: OrderedDict[str, Any] = OrderedDict()  # prefixes any server restored or built
+        # The servers of a pool share one save dir: a prefix checkpoint being built for one of them is waited for
+        # and restored by the others, not built once per server (and, with a shared store, once for all proxies:
+        # each server's `Upstream` claims the build, `drivers.build_claims`).
+        self.prefixes = PrefixRegistry()
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------------------------------- membership
@@ -110,6 +113,7 @@ class Pool:
             self.servers[url] = (member, model if member.swap else "")
             if member.swap and model:
                 self.used[url] = time.monotonic()  # new: not idle (a request is on its way)
+            up.share_prefixes(self.prefixes)
         return up
 
     def _loaded(self, member: Member, model: str) -> Callable[[], Any]:
@@ -200,14 +204,11 @@ class Pool:
             home = next((m for m in self.members if m.health.up and m is not avoid), self.members[0])
             return self.upstream(home), first
         self._note_use(first)  # not idle while its request is placed
-        decision = first.keeper.request(facts)
+        decision = first.request(facts)
         up = first
         if isinstance(decision, NeedSlot):
             up, decision = await self._route(decision, first, facts, flow_id, avoid)
-        elif first.keeper.table.dirty:
-            first.kick()
-        if isinstance(decision, Pin) and decision.ticket.translated:
-            up.start()  # as `Upstream.decide`: learn once whether the server honours id_slot on /v1/messages
+        up.decided(decision)
         ticket = getattr(decision, "ticket", None)
         if ticket is not None:
             self.where[ticket.session.key] = up
@@ -304,13 +305,12 @@ class Pool:
 
             def accept(state: shared.ServerState, info: ServerInfo, live: list[dict[str, Any]] | None,
                        want_free: bool = want_free, up: Upstream = up) -> bool:
-                if want_free and not _has_free(up, state, info, live, now):
+                if want_free and _slot_counts(up, state, info, live, now)[1][0] == 0:
                     return False
                 if page is not None and key not in state.pages:
                     state.pages[key] = page  # the page file is readable here: the shared save dir
                 return True
 
-            self._share_builds(up)
             decision = await up.place(need, facts, flow_id, asked=asked[choice.index], accept=accept)
             if decision is None:  # another proxy took the last free slot there since the look-up
                 full.add(choice.index)
@@ -320,18 +320,9 @@ class Pool:
         up = first  # nothing answered: the server the request was parsed for, as with one server
         return up, await self._place(up, need, facts, flow_id, None, RouteWhy.ONLY)
 
-    def _share_builds(self, up: Upstream) -> None:
-        """The servers of a pool share one save dir: a prefix checkpoint being built for one of them is
-        waited for and restored by the others, not built once per server (and, with a shared store, once for
-        all proxies: each server's `Upstream` claims the build, `drivers.build_claims`)."""
-        if up.checkpoints is not None:
-            up.checkpoints.building = self.building
-            up.checkpoints.known = self.known_prefixes
-
     async def _place(self, up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str, asked: Any,
                      why: RouteWhy) -> Decision:
         self._count(up, why)
-        self._share_builds(up)
         decision = await up.place(need, facts, flow_id, asked=asked)
         assert decision is not None
         return decision
@@ -347,10 +338,7 @@ class Pool:
                     need: NeedSlot, now: float) -> ServerView:
         state = await up.store.aread()
         ttl = up.settings.ttl
-        views = shared.views(state, info.total_slots, live, up.keeper.table)
-        reserved = sidecalls.side_slot(info.total_slots, up.settings.side_slot) if up.keeper.table.reserving(now) \
-            else None
-        free, idle, busy = routing.slot_counts(views, now, ttl, exclude=reserved)
+        views, (free, idle, busy) = _slot_counts(up, state, info, live, now)
         checkpoint = False
         if up.checkpoints is not None and need.stable is not None and up.checkpoints.persist:
             with contextlib.suppress(OSError, ValueError):
@@ -444,12 +432,12 @@ def _full(v: ServerView) -> ServerView:
     return ServerView(v.index, v.up, v.total_slots, 0, v.idle, v.busy, v.queued, False, False, v.owned)
 
 
-def _has_free(up: Upstream, state: shared.ServerState, info: ServerInfo, live: list[dict[str, Any]] | None,
-              now: float) -> bool:
+def _slot_counts(up: Upstream, state: shared.ServerState, info: ServerInfo, live: list[dict[str, Any]] | None,
+                 now: float) -> tuple[list[SlotView], tuple[int, int, int]]:
+    """One server's merged slot views and its (free, idle, busy) counts, its reserved side slot not free."""
     views = shared.views(state, info.total_slots, live, up.keeper.table)
-    reserved = sidecalls.side_slot(info.total_slots, up.settings.side_slot) if up.keeper.table.reserving(now) \
-        else None
-    return routing.slot_counts(views, now, up.settings.ttl, exclude=reserved)[0] > 0
+    reserved = up.keeper.table.reserved_slot(info.total_slots, up.settings.side_slot, now)
+    return views, routing.slot_counts(views, now, up.settings.ttl, exclude=reserved)
 
 
 def _model_of_body(body: Any) -> str:

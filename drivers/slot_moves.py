@@ -1,8 +1,8 @@
-"""The slot moves of `drivers.upstream.Upstream`: paging a slot's holder out and a session (or its seed) in,
-and the prefix checkpoint step, performed once the slot's paging lock is held.
+"""The slot moves of one server (`SlotMover`): paging a slot's holder out and a session (or its seed) in, and
+the prefix checkpoint step, performed once the slot's paging lock is held.
 
-Why apart: `Upstream` answers requests; this part moves conversations between slots and files, on the slow
-path only (new, displaced and paged sessions). What to move is decided by the core
+Why apart: `drivers.upstream.Upstream` answers requests; this part owns the runners and moves conversations
+between slots and files, on the slow path only (new, displaced and paged sessions). What to move is decided by the core
 (`slotlogic.pager`), performed by `drivers.page_runner` and `drivers.checkpoint_runner`.
 """
 
@@ -14,11 +14,12 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from drivers import store_file
 from drivers.build_claims import BuildClaims
-from drivers.checkpoint_runner import CheckpointRunner
+from drivers.checkpoint_runner import CheckpointRunner, PrefixRegistry
 from drivers.llama_http import LlamaClient
 from drivers.page_runner import PageOutcome, PageRunner
 from drivers.slot_gate import SlotGate
@@ -29,13 +30,13 @@ from slotlogic.checkpoint_machine import Outcome
 from slotlogic.decisions import NeedSlot
 from slotlogic.events import CheckpointDone, Event, Failed, HandedOver, NoSavePath, Paged, SourceAwaited, Stage
 from slotlogic.handover import Handover
-from slotlogic.keeper import Keeper
+from slotlogic.keeper import Keeper, Placement
 from slotlogic.ledger import Cause, Fence, Holds
 from slotlogic.paging import Moved, PagePlan
 from slotlogic.prefix import StablePrefix
 from slotlogic.ranking import SlotView
 from slotlogic.server import ServerInfo
-from slotlogic.settings import Settings
+from slotlogic.settings import CheckpointMode, Settings
 
 REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its session stays (a restore planned)
 REMOTE_SETTLE = 10.0   # seconds a pager waits for another proxy's page-out of its session (a shared store)
@@ -45,21 +46,83 @@ HANDOVER_POLL = 0.025  # seconds between looks at the store while a taker waits 
 MIN_SLEEP = 0.001      # a wait's last sliver below this is not slept (nor polled for)
 
 
-class SlotMoves:
-    """Mixed into `Upstream`, whose runners, store and keeper it uses."""
+class SlotMover:
+    """The slot moves of one server: owns the page runner and the checkpoint runner (made for the settings at
+    hand), the gate that says which of our requests reached each slot, and the build claims of a shared store."""
 
-    url: str
-    settings: Settings
-    keeper: Keeper
-    store: StateStore
-    client: LlamaClient
-    pages: PageRunner | None
-    gate: SlotGate
-    checkpoints: CheckpointRunner | None
-    builds: BuildClaims | None
-    warned: set[str]
-    emit: Callable[[Event], None]
-    _swept: bool
+    def __init__(self, url: str, client: LlamaClient, keeper: Keeper, store: StateStore, emit: Callable[[Event], None],
+                 gate: SlotGate, state_dir: Path, *, builds: BuildClaims | None = None) -> None:
+        self.url = url
+        self.client = client
+        self.keeper = keeper
+        self.store = store
+        self.emit = emit
+        self.gate = gate
+        self.state_dir = state_dir
+        self.builds = builds  # a shared store's build markers: one prefix build for all proxies (None: local)
+        self.registry = PrefixRegistry()  # this server's own, until it joins a pool (`share`)
+        self.pages: PageRunner | None = None
+        self.checkpoints: CheckpointRunner | None = None
+        self._told_no_save_path = False
+        self._swept = False
+
+    def share(self, registry: PrefixRegistry) -> None:
+        """The server joined a pool: its prefix builds and known prefixes are the pool's from now on."""
+        self.registry = registry
+        if self.checkpoints is not None:
+            self.checkpoints.building, self.checkpoints.known = registry.building, registry.known
+
+    def configure(self, s: Settings, *, files_blocked: bool) -> None:
+        """Paging and checkpoint runners for these settings (a runner whose settings stay is kept: its slot
+        locks may be held). Where the model check found that a restore cannot resume (`files_blocked`), no
+        slot files: no paging, and prefix checkpoints only in memory."""
+        if files_blocked:
+            s = replace(s, paging=False, checkpoints=CheckpointMode.MEMORY
+                        if s.checkpoints is CheckpointMode.DISK else s.checkpoints)
+        if s.paging and s.save_dir:
+            if self.pages is None or self.pages.save_dir != Path(s.save_dir):
+                self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
+                self.pages.gate = self.gate
+            self.pages.max_bytes = s.page_max_bytes
+            self.pages.shared = self.store.slot_locks
+        else:
+            self.pages = None
+        if s.checkpoints is CheckpointMode.OFF:
+            self.checkpoints = None
+        elif self.checkpoints is None or self.checkpoints.settings != s or self.checkpoints.index.dir != self.state_dir:
+            self.checkpoints = CheckpointRunner(self.client, self.state_dir, s, self.emit, self.url, self.registry)
+
+    def stopped(self, flow_id: str) -> None:
+        """A placement planned again: its request did not go; the next pager of its slot may go."""
+        self.gate.stopped(flow_id)
+        if self.pages is not None:
+            self.pages.unlock(flow_id, sent=False)
+
+    def delete_pages(self, files: list[str]) -> None:
+        if self.pages is not None:
+            self.pages.delete(files)
+
+    async def drop_page(self, key: str, file: str) -> None:
+        """A page the answer showed to be wrong (`Pager.page_doubtful`): out of the index, its file deleted."""
+        async with self.store.transaction() as state:
+            doomed = self.keeper.pager.page_dropped(state, key, file)
+        self.delete_pages(doomed)
+
+    async def moves_for(self, need: NeedSlot, placement: Placement, info: ServerInfo,
+                        flow_id: str) -> tuple[Moved, Fence | None, bool]:
+        """What the core planned around the new owner of `placement.slot`, performed: the holder paged out and
+        this session (or a seed) paged in. Returns what the slot holds for it now, the fence after the moves,
+        and whether the slot holds the session's stable prefix already."""
+        key = need.ticket.session.key
+        holds = self.keeper.pager.holds_prefix(need, placement.view)
+        if self.pages is None:
+            return Moved.NOTHING, placement.fence, holds
+        stable_chars = len(need.stable.text) if need.stable is not None and self.checkpoints is not None else 0
+        cold = need.stable if not holds and await self._unbuilt(need, info) else None
+        views = await self._await_source(placement.slot, key, placement.view, placement.views, stable_chars, cold)
+        moved, fence = await self.page(placement.slot, key, placement.view, flow_id, views, stable_chars, cold,
+                                       fence=placement.fence)
+        return moved, fence, holds
 
     async def _unbuilt(self, need: NeedSlot, info: ServerInfo) -> bool:
         """No checkpoint file holds the session's stable prefix yet (so a warm-up would prefill all of it)."""
@@ -102,7 +165,7 @@ class SlotMoves:
         self.emit(SourceAwaited(self.url, slot, source, time.monotonic() - started, idle))
         return [replace(v, busy=False) if v.id == source else v for v in views] if idle else views
 
-    async def _page(self, slot: int, key: str, view: SlotView, flow_id: str, views: Sequence[SlotView] = (),
+    async def page(self, slot: int, key: str, view: SlotView, flow_id: str, views: Sequence[SlotView] = (),
                     stable_chars: int = 0, cold: StablePrefix | None = None,
                     fence: Fence | None = None) -> tuple[Moved, Fence | None]:
         """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
@@ -122,7 +185,7 @@ class SlotMoves:
         # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
         # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
         state = await self._fresh_pages(key) if self.store.remote else await self.store.fresh()
-        given, stale = await self._writer(slot, key, fence, state)
+        given, stale = await self.writer(slot, key, fence, state)
         if stale or not self.keeper.turns.fence_holds(fence):  # we handed the slot on since our claim: place it again
             assert fence is not None
             self.emit(self.keeper.turns.stale_plan(fence, "page", key))
@@ -173,8 +236,8 @@ class SlotMoves:
                 saving.set()
                 if self.pages.saving.get(plan.save_for or "") is saving:
                     del self.pages.saving[plan.save_for or ""]
-        if out.missing_save_path and "page-save-path" not in self.warned:
-            self.warned.add("page-save-path")
+        if out.missing_save_path and not self._told_no_save_path:
+            self._told_no_save_path = True
             self.emit(NoSavePath(self.url, paging=True))
         self.emit(Paged(self.url, plan.slot, plan.save_for[:8] if plan.save_for else None, out.saved_tokens,
                         plan.restore_for[:8] if plan.restore_for else None, out.restored_tokens, out.seconds,
@@ -186,7 +249,7 @@ class SlotMoves:
         moved = Moved.PREFIX if plan.seed.prefix else Moved.SEED
         return moved, self.keeper.turns.slot_written(fence, Holds.SEED, key, 0, over=Cause.SEED_OVER_OWNER)
 
-    async def _writer(self, slot: int, key: str, fence: Fence | None,
+    async def writer(self, slot: int, key: str, fence: Fence | None,
                       state: shared.ServerState) -> tuple[Handover | None, bool]:
         """Make this process the slot's writer before its moves (`slotlogic.handover`, Rule 2): at once when it is
         already, nobody's or its writer is gone; else the writer is asked and its answer awaited (read from the
@@ -246,7 +309,7 @@ class SlotMoves:
         files = None
         if not self._swept:  # once per process: page files no state refers to
             self._swept = True
-            files = await asyncio.to_thread(self._unrecorded_files)
+            files = await asyncio.to_thread(unrecorded_files, self.pages, self.state_dir, str(self.store.path))
         async with self.store.transaction() as state:
             seed = (out.seed_tokens, out.seed_bytes) if out.seed_tokens is not None else None
             doomed = self.keeper.pager.pages_recorded(state, plan, out.saved_tokens, out.saved_bytes,
@@ -254,22 +317,7 @@ class SlotMoves:
                                                       seed_saved=seed)
         self.pages.delete(doomed)
 
-    def _unrecorded_files(self) -> dict[str, Any]:
-        """The save dir's page files, less those the state files of other servers in our state dir record
-        (a save dir may be shared by several servers; their pages are not our orphans). Worker thread."""
-        assert self.pages is not None
-        files = self.pages.files()
-        others: list[str] = []
-        with contextlib.suppress(OSError), os.scandir(self.state_dir) as entries:
-            others = [e.path for e in entries if e.name.startswith("state-") and e.name.endswith(".json")
-                      and e.path != str(self.store.path)]
-        for path in others:
-            with contextlib.suppress(OSError, ValueError):
-                for name in shared.from_dict(store_file.read_document(path), "").pages.values():
-                    files.pop(name.file, None)
-        return files
-
-    async def _warm(self, slot: int, need: NeedSlot, info: ServerInfo, holds: bool,
+    async def warm(self, slot: int, need: NeedSlot, info: ServerInfo, holds: bool,
                     fence: Fence | None = None) -> Fence | None:
         """Restore or warm the shared prefix into the new session's slot; fail open on anything. With a shared
         store, the build is claimed first (`drivers.build_claims`): another proxy's build is waited for and
@@ -300,3 +348,18 @@ class SlotMoves:
                 fence = self.keeper.turns.slot_written(fence, Holds.PREFIX, key, tokens, over=Cause.PREFIX_OVER_OWNER) \
                     or fence
         return fence
+
+
+def unrecorded_files(pages: PageRunner, state_dir: Path, own_state: str) -> dict[str, Any]:
+    """The save dir's page files, less those the state files of other servers in our state dir record
+    (a save dir may be shared by several servers; their pages are not our orphans). Worker thread."""
+    files = pages.files()
+    others: list[str] = []
+    with contextlib.suppress(OSError), os.scandir(state_dir) as entries:
+        others = [e.path for e in entries if e.name.startswith("state-") and e.name.endswith(".json")
+                  and e.path != own_state]
+    for path in others:
+        with contextlib.suppress(OSError, ValueError):
+            for name in shared.from_dict(store_file.read_document(path), "").pages.values():
+                files.pop(name.file, None)
+    return files

@@ -19,8 +19,7 @@ The order of one request that the core cannot answer from memory (`NeedSlot`):
 Anything that fails after step 3 rolls the bookkeeping back (`Keeper.abandon`): the request goes out as the
 client sent it and nothing says it was pinned.
 
-The proxy's own calls carry llama-server's API key when it needs one: `slots_api_key`, else the
-`Authorization` / `X-Api-Key` header a client sent to that server (kept in memory only, never logged).
+The proxy's own calls carry llama-server's API key when it needs one (`drivers.server_auth`).
 """
 
 from __future__ import annotations
@@ -32,19 +31,20 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from drivers.build_claims import BuildClaims
-from drivers.checkpoint_runner import CheckpointRunner
+from drivers.checkpoint_runner import CheckpointRunner, PrefixRegistry
 from drivers.handovers import Handovers
 from drivers.llama_http import LlamaClient
 from drivers.model_check import ModelCheck
 from drivers.page_runner import PageRunner
+from drivers.server_auth import ServerAuth
 from drivers.server_probe import Facts, ServerProbe
 from drivers.slot_gate import SlotGate
-from drivers.slot_moves import SlotMoves
+from drivers.slot_moves import SlotMover
 from drivers.slot_wait import SlotWaits
 from drivers.state_sync import StateSync
 from drivers.store import StateStore
@@ -53,7 +53,7 @@ from drivers.tasks import Tasks
 from slotlogic import shared, wait
 from slotlogic.affinity import Learn, slot_from_slots
 from slotlogic.answers import Observation
-from slotlogic.decisions import Decision, Fields, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
+from slotlogic.decisions import Decision, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
 from slotlogic.events import (
     Event,
     Failed,
@@ -74,15 +74,24 @@ PROBE_TIMEOUT = 30.0
 SLOW = 1.0          # seconds: a /props or /slots that failed after this long hung (the timeout is 3 s)
 BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the background probe may clear it)
 RECONCILE_EVERY = 5.0  # seconds between looks for a slot shared with another process while idle
-AUTH_HEADERS = (b"authorization", b"x-api-key")
 Accept = Callable[[shared.ServerState, ServerInfo, list[dict[str, Any]] | None], bool]
 
 
-class Upstream(SlotMoves):
+@dataclass(frozen=True)
+class Shared:
+    """What one server's driver shares with the rest of the proxy: the state store (None: this machine's file)
+    with the build claims of a store several proxies share, and the recognition of the pool's sessions."""
+
+    store: StateStore | None = None
+    builds: BuildClaims | None = None
+    recognition: Recognition | None = None
+
+
+class Upstream:
     def __init__(self, url: str, settings: Settings, state_dir: str | Path, emit: Emit, *,
-                 offline: bool = False, client: LlamaClient | None = None, store: StateStore | None = None,
-                 loaded: Callable[[], Any] | None = None, builds: BuildClaims | None = None,
-                 recognition: Recognition | None = None) -> None:
+                 offline: bool = False, client: LlamaClient | None = None, shared_with: Shared = Shared(),
+                 loaded: Callable[[], Any] | None = None) -> None:
+        store, builds, recognition = shared_with.store, shared_with.builds, shared_with.recognition
         self.url = url
         self.offline = offline  # replaying saved flows: no network, no background task, no slot files
         self.emit = emit
@@ -92,26 +101,23 @@ class Upstream(SlotMoves):
         self.state_dir = Path(state_dir)
         self.store: StateStore = store if store is not None else StateFile(self.state_dir, url, emit)
         self.store.watch(self.claimed_elsewhere)
-        self.builds = builds  # a shared store's build markers: one prefix build for all proxies (None: local)
         self.settings = settings
-        self.pages: PageRunner | None = None
-        self.checkpoints: CheckpointRunner | None = None
         self.gate = SlotGate(url, emit)  # which of our requests reached the server, slot by slot
         self.waits = SlotWaits()  # our requests open on each slot: a request behind them waits a bounded time
+        self.mover = SlotMover(url, self.client, self.keeper, self.store, emit, self.gate, self.state_dir,
+                               builds=builds)  # pages and prefix checkpoints
         self.handovers = Handovers(url, self.keeper, self.store, emit, self.gate)  # slots other proxies take
         self.model = ModelCheck(self.client, emit, url, on_speed=self.keeper.outcomes.probed)
         self.tasks = Tasks()  # background work an answer or a command started
         self.prober = ServerProbe(url, self.client, self.keeper, emit, self.model, self.tasks, loaded=loaded,
                                  on_checked=lambda: self._runners(self.settings))
         self.prober.store = self.store
-        self.sync = StateSync(url, self.keeper, self.store, emit, self.tasks, delete_pages=self._delete_pages,
+        self.sync = StateSync(url, self.keeper, self.store, emit, self.tasks, delete_pages=self.mover.delete_pages,
                               poke=self.handovers.poke)
         self._runners(settings)
         self.warned: set[str] = set()  # one-time notices given: "no-slots", "no-marker", "page-save-path"
         self._task: asyncio.Task[None] | None = None
-        self._swept = False
-        self._client_auth: tuple[str, str] | None = None   # a client's own key for this server (memory only)
-        self._authorize()
+        self.auth = ServerAuth(self.client, settings.api_key)  # the key the proxy's own calls carry
         self._started = False
 
     @classmethod
@@ -122,49 +128,24 @@ class Upstream(SlotMoves):
         return cls(url, quiet, tempfile.mkdtemp(prefix="slotkeeper-replay-"), emit, offline=True)
 
     def _runners(self, s: Settings) -> None:
-        """Paging and checkpoint runners for these settings (a runner whose settings stay is kept: its slot
-        locks may be held). Where the model check found that a restore cannot resume, no slot files: no
-        paging, and prefix checkpoints only in memory."""
+        """The mover's runners for these settings (`SlotMover.configure`); a replay has none."""
         if self.offline:
             return
-        if self.model.files_blocked:
-            s = replace(s, paging=False, checkpoints=CheckpointMode.MEMORY
-                        if s.checkpoints is CheckpointMode.DISK else s.checkpoints)
-        if s.paging and s.save_dir:
-            if self.pages is None or self.pages.save_dir != Path(s.save_dir):
-                self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
-                self.pages.gate = self.gate
-            self.pages.max_bytes = s.page_max_bytes
-            self.pages.shared = self.store.slot_locks
-        else:
-            self.pages = None
-        self.handovers.store = self.store
-        if s.checkpoints is CheckpointMode.OFF:
-            self.checkpoints = None
-        elif self.checkpoints is None or self.checkpoints.settings != s or self.checkpoints.index.dir != self.state_dir:
-            self.checkpoints = CheckpointRunner(self.client, self.state_dir, s, self.emit, self.url)
+        self.handovers.store = self.mover.store = self.store
+        self.mover.state_dir = self.state_dir
+        self.mover.configure(s, files_blocked=self.model.files_blocked)
 
-    def _delete_pages(self, files: list[str]) -> None:
-        if self.pages is not None:
-            self.pages.delete(files)
+    @property
+    def pages(self) -> PageRunner | None:
+        return self.mover.pages
 
-    def _authorize(self) -> None:
-        """The key the proxy's own calls carry: the option, else what a client sent (never logged or stored)."""
-        key = self.settings.api_key
-        self.client.auth = ("authorization", f"Bearer {key}") if key else self._client_auth
+    @property
+    def checkpoints(self) -> CheckpointRunner | None:
+        return self.mover.checkpoints
 
-    def learn_auth(self, fields: Fields) -> None:
-        """Remember the API key a client sends to this server, for the proxy's own calls (slow path only)."""
-        if self.settings.api_key:
-            return
-        for k, v in fields:
-            name = k.lower()
-            if name in AUTH_HEADERS and v:
-                found = (name.decode("latin-1"), v.decode("latin-1"))
-                if found != self._client_auth:
-                    self._client_auth = found
-                    self._authorize()
-                return
+    def share_prefixes(self, registry: PrefixRegistry) -> None:
+        """This server joined a pool: prefix builds and known prefixes are shared with its other servers."""
+        self.mover.share(registry)
 
     def reconfigure(self, settings: Settings, state_dir: str | Path, store: StateStore | None = None,
                     builds: BuildClaims | None = None) -> None:
@@ -180,11 +161,11 @@ class Upstream(SlotMoves):
         self.settings = settings
         self.prober.settings = settings
         self.keeper.reconfigure(settings)
-        self._authorize()
+        self.auth.configure(settings.api_key)
         if store is not None:
             self.state_dir = Path(state_dir)
             self.store = self.prober.store = self.sync.store = store
-            self.builds = builds
+            self.mover.builds = builds
             store.watch(self.claimed_elsewhere)
             if self.pages is not None:
                 self.pages.shared = store.slot_locks
@@ -196,18 +177,25 @@ class Upstream(SlotMoves):
     # ------------------------------------------------------------------------------------------- requests
 
     async def decide(self, facts: RequestFacts, flow_id: str) -> Decision:
-        """The decision for one request; a `NeedSlot` is resolved here, so the result is never one."""
-        decision = self.keeper.request(facts)
+        """The decision for one request; a `NeedSlot` is placed here, so the result is never one."""
+        decision = self.request(facts)
         if isinstance(decision, NeedSlot):
-            need = decision
-            try:
-                decision = await self._place(need, facts, flow_id)
-            except BaseException:  # an error or a cancelled flow: the request is not going out pinned
-                self.abandon(need.ticket, flow_id)
-                raise
-            self.kick()  # a new claim: the background pass will also look for a slot shared with another process
-        elif self.keeper.table.dirty:
+            placed = await self.place(decision, facts, flow_id)
+            assert placed is not None  # no `accept` to refuse it
+            decision = placed
+        return self.decided(decision)
+
+    def request(self, facts: RequestFacts) -> Decision:
+        """The core's answer from memory (a `NeedSlot` when it needs a slot placed: `place`, by this server or,
+        in a pool, by the server the router chooses)."""
+        decision = self.keeper.request(facts)
+        if not isinstance(decision, NeedSlot) and self.keeper.table.has_touches():
             self.kick()
+        return decision
+
+    def decided(self, decision: Decision) -> Decision:
+        """What a request's decision starts in the background on the server it goes to: the `/v1/messages`
+        probe for a translated request, learning the server for a pending (affinity) one."""
         if isinstance(decision, Pin) and decision.ticket.translated and not self.offline:
             self.prober.probe_messages_once()
         if isinstance(decision, Pin) and decision.ticket.learn is not None and self.keeper.server is None:
@@ -217,9 +205,7 @@ class Upstream(SlotMoves):
     def abandon(self, ticket: Ticket, flow_id: str) -> None:
         """A decided request goes out unpinned after all: roll the core's bookkeeping back, free the slot lock."""
         self.keeper.abandon(ticket)
-        self.gate.started(flow_id)
-        if self.pages is not None:
-            self.pages.unlock(flow_id, sent=False)
+        self.mover.stopped(flow_id)
 
     async def place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
                     accept: Accept | None = None) -> Pin | Observe | None:
@@ -233,13 +219,6 @@ class Upstream(SlotMoves):
             raise
         self.kick()
         return decision
-
-    async def probe(self) -> None:
-        """The background `/props` look, now (`ServerProbe.probe`)."""
-        await self.prober.probe()
-
-    async def probe_messages(self) -> bool | None:
-        return await self.prober.probe_messages()
 
     async def ask(self) -> Facts:
         """`/props` and, when it answered, `/slots` (an endpoint that hung lately is not asked)."""
@@ -255,7 +234,7 @@ class Upstream(SlotMoves):
             props = recorded.get("props") or {"total_slots": self.keeper.total_slots or 4}
             live = recorded.get("slots")
         else:
-            self.learn_auth(facts.fields)
+            self.auth.learn(facts.fields)
             props, live = asked if asked is not None else await self.ask()
         info = self.prober.server_info(props)
         if info is not None and not self.offline:
@@ -280,43 +259,30 @@ class Upstream(SlotMoves):
         paged = self.pages is not None and not self.offline
         if not paged and not self.offline:  # no moves, but another proxy may write the slot: it is asked first
             state = await self.store.fresh()
-            _, stale = await self._writer(placement.slot, key, placement.fence, state)
+            _, stale = await self.mover.writer(placement.slot, key, placement.fence, state)
             if stale and retries > 0:
                 return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
         if placement.side and paged:
             # The side slot may hold a session's conversation (placed there before side calls came): saved first,
             # so the session pages back in whole instead of finding a side call's prompt.
-            await self._page(placement.slot, "", placement.view, flow_id, fence=placement.fence)
+            await self.mover.page(placement.slot, "", placement.view, flow_id, fence=placement.fence)
         if placement.side or self.offline:
             return self.keeper.pin(need, placement.slot, placement.why, now)
-        moved = Moved.NOTHING
-        fence = placement.fence
-        holds = self.keeper.pager.holds_prefix(need, placement.view)
-        if self.pages is not None:
-            stable_chars = len(need.stable.text) if need.stable is not None and self.checkpoints is not None else 0
-            cold = need.stable if not holds and await self._unbuilt(need, info) else None
-            views = await self._await_source(placement.slot, key, placement.view, placement.views, stable_chars,
-                                             cold)
-            moved, fence = await self._page(placement.slot, key, placement.view, flow_id, views, stable_chars, cold,
-                                            fence=fence)
+        moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id)
         if moved is Moved.STALE and retries > 0:  # another claim of the slot came first: place it again
-            self.gate.stopped(flow_id)
-            if self.pages is not None:
-                self.pages.unlock(flow_id, sent=False)
+            self.mover.stopped(flow_id)
             return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
         if moved is Moved.STALE:  # twice: it goes where it was placed, with nothing moved (fail open)
             moved = Moved.NOTHING
         if self.checkpoints is not None and need.stable is not None and moved in (Moved.NOTHING, Moved.PREFIX):
-            fence = await self._warm(placement.slot, need, info, holds and moved is Moved.NOTHING, fence=fence)
+            fence = await self.mover.warm(placement.slot, need, info, holds and moved is Moved.NOTHING, fence=fence)
         elif self.checkpoints is not None and need.stable is None and "no-marker" not in self.warned:
             self.warned.add("no-marker")
             self.emit(NoPrefixMarker(self.url, need.ticket.session.short, self.settings.markers))
         if fence is not None and not self.keeper.turns.fence_holds(fence) and retries > 0:
             # Another placement claimed the slot while this one's moves ran: plan this request again.
             self.emit(self.keeper.turns.stale_plan(fence, "pin", key))
-            self.gate.stopped(flow_id)
-            if self.pages is not None:
-                self.pages.unlock(flow_id, sent=False)
+            self.mover.stopped(flow_id)
             return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
         return self.keeper.pin(need, placement.slot, placement.why, now, paged_in=moved is Moved.OWN,
                                seeded=moved in (Moved.SEED, Moved.PREFIX))
@@ -388,14 +354,8 @@ class Upstream(SlotMoves):
         page = self.keeper.pager.page_of(ticket.session.key)
         if check is not None and report.slot is not None and page is not None:
             self.emit(PageRejected(self.url, report.slot, check))
-            self.tasks.spawn(self._drop_page(ticket.session.key, page.file))
+            self.tasks.spawn(self.mover.drop_page(ticket.session.key, page.file))
         return report
-
-    async def _drop_page(self, key: str, file: str) -> None:
-        async with self.store.transaction() as state:
-            doomed = self.keeper.pager.page_dropped(state, key, file)
-        if self.pages is not None:
-            self.pages.delete(doomed)
 
     async def _ran_unpinned(self, ticket: Ticket, obs: Observation) -> None:
         """A request the wait sent with `id_slot: -1`: which slot ran it, from `/slots` right after its answer."""
@@ -448,29 +408,26 @@ class Upstream(SlotMoves):
 
     async def status(self) -> dict[str, Any]:
         """The status view, from a fresh read of the state file (in a worker thread)."""
-        return {**self.keeper.status(await self.store.aread(), time.time()),
-                **self.model.status(self.settings)}
+        state = await self.store.aread()
+        return {**self.keeper.status(state, time.time()), **self.model.status(self.settings),
+                **self._page_view(state)}
 
     def status_now(self) -> dict[str, Any]:
         """The status view from memory (the state as of the last transaction): for sync callers."""
-        return {**self.keeper.status(self.store.last, time.time()), **self.model.status(self.settings)}
+        return {**self.keeper.status(self.store.last, time.time()), **self.model.status(self.settings),
+                **self._page_view(self.store.last)}
 
-    async def flush(self) -> bool:
-        return await self.sync.flush()
-
-    async def reconcile(self) -> None:
-        await self.sync.reconcile()
+    def _page_view(self, state: shared.ServerState) -> dict[str, Any]:
+        """What the slot page adds: the measured prefill speed (recent answers, else the start-up probe) and
+        each session's page file on this server (any proxy's, from the shared state)."""
+        pps = self.keeper.prefill_estimate()
+        return {"prefill_tok_s": round(pps, 1) if pps else None,
+                "pages": {key[:8]: {"bytes": p.bytes, "tokens": p.n_tokens} for key, p in state.pages.items()}}
 
     def claimed_elsewhere(self, notice: ClaimNotice) -> None:
         """Another proxy's claim notice (pushed through the store): `StateSync.claimed_elsewhere`."""
         if not self.offline:
             self.sync.claimed_elsewhere(notice)
-
-    def release(self, wanted: str) -> list[str]:
-        return self.sync.release(wanted)
-
-    def move(self, wanted: str, slot: int) -> list[str]:
-        return self.sync.move(wanted, slot)
 
     async def settle(self) -> None:
         """Wait for the background work a command or an answer started (tests, shutdown)."""
@@ -497,3 +454,4 @@ class Upstream(SlotMoves):
     async def aclose(self) -> None:
         self.handovers.stop()
         await self.client.aclose()
+

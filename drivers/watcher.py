@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from drivers.llama_http import LlamaClient
 from slotlogic.watch import End, Poll, Progress, Watch
@@ -21,19 +22,33 @@ from slotlogic.watch import End, Poll, Progress, Watch
 Clock = Callable[[], float]
 
 
+class WatchHost(Protocol):
+    """What a request's watch tells, and asks of, the addon that made it."""
+
+    def progress(self, progress: Progress) -> None: ...
+
+    def ended(self, end: End) -> None: ...
+
+    def failed(self, kind: str) -> None: ...
+
+    def ahead(self) -> int: ...        # requests queued ahead of this one on its slot
+
+    def first_byte(self) -> bool: ...  # asked before each poll: has the answer begun?
+
+    def alive(self) -> bool: ...       # asked at each wake: is the request still open? (else the watch ends)
+
+
 class RequestWatch:
-    def __init__(self, watch: Watch, client: LlamaClient, *, on_progress: Callable[[Progress], None],
-                 on_end: Callable[[End], None], on_error: Callable[[str], None],
-                 ahead: Callable[[], int] = lambda: 0, first_byte: Callable[[], bool] = lambda: False,
-                 alive: Callable[[], bool] = lambda: True, clock: Clock = time.monotonic) -> None:
+    def __init__(self, watch: Watch, client: LlamaClient, host: WatchHost, clock: Clock = time.monotonic) -> None:
         self.watch = watch
         self.client = client
-        self.on_progress = on_progress
-        self.on_end = on_end
-        self.on_error = on_error
-        self.ahead = ahead
-        self.first_byte = first_byte   # asked before each poll: has the answer begun?
-        self.alive = alive             # asked at each wake: is the request still open? (else the watch ends)
+        self.host = host
+        self.on_progress = host.progress
+        self.on_end = host.ended
+        self.on_error = host.failed
+        self.ahead = host.ahead
+        self.first_byte = host.first_byte
+        self.alive = host.alive
         self.clock = clock
         self._handle: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None

@@ -2,8 +2,9 @@
 
 The flags are the ones the README documents: reverse mode with an explicit `http://` scheme and a loopback
 listen address (a bare `@port` binds every interface), `connection_strategy=lazy` so a dead upstream gives a
-502 instead of a silently closed connection, and `flow_detail=0` so only the addon's own lines are printed
-(docs/mitmproxy.md).
+502 instead of a silently closed connection, and `flow_detail=0` plus `termlog_verbosity=alert` so only the
+addon's own lines are printed: the addon logs at mitmproxy's ALERT level, one above the INFO of mitmproxy's
+per-connection lines (docs/mitmproxy.md).
 """
 
 from __future__ import annotations
@@ -38,12 +39,15 @@ def mitm_binary(name: str = "mitmdump") -> str:
 
 def mitm_argv(upstream: str, port: int, options: dict[str, object] | None = None, *,
               addon: bool = True, web: bool = False, web_port: int | None = None,
-              extra: list[str] | None = None) -> list[str]:
+              extra: list[str] | None = None, quiet: bool = True) -> list[str]:
+    """`quiet=False` keeps mitmproxy's own INFO lines (client/server connect, "Loading script") in the output."""
     argv = [mitm_binary("mitmweb" if web else "mitmdump")]
     if addon:
         argv += ["-s", str(ADDON)]
     argv += ["--mode", f"reverse:{upstream}@127.0.0.1:{port}",
              "--set", "connection_strategy=lazy", "--set", "flow_detail=0"]
+    if quiet:
+        argv += ["--set", "termlog_verbosity=alert"]
     if web:
         argv += ["--set", f"web_port={web_port or free_port()}", "--set", "web_open_browser=false",
                  *(a for c in WEB_COLUMNS for a in ("--set", f"web_columns={c}"))]  # a list option: one --set each
@@ -62,13 +66,15 @@ class MitmProxy:
     """mitmdump in reverse mode in front of `upstream`; a context manager that waits until it listens."""
 
     def __init__(self, upstream: str, options: dict[str, object] | None = None, *, port: int | None = None,
-                 log_path: str | None = None, addon: bool = True, extra: list[str] | None = None) -> None:
+                 log_path: str | None = None, addon: bool = True, extra: list[str] | None = None,
+                 quiet: bool = True) -> None:
         self.upstream = upstream.rstrip("/")
         self.port = port or free_port()
         self.options = options or {}
         self.log_path = log_path
         self.addon = addon
         self.extra = extra or []
+        self.quiet = quiet
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -76,7 +82,8 @@ class MitmProxy:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30.0) -> MitmProxy:
-        argv = mitm_argv(self.upstream, self.port, self.options, addon=self.addon, extra=self.extra)
+        argv = mitm_argv(self.upstream, self.port, self.options, addon=self.addon, extra=self.extra,
+                          quiet=self.quiet)
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,

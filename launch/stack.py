@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         argv_ = mitm_argv(upstream, a.proxy_port, options, web=a.web, web_port=a.web_port, extra=rest)
         ui = f", mitmweb UI on http://127.0.0.1:{a.web_port}" if a.web else ""
         print(f"slotkeeper proxy on http://127.0.0.1:{a.proxy_port} -> {upstream}{ui}", flush=True)
+        print(f"  live slot page: http://127.0.0.1:{a.proxy_port}/_slots/", flush=True)
         print("  " + " ".join(argv_), flush=True)
         proc = subprocess.Popen(argv_, cwd=str(ROOT), env={**os.environ, "PYTHONUNBUFFERED": "1"})
         return proc.wait()

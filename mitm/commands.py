@@ -31,7 +31,7 @@ class Commands:
     @command.command("slots.release")
     def release(self, session: str) -> str:
         """Forget a session (its 8-hex id from the log): its slot is free for the next new session."""
-        done = [line for up in self.rt.upstreams.values() for line in up.release(session)]
+        done = [line for up in self.rt.upstreams.values() for line in up.sync.release(session)]
         return "released: " + (", ".join(done) or f"no session matches {session!r}")
 
     @command.command("slots.pin")
@@ -41,7 +41,7 @@ class Commands:
             total = up.keeper.total_slots or 0
             if not 0 <= slot < total:
                 return f"slot {slot} is out of range 0..{total - 1} on {up.url}"
-        done = [line for up in self.rt.upstreams.values() for line in up.move(session, slot)]
+        done = [line for up in self.rt.upstreams.values() for line in up.sync.move(session, slot)]
         return "pinned: " + (", ".join(done) or f"no session matches {session!r}")
 
     @command.command("slots.cleanup")

@@ -1,5 +1,5 @@
-"""The local API addon: `GET /_slots/health`, `/_slots/status` and `/_slots/metrics` (Prometheus), answered by
-the proxy itself.
+"""The local API addon: `GET /_slots/` (the live slot page), `/_slots/health`, `/_slots/status` and
+`/_slots/metrics` (Prometheus), answered by the proxy itself.
 
 Any request whose path starts with `/_slots/` is ours and never reaches llama-server. Only GET is served
 (anything else: 405), only to the clients `slots_api_allow` admits (loopback by default: the status names
@@ -8,6 +8,8 @@ sessions and servers), and every error is answered as JSON here, never forwarded
 
 from __future__ import annotations
 
+import functools
+import importlib.resources
 import ipaddress
 import json
 from collections.abc import Sequence
@@ -60,6 +62,9 @@ class LocalApi:
         if flow.request.method != "GET":
             return reply(405, {"error": "the /_slots/ API answers GET only"})
         path = flow.request.path.split("?", 1)[0]
+        if path == PREFIX:
+            return http.Response.make(200, page(), {"content-type": "text/html; charset=utf-8",
+                                                    "cache-control": "no-store"})
         if path == "/_slots/health":
             return reply(200, {"ok": True})
         if path == "/_slots/metrics":
@@ -80,6 +85,12 @@ class LocalApi:
         if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
             addr = addr.ipv4_mapped
         return any(addr in net for net in self.allowed)
+
+
+@functools.cache
+def page() -> bytes:
+    """The slot page (`mitm/page/slots.html`, package data), read once: later loads cost no disk access."""
+    return importlib.resources.files("mitm").joinpath("page/slots.html").read_bytes()
 
 
 def reply(status: int, body: Any) -> http.Response:

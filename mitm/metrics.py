@@ -2,7 +2,8 @@
 
 Counting costs a few dict additions per request (`slotlogic.tally.Tally`, fed by the runtime's reports and events); the
 metric families are built only when a scraper asks (`render`), so the hot path never touches the library.
-Labels are server URLs, slot ids and enum words: never a session, never prompt text.
+Labels are server URLs, slot ids, enum words and client kinds (a fixed vocabulary, `slotlogic.board.client_kind`):
+never a session, never prompt text.
 """
 
 from __future__ import annotations
@@ -49,6 +50,21 @@ class _Collector(Collector):
             for labels, v in sorted(data.items()):
                 fam.add_metric(list(labels), v)
             yield fam
+        for name, doc, data in (
+                ("client_requests", "Completion requests answered, by server and client kind.", t.client_requests),
+                ("reused_tokens", "Prompt tokens the server reused from the slot (timings.cache_n), by client kind.",
+                 t.reused),
+                ("prefill_seconds_saved", "Prefill seconds the reused tokens would have cost at the server's "
+                 "measured prefill speed, by client kind.", t.saved_s)):
+            fam = CounterMetricFamily(f"slotkeeper_{name}", doc, labels=["server", "client"])
+            for labels, v in sorted(data.items()):
+                fam.add_metric(list(labels), v)
+            yield fam
+        fam = CounterMetricFamily("slotkeeper_client_tokens_lost", "Tokens lost (the loss meter), by client kind "
+                                  "and cause.", labels=["server", "client", "cause"])
+        for labels, v in sorted(t.client_lost_by_cause().items()):
+            fam.add_metric(list(labels), v)
+        yield fam
         now = time.time()
         live = GaugeMetricFamily("slotkeeper_live_sessions", "Sessions used within slots_ttl, per server.",
                                  labels=["server"])

@@ -20,13 +20,13 @@ from mitmproxy import ctx, exceptions, http
 from drivers.jsonl_log import JsonlLog
 from mitm import options
 from mitm.options import Option
-from mitm.runtime import Runtime, guarded
+from mitm.runtime import INFO, Runtime, guarded
 from slotlogic import wording
 from slotlogic.events import Event, Failed, Stage
 
 log = logging.getLogger("slotkeeper")
 MODES = ("direct", "mitmproxy", "off")
-SHOWN_AT = frozenset({"info", "debug"})
+SHOWN_AT = frozenset({"alert", "info", "debug"})  # levels at which mitmdump prints our ALERT lines
 
 
 class TerminalLines:
@@ -106,7 +106,7 @@ class RequestLog:
         self.terminal.flush()
         for up in self.rt.upstreams.values():
             for line in wording.summary(up.url, up.keeper.outcomes.summary()):
-                log.info(line)
+                log.log(INFO, line)
         if self.file is not None:
             self.file.flush()
 
@@ -115,7 +115,7 @@ class RequestLog:
         if report is None:
             return
         if self.mode == "mitmproxy":
-            log.info(wording.request_line(report))
+            log.log(INFO, wording.request_line(report))
         elif self.mode == "direct" and not self.quiet:
             self.terminal.emit(wording.request_line(report))
         if self.file is not None:

@@ -12,19 +12,23 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from mitmproxy.log import ALERT
+
 from drivers.llama_http import LlamaClient
 from drivers.pool import Pool, base_of
 from drivers.store_file import default_state_dir
 from drivers.stores import Stores
-from drivers.upstream import Upstream
+from drivers.upstream import Shared, Upstream
 from slotlogic import wording
 from slotlogic.answers import StreamObserver
+from slotlogic.board import Board
 from slotlogic.decisions import Report, Ticket
 from slotlogic.events import Event, Failed, Stage
 from slotlogic.intake import Recognition
@@ -34,7 +38,10 @@ from slotlogic.tally import Tally
 log = logging.getLogger("slotkeeper")
 SHARED_FLUSH_INTERVAL = 0.5  # seconds between flushes to a Redis store (the file store: Settings.flush_interval)
 MAX_REPORTS = 1024  # finished reports kept for the views of the same flow (they read them at once)
-LEVELS = {wording.Level.INFO: logging.INFO, wording.Level.WARNING: logging.WARNING}
+# Our informational lines go out at mitmproxy's ALERT (INFO + 1): `termlog_verbosity=alert` then shows them and
+# hides mitmproxy's own per-connection INFO lines (docs/mitmproxy.md). Any handler at INFO still gets them.
+INFO = ALERT
+LEVELS = {wording.Level.INFO: INFO, wording.Level.WARNING: logging.WARNING}
 
 
 @dataclass(slots=True)
@@ -68,6 +75,7 @@ class Runtime:
     pending: dict[str, Any] = field(default_factory=dict)  # client connection id -> its flow being sent
     _store_key: tuple[str, Path] | None = None
     tally: Tally = field(default_factory=Tally)   # the counters behind /_slots/metrics
+    board: Board = field(default_factory=Board)   # the recent history the slot page draws (GET /_slots/)
     _closing: set[Any] = field(default_factory=set)  # clients of forgotten servers being closed
     recognition: Recognition = field(default_factory=Recognition)  # known sessions' requests, every live server
 
@@ -113,9 +121,9 @@ class Runtime:
             settings = self.settings_for(url)
             if self.stores is None:
                 self.stores = Stores("", self.state_dir, self.emit)
+            shared_with = Shared(self.stores.for_server(url), self.stores.builds, self.recognition)
             up = (Upstream(url, settings, self.state_dir, self.emit, client=self.make_client(url),
-                           store=self.stores.for_server(url), loaded=loaded, builds=self.stores.builds,
-                           recognition=self.recognition) if live
+                           shared_with=shared_with, loaded=loaded) if live
                   else Upstream.for_replay(url, settings, self.emit))
             pool[url] = up
         return up
@@ -135,7 +143,9 @@ class Runtime:
         return [*self.upstreams.values(), *self.replays.values()]
 
     def finished(self, flow_id: str, report: Report) -> None:
-        self.tally.report(report)
+        up = self.upstreams.get(report.upstream)
+        self.tally.report(report, up.keeper.outcomes.prefill_speed if up is not None else None)
+        self.board.report(report, time.time())
         if self.pool is not None:
             self.pool.ended_url(report.upstream)
         self.reports[flow_id] = report
@@ -144,15 +154,23 @@ class Runtime:
 
     def emit(self, event: Event) -> None:
         """Every event is logged (if it has a line) and handed to the listeners (the JSONL log)."""
+        warning = None
         if wording.logged(event):
             level, text = wording.event_line(event)
             log.log(LEVELS[level], text)
+            warning = text if level is wording.Level.WARNING else None
         self.tally.event(event)
+        self.board.event(event, time.time(), warning)
         for listener in self.listeners:
             listener(event)
 
     def status(self, upstreams: list[dict[str, Any]]) -> dict[str, Any]:
+        now = time.time()
+        for server in upstreams:  # the slot page's part: recent holders, marks, extras, warnings
+            server["recent"] = self.board.view(server.get("upstream", ""), now)
+        general = self.board.view("", now)["warnings"]  # warnings that name no server
         out = {"policy": self.settings.policy.value, "ttl": self.settings.ttl, "servers": upstreams,
+               "warnings": general,
                "waiting": [w for fid, w in self.waiting.items() if fid in self.open]}
         if self.pool is not None:
             out["health"] = self.pool.status()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from mitmproxy import ctx, hooks, http
@@ -129,12 +130,7 @@ class Watchdog:
             raw = flow.request.raw_content or b""
             watch = Watch(self.settings, req.started, req.ticket.slot,
                           stream=b'"stream":true' in raw or b'"stream": true' in raw)
-            rw = RequestWatch(watch, req.upstream.client, on_progress=lambda p: self._progress(flow, req, p),
-                              on_end=lambda end: self._end(flow, req, end),
-                              on_error=lambda kind: self.rt.emit(Failed(req.upstream.url, Stage.WATCH, kind,
-                                                                        path=flow.request.path)),
-                              ahead=lambda: self._ahead(flow.id, req), first_byte=lambda: _began(flow, req),
-                              alive=lambda: flow.id in self.rt.open)
+            rw = RequestWatch(watch, req.upstream.client, _FlowWatch(self, flow, req))
             self.watches[flow.id] = rw
             rw.wake_now()
         except Exception as e:  # fail open: the request goes on unwatched
@@ -195,3 +191,30 @@ def _began(flow: http.HTTPFlow, req: Open) -> bool:
     if flow.response is None:
         return False
     return req.stream is None or req.stream.started
+
+
+@dataclass(frozen=True)
+class _FlowWatch:
+    """One flow's side of its watch (`drivers.watcher.WatchHost`)."""
+
+    dog: Watchdog
+    flow: http.HTTPFlow
+    req: Open
+
+    def progress(self, progress: Progress) -> None:
+        self.dog._progress(self.flow, self.req, progress)
+
+    def ended(self, end: End) -> None:
+        self.dog._end(self.flow, self.req, end)
+
+    def failed(self, kind: str) -> None:
+        self.dog.rt.emit(Failed(self.req.upstream.url, Stage.WATCH, kind, path=self.flow.request.path))
+
+    def ahead(self) -> int:
+        return self.dog._ahead(self.flow.id, self.req)
+
+    def first_byte(self) -> bool:
+        return _began(self.flow, self.req)
+
+    def alive(self) -> bool:
+        return self.flow.id in self.dog.rt.open

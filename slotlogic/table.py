@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
+from slotlogic import sidecalls
 from slotlogic.lead import Lead
 
 MAX_SESSIONS = 4096  # live sessions of one server remembered in memory (100k one-shot sessions: 45 MB unbounded)
@@ -56,6 +57,10 @@ class SessionTable:
         """Whether the side-call slot is kept back: only while side calls come (within the TTL). A reservation
         nobody uses would cost every session a quarter of a 4-slot server."""
         return self.last_side_call is not None and now - self.last_side_call < self.ttl
+
+    def reserved_slot(self, total: int | None, configured: int, now: float) -> int | None:
+        """The side-call slot kept out of sessions' reach now: none before side calls came (`reserving`)."""
+        return sidecalls.side_slot(total, configured) if total and self.reserving(now) else None
 
     def displaced(self, key: str, slot: int) -> bool:
         """Another session ran on `slot` since `key` last did, or has a request on its way there (ours would

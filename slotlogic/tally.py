@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from slotlogic.board import client_kind
 from slotlogic.decisions import Report
 from slotlogic.events import CheckpointDone, Event, Paged, StalePlan
 from slotlogic.ledger import Cause
@@ -29,6 +30,11 @@ class Tally:
         self.lost: defaultdict[tuple[str, str, str], int] = defaultdict(int)   # (server, cause, expected)
         self.stale_plans: defaultdict[tuple[str, str], int] = defaultdict(int)  # (server, move)
         self.servers: set[str] = set()
+        # (server, client kind): what pinning saved, per client (`slotlogic.board.client_kind`, a fixed set)
+        self.client_requests: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self.reused: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self.saved_s: defaultdict[tuple[str, str], float] = defaultdict(float)
+        self.client_lost: defaultdict[tuple[str, str, str], int] = defaultdict(int)   # + cause
 
     def lost_by_cause(self) -> dict[tuple[str, str, str], int]:
         """Tokens lost per (server, cause, expected), every cause of every server present (0 when none): a
@@ -37,12 +43,27 @@ class Tally:
         out.update(self.lost)
         return out
 
-    def report(self, r: Report) -> None:
+    def client_lost_by_cause(self) -> dict[tuple[str, str, str], int]:
+        """Tokens lost per (server, client kind, cause), every cause of every client seen present (0 when none)."""
+        out = {(srv, client, c.value): 0 for srv, client in self.client_requests for c in Cause}
+        out.update(self.client_lost)
+        return out
+
+    def report(self, r: Report, fallback_pps: float | None = None) -> None:
+        """`fallback_pps`: the server's measured prefill speed, for answers without their own timings."""
         key = (r.upstream, "-" if r.slot is None else str(r.slot))
         self.requests[key] += 1
         self.servers.add(r.upstream)
+        client = (r.upstream, client_kind(r.path, r.ticket.session.source))
+        self.client_requests[client] += 1
         if r.loss is not None:
             self.lost[(r.upstream, r.loss.cause.value, "true" if r.loss.expected else "false")] += r.loss.tokens
+            self.client_lost[(*client, r.loss.cause.value)] += r.loss.tokens
+        if r.obs.cache_n:
+            self.reused[client] += r.obs.cache_n
+            speed = r.obs.prompt_per_second or fallback_pps
+            if speed:
+                self.saved_s[client] += r.obs.cache_n / speed
         if r.obs.prompt_n:
             self.prefill[key] += r.obs.prompt_n
         if r.obs.cache_n:

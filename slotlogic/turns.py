@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from slotlogic import handover, reconcile, shared, sidecalls
+from slotlogic import handover, reconcile, shared
 from slotlogic.events import StalePlan
 from slotlogic.handover import Handover
 from slotlogic.ledger import Cause, Fence, Holds, Ledger
@@ -171,7 +171,7 @@ class Turns:
         if not ours:
             return []
         total = self.host.total_slots  # `/props` only: the state's count sizes nothing
-        reserved = sidecalls.side_slot(total, self.settings.side_slot) if total and self.table.reserving(now) else None
+        reserved = self.table.reserved_slot(total, self.settings.side_slot, now)
         marked = [k for k in reconcile.misplaced(state, ours, now, ttl, total, reserved)
                   if k not in self.table.misplaced]
         for key in marked:

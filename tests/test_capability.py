@@ -121,7 +121,7 @@ async def start(tmp_path: Path, llama: FakeLlama, **settings: Any) -> tuple[Upst
     events: list[Event] = []
     s = Settings(save_dir=str(save), paging=True, checkpoints=CheckpointMode.DISK, **settings)
     up = Upstream("http://up", s, tmp_path / "state", events.append, client=llama)
-    await up.probe()
+    await up.prober.probe()
     await up.settle()
     return up, events
 
@@ -187,12 +187,12 @@ async def test_a_restart_with_another_model_is_checked_again_and_a_restart_with_
     up, events = await start(tmp_path, llama)
     assert [type(e) for e in events] == [ModelHeader, ModelDescribed]
     llama.props_data["media_marker"] = "<__media_b__>"                      # restarted, same model: quiet
-    await up.probe()
+    await up.prober.probe()
     await up.settle()
     assert [type(e) for e in events][-1] is not ModelHeader and len([e for e in events
                                                                      if isinstance(e, ModelDescribed)]) == 1
     llama.props_data |= {"media_marker": "<__media_c__>", "model_path": str(gemma3_file(tmp_path))}
-    await up.probe()
+    await up.prober.probe()
     await up.settle()
     described = [e for e in events if isinstance(e, ModelDescribed)]
     assert len(described) == 2 and described[-1].facts.architecture == "gemma3" and up.pages is None

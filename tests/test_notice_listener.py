@@ -129,7 +129,7 @@ async def test_without_notices_the_flush_still_finds_the_displacement(proxies):
     await b.request(flow(chat("task on proxy B")))
     await asyncio.sleep(0.2)
     assert not any(isinstance(e, DisplacedElsewhere) for e in a_events)
-    await up_a.reconcile()  # what the background flush does when it has nothing to write
+    await up_a.sync.reconcile()  # what the background flush does when it has nothing to write
     [event] = [e for e in a_events if isinstance(e, DisplacedElsewhere)]
     assert event.via is Via.FLUSH
     f = await a.request(flow(next_turn(mine)))

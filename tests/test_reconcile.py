@@ -67,8 +67,8 @@ async def test_two_processes_one_state_dir_end_up_on_two_slots(tmp_path, monkeyp
     monkeypatch.setattr(store_file.StateFile, "transaction", lambda self: transactions.append(1) or real(self))
     assert (await p2.decide(facts("B"), "fb2")).ticket.slot == 0  # the hot path does not know yet: no I/O
     assert transactions == []
-    await p1.flush()
-    await p2.flush()  # the background pass (a touch to write, then the look at what was written)
+    await p1.sync.flush()
+    await p2.sync.flush()  # the background pass (a touch to write, then the look at what was written)
     assert ev.SlotShared(UP, b.ticket.session.short, 0) in seen
     moved = await p2.decide(facts("B"), "fb3")
     again = await p1.decide(facts("A"), "fa2")

@@ -123,7 +123,7 @@ async def test_the_hot_path_sends_nothing_to_the_store(tmp_path, url):
             assert p.rt.open[f.id].ticket.why.value == "known"
         assert stores.redis.calls == before  # no round trip: decided from memory
         up = next(iter(p.rt.upstreams.values()))
-        await up.flush()  # the background flush carries the touches
+        await up.sync.flush()  # the background flush carries the touches
         assert stores.redis.calls > before
     finally:
         c.__exit__(None, None, None)
@@ -271,7 +271,7 @@ async def test_proxies_of_one_shared_server_build_a_prefix_checkpoint_once(tmp_p
     p2, c2 = single_proxy(tmp_path, url, server, "two")
     p3, c3 = single_proxy(tmp_path, url, server, "three")
     try:
-        assert p1.rt.pool is None and p1.rt.upstream(UP).builds is not None
+        assert p1.rt.pool is None and p1.rt.upstream(UP).mover.builds is not None
         f = await asyncio.gather(*(p.request(flow(chat(f"task {i}", system=SYSTEM)))
                                    for i, p in enumerate((p1, p2, p3))))
         assert server.cold == 1 and len(server.files) == 1  # one cold build, the others restored it

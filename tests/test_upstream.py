@@ -66,11 +66,11 @@ async def test_an_unreachable_server_falls_back_to_the_slot_count_in_the_file(tm
 async def test_the_probe_notices_a_restart_and_a_resize(up, fake_llama, seen):
     await up.decide(facts(), "f1")
     fake_llama.props_data = {**fake_llama.props_data, "media_marker": "<__media_b__>"}
-    await up.probe()
+    await up.prober.probe()
     assert ev.ServerRestarted(UP) in seen
     fake_llama.props_data = {**fake_llama.props_data, "total_slots": 2}
     fake_llama.slots_data = fake_llama.slots_data[:2]
-    await up.probe()
+    await up.prober.probe()
     assert ev.PoolResized(UP, 2) in seen
     again = await up.decide(facts(now=1.0), "f2")
     assert again.ticket.why is not Why.KNOWN and again.ticket.slot in (0, 1)  # placed again, in range
@@ -80,14 +80,14 @@ async def test_touches_are_flushed_and_kept_when_the_file_cannot_be_written(up, 
     pin = await up.decide(facts(), "f1")
     for t in (1.0, 2.0):
         await up.decide(facts(now=t), "f")
-    await up.flush()
+    await up.sync.flush()
     assert state_file(tmp_path)["sessions"][pin.ticket.session.key]["requests"] >= 2
     await up.decide(facts(now=3.0), "f")
 
     def broken(self, state):
         raise OSError("disk full")
     monkeypatch.setattr(store_file.StateFile, "write", broken)
-    await up.flush()
+    await up.sync.flush()
     assert ev.Failed(UP, ev.Stage.STATE_WRITE, "OSError") in seen and up.keeper.table.dirty
 
 
@@ -106,11 +106,11 @@ async def test_commands_act_in_memory_at_once_and_in_the_file_soon(up, tmp_path)
     pin = await up.decide(facts(), "f1")
     short = pin.ticket.session.short
     target = (pin.ticket.slot + 1) % 4
-    assert up.move(short, target) == [f"{short} → slot {target} on {UP}"]
+    assert up.sync.move(short, target) == [f"{short} → slot {target} on {UP}"]
     assert (await up.decide(facts(now=1.0), "f2")).ticket.slot == target
     await up.settle()
     assert state_file(tmp_path)["slots"][str(target)]["owner"] == pin.ticket.session.key
-    assert up.release(short) == [f"{short} (slot {target}) on {UP}"] and up.release("ffffffff") == []
+    assert up.sync.release(short) == [f"{short} (slot {target}) on {UP}"] and up.sync.release("ffffffff") == []
     await up.settle()
     assert state_file(tmp_path)["sessions"] == {}
 
@@ -161,11 +161,11 @@ class MessagesServer(FakeLlama):
 async def test_the_messages_probe_finds_out_whether_the_server_honours_id_slot(tmp_path, seen, honours):
     server = MessagesServer(honours)
     up = Upstream(UP, Settings(), tmp_path, seen.append, client=server)
-    assert await up.probe_messages() is honours and up.keeper.messages_native is honours
+    assert await up.prober.probe_messages() is honours and up.keeper.messages_native is honours
     assert ev.MessagesProbed(UP, honours) in seen
     used = MessagesServer(True)
     used.slots_data[2]["n_prompt_tokens"] = 700  # a session's cache: a probe could hit it, so none is sent
-    assert await Upstream(UP, Settings(), tmp_path, seen.append, client=used).probe_messages() is None
+    assert await Upstream(UP, Settings(), tmp_path, seen.append, client=used).prober.probe_messages() is None
     assert used.calls == []
 
 
@@ -215,4 +215,4 @@ async def test_a_huge_slot_count_in_the_state_sizes_nothing_while_the_server_is_
     assert [s["id"] for s in status["slots"]] == [3] and time.monotonic() - t0 < 1
     decision = await up.decide(facts(), "f1")
     assert isinstance(decision, Observe) and up.keeper.total_slots is None
-    await up.reconcile()  # the background look for shared slots ranges over nothing the state says
+    await up.sync.reconcile()  # the background look for shared slots ranges over nothing the state says

@@ -170,7 +170,7 @@ def proxy_options(rec: Recording, work: Path) -> dict[str, object]:
 
 def proxy_command(server_url: str, rec: Recording) -> str:
     """The recording proxy's command line, for the manifest (temp paths and the free port as placeholders)."""
-    argv = mitm_argv(server_url, 0, proxy_options(rec, Path("<work>")), extra=["-w", "<work>/raw.mitm"])
+    argv = mitm_argv(server_url, 0, proxy_options(rec, Path("<work>")), extra=["-w", "<work>/raw.mitm"], quiet=False)
     argv[0], argv[2] = ".venv/bin/mitmdump", "addon.py"
     return " ".join(argv).replace("@127.0.0.1:0", "@127.0.0.1:<free port>")
 
@@ -178,7 +178,7 @@ def proxy_command(server_url: str, rec: Recording) -> str:
 @contextlib.contextmanager
 def proxy(server: LlamaServer, rec: Recording, work: Path) -> Iterator[MitmProxy]:
     """One fresh mitmdump + addon writing `work/raw.mitm`."""
-    with MitmProxy(server.url, proxy_options(rec, work), log_path=str(work / "proxy.log"),
+    with MitmProxy(server.url, proxy_options(rec, work), log_path=str(work / "proxy.log"), quiet=False,
                    extra=["-w", str(work / "raw.mitm")]) as p:
         yield p
 
