@@ -10,6 +10,7 @@ server, and runs the stale-file cleanup once per process and on command.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections import OrderedDict
@@ -20,15 +21,17 @@ from typing import Any
 
 from drivers.llama_http import LlamaClient
 from drivers.store_file import CorruptFile, JsonFile
-from slotlogic import __version__, checkpoint_cleanup
+from slotlogic import __version__, checkpoint_cleanup, costs
 from slotlogic import prefix as pfx
 from slotlogic.checkpoint_machine import Action, Orchestrator, Outcome, Result
+from slotlogic.costs import SlotFileAnswer
 from slotlogic.events import (
     CheckpointForeign,
     CheckpointIndexCorrupt,
     CheckpointStarted,
     CheckpointStep,
     CheckpointWaiting,
+    CostWeighed,
     Event,
     Failed,
     FilesDeleted,
@@ -70,6 +73,8 @@ class CheckpointRunner:
         self.known = registry.known
         self.warned: set[str] = set()
         self.cleaned = False
+        self.on_answer: Callable[[SlotFileAnswer], None] = lambda a: None  # each save/restore's size and time
+        self.rates: Callable[[], costs.Rates] = costs.Rates  # the server's measured speeds (none: restore)
 
     @property
     def persist(self) -> bool:
@@ -81,7 +86,9 @@ class CheckpointRunner:
             stat = os.stat(info.model_path)
             size, mtime = stat.st_size, stat.st_mtime
         return pfx.fingerprint(prefix, model_path=info.model_path, model_size=size, model_mtime=mtime,
-                               build_info=info.build_info, server_id=self.settings.server_id,
+                               build_info=info.build_info,
+                               server_id=self.settings.server_id + ("|kv=" + info.identity["kv_cache"]
+                                                                    if "kv_cache" in info.identity else ""),
                                addon_version=__version__)
 
     def read_index(self) -> dict[str, Any] | None:
@@ -136,8 +143,11 @@ class CheckpointRunner:
         """`built`: a build of this file just ended (here or in another proxy): restore it even if this state
         dir's index does not know it; a failed restore falls back to warming (and saving) as for a cold one."""
         known = self.persist and self.file_known(name, info, built)
+        persist = self.persist
+        if known and (choice := self._weigh(name, slot)) is not None and not choice.worth:
+            known = persist = False  # warming the prefix up is quicker than reading its file: warm, keep the file
         base = self._base(prefix, info, name) if self.persist and not known and not holds_prefix else None
-        orch = Orchestrator(slot, prefix, name, persist=self.persist, holds_prefix=holds_prefix, file_known=known,
+        orch = Orchestrator(slot, prefix, name, persist=persist, holds_prefix=holds_prefix, file_known=known,
                             base=base)
         self.emit(CheckpointStarted(self.upstream, fp, slot))
         while (action := orch.next_action()) is not None:
@@ -161,6 +171,25 @@ class CheckpointRunner:
                 await self.cleanup()
         return orch
 
+    def _weigh(self, name: str, slot: int) -> costs.Choice | None:
+        """Restoring checkpoint `name` against warming its prefix up, at the measured speeds (None: not
+        measured, or its size unknown: restore)."""
+        rates = self.rates()
+        if not rates.measured:
+            return None
+        entry = (self.read_index() or {}).get(name)
+        tokens = entry.get("n_saved") if isinstance(entry, dict) else None
+        if not isinstance(tokens, int) or tokens <= 0:
+            return None
+        size = 0
+        if self.settings.save_dir:
+            with contextlib.suppress(OSError):
+                size = os.stat(Path(self.settings.save_dir) / name).st_size
+        choice = costs.prefix_restore(tokens, size, rates)
+        if choice is not None:
+            self.emit(CostWeighed(self.upstream, slot, None, choice))
+        return choice
+
     def _base(self, prefix: pfx.StablePrefix, info: ServerInfo, name: str) -> str | None:
         """The file of the longest prefix this process knows that `prefix` starts with (same route, tools and
         template arguments), when it is there to restore: a family's prefix is then built on the shared one."""
@@ -180,6 +209,9 @@ class CheckpointRunner:
             body = {"filename": action.filename} if action.filename else None
             status, data = await self.client.post_json(f"/slots/{action.slot}?action={action.kind.value}", body,
                                                         ACTION_TIMEOUT)
+            answer = SlotFileAnswer.parse(action.kind.value, data) if status == 200 else None
+            if answer is not None:
+                self.on_answer(answer)
             return Result(status, data)
         body = dict(action.body or {})
         limit = "max_output_tokens" if action.path.endswith("/responses") else "max_tokens"

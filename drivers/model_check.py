@@ -24,6 +24,7 @@ from drivers import gguf_io
 from drivers.llama_http import LlamaClient
 from slotlogic import capability
 from slotlogic.capability import Throughput, Verdict
+from slotlogic.costs import SlotFileAnswer
 from slotlogic.events import Event, Failed, ModelDescribed, ModelHeader, Probed, Stage
 from slotlogic.model_facts import ModelFacts
 from slotlogic.server import ServerInfo
@@ -37,6 +38,7 @@ class ModelCheck:
                  on_speed: Callable[[float | None], None] = lambda pps: None) -> None:
         self.client = client
         self.on_speed = on_speed  # the measured prefill speed, for answers without timings (Keeper.prefill_speed)
+        self.on_answer: Callable[[SlotFileAnswer], None] = lambda a: None  # the probe save's size and time
         self.emit = emit
         self.upstream = upstream
         self.facts: ModelFacts | None = None
@@ -111,10 +113,19 @@ class ModelCheck:
             self.on_speed(speed.prefill_tok_s)
         in_files = None
         name = capability.probe_file(self.upstream)
-        if facts is not None and status == 200 and settings.save_dir:
+        if (facts is not None or settings.throughput_probe) and status == 200 and settings.save_dir:
             code, saved = await self.client.post_json(f"/slots/{slot}?action=save", {"filename": name},
                                                       PROBE_TIMEOUT)
-            if code == 200 and isinstance(saved, dict) and isinstance(saved.get("n_saved"), int) \
+            answer = SlotFileAnswer.parse("save", saved) if code == 200 else None
+            if answer is not None:
+                self.on_answer(answer)
+            if answer is not None and settings.throughput_probe:  # read back once: the restore speed too
+                code, restored = await self.client.post_json(f"/slots/{slot}?action=restore", {"filename": name},
+                                                             PROBE_TIMEOUT)
+                back = SlotFileAnswer.parse("restore", restored) if code == 200 else None
+                if back is not None:
+                    self.on_answer(back)
+            if facts is not None and isinstance(saved, dict) and isinstance(saved.get("n_saved"), int) \
                     and isinstance(saved.get("n_written"), int):
                 in_files = facts.file_has_checkpoints(saved["n_saved"], saved["n_written"],
                                                       n_streams=info.total_slots)

@@ -33,6 +33,7 @@ from drivers.llama_http import LlamaClient
 from drivers.slot_gate import SlotGate
 from drivers.store import SlotLocks
 from slotlogic.checkpoint_machine import Failure
+from slotlogic.costs import SlotFileAnswer
 from slotlogic.events import Event, Failed, PageFailed, PageGone, PageRejected, PagingLockTimeout, Stage
 from slotlogic.paging import PageFile, PagePlan, restore_checked
 
@@ -72,6 +73,7 @@ class PageRunner:
         self._doomed: set[str] = set()  # replaced page files whose deletion waits (`delete_later`)
         self._waits: dict[int, int] = {}  # slot whose lock is held -> the slot its holder waits for (`wait_free`)
         self.gate: SlotGate = SlotGate(upstream, emit)  # which requests reached the server (Upstream shares its own)
+        self.on_answer: Callable[[SlotFileAnswer], None] = lambda a: None  # each save/restore's size and time
 
     def busy(self, slot: int) -> bool:
         lock = self.locks.get(slot)
@@ -164,10 +166,12 @@ class PageRunner:
                 self.emit(PageGone(self.upstream, plan.restore_file))
                 out.restore_failed = True
             else:
+                asked = time.monotonic()
                 status, data = await self._action(plan.slot, "restore", plan.restore_file)
                 if status == 200 and isinstance(data, dict) and isinstance(data.get("n_restored"), int):
                     check = restore_checked(expected, data["n_restored"])
                     out.server_ms += _ms(data, "restore_ms")
+                    self._measured("restore", data, time.monotonic() - asked)
                     if check is None:
                         out.restored_tokens = data["n_restored"]
                     else:  # the slot holds something other than the page we recorded: not a page-in
@@ -182,15 +186,22 @@ class PageRunner:
 
     async def _save(self, slot: int, filename: str, out: PageOutcome) -> tuple[int, int] | None:
         """Save `slot` into `filename`: (tokens, bytes) written, or None (logged once per failure)."""
+        asked = time.monotonic()
         status, data = await self._action(slot, "save", filename)
         if status == 200 and isinstance(data, dict) and isinstance(data.get("n_saved"), int):
             out.server_ms += _ms(data, "save_ms")
+            self._measured("save", data, time.monotonic() - asked)
             written = data.get("n_written")
             self._private(filename)
             return data["n_saved"], written if isinstance(written, int) else self._size(filename)
         out.missing_save_path |= status == 501
         self.emit(PageFailed(self.upstream, slot, "out", Failure.of(status, data)))
         return None
+
+    def _measured(self, action: str, data: dict[str, Any], wall: float) -> None:
+        answer = SlotFileAnswer.parse(action, data, wall * 1000)
+        if answer is not None:
+            self.on_answer(answer)
 
     async def _action(self, slot: int, action: str, filename: str) -> tuple[int, Any]:
         return await self.client.post_json(f"/slots/{slot}?action={action}", {"filename": filename},

@@ -84,7 +84,10 @@ class ServerProbe:
         """`/props` parsed, with the model file's size and mtime when it is on this machine (a page written
         for another file of the same name must not be restored)."""
         info = ServerInfo.parse(props)
-        if info is None or not info.model_path:
+        if info is None:
+            return info
+        info = self.keeper.facts.with_kv(info)  # the KV cache types: not in /props (slotlogic.kv_types)
+        if not info.model_path:
             return info
         try:
             st = os.stat(info.model_path)

@@ -27,8 +27,19 @@ from drivers.store import StateStore
 from slotlogic import handover, paging, shared
 from slotlogic import prefix as pfx
 from slotlogic.checkpoint_machine import Outcome
+from slotlogic.costs import SlotFileAnswer
 from slotlogic.decisions import NeedSlot
-from slotlogic.events import CheckpointDone, Event, Failed, HandedOver, NoSavePath, Paged, SourceAwaited, Stage
+from slotlogic.events import (
+    CheckpointDone,
+    CostWeighed,
+    Event,
+    Failed,
+    HandedOver,
+    NoSavePath,
+    Paged,
+    SourceAwaited,
+    Stage,
+)
 from slotlogic.handover import Handover
 from slotlogic.keeper import Keeper, Placement
 from slotlogic.ledger import Cause, Fence, Holds
@@ -63,6 +74,7 @@ class SlotMover:
         self.registry = PrefixRegistry()  # this server's own, until it joins a pool (`share`)
         self.pages: PageRunner | None = None
         self.checkpoints: CheckpointRunner | None = None
+        self.on_answer: Callable[[SlotFileAnswer], None] = lambda a: None  # each save/restore (drivers.slot_speeds)
         self._told_no_save_path = False
         self._swept = False
 
@@ -83,6 +95,7 @@ class SlotMover:
             if self.pages is None or self.pages.save_dir != Path(s.save_dir):
                 self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
                 self.pages.gate = self.gate
+            self.pages.on_answer = self.on_answer
             self.pages.max_bytes = s.page_max_bytes
             self.pages.shared = self.store.slot_locks
         else:
@@ -91,6 +104,8 @@ class SlotMover:
             self.checkpoints = None
         elif self.checkpoints is None or self.checkpoints.settings != s or self.checkpoints.index.dir != self.state_dir:
             self.checkpoints = CheckpointRunner(self.client, self.state_dir, s, self.emit, self.url, self.registry)
+            self.checkpoints.on_answer = self.on_answer
+            self.checkpoints.rates = self.keeper.rates
 
     def stopped(self, flow_id: str) -> None:
         """A placement planned again: its request did not go; the next pager of its slot may go."""
@@ -210,6 +225,8 @@ class SlotMover:
                 slot, key, view, sent=self.pages.last_sent.get(slot), views=views, stable_chars=stable_chars,
                 cold=cold, copy_live=False, given=given,
                 ours=self.gate.last_started.get(slot))
+        for choice in plan.choices:
+            self.emit(CostWeighed(self.url, slot, choice.session[:8] or None, choice))
         if plan.empty:
             return Moved.NOTHING, fence  # nothing to move, but our request must still go after the page-in before it
         if plan.restore_file is not None and not self.keeper.turns.fence_holds(fence):

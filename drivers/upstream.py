@@ -45,6 +45,7 @@ from drivers.server_auth import ServerAuth
 from drivers.server_probe import Facts, ServerProbe
 from drivers.slot_gate import SlotGate
 from drivers.slot_moves import SlotMover
+from drivers.slot_speeds import SlotSpeeds
 from drivers.slot_wait import SlotWaits
 from drivers.state_sync import StateSync
 from drivers.store import StateStore
@@ -108,6 +109,8 @@ class Upstream:
                                builds=builds)  # pages and prefix checkpoints
         self.handovers = Handovers(url, self.keeper, self.store, emit, self.gate)  # slots other proxies take
         self.model = ModelCheck(self.client, emit, url, on_speed=self.keeper.outcomes.probed)
+        self.speeds = SlotSpeeds(url, self.keeper, self.model, emit, lambda: self.settings)  # every save/restore
+        self.model.on_answer = self.mover.on_answer = self.speeds
         self.tasks = Tasks()  # background work an answer or a command started
         self.prober = ServerProbe(url, self.client, self.keeper, emit, self.model, self.tasks, loaded=loaded,
                                  on_checked=lambda: self._runners(self.settings))

@@ -69,9 +69,21 @@ class _Collector(Collector):
         live = GaugeMetricFamily("slotkeeper_live_sessions", "Sessions used within slots_ttl, per server.",
                                  labels=["server"])
         for up in self.rt.upstreams.values():
-            n = sum(1 for a in up.keeper.table.sessions.values() if now - a.last_used < up.settings.ttl)
-            live.add_metric([up.url], n)
+            live.add_metric([up.url], up.keeper.table.live_count(now))
         yield live
+        speeds = {name: GaugeMetricFamily(f"slotkeeper_{name}", doc, labels=["server"]) for name, doc in (
+            ("prefill_tokens_per_second", "Measured prompt tokens a second (moving average; absent: not measured)."),
+            ("slot_save_bytes_per_second", "Measured slot save throughput (moving average of save answers)."),
+            ("slot_restore_bytes_per_second", "Measured slot restore throughput (moving average of restore answers)."),
+            ("kv_bytes_per_token", "KV cache bytes a token, learned from slot save answers (n_written / n_saved)."))}
+        for up in self.rt.upstreams.values():
+            r = up.keeper.rates()
+            for name, v in (("prefill_tokens_per_second", r.prefill_tps), ("slot_save_bytes_per_second", r.save_bps),
+                            ("slot_restore_bytes_per_second", r.restore_bps),
+                            ("kv_bytes_per_token", r.kv_bytes_per_token)):
+                if v is not None:
+                    speeds[name].add_metric([up.url], v)
+        yield from speeds.values()
         pool = self.rt.pool
         up_fam = GaugeMetricFamily("slotkeeper_server_up", "1 while the server answers (slots_upstreams).",
                                    labels=["server"])

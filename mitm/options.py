@@ -125,7 +125,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("slots_throughput_probe", bool, False,
            "At start, one short completion of the proxy's own text into an empty slot measures "
            "prefill and decode speed (status view; prefill seconds saved for answers without "
-           "timings)."),
+           "timings); with slots_save_dir, its slot is saved and restored once: the save and restore "
+           "speeds and the KV cache type the cost model uses from the start."),
     Option("slots_upstreams", Sequence[str], [],
            "More llama-servers (or llama-swap URLs) serving the same model, behind this one "
            "endpoint (repeat --set); the reverse-mode target is the first. Each request goes to "

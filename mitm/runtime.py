@@ -144,7 +144,7 @@ class Runtime:
 
     def finished(self, flow_id: str, report: Report) -> None:
         up = self.upstreams.get(report.upstream)
-        self.tally.report(report, up.keeper.outcomes.prefill_speed if up is not None else None)
+        self.tally.report(report, up.keeper.outcomes.probed_speed() if up is not None else None)
         self.board.report(report, time.time())
         if self.pool is not None:
             self.pool.ended_url(report.upstream)

@@ -13,6 +13,7 @@ from enum import Enum
 
 from slotlogic.affinity import Learn
 from slotlogic.checkpoint_machine import Failure, Note, Outcome
+from slotlogic.costs import Choice
 from slotlogic.ledger import Cause
 from slotlogic.model_facts import ModelFacts
 from slotlogic.paging import PageCheck
@@ -327,6 +328,38 @@ class Probed(Event):
     prompt_n: int | None
     predicted_n: int | None
     checkpoints_in_files: bool | None
+
+
+@dataclass(frozen=True)
+class SpeedsMeasured(Event):
+    """The first slot save or restore throughput measured on a server (`slotlogic.costs.Speeds`): from then on
+    each page and prefix move is weighed by its cost."""
+
+    direction: str                      # "save" | "restore"
+    bytes_per_s: float
+    kv_bytes_per_token: float | None
+    prefill_tok_s: float | None
+
+
+@dataclass(frozen=True)
+class KvCacheLearned(Event):
+    """A save's size showed the server's KV cache types (`slotlogic.kv_types`): pages and checkpoints are
+    recorded with them, and ones saved under other types are not restored."""
+
+    kv_cache: str        # "K/V" as found
+    configured: str      # what `slots_cache_type` says
+
+
+@dataclass(frozen=True)
+class CostWeighed(Event):
+    """A slot move weighed by its cost (`slotlogic.costs.Choice`): what it would take and what prefilling the
+    same tokens would, and whether it was made."""
+
+    slot: int
+    session: str | None                 # 8-hex session the move concerns
+    choice: Choice
+
+
 # ------------------------------------------------------------------------------------------- scale-out
 
 

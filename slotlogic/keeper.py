@@ -24,6 +24,7 @@ from typing import Any
 
 from slotlogic import (
     affinity,
+    costs,
     handover,
     placement,
     rewrite,
@@ -146,6 +147,15 @@ class Keeper:
     def prefill_estimate(self) -> float | None:
         """Prompt tokens a second on this server: its recent answers', else the start-up probe's."""
         return self._outcomes.prefill_estimate()
+
+    @property
+    def speeds(self) -> costs.Speeds:
+        """Slot save/restore throughput and KV bytes a token, measured (the drivers feed it every answer)."""
+        return self._outcomes.speeds
+
+    def rates(self) -> costs.Rates:
+        """The measured speeds the cost of a slot move is weighed with (`slotlogic.costs`)."""
+        return self._outcomes.rates()
 
     def reconfigure(self, settings: Settings) -> None:
         """A changed option: the new settings replace the old whole; what the proxy learned stays."""
@@ -290,13 +300,11 @@ class Keeper:
         pending = self.ledger.claimed_slots()  # placements under way there: busy, as their requests soon are
         before = shared.views(state, total, list(live) if live is not None else None, self._table, pending)
         ticket.facts = {"props": dict(info.raw or {}), "slots": slot_facts(live)}
-        choice = placement.assign(self.settings, state, ticket.session.key, need.prefix, live, total, now,
-                                  side=ticket.side, local=self._table, displaced_from=need.displaced_from,
-                                  resume=ticket.session.key not in self._table.misplaced,
-                                  client_slot=rewrite.trusted_client_slot(need.body, total,
-                                                                          self.settings.override_client),
-                                  pending=pending,
-                                  written_over=self.ledger.moved_on)
+        who = placement.Seeker(ticket.session.key, need.prefix, ticket.side, need.displaced_from,
+                               resume=ticket.session.key not in self._table.misplaced,
+                               client_slot=rewrite.trusted_client_slot(need.body, total, self.settings.override_client))
+        choice = placement.assign(self.settings, state, who,
+                                  placement.SlotsSeen(live, total, self._table, pending, self.ledger.moved_on), now)
         dropped = shared.compact(state, now, SESSION_KEEP_SECONDS, self.settings.state_max_sessions)
         self._pager.load(state.pages)
         if choice.why is not Why.SIDE_CALL:

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from slotlogic import affinity, anthropic, anthropic_answer, shared
+from slotlogic import affinity, anthropic, anthropic_answer, costs, shared
 from slotlogic.answers import Observation
 from slotlogic.decisions import Report, Ticket
 from slotlogic.events import ContextOverflow, Event, SlotLearned, TokensLost
@@ -45,10 +45,19 @@ class Outcomes:
         self.learned: list[SlotLearned] = []  # affinity: slots learned from answers, for the driver to log
         self.prefill_speed: float | None = None  # the start-up probe's prefill tok/s (answers without timings)
         self.prefill_rate: float | None = None   # prompt tok/s of this server's recent answers (a moving average)
+        self.speeds = costs.Speeds()  # slot save/restore throughput, KV bytes a token, the prefill fit (the drivers')
 
     def prefill_estimate(self) -> float | None:
         """Prompt tokens a second on this server: its recent answers', else the start-up probe's."""
         return self.prefill_rate or self.prefill_speed
+
+    def rates(self) -> costs.Rates:
+        """The measured speeds a slot move's cost is weighed with (`slotlogic.costs`)."""
+        return self.speeds.rates(self.prefill_estimate())
+
+    def probed_speed(self) -> float | None:
+        """The start-up probe's prefill tok/s (what answers without timings are counted at)."""
+        return self.prefill_speed
 
     def probed(self, prefill_tok_s: float | None) -> None:
         """The start-up probe's measured prefill speed (for answers that carry no timings)."""
@@ -80,6 +89,7 @@ class Outcomes:
         if pps and obs.prompt_n and obs.prompt_n >= RATE_MIN_TOKENS:
             old = self.prefill_rate
             self.prefill_rate = pps if old is None else old + RATE_WEIGHT * (pps - old)
+            self.speeds.prefill(obs.prompt_n, obs.cache_n, pps)
         while len(self.stats) > MAX_STATS:
             self.stats.popitem(last=False)
         return Report(ticket, obs, slot, path, self.upstream, seconds, loss)
@@ -166,6 +176,7 @@ class Outcomes:
     def sessions_view(self) -> dict[str, Any]:
         """The status view's part: seconds of prefill saved, and each session's counters (hashes and counts)."""
         return {
+            "speeds": self.rates().as_dict(),
             "prefill_s_saved": round(sum(st.saved_s for st in self.stats.values()), 2),
             "sessions": {k[:8]: {"slot": s.slot, "requests": s.requests, "prefill_tokens": s.prefill,
                                  "cached_tokens": s.cached,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from slotlogic import handover, paging, shared
+from slotlogic import costs, handover, paging, shared
 from slotlogic import lead as leads
 from slotlogic import prefix as pfx
 from slotlogic.decisions import NeedSlot, Report
@@ -36,6 +36,8 @@ class PagerHost(Protocol):
     def instance(self) -> str: ...
 
     def prefill_estimate(self) -> float | None: ...
+
+    def rates(self) -> costs.Rates: ...
 
 
 class Pager:
@@ -86,7 +88,32 @@ class Pager:
         copied in, and the checkpoint is built from that copy (a warm-up of a few tokens, not of the prefix).
         `copy_live=False`: no live slot may be saved for it (another placement pages that slot). `given`: the
         other proxy's answer to this placement's handover, with `ours` (this process's last request there to reach
-        the server): the later of the two is the slot's holder (`handover.holder`)."""
+        the server): the later of the two is the slot's holder (`handover.holder`). Each move is then weighed
+        by its cost once the server's speeds are measured (`slotlogic.costs.judge`)."""
+        plan, holder, tokens = self._plan(slot, session_key, view, sent, views, stable_chars, cold, copy_live, given,
+                                          ours)
+        return self._judged(plan, holder, tokens)
+
+    def _judged(self, plan: paging.PagePlan, holder: str | None, tokens: int | None) -> paging.PagePlan:
+        """`plan` without the moves that cost more than the prefill they spare (`slotlogic.costs.judge`)."""
+        rates = self.host.rates()
+        if plan.empty or not rates.measured:
+            return plan
+        if tokens is None and holder:
+            tokens = self.ledger.conversations.get(holder) or None
+        rec = self.index.get(plan.restore_for or "")
+        restore_bytes = rec.bytes if rec is not None and rec.file == plan.restore_file else 0
+        seed, seed_tokens = plan.seed, 0
+        if seed is not None and seed.slot is not None:  # a live slot saved, then restored here
+            seed_tokens = seed.chars // paging.CHARS_PER_TOKEN if seed.chars else \
+                self.ledger.conversations.get(seed.source, 0)
+        return costs.judge(plan, rates, holder_tokens=tokens, restore_bytes=restore_bytes, seed_tokens=seed_tokens)
+
+    def _plan(self, slot: int, session_key: str, view: SlotView, sent: tuple[str, float] | None,
+              views: Sequence[SlotView], stable_chars: int, cold: pfx.StablePrefix | None, copy_live: bool,
+              given: Handover | None, ours: tuple[str, float] | None
+              ) -> tuple[paging.PagePlan, str | None, int | None]:
+        """`page_plan` before its costs are weighed, with the slot's holder and its tokens (None: unknown)."""
         model = self.page_identity
         holder, tokens = (handover.holder(given, ours), None) if given is not None else self._holder(slot, view, sent)
         # An older copy (its conversation went on elsewhere) is nobody's page. After a handover our ledger has
@@ -104,15 +131,16 @@ class Pager:
         plan = paging.plan(slot, session_key, holder, tokens, self.index, self.upstream, model, holds_own=holds_own,
                            salt=salt)
         if plan.restore_file is not None:
-            return self._current_page(plan, session_key, salt) if copy_live else plan
+            return (self._current_page(plan, session_key, salt) if copy_live else plan), holder, tokens
         if holder == session_key or holds_own:
-            return plan
+            return plan, holder, tokens
         if copy_live:  # no page, but its conversation is whole in another slot (its claim there is still to run)
             live = self._current_page(plan, session_key, salt)
             if live is not plan:
-                return live
+                return live, holder, tokens
         seed = self._any_seed(slot, session_key, holder, view, views, stable_chars, cold)
-        return paging.seeded(plan, seed, self.index, self.upstream, salt) if seed is not None else plan
+        seeded = paging.seeded(plan, seed, self.index, self.upstream, salt) if seed is not None else plan
+        return seeded, holder, tokens
 
     def _current_page(self, plan: paging.PagePlan, key: str, salt: str) -> paging.PagePlan:
         """A page older than the conversation it stands for (or no page at all) is not current: when the ledger

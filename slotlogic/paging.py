@@ -32,10 +32,14 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from slotlogic import lead as leads
 from slotlogic.lead import Lead
 from slotlogic.ranking import SlotView
+
+if TYPE_CHECKING:
+    from slotlogic.costs import Choice
 
 FILE_RE = re.compile(r"^page-[0-9a-f]{20}\.bin$")
 MIN_TOKENS = 64  # below this a prefill is cheaper than the bookkeeping (and it is mostly a bare prompt)
@@ -78,6 +82,7 @@ class PagePlan:
     restore_tokens: int = 0          # 0 for a seed saved from a live slot: what that save wrote
     seed: Seed | None = None         # the restore is another session's conversation, a start for ours
     seed_file: str | None = None     # where the seed's live slot is saved first (the source's new page)
+    choices: tuple[Choice, ...] = ()  # the moves weighed by their cost (`slotlogic.costs.judge`), for the log
 
     @property
     def empty(self) -> bool:

@@ -13,6 +13,7 @@ Rule 4: a trusted client's own valid `id_slot` (`slots_override_client=false`) i
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from slotlogic import ranking, shared, sidecalls
@@ -22,18 +23,41 @@ from slotlogic.settings import Settings
 from slotlogic.table import SessionTable
 
 
-def assign(cfg: Settings, state: shared.ServerState, session_key: str, prefix: str | None,
-           live_slots: Sequence[dict[str, Any]] | None, total_slots: int, now: float, *,
-           side: bool = False, local: SessionTable | None = None, displaced_from: int | None = None,
-           resume: bool = True, client_slot: int | None = None, pending: Collection[int] = (),
-           written_over: Callable[[int, str], bool] | None = None) -> Choice:
+@dataclass(frozen=True)
+class Seeker:
+    """Who asks for a slot. `displaced_from`: the slot a displaced session was on; `resume=False` (a session
+    found sharing its slot with another process's, `slotlogic.reconcile`) ranks even when the state says the
+    slot is still its own; `client_slot`: a trusted client's own valid `id_slot`."""
+
+    key: str
+    prefix: str | None            # what the ranking compares slot contents by
+    side: bool = False
+    displaced_from: int | None = None
+    resume: bool = True
+    client_slot: int | None = None
+
+
+@dataclass(frozen=True)
+class SlotsSeen:
+    """The server's slots as this process sees them for one placement. `pending`: slots other placements of
+    this process have chosen and not yet sent their request to (ranked as busy). `written_over(slot, session)`:
+    this process knows the slot no longer holds the session's conversation (a side call or another session
+    wrote it since): its claim there is not resumed."""
+
+    live: Sequence[dict[str, Any]] | None   # `/slots` as read (None: unknown)
+    total: int
+    local: SessionTable | None = None       # this process's session table
+    pending: Collection[int] = ()
+    written_over: Callable[[int, str], bool] | None = None
+
+
+def assign(cfg: Settings, state: shared.ServerState, who: Seeker, slots: SlotsSeen, now: float) -> Choice:
     """Choose and claim a slot for a session the table does not hold, or one displaced from
-    `displaced_from`. A side call learns the slot count here on a server's first request. `resume=False`
-    (a session found sharing its slot with another process's, `slotlogic.reconcile`) ranks even when the
-    state file says the slot is still its own. `pending`: slots other placements of this process have chosen
-    and not yet sent their request to (ranked as busy). `written_over(slot, session)`: this process knows the
-    slot no longer holds the session's conversation (a side call or another session wrote it since): its claim
-    there is not resumed."""
+    `who.displaced_from`. A side call learns the slot count here on a server's first request."""
+    session_key, prefix, side, displaced_from = who.key, who.prefix, who.side, who.displaced_from
+    resume, client_slot = who.resume, who.client_slot
+    live_slots, total_slots, local, pending, written_over = (slots.live, slots.total, slots.local, slots.pending,
+                                                             slots.written_over)
     reserved = sidecalls.side_slot(total_slots, cfg.side_slot)
     if side and reserved is not None:
         return Choice(reserved, Why.SIDE_CALL)

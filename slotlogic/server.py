@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PROPS_FACTS = ("total_slots", "media_marker", "build_info", "model_path", "default_generation_settings")
+DEFAULT_KV = "f16/f16"  # llama-server's default -ctk/-ctv
 SLOT_FACTS = ("id", "n_ctx", "is_processing", "n_prompt_tokens")
 
 
@@ -41,6 +42,7 @@ class ServerInfo:
     raw: Mapping[str, Any] | None = None  # the `/props` keys in PROPS_FACTS, for the recorded facts
     model_size: int | None = None     # the model file as this machine sees it (the driver stats it)
     model_mtime: float | None = None
+    kv_cache: str | None = None       # the KV cache types "K/V" (`slotlogic.kv_types`): not in /props, the driver's
 
     @classmethod
     def parse(cls, props: Any) -> ServerInfo | None:
@@ -62,18 +64,23 @@ class ServerInfo:
 
     def page_identity(self, server_id: str = "") -> str:
         """What a session page must match to be restored: the checkpoint sidecar's facts plus the model file's
-        size and mtime and the operator's `slots_server_id`. The KV cache type (`-ctk/-ctv`) and flash
-        attention are not reported over HTTP; a page written under others fails the restore or the check
-        after it (docs/reliability.md)."""
-        parts = (self.model_path, self.model_size, self.model_mtime, self.build_info, self.n_ctx, self.total_slots,
-                 server_id)
+        size and mtime, the operator's `slots_server_id` and the KV cache types (`kv_cache`: configured, or read
+        off a save's size). Flash attention is not reported over HTTP; a page written under another setting
+        fails the restore or the check after it (docs/reliability.md)."""
+        parts: tuple[object, ...] = (self.model_path, self.model_size, self.model_mtime, self.build_info, self.n_ctx,
+                                     self.total_slots, server_id)
+        if self.kv_cache not in (None, DEFAULT_KV):  # the default leaves older pages' identity as it was
+            parts += (self.kv_cache,)
         return "p1:" + hashlib.sha256(repr(parts).encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
     @property
     def identity(self) -> dict[str, Any]:
         """What a slot file's sidecar records and a restore must match."""
-        return {"build_info": self.build_info, "model_path": self.model_path, "total_slots": self.total_slots,
-                "n_ctx": self.n_ctx}
+        out: dict[str, Any] = {"build_info": self.build_info, "model_path": self.model_path,
+                               "total_slots": self.total_slots, "n_ctx": self.n_ctx}
+        if self.kv_cache not in (None, DEFAULT_KV):
+            out["kv_cache"] = self.kv_cache
+        return out
 
 
 def slot_facts(live: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:

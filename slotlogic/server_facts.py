@@ -9,9 +9,10 @@ ledger (a restart loses every slot's content, except what a request sent since w
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
-from slotlogic import shared
+from slotlogic import kv_types, shared
 from slotlogic.events import Event, PoolResized, ServerRestarted
 from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
 from slotlogic.ledger import Cause, Ledger
@@ -29,6 +30,27 @@ class ServerFacts:
         self.server: ServerInfo | None = None   # the last `/props` seen
         self.total_slots: int | None = None     # the last known slot count
         self.messages_native: bool | None = None  # the server honours id_slot on /v1/messages (probed)
+        # (media_marker, "K/V"): the KV cache types a save's size showed that server process (`slotlogic.kv_types`)
+        self.kv_learned: tuple[str | None, str] | None = None
+
+    def with_kv(self, info: ServerInfo) -> ServerInfo:
+        """`info` (a `/props` just parsed) with its KV cache types: what this server process's saves showed,
+        else the option's (`slots_cache_type`). A restarted server's are learned again."""
+        learned = self.kv_learned
+        s = self.settings
+        kv = learned[1] if learned is not None and learned[0] == info.media_marker else \
+            kv_types.label(s.cache_type_k, s.cache_type_v)
+        return replace(info, kv_cache=kv)
+
+    def kv_seen(self, kv: tuple[str, str]) -> bool:
+        """A save's size showed the server's KV cache types: pages and checkpoints are recorded under them from
+        now on; True when they differ from what was assumed (worth a warning)."""
+        info, label = self.server, kv_types.label(*kv)
+        if info is None or info.kv_cache == label:
+            return False
+        self.kv_learned = (info.media_marker, label)
+        self.server = replace(info, kv_cache=label)
+        return True
 
     def page_identity(self) -> str:
         """What a page written now must match to be restored later (`ServerInfo.page_identity`)."""

@@ -221,6 +221,11 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
     ev.ModelHeader: lambda e: (Level.INFO if e.status == "ok" else Level.WARNING, _model_header(e)),
     ev.ModelDescribed: lambda e: (Level.INFO, _described(e)),
     ev.Probed: lambda e: (Level.INFO, _probed(e)),
+    ev.SpeedsMeasured: lambda e: (Level.INFO, _speeds(e)),
+    ev.CostWeighed: lambda e: (Level.INFO, _weighed(e)),
+    ev.KvCacheLearned: lambda e: (Level.WARNING, f"{e.upstream} runs with KV cache {e.kv_cache} (a slot save's size "
+                                                f"says so), not {e.configured} as slots_cache_type says: pages and "
+                                                "checkpoints follow the server; set slots_cache_type to match"),
     ev.Waiting: lambda e: (Level.INFO, f"{e.path} session={e.session} waiting {_secs(e.waited)} for its first "
                                        f"byte: {waiting(e)}"),
     ev.RequestEnded: lambda e: (Level.WARNING, _ended(e)),
@@ -332,6 +337,34 @@ def _described(e: ev.ModelDescribed) -> str:
     return ("\n" + PREFIX).join(map(printable, lines))
 
 
+def _speeds(e: ev.SpeedsMeasured) -> str:
+    kv = f", KV {fmt(round(e.kv_bytes_per_token))} bytes/token" if e.kv_bytes_per_token else ""
+    pre = f", prefill {e.prefill_tok_s:,.0f} tok/s" if e.prefill_tok_s else ""
+    return (f"{e.upstream} slot {e.direction} speed {_rate(e.bytes_per_s)}{kv}{pre}: page and prefix moves are "
+            "weighed against prefilling from now on")
+
+
+def _rate(bps: float) -> str:
+    return f"{bps / 1e9:.2f} GB/s" if bps >= 1e9 else f"{bps / 1e6:.0f} MB/s"
+
+
+def _weighed(e: ev.CostWeighed) -> str:
+    c = e.choice
+    who = f"session {e.session} " if e.session else ""
+    mb = f"{c.bytes / 1e6:,.1f} MB" if c.bytes >= 1e5 else f"{c.bytes / 1e3:,.0f} KB"
+    size = f"({fmt(c.tokens)} tokens, {mb})"
+    move = {"page-in": "restore", "page-out": "save+restore", "live-seed": "copy", "prefix": "restore"}[c.move.value]
+    verb = {"page-in": ("paged in", "prefilled instead of paging in"),
+            "page-out": ("paged out", "let go instead of paging out"),
+            "live-seed": ("seeded from a live slot", "prefilled instead of a live-slot seed"),
+            "prefix": ("prefix restored", "prefix warmed up instead of restored")}[c.move.value][0 if c.worth else 1]
+    return f"slot {e.slot}: {verb} {who}{size}: {move} ~{_est(c.move_s)} vs prefill ~{_est(c.prefill_s)}"
+
+
+def _est(s: float) -> str:
+    return f"{s * 1000:.0f} ms" if s < 0.1 else _secs(s)
+
+
 def _probed(e: ev.Probed) -> str:
     if e.slot is None:
         return (f"start-up probe skipped on {e.upstream}: no empty idle slot (the probe never overwrites a "
@@ -427,6 +460,11 @@ def event_record(event: ev.Event) -> dict[str, Any] | None:
         return {"kind": "page", "upstream": event.upstream, "slot": event.slot, "out": event.out,
                 "out_tokens": event.out_tokens, "in": event.into, "in_tokens": event.in_tokens, "seed": event.seed,
                 "seconds": round(event.seconds, 4), "server_ms": round(event.server_ms, 2)}
+    if isinstance(event, ev.CostWeighed):
+        c = event.choice
+        return {"kind": "cost", "upstream": event.upstream, "slot": event.slot, "session": event.session,
+                "move": c.move.value, "tokens": c.tokens, "bytes": c.bytes, "move_s": round(c.move_s, 4),
+                "prefill_s": round(c.prefill_s, 4), "moved": c.worth}
     if isinstance(event, ev.HandedOver):
         return {"kind": "handover", "upstream": event.upstream, "slot": event.slot, "seconds": round(event.seconds, 3),
                 "answered": event.answered, "role": "giver" if event.giver else "taker", "session": event.session}

@@ -15,7 +15,7 @@ from drivers.upstream import Upstream
 from slotlogic import capability, wording
 from slotlogic.answers import Observation
 from slotlogic.decisions import RequestFacts
-from slotlogic.events import Event, ModelDescribed, ModelHeader, Probed
+from slotlogic.events import Event, ModelDescribed, ModelHeader, Probed, SpeedsMeasured
 from slotlogic.model_facts import ModelFacts, ReuseKind
 from slotlogic.settings import CheckpointMode, Settings
 from tests.conftest import FakeLlama
@@ -101,7 +101,11 @@ class ProbeLlama(FakeLlama):
             return 200, {"timings": {"prompt_per_second": 250.0, "predicted_per_second": 50.0, "prompt_n": 300,
                                      "predicted_n": 24}}
         if path.endswith("action=save"):
-            return 200, {"n_saved": 323, "n_written": self.facts.slot_file_bytes(323, n_streams=2) + self.extra}
+            return 200, {"n_saved": 323, "n_written": self.facts.slot_file_bytes(323, n_streams=2) + self.extra,
+                         "timings": {"save_ms": 2.0}}
+        if path.endswith("action=restore"):
+            return 200, {"n_restored": 323, "n_read": self.facts.slot_file_bytes(323, n_streams=2) + self.extra,
+                         "timings": {"restore_ms": 1.0}}
         return 200, {}
 
 
@@ -136,7 +140,7 @@ async def test_a_sliding_window_model_keeps_slot_files_only_where_the_probe_save
     assert llama.posts[0][1]["id_slot"] == 1 and llama.posts[1][1]["filename"].startswith("slotkeeper-probe-")
     assert (up.pages is not None) == files and up.checkpoints is not None
     assert up.checkpoints.persist == files                        # disk checkpoints off, memory warm-ups stay
-    assert [type(e) for e in events] == [ModelHeader, Probed, ModelDescribed]
+    assert [type(e) for e in events] == [ModelHeader, SpeedsMeasured, Probed, ModelDescribed]  # the save's speed
     text = "\n".join(wording.event_line(e)[1] for e in events)
     assert "model: gemma3, 12 layers" in text and "slot file ~" in text
     if files:
@@ -161,10 +165,18 @@ async def test_the_throughput_probe_feeds_the_status_and_the_seconds_saved(tmp_p
     path = write_gguf(tmp_path / "llama.gguf", "llama", lambda w: common(w, 4), vocab=100)
     llama = ProbeLlama(path, 0)
     up, events = await start(tmp_path, llama, throughput_probe=True)
-    assert [p for p, _ in llama.posts] == ["/completion", "/slots/1?action=erase"]   # no save: nothing to learn
+    # the probe's file is saved and read back once: the slot save and restore speeds (slotlogic.costs)
+    assert [p for p, _ in llama.posts] == ["/completion", "/slots/1?action=save", "/slots/1?action=restore",
+                                           "/slots/1?action=erase"]
     assert up.pages is not None and up.status_now()["throughput"] == {"prefill_tok_s": 250.0, "decode_tok_s": 50.0}
-    assert "start-up probe on slot 1: prefill 250 tok/s (300 tokens), decode 50 tok/s (24 tokens)" in \
-        wording.event_line(events[1])[1]
+    text = "\n".join(wording.event_line(e)[1] for e in events if wording.logged(e))
+    assert "start-up probe on slot 1: prefill 250 tok/s (300 tokens), decode 50 tok/s (24 tokens)" in text
+    per_token = llama.facts.slot_file_bytes(323, n_streams=2) / 323
+    speeds = up.status_now()["speeds"]
+    assert speeds["prefill_tok_s"] == 250.0 and speeds["kv_bytes_per_token"] == round(per_token)
+    assert speeds["save_mb_s"] == round(per_token * 323 / 0.002 / 1e6, 1)
+    assert speeds["restore_mb_s"] == round(per_token * 323 / 0.001 / 1e6, 1)
+    assert "slot save speed" in text and "slot restore speed" in text
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode()
     decision = up.keeper.request(RequestFacts("POST", "/v1/messages", (), body, 0.0))
     up.answered(decision.ticket, Observation(cache_n=500, prompt_n=20), path="/v1/messages", seconds=0.1)

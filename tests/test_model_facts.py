@@ -342,7 +342,8 @@ async def test_the_reader_runs_off_the_event_loop():
     print(f"SmolLM2 header via GGUFReader: {read.seconds:.2f} s, peak RSS +{read.peak_rss_growth / 1e6:.0f} MB; "
           f"event-loop ticks {len(gaps)}, longest gap {max(gaps) * 1000:.0f} ms")
     assert facts is not None and read.status is gguf_io.ReadStatus.OK
-    assert len(gaps) > 10 and max(gaps) < 0.25
+    # the read takes ~2 s: a gap well under it shows it ran off the loop (0.25 s was missed once at load 13)
+    assert len(gaps) > 10 and max(gaps) < 0.5
     t0 = time.perf_counter()
     assert (await gguf_io.model_facts_async(model_path()))[1] is read   # the second time: the cache
     assert time.perf_counter() - t0 < 0.1

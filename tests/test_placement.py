@@ -15,7 +15,7 @@ from slotlogic.table import SessionTable
 def test_assign_resumes_owned_slot_after_proxy_restart():
     state = st.ServerState("u", total_slots=4)
     st.claim(state, "k", 2, 0.0, requests=5)
-    choice = placement.assign(Settings(), state, "k", None, [], 4, 60.0)
+    choice = placement.assign(Settings(), state, placement.Seeker("k", None), placement.SlotsSeen([], 4), 60.0)
     assert (choice.slot, choice.why) == (2, Why.RESUMED) and state.sessions["k"].requests == 6
 
 
@@ -23,13 +23,14 @@ def test_assign_does_not_resume_a_slot_taken_by_a_live_session():
     state = st.ServerState("u", total_slots=2)
     st.claim(state, "k", 0, 0.0)
     st.claim(state, "other", 0, 50.0)
-    choice = placement.assign(Settings(), state, "k", None, [], 2, 60.0)
+    choice = placement.assign(Settings(), state, placement.Seeker("k", None), placement.SlotsSeen([], 2), 60.0)
     assert choice.slot == 1 and state.slots[1].owner == "k"
 
 
 def test_assign_claims_distinct_slots_in_a_row():
     state = st.ServerState("u", total_slots=3)
-    got = [placement.assign(Settings(), state, f"s{i}", None, [], 3, float(i)).slot for i in range(3)]
+    got = [placement.assign(Settings(), state, placement.Seeker(f"s{i}", None), placement.SlotsSeen([], 3),
+                            float(i)).slot for i in range(3)]
     assert sorted(got) == [0, 1, 2]
 
 
@@ -58,7 +59,8 @@ def two_sessions_and_a_displacer(table: SessionTable, state: st.ServerState, t_b
 def test_a_displaced_session_moves_only_where_it_costs_little(t_b, expected):
     table, state = SessionTable(120), st.ServerState("u", total_slots=3)
     two_sessions_and_a_displacer(table, state, t_b=t_b)
-    choice = placement.assign(Settings(), state, "A", None, [], 3, 22.0, local=table, displaced_from=0)
+    choice = placement.assign(Settings(), state, placement.Seeker("A", None, displaced_from=0),
+                              placement.SlotsSeen([], 3, table), 22.0)
     assert choice == expected
     assert state.slots[expected.slot].owner == "A"
 
@@ -68,9 +70,10 @@ def test_a_displaced_session_takes_a_free_slot_and_ignores_the_spawn_rule():
     look like a waiting parent; a displaced session is nobody's subagent."""
     table, state = SessionTable(120), st.ServerState("u", total_slots=4)
     two_sessions_and_a_displacer(table, state, t_b=19.0)
-    choice = placement.assign(Settings(), state, "A", None, [], 4, 22.0, local=table, displaced_from=0)
+    choice = placement.assign(Settings(), state, placement.Seeker("A", None, displaced_from=0),
+                              placement.SlotsSeen([], 4, table), 22.0)
     assert choice == Choice(3, Why.FREE_EMPTY)
-    newcomer = placement.assign(Settings(), state, "D", None, [], 4, 22.5, local=table)
+    newcomer = placement.assign(Settings(), state, placement.Seeker("D", None), placement.SlotsSeen([], 4, table), 22.5)
     assert newcomer.why is Why.EVICT_WAITING_PARENT
 
 
@@ -82,8 +85,8 @@ def test_the_side_call_slot_is_held_back_only_while_side_calls_come():
         st.claim(state, key, slot, t)
         table.assign(key, slot, t, prefix=None)
         table.answered(key, slot, t + 1)
-    pick = lambda now: placement.assign(Settings(), copy.deepcopy(state), "N", None, [], 3, now,  # noqa: E731
-                                        local=table).slot
+    pick = lambda now: placement.assign(Settings(), copy.deepcopy(state), placement.Seeker("N", None),  # noqa: E731
+                                        placement.SlotsSeen([], 3, table), now).slot
     assert pick(30.0) == 2
     table.side_call(30.0)
     assert table.reserving(31.0) and pick(31.0) == 0

@@ -54,7 +54,7 @@ async def test_concurrent_coroutines_serialise(tmp_path):
 
     async def claim_one(store, key):
         async with store.transaction() as s:
-            choice = placement.assign(Settings(), s, key, None, [], 8, 100.0)
+            choice = placement.assign(Settings(), s, placement.Seeker(key, None), placement.SlotsSeen([], 8), 100.0)
             await asyncio.sleep(0.01)  # widen the race window
             return choice.slot
 
@@ -67,7 +67,8 @@ def _claim_in_process(directory: str, keys: list[str], out: "multiprocessing.Que
         store = StateFile(directory, "http://shared")
         for key in keys:
             async with store.transaction() as s:
-                out.put(placement.assign(Settings(), s, key, None, [], 6, 100.0).slot)
+                choice = placement.assign(Settings(), s, placement.Seeker(key, None), placement.SlotsSeen([], 6), 100.0)
+                out.put(choice.slot)
     asyncio.run(run())
 
 

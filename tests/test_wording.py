@@ -11,6 +11,7 @@ from slotlogic import events as ev
 from slotlogic import wording
 from slotlogic.answers import Observation
 from slotlogic.checkpoint_machine import Failure, Note, NoteKind, Outcome
+from slotlogic.costs import Choice, Move
 from slotlogic.decisions import Report, Ticket
 from slotlogic.endpoints import Route
 from slotlogic.ledger import Cause
@@ -32,6 +33,7 @@ def sample(cls: type) -> ev.Event:
         values[f.name] = (Passed.NOT_JSON_OBJECT if "Passed" in hint else ev.Stage.PAGING if "Stage" in hint
                           else ev.Via.NOTICE if "Via" in hint else Cause.STALE_PAGE if "Cause" in hint
                           else Outcome.WARMED if "Outcome" in hint else PageCheck.LOW_CACHE if "PageCheck" in hint
+                          else Choice(Move.PAGE_IN, 1342, 31_000_000, 0.2, 13.0, "c" * 16) if "Choice" in hint
                           else Failure(400, "invalid_request_error")
                           if "Failure" in hint else Note(NoteKind.COLD, 1) if "Note" in hint
                           else (1, 2) if "tuple[int" in hint else ("a",) if "tuple[str" in hint

@@ -1,0 +1,45 @@
+"""bench/costs.py: the cost model's choices against measured moves, and the flags that bring a server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import costs as bench_costs
+from launch.llama_server import LlamaServer
+
+
+def fake_move(tokens: int, prefill_s: float, restore_s: float, kv: int = 131_072) -> dict:
+    n_bytes = tokens * kv
+    return {"tokens": tokens, "prompt_per_second": tokens / prefill_s, "prefill_s": prefill_s,
+            "save": {"n_saved": tokens, "n_written": n_bytes, "timings": {"save_ms": n_bytes / 2e6}},
+            "save_s": n_bytes / 2e9, "restore": {"n_restored": tokens, "n_read": n_bytes,
+                                                   "timings": {"restore_ms": restore_s * 1000}},
+            "restore_s": restore_s, "resumed_cache_n": tokens - 1, "file": None}
+
+
+def test_the_first_move_is_made_as_ever_and_the_later_ones_by_their_measured_costs():
+    """GPU-like: 20,000 tok/s and 2 GB/s at 128 KiB a token: prefilling a few hundred tokens beats reading
+    them back, and the bench's judge learns that from the first move on."""
+    moves = [fake_move(n, n / 20_000, n * 131_072 / 2e9) for n in (500, 800, 300, 1000)]
+    rows = bench_costs.weigh(moves)
+    assert [r["picked"] for r in rows] == ["restore", "prefill", "prefill", "prefill"]
+    assert [r["faster"] for r in rows] == ["prefill"] * 4 and sum(r["right"] for r in rows) == 3
+    assert rows[1]["est_prefill_s"] == pytest.approx(0.04, rel=0.01) and all(r["resumed"] for r in rows)
+
+
+@pytest.mark.real
+def test_the_bench_measures_a_running_server_given_by_url(tmp_path):
+    save = tmp_path / "slots"
+    save.mkdir()
+    out = tmp_path / "costs.json"
+    with LlamaServer(slots=1, ctx_per_slot=1024, slot_save_path=str(save), log_path=str(tmp_path / "s.log")) as srv:
+        bench_costs.main(["--llama-url", srv.url, "--save-dir", str(save), "--words", "16,24", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["model"] and report["build"] and report["of"] == 2
+    assert 23_040 <= report["kv_bytes_per_token"] <= 23_200         # SmolLM2's f16 KV, plus slot-file metadata
+    assert report["save_gb_s"] > 0 and report["restore_gb_s"] > 0
+    assert all(m["resumed"] for m in report["moves"]) and report["moves"][0]["picked"] == "restore"
+    assert {c["codec"] for c in report["compression"]} >= {"zstd-1", "zstd-2", "zstd-3"}
+    assert all(c["ratio"] > 1 for c in report["compression"] if c["codec"].startswith("zstd"))
