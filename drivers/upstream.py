@@ -333,7 +333,7 @@ class Upstream:
         if body is None:
             return decision
         holder = self.waits.holder(t.slot, flow_id)
-        wait.unpin(t, plan.why or wait.WaitWhy.BOUND, holder, self.keeper.ledger, self.keeper.table)
+        self.keeper.unpin(t, plan.why or wait.WaitWhy.BOUND, holder)
         self.gate.started(flow_id)
         if self.pages is not None:
             self.pages.unlock(flow_id, sent=False)
@@ -364,7 +364,7 @@ class Upstream:
         """A request the wait sent with `id_slot: -1`: which slot ran it, from `/slots` right after its answer."""
         slot = slot_from_slots(await self.client.slots() or [], obs.tokens_total, self.keeper.total_slots)
         if slot is not None:
-            wait.ran(self.keeper.ledger, slot, ticket)
+            self.keeper.ran_unpinned(slot, ticket)
 
     async def _learn_from_slots(self, ticket: Ticket, obs: Observation) -> None:
         """Affinity on a route whose answer does not name the slot: read `/slots` once, right after it."""
