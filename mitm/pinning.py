@@ -241,7 +241,12 @@ class Pinning:
             if req.original is not None:
                 flow.request.raw_content, flow.request.headers.fields, flow.request.path = req.original
         original = flow.request.raw_content, flow.request.headers.fields, flow.request.path
-        upstream, decision = await pool.decide(flows.request_facts(flow), flow.id, avoid=dead)
+        # The same capped decode as the first attempt (never mitmproxy's uncapped decoder on the event loop).
+        encoding = flows.get(original[1], b"content-encoding")
+        body = await self._body(original[0], encoding, self.rt.settings.max_body_bytes)
+        if body is TOO_LARGE:
+            return None
+        upstream, decision = await pool.decide(flows.request_facts(flow, body), flow.id, avoid=dead)
         member = pool.member_of(upstream)
         if member is dead or not member.health.up:
             return None

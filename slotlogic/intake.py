@@ -120,7 +120,6 @@ class Intake:
         shape = shapes.match(facts.path, facts.content)
         if shape is None:
             return None
-        self.ledger.marks.pop(shape.key.key, None)  # its last parsed request is not its previous one any more
         return Ticket(shape.key, route, side=shape.side, client={"id_slot": None, "cache_prompt": None},
                       extends=True)
 

@@ -178,10 +178,12 @@ class Keeper:
         ticket = self._intake.known(facts, route)  # the hot path: a known session's next turn, from its bytes
         if ticket is not None:
             if s.policy is Policy.OFF:
+                self.ledger.marks.pop(ticket.session.key, None)
                 ticket.unpinned = Unpinned.POLICY_OFF
                 return Observe(ticket)
             slot = self._placed(ticket, facts.now)
-            if slot is not None:
+            if slot is not None:  # its last parsed request is not its previous one any more (this one is not parsed)
+                self.ledger.marks.pop(ticket.session.key, None)
                 return self._pin(ticket, {}, facts.content or b"", slot, facts.now)
         arrival = self._intake.read(facts, route)
         if not isinstance(arrival, Arrival):

@@ -92,6 +92,28 @@ def test_a_restart_is_an_expected_loss_and_keeps_owners():
     assert loss is not None and loss.cause is Cause.RESTART and loss.expected
 
 
+def test_a_restart_noticed_before_the_next_turn_is_still_counted_as_the_restart_s_loss():
+    """With paging or checkpoints, a noticed restart sends every session through the slow path once. Its next
+    turn is recognised from its bytes first, but not pinned from memory: it must still be known to extend its
+    previous request, so the conversation it no longer finds is counted (an expected loss: the restart's)."""
+    for settings in ({"paging": True, "save_dir": "/x"}, {}):
+        k = make(**settings)
+        need, placed = _placed(k, chat("a"), 0.0)
+        pin = k.pin(need, placed.slot, placed.why, 0.0)
+        k.outcomes.answered(pin.ticket, Observation(cache_n=0, prompt_n=894), path=CHAT, seconds=1, now=1.0)
+        state = shared.ServerState("http://up")
+        shared.note_server(state, server(4))
+        k.facts.note_server(state, server(4, marker="m2"))
+        body = {"messages": [*chat("a")["messages"], {"role": "assistant", "content": "ok"},
+                             {"role": "user", "content": "next"}]}
+        d = k.request(facts(body, now=2.0))
+        if isinstance(d, NeedSlot):
+            p = k.assign(d, state, server(4, marker="m2"), FREE, 2.0)
+            d = k.pin(d, p.slot, p.why, 2.0)
+        report = k.outcomes.answered(d.ticket, Observation(cache_n=0, prompt_n=1184), path=CHAT, seconds=1, now=3.0)
+        assert report.loss is not None and report.loss.tokens == 894 and report.loss.cause is Cause.RESTART, settings
+
+
 def test_the_ledger_is_bounded_whatever_a_slot_count_says():
     ledger = Ledger(max_sessions=8)
     ledger.resize(100_000_000)

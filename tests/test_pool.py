@@ -119,6 +119,19 @@ async def test_a_request_that_cannot_connect_is_sent_to_the_other_server_before_
     assert f"could not reach {B} went to {UP}" in caplog.text and f"{B} is down (refused)" in caplog.text
 
 
+async def test_a_retried_encoded_request_is_decoded_by_the_capped_path_not_mitmproxys(pool, monkeypatch):
+    """The retry reads the body as the first attempt did (`drivers/body_decode`, under `slots_max_body_mb`),
+    never through mitmproxy's uncapped decoder on the event loop."""
+    await pool.request(flow(chat("task 0")))
+    f = await pool.request(flow(chat("task 1"), headers={"content-encoding": "gzip"}))
+    assert dest(f) == B
+    from mitm import flows
+    monkeypatch.setattr(flows, "content", lambda message: pytest.fail("mitmproxy's decoder on the retry"))
+    data = SimpleNamespace(client=f.client_conn, server=SimpleNamespace(address=("127.0.0.1", int(B.rsplit(":")[-1]))))
+    await pool.addons[1].server_connect(data)
+    assert dest(f) == UP and f.request.headers["content-encoding"] == "gzip" and sent(f)["id_slot"] in range(2)
+
+
 async def test_side_calls_go_to_the_least_loaded_server(pool):
     await pool.request(flow(chat("task 0")))
     side = chat("the conversation", system="Generate a short title for this conversation.")
