@@ -46,12 +46,13 @@ from drivers.server_probe import Facts, ServerProbe
 from drivers.slot_gate import SlotGate
 from drivers.slot_moves import SlotMover
 from drivers.slot_speeds import SlotSpeeds
+from drivers.slot_wait import SlotWaits
 from drivers.state_sync import StateSync
 from drivers.store import StateStore
 from drivers.store_file import StateFile
 from drivers.tasks import Tasks
-from slotlogic import shared
-from slotlogic.affinity import Learn
+from slotlogic import shared, wait
+from slotlogic.affinity import Learn, slot_from_slots
 from slotlogic.answers import Observation
 from slotlogic.decisions import Decision, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
 from slotlogic.events import (
@@ -103,6 +104,7 @@ class Upstream:
         self.store.watch(self.claimed_elsewhere)
         self.settings = settings
         self.gate = SlotGate(url, emit)  # which of our requests reached the server, slot by slot
+        self.waits = SlotWaits()  # our requests open on each slot: a request behind them waits a bounded time
         self.mover = SlotMover(url, self.client, self.keeper, self.store, emit, self.gate, self.state_dir,
                                builds=builds)  # pages and prefix checkpoints
         self.handovers = Handovers(url, self.keeper, self.store, emit, self.gate)  # slots other proxies take
@@ -295,11 +297,47 @@ class Upstream:
         if self.pages is not None:
             self.pages.unlock(flow_id)
 
-    def sent(self, flow_id: str, slot: int | None, session: str = "") -> None:
+    def sent(self, flow_id: str, slot: int | None, session: str = "", chars: int = 0) -> None:
         """A request this proxy pinned to `slot` leaves for the server (hot path: a few dict writes): a page-out
-        of that slot waits until the server has it (`PageRunner.quiet`)."""
+        of that slot waits until the server has it (`PageRunner.quiet`), a request behind it until it ends."""
         if slot is not None:
             self.gate.sent(slot, flow_id, session)
+            self.waits.entered(slot, flow_id, chars, session)
+
+    def ended(self, flow_id: str) -> None:
+        """The flow's answer ended, or it failed: a request held behind it looks again (`hold`)."""
+        self.waits.left(flow_id)
+
+    def must_wait(self, decision: Pin) -> bool:
+        """Our earlier requests run on the request's slot, and another slot could run it (one dict look-up)."""
+        t = decision.ticket
+        slot = t.slot
+        return (slot is not None and bool(self.waits.open.get(slot)) and not self.offline
+                and self.waits.ahead(slot, session="" if t.side else t.session.key).count > 0
+                and self.settings.wait_bound > 0 and (self.keeper.total_slots or 0) > 1)
+
+    async def hold(self, decision: Pin, flow_id: str, content: bytes | None) -> Pin:
+        """A request pinned to a slot where our earlier requests still run waits here rather than in the
+        server's queue, at most `slots_wait_bound` seconds; then (or at once, for a side call behind longer
+        work) it goes out with `id_slot: -1` (`slotlogic.wait`). A free slot costs one dict look-up."""
+        t = decision.ticket
+        if t.slot is None or not self.must_wait(decision):
+            return decision
+        raw = decision.body if decision.body is not None else content
+        plan = await self.waits.hold(t.slot, flow_id, bound=self.settings.wait_bound, side=t.side,
+                                     own_chars=len(raw or b""), rate=self.keeper.prefill_estimate,
+                                     session="" if t.side else t.session.key)
+        if plan.verdict is not wait.Verdict.UNPIN or not raw:
+            return decision
+        body = wait.unpinned_body(raw)
+        if body is None:
+            return decision
+        holder = self.waits.holder(t.slot, flow_id)
+        self.keeper.unpin(t, plan.why or wait.WaitWhy.BOUND, holder)
+        self.gate.started(flow_id)
+        if self.pages is not None:
+            self.pages.unlock(flow_id, sent=False)
+        return Pin(t, body)
 
     # ------------------------------------------------------------------------------------------- answers
 
@@ -311,6 +349,8 @@ class Upstream:
             if ticket.learn is Learn.SLOTS and not self.offline and obs.error_type is None:
                 self.tasks.spawn(self._learn_from_slots(ticket, obs))
             self.kick()
+        if ticket.unpinned in wait.UNPINNED and not self.offline and obs.error_type is None:
+            self.tasks.spawn(self._ran_unpinned(ticket, obs))
         if not self.offline and report.slot is not None and self.keeper.outcomes.lost_cache(report):
             self.tasks.spawn(self.prober.explain_cache_loss(report.slot))
         check = self.keeper.pager.page_doubtful(report) if self.pages is not None else None
@@ -319,6 +359,12 @@ class Upstream:
             self.emit(PageRejected(self.url, report.slot, check))
             self.tasks.spawn(self.mover.drop_page(ticket.session.key, page.file))
         return report
+
+    async def _ran_unpinned(self, ticket: Ticket, obs: Observation) -> None:
+        """A request the wait sent with `id_slot: -1`: which slot ran it, from `/slots` right after its answer."""
+        slot = slot_from_slots(await self.client.slots() or [], obs.tokens_total, self.keeper.total_slots)
+        if slot is not None:
+            self.keeper.ran_unpinned(slot, ticket)
 
     async def _learn_from_slots(self, ticket: Ticket, obs: Observation) -> None:
         """Affinity on a route whose answer does not name the slot: read `/slots` once, right after it."""

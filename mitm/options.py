@@ -97,6 +97,10 @@ OPTIONS: tuple[Option, ...] = (
            "their system prompt's cache."),
     Option("slots_prefix_min_chars", int, 512,
            "The shortest stable prefix learned from traffic (for clients without a marker)."),
+    Option("slots_wait_bound", int, 30,
+           "Seconds a request may wait for its slot while earlier requests of this proxy run there; then it "
+           "goes out with id_slot -1 (the first free slot runs it). Well under the clients' own timeouts "
+           "(docs/clients.md); 0 = hand it to the server's queue however long that takes."),
     Option("slots_seed_wait", int, 30,
            "Seconds a new session may wait for another session's slot to finish its request, when it "
            "would start from a copy of that conversation (two sessions that start together): at most "
@@ -149,6 +153,7 @@ MINIMUMS: dict[str, tuple[int, str]] = {
     "slots_probe_interval": (0, "≥ 0"),
     "slots_prefix_min_chars": (1, "≥ 1"),
     "slots_seed_wait": (0, "≥ 0 (0 = never wait)"),
+    "slots_wait_bound": (0, "≥ 0 (0 = no bound)"),
     "slots_page_max_mb": (1, "≥ 1 (turn paging off with slots_paging)"),
     "slots_checkpoint_ttl_days": (0, "≥ 0"),
     "slots_checkpoint_keep": (0, "≥ 0"),
@@ -197,7 +202,7 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
         checkpoint_max_bytes=o.slots_checkpoint_max_mb << 20, probe_interval=float(o.slots_probe_interval),
         keep_streams=o.slots_keep_streams, anthropic=_choice(o, "slots_anthropic", AnthropicMode, o.slots_anthropic),
         strip_billing=o.slots_strip_billing, prefix_min_chars=o.slots_prefix_min_chars,
-        seed_wait=float(o.slots_seed_wait),
+        seed_wait=float(o.slots_seed_wait), wait_bound=float(o.slots_wait_bound),
         state_max_sessions=o.slots_state_max_sessions, max_body_bytes=o.slots_max_body_mb << 20,
         api_key=o.slots_api_key.strip(), swa_full=o.slots_swa_full, cache_type_k=cache_k, cache_type_v=cache_v,
         throughput_probe=o.slots_throughput_probe)

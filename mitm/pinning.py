@@ -62,6 +62,7 @@ class Pinning:
     async def request(self, flow: http.HTTPFlow) -> None:
         if (flow.live and (flow.response or flow.error)) or flow.request.method != "POST":
             return  # answered already (the local API), or a saved flow (-nr) that carries its answer
+        arrived = time.monotonic()  # the line's seconds count the proxy's own placement and hold too
         original = flow.request.raw_content, flow.request.headers.fields, flow.request.path
         pool = self.rt.pool if flow.live and self.rt.pool is not None and self.rt.pool.fronts(
             flows.upstream_url(flow)) else None
@@ -83,8 +84,14 @@ class Pinning:
             else:
                 assert upstream is not None
                 decision = await upstream.decide(facts, flow.id)
+            if isinstance(decision, Pin) and upstream.must_wait(decision):
+                # its slot runs our earlier requests: a bounded wait here (slotlogic.wait), watched like the rest
+                self.rt.open[flow.id] = Open(decision.ticket, upstream, arrived, original[2], flow=flow,
+                                             original=original if pool is not None else None)
+                decision = await upstream.hold(decision, flow.id, body if isinstance(body, bytes) else None)
             await self._apply(flow, decision, encoding)
         except Exception as e:  # fail open: the original request goes out untouched
+            self.rt.open.pop(flow.id, None)
             flow.request.raw_content, flow.request.headers.fields, flow.request.path = original
             if upstream is not None:
                 if isinstance(decision, Pin | Observe):
@@ -95,11 +102,12 @@ class Pinning:
             return
         if isinstance(decision, Pin | Observe):
             asked = facts.replay.path if facts.replay is not None and facts.replay.path else original[2]
-            self.rt.open[flow.id] = Open(decision.ticket, upstream, time.monotonic(), asked, flow=flow,
+            self.rt.open[flow.id] = Open(decision.ticket, upstream, arrived, asked, flow=flow,
                                          original=original if pool is not None else None)
             if isinstance(decision, Pin):
                 t = decision.ticket
-                upstream.sent(flow.id, t.slot, "" if t.side else t.session.key)
+                upstream.sent(flow.id, t.slot, "" if t.side else t.session.key,
+                              len(body) if isinstance(body, bytes) else 0)
         elif isinstance(decision, Forward) and decision.completion_route:
             self.rt.emit(PassedThrough(upstream.url, flow.request.method, flow.request.path, decision.reason))
 
@@ -193,7 +201,7 @@ class Pinning:
         req.upstream.unlock(flow.id)
         obs = req.stream.obs if req.stream else Observation()
         if not obs.complete:  # a client that hangs up after the answer's end (Codex does) lost nothing
-            obs.error_type = obs.error_type or req.ended or "transport"
+            obs.error_type = obs.error_type or req.ended or _transport(flow)
         tap = flow.response.stream if flow.response is not None else None
         if isinstance(tap, SSETap):
             tap.finish()  # what was streamed before the cut goes into the recording
@@ -228,6 +236,7 @@ class Pinning:
         req = self.rt.open.pop(flow.id, None)
         if req is not None:
             req.upstream.unlock(flow.id)
+            req.upstream.ended(flow.id)
             pool.ended(req.upstream)
             if req.original is not None:
                 flow.request.raw_content, flow.request.headers.fields, flow.request.path = req.original
@@ -285,6 +294,7 @@ class Pinning:
         flows.apply(flow, decision)
 
     def _finish(self, flow: http.HTTPFlow, req: Open, obs: Observation) -> None:
+        req.upstream.ended(flow.id)
         report = req.upstream.answered(req.ticket, obs, path=req.path, seconds=time.monotonic() - req.started)
         flow.metadata["slotkeeper"] = report.metadata
         self.rt.finished(flow.id, report)
@@ -314,6 +324,17 @@ class Pinning:
         def on_error(part: str, kind: str) -> None:
             self.rt.emit(Failed(url, stages[part], kind))
         return on_error
+
+
+CLIENT_GONE = "Client disconnected"  # mitmproxy's words (proxy/layers/http/_http1.py) when the client hangs up
+
+
+def _transport(flow: http.HTTPFlow) -> str:
+    """Which side cut a request off: `client-gone` when the client hung up (also while the proxy still held
+    the request: mitmproxy then ends it right after the request hook), else `transport`. A label for the log
+    line only; nothing is decided by it."""
+    msg = flow.error.msg if flow.error is not None else ""
+    return "client-gone" if msg.startswith(CLIENT_GONE) else "transport"
 
 
 def observe_response(response: http.Response, stream: StreamObserver | None) -> Observation:

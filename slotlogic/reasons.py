@@ -39,6 +39,8 @@ class Unpinned(Enum):
     UNTRANSLATABLE = "passed natively: not translatable to a chat completion"
     SERVER_UNKNOWN = "unpinned: server unknown"
     FAILED = "unpinned: internal error"
+    WAIT_BOUND = "wait-bound"        # waited slots_wait_bound behind our own requests on its slot (slotlogic.wait)
+    SIDE_BUSY = "side-busy"          # a side call whose slot is busy with longer work than its own prefill
 
 
 class Passed(Enum):

@@ -46,6 +46,7 @@ class Settings:
     side_slot: int = -1
     markers: tuple[str, ...] = pfx.DEFAULT_MARKERS
     prefix_min_chars: int = 512        # the shortest stable prefix worth learning from traffic
+    wait_bound: float = 30.0           # seconds a request may wait behind our own requests on its slot (slotlogic.wait)
     seed_wait: float = 30.0            # seconds a new session may wait for the slot it would copy (paging.source_wait)
     checkpoints: CheckpointMode = CheckpointMode.OFF
     save_dir: str | None = None        # llama-server's --slot-save-path, as this machine sees it

@@ -1,0 +1,220 @@
+"""Several real clients at once (`mix-<name>`): sessions of different agent clients (launch/clients.py) running
+their turns concurrently against one llama-server with fewer slots than sessions, so side calls of one
+client meet another client's prefills and sessions share slots.
+
+Shape, per mix (`MIXES`): the clients, sessions per client, turns per session and slots. Every session is a
+thread that runs its turns one after another (fixed prompts, as `client-<name>`); all start together, a
+second apart. Each client has its own HOME and project folder. The server is the long-context SmolLM2 copy
+(`launch/long_context.py`), 32K a slot, `-n 16`, with a slot save path; every configuration runs through
+mitmdump with the addon and `-w` flows (`stock` is the proxy observing only, as in `client-<name>`).
+
+Numbers, per configuration, from the saved flows: prefill (Σ prompt_n), wall time of the turns, requests
+whose answer failed (`error=` lines: no prompt_n, a status ≥ 400 or a cut stream), side calls and their
+prefill, the side calls' whole-request time p95 (they answer ≤ 16 tokens, so it is their time to first token
+plus a few tokens), turns whose client exited with an error, and the proxy's own loss meter (side-call
+losses included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import loss
+from bench.client_workloads import (
+    MAX_TOKENS,
+    N_PREDICT,
+    TURN_TIMEOUT_S,
+    Request,
+    config_for,
+    prompts,
+    read_flows,
+    unavailable,
+)
+from bench.configs import BenchConfig, Stack
+from launch.clients import CLIENTS
+from launch.llama_server import LlamaServer
+from launch.mitmdump import MitmProxy
+
+PREFIX = "mix-"
+CTX_PER_SLOT = 32768
+STAGGER_S = 1.0
+
+
+@dataclass(frozen=True)
+class Mix:
+    clients: tuple[str, ...]
+    sessions: int   # per client
+    turns: int
+    slots: int
+    description: str
+
+
+MIXES: dict[str, Mix] = {
+    "mix-4": Mix(("claude-code", "opencode", "codex", "qwen-code"), 2, 2, 3,
+                 "4 real clients x 2 sessions x 2 turns at once on 3 slots"),
+    "mix-3": Mix(("opencode", "qwen-code", "claude-code"), 1, 2, 2,
+                 "3 real clients x 1 session x 2 turns at once on 2 slots"),
+}
+DEFAULT_CONFIGS = ("stock", "auto")
+
+
+@dataclass
+class TurnDone:
+    client: str
+    session: int
+    turn: int
+    seconds: float
+    returncode: int | None
+    stderr_tail: str
+
+
+def missing(mix: Mix) -> str | None:
+    for c in mix.clients:
+        why = unavailable(c)
+        if why:
+            return why
+    return None
+
+
+@contextlib.contextmanager
+def _stack(cfg: BenchConfig, log_dir: Path, tag: str, threads: int, slots: int, flows: Path) -> Iterator[Any]:
+    from launch.long_context import long_context_model
+
+    with tempfile.TemporaryDirectory(prefix=f"slotkeeper-bench-{tag}-") as tmp:
+        root = Path(tmp)
+        slot_dir = root / "slots"
+        slot_dir.mkdir()
+        with LlamaServer(slots=slots, ctx_per_slot=CTX_PER_SLOT, threads=threads, model=str(long_context_model()),
+                         n_predict=N_PREDICT, slot_save_path=str(slot_dir),
+                         log_path=str(log_dir / f"{tag}.llama.log")) as server:
+            log = log_dir / f"{tag}.requests.jsonl"
+            options: dict[str, object] = {**cfg.options, "slots_state_dir": str(root / "state"),
+                                          "slots_log_file": str(log)}
+            if cfg.save_dir:
+                options["slots_save_dir"] = str(slot_dir)
+            proxy = MitmProxy(server.url, options, log_path=str(log_dir / f"{tag}.mitm.log"),
+                              extra=["-w", str(flows)])
+            with proxy:
+                yield Stack(proxy.url, server.url, log, server), root, proxy.stop
+
+
+def run_config(name: str, mix: Mix, cfg: BenchConfig, log_dir: Path, threads: int, log: Any) -> dict[str, Any]:
+    tag = f"{name}-{cfg.name}"
+    flows = log_dir / f"{tag}.flows.mitm"
+    flows.unlink(missing_ok=True)
+    done: list[TurnDone] = []
+    with _stack(cfg, log_dir, tag, threads, mix.slots, flows) as (stack, root, stop_proxy):
+        def session(client: str, i: int, delay: float) -> None:
+            time.sleep(delay)
+            w = CLIENTS[client](stack.url, root / f"project-{client}", root / f"home-{client}",
+                                max_tokens=MAX_TOKENS, context_window=CTX_PER_SLOT)
+            for k, prompt in enumerate(prompts(i, mix.turns)):
+                res = w.run_turn(prompt, timeout=TURN_TIMEOUT_S)
+                done.append(TurnDone(client, i, k, res.seconds, res.returncode, res.stderr_tail[-400:]))
+                log(f"{tag}: {client} s{i + 1}t{k + 1} exit {res.returncode} in {res.seconds:.0f}s")
+
+        threads_ = [threading.Thread(target=session, args=(c, i, STAGGER_S * n), daemon=True)
+                    for n, (c, i) in enumerate((c, i) for i in range(mix.sessions) for c in mix.clients)]
+        t0 = time.perf_counter()
+        for t in threads_:
+            t.start()
+        for t in threads_:
+            t.join()
+        wall = time.perf_counter() - t0
+        time.sleep(0.5)
+        lost = loss.proxy_lost([stack.url]) if cfg.options.get("slots_policy") != "off" else None
+        stop_proxy()
+        requests = read_flows(flows)
+    return summary(cfg.name, requests, done, wall, lost)
+
+
+def _p95(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, round(0.95 * (len(s) - 1)))]
+
+
+def failed(r: Request) -> bool:
+    return r.prompt_n is None or (r.status is not None and r.status >= 400) or bool(r.error and r.prompt_n is None)
+
+
+def summary(config: str, requests: Sequence[Request], done: Sequence[TurnDone], wall: float,
+            lost: Any) -> dict[str, Any]:
+    side = [r for r in requests if r.side]
+    return {"config": config, "requests": len(requests), "prefill": sum(r.prompt_n or 0 for r in requests),
+            "cached": sum(r.cache_n or 0 for r in requests), "wall_s": round(wall, 1),
+            "errors": sum(1 for r in requests if failed(r)),
+            "error_kinds": sorted({r.error or f"http-{r.status}" for r in requests if failed(r)}),
+            "side_calls": len(side), "side_prefill": sum(r.prompt_n or 0 for r in side),
+            "side_cached": sum(r.cache_n or 0 for r in side),
+            "side_p95_s": _p95([r.end - r.start for r in side]),
+            "turns_failed": sum(1 for d in done if d.returncode not in (0, 1)),
+            "turns": len(done), "proxy_lost": lost}
+
+
+def run_workload(name: str, config_names: Sequence[str], configs: dict[str, BenchConfig], log_dir: Path,
+                 threads: int, log: Any) -> list[dict[str, Any]]:
+    mix = MIXES[name]
+    rows = []
+    for cfg_name in config_names:
+        cfg = config_for(cfg_name, configs)
+        log(f"{name}/{cfg_name}: {mix.description} (long-context SmolLM2, {CTX_PER_SLOT} a slot, -n {N_PREDICT})")
+        row = run_config(name, mix, cfg, log_dir, threads, log)
+        log(f"{name}/{cfg_name}: {json.dumps(row, default=str)}")
+        rows.append({"workload": name, **row})
+    return rows
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    head = ("| workload | config | requests | prefill | wall s | error lines | side calls | side prefill | "
+            "side p95 s | turns failed |\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        p95 = f"{r['side_p95_s']:.1f}" if r["side_p95_s"] is not None else "-"
+        lines.append(f"| {r['workload']} | {r['config']} | {r['requests']} | {r['prefill']:,} | {r['wall_s']:.0f} | "
+                     f"{r['errors']} | {r['side_calls']} | {r['side_prefill']:,} | {p95} | "
+                     f"{r['turns_failed']}/{r['turns']} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    from bench import configs
+
+    ap = argparse.ArgumentParser(prog="python -m bench.mix_workload", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default="mix-4", help=f"comma-separated: {', '.join(MIXES)}")
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
+    ap.add_argument("--threads", type=int, default=0)
+    a = ap.parse_args(argv)
+    threads = a.threads or configs.default_threads()
+    log_dir = Path(tempfile.mkdtemp(prefix="slotkeeper-bench-logs-"))
+    t0 = time.monotonic()
+
+    def log(m: str) -> None:
+        print(f"[{time.monotonic() - t0:6.0f}s] {m}", flush=True)
+
+    log(f"logs in {log_dir}")
+    rows: list[dict[str, Any]] = []
+    for name in a.workloads.split(","):
+        why = missing(MIXES[name])
+        if why:
+            log(why)
+            continue
+        rows += run_workload(name, a.configs.split(","), configs.CONFIGS, log_dir, threads, log)
+    print(table(rows))
+    (log_dir / "mix.json").write_text(json.dumps(rows, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

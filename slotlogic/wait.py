@@ -1,0 +1,123 @@
+"""How long a pinned request may wait for its slot while our own earlier requests run there, and what then.
+
+Why: llama-server queues a request pinned to a busy slot (`id_slot`) until that slot is free, however long
+the work ahead of it takes and however many other slots are idle. A client gives up after its own timeout
+(docs/clients.md: Qwen Code after 120 s, the others after 300-600 s) and the request fails, where without the
+proxy (`id_slot: -1`) it would have run on the first free slot. So the proxy holds such a request itself,
+where it can still change its mind, instead of handing it to the server's queue.
+
+Rule 1: pure; the waited time and the measured prefill rate are passed in.
+Rule 2: only our own open requests on the slot count as ahead (what `/slots` says is not asked on this
+        path: no I/O). A slot with nothing of ours ahead is sent to at once (GO).
+Rule 3: a request that has waited `bound` seconds is sent with `id_slot: -1` (UNPIN, `wait-bound`): the
+        server runs it on the first slot that frees. The bound is well under every client's timeout.
+Rule 4: a side call is sent with `id_slot: -1` at once (`side-busy`) when the prompt work ahead of it on its
+        slot would take longer than prefilling its own prompt from nothing: it never waits behind a long
+        prefill when it can run elsewhere. A session's turn waits up to the bound (its cache is on that slot).
+Rule 5: `bound` 0 turns the hold off (the request goes to the server's queue, as before).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+
+from slotlogic import rewrite
+from slotlogic.decisions import Ticket
+from slotlogic.ledger import Cause, Holds, Ledger
+from slotlogic.reasons import Unpinned
+from slotlogic.table import SessionTable
+
+CHARS_PER_TOKEN = 4  # a body's bytes per prompt token, roughly (JSON and English text)
+
+
+UNPINNED = (Unpinned.WAIT_BOUND, Unpinned.SIDE_BUSY)  # the requests this module sent with id_slot -1
+
+
+class Verdict(Enum):
+    GO = "go"          # send it pinned now
+    WAIT = "wait"      # hold it: the slot frees soon enough
+    UNPIN = "unpin"    # send it with id_slot -1
+
+
+class WaitWhy(Enum):
+    """Why a pinned request went out with `id_slot: -1` after all (the `why=` word of its log line)."""
+
+    BOUND = "wait-bound"     # it waited its bound behind our own requests on its slot
+    SIDE_BUSY = "side-busy"  # a side call: the work ahead on its slot outlasts prefilling it elsewhere
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """Our requests open on one slot, sent before this one."""
+
+    count: int = 0
+    chars: int = 0          # their bodies' sizes (their prompt work, at most)
+
+
+@dataclass(frozen=True)
+class Plan:
+    verdict: Verdict
+    why: WaitWhy | None = None
+    wait: float | None = None  # seconds the work ahead is estimated to take (None: no rate known)
+
+
+def estimate(chars: int, rate: float | None) -> float | None:
+    """Seconds to prefill `chars` of body at `rate` prompt tokens a second (None: no rate measured yet)."""
+    if not rate or rate <= 0:
+        return None
+    return chars / CHARS_PER_TOKEN / rate
+
+
+def plan(ahead: Ahead, waited: float, bound: float, *, side: bool, own_chars: int, rate: float | None) -> Plan:
+    """What to do with a request pinned to a slot with `ahead` in front of it, after `waited` seconds."""
+    if bound <= 0 or ahead.count <= 0:
+        return Plan(Verdict.GO)
+    wait = estimate(ahead.chars, rate)
+    if waited >= bound:
+        return Plan(Verdict.UNPIN, WaitWhy.BOUND, wait)
+    if side:
+        own = estimate(own_chars, rate)
+        if wait is not None and own is not None and wait > own:
+            return Plan(Verdict.UNPIN, WaitWhy.SIDE_BUSY, wait)
+    return Plan(Verdict.WAIT, None, wait)
+
+
+def unpinned_body(raw: bytes) -> bytes | None:
+    """The pinned body with `id_slot: -1` (the server chooses the slot), every other byte kept; None when
+    it is not one JSON object (the caller then sends it pinned, as it was)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    out = {"id_slot": -1, "cache_prompt": True if body.get("cache_prompt") is None else body["cache_prompt"]}
+    return rewrite.set_fields(raw, rewrite.Rewrite(body=out, slot=-1, changed=True, client_slot_kept=False))
+
+
+def unpin(ticket: Ticket, why: WaitWhy, holder: str | None, ledger: Ledger, table: SessionTable) -> None:
+    """The bookkeeping of a pinned request that goes out with `id_slot: -1` after all. The slot's last
+    dispatch is its `holder`'s again (the request ahead: "" a side call, None unknown); the session stays
+    where it was (its conversation is still on that slot), and its answer says where the server ran it."""
+    slot, key = ticket.slot, ticket.session.key
+    if ticket.claimed is not None:
+        ledger.unclaim(ticket.claimed, key)
+        ticket.claimed = None
+    if slot is not None and table.dispatched.get(slot) in (key, ""):
+        if holder is None:
+            del table.dispatched[slot]
+        else:
+            table.dispatched[slot] = holder
+    ticket.slot, ticket.why, ticket.paged_in, ticket.seeded, ticket.promise = None, None, False, False, None
+    ticket.unpinned = Unpinned.WAIT_BOUND if why is WaitWhy.BOUND else Unpinned.SIDE_BUSY
+
+
+def ran(ledger: Ledger, slot: int, ticket: Ticket) -> None:
+    """Where a request sent with `id_slot: -1` ran (read from `/slots` after its answer): that slot holds its
+    prompt now, so what the slot's owner had there is a labelled eviction, not a surprise at its next turn."""
+    if ticket.side:
+        ledger.write(slot, Holds.SIDE, None, 0, Cause.UNPINNED)
+    elif ledger.entry(slot).owner != ticket.session.key:
+        ledger.ran_unpinned(slot, ticket.session.key)

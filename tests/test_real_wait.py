@@ -1,0 +1,90 @@
+"""A side call behind a long request on its slot, on a real llama-server behind a real mitmdump: it waits in
+the proxy at most `slots_wait_bound` seconds, then goes out with `id_slot: -1` and runs on the idle slot
+(`why=wait-bound`), answered while the long request still generates, where pinned it would have queued
+behind that whole generation (slotlogic/wait.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from launch.llama_server import LlamaServer
+from launch.mitmdump import MitmProxy
+from tests.real_helpers import jsonl
+
+pytestmark = pytest.mark.real
+
+TITLE = "You are a title generator. Reply with a short title for the conversation."
+
+
+def side(text: str, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": TITLE}, {"role": "user", "content": text}],
+            "temperature": 0, **extra}
+
+
+def test_a_side_call_behind_a_long_one_runs_on_the_idle_slot_after_its_bound(tmp_path):
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
+            "slots_wait_bound": 2}
+    with LlamaServer(slots=2, ctx_per_slot=4096, threads=2, log_path=str(tmp_path / "s.log")) as srv, \
+            MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
+        started, stop = threading.Event(), threading.Event()
+        long_done: dict[str, float] = {}
+
+        def long_call() -> None:
+            body = side("Count from one to one thousand.", max_tokens=2000, ignore_eos=True, stream=True)
+            with httpx.stream("POST", px.url + "/v1/chat/completions", json=body, timeout=300) as r:
+                for _ in r.iter_raw():
+                    started.set()
+                    if stop.is_set():
+                        return  # the client hangs up: llama-server cancels the rest
+            long_done["ended"] = 1.0
+
+        t = threading.Thread(target=long_call)
+        t.start()
+        assert started.wait(120)
+        r = httpx.post(px.url + "/v1/chat/completions", json=side("Title for: fixing a flaky test.", max_tokens=4),
+                       timeout=120)
+        assert r.status_code == 200
+        assert t.is_alive() and not long_done  # answered while the long one still generates: not queued behind it
+        stop.set()
+        t.join(60)
+        records = [x for x in jsonl(tmp_path / "req.jsonl") if "reason" in x]
+    reasons = [x["reason"] for x in records]
+    assert reasons.count("side-call") == 1 and reasons.count("wait-bound") == 1, reasons
+    short = next(x for x in records if x["reason"] == "wait-bound")
+    assert short.get("error") is None and short["prompt_n"] is not None
+
+
+def test_a_client_that_gives_up_while_the_proxy_holds_its_request_is_logged_as_gone(tmp_path):
+    """What `session=… why=free-empty … 0.00s error=transport` was: the client hung up while the proxy still
+    held its request (mitmproxy ends such a flow right after the request hook), and the line's clock only
+    started when the request left. Now it says who hung up and how long the proxy had it."""
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
+            "slots_wait_bound": 4}
+    with LlamaServer(slots=2, ctx_per_slot=4096, threads=2, log_path=str(tmp_path / "s.log")) as srv, \
+            MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
+        started, stop = threading.Event(), threading.Event()
+
+        def long_call() -> None:
+            body = side("Count from one to one thousand.", max_tokens=2000, ignore_eos=True, stream=True)
+            with httpx.stream("POST", px.url + "/v1/chat/completions", json=body, timeout=300) as r:
+                for _ in r.iter_raw():
+                    started.set()
+                    if stop.is_set():
+                        return
+
+        t = threading.Thread(target=long_call)
+        t.start()
+        assert started.wait(120)
+        with pytest.raises(httpx.ReadTimeout):  # the client's own timeout, shorter than the proxy's hold
+            httpx.post(px.url + "/v1/chat/completions", json=side("Title for: a flaky test.", max_tokens=4),
+                       timeout=httpx.Timeout(60, read=1.0))
+        time.sleep(4)
+        stop.set()
+        t.join(60)
+        records = [x for x in jsonl(tmp_path / "req.jsonl") if x.get("reason") == "wait-bound"]
+    assert len(records) == 1 and records[0]["error"] == "client-gone" and records[0]["seconds"] >= 3.5, records
