@@ -255,7 +255,7 @@ def run_config(client: str, cfg: BenchConfig, log_dir: Path, threads: int, sessi
     done: list[Turn] = []
     failed = None
     started = time.perf_counter()
-    with _server_and_proxy(cfg, log_dir, tag, threads, flows) as (server, stack, root, stop_proxy):
+    with server_and_proxy(cfg, log_dir, tag, threads, flows) as (server, stack, root, stop_proxy):
         windows = [cls(stack.url, root / "project", root / "home", max_tokens=MAX_TOKENS,
                        context_window=CTX_PER_SLOT) for _ in range(sessions)]
         script = [prompts(i, turns) for i in range(sessions)]
@@ -287,7 +287,8 @@ def run_config(client: str, cfg: BenchConfig, log_dir: Path, threads: int, sessi
 
 
 @contextlib.contextmanager
-def _server_and_proxy(cfg: BenchConfig, log_dir: Path, tag: str, threads: int, flows: Path) -> Iterator[Any]:
+def server_and_proxy(cfg: BenchConfig, log_dir: Path, tag: str, threads: int, flows: Path, *, slots: int = SLOTS,
+                     ctx_per_slot: int = CTX_PER_SLOT) -> Iterator[Any]:
     """A fresh long-context llama-server and a fresh proxy with `-w flows` (every configuration is proxied);
     yields the proxy's `stop` too, so the flows can be read while the server still renders."""
     from launch.long_context import long_context_model
@@ -296,7 +297,7 @@ def _server_and_proxy(cfg: BenchConfig, log_dir: Path, tag: str, threads: int, f
         root = Path(tmp)
         slot_dir = root / "slots"
         slot_dir.mkdir()
-        with LlamaServer(slots=SLOTS, ctx_per_slot=CTX_PER_SLOT, threads=threads, model=str(long_context_model()),
+        with LlamaServer(slots=slots, ctx_per_slot=ctx_per_slot, threads=threads, model=str(long_context_model()),
                          n_predict=N_PREDICT, slot_save_path=str(slot_dir),
                          log_path=str(log_dir / f"{tag}.llama.log")) as server:
             log = log_dir / f"{tag}.requests.jsonl"

@@ -17,12 +17,11 @@ losses included).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,12 +35,11 @@ from bench.client_workloads import (
     config_for,
     prompts,
     read_flows,
+    server_and_proxy,
     unavailable,
 )
-from bench.configs import BenchConfig, Stack
+from bench.configs import BenchConfig
 from launch.clients import CLIENTS
-from launch.llama_server import LlamaServer
-from launch.mitmdump import MitmProxy
 
 PREFIX = "mix-"
 CTX_PER_SLOT = 32768
@@ -84,34 +82,13 @@ def missing(mix: Mix) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def _stack(cfg: BenchConfig, log_dir: Path, tag: str, threads: int, slots: int, flows: Path) -> Iterator[Any]:
-    from launch.long_context import long_context_model
-
-    with tempfile.TemporaryDirectory(prefix=f"slotkeeper-bench-{tag}-") as tmp:
-        root = Path(tmp)
-        slot_dir = root / "slots"
-        slot_dir.mkdir()
-        with LlamaServer(slots=slots, ctx_per_slot=CTX_PER_SLOT, threads=threads, model=str(long_context_model()),
-                         n_predict=N_PREDICT, slot_save_path=str(slot_dir),
-                         log_path=str(log_dir / f"{tag}.llama.log")) as server:
-            log = log_dir / f"{tag}.requests.jsonl"
-            options: dict[str, object] = {**cfg.options, "slots_state_dir": str(root / "state"),
-                                          "slots_log_file": str(log)}
-            if cfg.save_dir:
-                options["slots_save_dir"] = str(slot_dir)
-            proxy = MitmProxy(server.url, options, log_path=str(log_dir / f"{tag}.mitm.log"),
-                              extra=["-w", str(flows)])
-            with proxy:
-                yield Stack(proxy.url, server.url, log, server), root, proxy.stop
-
-
 def run_config(name: str, mix: Mix, cfg: BenchConfig, log_dir: Path, threads: int, log: Any) -> dict[str, Any]:
     tag = f"{name}-{cfg.name}"
     flows = log_dir / f"{tag}.flows.mitm"
     flows.unlink(missing_ok=True)
     done: list[TurnDone] = []
-    with _stack(cfg, log_dir, tag, threads, mix.slots, flows) as (stack, root, stop_proxy):
+    with server_and_proxy(cfg, log_dir, tag, threads, flows, slots=mix.slots, ctx_per_slot=CTX_PER_SLOT) as (
+            _, stack, root, stop_proxy):
         def session(client: str, i: int, delay: float) -> None:
             time.sleep(delay)
             w = CLIENTS[client](stack.url, root / f"project-{client}", root / f"home-{client}",
