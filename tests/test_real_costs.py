@@ -12,6 +12,7 @@ import pytest
 
 from launch.llama_server import LlamaServer
 from launch.mitmdump import MitmProxy
+from slotlogic.costs import Move
 from tests import tiny_models
 from tests.real_helpers import ask, jsonl
 
@@ -147,7 +148,16 @@ def test_other_architectures_are_checked_pinned_paged_and_resume(tmp_path, monke
                      "lfm2": ("lfm2", "slot files carry context checkpoints")}[make]
     assert f"model: {arch}, " in text and verdict in text, text
     assert status["model"]["slot_files"] == "on" and status["speeds"]["kv_bytes_per_token"] > 0
-    reqs = [r for r in jsonl(tmp_path / "req.jsonl") if r["kind"] == "request"]
-    assert reqs[-1]["reason"].endswith("+paged-in") and back.cache_n > 64, (reqs[-1], back)
+    records = jsonl(tmp_path / "req.jsonl")
+    reqs = [r for r in records if r["kind"] == "request"]
+    # B's page comes back, unless the cost model measured that prefilling it is quicker on this machine (a tiny
+    # model on a quiet machine: seen once in CI): then it is prefilled, as that decision's record says.
+    moves = (Move.PAGE_IN.value, Move.PAGE_OUT.value)  # its page-in, or its page-out before it, was not worth it
+    recompute = [r for r in records if r["kind"] == "cost" and r["move"] in moves and not r["moved"]
+                 and r["session"] == reqs[-1]["session"][:8]]
+    if recompute:
+        assert not reqs[-1]["reason"].endswith("+paged-in") and recompute[-1]["prefill_s"] <= recompute[-1]["move_s"]
+    else:
+        assert reqs[-1]["reason"].endswith("+paged-in") and back.cache_n > 64, (reqs[-1], back)
     print(next(x for x in text.splitlines() if f"model: {arch}" in x), reqs[-1]["reason"], back)
     print("\n".join(x for x in text.splitlines() if "paged in" in x or "paged out" in x or "speed" in x))
