@@ -18,21 +18,23 @@ Rule 3: only while a slot is free (no live session on it, no live claim, not the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from slotlogic.shared import ServerState
 
 
 def misplaced(state: ServerState, ours: Mapping[str, int], now: float, ttl: float, total_slots: int | None,
-              reserved: int | None = None) -> list[str]:
+              reserved: int | None = None, mine: Collection[str] = ()) -> list[str]:
     """Keys of this process's live sessions (`ours`: key → slot, from memory) that share a slot with an
-    earlier-claimed live session while another slot is free; sorted for determinism."""
+    earlier-claimed live session of another process while another slot is free; sorted for determinism.
+    `mine`: every session this process knows (a displaced one of ours is not another process's: its state
+    record lags behind the memory that already moved it off the slot)."""
     total = total_slots  # `/props`'s count: the state's own is never the size of a range
     if not total:
         return []
     by_slot: dict[int, list[tuple[float, str]]] = {}
     for key, rec in state.sessions.items():
-        if now - rec.last_used >= ttl or key in ours:
+        if now - rec.last_used >= ttl or key in ours or key in mine:
             continue
         if 0 <= rec.slot < total:
             by_slot.setdefault(rec.slot, []).append((rec.claimed or rec.last_used, key))

@@ -167,12 +167,16 @@ class Turns:
         free (`slotlogic.reconcile`); their next request is placed again. Off the hot path: the background
         flush calls it with the state it has just written or read. Returns the keys marked."""
         ttl = self.settings.ttl
-        ours = {k: a.slot for k, a in self.table.sessions.items() if now - a.last_used < ttl}
+        # Our live sessions, each where our memory has it, less those another of ours has displaced from their
+        # slot since (two of our own on one slot are one holder and one displaced: the table moves the latter).
+        table = self.table
+        ours = {k: a.slot for k, a in table.sessions.items()
+                if now - a.last_used < ttl and table.holders.get(a.slot, k) == k}
         if not ours:
             return []
         total = self.host.total_slots  # `/props` only: the state's count sizes nothing
-        reserved = self.table.reserved_slot(total, self.settings.side_slot, now)
-        marked = [k for k in reconcile.misplaced(state, ours, now, ttl, total, reserved)
+        reserved = table.reserved_slot(total, self.settings.side_slot, now)
+        marked = [k for k in reconcile.misplaced(state, ours, now, ttl, total, reserved, mine=table.sessions.keys())
                   if k not in self.table.misplaced]
         for key in marked:
             self.table.misplace(key)

@@ -43,6 +43,25 @@ def keys(path: str, raw: bytes, stream: bool) -> list[list[str]]:
     return out
 
 
+def wait_for_records(path: Any, count: int, within: float = 30.0) -> None:
+    """Until the proxy has finished `count` requests (their JSONL records are written after the answer was
+    learned from): a streamed answer's last bytes reach the client before the proxy's response hook runs."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        if path.exists() and sum(r["kind"] == "request" for r in jsonl(path)) >= count:
+            return
+        time.sleep(0.05)
+
+
+def wait_for_line(log: Any, text: str, count: int, within: float = 30.0) -> None:
+    """Until the proxy's log holds `count` lines with `text` (bounded: the assertions below say what was missing)."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        if log.exists() and log.read_text().count(text) >= count:
+            return
+        time.sleep(0.05)
+
+
 CASES = [
     ("/v1/chat/completions", False, lambda first: {"messages": [{"role": "system", "content": SYSTEM},
                                                                 {"role": "user", "content": first}]}),
@@ -69,7 +88,11 @@ def test_every_route_learns_the_slot_the_server_chose_and_the_client_sees_no_dif
             assert first.status_code == direct.status_code == 200, (path, first_raw[:200])
             assert b"__verbose" not in first_raw, path
             assert keys(path, first_raw, stream) == keys(path, direct_raw, stream), path
-            time.sleep(0.3)
+            # The slot is learned from the answer itself (for a stream, once its last bytes have passed the
+            # proxy), or (/v1/responses) from `/slots` read right after it: a client's next turn can come before
+            # either on a loaded machine, so the test waits for the proxy to have finished the first request.
+            wait_for_records(tmp_path / "req.jsonl", 2 * n + 1)
+            wait_for_line(log, "pinned to slot", n + 1)
             second, _ = post(px.url, path, body)   # the same session again: pinned to the learned slot
             assert second.status_code == 200
         time.sleep(0.5)

@@ -37,6 +37,15 @@ def test_nothing_moves_when_every_slot_is_claimed_or_the_sharer_expired():
     assert reconcile.misplaced(state(("a", 0, 100.0), ("b", 0, 105.0)), {"b": 0}, 110.0, 120.0, 2, reserved=1) == []
 
 
+def test_two_sessions_of_this_process_on_one_slot_are_not_another_process_s():
+    """The server put our new session b where our a was (affinity, or a client's own slot): a's claim is still in
+    the state file, but a is ours, displaced in memory. One process alone never marks b (it once did, and b's
+    next turn went out unpinned: "shares slot 0 with an earlier session of another proxy" with one proxy)."""
+    s = state(("a", 0, 100.0), ("b", 0, 105.0))
+    assert reconcile.misplaced(s, {"b": 0}, 110.0, 120.0, 2, mine={"a", "b"}) == []
+    assert reconcile.misplaced(s, {"b": 0}, 110.0, 120.0, 2, mine={"b"}) == ["b"]  # a another process's: b moves
+
+
 def test_touches_keep_the_time_of_the_claim():
     s = state(("a", 0, 100.0), ("b", 0, 105.0))
     st.touch(s, "a", 0, 109.0, requests=3, prefix=None)  # a's touch retakes the slot's newest claim...
