@@ -20,11 +20,12 @@ from typing import Any
 from drivers import store_file
 from drivers.build_claims import BuildClaims
 from drivers.checkpoint_runner import CheckpointRunner, PrefixRegistry
+from drivers.handovers import Handovers
 from drivers.llama_http import LlamaClient
 from drivers.page_runner import PageOutcome, PageRunner
 from drivers.slot_gate import SlotGate
 from drivers.store import StateStore
-from slotlogic import handover, paging, shared
+from slotlogic import paging, shared
 from slotlogic import prefix as pfx
 from slotlogic.checkpoint_machine import Outcome
 from slotlogic.costs import SlotFileAnswer
@@ -34,13 +35,11 @@ from slotlogic.events import (
     CostWeighed,
     Event,
     Failed,
-    HandedOver,
     NoSavePath,
     Paged,
     SourceAwaited,
     Stage,
 )
-from slotlogic.handover import Handover
 from slotlogic.keeper import Keeper, Placement
 from slotlogic.ledger import Cause, Fence, Holds
 from slotlogic.paging import Moved, PagePlan
@@ -53,7 +52,6 @@ REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its ses
 REMOTE_SETTLE = 10.0   # seconds a pager waits for another proxy's page-out of its session (a shared store)
 SOURCE_POLL = 0.2      # seconds between `/slots` looks while a new session waits for the slot it would copy
 SEED_SLOT_WAIT = 30.0  # seconds a placement waits for the slot its own conversation is being paged out of
-HANDOVER_POLL = 0.025  # seconds between looks at the store while a taker waits for the giver's answer
 MIN_SLEEP = 0.001      # a wait's last sliver below this is not slept (nor polled for)
 
 
@@ -62,15 +60,16 @@ class SlotMover:
     hand), the gate that says which of our requests reached each slot, and the build claims of a shared store."""
 
     def __init__(self, url: str, client: LlamaClient, keeper: Keeper, store: StateStore, emit: Callable[[Event], None],
-                 gate: SlotGate, state_dir: Path, *, builds: BuildClaims | None = None) -> None:
+                 gate: SlotGate, state_dir: Path, handovers: Handovers) -> None:
         self.url = url
         self.client = client
         self.keeper = keeper
         self.store = store
         self.emit = emit
         self.gate = gate
+        self.handovers = handovers  # the slot asked of its writer before our moves, when another proxy writes it
         self.state_dir = state_dir
-        self.builds = builds  # a shared store's build markers: one prefix build for all proxies (None: local)
+        self.builds: BuildClaims | None = None  # a shared store's build markers: one prefix build for all (None: local)
         self.registry = PrefixRegistry()  # this server's own, until it joins a pool (`share`)
         self.pages: PageRunner | None = None
         self.checkpoints: CheckpointRunner | None = None
@@ -110,6 +109,12 @@ class SlotMover:
     def stopped(self, flow_id: str) -> None:
         """A placement planned again: its request did not go; the next pager of its slot may go."""
         self.gate.stopped(flow_id)
+        if self.pages is not None:
+            self.pages.unlock(flow_id, sent=False)
+
+    def unsent(self, flow_id: str) -> None:
+        """The flow's pinned request goes out unpinned after its wait: nothing of ours reaches its slot."""
+        self.gate.started(flow_id)
         if self.pages is not None:
             self.pages.unlock(flow_id, sent=False)
 
@@ -200,7 +205,7 @@ class SlotMover:
         # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
         # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
         state = await self._fresh_pages(key) if self.store.remote else await self.store.fresh()
-        given, stale = await self.writer(slot, key, fence, state)
+        given, stale = await self.handovers.take(slot, key, fence, state)
         if stale or not self.keeper.turns.fence_holds(fence):  # we handed the slot on since our claim: place it again
             assert fence is not None
             self.emit(self.keeper.turns.stale_plan(fence, "page", key))
@@ -265,49 +270,6 @@ class SlotMover:
             return Moved.OWN, self.keeper.turns.slot_written(fence, Holds.PAGE, key, out.restored_tokens)
         moved = Moved.PREFIX if plan.seed.prefix else Moved.SEED
         return moved, self.keeper.turns.slot_written(fence, Holds.SEED, key, 0, over=Cause.SEED_OVER_OWNER)
-
-    async def writer(self, slot: int, key: str, fence: Fence | None,
-                      state: shared.ServerState) -> tuple[Handover | None, bool]:
-        """Make this process the slot's writer before its moves (`slotlogic.handover`, Rule 2): at once when it is
-        already, nobody's or its writer is gone; else the writer is asked and its answer awaited (read from the
-        store every HANDOVER_POLL seconds, at most `handover.WAIT`; without it the slot is taken anyway). The
-        answer (None: none needed or none came), and whether this placement went stale meanwhile (we handed
-        the slot on to another proxy since its claim)."""
-        started = time.monotonic()
-        while True:
-            # Never decided while this process is handing the slot to another proxy (a state read before that
-            # answer is written is stale): wait for the answer to be out, then ask for the slot back. What is
-            # decided here and `gate.moves` after it run without a pause between (nothing else runs between).
-            while self.keeper.turns.handing_over(slot) and time.monotonic() - started < handover.WAIT:
-                await asyncio.sleep(HANDOVER_POLL)
-                state = await self.store.fresh()
-            if self.keeper.turns.may_write(state, slot):
-                return None, False
-            async with self.store.transaction() as state:
-                asked = self.keeper.turns.writer_turn(state, slot, key or "side-call", time.time())
-            if asked is not None:
-                break
-            if not self.keeper.turns.handing_over(slot):
-                return None, False
-            state = await self.store.fresh()
-        answer, stale = None, False
-        while time.monotonic() - started < handover.WAIT:
-            await asyncio.sleep(HANDOVER_POLL)
-            state = await self.store.fresh()
-            answer = self.keeper.turns.handover_answer(state, asked)
-            if answer is not None:
-                self.keeper.turns.writer_given(answer)
-                break
-            if not handover.alive(state.beats, asked.giver, time.time()):
-                break
-            if not self.keeper.turns.fence_holds(fence):
-                stale = True
-                break
-        if answer is None and not stale:
-            async with self.store.transaction() as state:
-                self.keeper.turns.writer_forced(state, asked, time.time())
-        self.emit(HandedOver(self.url, slot, time.monotonic() - started, answer is not None, giver=False))
-        return answer, stale
 
     async def _fresh_pages(self, key: str) -> shared.ServerState:
         """With the slot's lock held: the page index as the store has it now (another proxy may have paged
