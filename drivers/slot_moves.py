@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -42,9 +42,7 @@ from slotlogic.events import (
 )
 from slotlogic.keeper import Keeper, Placement
 from slotlogic.ledger import Cause, Fence, Holds
-from slotlogic.paging import Moved, PagePlan
-from slotlogic.prefix import StablePrefix
-from slotlogic.ranking import SlotView
+from slotlogic.paging import Moved, PageAsk, PageDone, PagePlan
 from slotlogic.server import ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
 
@@ -139,9 +137,8 @@ class SlotMover:
             return Moved.NOTHING, placement.fence, holds
         stable_chars = len(need.stable.text) if need.stable is not None and self.checkpoints is not None else 0
         cold = need.stable if not holds and await self._unbuilt(need, info) else None
-        views = await self._await_source(placement.slot, key, placement.view, placement.views, stable_chars, cold)
-        moved, fence = await self.page(placement.slot, key, placement.view, flow_id, views, stable_chars, cold,
-                                       fence=placement.fence)
+        ask = PageAsk(placement.slot, key, placement.view, views=placement.views, stable_chars=stable_chars, cold=cold)
+        moved, fence = await self.page(await self._await_source(ask), flow_id, fence=placement.fence)
         return moved, fence, holds
 
     async def _unbuilt(self, need: NeedSlot, info: ServerInfo) -> bool:
@@ -152,21 +149,20 @@ class SlotMover:
         name = pfx.file_name(cp.fingerprint(need.stable, info))
         return name not in cp.building and not await asyncio.to_thread(cp.file_known, name, info)
 
-    async def _await_source(self, slot: int, key: str, view: SlotView, views: Sequence[SlotView],
-                            stable_chars: int, cold: StablePrefix | None) -> Sequence[SlotView]:
+    async def _await_source(self, ask: PageAsk) -> PageAsk:
         """Before the slot's paging lock: when the conversation this new session would start from is on a slot
         still running a request, or about to (two sessions that start together), wait for that slot to go idle,
-        within the time prefilling the copied part would take (`Keeper.busy_source`); `views` as they are
-        then. A shared store never seeds from a live slot (other proxies may page it), so it never waits."""
+        within the time prefilling the copied part would take (`Pager.busy_source`); `ask` with its views as
+        they are then. A shared store never seeds from a live slot (other proxies may page it), so it never waits."""
         assert self.pages is not None
         if self.store.remote:
-            return views
-        pages = self.pages
+            return ask
+        pages, slot, views = self.pages, ask.slot, ask.views
         # A slot whose paging lock is held is as good as busy: its placement's request is on its way there.
         busy = [replace(v, busy=True) if not v.busy and pages.busy(v.id) else v for v in views]
-        found = self.keeper.pager.busy_source(slot, key, view, busy, stable_chars, cold, sent=pages.last_sent.get(slot))
+        found = self.keeper.pager.busy_source(replace(ask, views=busy, sent=pages.last_sent.get(slot)))
         if found is None:
-            return views
+            return ask
         source = found.slot
         started = time.monotonic()
         deadline = started + found.budget
@@ -183,15 +179,14 @@ class SlotMover:
             idle = not pages.busy(source) and self.keeper.pager.source_idle(source, live)
             entry = next((e for e in live if isinstance(e, dict) and e.get("id") == source), None)
         self.emit(SourceAwaited(self.url, slot, source, time.monotonic() - started, idle))
-        return [replace(v, busy=False) if v.id == source else v for v in views] if idle else views
+        return replace(ask, views=[replace(v, busy=False) if v.id == source else v for v in views]) if idle else ask
 
-    async def page(self, slot: int, key: str, view: SlotView, flow_id: str, views: Sequence[SlotView] = (),
-                    stable_chars: int = 0, cold: StablePrefix | None = None,
-                    fence: Fence | None = None) -> tuple[Moved, Fence | None]:
+    async def page(self, ask: PageAsk, flow_id: str, fence: Fence | None = None) -> tuple[Moved, Fence | None]:
         """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
         shares the most with: a seed); what is in the slot for it now. Decided once the lock is held. Fails
         open: trouble only costs the prefill."""
         assert self.pages is not None
+        slot, key = ask.slot, ask.session_key
         # The lock is taken even with nothing to page: a placement on this slot that is still warming its
         # prefix, or whose request has not reached the server, must finish first (a second new session would
         # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
@@ -211,25 +206,21 @@ class SlotMover:
             self.emit(self.keeper.turns.stale_plan(fence, "page", key))
             return Moved.STALE, fence
         self.gate.moves(slot, flow_id)
-        plan = self.keeper.pager.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
-                                     stable_chars=stable_chars, cold=cold, given=given,
-                                     ours=self.gate.last_started.get(slot))
+        ask = replace(ask, sent=self.pages.last_sent.get(slot), given=given, ours=self.gate.last_started.get(slot))
+        plan = self.keeper.pager.page_plan(ask)
         # Our own conversation is on a slot another placement is paging now: its page of us is recorded by the
         # time it lets that slot go; wait for that, then plan again (the page is there then).
         if plan.seed is not None and plan.seed.source == key and plan.seed.slot is not None \
                 and not self.store.remote and self.pages.busy(plan.seed.slot) \
                 and await self.pages.wait_free(plan.seed.slot, slot, SEED_SLOT_WAIT):
-            plan = self.keeper.pager.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
-                                         stable_chars=stable_chars, cold=cold, given=given,
-                                         ours=self.gate.last_started.get(slot))
+            ask = replace(ask, sent=self.pages.last_sent.get(slot), ours=self.gate.last_started.get(slot))
+            plan = self.keeper.pager.page_plan(ask)
         if plan.seed is not None and plan.seed.slot is not None and (self.store.remote
                                                                      or self.pages.busy(plan.seed.slot)):
             # A live seed's slot is saved under its local lock only: never while another placement pages it,
             # nor when other proxies (a shared store) may be paging it. Its own live conversation: its page then.
-            plan = plan.without_seed() if plan.seed.source != key else self.keeper.pager.page_plan(
-                slot, key, view, sent=self.pages.last_sent.get(slot), views=views, stable_chars=stable_chars,
-                cold=cold, copy_live=False, given=given,
-                ours=self.gate.last_started.get(slot))
+            plan = plan.without_seed() if plan.seed.source != key else self.keeper.pager.page_plan(replace(
+                ask, sent=self.pages.last_sent.get(slot), copy_live=False, ours=self.gate.last_started.get(slot)))
         for choice in plan.choices:
             self.emit(CostWeighed(self.url, slot, choice.session[:8] or None, choice))
         if plan.empty:
@@ -291,9 +282,8 @@ class SlotMover:
             files = await asyncio.to_thread(unrecorded_files, self.pages, self.state_dir, str(self.store.path))
         async with self.store.transaction() as state:
             seed = (out.seed_tokens, out.seed_bytes) if out.seed_tokens is not None else None
-            doomed = self.keeper.pager.pages_recorded(state, plan, out.saved_tokens, out.saved_bytes,
-                                                      out.restore_failed, time.time(), self.pages.max_bytes, files,
-                                                      seed_saved=seed)
+            done = PageDone(out.saved_tokens, out.saved_bytes, out.restore_failed, seed)
+            doomed = self.keeper.pager.pages_recorded(state, plan, done, time.time(), self.pages.max_bytes, files)
         self.pages.delete(doomed)
 
     async def warm(self, slot: int, need: NeedSlot, info: ServerInfo, holds: bool,

@@ -61,7 +61,7 @@ from slotlogic.events import (
 )
 from slotlogic.intake import Recognition
 from slotlogic.keeper import Keeper
-from slotlogic.paging import Moved
+from slotlogic.paging import Moved, PageAsk
 from slotlogic.server import ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
 
@@ -258,7 +258,7 @@ class Upstream:
         if placement.side and paged:
             # The side slot may hold a session's conversation (placed there before side calls came): saved first,
             # so the session pages back in whole instead of finding a side call's prompt.
-            await self.mover.page(placement.slot, "", placement.view, flow_id, fence=placement.fence)
+            await self.mover.page(PageAsk(placement.slot, "", placement.view), flow_id, fence=placement.fence)
         if placement.side or self.offline:
             return self.keeper.pin(need, placement.slot, placement.why, now)
         moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id)
