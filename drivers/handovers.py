@@ -1,4 +1,5 @@
-"""The giver's side of slot handovers between proxies sharing one state (`slotlogic.handover`), and the beat.
+"""Slot handovers between proxies sharing one state (`slotlogic.handover`): the giver's side, the beat, and the
+taker's (`take`: a placement's moves wait for the slot's writer to hand it over).
 
 One background task per server this proxy fronts (started with the first placement or flush): it looks at the
 shared state for handovers other proxies ask of this one, and answers each once this proxy's sessions are off
@@ -21,14 +22,16 @@ from collections.abc import Callable
 
 from drivers.slot_gate import SlotGate
 from drivers.store import StateStore
-from slotlogic import handover
+from slotlogic import handover, shared
 from slotlogic.events import Event, Failed, HandedOver, Stage
 from slotlogic.handover import Handover
 from slotlogic.keeper import Keeper
+from slotlogic.ledger import Fence
 
 FILE_POLL = 0.05
 IDLE_POLL = 1.0   # no other proxy alive in the state: nobody can ask us (a new one beats before it asks)
 REMOTE_POLL = 0.5
+HANDOVER_POLL = 0.025  # seconds between looks at the store while a taker waits for the giver's answer
 
 
 class Handovers:
@@ -138,3 +141,45 @@ class Handovers:
             self.keeper.turns.hand_over_cleared(h)
             self._giving.discard((h.slot, h.taker))
 
+    async def take(self, slot: int, key: str, fence: Fence | None,
+                   state: shared.ServerState) -> tuple[Handover | None, bool]:
+        """Make this process the slot's writer before its moves (`slotlogic.handover`, Rule 2): at once when it is
+        already, nobody's or its writer is gone; else the writer is asked and its answer awaited (read from the
+        store every HANDOVER_POLL seconds, at most `handover.WAIT`; without it the slot is taken anyway). The
+        answer (None: none needed or none came), and whether this placement went stale meanwhile (we handed
+        the slot on to another proxy since its claim)."""
+        started = time.monotonic()
+        while True:
+            # Never decided while this process is handing the slot to another proxy (a state read before that
+            # answer is written is stale): wait for the answer to be out, then ask for the slot back. What is
+            # decided here and `gate.moves` after it run without a pause between (nothing else runs between).
+            while self.keeper.turns.handing_over(slot) and time.monotonic() - started < handover.WAIT:
+                await asyncio.sleep(HANDOVER_POLL)
+                state = await self.store.fresh()
+            if self.keeper.turns.may_write(state, slot):
+                return None, False
+            async with self.store.transaction() as state:
+                asked = self.keeper.turns.writer_turn(state, slot, key or "side-call", time.time())
+            if asked is not None:
+                break
+            if not self.keeper.turns.handing_over(slot):
+                return None, False
+            state = await self.store.fresh()
+        answer, stale = None, False
+        while time.monotonic() - started < handover.WAIT:
+            await asyncio.sleep(HANDOVER_POLL)
+            state = await self.store.fresh()
+            answer = self.keeper.turns.handover_answer(state, asked)
+            if answer is not None:
+                self.keeper.turns.writer_given(answer)
+                break
+            if not handover.alive(state.beats, asked.giver, time.time()):
+                break
+            if not self.keeper.turns.fence_holds(fence):
+                stale = True
+                break
+        if answer is None and not stale:
+            async with self.store.transaction() as state:
+                self.keeper.turns.writer_forced(state, asked, time.time())
+        self.emit(HandedOver(self.url, slot, time.monotonic() - started, answer is not None, giver=False))
+        return answer, stale

@@ -10,10 +10,10 @@ warnings work per server as with one); this pool adds what is between them:
   `/props`, `/slots` and shared state, then placed inside that server as always. The claim is made under
   that server's state lock, where `accept` checks that a free slot is still there (another proxy may have
   taken it since the look-up); if not, the choice is made again.
-- Health: a background task asks every server's `/health` (`slots_health_interval`), a down one with
-  back-off (`routing.Health`); a connection that cannot be opened marks the server down at once
-  (`connect_failed`, from mitmproxy's `server_connect` hook), and that request goes to another server before
-  anything was sent (`Pinning.server_connect`).
+- Health (`drivers.pool_health`): a background task asks every server's `/health` (`slots_health_interval`),
+  a down one with back-off (`routing.Health`); a connection that cannot be opened marks the server down at
+  once (`connect_failed`, from mitmproxy's `server_connect` hook), and that request goes to another server
+  before anything was sent (`Pinning.server_connect`).
 - llama-swap: a URL that answers `GET /running` is llama-swap. Each model behind it is its own server,
   reached through `/upstream/<model>/` for `/props`, `/slots` and slot save/restore; the model comes from
   the request body. A model llama-swap unloaded is not probed (that would load it) and counts as restarted.
@@ -28,25 +28,24 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 from drivers.checkpoint_runner import PrefixRegistry
 from drivers.llama_http import LlamaClient
+from drivers.pool_health import Member, PoolHealth
 from drivers.upstream import Upstream
 from slotlogic import prefix as pfx
 from slotlogic import routing, shared, swap_models
 from slotlogic.decisions import Decision, Forward, NeedSlot, RequestFacts
-from slotlogic.events import Event, ServerDown, ServerUp
+from slotlogic.events import Event
 from slotlogic.intake import Recognition
 from slotlogic.ranking import SlotView
 from slotlogic.reasons import Passed
-from slotlogic.routing import Health, RouteWhy, ServerView
+from slotlogic.routing import RouteWhy, ServerView
 from slotlogic.server import ServerInfo
 
 Emit = Callable[[Event], None]
-CONNECT_CHECK_TIMEOUT = 1.0
 
 
 def base_of(url: str) -> str:
@@ -54,25 +53,6 @@ def base_of(url: str) -> str:
     p = urlsplit(url)
     port = p.port or (443 if p.scheme == "https" else 80)
     return f"{p.scheme}://{p.hostname}:{port}"
-
-
-@dataclass
-class Member:
-    """One URL of `slots_upstreams`: a llama-server, or a llama-swap in front of several."""
-
-    url: str
-    index: int
-    client: LlamaClient
-    health: Health = field(default_factory=Health)
-    swap: bool | None = None   # None until asked
-    checked: float = 0.0       # when `/health` was last asked
-    models: frozenset[str] = frozenset()  # llama-swap: the models it lists (`/v1/models`, `/running`)
-    models_asked: float | None = None     # when that list was last asked
-
-    @property
-    def address(self) -> tuple[str, int]:
-        p = urlsplit(self.url)
-        return p.hostname or "", p.port or (443 if p.scheme == "https" else 80)
 
 
 class Pool:
@@ -86,7 +66,7 @@ class Pool:
         self.max_models = max_models    # model servers kept per llama-swap
         self.used: dict[str, float] = {}  # a llama-swap model's server URL -> when a request last went there
         self.emit = emit
-        self.health_interval = health_interval
+        self.health = PoolHealth(self.members, emit, health_interval, every_pass=self.forget_idle)
         self.recognition = recognition or Recognition()  # its servers' keepers are made with the same one
         self.servers: dict[str, tuple[Member, str]] = {}   # server URL -> (member, model or "")
         self.where: dict[str, Upstream] = {}               # session key -> the server of its last request
@@ -113,7 +93,7 @@ class Pool:
             self.servers[url] = (member, model if member.swap else "")
             if member.swap and model:
                 self.used[url] = time.monotonic()  # new: not idle (a request is on its way)
-            up.share_prefixes(self.prefixes)
+            up.mover.share(self.prefixes)  # prefix builds and known prefixes: the pool's
         return up
 
     def _loaded(self, member: Member, model: str) -> Callable[[], Any]:
@@ -189,7 +169,7 @@ class Pool:
     async def decide(self, facts: RequestFacts, flow_id: str, *, avoid: Member | None = None
                      ) -> tuple[Upstream, Decision]:
         """The server and decision for one request. `avoid`: a server this request could not reach."""
-        self.kick()
+        self.health.kick()
         first = self._first(facts, avoid)
         if first is None:
             first = await self._first_slow(facts, avoid)
@@ -284,7 +264,7 @@ class Pool:
         if was_down and previous is not None:
             previous.keeper.turns.forget([key])
         page = await self._page_elsewhere(key, previous) if was_down and previous is not None else None
-        asked = await asyncio.gather(*(u.ask() for u in cands))
+        asked = await asyncio.gather(*(u.prober.ask() for u in cands))
         if page is None and not need.ticket.side:  # a page another server of the pool wrote: the save dir is one
             page = await self._page_anywhere(key, cands)
         views, infos = [], []
@@ -365,68 +345,6 @@ class Pool:
             state = await previous.store.aread()
             return state.pages.get(key) or previous.keeper.pager.page_of(key)
         return None
-
-    # ------------------------------------------------------------------------------------------- health
-
-    def connect_failed(self, member: Member, cause: str) -> None:
-        self._mark(member, False, cause)
-
-    def _mark(self, member: Member, ok: bool, cause: str = "") -> None:
-        now = time.monotonic()
-        if ok:
-            since = member.health.down_since
-            if member.health.ok(now) is routing.Change.CAME_BACK:
-                self.emit(ServerUp(member.url, now - (since or now)))
-        elif member.health.failed(now) is routing.Change.WENT_DOWN:
-            self.emit(ServerDown(member.url, cause))
-
-    async def check(self, member: Member) -> bool:
-        """One `/health` look-up; marks the member up or down."""
-        result = await member.client.health()
-        self._mark(member, result == "ok", result)
-        return result == "ok"
-
-    async def connect_check(self, member: Member) -> bool:
-        """Can a connection be opened now? (Before mitmproxy opens one: a refused server is marked down and
-        the request goes elsewhere.)"""
-        host, port = member.address
-        try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_CHECK_TIMEOUT)
-        except (TimeoutError, OSError) as e:
-            self.connect_failed(member, "timeout" if isinstance(e, TimeoutError) else "refused")
-            return False
-        writer.close()
-        with contextlib.suppress(Exception):
-            await writer.wait_closed()
-        return True
-
-    def kick(self) -> None:
-        if self._task is None or self._task.done():
-            with contextlib.suppress(RuntimeError):
-                self._task = asyncio.get_running_loop().create_task(self._background())
-
-    async def _background(self) -> None:
-        with contextlib.suppress(asyncio.CancelledError):
-            while True:
-                await asyncio.sleep(min(self.health_interval, routing.PROBE_MIN))
-                now = time.monotonic()
-                due = [m for m in self.members if m.health.due(now) or (
-                    m.health.up and now - m.checked >= self.health_interval)]
-                for m in due:
-                    m.checked = now
-                await asyncio.gather(*(self.check(m) for m in due), return_exceptions=True)
-                self.forget_idle(now)
-
-    def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    # ------------------------------------------------------------------------------------------- views
-
-    def status(self) -> list[dict[str, Any]]:
-        return [{"url": m.url, "up": m.health.up, "llama_swap": bool(m.swap),
-                 "failures": m.health.failures} for m in self.members]
-
 
 def _full(v: ServerView) -> ServerView:
     return ServerView(v.index, v.up, v.total_slots, 0, v.idle, v.busy, v.queued, False, False, v.owned)

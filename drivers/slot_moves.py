@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,11 +20,12 @@ from typing import Any
 from drivers import store_file
 from drivers.build_claims import BuildClaims
 from drivers.checkpoint_runner import CheckpointRunner, PrefixRegistry
+from drivers.handovers import Handovers
 from drivers.llama_http import LlamaClient
 from drivers.page_runner import PageOutcome, PageRunner
 from drivers.slot_gate import SlotGate
 from drivers.store import StateStore
-from slotlogic import handover, paging, shared
+from slotlogic import paging, shared
 from slotlogic import prefix as pfx
 from slotlogic.checkpoint_machine import Outcome
 from slotlogic.costs import SlotFileAnswer
@@ -34,18 +35,14 @@ from slotlogic.events import (
     CostWeighed,
     Event,
     Failed,
-    HandedOver,
     NoSavePath,
     Paged,
     SourceAwaited,
     Stage,
 )
-from slotlogic.handover import Handover
 from slotlogic.keeper import Keeper, Placement
 from slotlogic.ledger import Cause, Fence, Holds
-from slotlogic.paging import Moved, PagePlan
-from slotlogic.prefix import StablePrefix
-from slotlogic.ranking import SlotView
+from slotlogic.paging import Moved, PageAsk, PageDone, PagePlan
 from slotlogic.server import ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
 
@@ -53,7 +50,6 @@ REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its ses
 REMOTE_SETTLE = 10.0   # seconds a pager waits for another proxy's page-out of its session (a shared store)
 SOURCE_POLL = 0.2      # seconds between `/slots` looks while a new session waits for the slot it would copy
 SEED_SLOT_WAIT = 30.0  # seconds a placement waits for the slot its own conversation is being paged out of
-HANDOVER_POLL = 0.025  # seconds between looks at the store while a taker waits for the giver's answer
 MIN_SLEEP = 0.001      # a wait's last sliver below this is not slept (nor polled for)
 
 
@@ -62,15 +58,16 @@ class SlotMover:
     hand), the gate that says which of our requests reached each slot, and the build claims of a shared store."""
 
     def __init__(self, url: str, client: LlamaClient, keeper: Keeper, store: StateStore, emit: Callable[[Event], None],
-                 gate: SlotGate, state_dir: Path, *, builds: BuildClaims | None = None) -> None:
+                 gate: SlotGate, state_dir: Path, handovers: Handovers) -> None:
         self.url = url
         self.client = client
         self.keeper = keeper
         self.store = store
         self.emit = emit
         self.gate = gate
+        self.handovers = handovers  # the slot asked of its writer before our moves, when another proxy writes it
         self.state_dir = state_dir
-        self.builds = builds  # a shared store's build markers: one prefix build for all proxies (None: local)
+        self.builds: BuildClaims | None = None  # a shared store's build markers: one prefix build for all (None: local)
         self.registry = PrefixRegistry()  # this server's own, until it joins a pool (`share`)
         self.pages: PageRunner | None = None
         self.checkpoints: CheckpointRunner | None = None
@@ -113,6 +110,12 @@ class SlotMover:
         if self.pages is not None:
             self.pages.unlock(flow_id, sent=False)
 
+    def unsent(self, flow_id: str) -> None:
+        """The flow's pinned request goes out unpinned after its wait: nothing of ours reaches its slot."""
+        self.gate.started(flow_id)
+        if self.pages is not None:
+            self.pages.unlock(flow_id, sent=False)
+
     def delete_pages(self, files: list[str]) -> None:
         if self.pages is not None:
             self.pages.delete(files)
@@ -134,9 +137,8 @@ class SlotMover:
             return Moved.NOTHING, placement.fence, holds
         stable_chars = len(need.stable.text) if need.stable is not None and self.checkpoints is not None else 0
         cold = need.stable if not holds and await self._unbuilt(need, info) else None
-        views = await self._await_source(placement.slot, key, placement.view, placement.views, stable_chars, cold)
-        moved, fence = await self.page(placement.slot, key, placement.view, flow_id, views, stable_chars, cold,
-                                       fence=placement.fence)
+        ask = PageAsk(placement.slot, key, placement.view, views=placement.views, stable_chars=stable_chars, cold=cold)
+        moved, fence = await self.page(await self._await_source(ask), flow_id, fence=placement.fence)
         return moved, fence, holds
 
     async def _unbuilt(self, need: NeedSlot, info: ServerInfo) -> bool:
@@ -147,21 +149,20 @@ class SlotMover:
         name = pfx.file_name(cp.fingerprint(need.stable, info))
         return name not in cp.building and not await asyncio.to_thread(cp.file_known, name, info)
 
-    async def _await_source(self, slot: int, key: str, view: SlotView, views: Sequence[SlotView],
-                            stable_chars: int, cold: StablePrefix | None) -> Sequence[SlotView]:
+    async def _await_source(self, ask: PageAsk) -> PageAsk:
         """Before the slot's paging lock: when the conversation this new session would start from is on a slot
         still running a request, or about to (two sessions that start together), wait for that slot to go idle,
-        within the time prefilling the copied part would take (`Keeper.busy_source`); `views` as they are
-        then. A shared store never seeds from a live slot (other proxies may page it), so it never waits."""
+        within the time prefilling the copied part would take (`Pager.busy_source`); `ask` with its views as
+        they are then. A shared store never seeds from a live slot (other proxies may page it), so it never waits."""
         assert self.pages is not None
         if self.store.remote:
-            return views
-        pages = self.pages
+            return ask
+        pages, slot, views = self.pages, ask.slot, ask.views
         # A slot whose paging lock is held is as good as busy: its placement's request is on its way there.
         busy = [replace(v, busy=True) if not v.busy and pages.busy(v.id) else v for v in views]
-        found = self.keeper.pager.busy_source(slot, key, view, busy, stable_chars, cold, sent=pages.last_sent.get(slot))
+        found = self.keeper.pager.busy_source(replace(ask, views=busy, sent=pages.last_sent.get(slot)))
         if found is None:
-            return views
+            return ask
         source = found.slot
         started = time.monotonic()
         deadline = started + found.budget
@@ -178,15 +179,14 @@ class SlotMover:
             idle = not pages.busy(source) and self.keeper.pager.source_idle(source, live)
             entry = next((e for e in live if isinstance(e, dict) and e.get("id") == source), None)
         self.emit(SourceAwaited(self.url, slot, source, time.monotonic() - started, idle))
-        return [replace(v, busy=False) if v.id == source else v for v in views] if idle else views
+        return replace(ask, views=[replace(v, busy=False) if v.id == source else v for v in views]) if idle else ask
 
-    async def page(self, slot: int, key: str, view: SlotView, flow_id: str, views: Sequence[SlotView] = (),
-                    stable_chars: int = 0, cold: StablePrefix | None = None,
-                    fence: Fence | None = None) -> tuple[Moved, Fence | None]:
+    async def page(self, ask: PageAsk, flow_id: str, fence: Fence | None = None) -> tuple[Moved, Fence | None]:
         """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
         shares the most with: a seed); what is in the slot for it now. Decided once the lock is held. Fails
         open: trouble only costs the prefill."""
         assert self.pages is not None
+        slot, key = ask.slot, ask.session_key
         # The lock is taken even with nothing to page: a placement on this slot that is still warming its
         # prefix, or whose request has not reached the server, must finish first (a second new session would
         # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
@@ -200,31 +200,27 @@ class SlotMover:
         # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
         # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
         state = await self._fresh_pages(key) if self.store.remote else await self.store.fresh()
-        given, stale = await self.writer(slot, key, fence, state)
+        given, stale = await self.handovers.take(slot, key, fence, state)
         if stale or not self.keeper.turns.fence_holds(fence):  # we handed the slot on since our claim: place it again
             assert fence is not None
             self.emit(self.keeper.turns.stale_plan(fence, "page", key))
             return Moved.STALE, fence
         self.gate.moves(slot, flow_id)
-        plan = self.keeper.pager.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
-                                     stable_chars=stable_chars, cold=cold, given=given,
-                                     ours=self.gate.last_started.get(slot))
+        ask = replace(ask, sent=self.pages.last_sent.get(slot), given=given, ours=self.gate.last_started.get(slot))
+        plan = self.keeper.pager.page_plan(ask)
         # Our own conversation is on a slot another placement is paging now: its page of us is recorded by the
         # time it lets that slot go; wait for that, then plan again (the page is there then).
         if plan.seed is not None and plan.seed.source == key and plan.seed.slot is not None \
                 and not self.store.remote and self.pages.busy(plan.seed.slot) \
                 and await self.pages.wait_free(plan.seed.slot, slot, SEED_SLOT_WAIT):
-            plan = self.keeper.pager.page_plan(slot, key, view, sent=self.pages.last_sent.get(slot), views=views,
-                                         stable_chars=stable_chars, cold=cold, given=given,
-                                         ours=self.gate.last_started.get(slot))
+            ask = replace(ask, sent=self.pages.last_sent.get(slot), ours=self.gate.last_started.get(slot))
+            plan = self.keeper.pager.page_plan(ask)
         if plan.seed is not None and plan.seed.slot is not None and (self.store.remote
                                                                      or self.pages.busy(plan.seed.slot)):
             # A live seed's slot is saved under its local lock only: never while another placement pages it,
             # nor when other proxies (a shared store) may be paging it. Its own live conversation: its page then.
-            plan = plan.without_seed() if plan.seed.source != key else self.keeper.pager.page_plan(
-                slot, key, view, sent=self.pages.last_sent.get(slot), views=views, stable_chars=stable_chars,
-                cold=cold, copy_live=False, given=given,
-                ours=self.gate.last_started.get(slot))
+            plan = plan.without_seed() if plan.seed.source != key else self.keeper.pager.page_plan(replace(
+                ask, sent=self.pages.last_sent.get(slot), copy_live=False, ours=self.gate.last_started.get(slot)))
         for choice in plan.choices:
             self.emit(CostWeighed(self.url, slot, choice.session[:8] or None, choice))
         if plan.empty:
@@ -266,49 +262,6 @@ class SlotMover:
         moved = Moved.PREFIX if plan.seed.prefix else Moved.SEED
         return moved, self.keeper.turns.slot_written(fence, Holds.SEED, key, 0, over=Cause.SEED_OVER_OWNER)
 
-    async def writer(self, slot: int, key: str, fence: Fence | None,
-                      state: shared.ServerState) -> tuple[Handover | None, bool]:
-        """Make this process the slot's writer before its moves (`slotlogic.handover`, Rule 2): at once when it is
-        already, nobody's or its writer is gone; else the writer is asked and its answer awaited (read from the
-        store every HANDOVER_POLL seconds, at most `handover.WAIT`; without it the slot is taken anyway). The
-        answer (None: none needed or none came), and whether this placement went stale meanwhile (we handed
-        the slot on to another proxy since its claim)."""
-        started = time.monotonic()
-        while True:
-            # Never decided while this process is handing the slot to another proxy (a state read before that
-            # answer is written is stale): wait for the answer to be out, then ask for the slot back. What is
-            # decided here and `gate.moves` after it run without a pause between (nothing else runs between).
-            while self.keeper.turns.handing_over(slot) and time.monotonic() - started < handover.WAIT:
-                await asyncio.sleep(HANDOVER_POLL)
-                state = await self.store.fresh()
-            if self.keeper.turns.may_write(state, slot):
-                return None, False
-            async with self.store.transaction() as state:
-                asked = self.keeper.turns.writer_turn(state, slot, key or "side-call", time.time())
-            if asked is not None:
-                break
-            if not self.keeper.turns.handing_over(slot):
-                return None, False
-            state = await self.store.fresh()
-        answer, stale = None, False
-        while time.monotonic() - started < handover.WAIT:
-            await asyncio.sleep(HANDOVER_POLL)
-            state = await self.store.fresh()
-            answer = self.keeper.turns.handover_answer(state, asked)
-            if answer is not None:
-                self.keeper.turns.writer_given(answer)
-                break
-            if not handover.alive(state.beats, asked.giver, time.time()):
-                break
-            if not self.keeper.turns.fence_holds(fence):
-                stale = True
-                break
-        if answer is None and not stale:
-            async with self.store.transaction() as state:
-                self.keeper.turns.writer_forced(state, asked, time.time())
-        self.emit(HandedOver(self.url, slot, time.monotonic() - started, answer is not None, giver=False))
-        return answer, stale
-
     async def _fresh_pages(self, key: str) -> shared.ServerState:
         """With the slot's lock held: the page index as the store has it now (another proxy may have paged
         this session out since its placement was decided), waiting a little while its page is being written.
@@ -329,9 +282,8 @@ class SlotMover:
             files = await asyncio.to_thread(unrecorded_files, self.pages, self.state_dir, str(self.store.path))
         async with self.store.transaction() as state:
             seed = (out.seed_tokens, out.seed_bytes) if out.seed_tokens is not None else None
-            doomed = self.keeper.pager.pages_recorded(state, plan, out.saved_tokens, out.saved_bytes,
-                                                      out.restore_failed, time.time(), self.pages.max_bytes, files,
-                                                      seed_saved=seed)
+            done = PageDone(out.saved_tokens, out.saved_bytes, out.restore_failed, seed)
+            doomed = self.keeper.pager.pages_recorded(state, plan, done, time.time(), self.pages.max_bytes, files)
         self.pages.delete(doomed)
 
     async def warm(self, slot: int, need: NeedSlot, info: ServerInfo, holds: bool,

@@ -10,19 +10,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from slotlogic import wait
+from slotlogic.affinity import slot_from_slots
+from slotlogic.answers import Observation
+from slotlogic.decisions import Pin, Ticket
+from slotlogic.keeper import Keeper
 
 Clock = Callable[[], float]
 
 
 class SlotWaits:
-    def __init__(self, clock: Clock | None = None) -> None:
+    """Our requests open on each slot of one server, and the hold of a pinned request behind them: with a
+    `keeper` (the request's bookkeeping when it goes out unpinned), `bound` (`slots_wait_bound`, read at each
+    call), `released` (the flow's slot locks let go when it goes elsewhere) and `slots` (`/slots`)."""
+
+    def __init__(self, clock: Clock | None = None, *, keeper: Keeper | None = None,
+                 bound: Callable[[], float] = lambda: 0.0, released: Callable[[str], None] = lambda flow_id: None,
+                 slots: Callable[[], Awaitable[list[dict[str, Any]] | None]] | None = None) -> None:
         self.clock: Clock = clock or (lambda: time.monotonic())  # read at each call: the simulator patches it
         self.open: dict[int, dict[str, tuple[int, str]]] = {}  # slot -> flow -> (body chars, session; "" side)
         self._slot_of: dict[str, int] = {}
         self._freed: dict[int, asyncio.Event] = {}
+        self.keeper, self.bound, self.released, self.slots = keeper, bound, released, slots
 
     def entered(self, slot: int, flow_id: str, chars: int, session: str = "") -> None:
         """A request pinned to `slot` leaves the proxy now."""
@@ -71,3 +83,39 @@ class SlotWaits:
             left = bound - (self.clock() - started)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), max(0.0, left))
+
+    def must_wait(self, decision: Pin) -> bool:
+        """Our earlier requests run on the request's slot, and another slot could run it (one dict look-up)."""
+        t = decision.ticket
+        slot = t.slot
+        return (slot is not None and bool(self.open.get(slot)) and self.keeper is not None
+                and self.ahead(slot, session="" if t.side else t.session.key).count > 0
+                and self.bound() > 0 and (self.keeper.total_slots or 0) > 1)
+
+    async def held(self, decision: Pin, flow_id: str, content: bytes | None) -> Pin:
+        """A request pinned to a slot where our earlier requests still run waits here rather than in the
+        server's queue, at most `slots_wait_bound` seconds; then (or at once, for a side call behind longer
+        work) it goes out with `id_slot: -1` (`slotlogic.wait`). A free slot costs one dict look-up."""
+        t = decision.ticket
+        if t.slot is None or not self.must_wait(decision):
+            return decision
+        assert self.keeper is not None
+        raw = decision.body if decision.body is not None else content
+        plan = await self.hold(t.slot, flow_id, bound=self.bound(), side=t.side, own_chars=len(raw or b""),
+                               rate=self.keeper.prefill_estimate, session="" if t.side else t.session.key)
+        if plan.verdict is not wait.Verdict.UNPIN or not raw:
+            return decision
+        body = wait.unpinned_body(raw)
+        if body is None:
+            return decision
+        self.keeper.turns.unpin(t, plan.why or wait.WaitWhy.BOUND, self.holder(t.slot, flow_id))
+        self.released(flow_id)
+        return Pin(t, body)
+
+    async def ran_unpinned(self, ticket: Ticket, obs: Observation) -> None:
+        """A request the wait sent with `id_slot: -1`: which slot ran it, from `/slots` right after its answer."""
+        if self.keeper is None or self.slots is None:
+            return
+        slot = slot_from_slots(await self.slots() or [], obs.tokens_total, self.keeper.total_slots)
+        if slot is not None:
+            self.keeper.outcomes.ran_unpinned(slot, ticket)

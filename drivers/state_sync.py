@@ -9,8 +9,11 @@ the operator's commands (release, move) into the state in the background. What e
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from drivers.store import StateStore
 from drivers.tasks import Tasks
@@ -18,11 +21,21 @@ from slotlogic import shared
 from slotlogic.events import DisplacedElsewhere, Event, Failed, SlotShared, Stage, Via
 from slotlogic.keeper import Keeper
 from slotlogic.notices import ClaimNotice
+from slotlogic.settings import Settings
+
+
+class Prober(Protocol):
+    """The server's background `/props` probe (`drivers.server_probe.ServerProbe`)."""
+
+    last_probe: float
+
+    async def probe(self) -> None: ...
 
 
 class StateSync:
     def __init__(self, url: str, keeper: Keeper, store: StateStore, emit: Callable[[Event], None], tasks: Tasks, *,
-                 delete_pages: Callable[[list[str]], None], poke: Callable[[], None]) -> None:
+                 delete_pages: Callable[[list[str]], None], poke: Callable[[], None],
+                 settings: Callable[[], Settings]) -> None:
         self.url = url
         self.keeper = keeper
         self.store = store
@@ -33,6 +46,34 @@ class StateSync:
         self.last_reconcile = 0.0
         self._file_total: int | None = None
         self._file_total_read = False
+        self.settings = settings  # read at each pass: the flush and probe intervals
+        self._task: asyncio.Task[None] | None = None
+
+    def kick(self, reconcile_every: float, prober: Prober) -> None:
+        """Make sure the background flusher/prober runs (no I/O here)."""
+        if self._task is None or self._task.done():
+            with contextlib.suppress(RuntimeError):
+                self._task = asyncio.get_running_loop().create_task(self._background(reconcile_every, prober))
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _background(self, reconcile_every: float, prober: Prober) -> None:
+        """Every `flush_interval`: the touches flushed, else a look for a shared slot now and then; the server's
+        `/props` probed every `probe_interval`."""
+        try:
+            while True:
+                await asyncio.sleep(self.settings().flush_interval)
+                if not await self.flush() and time.monotonic() - self.last_reconcile >= reconcile_every:
+                    await self.reconcile()
+                every = self.settings().probe_interval
+                if every > 0 and time.monotonic() - prober.last_probe >= every:
+                    await prober.probe()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the background task must never die silently
+            self.emit(Failed(self.url, Stage.BACKGROUND, type(e).__name__))
 
     async def flush(self) -> bool:
         """Write the coalesced touches (and look for a slot shared with another process in what was written);

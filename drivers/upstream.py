@@ -24,8 +24,6 @@ The proxy's own calls carry llama-server's API key when it needs one (`drivers.s
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import shutil
 import tempfile
@@ -36,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from drivers.build_claims import BuildClaims
-from drivers.checkpoint_runner import CheckpointRunner, PrefixRegistry
+from drivers.checkpoint_runner import CheckpointRunner
 from drivers.handovers import Handovers
 from drivers.llama_http import LlamaClient
 from drivers.model_check import ModelCheck
@@ -52,21 +50,18 @@ from drivers.store import StateStore
 from drivers.store_file import StateFile
 from drivers.tasks import Tasks
 from slotlogic import shared, wait
-from slotlogic.affinity import Learn, slot_from_slots
+from slotlogic.affinity import Learn
 from slotlogic.answers import Observation
 from slotlogic.decisions import Decision, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
 from slotlogic.events import (
     Event,
-    Failed,
     NoPrefixMarker,
     NoSlotsEndpoint,
     PageRejected,
-    Stage,
 )
 from slotlogic.intake import Recognition
 from slotlogic.keeper import Keeper
-from slotlogic.notices import ClaimNotice
-from slotlogic.paging import Moved
+from slotlogic.paging import Moved, PageAsk
 from slotlogic.server import ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
 
@@ -75,6 +70,8 @@ PROBE_TIMEOUT = 30.0
 SLOW = 1.0          # seconds: a /props or /slots that failed after this long hung (the timeout is 3 s)
 BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the background probe may clear it)
 RECONCILE_EVERY = 5.0  # seconds between looks for a slot shared with another process while idle
+# the settings the model check's verdict depends on: a change checks the server again
+MODEL_INPUTS = ("swa_full", "cache_type_k", "cache_type_v", "paging", "checkpoints", "save_dir", "throughput_probe")
 Accept = Callable[[shared.ServerState, ServerInfo, list[dict[str, Any]] | None], bool]
 
 
@@ -101,13 +98,15 @@ class Upstream:
         self.keeper = Keeper(settings, url, recognition, instance=os.urandom(8).hex())
         self.state_dir = Path(state_dir)
         self.store: StateStore = store if store is not None else StateFile(self.state_dir, url, emit)
-        self.store.watch(self.claimed_elsewhere)
         self.settings = settings
         self.gate = SlotGate(url, emit)  # which of our requests reached the server, slot by slot
-        self.waits = SlotWaits()  # our requests open on each slot: a request behind them waits a bounded time
-        self.mover = SlotMover(url, self.client, self.keeper, self.store, emit, self.gate, self.state_dir,
-                               builds=builds)  # pages and prefix checkpoints
         self.handovers = Handovers(url, self.keeper, self.store, emit, self.gate)  # slots other proxies take
+        self.mover = SlotMover(url, self.client, self.keeper, self.store, emit, self.gate, self.state_dir,
+                               self.handovers)  # pages and prefix checkpoints
+        self.mover.builds = builds
+        # our requests open on each slot: a request behind them waits a bounded time (not in a replay)
+        self.waits = SlotWaits(keeper=None if offline else self.keeper, bound=lambda: self.settings.wait_bound,
+                               released=self.mover.unsent, slots=self.client.slots)
         self.model = ModelCheck(self.client, emit, url, on_speed=self.keeper.outcomes.probed)
         self.speeds = SlotSpeeds(url, self.keeper, self.model, emit, lambda: self.settings)  # every save/restore
         self.model.on_answer = self.mover.on_answer = self.speeds
@@ -116,10 +115,11 @@ class Upstream:
                                  on_checked=lambda: self._runners(self.settings))
         self.prober.store = self.store
         self.sync = StateSync(url, self.keeper, self.store, emit, self.tasks, delete_pages=self.mover.delete_pages,
-                              poke=self.handovers.poke)
+                              poke=self.handovers.poke, settings=lambda: self.settings)
+        if not offline:  # another proxy's claim notices (pushed through the store)
+            self.store.watch(self.sync.claimed_elsewhere)
         self._runners(settings)
         self.warned: set[str] = set()  # one-time notices given: "no-slots", "no-marker", "page-save-path"
-        self._task: asyncio.Task[None] | None = None
         self.auth = ServerAuth(self.client, settings.api_key)  # the key the proxy's own calls carry
         self._started = False
 
@@ -146,19 +146,13 @@ class Upstream:
     def checkpoints(self) -> CheckpointRunner | None:
         return self.mover.checkpoints
 
-    def share_prefixes(self, registry: PrefixRegistry) -> None:
-        """This server joined a pool: prefix builds and known prefixes are shared with its other servers."""
-        self.mover.share(registry)
-
     def reconfigure(self, settings: Settings, state_dir: str | Path, store: StateStore | None = None,
                     builds: BuildClaims | None = None) -> None:
         """New settings replace the old whole; the sessions this process knows stay. A new `store` comes with
         its `builds` (None for a store of this machine's files)."""
         if self.offline:
             return
-        model_inputs = ("swa_full", "cache_type_k", "cache_type_v", "paging", "checkpoints", "save_dir",
-                        "throughput_probe")
-        if any(getattr(settings, n) != getattr(self.settings, n) for n in model_inputs):
+        if any(getattr(settings, n) != getattr(self.settings, n) for n in MODEL_INPUTS):
             self.model.forget()  # the verdict depends on them: check again at the next /props
             self.tasks.spawn(self.prober.probe())
         self.settings = settings
@@ -169,7 +163,7 @@ class Upstream:
             self.state_dir = Path(state_dir)
             self.store = self.prober.store = self.sync.store = store
             self.mover.builds = builds
-            store.watch(self.claimed_elsewhere)
+            store.watch(self.sync.claimed_elsewhere)
             if self.pages is not None:
                 self.pages.shared = store.slot_locks
         elif Path(state_dir) != self.state_dir:
@@ -223,10 +217,6 @@ class Upstream:
         self.kick()
         return decision
 
-    async def ask(self) -> Facts:
-        """`/props` and, when it answered, `/slots` (an endpoint that hung lately is not asked)."""
-        return await self.prober.ask()
-
     async def _place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
                      accept: Accept | None = None, retries: int = 1) -> Any:
         key, now = need.ticket.session.key, facts.now
@@ -238,7 +228,7 @@ class Upstream:
             live = recorded.get("slots")
         else:
             self.auth.learn(facts.fields)
-            props, live = asked if asked is not None else await self.ask()
+            props, live = asked if asked is not None else await self.prober.ask()
         info = self.prober.server_info(props)
         if info is not None and not self.offline:
             self.prober.seen(info)
@@ -262,13 +252,13 @@ class Upstream:
         paged = self.pages is not None and not self.offline
         if not paged and not self.offline:  # no moves, but another proxy may write the slot: it is asked first
             state = await self.store.fresh()
-            _, stale = await self.mover.writer(placement.slot, key, placement.fence, state)
+            _, stale = await self.handovers.take(placement.slot, key, placement.fence, state)
             if stale and retries > 0:
                 return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
         if placement.side and paged:
             # The side slot may hold a session's conversation (placed there before side calls came): saved first,
             # so the session pages back in whole instead of finding a side call's prompt.
-            await self.mover.page(placement.slot, "", placement.view, flow_id, fence=placement.fence)
+            await self.mover.page(PageAsk(placement.slot, "", placement.view), flow_id, fence=placement.fence)
         if placement.side or self.offline:
             return self.keeper.pin(need, placement.slot, placement.why, now)
         moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id)
@@ -308,37 +298,6 @@ class Upstream:
         """The flow's answer ended, or it failed: a request held behind it looks again (`hold`)."""
         self.waits.left(flow_id)
 
-    def must_wait(self, decision: Pin) -> bool:
-        """Our earlier requests run on the request's slot, and another slot could run it (one dict look-up)."""
-        t = decision.ticket
-        slot = t.slot
-        return (slot is not None and bool(self.waits.open.get(slot)) and not self.offline
-                and self.waits.ahead(slot, session="" if t.side else t.session.key).count > 0
-                and self.settings.wait_bound > 0 and (self.keeper.total_slots or 0) > 1)
-
-    async def hold(self, decision: Pin, flow_id: str, content: bytes | None) -> Pin:
-        """A request pinned to a slot where our earlier requests still run waits here rather than in the
-        server's queue, at most `slots_wait_bound` seconds; then (or at once, for a side call behind longer
-        work) it goes out with `id_slot: -1` (`slotlogic.wait`). A free slot costs one dict look-up."""
-        t = decision.ticket
-        if t.slot is None or not self.must_wait(decision):
-            return decision
-        raw = decision.body if decision.body is not None else content
-        plan = await self.waits.hold(t.slot, flow_id, bound=self.settings.wait_bound, side=t.side,
-                                     own_chars=len(raw or b""), rate=self.keeper.prefill_estimate,
-                                     session="" if t.side else t.session.key)
-        if plan.verdict is not wait.Verdict.UNPIN or not raw:
-            return decision
-        body = wait.unpinned_body(raw)
-        if body is None:
-            return decision
-        holder = self.waits.holder(t.slot, flow_id)
-        self.keeper.unpin(t, plan.why or wait.WaitWhy.BOUND, holder)
-        self.gate.started(flow_id)
-        if self.pages is not None:
-            self.pages.unlock(flow_id, sent=False)
-        return Pin(t, body)
-
     # ------------------------------------------------------------------------------------------- answers
 
     def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float) -> Report:
@@ -350,7 +309,7 @@ class Upstream:
                 self.tasks.spawn(self._learn_from_slots(ticket, obs))
             self.kick()
         if ticket.unpinned in wait.UNPINNED and not self.offline and obs.error_type is None:
-            self.tasks.spawn(self._ran_unpinned(ticket, obs))
+            self.tasks.spawn(self.waits.ran_unpinned(ticket, obs))
         if not self.offline and report.slot is not None and self.keeper.outcomes.lost_cache(report):
             self.tasks.spawn(self.prober.explain_cache_loss(report.slot))
         check = self.keeper.pager.page_doubtful(report) if self.pages is not None else None
@@ -359,12 +318,6 @@ class Upstream:
             self.emit(PageRejected(self.url, report.slot, check))
             self.tasks.spawn(self.mover.drop_page(ticket.session.key, page.file))
         return report
-
-    async def _ran_unpinned(self, ticket: Ticket, obs: Observation) -> None:
-        """A request the wait sent with `id_slot: -1`: which slot ran it, from `/slots` right after its answer."""
-        slot = slot_from_slots(await self.client.slots() or [], obs.tokens_total, self.keeper.total_slots)
-        if slot is not None:
-            self.keeper.ran_unpinned(slot, ticket)
 
     async def _learn_from_slots(self, ticket: Ticket, obs: Observation) -> None:
         """Affinity on a route whose answer does not name the slot: read `/slots` once, right after it."""
@@ -386,58 +339,31 @@ class Upstream:
 
     def kick(self) -> None:
         """Make sure the background flusher/prober runs (no I/O here)."""
-        if self.offline:
-            return
-        if self._task is None or self._task.done():
-            with contextlib.suppress(RuntimeError):
-                self._task = asyncio.get_running_loop().create_task(self._background())
-        self.handovers.start()
-
-    async def _background(self) -> None:
-        try:
-            while True:
-                await asyncio.sleep(self.settings.flush_interval)
-                if not await self.sync.flush() and time.monotonic() - self.sync.last_reconcile >= RECONCILE_EVERY:
-                    await self.sync.reconcile()
-                every = self.settings.probe_interval
-                if every > 0 and time.monotonic() - self.prober.last_probe >= every:
-                    await self.prober.probe()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the background task must never die silently
-            self.emit(Failed(self.url, Stage.BACKGROUND, type(e).__name__))
+        if not self.offline:
+            self.sync.kick(RECONCILE_EVERY, self.prober)
+            self.handovers.start()
 
     # ------------------------------------------------------------------------------------------- commands
 
     async def status(self) -> dict[str, Any]:
         """The status view, from a fresh read of the state file (in a worker thread)."""
-        state = await self.store.aread()
-        return {**self.keeper.status(state, time.time()), **self.model.status(self.settings),
-                **self._page_view(state)}
+        return self._status(await self.store.aread())
 
     def status_now(self) -> dict[str, Any]:
         """The status view from memory (the state as of the last transaction): for sync callers."""
-        return {**self.keeper.status(self.store.last, time.time()), **self.model.status(self.settings),
-                **self._page_view(self.store.last)}
+        return self._status(self.store.last)
 
-    def _page_view(self, state: shared.ServerState) -> dict[str, Any]:
-        """What the slot page adds: the measured prefill speed (recent answers, else the start-up probe) and
-        each session's page file on this server (any proxy's, from the shared state)."""
+    def _status(self, state: shared.ServerState) -> dict[str, Any]:
+        """The keeper's view and the model's, with what the slot page adds: the measured prefill speed (recent
+        answers, else the start-up probe) and each session's page file on this server (any proxy's)."""
         pps = self.keeper.prefill_estimate()
-        return {"prefill_tok_s": round(pps, 1) if pps else None,
+        return {**self.keeper.status(state, time.time()), **self.model.status(self.settings),
+                "prefill_tok_s": round(pps, 1) if pps else None,
                 "pages": {key[:8]: {"bytes": p.bytes, "tokens": p.n_tokens} for key, p in state.pages.items()}}
-
-    def claimed_elsewhere(self, notice: ClaimNotice) -> None:
-        """Another proxy's claim notice (pushed through the store): `StateSync.claimed_elsewhere`."""
-        if not self.offline:
-            self.sync.claimed_elsewhere(notice)
 
     async def settle(self) -> None:
         """Wait for the background work a command or an answer started (tests, shutdown)."""
         await self.tasks.settle()
-
-    async def cleanup(self) -> list[str]:
-        return await self.checkpoints.cleanup() if self.checkpoints is not None else []
 
     # ------------------------------------------------------------------------------------------- shutdown
 
@@ -449,8 +375,7 @@ class Upstream:
         self.sync.flush_sync()
         if self.pages is not None:
             self.pages.delete_doomed_now()
-        if self._task is not None:
-            self._task.cancel()
+        self.sync.stop()
         self.tasks.cancel()
         self.handovers.stop()
 

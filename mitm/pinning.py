@@ -84,11 +84,11 @@ class Pinning:
             else:
                 assert upstream is not None
                 decision = await upstream.decide(facts, flow.id)
-            if isinstance(decision, Pin) and upstream.must_wait(decision):
+            if isinstance(decision, Pin) and upstream.waits.must_wait(decision):
                 # its slot runs our earlier requests: a bounded wait here (slotlogic.wait), watched like the rest
                 self.rt.open[flow.id] = Open(decision.ticket, upstream, arrived, original[2], flow=flow,
                                              original=original if pool is not None else None)
-                decision = await upstream.hold(decision, flow.id, body if isinstance(body, bytes) else None)
+                decision = await upstream.waits.held(decision, flow.id, body if isinstance(body, bytes) else None)
             await self._apply(flow, decision, encoding)
         except Exception as e:  # fail open: the original request goes out untouched
             self.rt.open.pop(flow.id, None)
@@ -215,7 +215,7 @@ class Pinning:
         if pool is None or data.server.address is None:
             return
         member = pool.member_at(data.server.address)
-        if member is None or (member.health.up and await pool.connect_check(member)):
+        if member is None or (member.health.up and await pool.health.connect_check(member)):
             return
         flow = self.rt.pending.pop(data.client.id, None)
         try:
@@ -261,7 +261,7 @@ class Pinning:
 
     def done(self) -> None:
         if self.rt.pool is not None:
-            self.rt.pool.close()
+            self.rt.pool.health.close()
         for up in self.rt.all_upstreams():
             up.close_sync()
 

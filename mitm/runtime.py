@@ -98,16 +98,16 @@ class Runtime:
         wanted = list(servers or [])
         if not wanted:
             if self.pool is not None:
-                self.pool.close()
+                self.pool.health.close()
             self.pool = None
         elif self.pool is None or [m.url for m in self.pool.members] != [base_of(u) for u in wanted]:
             if self.pool is not None:
-                self.pool.close()
+                self.pool.health.close()
             self.pool = Pool(wanted, lambda url, loaded: self.upstream(url, loaded=loaded), self.emit,
                              self.make_client, health_interval, drop=self.drop_upstream,
                              recognition=self.recognition)
         if self.pool is not None:
-            self.pool.health_interval = health_interval
+            self.pool.health.interval = health_interval
             self.pool.max_models = swap_max_models
 
     def settings_for(self, url: str) -> Settings:
@@ -173,7 +173,7 @@ class Runtime:
                "warnings": general,
                "waiting": [w for fid, w in self.waiting.items() if fid in self.open]}
         if self.pool is not None:
-            out["health"] = self.pool.status()
+            out["health"] = self.pool.health.status()
         if self.stores is not None:
             out["state"] = self.stores.kind if self.stores.redis is None else {
                 "store": self.stores.redis.shown, "reachable": self.stores.redis.available}

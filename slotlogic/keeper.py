@@ -30,7 +30,6 @@ from slotlogic import (
     rewrite,
     shared,
     sidecalls,
-    wait,
 )
 from slotlogic import lead as leads
 from slotlogic.decisions import (
@@ -358,18 +357,6 @@ class Keeper:
         return self._pin(need.ticket, need.body, need.content, slot, now)
 
     # ------------------------------------------------------------------------------------------- answers
-
-    def ledger_view(self) -> tuple[object, ...]:
-        """What the proxy believes each slot holds (`slotlogic.ledger.Entry`, in slot order)."""
-        return self.ledger.view()
-
-    def unpin(self, ticket: Ticket, why: wait.WaitWhy, holder: str | None) -> None:
-        """The request goes out with `id_slot: -1` after its wait (`slotlogic.wait.unpin`)."""
-        wait.unpin(ticket, why, holder, self.ledger, self.table)
-
-    def ran_unpinned(self, slot: int, ticket: Ticket) -> None:
-        """Where a request the wait sent with `id_slot: -1` ran (`slotlogic.wait.ran`)."""
-        wait.ran(self.ledger, slot, ticket)
 
     def abandon(self, ticket: Ticket) -> None:
         """The request goes out unpinned after all (an error after its slot was chosen): nothing may still say

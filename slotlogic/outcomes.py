@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from slotlogic import affinity, anthropic, anthropic_answer, costs, shared
+from slotlogic import affinity, anthropic, anthropic_answer, costs, shared, wait
 from slotlogic.answers import Observation
 from slotlogic.decisions import Report, Ticket
 from slotlogic.events import ContextOverflow, Event, SlotLearned, TokensLost
@@ -109,6 +109,10 @@ class Outcomes:
             self.ledger.ran_unpinned(slot, key)
         self.table.use(key, now)  # counts the request and marks the claim for the next flush of the state file
         return SlotLearned(self.upstream, ticket.session.short, slot, ticket.learn)
+
+    def ran_unpinned(self, slot: int, ticket: Ticket) -> None:
+        """Where a request the wait sent with `id_slot: -1` ran (`slotlogic.wait.ran`)."""
+        wait.ran(self.ledger, slot, ticket)
 
     def learn_from_slots(self, ticket: Ticket, obs: Observation, live: Sequence[dict[str, Any]] | None,
                          now: float) -> SlotLearned | None:

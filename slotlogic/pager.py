@@ -16,7 +16,6 @@ from slotlogic import costs, handover, paging, shared
 from slotlogic import lead as leads
 from slotlogic import prefix as pfx
 from slotlogic.decisions import NeedSlot, Report
-from slotlogic.handover import Handover
 from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ledger import Ledger, tolerance
 from slotlogic.ranking import SlotView
@@ -75,23 +74,16 @@ class Pager:
         """`key`'s page as the index has it (a value: never edit it)."""
         return self.index.get(key)
 
-    def page_plan(self, slot: int, session_key: str, view: SlotView, sent: tuple[str, float] | None = None, *,
-                  views: Sequence[SlotView] = (), stable_chars: int = 0,
-                  cold: pfx.StablePrefix | None = None, copy_live: bool = True,
-                  given: Handover | None = None, ours: tuple[str, float] | None = None) -> paging.PagePlan:
-        """What to page out of and into `slot` before `session_key`'s request goes there. Asked once the slot's
-        paging lock is held: by then every request sent to the slot before has reached the server. `sent`: the
-        session the slot's previous pager of any proxy sent there, and when (a lock shared through the store).
-        A session with no page of its own may start from another's conversation (a seed, from `views`' idle
-        slots or the pages) when they share more than the slot gives it anyway (`stable_chars`: its prefix).
-        `cold`: its stable prefix, when no checkpoint file holds it yet: a live session that starts with it is
+    def page_plan(self, ask: paging.PageAsk) -> paging.PagePlan:
+        """What to page out of and into `ask.slot` before `ask.session_key`'s request goes there. Asked once the
+        slot's paging lock is held: by then every request sent to the slot before has reached the server. A
+        session with no page of its own may start from another's conversation (a seed, from `ask.views`' idle
+        slots or the pages) when they share more than the slot gives it anyway (`ask.stable_chars`). With
+        `ask.cold` (its stable prefix, no checkpoint file holds it yet) a live session that starts with it is
         copied in, and the checkpoint is built from that copy (a warm-up of a few tokens, not of the prefix).
-        `copy_live=False`: no live slot may be saved for it (another placement pages that slot). `given`: the
-        other proxy's answer to this placement's handover, with `ours` (this process's last request there to reach
-        the server): the later of the two is the slot's holder (`handover.holder`). Each move is then weighed
-        by its cost once the server's speeds are measured (`slotlogic.costs.judge`)."""
-        plan, holder, tokens = self._plan(slot, session_key, view, sent, views, stable_chars, cold, copy_live, given,
-                                          ours)
+        With `ask.given` the later of it and `ask.ours` is the slot's holder (`handover.holder`). Each move is
+        then weighed by its cost once the server's speeds are measured (`slotlogic.costs.judge`)."""
+        plan, holder, tokens = self._plan(ask)
         return self._judged(plan, holder, tokens)
 
     def _judged(self, plan: paging.PagePlan, holder: str | None, tokens: int | None) -> paging.PagePlan:
@@ -109,13 +101,12 @@ class Pager:
                 self.ledger.conversations.get(seed.source, 0)
         return costs.judge(plan, rates, holder_tokens=tokens, restore_bytes=restore_bytes, seed_tokens=seed_tokens)
 
-    def _plan(self, slot: int, session_key: str, view: SlotView, sent: tuple[str, float] | None,
-              views: Sequence[SlotView], stable_chars: int, cold: pfx.StablePrefix | None, copy_live: bool,
-              given: Handover | None, ours: tuple[str, float] | None
-              ) -> tuple[paging.PagePlan, str | None, int | None]:
+    def _plan(self, ask: paging.PageAsk) -> tuple[paging.PagePlan, str | None, int | None]:
         """`page_plan` before its costs are weighed, with the slot's holder and its tokens (None: unknown)."""
+        slot, session_key, view, given = ask.slot, ask.session_key, ask.view, ask.given
         model = self.page_identity
-        holder, tokens = (handover.holder(given, ours), None) if given is not None else self._holder(slot, view, sent)
+        holder, tokens = (handover.holder(given, ask.ours), None) if given is not None \
+            else self._holder(slot, view, ask.sent)
         # An older copy (its conversation went on elsewhere) is nobody's page. After a handover our ledger has
         # lost sight of the slot, but the handover says whose conversation is there: only a newer copy in
         # another of our slots overrules it.
@@ -128,17 +119,17 @@ class Pager:
                      and (view.n_tokens or 0) >= rec.n_tokens)  # a restarted proxy, its session still there
         self._seq += 1
         salt = f"{self.host.instance}:{self._seq}"
-        plan = paging.plan(slot, session_key, holder, tokens, self.index, self.upstream, model, holds_own=holds_own,
-                           salt=salt)
+        plan = paging.plan(slot, session_key, holder, tokens, self.index, paging.PageFiles(self.upstream, model, salt),
+                           holds_own=holds_own)
         if plan.restore_file is not None:
-            return (self._current_page(plan, session_key, salt) if copy_live else plan), holder, tokens
+            return (self._current_page(plan, session_key, salt) if ask.copy_live else plan), holder, tokens
         if holder == session_key or holds_own:
             return plan, holder, tokens
-        if copy_live:  # no page, but its conversation is whole in another slot (its claim there is still to run)
+        if ask.copy_live:  # no page, but its conversation is whole in another slot (its claim there is still to run)
             live = self._current_page(plan, session_key, salt)
             if live is not plan:
                 return live, holder, tokens
-        seed = self._any_seed(slot, session_key, holder, view, views, stable_chars, cold)
+        seed = self._any_seed(ask, holder)
         seeded = paging.seeded(plan, seed, self.index, self.upstream, salt) if seed is not None else plan
         return seeded, holder, tokens
 
@@ -175,20 +166,19 @@ class Pager:
                 dispatched = {**dispatched, slot: sent[0]}
         return paging.holder_of(slot, view, dispatched)
 
-    def busy_source(self, slot: int, session_key: str, view: SlotView, views: Sequence[SlotView],
-                    stable_chars: int = 0, cold: pfx.StablePrefix | None = None,
-                    sent: tuple[str, float] | None = None) -> paging.SourceWait | None:
+    def busy_source(self, ask: paging.PageAsk) -> paging.SourceWait | None:
         """The slot of the conversation `session_key` would start from if that slot were not running a request
         now (two sessions that start together: the first is still prefilling what the second would copy), and
         how long waiting for it is worth (`paging.source_wait`); None when nothing better is worth waiting for.
         Asked before the slot's paging lock is taken; `page_plan` decides again after the wait."""
-        if not views or session_key in self.index:
+        if not ask.views or ask.session_key in self.index:
             return None
-        holder, _ = self._holder(slot, view, sent)
-        if holder == session_key:
+        holder, _ = self._holder(ask.slot, ask.view, ask.sent)
+        if holder == ask.session_key:
             return None
-        now = self._any_seed(slot, session_key, holder, view, views, stable_chars, cold)
-        then = self._any_seed(slot, session_key, holder, view, views, stable_chars, cold, busy_too=True)
+        now = self._any_seed(ask, holder)
+        then = self._any_seed(ask, holder, busy_too=True)
+        cold, stable_chars = ask.cold, ask.stable_chars
         if then is None or then.slot is None or (now is not None and now.slot == then.slot):
             return None
         gain = then.chars - (now.chars if now is not None else 0 if cold is not None else stable_chars)
@@ -203,12 +193,12 @@ class Pager:
         return source not in self.table.running and any(
             isinstance(e, Mapping) and e.get("id") == source and not e.get("is_processing") for e in live)
 
-    def _any_seed(self, slot: int, key: str, holder: str | None, view: SlotView, views: Sequence[SlotView],
-                  stable_chars: int, cold: pfx.StablePrefix | None, busy_too: bool = False) -> paging.Seed | None:
+    def _any_seed(self, ask: paging.PageAsk, holder: str | None, busy_too: bool = False) -> paging.Seed | None:
         """What `page_plan` would seed the slot with (`busy_too`: if every live source were idle)."""
-        seed = self._seed(slot, key, holder, view, views, stable_chars, busy_too)
-        if seed is None and cold is not None:
-            seed = self._prefix_seed(slot, key, holder, views, cold, busy_too)
+        slot, key, views = ask.slot, ask.session_key, ask.views
+        seed = self._seed(slot, key, holder, ask.view, views, ask.stable_chars, busy_too)
+        if seed is None and ask.cold is not None:
+            seed = self._prefix_seed(slot, key, holder, views, ask.cold, busy_too)
         return seed
 
     def _seed(self, slot: int, key: str, holder: str | None, view: SlotView, views: Sequence[SlotView],
@@ -266,13 +256,12 @@ class Pager:
         self.index = dict(state.pages)
         return replaced
 
-    def pages_recorded(self, state: shared.ServerState, plan: paging.PagePlan, saved_tokens: int | None,
-                       saved_bytes: int, restore_failed: bool, now: float, budget: int,
-                       files: Mapping[str, paging.PageFile] | None,
-                       seed_saved: tuple[int, int] | None = None) -> list[str]:
+    def pages_recorded(self, state: shared.ServerState, plan: paging.PagePlan, done: paging.PageDone, now: float,
+                       budget: int, files: Mapping[str, paging.PageFile] | None) -> list[str]:
         """The page index after a paging step (the new pages; a failed save or restore dropped with its file;
-        the budget applied and, given the save dir's page files, orphans swept); returns the files to delete.
-        `seed_saved`: (tokens, bytes) of a live seed's save."""
+        the budget applied and, given the save dir's page files, orphans swept); returns the files to delete."""
+        saved_tokens, saved_bytes, restore_failed = done.saved_tokens, done.saved_bytes, done.restore_failed
+        seed_saved = done.seed_saved
         doomed: list[str] = []
         for key, file in plan.saves:
             holder = key == plan.save_for and file == plan.save_file

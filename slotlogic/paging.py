@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -40,6 +40,8 @@ from slotlogic.ranking import SlotView
 
 if TYPE_CHECKING:
     from slotlogic.costs import Choice
+    from slotlogic.handover import Handover
+    from slotlogic.prefix import StablePrefix
 
 FILE_RE = re.compile(r"^page-[0-9a-f]{20}\.bin$")
 MIN_TOKENS = 64  # below this a prefill is cheaper than the bookkeeping (and it is mostly a bare prompt)
@@ -47,6 +49,49 @@ MIN_TOKENS = 64  # below this a prefill is cheaper than the bookkeeping (and it 
 # page-in, which moves a whole conversation to spare its prefill.
 CHARS_PER_TOKEN = 4
 SEED_MIN_CHARS = CHARS_PER_TOKEN * MIN_TOKENS
+
+
+@dataclass(frozen=True)
+class PageAsk:
+    """What a page plan is asked about, built once by the driver and passed through (`Pager.page_plan`,
+    `Pager.busy_source`): `session_key`'s request goes to `slot` (as `view` shows it). `sent`: the session the
+    slot's previous pager of any proxy sent there, and when. `views`: every slot (where a seed may come from).
+    `stable_chars`: its stable prefix's length (what a checkpoint gives it anyway). `cold`: its stable prefix,
+    when no checkpoint file holds it yet. `copy_live=False`: no live slot may be saved for it. `given`: the other
+    proxy's answer to this placement's handover, with `ours` (this process's last request there to reach the
+    server)."""
+
+    slot: int
+    session_key: str
+    view: SlotView
+    sent: tuple[str, float] | None = None
+    views: Sequence[SlotView] = ()
+    stable_chars: int = 0
+    cold: StablePrefix | None = None
+    copy_live: bool = True
+    given: Handover | None = None
+    ours: tuple[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class PageFiles:
+    """How one server's page files are named (`upstream`, a `salt` unique to the plan) and which server state
+    (`model`) a page must fit to be restored."""
+
+    upstream: str
+    model: str
+    salt: str = ""
+
+
+@dataclass(frozen=True)
+class PageDone:
+    """What a paging step did, as the driver saw it: the holder's save (tokens; None: failed or none), its
+    bytes, whether the restore failed, and a live seed's save (tokens, bytes)."""
+
+    saved_tokens: int | None
+    saved_bytes: int = 0
+    restore_failed: bool = False
+    seed_saved: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -145,16 +190,16 @@ def holder_of(slot: int, view: SlotView, dispatched: Mapping[int, str]) -> tuple
 
 
 def plan(slot: int, session_key: str, holder: str | None, holder_tokens: int | None,
-         pages: Mapping[str, PageRecord], upstream: str, model: str, *, holds_own: bool = False,
-         min_tokens: int = MIN_TOKENS, salt: str = "") -> PagePlan:
+         pages: Mapping[str, PageRecord], files: PageFiles, *, holds_own: bool = False,
+         min_tokens: int = MIN_TOKENS) -> PagePlan:
     """Page out the slot's holder if it is another session with a conversation worth keeping (unknown size
     counts as worth it: a save costs milliseconds); page in `session_key` unless the slot holds its
     conversation already (it was the last to run there, or `holds_own`)."""
     save_for = save_file = None
     if holder not in (None, "", session_key) and (holder_tokens is None or holder_tokens >= min_tokens):
-        save_for, save_file = holder, page_file(upstream, holder, salt)
+        save_for, save_file = holder, page_file(files.upstream, holder, files.salt)
     rec = pages.get(session_key)
-    if rec is None or rec.model != model or holds_own or holder == session_key or rec.n_tokens < min_tokens:
+    if rec is None or rec.model != files.model or holds_own or holder == session_key or rec.n_tokens < min_tokens:
         return PagePlan(slot, save_for, save_file)
     return PagePlan(slot, save_for, save_file, session_key, rec.file, rec.n_tokens)
 

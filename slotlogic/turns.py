@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from slotlogic import handover, reconcile, shared
+from slotlogic import handover, reconcile, shared, wait
+from slotlogic.decisions import Ticket
 from slotlogic.events import StalePlan
 from slotlogic.handover import Handover
 from slotlogic.ledger import Cause, Fence, Holds, Ledger
@@ -192,6 +193,14 @@ class Turns:
             out.append((slot, table.holders[slot], other))
             table.holders[slot] = other
         return out
+
+    def ledger_view(self) -> tuple[object, ...]:
+        """What the proxy believes each slot holds (`slotlogic.ledger.Entry`, in slot order)."""
+        return self.ledger.view()
+
+    def unpin(self, ticket: Ticket, why: wait.WaitWhy, holder: str | None) -> None:
+        """The request goes out with `id_slot: -1` after its wait (`slotlogic.wait.unpin`)."""
+        wait.unpin(ticket, why, holder, self.ledger, self.table)
 
     # ------------------------------------------------------------------------------------------- commands
 

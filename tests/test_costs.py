@@ -14,7 +14,7 @@ from slotlogic import shared as st
 from slotlogic.costs import Choice, Direction, Move, PrefillFit, Rates, SlotFileAnswer, Speeds
 from slotlogic.keeper import Keeper
 from slotlogic.model_facts import ModelFacts
-from slotlogic.paging import PagePlan, PageRecord
+from slotlogic.paging import PageAsk, PagePlan, PageRecord
 from slotlogic.ranking import SlotView
 from slotlogic.server import ServerInfo
 from slotlogic.settings import Settings
@@ -163,15 +163,15 @@ def test_the_pager_weighs_its_plan_once_speeds_are_measured():
     k.facts.note_server(st.ServerState(UP), ServerInfo(total_slots=4, model_path="/m.gguf", build_info="b1",
                                                        n_ctx=8192))
     k.pager.index = {"a": PageRecord(paging.page_file(UP, "a"), 1342, 1.0, 1342 * 128 * KIB, k.page_identity)}
-    assert k.pager.page_plan(0, "a", SlotView(0, 0)).restore_for == "a"            # nothing measured: page in
+    assert k.pager.page_plan(PageAsk(0, "a", SlotView(0, 0))).restore_for == "a"            # nothing measured: page in
     k.outcomes.probed(20_000)
     k.speeds.note(SlotFileAnswer(Direction.RESTORE, 1000, 1000 * 128 * KIB, 1000 * 128 * KIB / 2e6))
-    plan = k.pager.page_plan(0, "a", SlotView(0, 0))
+    plan = k.pager.page_plan(PageAsk(0, "a", SlotView(0, 0)))
     assert plan.restore_for is None and plan.empty                                 # cheaper to prefill
     assert [(c.move, c.tokens, c.worth) for c in plan.choices] == [(Move.PAGE_IN, 1342, False)]
     assert k.status(st.ServerState(UP), 0.0)["speeds"]["restore_mb_s"] == 2000.0
     k.outcomes.probed(100.0)                                                       # a CPU: page in
-    assert k.pager.page_plan(0, "a", SlotView(0, 0)).restore_for == "a"
+    assert k.pager.page_plan(PageAsk(0, "a", SlotView(0, 0))).restore_for == "a"
 
 
 # --- the KV cache type, read off a save's size (slotlogic/kv_types.py) ------------------------------------------
@@ -200,6 +200,6 @@ def test_a_saves_size_tells_the_cache_type_and_a_page_under_another_is_not_resto
     k = Keeper(Settings(paging=True, save_dir="/x"), UP)
     k.facts.note_server(st.ServerState(UP), f16)
     k.pager.index = {"a": PageRecord(paging.page_file(UP, "a"), 900, 1.0, 100, k.page_identity)}
-    assert k.pager.page_plan(0, "a", SlotView(0, 0)).restore_for == "a"
+    assert k.pager.page_plan(PageAsk(0, "a", SlotView(0, 0))).restore_for == "a"
     k.facts.server = q8
-    assert k.pager.page_plan(0, "a", SlotView(0, 0)).restore_file is None
+    assert k.pager.page_plan(PageAsk(0, "a", SlotView(0, 0))).restore_file is None

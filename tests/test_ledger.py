@@ -5,6 +5,7 @@ from slotlogic.answers import Observation
 from slotlogic.decisions import NeedSlot, Pin
 from slotlogic.events import TokensLost
 from slotlogic.ledger import MAX_SLOTS, Cause, Holds, Ledger, tolerance
+from slotlogic.paging import PageAsk
 from slotlogic.reasons import Why
 from tests.test_keeper import CHAT, FREE, chat, facts, make, server
 
@@ -231,16 +232,16 @@ def test_a_page_older_than_a_conversation_still_in_a_slot_is_not_restored_the_li
     k.ledger.settle(a, None, 0, 0, 1342, None)  # a's conversation: 1,342 tokens, still in slot 0
     # two turns old
     k.pager.index[a] = paging.PageRecord(paging.page_file("http://up", a), 856, 1.0, 100, k.page_identity)
-    plan = k.pager.page_plan(2, a, SlotView(2, 0), views=[SlotView(i) for i in range(4)])
+    plan = k.pager.page_plan(PageAsk(2, a, SlotView(2, 0), views=[SlotView(i) for i in range(4)]))
     assert plan.seed is not None and plan.seed.source == a and plan.seed.slot == 0  # saved again, then restored
     assert plan.restore_for == a and plan.restore_file == plan.seed_file != k.pager.index[a].file
-    fallback = k.pager.page_plan(2, a, SlotView(2, 0), views=[SlotView(i) for i in range(4)], copy_live=False)
+    fallback = k.pager.page_plan(PageAsk(2, a, SlotView(2, 0), views=[SlotView(i) for i in range(4)], copy_live=False))
     assert fallback.seed is None and fallback.restore_file == k.pager.index[a].file  # the old page, the rest prefilled
     k.ledger.write(0, Holds.SESSION, "b" * 16, 0)  # slot 0 was overwritten: the old page is all there is
-    assert k.pager.page_plan(2, a, SlotView(2, 0), views=[SlotView(i) for i in range(4)]).seed is None
+    assert k.pager.page_plan(PageAsk(2, a, SlotView(2, 0), views=[SlotView(i) for i in range(4)])).seed is None
     k.ledger.settle(a, None, None, 0, 870, None)  # a page as long as the conversation is current
     k.ledger.write(1, Holds.SESSION, a, 870)
-    assert k.pager.page_plan(2, a, SlotView(2, 0), views=[SlotView(i) for i in range(4)]).seed is None
+    assert k.pager.page_plan(PageAsk(2, a, SlotView(2, 0), views=[SlotView(i) for i in range(4)])).seed is None
 
 
 def test_a_restart_noticed_late_keeps_what_ran_on_the_new_server():

@@ -77,8 +77,7 @@ async def test_a_claim_by_one_proxy_marks_the_other_proxys_session_displaced_at_
     up_a = upstream(a)
     conn_a = a.rt.stores.redis
     await until(lambda: conn_a.notices.connected)
-    if up_a._task is not None:  # no background flush on A: only a notice can tell it
-        up_a._task.cancel()
+    up_a.sync.stop()  # no background flush on A: only a notice can tell it
     up_a.handovers.stop()  # nor its handover loop (B then waits out its answer, `handover.WAIT`, and moves in)
     assert (await a.request(flow(next_turn(mine)))).id in a.rt.open  # A's hot path, from memory
     calls = conn_a.calls
@@ -122,8 +121,7 @@ async def test_without_notices_the_flush_still_finds_the_displacement(proxies):
     mine = chat("task on proxy A")
     await a.request(flow(mine))
     up_a = upstream(a)
-    if up_a._task is not None:
-        up_a._task.cancel()
+    up_a.sync.stop()
     a.rt.stores.redis.notices.close()  # the subscriber is gone (and stays gone)
     a.rt.stores.redis.notices.ensure = lambda: None
     await b.request(flow(chat("task on proxy B")))

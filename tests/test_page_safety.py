@@ -18,7 +18,7 @@ from slotlogic.answers import Observation
 from slotlogic.decisions import RequestFacts, Ticket
 from slotlogic.endpoints import Route
 from slotlogic.keeper import Keeper
-from slotlogic.paging import PageCheck, PageFile, PagePlan, PageRecord
+from slotlogic.paging import PageAsk, PageCheck, PageDone, PageFile, PagePlan, PageRecord
 from slotlogic.ranking import SlotView
 from slotlogic.reasons import Why
 from slotlogic.server import ServerInfo
@@ -56,9 +56,9 @@ def test_a_page_from_a_server_with_another_n_ctx_is_not_restored():
     state = st.ServerState(UP)
     k.facts.note_server(state, info())
     k.pager.index = {"a": PageRecord(paging.page_file(UP, "a"), 900, 1.0, 100, k.page_identity)}
-    assert k.pager.page_plan(0, "a", SlotView(0, 0)).restore_for == "a"
+    assert k.pager.page_plan(PageAsk(0, "a", SlotView(0, 0))).restore_for == "a"
     k.facts.note_server(state, info(n_ctx=2048, media_marker="<new>"))
-    assert k.pager.page_plan(0, "a", SlotView(0, 0)).restore_file is None
+    assert k.pager.page_plan(PageAsk(0, "a", SlotView(0, 0))).restore_file is None
 
 
 def test_the_checks_after_a_restore():
@@ -189,13 +189,13 @@ async def test_two_saves_of_one_session_never_share_a_file(tmp_path):
     ever names the file its own save wrote (a shared name let one process record the other's content)."""
     k1, k2 = (Keeper(Settings(paging=True, save_dir="/x"), UP, instance=name) for name in ("p1", "p2"))
     s = st.ServerState(UP)
-    plans = [k.pager.page_plan(0, "other", SlotView(0, 900, owner="a")) for k in (k1, k2)]
+    plans = [k.pager.page_plan(PageAsk(0, "other", SlotView(0, 900, owner="a"))) for k in (k1, k2)]
     assert plans[0].save_file != plans[1].save_file
     assert k1.pager.page_intent(s, plans[0], 1.0) == []
     assert k2.pager.page_intent(s, plans[1], 2.0) == [plans[0].save_file]  # the older page goes
-    doomed = k1.pager.pages_recorded(s, plans[0], 900, 4096, False, 3.0, 1 << 30, None)  # k1's save answers last
+    doomed = k1.pager.pages_recorded(s, plans[0], PageDone(900, 4096), 3.0, 1 << 30, None)  # k1's save answers last
     assert doomed == [plans[0].save_file] and s.pages["a"].file == plans[1].save_file and s.pages["a"].n_tokens == 0
-    k2.pager.pages_recorded(s, plans[1], 800, 4096, False, 4.0, 1 << 30, None)
+    k2.pager.pages_recorded(s, plans[1], PageDone(800, 4096), 4.0, 1 << 30, None)
     assert (s.pages["a"].file, s.pages["a"].n_tokens) == (plans[1].save_file, 800)
 
 
@@ -209,10 +209,11 @@ def test_a_save_is_labelled_with_the_last_paged_send_of_any_proxy():
     k.table.dispatch("ours", 0)
     k.table.assign("new", 0, 11.0, prefix=None)   # the session being placed there (claimed in the state)
     view = SlotView(0, 900, owner="ours")          # the slot before that claim
-    assert k.pager.page_plan(0, "new", view).save_for == "ours"
-    assert k.pager.page_plan(0, "new", view, sent=("theirs", 12.0)).save_for == "theirs"
-    assert k.pager.page_plan(0, "new", view, sent=("theirs", 8.0)).save_for == "ours"  # ours went after theirs
-    assert k.pager.page_plan(0, "new", SlotView(0, 900), sent=("new", 12.0)).empty  # the slot holds the session
+    assert k.pager.page_plan(PageAsk(0, "new", view)).save_for == "ours"
+    assert k.pager.page_plan(PageAsk(0, "new", view, sent=("theirs", 12.0))).save_for == "theirs"
+    assert k.pager.page_plan(PageAsk(0, "new", view, sent=("theirs", 8.0))).save_for == "ours"  # ours went after theirs
+    # the slot holds the session
+    assert k.pager.page_plan(PageAsk(0, "new", SlotView(0, 900), sent=("new", 12.0))).empty
 
 
 def test_a_page_being_written_by_another_pager_is_worth_waiting_for():

@@ -29,35 +29,35 @@ def test_the_holder_is_whoever_this_proxy_sent_to_the_slot_last():
 
 
 def test_another_sessions_conversation_is_saved_before_the_slot_changes_hands():
-    p = paging.plan(2, "a", "b", 1300, {}, U, M)
+    p = paging.plan(2, "a", "b", 1300, {}, paging.PageFiles(U, M))
     assert (p.slot, p.save_for, p.save_file, p.restore_file) == (2, "b", paging.page_file(U, "b"), None)
     assert not p.empty
     # size unknown (sent there after the /slots snapshot, or no /slots at all): a save costs milliseconds
-    assert paging.plan(2, "a", "b", None, {}, U, M).save_for == "b"
+    assert paging.plan(2, "a", "b", None, {}, paging.PageFiles(U, M)).save_for == "b"
 
 
 def test_nothing_worth_saving():
-    assert paging.plan(2, "a", "a", 1300, {}, U, M).empty  # our own conversation
-    assert paging.plan(2, "a", None, 1300, {}, U, M).empty  # nobody's
-    assert paging.plan(2, "a", "", None, {}, U, M).empty  # a side call's
-    assert paging.plan(2, "a", "b", 10, {}, U, M).empty  # too short to matter
+    assert paging.plan(2, "a", "a", 1300, {}, paging.PageFiles(U, M)).empty  # our own conversation
+    assert paging.plan(2, "a", None, 1300, {}, paging.PageFiles(U, M)).empty  # nobody's
+    assert paging.plan(2, "a", "", None, {}, paging.PageFiles(U, M)).empty  # a side call's
+    assert paging.plan(2, "a", "b", 10, {}, paging.PageFiles(U, M)).empty  # too short to matter
 
 
 def test_a_returning_session_is_paged_in_unless_the_slot_still_holds_it():
     pages = {"a": rec("a", 1200)}
-    p = paging.plan(1, "a", "b", 1400, pages, U, M)
+    p = paging.plan(1, "a", "b", 1400, pages, paging.PageFiles(U, M))
     assert (p.save_for, p.restore_for, p.restore_file, p.restore_tokens) == ("b", "a", pages["a"].file, 1200)
     # after a server restart every slot is empty and nothing has been sent since
-    assert paging.plan(1, "a", None, 0, pages, U, M).restore_for == "a"
+    assert paging.plan(1, "a", None, 0, pages, paging.PageFiles(U, M)).restore_for == "a"
     # its own request was the last to go there
-    assert paging.plan(1, "a", "a", None, pages, U, M).empty
+    assert paging.plan(1, "a", "a", None, pages, paging.PageFiles(U, M)).empty
     # a restarted proxy whose session is still in its slot (the caller saw it in /slots)
-    assert paging.plan(1, "a", "a", 1500, pages, U, M, holds_own=True).empty
+    assert paging.plan(1, "a", "a", 1500, pages, paging.PageFiles(U, M), holds_own=True).empty
 
 
 def test_a_page_from_another_model_or_build_is_never_restored():
     pages = {"a": rec("a", model="/other.gguf|b1")}
-    assert paging.plan(1, "a", None, 0, pages, U, M).restore_file is None
+    assert paging.plan(1, "a", None, 0, pages, paging.PageFiles(U, M)).restore_file is None
 
 
 def test_budget_drops_the_least_recently_saved_but_keeps_the_ones_in_use():

@@ -95,7 +95,7 @@ async def test_a_down_servers_sessions_are_placed_again_on_the_other(pool, serve
     first = dest(f1)
     rt = pool.rt
     member = next(m for m in rt.pool.members if m.url == first)
-    rt.pool.connect_failed(member, "refused")
+    rt.pool.health.connect_failed(member, "refused")
     f2 = await pool.request(flow(turn(body, 1)))
     assert dest(f2) != first
     assert ("http://" + f2.request.host + f":{f2.request.port}", "failover") in rt.pool.routes

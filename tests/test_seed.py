@@ -10,7 +10,7 @@ from slotlogic import lead, paging, shared
 from slotlogic.answers import Observation
 from slotlogic.decisions import NeedSlot, RequestFacts
 from slotlogic.keeper import Keeper
-from slotlogic.paging import PageRecord, Seed
+from slotlogic.paging import PageAsk, PageDone, PageRecord, Seed
 from slotlogic.ranking import SlotView
 from slotlogic.server import ServerInfo
 from slotlogic.settings import Settings
@@ -123,15 +123,15 @@ def test_a_new_session_on_an_empty_slot_is_seeded_from_the_idle_one():
     k, state, first = keeper_with_one_session()
     slot = placed(k, state, codex("write the docs", "s2"), "s2", 1.0, pin=False)
     new_key = k.table.holders[slot]
-    plan = k.pager.page_plan(slot, new_key, SlotView(slot, 0), views=[SlotView(i) for i in range(4)])
+    plan = k.pager.page_plan(PageAsk(slot, new_key, SlotView(slot, 0), views=[SlotView(i) for i in range(4)]))
     assert plan.seed is not None and plan.seed.slot == first
     assert plan.restore_file == plan.seed_file and plan.seed_file.startswith("page-")
     assert [k for k, _ in plan.saves] == [plan.seed.source] and plan.save_for is None
     # the source's slot busy: no live seed; a checkpoint that covers as much: not worth one either
     busy = [SlotView(i, busy=i == first) for i in range(4)]
-    assert k.pager.page_plan(slot, new_key, SlotView(slot, 0), views=busy).seed is None
-    assert k.pager.page_plan(slot, new_key, SlotView(slot, 0), views=[SlotView(i) for i in range(4)],
-                       stable_chars=plan.seed.chars).seed is None
+    assert k.pager.page_plan(PageAsk(slot, new_key, SlotView(slot, 0), views=busy)).seed is None
+    assert k.pager.page_plan(PageAsk(slot, new_key, SlotView(slot, 0), views=[SlotView(i) for i in range(4)],
+                       stable_chars=plan.seed.chars)).seed is None
 
 
 def test_no_seed_when_the_slot_keeps_a_conversation_that_shares_as_much():
@@ -141,22 +141,24 @@ def test_no_seed_when_the_slot_keeps_a_conversation_that_shares_as_much():
     new_key = next(key for key, a in k.table.sessions.items() if a.last_used == 2.0)
     holder = k.table.dispatched[first]
     views = [SlotView(i) for i in range(4)]
-    plan = k.pager.page_plan(first, new_key, SlotView(first, 4000, owner=holder), views=views)
+    plan = k.pager.page_plan(PageAsk(first, new_key, SlotView(first, 4000, owner=holder), views=views))
     assert plan.seed is None and plan.restore_file is None and plan.save_for == holder  # saved, then reused
     # the same slot emptied meanwhile: the third session's conversation is worth copying in
-    assert k.pager.page_plan(first, new_key, SlotView(first, 0, owner=holder), views=views).seed is not None
+    assert k.pager.page_plan(PageAsk(first, new_key, SlotView(first, 0, owner=holder), views=views)).seed is not None
 
 
 def test_a_seed_save_is_recorded_as_the_sources_page():
     k, state, _ = keeper_with_one_session()
     slot = placed(k, state, codex("write the docs", "s2"), "s2", 1.0, pin=False)
-    plan = k.pager.page_plan(slot, k.table.holders[slot], SlotView(slot, 0), views=[SlotView(i) for i in range(4)])
+    plan = k.pager.page_plan(PageAsk(slot, k.table.holders[slot], SlotView(slot, 0),
+            views=[SlotView(i) for i in range(4)]))
     assert plan.seed is not None
     assert k.pager.page_intent(state, plan, 2.0) == []
     assert state.pages[plan.seed.source].n_tokens == 0                 # recorded before the save, not restorable
-    k.pager.pages_recorded(state, plan, None, 0, False, 3.0, 10**9, None, seed_saved=(4000, 10**6))
+    k.pager.pages_recorded(state, plan, PageDone(None, seed_saved=(4000, 10**6)), 3.0, 10**9, None)
     assert state.pages[plan.seed.source] == PageRecord(plan.seed_file, 4000, 3.0, 10**6, k.page_identity)
-    failed = k.pager.page_plan(slot, k.table.holders[slot], SlotView(slot, 0), views=[SlotView(i) for i in range(4)])
+    failed = k.pager.page_plan(PageAsk(slot, k.table.holders[slot], SlotView(slot, 0),
+            views=[SlotView(i) for i in range(4)]))
     assert failed.seed is not None and failed.seed.slot is None         # now its page is the seed: no save
 
 
@@ -197,13 +199,14 @@ def test_a_cold_prefix_is_copied_from_a_live_session_that_starts_with_it():
     p = k.assign(d, state, info(), LIVE, 1.0)
     assert d.stable is not None and d.stable.text == SYS.rstrip()
     views = [SlotView(i) for i in range(4)]
-    plan = k.pager.page_plan(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=views, cold=d.stable)
+    plan = k.pager.page_plan(PageAsk(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=views, cold=d.stable))
     assert plan.seed is not None and plan.seed.prefix and plan.seed.slot == first
     assert plan.restore_file == plan.seed_file
     # no cold build coming (its checkpoint file exists): nothing to copy for the prefix alone
-    assert k.pager.page_plan(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=views).seed is None
+    assert k.pager.page_plan(PageAsk(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=views)).seed is None
     busy = [SlotView(i, busy=i == first) for i in range(4)]
-    assert k.pager.page_plan(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=busy, cold=d.stable).seed is None
+    assert k.pager.page_plan(PageAsk(p.slot, d.ticket.session.key, SlotView(p.slot, 0),
+            views=busy, cold=d.stable)).seed is None
 
 
 def test_two_sessions_that_start_together_wait_for_the_first_to_copy_it():
@@ -216,17 +219,18 @@ def test_two_sessions_that_start_together_wait_for_the_first_to_copy_it():
     p = k.assign(d, state, info(), LIVE, 1.0)
     key, view = d.ticket.session.key, SlotView(p.slot, 0)
     busy = [SlotView(i, busy=i == first) for i in range(4)]
-    found = k.pager.busy_source(p.slot, key, view, busy, cold=d.stable)
+    found = k.pager.busy_source(PageAsk(p.slot, key, view, views=busy, cold=d.stable))
     assert found is not None and (found.slot, found.budget) == (first, Settings().seed_wait)  # no rate measured
     k.outcomes.prefill_rate = 100.0                                                 # tokens/s
-    again = k.pager.busy_source(p.slot, key, view, busy, cold=d.stable)
+    again = k.pager.busy_source(PageAsk(p.slot, key, view, views=busy, cold=d.stable))
     assert again is not None and (again.slot, again.budget) == (
         first, pytest.approx(len(d.stable.text) / paging.CHARS_PER_TOKEN / 100.0))
     idle = [SlotView(i) for i in range(4)]
-    assert k.pager.busy_source(p.slot, key, view, idle, cold=d.stable) is None    # copy it now, no wait
-    assert k.pager.busy_source(p.slot, key, view, busy) is None                  # its checkpoint exists: restore that
+    assert k.pager.busy_source(PageAsk(p.slot, key, view, views=idle, cold=d.stable)) is None    # copy it now, no wait
+    # its checkpoint exists: restore that
+    assert k.pager.busy_source(PageAsk(p.slot, key, view, views=busy)) is None
     k.reconfigure(Settings(seed_wait=0.0))
-    assert k.pager.busy_source(p.slot, key, view, busy, cold=d.stable) is None    # waiting turned off
+    assert k.pager.busy_source(PageAsk(p.slot, key, view, views=busy, cold=d.stable)) is None    # waiting turned off
 
 
 def test_a_lead_seed_waits_only_when_it_gives_more_than_the_idle_choice():
@@ -234,10 +238,11 @@ def test_a_lead_seed_waits_only_when_it_gives_more_than_the_idle_choice():
     slot = placed(k, state, codex("write the docs", "s2"), "s2", 1.0, pin=False)
     key, view = k.table.holders[slot], SlotView(slot, 0)
     busy = [SlotView(i, busy=i == first) for i in range(4)]
-    found = k.pager.busy_source(slot, key, view, busy)
+    found = k.pager.busy_source(PageAsk(slot, key, view, views=busy))
     assert found is not None and (found.slot, found.budget) == (first, Settings().seed_wait)
     chars = lead.shared(k.table.sessions[key].lead, k.table.sessions[k.table.holders[first]].lead)[1]
-    assert k.pager.busy_source(slot, key, view, busy, stable_chars=chars) is None  # its checkpoint gives as much
+    # its checkpoint gives as much
+    assert k.pager.busy_source(PageAsk(slot, key, view, views=busy, stable_chars=chars)) is None
 
 
 def test_source_wait_never_exceeds_the_prefill_it_saves_nor_the_cap():
@@ -257,8 +262,8 @@ def test_a_session_whose_request_has_not_gone_out_or_still_runs_is_no_idle_sourc
     d = need(k, generic("two", "/b"), "s2", 1.0)
     p = k.assign(d, state, info(), LIVE, 1.0)
     key, view, idle = d.ticket.session.key, SlotView(p.slot, 0), [SlotView(i) for i in range(4)]
-    assert k.pager.page_plan(p.slot, key, view, views=idle, cold=d.stable).seed is None
-    found = k.pager.busy_source(p.slot, key, view, idle, cold=d.stable)
+    assert k.pager.page_plan(PageAsk(p.slot, key, view, views=idle, cold=d.stable)).seed is None
+    found = k.pager.busy_source(PageAsk(p.slot, key, view, views=idle, cold=d.stable))
     assert ((found.slot, found.budget) if found else None) == ((first, Settings().seed_wait) if sent else None)
 
 

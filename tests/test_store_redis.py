@@ -238,7 +238,7 @@ async def test_a_waiter_follows_the_build_when_its_builder_claims_it_again(tmp_p
     other = RedisConnection(url, lambda e: None)
     try:
         up = p.rt.upstream(UP)
-        await up.ask()
+        await up.prober.ask()
         info = ServerInfo.parse(await build_servers[UP].props())
         assert up.checkpoints is not None and info is not None
         stable = pfx.extract(chat("x", system=SYSTEM), up.settings.markers)
