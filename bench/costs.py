@@ -113,6 +113,44 @@ def compression(path: Path, restore_bps: float | None) -> list[dict[str, Any]]:
     return rows
 
 
+def measure(url: str, save_dir: Path | None, words: list[int] | tuple[int, ...] = DEFAULT_WORDS, kv: str = "f16",
+            compress: bool = True) -> dict[str, Any]:
+    """The server's own numbers (slot 0, which the caller keeps free): model, build, KV bytes per token, prefill
+    tok/s and save/restore throughput from one move per size in `words`, the cost model's choice for each, and
+    (`compress`, with the server's `save_dir` readable) the compression of the largest slot file."""
+    with httpx.Client(base_url=url, timeout=600) as c:
+        props = c.get("/props").json()
+        moves = [move(c, w, i, save_dir) for i, w in enumerate(words)]
+        c.post("/slots/0?action=erase")
+    rows = weigh(moves)
+    speeds = Speeds()
+    for m in moves:
+        for action, wall in (("save", m["save_s"]), ("restore", m["restore_s"])):
+            answer = SlotFileAnswer.parse(action, m[action], wall * 1000)
+            if answer is not None:
+                speeds.note(answer)
+    files = [m for m in moves if m["file"] and Path(m["file"]).exists()]
+    biggest = max(files, key=lambda m: m["tokens"] or 0, default=None)
+    packed = compression(Path(biggest["file"]), speeds.restore_bps) if biggest and compress else []
+    for m in files:  # the bench's own slot files, not the server's
+        Path(m["file"]).unlink(missing_ok=True)
+    tok_s = [m["prompt_per_second"] for m in moves if m["prompt_per_second"]]
+    return {"model": props.get("model_path"), "build": props.get("build_info"), "kv": kv,
+            "kv_bytes_per_token": speeds.kv_bytes_per_token, "prefill_tok_s": [m["prompt_per_second"] for m in moves],
+            "prefill_tok_s_max": max(tok_s, default=None),
+            "save_gb_s": speeds.save_bps and speeds.save_bps / 1e9,
+            "restore_gb_s": speeds.restore_bps and speeds.restore_bps / 1e9,
+            "moves": rows, "right": sum(r["right"] for r in rows), "of": len(rows), "compression": packed}
+
+
+def summary(report: dict[str, Any]) -> str:
+    """One line: the model, the build and the speeds measured."""
+    return (f"model {report['model']}  build {report['build']}  KV {report['kv']}: "
+            f"{report['kv_bytes_per_token'] or 0:,.0f} bytes/token; prefill up to "
+            f"{report['prefill_tok_s_max'] or 0:,.0f} tok/s; save {report['save_gb_s'] or 0:.2f} GB/s, "
+            f"restore {report['restore_gb_s'] or 0:.2f} GB/s")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-server", help="a llama-server binary (default: the embedded xllamacpp server)")
@@ -146,43 +184,23 @@ def main(argv: list[str] | None = None) -> None:
                           extra=extra, log_path=str(tmp / "server.log")).start()
         url = srv.url
     try:
-        with httpx.Client(base_url=url, timeout=600) as c:
-            props = c.get("/props").json()
-            moves = [move(c, w, i, save_dir) for i, w in enumerate(words)]
+        report = measure(url, save_dir, words, kv=a.ctk)
     finally:
         if srv is not None:
             srv.stop()
-    rows = weigh(moves)
-    speeds = Speeds()
-    for m in moves:
-        for action, wall in (("save", m["save_s"]), ("restore", m["restore_s"])):
-            answer = SlotFileAnswer.parse(action, m[action], wall * 1000)
-            if answer is not None:
-                speeds.note(answer)
-    biggest = max((m for m in moves if m["file"] and Path(m["file"]).exists()), key=lambda m: m["tokens"] or 0,
-                  default=None)
-    packed = compression(Path(biggest["file"]), speeds.restore_bps) if biggest else []
-    report = {"model": props.get("model_path"), "build": props.get("build_info"), "kv": a.ctk,
-              "kv_bytes_per_token": speeds.kv_bytes_per_token,
-              "prefill_tok_s": [m["prompt_per_second"] for m in moves],
-              "save_gb_s": speeds.save_bps and speeds.save_bps / 1e9,
-              "restore_gb_s": speeds.restore_bps and speeds.restore_bps / 1e9,
-              "moves": rows, "right": sum(r["right"] for r in rows), "of": len(rows), "compression": packed}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=1))
-    print(f"model {report['model']}  build {report['build']}  KV {a.ctk}: "
-          f"{report['kv_bytes_per_token'] or 0:,.0f} bytes/token; save {report['save_gb_s'] or 0:.2f} GB/s, "
-          f"restore {report['restore_gb_s'] or 0:.2f} GB/s")
+    print(summary(report))
     print("| tokens | MB | prefill s | restore s | est. prefill s | est. restore s | picked | faster | resumed |")
     print("|---:|---:|---:|---:|---:|---:|---|---|---|")
-    for r in rows:
+    for r in report["moves"]:
         print(f"| {r['tokens']} | {r['mb']} | {r['prefill_s']} | {r['restore_s']} | {r['est_prefill_s']} | "
               f"{r['est_restore_s']} | {r['picked']} | {r['faster']} | {r['resumed']} |")
     print(f"cost model picked the faster move {report['right']}/{report['of']}")
-    if packed:
+    if report["compression"]:
         print("| codec | MB | ratio | compress MB/s | decompress MB/s | restore s | compressed restore s | wins |")
         print("|---|---:|---:|---:|---:|---:|---:|---|")
-        for p in packed:
+        for p in report["compression"]:
             print(f"| {p['codec']} | {p['mb']} | {p['ratio']} | {p['compress_mb_s']} | {p['decompress_mb_s']} | "
                   f"{p['restore_s']} | {p['compressed_restore_s']} | {p['wins']} |")
 

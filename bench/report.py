@@ -17,6 +17,10 @@ from bench.overhead import percentile
 # meter), its unlabelled part, and the bench's ground truth from cache_n (bench/loss.py).
 LOSS_COLUMNS = [("lost", "lost"), ("lost_unknown", "lost unlabelled"), ("lost_bench", "lost (bench)")]
 NO_METER = "–"
+# The cost model's moves (the proxy's JSONL `cost` records, `slotlogic.costs.Move`): the move's name when made,
+# and what was done instead when prefilling was the quicker.
+COST_MOVES = (("page-in", "page-in", "prefill"), ("prefix", "prefix restore", "warm-up"),
+              ("page-out", "page-out", "let go"), ("live-seed", "live copy", "prefill"))
 
 # The real-client rows (bench/client_workloads.py): key in the row, column title.
 CLIENT_COLUMNS = [("workload", "workload"), ("config", "config"), ("requests", "requests"),
@@ -33,7 +37,8 @@ COLUMNS = [("workload", "workload"), ("config", "config"), ("requests", "request
            ("prefill", "prefill tok"), ("warmup", "of which proxy warm-up"), ("cached", "cached tok"),
            ("paged_in_tokens", "paged-in tok"), ("reuse_pct", "reuse %"),
            ("ratio_to_limit", "x limit"), *LOSS_COLUMNS, ("wall_s", "wall s"), ("ttft_p50_ms", "TTFT p50 ms"),
-           ("ttft_p95_ms", "TTFT p95 ms"), ("errors", "errors"), ("evictions", "evicting placements")]
+           ("ttft_p95_ms", "TTFT p95 ms"), ("errors", "errors"), ("evictions", "evicting placements"),
+           ("cost", "cost model: made / prefilled instead")]
 OVERHEAD_COLUMNS = [("target", "target"), ("requests", "requests"), ("rps", "req/s"), ("p50_ms", "p50 ms"),
                     ("p99_ms", "p99 ms"), ("added_p50_ms", "added p50 ms"), ("added_p99_ms", "added p99 ms"),
                     ("errors", "errors")]
@@ -55,7 +60,17 @@ def run_row(workload: str, config: str, records: list[RequestRecord], wall_s: fl
             "ratio_to_limit": prefill / limit_tokens if limit_tokens else None, "wall_s": wall_s,
             "ttft_p50_ms": percentile(ttfts, 50) if ttfts else None,
             "ttft_p95_ms": percentile(ttfts, 95) if ttfts else None,
-            "errors": len(records) - len(ok), **(paging or {})}
+            "errors": len(records) - len(ok), **(paging or {}),
+            "cost": cost_text(paging.get("cost_choices")) if paging else None}
+
+
+def cost_text(choices: dict[str, dict[str, int]] | None) -> str:
+    """`page-in 3 / prefill 1, page-out 2 / let go 0, …` (moves never weighed left out; `-`: none weighed)."""
+    if not choices:
+        return "-"
+    parts = [f"{made} {choices[m]['moved']} / {instead} {choices[m]['instead']}" for m, made, instead in COST_MOVES
+             if m in choices and choices[m]["moved"] + choices[m]["instead"]]
+    return ", ".join(parts) or "-"
 
 
 def limit_row(workload: str, limit: dict[str, Any]) -> dict[str, Any]:

@@ -175,7 +175,7 @@ class CheckpointRunner:
         """Restoring checkpoint `name` against warming its prefix up, at the measured speeds (None: not
         measured, or its size unknown: restore)."""
         rates = self.rates()
-        if not rates.measured:
+        if not rates.measured or not self.settings.cost_model:
             return None
         entry = (self.read_index() or {}).get(name)
         tokens = entry.get("n_saved") if isinstance(entry, dict) else None

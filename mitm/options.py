@@ -127,6 +127,11 @@ OPTIONS: tuple[Option, ...] = (
            "prefill and decode speed (status view; prefill seconds saved for answers without "
            "timings); with slots_save_dir, its slot is saved and restored once: the save and restore "
            "speeds and the KV cache type the cost model uses from the start."),
+    Option("slots_cost_model", bool, True,
+           "Once the save, restore and prefill speeds are measured, weigh each page-in, page-out, "
+           "live-slot copy and prefix restore against prefilling the same tokens, and make only the "
+           "quicker one (docs/paging.md). false: always page and restore where possible, as before the "
+           "speeds are measured (the speeds are still measured and shown)."),
     Option("slots_upstreams", Sequence[str], [],
            "More llama-servers (or llama-swap URLs) serving the same model, behind this one "
            "endpoint (repeat --set); the reverse-mode target is the first. Each request goes to "
@@ -205,7 +210,7 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
         seed_wait=float(o.slots_seed_wait), wait_bound=float(o.slots_wait_bound),
         state_max_sessions=o.slots_state_max_sessions, max_body_bytes=o.slots_max_body_mb << 20,
         api_key=o.slots_api_key.strip(), swa_full=o.slots_swa_full, cache_type_k=cache_k, cache_type_v=cache_v,
-        throughput_probe=o.slots_throughput_probe)
+        throughput_probe=o.slots_throughput_probe, cost_model=o.slots_cost_model)
     return settings, _state_dir(o.slots_state_dir)
 
 

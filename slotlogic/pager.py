@@ -89,7 +89,7 @@ class Pager:
     def _judged(self, plan: paging.PagePlan, holder: str | None, tokens: int | None) -> paging.PagePlan:
         """`plan` without the moves that cost more than the prefill they spare (`slotlogic.costs.judge`)."""
         rates = self.host.rates()
-        if plan.empty or not rates.measured:
+        if plan.empty or not rates.measured or not self.settings.cost_model:
             return plan
         if tokens is None and holder:
             tokens = self.ledger.conversations.get(holder) or None

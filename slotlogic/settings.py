@@ -68,6 +68,7 @@ class Settings:
     cache_type_k: str = "f16"          # its -ctk / -ctv (KV and slot-file sizes)
     cache_type_v: str = "f16"
     throughput_probe: bool = False     # one short completion at start measures prefill and decode speed
+    cost_model: bool = True            # weigh page and prefix moves by their measured cost (False: always move)
 
     @property
     def header_bytes(self) -> frozenset[bytes]:

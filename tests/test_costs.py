@@ -174,6 +174,20 @@ def test_the_pager_weighs_its_plan_once_speeds_are_measured():
     assert k.pager.page_plan(PageAsk(0, "a", SlotView(0, 0))).restore_for == "a"
 
 
+def test_with_the_cost_model_off_the_pager_pages_in_at_measured_speeds_that_favour_prefill():
+    """`slots_cost_model=false` (the bench's always-page configurations): the speeds are measured and shown,
+    and the plan is made as before they were."""
+    k = Keeper(Settings(paging=True, save_dir="/x", cost_model=False), UP)
+    k.facts.note_server(st.ServerState(UP), ServerInfo(total_slots=4, model_path="/m.gguf", build_info="b1",
+                                                       n_ctx=8192))
+    k.pager.index = {"a": PageRecord(paging.page_file(UP, "a"), 1342, 1.0, 1342 * 128 * KIB, k.page_identity)}
+    k.outcomes.probed(20_000)
+    k.speeds.note(SlotFileAnswer(Direction.RESTORE, 1000, 1000 * 128 * KIB, 1000 * 128 * KIB / 2e6))
+    assert k.rates().measured and k.status(st.ServerState(UP), 0.0)["speeds"]["restore_mb_s"] == 2000.0
+    plan = k.pager.page_plan(0, "a", SlotView(0, 0))
+    assert plan.restore_for == "a" and plan.choices == ()
+
+
 # --- the KV cache type, read off a save's size (slotlogic/kv_types.py) ------------------------------------------
 
 def eight_b(tmp_path: Path) -> ModelFacts:
