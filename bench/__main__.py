@@ -5,6 +5,12 @@ Loop: for each workload, for each configuration, stand up a fresh llama-server (
 workload's deterministic sessions, record what the server reports. The physical limit of a workload is
 computed on the server of its first configuration run (`stock` by default), in that run's start order.
 The default knobs are sized to finish in well under 10 minutes on 2 CPU cores with SmolLM2-135M.
+
+Your own server and model: `--llama-server PATH --model GGUF [--ngl 99] [--ctk q8_0]` starts your build for
+every configuration, `--llama-url URL [--save-dir ITS_SLOT_SAVE_PATH]` uses one that runs. Either way the
+report starts with the server's numbers (model, build, KV bytes per token, prefill tok/s, save and restore
+GB/s: bench/costs.py's moves on slot 0 of a server of its own, or of the running one before the workloads),
+and each proxied row shows the cost model's choices from the proxy's JSONL log.
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 # on 2 shared cores); the npm clients took 4.5-7 min and more each (docs/performance.md, "Real clients") and
 # run on request with --workloads.
 DEFAULT_WORKLOADS = ["agents", "fits", "pi", "generic", "client-aider"]
+# On your own server (--llama-server/--model/--llama-url): the synthetic agent workloads. The real clients run
+# on a long-context model of their own (bench/client_workloads.py), pi needs the pi CLI.
+OWN_SERVER_WORKLOADS = ["agents", "fits", "generic", "subagents"]
+SPEED_WORDS = (25, 50, 100, 200, 400)  # the server's moves (bench/costs.py): ~100 to ~1,600 tokens
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,7 +80,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sim-processes", type=int, default=None, help="worker processes for --sim (default: 2)")
     ap.add_argument("--scale-configs", default="slotkeeper,round-robin,least-conn,2 proxies+redis",
                     help="the scale configurations to run (comma-separated; the first one's order gives the limit)")
+    own = ap.add_argument_group("your own llama-server (docs/performance.md, \"Your own server\")")
+    own.add_argument("--llama-server", metavar="PATH", help="a llama-server binary, started for every configuration")
+    own.add_argument("--model", metavar="GGUF",
+                     help="the model it loads (tiny:NAME: a model of tests/tiny_models.py, e.g. tiny:dense_8b_kv, "
+                          "the 8B KV layout)")
+    own.add_argument("--ngl", type=int, help="layers offloaded to the GPU (-ngl)")
+    own.add_argument("--ctk", default="f16", help="KV cache type for K and V (-ctk/-ctv; the proxy is told)")
+    own.add_argument("--ctx-per-slot", type=int, default=configs.CTX_PER_SLOT,
+                     help="context per slot (-c = slots x this)")
+    own.add_argument("--llama-url", metavar="URL",
+                     help="a running llama-server instead: every configuration runs on it (its slots erased "
+                          "before each)")
+    own.add_argument("--save-dir", type=Path,
+                     help="with --llama-url: its --slot-save-path (the paging configurations need it)")
+    own.add_argument("--speeds", action="store_true",
+                     help="measure the server's speeds first on the default server too (on by default on yours)")
+    own.add_argument("--speed-words", default=",".join(map(str, SPEED_WORDS)),
+                     help="conversation sizes (words) of the speed moves")
     a = ap.parse_args(argv)
+    a.own_server = bool(a.llama_server or a.model or a.llama_url or a.ngl is not None or a.ctk != "f16"
+                        or a.ctx_per_slot != configs.CTX_PER_SLOT)
+    if a.llama_url and (a.llama_server or a.model or a.ngl is not None):
+        ap.error("--llama-url is a server that runs: --llama-server, --model and --ngl are for one the bench starts")
+    if a.save_dir and not a.llama_url:
+        ap.error("--save-dir is the --slot-save-path of the server of --llama-url")
+    if a.own_server and "--workloads" not in (argv if argv is not None else sys.argv[1:]):
+        a.workloads = ",".join(OWN_SERVER_WORKLOADS)
     a.workloads = _pick(ap, a.workloads, WORKLOADS, "workload")
     a.explicit_configs = bool(a.configs)
     a.configs = _pick(ap, a.configs or ",".join(configs.DEFAULT_CONFIGS), configs.CONFIGS, "configuration")
@@ -83,6 +119,34 @@ def _pick(ap: argparse.ArgumentParser, value: str, registry: dict[str, Any], wha
     if unknown:
         ap.error(f"unknown {what}(s) {', '.join(unknown)}; choose from {', '.join(registry)}")
     return names
+
+
+def server_of(a: argparse.Namespace, tmp: Path) -> configs.Server:
+    """The server the flags name (`tiny:NAME` models are written to `tmp`)."""
+    model = a.model
+    if model and model.startswith("tiny:"):
+        from tests import tiny_models  # the repository's own tiny GGUFs (numpy and gguf: the test extra)
+
+        name = model.removeprefix("tiny:")
+        model = str(getattr(tiny_models, name)(tmp / f"{name}.gguf"))
+    extra = ["-ngl", str(a.ngl)] if a.ngl is not None else []
+    extra += ["-ctk", a.ctk, "-ctv", a.ctk] if a.ctk != "f16" else []
+    return configs.Server(binary=a.llama_server, model=model, extra=tuple(extra), cache_type=a.ctk,
+                          ctx_per_slot=a.ctx_per_slot, url=a.llama_url.rstrip("/") if a.llama_url else None,
+                          save_dir=a.save_dir)
+
+
+def measure_server(a: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """bench/costs.py's moves on the bench's server: model, build, KV bytes a token, prefill, save, restore."""
+    from bench import costs
+
+    words = [int(w) for w in a.speed_words.split(",") if w.strip()]
+    if configs.SERVER.url:
+        configs.erase_slots(configs.SERVER.url)
+        return costs.measure(configs.SERVER.url, configs.SERVER.save_dir, words, kv=a.ctk, compress=False)
+    probe = configs.BenchConfig("speeds", proxy=False, save_dir=True)
+    with configs.stand_up(probe, log_dir, tag="speeds-", threads=a.threads, slots=1) as stack:
+        return costs.measure(stack.server_url, stack.save_dir, words, kv=a.ctk, compress=False)
 
 
 def build_workload(name: str, a: argparse.Namespace) -> Workload:
@@ -110,6 +174,23 @@ def compute_limit(server_url: str, wl: Workload, records: list[RequestRecord], s
     return lim
 
 
+def own_server_unsupported(name: str, servers: int) -> str | None:
+    """Why workload `name` does not run on the server the flags name (None: it does)."""
+    if not configs.SERVER.own:
+        return None
+    if name.startswith(client_workloads.PREFIX):
+        return f"{name}: not run on your own server (the real clients run on a long-context model of their own)"
+    if servers > 1 and configs.SERVER.url:
+        return f"{name}: not run on a running server (--llama-url): it needs {servers} servers"
+    return None
+
+
+def costs_summary(server: dict[str, Any]) -> str:
+    from bench import costs
+
+    return costs.summary(server)
+
+
 def log(t0: float, msg: str) -> None:
     print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
 
@@ -131,12 +212,21 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     log(t0, f"workloads {a.workloads}, configs {a.configs}, seed {a.seed}, llama-server threads {a.threads}; "
             f"server/proxy logs in {log_dir}")
+    configs.use_server(server_of(a, log_dir))
+    server = None
+    if a.own_server or a.speeds:
+        server = measure_server(a, log_dir)
+        log(t0, "server: " + costs_summary(server))
 
     for wl_name in a.workloads:
         spec = WORKLOADS[wl_name]
         if spec.not_wired:
             log(t0, spec.not_wired)
             notes.append(spec.not_wired)
+            continue
+        if why := own_server_unsupported(wl_name, spec.servers):
+            log(t0, why)
+            notes.append(why)
             continue
         if wl_name == "pi" and (why := pi_workload.unavailable()):
             log(t0, why)
@@ -222,13 +312,17 @@ def main(argv: list[str] | None = None) -> int:
                      f"({lim['requests']} requests, {lim['prompt_tokens']} prompt tokens in total)")
 
     restart_rows = None
-    if a.restart and any(configs.CONFIGS[c].checkpoints for c in a.configs):
+    if a.restart and configs.SERVER.url:
+        notes.append("restart: not run on a running server (--llama-url): the bench restarts the servers it started")
+    elif a.restart and any(configs.CONFIGS[c].checkpoints for c in a.configs):
         log(t0, "server-restart scenario (auto vs auto+ckpt)")
         restart_rows = restart.measure(log_dir, a.threads, a.seed, a.max_tokens)
         notes.append("restart: a 2-session fits workload; llama-server restarted after the first turn; the "
                      "proxy's /props probe (1 s) noticed it before the next request")
 
-    if a.scale:
+    if a.scale and configs.SERVER.own:
+        notes.append("scale: not run on your own server (it starts two default servers of its own)")
+    elif a.scale:
         from bench import scale
 
         log(t0, "scale: agents on 2 llama-servers x 2 slots (slotkeeper, round-robin, least-conn, 2 proxies+redis)")
@@ -251,12 +345,17 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - t0
     load = f"load average (1/5/15 min) {load_start} at start, {os.getloadavg()} at end on {os.cpu_count()} CPUs"
     notes.append(load + " (timings and TTFT are only comparable between runs on an otherwise idle machine)")
-    knobs = {k: (",".join(v) if isinstance(v, list) else v) for k, v in vars(a).items() if k != "out"}
+    knobs = {k: (",".join(v) if isinstance(v, list) else str(v) if isinstance(v, Path) else v)
+             for k, v in vars(a).items() if k != "out"}
     meta = {"started": started, "elapsed_s": elapsed, "knobs": knobs, "python": sys.version.split()[0],
-            "slots": configs.SLOTS, "ctx_per_slot": configs.CTX_PER_SLOT, "log_dir": str(log_dir)}
+            "slots": configs.SLOTS, "ctx_per_slot": configs.SERVER.ctx_per_slot, "log_dir": str(log_dir),
+            "server": server}
     report.write_all(a.out, meta, rows, runs, limits, ov, notes, restart_rows, client_rows)
 
     print()
+    if server:
+        print(report.server_text(server))
+        print()
     print(report.text_table(rows, report.COLUMNS))
     if client_rows:
         print()

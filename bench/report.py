@@ -109,6 +109,24 @@ def md_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
     return "\n".join(out)
 
 
+def server_text(server: dict[str, Any], markdown: bool = False) -> str:
+    """The server's own numbers (bench/costs.py's moves): model, build, KV bytes a token and the speeds."""
+    tok_s = [t for t in server.get("prefill_tok_s") or [] if t]
+    sizes = [m["tokens"] for m in server.get("moves") or [] if m.get("tokens")]
+    kv = server.get("kv_bytes_per_token")
+    save, restore = server.get("save_gb_s"), server.get("restore_gb_s")
+    cells = [("model", str(server.get("model"))), ("build", str(server.get("build"))),
+             ("KV cache", str(server.get("kv"))), ("KV bytes per token", f"{kv:,.0f}" if kv else "-"),
+             ("prefill tok/s", f"{min(tok_s):,.0f}-{max(tok_s):,.0f} ({len(tok_s)} moves of {min(sizes)}-"
+                               f"{max(sizes)} tokens)" if tok_s and sizes else "-"),
+             ("save GB/s", f"{save:.2f}" if save else "-"), ("restore GB/s", f"{restore:.2f}" if restore else "-"),
+             ("cost model on these moves",
+              f"picked the faster of restore and prefill {server.get('right')}/{server.get('of')}")]
+    if markdown:
+        return "\n".join(["| server | |", "|---|---|", *(f"| {k} | {v} |" for k, v in cells)])
+    return "\n".join(f"{k + ':':<27} {v}" for k, v in cells)
+
+
 def overhead_text(overhead: dict[str, Any], markdown: bool = False) -> str:
     table = (md_table if markdown else text_table)(overhead["rows"], OVERHEAD_COLUMNS)
     per_round = ", ".join(f"{d:.2f}" for d in overhead["addon_cost_per_round_ms"])
@@ -136,6 +154,8 @@ def render_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], overhead: 
              "cause-`unknown` part, `lost (bench)` the bench's own count from `cache_n` (bench/loss.py). "
              "Wall time includes the clients' think time; TTFT is request sent -> first SSE data event.", "",
              md_table(rows, COLUMNS), ""]
+    if meta.get("server"):
+        parts[4:4] = [server_text(meta["server"], markdown=True), ""]
     if client_rows:
         parts += ["## Real clients (3 sessions x 2 turns, 2 slots; turn 2+ = main conversation only)", "",
                   md_table(client_rows, CLIENT_COLUMNS), ""]

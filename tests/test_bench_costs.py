@@ -43,3 +43,50 @@ def test_the_bench_measures_a_running_server_given_by_url(tmp_path):
     assert all(m["resumed"] for m in report["moves"]) and report["moves"][0]["picked"] == "restore"
     assert {c["codec"] for c in report["compression"]} >= {"zstd-1", "zstd-2", "zstd-3"}
     assert all(c["ratio"] > 1 for c in report["compression"] if c["codec"].startswith("zstd"))
+
+
+def test_the_main_bench_takes_your_own_binary_model_and_flags_and_runs_the_agent_workloads(tmp_path):
+    from bench import __main__ as bench_main
+    from bench import configs
+
+    a = bench_main.parse_args(["--llama-server", "/opt/llama/llama-server", "--model", "/m/qwen3-8b.gguf",
+                               "--ngl", "99", "--ctk", "q8_0"])
+    server = bench_main.server_of(a, tmp_path)
+    assert a.own_server and a.workloads == bench_main.OWN_SERVER_WORKLOADS
+    assert (server.binary, server.model, server.cache_type) == ("/opt/llama/llama-server", "/m/qwen3-8b.gguf", "q8_0")
+    assert server.extra == ("-ngl", "99", "-ctk", "q8_0", "-ctv", "q8_0") and server.own
+    opts = configs.proxy_options(configs.CONFIGS["costs"], tmp_path / "st", tmp_path, tmp_path / "l.jsonl")
+    assert "slots_cache_type" not in opts                      # the default server: the proxy's default type
+    assert not bench_main.parse_args(["--workloads", "agents"]).own_server
+    with pytest.raises(SystemExit):
+        bench_main.parse_args(["--llama-url", "http://x:8080", "--model", "/m.gguf"])
+
+
+@pytest.mark.real
+def test_the_main_bench_runs_a_workload_on_a_running_server_and_reports_its_speeds_and_choices(tmp_path):
+    """`python -m bench --llama-url URL --save-dir DIR`: the server's numbers first, then the workload's rows
+    with x limit and the cost model's choices; the slot files the bench wrote are gone afterwards."""
+    from bench import __main__ as bench_main
+    from bench import configs
+
+    save = tmp_path / "slots"
+    save.mkdir()
+    out = tmp_path / "out"
+    try:
+        with LlamaServer(slots=4, ctx_per_slot=4096, slot_save_path=str(save),
+                         log_path=str(tmp_path / "s.log")) as srv:
+            assert bench_main.main(["--llama-url", srv.url, "--save-dir", str(save), "--workloads", "fits",
+                                    "--sessions", "2", "--turns", "2", "--configs", "stock,costs",
+                                    "--skip-overhead", "--speed-words", "30,60", "--out", str(out)]) == 0
+    finally:
+        configs.use_server(configs.Server())
+    doc = json.loads((out / "latest.json").read_text())
+    server = doc["meta"]["server"]
+    assert server["model"] and server["build"] and 23_040 <= server["kv_bytes_per_token"] <= 23_200
+    assert server["save_gb_s"] > 0 and server["restore_gb_s"] > 0 and server["of"] == 2
+    rows = {r["config"]: r for r in doc["rows"]}
+    assert set(rows) == {"limit", "stock", "costs"} and all(r["errors"] == 0 for r in rows.values())
+    assert rows["costs"]["ratio_to_limit"] <= rows["stock"]["ratio_to_limit"]
+    assert rows["costs"]["cost"] and "cost_choices" in rows["costs"] and rows["stock"]["cost"] is None
+    assert "KV bytes per token" in (out / "latest.md").read_text()
+    assert list(save.iterdir()) == []                          # the bench's slot files removed
