@@ -184,7 +184,7 @@ def test_with_the_cost_model_off_the_pager_pages_in_at_measured_speeds_that_favo
     k.outcomes.probed(20_000)
     k.speeds.note(SlotFileAnswer(Direction.RESTORE, 1000, 1000 * 128 * KIB, 1000 * 128 * KIB / 2e6))
     assert k.rates().measured and k.status(st.ServerState(UP), 0.0)["speeds"]["restore_mb_s"] == 2000.0
-    plan = k.pager.page_plan(0, "a", SlotView(0, 0))
+    plan = k.pager.page_plan(PageAsk(0, "a", SlotView(0, 0)))
     assert plan.restore_for == "a" and plan.choices == ()
 
 
