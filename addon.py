@@ -1,11 +1,7 @@
-"""slotkeeper: a mitmproxy addon that pins every agent session to its own llama-server KV-cache slot.
+"""The `mitmdump -s addon.py` entry of a repository checkout (slotkeeper-addon-shim): the addon itself is
+`slotkeeper/addon.py`, which an installed package carries too (`slotkeeper --addon-path` prints its path).
 
     mitmdump -s addon.py --mode reverse:http://127.0.0.1:8080@127.0.0.1:8081 --set connection_strategy=lazy
-
-This file is the entry point: the addons below, one concern each, share one `Runtime` (mitm/runtime.py),
-the way mitmproxy's own addons share the master. Their order is the order of every hook: the local API
-answers its own paths before pinning sees them; the views render a request after pinning has finished it.
-Decisions live in the pure package `slotlogic`; I/O to llama-server and to disk in `drivers/`.
 """
 
 from __future__ import annotations
@@ -15,19 +11,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `mitmdump -s` from any cwd
 
-from mitm.commands import Commands
-from mitm.flowview import FlowView
-from mitm.localapi import LocalApi
-from mitm.pinning import Pinning
-from mitm.requestlog import RequestLog
-from mitm.runtime import Runtime
-from mitm.watchdog import Watchdog
-
-
-def make_addons() -> list[object]:
-    """A fresh set of addons around a fresh runtime (tests build one per case)."""
-    rt = Runtime()
-    return [LocalApi(rt), Pinning(rt), Watchdog(rt), FlowView(rt), RequestLog(rt), Commands(rt)]
-
+from slotkeeper.addon import make_addons
 
 addons = make_addons()

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from launch.llama_server import LlamaServer
-from launch.mitmdump import MitmProxy
+from slotkeeper.launch.llama_server import LlamaServer
+from slotkeeper.launch.mitmdump import MitmProxy
 
 SLOTS = 4
 CTX_PER_SLOT = 8192
@@ -40,7 +40,7 @@ def default_threads() -> int:
 
 @dataclass(frozen=True)
 class Server:
-    """The llama-server the bench runs on. Default: the embedded one with SmolLM2 (launch/llama_server.py)."""
+    """The llama-server the bench runs on. Default: the embedded one with SmolLM2 (slotkeeper/launch/llama_server.py)."""
 
     binary: str | None = None        # a llama-server binary (LLAMA_SERVER_BIN), else the embedded xllamacpp
     model: str | None = None         # a GGUF, else SmolLM2
@@ -64,7 +64,7 @@ def use_server(server: Server) -> None:
     global SERVER
     SERVER = server
     if server.binary:
-        os.environ["LLAMA_SERVER_BIN"] = server.binary  # launch.llama_server reads it for every server it starts
+        os.environ["LLAMA_SERVER_BIN"] = server.binary  # slotkeeper.launch.llama_server reads it for every server it starts
 
 
 def server_kw(slot_dir: Path | None, threads: int, slots: int, log_path: Path) -> dict[str, Any]:

@@ -33,9 +33,9 @@ import httpx
 
 from bench.memory_bounds import Attack, Sizes, Watch, measure
 from bench.stub_llama import StubLlama
-from drivers.store_file import state_file_name
-from launch.llama_server import free_port
-from launch.mitmdump import ROOT
+from slotkeeper.drivers.store_file import state_file_name
+from slotkeeper.launch.llama_server import free_port
+from slotkeeper.launch.mitmdump import ROOT
 
 MB = 1 << 20
 PIECE = 1 << 20            # the stub writes its body in pieces this large
@@ -246,8 +246,8 @@ def redis_attack(soak: Any, sizes: Sizes) -> Attack | None:
         return None
     import redis
 
-    from drivers.store_redis import state_key
-    from launch.redis_server import RedisServer
+    from slotkeeper.drivers.store_redis import state_key
+    from slotkeeper.launch.redis_server import RedisServer
 
     row = Attack("redis-deep", "6", "parse: corrupt, lock released")
     upstream = start_stub(soak)

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.workload import anthropic_body
-from launch.llama_server import free_port
-from launch.mitmdump import MitmProxy
+from slotkeeper.launch.llama_server import free_port
+from slotkeeper.launch.mitmdump import MitmProxy
 
 NOOP_ADDON = Path(__file__).resolve().parent / "noop_addon.py"
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,9 +28,9 @@ from typing import Any
 
 import httpx
 
-from launch.browser import Browser
-from launch.llama_server import free_port
-from launch.mitmdump import ROOT, MitmProxy
+from slotkeeper.launch.browser import Browser
+from slotkeeper.launch.llama_server import free_port
+from slotkeeper.launch.mitmdump import ROOT, MitmProxy
 
 CAUSES = ("evicted", "other-process", "restart", "side-call")
 KINDS = ("page-out", "page-in", "seed", "prefix", "loss")
@@ -66,7 +66,7 @@ def synthetic_status(slots: int = 8, sessions: int = 200, now: float = 1.8e9) ->
 @contextmanager
 def serve_page(status: Callable[[], dict[str, Any]]) -> Iterator[str]:
     """The real page file and a given status, on a loopback port: `<url>/_slots/`."""
-    from mitm.localapi import page
+    from slotkeeper.mitm.localapi import page
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *_: Any) -> None:

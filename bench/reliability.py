@@ -58,8 +58,8 @@ import httpx
 from mitmproxy.net import encoding
 
 from bench import memory_bounds
-from launch.llama_server import LlamaServer, free_port
-from launch.mitmdump import ROOT, MitmProxy, mitm_argv
+from slotkeeper.launch.llama_server import LlamaServer, free_port
+from slotkeeper.launch.mitmdump import ROOT, MitmProxy, mitm_argv
 from slotlogic import paging
 
 RESULTS = ROOT / "bench" / "results" / "reliability.json"
@@ -473,8 +473,8 @@ def known_session_locks(url: str, state_dir: str, turns: int) -> int:
     from mitmproxy import http as mhttp
     from mitmproxy.test import taddons, tflow
 
-    import addon as addon_module
-    from drivers import store_file
+    from slotkeeper import addon as addon_module
+    from slotkeeper.drivers import store_file
 
     count = [0]
     real_async, real_sync = store_file.JsonFile.locked, store_file.JsonFile.locked_sync

@@ -295,7 +295,7 @@ class RequestEnded(Event):
 
 @dataclass(frozen=True)
 class ModelHeader(Event):
-    """The loaded model's GGUF header was read, or could not be (`drivers.gguf_io`)."""
+    """The loaded model's GGUF header was read, or could not be (`slotkeeper.drivers.gguf_io`)."""
 
     status: str                    # gguf_io.ReadStatus value
     keys: int

@@ -1,6 +1,6 @@
 """slotkeeper's core for one upstream server: a request's facts in, a typed decision out (h11 style).
 
-Rule 1: pure. No sockets, files, clocks or mitmproxy: the driver (`drivers/upstream.py`) passes the request's
+Rule 1: pure. No sockets, files, clocks or mitmproxy: the driver (`slotkeeper/drivers/upstream.py`) passes the request's
         facts, the server's answers (`/props`, `/slots`) and the shared state in, and performs what comes out.
 Rule 2: a known, live session is answered from memory (`request` returns `Pin`): no I/O, no lock, and, for an
         agent's next turn, not even a parse of the body (`slotlogic.fastpath`). That is the hot path.

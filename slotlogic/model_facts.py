@@ -11,7 +11,7 @@ them off and says which llama-server flag would change that. Builds that append 
 file (PRs #20819/#26004 propose it; the Oct 2026 xllamacpp wheel does it) do resume:
 `file_has_checkpoints` recognises such a file from the size llama-server reports for it.
 
-Rule 1: pure and stdlib only. Input is the header's key/value mapping (`drivers/gguf_io.read_metadata`
+Rule 1: pure and stdlib only. Input is the header's key/value mapping (`slotkeeper/drivers/gguf_io.read_metadata`
         produces it); output is typed facts (`ModelFacts`), a typed verdict (`Reuse`) and log lines that
         carry only names and numbers.
 Rule 2: mirror llama.cpp, not the model card. Which layers are SWA or recurrent is decided the way

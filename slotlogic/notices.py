@@ -7,7 +7,7 @@ transaction that changes a slot's owner also publishes one notice per change (`c
 marks the session of its own that believed it held that slot as displaced the moment the notice arrives
 (`slotlogic.table.SessionTable.claimed_elsewhere`): its next request is placed again, and paged back in.
 
-Rule 1: pure. The driver (`drivers/store_redis.py`) diffs, encodes, publishes and subscribes; this module
+Rule 1: pure. The driver (`slotkeeper/drivers/store_redis.py`) diffs, encodes, publishes and subscribes; this module
         only says what changed and what a notice means.
 Rule 2: no prompt text can travel: a notice holds a slot number, two session keys (digests), the sending
         process's random id and a time. A payload that is not exactly that shape is dropped, never raised on.

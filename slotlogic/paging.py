@@ -8,7 +8,7 @@ restore, against 8.3 s to prefill. So before a slot is handed to another session
 out*; when a session comes back to a slot that no longer holds its conversation, it is *paged in*.
 
 Rule 1: pure. `holder_of` says whose conversation a slot holds, `plan` which file to save and which to
-        restore; the driver (`drivers/pager.py`) performs the calls under the slot's lock, deciding only
+        restore; the driver (`slotkeeper/drivers/pager.py`) performs the calls under the slot's lock, deciding only
         once it holds the lock (what ran on the slot before is settled then), and records the outcome
         with `saved` in the page index (in the shared state file).
 Rule 2: never a wrong answer. A restored file only sets what the slot holds: llama-server still compares

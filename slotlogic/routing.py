@@ -3,7 +3,7 @@
 A request's destination is (server, slot). Inside one server the slot is chosen as always (`placement`,
 `ranking`); this module chooses the server, and says when a server counts as down and when to ask it again.
 
-Rule 1: pure. The driver (`drivers/pool.py`) gathers one `ServerView` per server (health, `/slots`, the
+Rule 1: pure. The driver (`slotkeeper/drivers/pool.py`) gathers one `ServerView` per server (health, `/slots`, the
         shared state's claims, this proxy's in-flight requests) and calls `choose`; the clock comes in.
 Rule 2: a session stays where it is. A known session goes back to its server (`home`) while that server is
         up; a session the shared state says still owns a slot on some server goes back there, and so does one

@@ -1,6 +1,6 @@
 """What every proxy process shares about one llama-server's slot space: the state file's content, as data.
 
-Rule 1: pure. The driver (`drivers/store_file.py`) reads the JSON under a file lock, calls these
+Rule 1: pure. The driver (`slotkeeper/drivers/store_file.py`) reads the JSON under a file lock, calls these
         functions and writes the result back atomically; nothing here touches a file or a clock.
 Rule 2: tolerant. A state file written by another version, or damaged by hand, yields the parts that
         make sense and drops the rest; it never raises.

@@ -4,7 +4,7 @@ Why: behind llama-swap each model is its own llama-server (`/upstream/<model>/`)
 `model`, a value any client chooses. One upstream per name would let a client grow the proxy without bound
 (issue 20: 1,000 names, 1,000 upstreams, 937 MB, 2,002 state files, a quarter of a core busy while idle).
 
-Rule 1: pure. The driver (`drivers/pool.py`) asks llama-swap's `GET /v1/models` (the models its config lists;
+Rule 1: pure. The driver (`slotkeeper/drivers/pool.py`) asks llama-swap's `GET /v1/models` (the models its config lists;
         llama-swap's own handler leaves out `unlisted` ones, and lists aliases only with `includeAliasesInList`)
         and `GET /running` (the loaded ones), and hands the answers here.
 Rule 2: only a listed (or running) model gets an upstream; any other request passes through untouched,

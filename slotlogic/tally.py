@@ -1,6 +1,6 @@
 """Counters behind `/_slots/metrics`, fed by the typed reports and events: a few dict additions per request.
 
-Keyed by (server URL, slot id): never a session, never prompt text. `mitm/metrics.py` renders them.
+Keyed by (server URL, slot id): never a session, never prompt text. `slotkeeper/mitm/metrics.py` renders them.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A request can sit silent for minutes: queued behind another request on its slot (llama-server defers a
 request pinned to a busy slot, and a stream gets no headers until its slot starts), prefilling a long
 prompt, or stuck (a wedged server loop, an HTTP layer that never handed it over). The driver
-(`drivers/watcher.py`) polls `/slots` every `interval` seconds while the first byte has not come, and this
+(`slotkeeper/drivers/watcher.py`) polls `/slots` every `interval` seconds while the first byte has not come, and this
 module says which of those it is, so the log and the status view can tell the user.
 
 Rule 1: pure; the clock is passed in with every call (the driver's monotonic clock).

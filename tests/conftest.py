@@ -12,7 +12,7 @@ import pytest
 from mitmproxy import http
 from mitmproxy.test import taddons, tflow
 
-import addon as addon_module
+from slotkeeper import addon as addon_module
 from tests.redis_fixtures import store_server, url  # noqa: F401 (a real redis-server, for the scale-out tests)
 
 UP = "http://127.0.0.1:8080"
@@ -35,7 +35,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 class FakeLlama:
-    """Stands in for `drivers.llama_http.LlamaClient`: canned /props and /slots, counts every call."""
+    """Stands in for `slotkeeper.drivers.llama_http.LlamaClient`: canned /props and /slots, counts every call."""
 
     def __init__(self, total: int = 4, marker: str = "<__media_a__>", n_ctx: int = 8192) -> None:
         self.props_data: dict[str, Any] | None = {

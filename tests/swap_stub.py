@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from launch.llama_server import LlamaServer, free_port
+from slotkeeper.launch.llama_server import LlamaServer, free_port
 
 MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/completion", "/v1/messages")
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench import costs as bench_costs
-from launch.llama_server import LlamaServer
+from slotkeeper.launch.llama_server import LlamaServer
 
 
 def fake_move(tokens: int, prefill_s: float, restore_s: float, kv: int = 131_072) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 
-from drivers.upstream import Upstream
+from slotkeeper.drivers.upstream import Upstream
 from slotlogic import fastpath, intake, outcomes
 from slotlogic import shared as st
 from slotlogic.answers import Observation

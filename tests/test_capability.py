@@ -10,8 +10,8 @@ from typing import Any
 import gguf
 import pytest
 
-from drivers import gguf_io
-from drivers.upstream import Upstream
+from slotkeeper.drivers import gguf_io
+from slotkeeper.drivers.upstream import Upstream
 from slotlogic import capability, wording
 from slotlogic.answers import Observation
 from slotlogic.decisions import RequestFacts

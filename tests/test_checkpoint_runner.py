@@ -6,7 +6,7 @@ import asyncio
 import json
 from typing import Any
 
-from drivers.checkpoint_runner import CheckpointRunner
+from slotkeeper.drivers.checkpoint_runner import CheckpointRunner
 from slotlogic.checkpoint_machine import Outcome
 from slotlogic.prefix import StablePrefix, file_name
 from slotlogic.server import ServerInfo
@@ -76,7 +76,7 @@ async def test_holding_slot_costs_nothing(tmp_path):
 
 
 async def test_sessions_waiting_for_another_proxys_build_restore_it_and_never_warm_it_again(tmp_path):
-    # Another proxy builds the file (its marker in the shared store: `drivers.pool` puts a future in
+    # Another proxy builds the file (its marker in the shared store: `slotkeeper.drivers.pool` puts a future in
     # `building`); this proxy's index, in another state dir, never hears of it. Both waiting sessions restore.
     server = ScriptedServer()
     m = manager(tmp_path, server)

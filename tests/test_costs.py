@@ -8,7 +8,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from drivers import gguf_io
+from slotkeeper.drivers import gguf_io
 from slotlogic import costs, kv_types, paging
 from slotlogic import shared as st
 from slotlogic.costs import Choice, Direction, Move, PrefillFit, Rates, SlotFileAnswer, Speeds

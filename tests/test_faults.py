@@ -15,9 +15,9 @@ import pytest
 from mitmproxy import http
 from mitmproxy.test import taddons, tflow
 
-import addon as addon_module
 from bench.stub_llama import StubLlama
-from mitm import flows
+from slotkeeper import addon as addon_module
+from slotkeeper.mitm import flows
 from slotlogic import events as ev
 from slotlogic import rewrite
 from slotlogic.keeper import Keeper

@@ -6,7 +6,7 @@ import gzip
 
 from mitmproxy import http
 
-from mitm import flows as raw_headers
+from slotkeeper.mitm import flows as raw_headers
 
 
 def req(content: bytes, **headers: str) -> http.Request:

@@ -12,12 +12,12 @@ import sys
 import time
 from pathlib import Path
 
-from drivers import private_dir
-from drivers.store_file import StateFile
+from slotkeeper.drivers import private_dir
+from slotkeeper.drivers.store_file import StateFile
 
 WRITER = """
 import asyncio, sys, time
-from drivers.store_file import StateFile
+from slotkeeper.drivers.store_file import StateFile
 from slotlogic import shared
 
 async def main():

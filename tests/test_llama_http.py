@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from drivers.llama_http import LlamaClient
+from slotkeeper.drivers.llama_http import LlamaClient
 
 
 @pytest.fixture

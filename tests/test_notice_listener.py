@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 from mitmproxy.test import taddons
 
-import addon as addon_module
-from drivers.store_redis import RedisConnection, RedisState
+from slotkeeper import addon as addon_module
+from slotkeeper.drivers.store_redis import RedisConnection, RedisState
 from slotlogic import shared
 from slotlogic.events import DisplacedElsewhere, NoticesBack, NoticesLost, Via
 from tests.conftest import FakeLlama, Proxy, chat, flow, sent
@@ -137,8 +137,8 @@ async def test_without_notices_the_flush_still_finds_the_displacement(proxies):
 async def test_two_proxies_page_one_slot_one_after_the_other_and_learn_what_was_sent(url, tmp_path):
     """The shared paging lock of a slot: the second proxy's pager waits until the first one's request was sent,
     then learns which session that was (what its save will write)."""
-    from drivers.page_runner import PageRunner
-    from drivers.store_redis import RedisSlotLocks
+    from slotkeeper.drivers.page_runner import PageRunner
+    from slotkeeper.drivers.store_redis import RedisSlotLocks
 
     runners = []
     for _ in range(2):
@@ -165,7 +165,7 @@ async def test_two_proxies_page_one_slot_one_after_the_other_and_learn_what_was_
 async def test_a_send_under_the_shared_lock_tells_the_other_proxies_who_is_on_top(url):
     """Claims and sends of two proxies may cross; the send notice (at the lock's release) names the session
     whose request reached the slot last."""
-    from drivers.store_redis import RedisSlotLocks
+    from slotkeeper.drivers.store_redis import RedisSlotLocks
 
     got: list = []
     listener = RedisConnection(url, lambda e: None)

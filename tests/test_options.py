@@ -10,8 +10,8 @@ import pytest
 from mitmproxy import exceptions
 from mitmproxy.test import taddons
 
-import addon as addon_module
-from mitm import options
+from slotkeeper import addon as addon_module
+from slotkeeper.mitm import options
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "options.md"
 

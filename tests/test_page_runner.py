@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from drivers.page_runner import PageRunner
+from slotkeeper.drivers.page_runner import PageRunner
 from slotlogic import wording
 from slotlogic.paging import PagePlan
 

@@ -9,8 +9,8 @@ import os
 import time
 from typing import Any
 
-from drivers.page_runner import PageRunner
-from drivers.upstream import Upstream
+from slotkeeper.drivers.page_runner import PageRunner
+from slotkeeper.drivers.upstream import Upstream
 from slotlogic import events as ev
 from slotlogic import paging
 from slotlogic import shared as st

@@ -10,7 +10,7 @@ import pytest
 from mitmproxy import http
 from mitmproxy.flow import Error as flow_error
 
-from drivers import store_file
+from slotkeeper.drivers import store_file
 from slotlogic.answers import StreamObserver
 from tests.conftest import UP, chat, flow, sent, streamed
 

@@ -15,7 +15,7 @@ import pytest
 from mitmproxy import http
 from mitmproxy.test import taddons
 
-import addon as addon_module
+from slotkeeper import addon as addon_module
 from tests.conftest import UP, FakeLlama, Proxy, chat, flow, sent
 
 
@@ -120,12 +120,12 @@ async def test_a_request_that_cannot_connect_is_sent_to_the_other_server_before_
 
 
 async def test_a_retried_encoded_request_is_decoded_by_the_capped_path_not_mitmproxys(pool, monkeypatch):
-    """The retry reads the body as the first attempt did (`drivers/body_decode`, under `slots_max_body_mb`),
+    """The retry reads the body as the first attempt did (`slotkeeper/drivers/body_decode`, under `slots_max_body_mb`),
     never through mitmproxy's uncapped decoder on the event loop."""
     await pool.request(flow(chat("task 0")))
     f = await pool.request(flow(chat("task 1"), headers={"content-encoding": "gzip"}))
     assert dest(f) == B
-    from mitm import flows
+    from slotkeeper.mitm import flows
     monkeypatch.setattr(flows, "content", lambda message: pytest.fail("mitmproxy's decoder on the retry"))
     data = SimpleNamespace(client=f.client_conn, server=SimpleNamespace(address=("127.0.0.1", int(B.rsplit(":")[-1]))))
     await pool.addons[1].server_connect(data)

@@ -11,9 +11,9 @@ import pytest
 from mitmproxy import exceptions
 from mitmproxy.test import taddons
 
-import addon as addon_module
-from drivers import private_dir
-from drivers.store_file import StateFile
+from slotkeeper import addon as addon_module
+from slotkeeper.drivers import private_dir
+from slotkeeper.drivers.store_file import StateFile
 from slotlogic import shared
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from launch.llama_server import LlamaServer
-from launch.mitmdump import MitmProxy
+from slotkeeper.launch.llama_server import LlamaServer
+from slotkeeper.launch.mitmdump import MitmProxy
 from tests.real_helpers import SYSTEM
 
 pytestmark = pytest.mark.real

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from launch.llama_server import LlamaServer
-from launch.mitmdump import MitmProxy
+from slotkeeper.launch.llama_server import LlamaServer
+from slotkeeper.launch.mitmdump import MitmProxy
 from slotlogic.costs import Move
 from tests import tiny_models
 from tests.real_helpers import ask, jsonl

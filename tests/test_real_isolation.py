@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from launch.llama_server import LlamaServer
-from launch.mitmdump import MitmProxy
+from slotkeeper.launch.llama_server import LlamaServer
+from slotkeeper.launch.mitmdump import MitmProxy
 from tests.real_helpers import Turn, ask, conversation, extend, jsonl
 
 pytestmark = pytest.mark.real

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from launch.llama_server import LlamaServer
-from launch.mitmdump import MitmProxy
+from slotkeeper.launch.llama_server import LlamaServer
+from slotkeeper.launch.mitmdump import MitmProxy
 from slotlogic import paging
 from tests.real_helpers import ask, conversation, extend, jsonl
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from launch.llama_server import LlamaServer, free_port
-from launch.mitmdump import MitmProxy
+from slotkeeper.launch.llama_server import LlamaServer, free_port
+from slotkeeper.launch.mitmdump import MitmProxy
 from tests.real_helpers import ask, conversation, extend, jsonl
 
 pytestmark = pytest.mark.real

@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 import httpx
 import pytest
 
-from launch.llama_server import LlamaServer, free_port
-from launch.mitmdump import MitmProxy
+from slotkeeper.launch.llama_server import LlamaServer, free_port
+from slotkeeper.launch.mitmdump import MitmProxy
 from tests.real_helpers import jsonl
 
 pytestmark = pytest.mark.real
@@ -253,7 +253,7 @@ def test_mitmweb_shows_what_a_waiting_request_is_doing_as_its_comment(tmp_path):
 
     from mitmproxy import version
 
-    from launch.mitmdump import ROOT, mitm_argv
+    from slotkeeper.launch.mitmdump import ROOT, mitm_argv
 
     shim = ThreadingHTTPServer(("127.0.0.1", free_port()), Canned)
     threading.Thread(target=shim.serve_forever, daemon=True).start()

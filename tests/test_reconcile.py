@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import time
 
-from drivers import store_file
-from drivers.upstream import Upstream
+from slotkeeper.drivers import store_file
+from slotkeeper.drivers.upstream import Upstream
 from slotlogic import events as ev
 from slotlogic import reconcile
 from slotlogic import shared as st

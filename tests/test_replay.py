@@ -28,9 +28,9 @@ import pytest
 from mitmproxy import http, io
 from mitmproxy.test import taddons
 
-import addon as addon_module
-from drivers.llama_http import LlamaClient
-from mitm.sse_tap import SSETap
+from slotkeeper import addon as addon_module
+from slotkeeper.drivers.llama_http import LlamaClient
+from slotkeeper.mitm.sse_tap import SSETap
 from slotlogic import shared
 from slotlogic.answers import Observation, StreamObserver
 from slotlogic.decisions import NeedSlot, Pin, Replay, RequestFacts

@@ -8,7 +8,7 @@ import logging
 
 from mitmproxy import http
 
-from drivers.jsonl_log import JsonlLog
+from slotkeeper.drivers.jsonl_log import JsonlLog
 from tests.conftest import chat, flow
 
 

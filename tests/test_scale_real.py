@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.llama_server import LlamaServer
-from launch.mitmdump import MitmProxy
+from slotkeeper.launch.llama_server import LlamaServer
+from slotkeeper.launch.mitmdump import MitmProxy
 from tests.real_helpers import ask, conversation, extend, jsonl
 from tests.redis_fixtures import new_redis
 

@@ -9,7 +9,7 @@ from typing import Any
 from bench.sim.clock import VirtualClock, run
 from bench.sim.llama import SimServer, render_chat
 from bench.sim.transport import transport
-from drivers.llama_http import LlamaClient
+from slotkeeper.drivers.llama_http import LlamaClient
 
 
 def body(*turns: str, system: str = "You are a coding agent . " * 10, **extra: Any) -> dict[str, Any]:

@@ -20,9 +20,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from launch import browser
-from launch.llama_server import LlamaServer
-from launch.mitmdump import MitmProxy
+from slotkeeper.launch import browser
+from slotkeeper.launch.llama_server import LlamaServer
+from slotkeeper.launch.mitmdump import MitmProxy
 from tests.real_helpers import ask, conversation, extend
 
 ROOT = Path(__file__).resolve().parent.parent

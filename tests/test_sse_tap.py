@@ -1,6 +1,6 @@
 """The stream callable never changes, drops or delays a byte, whatever fails inside it."""
 
-from mitm.sse_tap import SSETap
+from slotkeeper.mitm.sse_tap import SSETap
 from slotlogic.answers import StreamObserver
 
 STREAM = b'data: {"choices":[]}\n\ndata: {"timings":{"cache_n":5,"prompt_n":1}}\n\ndata: [DONE]\n\n'
@@ -43,7 +43,7 @@ def test_a_chunk_that_gives_the_client_nothing_yet_is_no_chunk_at_all():
     """mitmproxy writes a returned b"" as a zero-length chunk, the end of a chunked body: a translated stream
     must return no chunks (`[]`) for llama-server's `:` keep-alive or half an event, or the client's answer
     ends there (a Claude Code request whose prefill took over 30 s was cut so)."""
-    from mitm.sse_tap import TranslatingTap
+    from slotkeeper.mitm.sse_tap import TranslatingTap
     from slotlogic.anthropic_answer import StreamConverter
 
     tap = TranslatingTap(StreamObserver(), StreamConverter())
@@ -55,7 +55,7 @@ def test_a_chunk_that_gives_the_client_nothing_yet_is_no_chunk_at_all():
 
 
 def test_a_translated_stream_ended_for_a_too_large_event_is_logged_as_an_error():
-    from mitm.sse_tap import TranslatingTap
+    from slotkeeper.mitm.sse_tap import TranslatingTap
     from slotlogic.anthropic_answer import StreamConverter
 
     observer = StreamObserver()

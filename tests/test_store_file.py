@@ -7,8 +7,8 @@ import os
 import stat
 import tracemalloc
 
-from drivers import store_file
-from drivers.store_file import StateFile
+from slotkeeper.drivers import store_file
+from slotkeeper.drivers.store_file import StateFile
 from slotlogic import placement
 from slotlogic import shared as st
 from slotlogic.settings import Settings

@@ -10,10 +10,10 @@ import pytest
 import redis
 from mitmproxy.test import taddons
 
-import addon as addon_module
-from drivers.store import BUILT, parse_url, redacted
-from drivers.store_redis import KEEP_MS, RedisConnection, RedisState, state_key
-from drivers.stores import Stores
+from slotkeeper import addon as addon_module
+from slotkeeper.drivers.store import BUILT, parse_url, redacted
+from slotkeeper.drivers.store_redis import KEEP_MS, RedisConnection, RedisState, state_key
+from slotkeeper.drivers.stores import Stores
 from slotlogic import prefix as pfx
 from slotlogic import shared
 from slotlogic.events import StoreBack, StoreUnavailable

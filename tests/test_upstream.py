@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from drivers import store_file
-from drivers.upstream import Upstream
+from slotkeeper.drivers import store_file
+from slotkeeper.drivers.upstream import Upstream
 from slotlogic import events as ev
 from slotlogic.answers import Observation
 from slotlogic.decisions import Observe, Pin, Replay, RequestFacts

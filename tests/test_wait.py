@@ -1,4 +1,4 @@
-"""A request behind our own requests on its slot: the pure rules (slotlogic.wait), the hold (drivers.slot_wait),
+"""A request behind our own requests on its slot: the rules (slotlogic.wait), the hold (slotkeeper.drivers.slot_wait),
 and the addon sending it with `id_slot: -1` once its bound has passed (or at once, for a side call)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import logging
 from mitmproxy import http
 from mitmproxy.flow import Error as flow_error
 
-from drivers.slot_wait import SlotWaits
+from slotkeeper.drivers.slot_wait import SlotWaits
 from slotlogic import wait
 from slotlogic.wait import Ahead, Verdict, WaitWhy
 from tests.conftest import chat, flow, sent

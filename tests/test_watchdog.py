@@ -13,7 +13,7 @@ import pytest
 from mitmproxy import exceptions, http
 from mitmproxy.flow import Error
 
-from mitm import abort, watchdog
+from slotkeeper.mitm import abort, watchdog
 from tests.conftest import FakeLlama, chat, flow
 
 

@@ -24,10 +24,10 @@ from mitmproxy import http
 from mitmproxy.flow import Error as FlowError
 from mitmproxy.test import taddons, tflow
 
-import addon as addon_module
 from bench.sim.llama import Done, Down, SimServer, answer_body, chat_stream
 from bench.sim.transport import transport
-from drivers.llama_http import LlamaClient
+from slotkeeper import addon as addon_module
+from slotkeeper.drivers.llama_http import LlamaClient
 
 PORT0 = 8080
 _FAST_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None  # tmpfs: no fsync cost

@@ -1,5 +1,5 @@
 """The simulated server behind httpx: `transport(server)` is an `httpx.MockTransport` that answers the real
-drivers' calls (`drivers.llama_http.LlamaClient(url, transport=...)`) from a `SimServer`, as llama-server's
+drivers' calls (`slotkeeper.drivers.llama_http.LlamaClient(url, transport=...)`) from a `SimServer`, as llama-server's
 HTTP routes would: `/health`, `/props`, `/slots`, `POST /slots/{id}?action=save|restore|erase` and the
 completion routes (non-streamed: the drivers never stream). A restart while a call waits is a dropped
 connection (`httpx.ReadError`)."""

@@ -1,0 +1,273 @@
+"""Runs `slotlogic.checkpoint_machine.Orchestrator` against llama-server: prefix checkpoints.
+
+It performs the actions the pure state machine asks for (`POST /slots/{id}?action=restore|save|erase`,
+pinned warm-up and verification requests, each with a 120 s timeout), keeps the checkpoint index (one
+private JSON file in the state dir: per file the fingerprint, `build_info`, `model_path`, `total_slots`,
+per-slot `n_ctx`, created and last-used times), refuses files whose sidecar does not match the running
+server, and runs the stale-file cleanup once per process and on command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slotkeeper.drivers.llama_http import LlamaClient
+from slotkeeper.drivers.store_file import CorruptFile, JsonFile
+from slotlogic import __version__, checkpoint_cleanup, costs
+from slotlogic import prefix as pfx
+from slotlogic.checkpoint_machine import Action, Orchestrator, Outcome, Result
+from slotlogic.costs import SlotFileAnswer
+from slotlogic.events import (
+    CheckpointForeign,
+    CheckpointIndexCorrupt,
+    CheckpointStarted,
+    CheckpointStep,
+    CheckpointWaiting,
+    CostWeighed,
+    Event,
+    Failed,
+    FilesDeleted,
+    NoSavePath,
+    Stage,
+)
+from slotlogic.server import ServerInfo
+from slotlogic.settings import CheckpointMode, Settings
+
+ACTION_TIMEOUT = 120.0
+INDEX_FILE = "checkpoints.json"
+KNOWN_PREFIXES = 64  # prefixes remembered to build longer ones on (their text stays in memory only)
+
+
+@dataclass
+class PrefixRegistry:
+    """Prefix checkpoints being built and prefixes restored or built, shared by the servers of one pool (they
+    share one save dir: a build for one is waited for and restored by the others, and a longer prefix is built
+    on the longest one any of them holds). Memory only: prompt text is never written anywhere."""
+
+    building: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # cold builds in flight
+    known: OrderedDict[str, pfx.StablePrefix] = field(default_factory=OrderedDict)
+
+
+class CheckpointRunner:
+    def __init__(self, client: LlamaClient, state_dir: Path, settings: Settings, emit: Callable[[Event], None],
+                 upstream: str = "", registry: PrefixRegistry | None = None) -> None:
+        self.client = client
+        self.settings = settings
+        self.emit = emit
+        self.upstream = upstream
+        self.index = JsonFile(Path(state_dir) / INDEX_FILE, emit)
+        self.current: set[str] = set()
+        registry = registry or PrefixRegistry()
+        self.building = registry.building  # cold builds in flight (every server of the pool)
+        self.elsewhere: set[str] = set()  # files another proxy built and saved (the shared store says so)
+        # prefixes this process (every server of its pool) restored or built: a longer one is built on the longest
+        # of them it starts with.
+        self.known = registry.known
+        self.warned: set[str] = set()
+        self.cleaned = False
+        self.on_answer: Callable[[SlotFileAnswer], None] = lambda a: None  # each save/restore's size and time
+        self.rates: Callable[[], costs.Rates] = costs.Rates  # the server's measured speeds (none: restore)
+
+    @property
+    def persist(self) -> bool:
+        return self.settings.checkpoints is CheckpointMode.DISK
+
+    def fingerprint(self, prefix: pfx.StablePrefix, info: ServerInfo) -> str:
+        size = mtime = None
+        if info.model_path and os.path.exists(info.model_path):
+            stat = os.stat(info.model_path)
+            size, mtime = stat.st_size, stat.st_mtime
+        return pfx.fingerprint(prefix, model_path=info.model_path, model_size=size, model_mtime=mtime,
+                               build_info=info.build_info,
+                               server_id=self.settings.server_id + ("|kv=" + info.identity["kv_cache"]
+                                                                    if "kv_cache" in info.identity else ""),
+                               addon_version=__version__)
+
+    def read_index(self) -> dict[str, Any] | None:
+        """The index (empty when missing); None when corrupt."""
+        try:
+            data = self.index.load()
+        except CorruptFile:
+            return None
+        return data if isinstance(data, dict) else {}
+
+    def file_known(self, name: str, info: ServerInfo, built_elsewhere: bool = False) -> bool:
+        """Whether `name` is worth a restore: this state dir's index knows it for this server, or (no entry
+        here) another proxy built it for a server sharing the save dir (`built_elsewhere`)."""
+        entry = (self.read_index() or {}).get(name)
+        if not isinstance(entry, dict):
+            return built_elsewhere and (not self.settings.save_dir or (Path(self.settings.save_dir) / name).exists())
+        mismatch = tuple(k for k, v in info.identity.items() if entry.get(k) != v)
+        if mismatch:
+            self.emit(CheckpointForeign(self.upstream, name, mismatch))
+            return False
+        return not self.settings.save_dir or (Path(self.settings.save_dir) / name).exists()
+
+    async def prepare(self, slot: int, prefix: pfx.StablePrefix, info: ServerInfo, *,
+                      holds_prefix: bool) -> Orchestrator:
+        """Make `slot` hold `prefix` before a new session's first request. Never raises for HTTP trouble."""
+        fp = self.fingerprint(prefix, info)
+        name = pfx.file_name(fp)
+        self.current.add(name)
+        waited = False
+        while self.persist and not holds_prefix and (pending := self.building.get(name)) is not None:
+            # Sessions that start together share a prefix: wait for the one build (this process's, or another
+            # proxy's: `build_claims` puts a future here), then restore it instead of prefilling the same
+            # prefix once per session. Again after each wait: a sibling woken by the same build may be
+            # restoring or building it now.
+            if not waited:
+                self.emit(CheckpointWaiting(self.upstream, name))
+            waited = True
+            await asyncio.shield(pending)
+        own: asyncio.Future[None] | None = None
+        if self.persist and not holds_prefix:
+            own = self.building[name] = asyncio.get_running_loop().create_future()
+        try:
+            return await self._prepare(slot, prefix, info, fp, name, holds_prefix, waited or name in self.elsewhere)
+        finally:
+            if own is not None:
+                if self.building.get(name) is own:
+                    del self.building[name]
+                own.set_result(None)
+
+    async def _prepare(self, slot: int, prefix: pfx.StablePrefix, info: ServerInfo, fp: str, name: str,
+                       holds_prefix: bool, built: bool) -> Orchestrator:
+        """`built`: a build of this file just ended (here or in another proxy): restore it even if this state
+        dir's index does not know it; a failed restore falls back to warming (and saving) as for a cold one."""
+        known = self.persist and self.file_known(name, info, built)
+        persist = self.persist
+        if known and (choice := self._weigh(name, slot)) is not None and not choice.worth:
+            known = persist = False  # warming the prefix up is quicker than reading its file: warm, keep the file
+        base = self._base(prefix, info, name) if self.persist and not known and not holds_prefix else None
+        orch = Orchestrator(slot, prefix, name, persist=persist, holds_prefix=holds_prefix, file_known=known,
+                            base=base)
+        self.emit(CheckpointStarted(self.upstream, fp, slot))
+        while (action := orch.next_action()) is not None:
+            orch.feed(await self.perform(action))
+        for note in orch.notes:
+            self.emit(CheckpointStep(self.upstream, note))
+        if orch.outcome in (Outcome.RESTORED, Outcome.RESTORED_UNVERIFIED, Outcome.WARMED_SAVED):
+            self.known[name] = prefix
+            self.known.move_to_end(name)
+            while len(self.known) > KNOWN_PREFIXES:
+                self.known.popitem(last=False)
+        if orch.outcome is Outcome.WARMED_SAVED or orch.file_bad:
+            self.elsewhere.discard(name)  # the file is this proxy's now (in its index), or not worth a restore
+        if orch.missing_save_path and "save-path" not in self.warned:
+            self.warned.add("save-path")
+            self.emit(NoSavePath(self.upstream, paging=False))
+        if self.persist:
+            await self.record(name, fp, info, orch)
+            if not self.cleaned:
+                self.cleaned = True
+                await self.cleanup()
+        return orch
+
+    def _weigh(self, name: str, slot: int) -> costs.Choice | None:
+        """Restoring checkpoint `name` against warming its prefix up, at the measured speeds (None: not
+        measured, or its size unknown: restore)."""
+        rates = self.rates()
+        if not rates.measured or not self.settings.cost_model:
+            return None
+        entry = (self.read_index() or {}).get(name)
+        tokens = entry.get("n_saved") if isinstance(entry, dict) else None
+        if not isinstance(tokens, int) or tokens <= 0:
+            return None
+        size = 0
+        if self.settings.save_dir:
+            with contextlib.suppress(OSError):
+                size = os.stat(Path(self.settings.save_dir) / name).st_size
+        choice = costs.prefix_restore(tokens, size, rates)
+        if choice is not None:
+            self.emit(CostWeighed(self.upstream, slot, None, choice))
+        return choice
+
+    def _base(self, prefix: pfx.StablePrefix, info: ServerInfo, name: str) -> str | None:
+        """The file of the longest prefix this process knows that `prefix` starts with (same route, tools and
+        template arguments), when it is there to restore: a family's prefix is then built on the shared one."""
+        best: tuple[int, str] | None = None
+        for other_name, other in self.known.items():
+            if (other_name == name or len(other.text) >= len(prefix.text) or not prefix.text.startswith(other.text)
+                    or (other.role, other.route, other.tools, other.template_kwargs)
+                    != (prefix.role, prefix.route, prefix.tools, prefix.template_kwargs)):
+                continue
+            file = pfx.file_name(self.fingerprint(other, info))
+            if (best is None or len(other.text) > best[0]) and self.file_known(file, info):
+                best = (len(other.text), file)
+        return best[1] if best else None
+
+    async def perform(self, action: Action) -> Result:
+        if action.kind.slot_action:
+            body = {"filename": action.filename} if action.filename else None
+            status, data = await self.client.post_json(f"/slots/{action.slot}?action={action.kind.value}", body,
+                                                        ACTION_TIMEOUT)
+            answer = SlotFileAnswer.parse(action.kind.value, data) if status == 200 else None
+            if answer is not None:
+                self.on_answer(answer)
+            return Result(status, data)
+        body = dict(action.body or {})
+        limit = "max_output_tokens" if action.path.endswith("/responses") else "max_tokens"
+        body.update({"id_slot": action.slot, "cache_prompt": True, limit: 1, "temperature": 0.0, "stream": False})
+        status, data = await self.client.post_json(action.path, body, ACTION_TIMEOUT)
+        return Result(status, data)
+
+    async def record(self, name: str, fp: str, info: ServerInfo, orch: Orchestrator) -> None:
+        now = time.time()
+        try:
+            async with self.index.locked():
+                data = self.read_index()
+                if data is None:
+                    return  # corrupt index: leave it for the operator (cleanup is disabled too)
+                entry = data.get(name) if isinstance(data.get(name), dict) else None
+                restored = orch.outcome is not None and orch.outcome.restored
+                if orch.outcome is Outcome.WARMED_SAVED or (entry is None and restored):
+                    entry = {"fingerprint": fp, **info.identity, "created": now,
+                             "n_saved": orch.saved_tokens or orch.restored_tokens}
+                if entry is not None:
+                    entry["last_used"] = now
+                    data[name] = entry
+                    self.index.save(data)
+        except Exception as e:  # the index is a convenience: never fail the request for it
+            self.emit(Failed(self.upstream, Stage.CHECKPOINT_INDEX, type(e).__name__))
+
+    async def cleanup(self) -> list[str]:
+        return await asyncio.to_thread(self.cleanup_sync)
+
+    def cleanup_sync(self) -> list[str]:
+        """Delete stale `prefix-*.bin` files from the save dir (see slotlogic.checkpoint_cleanup)."""
+        s = self.settings
+        if not s.save_dir or not os.path.isdir(s.save_dir):
+            return []
+        index = self.read_index()
+        if index is None:
+            self.emit(CheckpointIndexCorrupt(self.upstream, str(self.index.path)))
+            return []
+        files = []
+        for entry in os.scandir(s.save_dir):
+            if entry.is_file() and pfx.FILE_RE.match(entry.name):
+                st = entry.stat()
+                files.append(checkpoint_cleanup.FileInfo(entry.name, st.st_size, st.st_mtime))
+        doomed = checkpoint_cleanup.plan_cleanup(files, index, current=self.current, now=time.time(),
+                                                 ttl_days=s.checkpoint_ttl_days, keep_recent=s.checkpoint_keep,
+                                                 max_bytes=s.checkpoint_max_bytes)
+        for name in doomed:
+            try:
+                os.unlink(os.path.join(s.save_dir, name))
+            except OSError as e:
+                self.emit(Failed(self.upstream, Stage.DELETE, type(e).__name__))
+        if doomed:
+            self.emit(FilesDeleted(self.upstream, "prefix-cache cleanup", tuple(doomed)))
+            with self.index.locked_sync():
+                data = self.read_index() or {}
+                for name in doomed:
+                    data.pop(name, None)
+                self.index.save(data)
+        return doomed

@@ -1,0 +1,272 @@
+"""Performs a `slotlogic.paging.PagePlan` against llama-server: session paging's slot saves and restores.
+
+Order matters more than speed here (a save or restore takes milliseconds): llama-server runs slot tasks and
+completions of one slot one after another, deferring whatever arrives while the slot is busy, so a page-in
+is only useful if the session's own request reaches the slot before anybody else's. Hence one lock per slot:
+taken before the save/restore and held until that request's response headers arrive (by then the server
+has queued it). Only slow-path requests (new, displaced or paged sessions) take it; the hot path never does.
+And a save is only the conversation it stands for if every request sent to the slot before it has reached
+the server: the placement waits for that (`slotkeeper.drivers.slot_gate.SlotGate.quiet`) after the lock. The core's
+claim keeps new hot-path requests off a slot from the moment a placement chooses it, so that wait has an end.
+
+With a store shared by proxies on several machines (Redis) the lock is also taken in the store
+(`shared`, `slotkeeper.drivers.store_redis.RedisSlotLocks`), so that two proxies never page one slot at once, and the
+pager learns which session the slot's previous pager, of any proxy, sent there (`last_sent`): the
+conversation its save will write. Let go at the same moment, recording this request's session. A store that
+cannot be reached, or a wait that runs out, leaves only the local lock (fail open).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slotkeeper.drivers.llama_http import LlamaClient
+from slotkeeper.drivers.slot_gate import SlotGate
+from slotkeeper.drivers.store import SlotLocks
+from slotlogic.checkpoint_machine import Failure
+from slotlogic.costs import SlotFileAnswer
+from slotlogic.events import Event, Failed, PageFailed, PageGone, PageRejected, PagingLockTimeout, Stage
+from slotlogic.paging import PageFile, PagePlan, restore_checked
+
+ACTION_TIMEOUT = 120.0
+LOCK_WAIT = 300.0  # longer than any sane request; a leaked hold only delays, never blocks, a slot
+SAVE_WAIT = 60.0  # a save waits for the slot's running request; re-prefilling would usually take longer
+
+
+@dataclass
+class PageOutcome:
+    saved_tokens: int | None = None
+    saved_bytes: int = 0
+    restored_tokens: int | None = None
+    restore_failed: bool = False  # a failed or rejected restore: the page is dropped (a failure empties the slot)
+    seed_tokens: int | None = None  # a live seed's save: what its slot held
+    seed_bytes: int = 0
+    missing_save_path: bool = False
+    seconds: float = 0.0  # wall time, including the wait for a busy slot's running request
+    server_ms: float = 0.0  # what the server spent writing and reading the files (its timings)
+
+
+class PageRunner:
+    def __init__(self, client: LlamaClient, save_dir: str, max_bytes: int, emit: Callable[[Event], None],
+                 upstream: str = "") -> None:
+        self.client = client
+        self.save_dir = Path(save_dir)
+        self.max_bytes = max_bytes
+        self.emit = emit
+        self.upstream = upstream
+        self.locks: dict[int, asyncio.Lock] = {}
+        self.holding: dict[str, asyncio.Lock] = {}  # flow id -> the slot lock it holds
+        self.saving: dict[str, asyncio.Event] = {}  # session key -> set once its page-out is recorded
+        self.shared: SlotLocks | None = None          # the store's slot locks (proxies on several machines)
+        self.remote: dict[str, tuple[int, str, str | None]] = {}  # flow id -> (slot, token, session) held there
+        self.last_sent: dict[int, tuple[str, float] | None] = {}  # slot -> its last paged send, as the lock said
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._doomed: set[str] = set()  # replaced page files whose deletion waits (`delete_later`)
+        self._waits: dict[int, int] = {}  # slot whose lock is held -> the slot its holder waits for (`wait_free`)
+        self.gate: SlotGate = SlotGate(upstream, emit)  # which requests reached the server (Upstream shares its own)
+        self.on_answer: Callable[[SlotFileAnswer], None] = lambda a: None  # each save/restore's size and time
+
+    def busy(self, slot: int) -> bool:
+        lock = self.locks.get(slot)
+        return lock is not None and lock.locked()
+
+    async def hold(self, slot: int, flow_id: str, session: str | None = None) -> bool:
+        """Take `slot`'s lock for `flow_id` (let go by `unlock` at its response headers or its end); with a
+        shared store, the slot's lock there too, and `last_sent[slot]` says what the previous pager sent."""
+        lock = self.locks.setdefault(slot, asyncio.Lock())
+        try:
+            await asyncio.wait_for(lock.acquire(), LOCK_WAIT)
+        except TimeoutError:
+            self.emit(PagingLockTimeout(self.upstream, slot, LOCK_WAIT))
+            return False
+        self.holding[flow_id] = lock
+        self.last_sent.pop(slot, None)
+        if self.shared is not None:
+            token = secrets.token_hex(8)
+            try:
+                held, sent = await self.shared.hold(slot, token)
+            except BaseException:
+                self.unlock(flow_id, sent=False)
+                raise
+            if held:
+                self.remote[flow_id] = (slot, token, session)
+                self.last_sent[slot] = sent
+        return True
+
+    async def wait_free(self, slot: int, mine: int, timeout: float) -> bool:
+        """Wait until the placement holding `slot`'s lock lets it go (the slot is not taken: only waited for),
+        while this one holds `mine`'s; False when `timeout` ran out first, or when that placement waits for
+        `mine` itself (two sessions trading slots: one of them goes on without waiting)."""
+        if self._waits.get(slot) == mine:
+            return False
+        lock = self.locks.setdefault(slot, asyncio.Lock())
+        self._waits[mine] = slot
+        try:
+            await asyncio.wait_for(lock.acquire(), timeout)
+        except TimeoutError:
+            return False
+        finally:
+            self._waits.pop(mine, None)
+        lock.release()
+        return True
+
+    async def settled(self, session_key: str) -> None:
+        """Wait (at most SAVE_WAIT) while `session_key` is being paged out, so it can be paged back in."""
+        event = self.saving.get(session_key)
+        if event is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), SAVE_WAIT)
+
+    def unlock(self, flow_id: str, *, sent: bool = True) -> None:
+        """Let the slot go (`sent`: the flow's request reached the server, so the store records its session
+        as the slot's last paged send)."""
+        lock = self.holding.pop(flow_id, None)
+        if lock is not None and lock.locked():
+            lock.release()
+        held = self.remote.pop(flow_id, None)
+        if held is not None and self.shared is not None:
+            slot, token, session = held
+            with contextlib.suppress(RuntimeError):  # no loop: the lock's TTL lets it go
+                task = asyncio.get_running_loop().create_task(
+                    self.shared.let_go(slot, token, session if sent else None, time.time()))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def run(self, plan: PagePlan) -> PageOutcome:
+        """Save the slot's holder, then restore the session's page. Never raises for HTTP trouble."""
+        out = PageOutcome()
+        started = time.monotonic()
+        if plan.save_file is not None:
+            saved = await self._save(plan.slot, plan.save_file, out)
+            if saved is not None:
+                out.saved_tokens, out.saved_bytes = saved
+        expected = plan.restore_tokens
+        if plan.seed is not None and plan.seed.slot is not None and plan.seed_file is not None:
+            # A live seed: its slot is saved first (its lock held meanwhile: the caller saw it free, so this
+            # takes it at once), then that file goes into ours.
+            async with self.locks.setdefault(plan.seed.slot, asyncio.Lock()):
+                saved = await self._save(plan.seed.slot, plan.seed_file, out) \
+                    if await self.gate.quiet(plan.seed.slot) else None
+            if saved is None:
+                out.seconds = time.monotonic() - started
+                return out
+            out.seed_tokens, out.seed_bytes = saved
+            expected = out.seed_tokens
+        if plan.restore_file is not None:
+            if not os.path.lexists(self.save_dir / plan.restore_file):
+                self.emit(PageGone(self.upstream, plan.restore_file))
+                out.restore_failed = True
+            else:
+                asked = time.monotonic()
+                status, data = await self._action(plan.slot, "restore", plan.restore_file)
+                if status == 200 and isinstance(data, dict) and isinstance(data.get("n_restored"), int):
+                    check = restore_checked(expected, data["n_restored"])
+                    out.server_ms += _ms(data, "restore_ms")
+                    self._measured("restore", data, time.monotonic() - asked)
+                    if check is None:
+                        out.restored_tokens = data["n_restored"]
+                    else:  # the slot holds something other than the page we recorded: not a page-in
+                        out.restore_failed = True
+                        self.emit(PageRejected(self.upstream, plan.slot, check))
+                else:
+                    out.restore_failed = True
+                    out.missing_save_path |= status == 501
+                    self.emit(PageFailed(self.upstream, plan.slot, "in", Failure.of(status, data)))
+        out.seconds = time.monotonic() - started
+        return out
+
+    async def _save(self, slot: int, filename: str, out: PageOutcome) -> tuple[int, int] | None:
+        """Save `slot` into `filename`: (tokens, bytes) written, or None (logged once per failure)."""
+        asked = time.monotonic()
+        status, data = await self._action(slot, "save", filename)
+        if status == 200 and isinstance(data, dict) and isinstance(data.get("n_saved"), int):
+            out.server_ms += _ms(data, "save_ms")
+            self._measured("save", data, time.monotonic() - asked)
+            written = data.get("n_written")
+            self._private(filename)
+            return data["n_saved"], written if isinstance(written, int) else self._size(filename)
+        out.missing_save_path |= status == 501
+        self.emit(PageFailed(self.upstream, slot, "out", Failure.of(status, data)))
+        return None
+
+    def _measured(self, action: str, data: dict[str, Any], wall: float) -> None:
+        answer = SlotFileAnswer.parse(action, data, wall * 1000)
+        if answer is not None:
+            self.on_answer(answer)
+
+    async def _action(self, slot: int, action: str, filename: str) -> tuple[int, Any]:
+        return await self.client.post_json(f"/slots/{slot}?action={action}", {"filename": filename},
+                                           ACTION_TIMEOUT)
+
+    def _private(self, name: str) -> None:
+        """A page holds a conversation's tokens: 0600, when this process owns the file (same user as the
+        server); otherwise the server's umask decides and the README says to keep the directory private.
+        Never through a symlink: one planted under a page's name must not make us chmod its target."""
+        with contextlib.suppress(OSError):
+            fd = os.open(self.save_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.fchmod(fd, 0o600)
+            finally:
+                os.close(fd)
+
+    def _size(self, name: str) -> int:
+        with contextlib.suppress(OSError):
+            return os.lstat(self.save_dir / name).st_size
+        return 0
+
+    def delete_later(self, names: list[str], seconds: float) -> None:
+        """Delete `names` after `seconds` (a restore already planned from them still finds them); at once when
+        no loop runs. A clean shutdown deletes them then (`delete_doomed_now`); a killed process leaves them to
+        the next one's orphan sweep."""
+        if not names:
+            return
+        try:
+            asyncio.get_running_loop().call_later(seconds, self._delete_doomed, list(names))
+        except RuntimeError:
+            self.delete(names)
+            return
+        self._doomed.update(names)
+
+    def _delete_doomed(self, names: list[str]) -> None:
+        self._doomed.difference_update(names)
+        self.delete(names)
+
+    def delete_doomed_now(self) -> None:
+        """At shutdown: the files `delete_later` still keeps go now (else only the next orphan sweep finds them)."""
+        names, self._doomed = list(self._doomed), set()
+        self.delete(names)
+
+    def delete(self, names: list[str]) -> None:
+        for name in names:
+            try:
+                os.unlink(self.save_dir / name)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self.emit(Failed(self.upstream, Stage.DELETE, type(e).__name__))
+
+    def files(self) -> dict[str, PageFile]:
+        """Page-looking regular files in the save dir (not symlinks), for the orphan sweep."""
+        out: dict[str, PageFile] = {}
+        with contextlib.suppress(OSError), os.scandir(self.save_dir) as entries:
+            for entry in entries:
+                if entry.name.startswith("page-") and entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    out[entry.name] = PageFile(st.st_mtime, st.st_size)
+        return out
+
+
+def _ms(data: dict[str, Any], key: str) -> float:
+    timings = data.get("timings")
+    value = timings.get(key) if isinstance(timings, dict) else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0

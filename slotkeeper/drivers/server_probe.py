@@ -1,0 +1,190 @@
+"""What the proxy asks one server about itself, and when.
+
+Why apart: the driver places requests; this part owns the look-ups and their state: `/props` and `/slots` for a
+new session (an endpoint that hung is not asked again for `BACKOFF` seconds; while `/slots` hangs its last
+answer's token counts stand in), the background `/props` probe that notices a restarted server or a resized pool
+(and a llama-swap model that was unloaded: it is not asked, asking would load it), the one-time probe of whether
+`/v1/messages` honours `id_slot`, and the look that explains why a known session's slot came back cold. What a
+change means is the core's (`Keeper.props_seen`, `Keeper.note_server`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from slotkeeper.drivers.llama_http import LlamaClient
+from slotkeeper.drivers.model_check import ModelCheck
+from slotkeeper.drivers.store import StateStore
+from slotkeeper.drivers.tasks import Tasks
+from slotlogic.events import Event, IdleSlotsCleared, MessagesProbed, ModelUnloaded, SlotsSlow
+from slotlogic.keeper import Keeper
+from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
+from slotlogic.settings import AnthropicMode, Settings
+
+PROBE_TIMEOUT = 30.0
+SLOW = 1.0          # seconds: a /props or /slots that failed after this long hung (the timeout is 3 s)
+BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the background probe may clear it)
+Facts = tuple[dict[str, Any] | None, list[dict[str, Any]] | None]   # `/props` and `/slots` as asked
+
+
+class ServerProbe:
+    def __init__(self, url: str, client: LlamaClient, keeper: Keeper, emit: Callable[[Event], None],
+                 model: ModelCheck, tasks: Tasks, *, loaded: Callable[[], Any] | None = None,
+                 on_checked: Callable[[], None] = lambda: None) -> None:
+        self.url = url
+        self.client = client
+        self.keeper = keeper
+        self.emit = emit
+        self.model = model
+        self.tasks = tasks
+        self.loaded = loaded  # llama-swap: whether the model is loaded (a probe must not load it)
+        self.on_checked = on_checked  # the model check's verdict came: the driver's runners follow it
+        self.settings: Settings = keeper.settings
+        self.store: StateStore | None = None
+        self.unloaded = False
+        self.last_probe = 0.0
+        self._hung: dict[str, float] = {}          # endpoint -> monotonic time until which it is not asked
+        self._last_live: list[dict[str, Any]] | None = None  # the last /slots answer (counts for a hung /slots)
+        self._messages_probing = False   # the /v1/messages probe is running or has answered
+        self._unified_told = False       # idle-slot clearing explained once
+
+    async def ask(self) -> Facts:
+        """`/props` and, when it answered, `/slots` (an endpoint that hung lately is not asked)."""
+        props = await self._ask("/props", self.client.props)
+        return props, (await self.live_slots() if props is not None else None)
+
+    async def _ask(self, endpoint: str, call: Callable[[], Any]) -> Any:
+        """One look-up, unless the endpoint hung lately: then None at once (the caller falls back)."""
+        now = time.monotonic()
+        if self._hung.get(endpoint, 0.0) > now:
+            return None
+        answer = await call()
+        if answer is None and time.monotonic() - now >= SLOW:
+            self._hung[endpoint] = time.monotonic() + BACKOFF
+            self.emit(SlotsSlow(self.url, endpoint, BACKOFF))
+        elif answer is not None:
+            self._hung.pop(endpoint, None)
+        return answer
+
+    async def live_slots(self) -> list[dict[str, Any]] | None:
+        """`/slots`, or while it hangs the last answer's token counts (nothing marked busy: that is unknown)."""
+        live = await self._ask("/slots", self.client.slots)
+        if live is not None:
+            self._last_live = live
+            return live
+        if "/slots" in self._hung and self._last_live is not None:
+            return [{**e, "is_processing": False} for e in self._last_live]
+        return None
+
+    def server_info(self, props: Any) -> ServerInfo | None:
+        """`/props` parsed, with the model file's size and mtime when it is on this machine (a page written
+        for another file of the same name must not be restored)."""
+        info = ServerInfo.parse(props)
+        if info is None:
+            return info
+        info = self.keeper.facts.with_kv(info)  # the KV cache types: not in /props (slotlogic.kv_types)
+        if not info.model_path:
+            return info
+        try:
+            st = os.stat(info.model_path)
+        except (OSError, ValueError):
+            return info
+        return replace(info, model_size=st.st_size, model_mtime=st.st_mtime)
+
+    def seen(self, info: ServerInfo) -> None:
+        """A `/props` answer: a model file, or a server process, not checked yet gets the model check."""
+        if self.model.due(info):
+            self.model.claim(info)
+            self.tasks.spawn(self.model.run(info, self.settings, self.on_checked))
+
+    async def probe(self) -> None:
+        """`/props` only (never wakes a sleeping server): restart and resize detection. A model that
+        llama-swap unloaded is not asked (asking would load it): its slots are empty, as after a restart."""
+        self.last_probe = time.monotonic()
+        if self.loaded is not None and await self.loaded() is False:
+            if not self.unloaded:
+                self.unloaded = True
+                self.keeper.table.forget_all()
+                self.emit(ModelUnloaded(self.url))
+            return
+        self.unloaded = False
+        info = self.server_info(await self.client.props())
+        if info is None:
+            return
+        self._hung.pop("/props", None)  # it answers again: new sessions may ask it
+        self.seen(info)
+        if not self.keeper.facts.props_seen(info):
+            return
+        live = await self.live_slots()  # what ran on the new server before this look is kept
+        assert self.store is not None
+        async with self.store.transaction() as state:
+            events = self.keeper.facts.note_server(state, info, live)
+        for event in events:
+            self.emit(event)
+        if self.keeper.messages_native is None:  # a restarted server may be another build; its slots are empty
+            self._messages_probing = False
+            self.probe_messages_once()
+
+    def probe_messages_once(self) -> None:
+        if self.keeper.messages_native is None and not self._messages_probing:
+            self._messages_probing = True
+            self.tasks.spawn(self.probe_messages())
+
+    async def start(self) -> None:
+        """What can only be learned while the slots are empty (whether `/v1/messages` honours id_slot), then
+        the server itself (`/props`, which starts the model check and its start-up probe)."""
+        if self.keeper.messages_native is None and not self._messages_probing:
+            self._messages_probing = True
+            await self.probe_messages()  # first: it needs every slot empty, the model probe takes one
+        if self.keeper.server is None:
+            await self.probe()
+
+    async def probe_messages(self) -> bool | None:
+        """Whether the server honours `id_slot` on `/v1/messages` (upstream PR #26758): while every slot is
+        empty (at start, after a restart), two one-token requests pinned to slot 0, and `/slots` says which slot
+        ran each; a server that ignores the field puts them on its LRU choice, the highest empty slot. Unknown
+        (slots in use, other traffic): tried again later; meanwhile requests are translated, which is always
+        correct."""
+        if self.settings.anthropic is not AnthropicMode.TRANSLATE:
+            return None
+        honoured: bool | None = None
+        before = await self.client.slots()
+        target = probe_slot(before) if before is not None else None
+        if before is not None and target is not None:
+            honoured = True
+            body = {"max_tokens": 1, "messages": [{"role": "user", "content": "ok"}], "id_slot": target}
+            for _ in range(2):
+                status, _ = await self.client.post_json("/v1/messages", body, PROBE_TIMEOUT)
+                after = await self.client.slots()
+                ran = slot_that_ran(before, after) if status == 200 and after is not None else None
+                if ran is None:
+                    honoured = None
+                    break
+                if ran != target:
+                    honoured = False
+                    break
+                before = after
+        if honoured is None:
+            self._messages_probing = False
+        else:
+            self.keeper.facts.messages_probed(honoured)
+            self.emit(MessagesProbed(self.url, honoured))
+        return honoured
+
+    async def explain_cache_loss(self, slot: int) -> None:
+        """A known session's pinned slot came back cold: restart? idle clearing (unified KV)? say which."""
+        before = self.keeper.server.media_marker if self.keeper.server else None
+        await self.probe()
+        if (self.keeper.server.media_marker if self.keeper.server else None) != before:
+            return  # a restart explains it; already logged
+        live = await self.client.slots()
+        if live is None or self._unified_told:
+            return
+        cleared = self.keeper.outcomes.idle_cleared(live, slot, time.time())
+        if cleared is not None:
+            self._unified_told = True
+            self.emit(IdleSlotsCleared(self.url, cleared))

@@ -1,0 +1,334 @@
+"""The slot moves of one server (`SlotMover`): paging a slot's holder out and a session (or its seed) in, and
+the prefix checkpoint step, performed once the slot's paging lock is held.
+
+Why apart: `slotkeeper.drivers.upstream.Upstream` answers requests; this part owns the runners and moves conversations
+between slots and files, on the slow path only (new, displaced and paged sessions). What to move is decided by the core
+(`slotlogic.pager`), performed by `slotkeeper.drivers.page_runner` and `slotkeeper.drivers.checkpoint_runner`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from slotkeeper.drivers import store_file
+from slotkeeper.drivers.build_claims import BuildClaims
+from slotkeeper.drivers.checkpoint_runner import CheckpointRunner, PrefixRegistry
+from slotkeeper.drivers.handovers import Handovers
+from slotkeeper.drivers.llama_http import LlamaClient
+from slotkeeper.drivers.page_runner import PageOutcome, PageRunner
+from slotkeeper.drivers.slot_gate import SlotGate
+from slotkeeper.drivers.store import StateStore
+from slotlogic import paging, shared
+from slotlogic import prefix as pfx
+from slotlogic.checkpoint_machine import Outcome
+from slotlogic.costs import SlotFileAnswer
+from slotlogic.decisions import NeedSlot
+from slotlogic.events import (
+    CheckpointDone,
+    CostWeighed,
+    Event,
+    Failed,
+    NoSavePath,
+    Paged,
+    SourceAwaited,
+    Stage,
+)
+from slotlogic.keeper import Keeper, Placement
+from slotlogic.ledger import Cause, Fence, Holds
+from slotlogic.paging import Moved, PageAsk, PageDone, PagePlan
+from slotlogic.server import ServerInfo
+from slotlogic.settings import CheckpointMode, Settings
+
+REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its session stays (a restore planned)
+REMOTE_SETTLE = 10.0   # seconds a pager waits for another proxy's page-out of its session (a shared store)
+SOURCE_POLL = 0.2      # seconds between `/slots` looks while a new session waits for the slot it would copy
+SEED_SLOT_WAIT = 30.0  # seconds a placement waits for the slot its own conversation is being paged out of
+MIN_SLEEP = 0.001      # a wait's last sliver below this is not slept (nor polled for)
+
+
+class SlotMover:
+    """The slot moves of one server: owns the page runner and the checkpoint runner (made for the settings at
+    hand), the gate that says which of our requests reached each slot, and the build claims of a shared store."""
+
+    def __init__(self, url: str, client: LlamaClient, keeper: Keeper, store: StateStore, emit: Callable[[Event], None],
+                 gate: SlotGate, state_dir: Path, handovers: Handovers) -> None:
+        self.url = url
+        self.client = client
+        self.keeper = keeper
+        self.store = store
+        self.emit = emit
+        self.gate = gate
+        self.handovers = handovers  # the slot asked of its writer before our moves, when another proxy writes it
+        self.state_dir = state_dir
+        self.builds: BuildClaims | None = None  # a shared store's build markers: one prefix build for all (None: local)
+        self.registry = PrefixRegistry()  # this server's own, until it joins a pool (`share`)
+        self.pages: PageRunner | None = None
+        self.checkpoints: CheckpointRunner | None = None
+        self.on_answer: Callable[[SlotFileAnswer], None] = lambda a: None  # each save/restore (slot_speeds.py)
+        self._told_no_save_path = False
+        self._swept = False
+
+    def share(self, registry: PrefixRegistry) -> None:
+        """The server joined a pool: its prefix builds and known prefixes are the pool's from now on."""
+        self.registry = registry
+        if self.checkpoints is not None:
+            self.checkpoints.building, self.checkpoints.known = registry.building, registry.known
+
+    def configure(self, s: Settings, *, files_blocked: bool) -> None:
+        """Paging and checkpoint runners for these settings (a runner whose settings stay is kept: its slot
+        locks may be held). Where the model check found that a restore cannot resume (`files_blocked`), no
+        slot files: no paging, and prefix checkpoints only in memory."""
+        if files_blocked:
+            s = replace(s, paging=False, checkpoints=CheckpointMode.MEMORY
+                        if s.checkpoints is CheckpointMode.DISK else s.checkpoints)
+        if s.paging and s.save_dir:
+            if self.pages is None or self.pages.save_dir != Path(s.save_dir):
+                self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
+                self.pages.gate = self.gate
+            self.pages.on_answer = self.on_answer
+            self.pages.max_bytes = s.page_max_bytes
+            self.pages.shared = self.store.slot_locks
+        else:
+            self.pages = None
+        if s.checkpoints is CheckpointMode.OFF:
+            self.checkpoints = None
+        elif self.checkpoints is None or self.checkpoints.settings != s or self.checkpoints.index.dir != self.state_dir:
+            self.checkpoints = CheckpointRunner(self.client, self.state_dir, s, self.emit, self.url, self.registry)
+            self.checkpoints.on_answer = self.on_answer
+            self.checkpoints.rates = self.keeper.rates
+
+    def stopped(self, flow_id: str) -> None:
+        """A placement planned again: its request did not go; the next pager of its slot may go."""
+        self.gate.stopped(flow_id)
+        if self.pages is not None:
+            self.pages.unlock(flow_id, sent=False)
+
+    def unsent(self, flow_id: str) -> None:
+        """The flow's pinned request goes out unpinned after its wait: nothing of ours reaches its slot."""
+        self.gate.started(flow_id)
+        if self.pages is not None:
+            self.pages.unlock(flow_id, sent=False)
+
+    def delete_pages(self, files: list[str]) -> None:
+        if self.pages is not None:
+            self.pages.delete(files)
+
+    async def drop_page(self, key: str, file: str) -> None:
+        """A page the answer showed to be wrong (`Pager.page_doubtful`): out of the index, its file deleted."""
+        async with self.store.transaction() as state:
+            doomed = self.keeper.pager.page_dropped(state, key, file)
+        self.delete_pages(doomed)
+
+    async def moves_for(self, need: NeedSlot, placement: Placement, info: ServerInfo,
+                        flow_id: str) -> tuple[Moved, Fence | None, bool]:
+        """What the core planned around the new owner of `placement.slot`, performed: the holder paged out and
+        this session (or a seed) paged in. Returns what the slot holds for it now, the fence after the moves,
+        and whether the slot holds the session's stable prefix already."""
+        key = need.ticket.session.key
+        holds = self.keeper.pager.holds_prefix(need, placement.view)
+        if self.pages is None:
+            return Moved.NOTHING, placement.fence, holds
+        stable_chars = len(need.stable.text) if need.stable is not None and self.checkpoints is not None else 0
+        cold = need.stable if not holds and await self._unbuilt(need, info) else None
+        ask = PageAsk(placement.slot, key, placement.view, views=placement.views, stable_chars=stable_chars, cold=cold)
+        moved, fence = await self.page(await self._await_source(ask), flow_id, fence=placement.fence)
+        return moved, fence, holds
+
+    async def _unbuilt(self, need: NeedSlot, info: ServerInfo) -> bool:
+        """No checkpoint file holds the session's stable prefix yet (so a warm-up would prefill all of it)."""
+        cp = self.checkpoints
+        if cp is None or need.stable is None or not cp.persist:
+            return False
+        name = pfx.file_name(cp.fingerprint(need.stable, info))
+        return name not in cp.building and not await asyncio.to_thread(cp.file_known, name, info)
+
+    async def _await_source(self, ask: PageAsk) -> PageAsk:
+        """Before the slot's paging lock: when the conversation this new session would start from is on a slot
+        still running a request, or about to (two sessions that start together), wait for that slot to go idle,
+        within the time prefilling the copied part would take (`Pager.busy_source`); `ask` with its views as
+        they are then. A shared store never seeds from a live slot (other proxies may page it), so it never waits."""
+        assert self.pages is not None
+        if self.store.remote:
+            return ask
+        pages, slot, views = self.pages, ask.slot, ask.views
+        # A slot whose paging lock is held is as good as busy: its placement's request is on its way there.
+        busy = [replace(v, busy=True) if not v.busy and pages.busy(v.id) else v for v in views]
+        found = self.keeper.pager.busy_source(replace(ask, views=busy, sent=pages.last_sent.get(slot)))
+        if found is None:
+            return ask
+        source = found.slot
+        started = time.monotonic()
+        deadline = started + found.budget
+        idle, entry = False, None
+        # a sliver of the budget left is not worth one more look, but a source still prefilling what we would
+        # copy is (paging.keep_waiting)
+        while not idle and paging.keep_waiting(found, entry, time.monotonic() - started,
+                                               deadline - time.monotonic() - MIN_SLEEP):
+            left = deadline - time.monotonic()
+            await asyncio.sleep(min(SOURCE_POLL, left) if left >= MIN_SLEEP else SOURCE_POLL)
+            live = await self.client.slots()
+            if live is None:
+                break
+            idle = not pages.busy(source) and self.keeper.pager.source_idle(source, live)
+            entry = next((e for e in live if isinstance(e, dict) and e.get("id") == source), None)
+        self.emit(SourceAwaited(self.url, slot, source, time.monotonic() - started, idle))
+        return replace(ask, views=[replace(v, busy=False) if v.id == source else v for v in views]) if idle else ask
+
+    async def page(self, ask: PageAsk, flow_id: str, fence: Fence | None = None) -> tuple[Moved, Fence | None]:
+        """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
+        shares the most with: a seed); what is in the slot for it now. Decided once the lock is held. Fails
+        open: trouble only costs the prefill."""
+        assert self.pages is not None
+        slot, key = ask.slot, ask.session_key
+        # The lock is taken even with nothing to page: a placement on this slot that is still warming its
+        # prefix, or whose request has not reached the server, must finish first (a second new session would
+        # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
+        if not await self.pages.hold(slot, flow_id, key):
+            return Moved.NOTHING, fence
+        # Its turn: every request sent to the slot before has reached the server (a save now writes what
+        # they leave there). The moves are fenced by the slot's epoch as it is now.
+        if not await self.gate.quiet(slot):
+            return Moved.NOTHING, fence
+        fence = self.keeper.turns.turn(fence) if fence is not None else None
+        # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
+        # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
+        state = await self._fresh_pages(key) if self.store.remote else await self.store.fresh()
+        given, stale = await self.handovers.take(slot, key, fence, state)
+        if stale or not self.keeper.turns.fence_holds(fence):  # we handed the slot on since our claim: place it again
+            assert fence is not None
+            self.emit(self.keeper.turns.stale_plan(fence, "page", key))
+            return Moved.STALE, fence
+        self.gate.moves(slot, flow_id)
+        ask = replace(ask, sent=self.pages.last_sent.get(slot), given=given, ours=self.gate.last_started.get(slot))
+        plan = self.keeper.pager.page_plan(ask)
+        # Our own conversation is on a slot another placement is paging now: its page of us is recorded by the
+        # time it lets that slot go; wait for that, then plan again (the page is there then).
+        if plan.seed is not None and plan.seed.source == key and plan.seed.slot is not None \
+                and not self.store.remote and self.pages.busy(plan.seed.slot) \
+                and await self.pages.wait_free(plan.seed.slot, slot, SEED_SLOT_WAIT):
+            ask = replace(ask, sent=self.pages.last_sent.get(slot), ours=self.gate.last_started.get(slot))
+            plan = self.keeper.pager.page_plan(ask)
+        if plan.seed is not None and plan.seed.slot is not None and (self.store.remote
+                                                                     or self.pages.busy(plan.seed.slot)):
+            # A live seed's slot is saved under its local lock only: never while another placement pages it,
+            # nor when other proxies (a shared store) may be paging it. Its own live conversation: its page then.
+            plan = plan.without_seed() if plan.seed.source != key else self.keeper.pager.page_plan(replace(
+                ask, sent=self.pages.last_sent.get(slot), copy_live=False, ours=self.gate.last_started.get(slot)))
+        for choice in plan.choices:
+            self.emit(CostWeighed(self.url, slot, choice.session[:8] or None, choice))
+        if plan.empty:
+            return Moved.NOTHING, fence  # nothing to move, but our request must still go after the page-in before it
+        if plan.restore_file is not None and not self.keeper.turns.fence_holds(fence):
+            assert fence is not None
+            self.emit(self.keeper.turns.stale_plan(fence, "page", key))  # the slot moved on while the lock was awaited
+            return Moved.STALE, fence
+        saving = None
+        if plan.save_for is not None:
+            saving = self.pages.saving[plan.save_for] = asyncio.Event()
+        try:
+            if plan.saves:  # the holder's page-out and a live seed's save: both recorded before they are written
+                async with self.store.transaction() as state:
+                    replaced = self.keeper.pager.page_intent(state, plan, time.time())
+                # Another placement (of any proxy) may have planned its restore from the record just replaced:
+                # a seed from this session's page, on a slot whose lock it holds, not this one.
+                self.pages.delete_later(replaced, REPLACED_GRACE)
+            out = await self.pages.run(plan)
+            await self._record_pages(plan, out)
+        except Exception as e:
+            self.emit(Failed(self.url, Stage.PAGING, type(e).__name__, slot=plan.slot))
+            return Moved.NOTHING, fence
+        finally:
+            if saving is not None:
+                saving.set()
+                if self.pages.saving.get(plan.save_for or "") is saving:
+                    del self.pages.saving[plan.save_for or ""]
+        if out.missing_save_path and not self._told_no_save_path:
+            self._told_no_save_path = True
+            self.emit(NoSavePath(self.url, paging=True))
+        self.emit(Paged(self.url, plan.slot, plan.save_for[:8] if plan.save_for else None, out.saved_tokens,
+                        plan.restore_for[:8] if plan.restore_for else None, out.restored_tokens, out.seconds,
+                        out.server_ms, seed=plan.seed is not None))
+        if out.restored_tokens is None:
+            return Moved.NOTHING, fence
+        if plan.seed is None or plan.seed.source == key:  # its own page (a fresh one, saved from its live slot)
+            return Moved.OWN, self.keeper.turns.slot_written(fence, Holds.PAGE, key, out.restored_tokens)
+        moved = Moved.PREFIX if plan.seed.prefix else Moved.SEED
+        return moved, self.keeper.turns.slot_written(fence, Holds.SEED, key, 0, over=Cause.SEED_OVER_OWNER)
+
+    async def _fresh_pages(self, key: str) -> shared.ServerState:
+        """With the slot's lock held: the page index as the store has it now (another proxy may have paged
+        this session out since its placement was decided), waiting a little while its page is being written.
+        Returns the state last read (its slot epochs fence the moves)."""
+        deadline = time.monotonic() + REMOTE_SETTLE
+        state = await self.store.aread()
+        while self.keeper.pager.pages_seen(state, key, time.time(), REMOTE_SETTLE) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            state = await self.store.aread()
+        return state
+
+    async def _record_pages(self, plan: PagePlan, out: PageOutcome) -> None:
+        """The page index after a paging step, in the state file; the files it drops deleted."""
+        assert self.pages is not None
+        files = None
+        if not self._swept:  # once per process: page files no state refers to
+            self._swept = True
+            files = await asyncio.to_thread(unrecorded_files, self.pages, self.state_dir, str(self.store.path))
+        async with self.store.transaction() as state:
+            seed = (out.seed_tokens, out.seed_bytes) if out.seed_tokens is not None else None
+            done = PageDone(out.saved_tokens, out.saved_bytes, out.restore_failed, seed)
+            doomed = self.keeper.pager.pages_recorded(state, plan, done, time.time(), self.pages.max_bytes, files)
+        self.pages.delete(doomed)
+
+    async def warm(self, slot: int, need: NeedSlot, info: ServerInfo, holds: bool,
+                    fence: Fence | None = None) -> Fence | None:
+        """Restore or warm the shared prefix into the new session's slot; fail open on anything. With a shared
+        store, the build is claimed first (`slotkeeper.drivers.build_claims`): another proxy's build is waited for and
+        restored, not prefilled again."""
+        assert self.checkpoints is not None and need.stable is not None
+        cp, started = self.checkpoints, time.monotonic()
+        key = need.ticket.session.key
+        claim = await self.builds.claim(cp, need.stable, info) if self.builds is not None else None
+        try:
+            state = await self.store.aread() if self.store.remote and fence is not None else None
+            # the slot moved on while the build was awaited
+            if not self.keeper.turns.fence_holds(fence, state, time.time()):
+                assert fence is not None
+                self.emit(self.keeper.turns.stale_plan(fence, "prefix", key))
+                return fence
+            orch = await cp.prepare(slot, need.stable, info, holds_prefix=holds)
+        except Exception as e:
+            self.emit(Failed(self.url, Stage.CHECKPOINT, type(e).__name__, slot=slot))
+            return fence
+        finally:
+            if claim is not None and self.builds is not None:
+                await self.builds.finish(cp, info, claim)
+        if orch.outcome is not None:
+            self.emit(CheckpointDone(self.url, slot, orch.outcome, orch.spent_prefill, orch.identical,
+                                     orch.divergent, time.monotonic() - started))
+            if orch.outcome is not Outcome.HIT:  # a restore or warm-up wrote the prefix into the slot
+                tokens = orch.restored_tokens or orch.saved_tokens or 0
+                fence = self.keeper.turns.slot_written(fence, Holds.PREFIX, key, tokens, over=Cause.PREFIX_OVER_OWNER) \
+                    or fence
+        return fence
+
+
+def unrecorded_files(pages: PageRunner, state_dir: Path, own_state: str) -> dict[str, Any]:
+    """The save dir's page files, less those the state files of other servers in our state dir record
+    (a save dir may be shared by several servers; their pages are not our orphans). Worker thread."""
+    files = pages.files()
+    others: list[str] = []
+    with contextlib.suppress(OSError), os.scandir(state_dir) as entries:
+        others = [e.path for e in entries if e.name.startswith("state-") and e.name.endswith(".json")
+                  and e.path != own_state]
+    for path in others:
+        with contextlib.suppress(OSError, ValueError):
+            for name in shared.from_dict(store_file.read_document(path), "").pages.values():
+                files.pop(name.file, None)
+    return files

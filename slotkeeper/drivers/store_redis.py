@@ -1,0 +1,357 @@
+"""The shared state in Redis or Valkey (`slots_state_url=redis://host:port/db`, `rediss://…` for TLS), for
+proxies on several machines. The client is the maintained asyncio one of the `redis` package
+(`redis.asyncio`); any server that speaks the protocol works (Redis ≥ 6, Valkey).
+
+The model is the file store's (`slotlogic.shared.ServerState`: claims, owners, last use, the page index, the
+server's identity), one JSON document per server under `slotkeeper:v1:<sha256(url)[:16]>:state`:
+
+- Atomic claims: every transaction holds the server's lock, `redis.asyncio.lock.Lock` (acquired with
+  `SET NX PX` and a random token, released and extended by Lua scripts that check the token, so a proxy
+  never releases another proxy's lock), around GET and SET of the document. Two proxies claiming a slot of
+  one server queue on it exactly as on the file lock.
+- TTLs instead of sweeps: the lock expires by itself (`LOCK_SECONDS`) if its holder dies; the document
+  expires `SESSION_KEEP_SECONDS` (7 days) after its last write, so a server nobody uses leaves nothing
+  behind; a claim is live while its last use is within `slots_ttl` (read, never swept). Per-session entries
+  inside the document follow the file store's prune rule (Redis 7.0, Debian's, has no per-field TTL).
+- Fail open: when the server cannot be reached (refused, time-out, an error reply), the transaction runs on
+  this process's last copy of the state and writes nothing; one line is logged, the connection is tried
+  again after a back-off, and one line says when it is back. Requests keep flowing on local decisions.
+- No network on the hot path: a known session is decided from memory; only a new session's placement, a
+  paging step and the background flush (every 0.5 s, coalesced) talk to Redis.
+- Claim notices: a transaction that gives a slot to another session publishes one notice per change on the
+  server's channel (`slotkeeper:v1:<sha256(url)[:16]>:claims`, in the same round trip as the write), and
+  `slotkeeper.drivers.notice_listener` hands the notices of other proxies to `watch`'s callback at once, so a proxy
+  learns that its session's slot was taken before that session's next request, not at its next flush.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+from redis.exceptions import LockError, RedisError
+
+from slotkeeper.drivers.notice_listener import NoticeListener, OnClaim
+from slotkeeper.drivers.store import BUILT, redacted
+from slotlogic import notices, shared
+from slotlogic.events import Event, StoreBack, StoreUnavailable
+from slotlogic.routing import backoff
+from slotlogic.settings import SESSION_KEEP_SECONDS
+
+LOCK_SECONDS = 10.0       # a lock whose holder died expires after this
+WAIT_SECONDS = 10.0       # how long a transaction waits for the lock
+IO_TIMEOUT = 2.0          # connect and per-command time-out
+KEEP_MS = int(SESSION_KEEP_SECONDS * 1000)
+BUILD_KEY = "slotkeeper:v1:build:"
+BUILD_MS = 120_000        # a build marker whose proxy died expires after this (the checkpoint time-out)
+RELEASE_LUA = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+FINISH_LUA = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
+              "return redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3]) end return 0")
+# A slot's paging lock: taken with the slot's last send in one round trip; let go with the send it covered.
+HOLD_LUA = ("if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then "
+            "return {1, redis.call('get', KEYS[2]) or ''} end return {0, ''}")
+LET_GO_LUA = ("if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) "
+              "if ARGV[2] ~= '' then redis.call('set', KEYS[2], ARGV[2], 'PX', ARGV[3]) "
+              "redis.call('publish', KEYS[3], ARGV[4]) end return 1 end return 0")
+SLOT_LOCK_MS = 60_000     # a paging lock whose proxy died (or hung) expires after this
+SLOT_WAIT = 60.0          # how long a pager waits for another proxy's pager of the slot (then goes on: fail open)
+SENT_MS = 86_400_000      # a slot's last paged send is remembered this long
+Emit = Callable[[Event], None]
+ERRORS = (RedisError, OSError, TimeoutError)
+
+
+def state_key(upstream: str) -> str:
+    """The document's key: a digest of the server's URL (every proxy fronting it agrees)."""
+    return f"slotkeeper:v1:{hashlib.sha256(upstream.encode()).hexdigest()[:16]}:state"
+
+
+def claims_channel(upstream: str) -> str:
+    """The pub/sub channel of the server's claim notices (the same digest as its document)."""
+    return f"slotkeeper:v1:{hashlib.sha256(upstream.encode()).hexdigest()[:16]}:claims"
+
+
+class RedisConnection:
+    """One client per event loop (a client bound to a closed loop cannot be used again), and the one
+    up/down status of the store that every server's `RedisState` shares."""
+
+    def __init__(self, url: str, emit: Emit) -> None:
+        self.url = url
+        self.shown = redacted(url)
+        self.emit = emit
+        self._clients: dict[int, aredis.Redis] = {}
+        self.available = True
+        self.failures = 0
+        self.retry_at = 0.0
+        self.calls = 0  # commands sent (tests assert the hot path sends none)
+        self.instance = os.urandom(8).hex()  # this process, in the claim notices it publishes
+        self.notices = NoticeListener(url, self.shown, self.instance, emit)
+
+    def client(self) -> aredis.Redis:
+        loop_id = id(asyncio.get_running_loop())
+        c = self._clients.get(loop_id)
+        if c is None:
+            c = self._clients[loop_id] = aredis.Redis.from_url(
+                self.url, socket_timeout=IO_TIMEOUT, socket_connect_timeout=IO_TIMEOUT, health_check_interval=30)
+            self.notices.ensure()  # the first store operation in this loop starts the notice listener
+        return c
+
+    def usable(self) -> bool:
+        """False while the store is down and its back-off has not run out (no connection attempt then)."""
+        return self.available or time.monotonic() >= self.retry_at
+
+    def failed(self, e: BaseException) -> None:
+        self.failures += 1
+        self.retry_at = time.monotonic() + backoff(self.failures)
+        if self.available:
+            self.available = False
+            self.emit(StoreUnavailable("", self.shown, type(e).__name__))
+
+    def ok(self) -> None:
+        if not self.available:
+            self.emit(StoreBack("", self.shown))
+        self.available, self.failures = True, 0
+
+    def close_sync(self) -> None:
+        self.notices.close()
+        self._clients.clear()  # their loop is closing; the sockets go with the process
+
+    # A prefix checkpoint built once for all proxies: the first to claim the build builds it, the others wait
+    # for the marker to go and then restore the file (docs/scale-out.md).
+
+    async def claim_build(self, name: str, token: str) -> bool | None:
+        """True: this proxy builds `name`; False: another proxy is building it; None: the store is down."""
+        if not self.usable():
+            return None
+        try:
+            self.calls += 1
+            got = await self.client().set(BUILD_KEY + name, token, nx=True, px=BUILD_MS)
+        except ERRORS as e:
+            self.failed(e)
+            return None
+        self.ok()
+        return bool(got)
+
+    async def build_owner(self, name: str) -> str | None:
+        """The token of the build marker of `name`, `BUILT` once a build saved it (None: no build ran lately,
+        or the store is down)."""
+        try:
+            self.calls += 1
+            value = await self.client().get(BUILD_KEY + name)
+        except ERRORS as e:
+            self.failed(e)
+            return None
+        return value.decode() if isinstance(value, bytes) else value
+
+    async def release_build(self, name: str, token: str) -> None:
+        """Delete the marker if it is still ours (a Lua compare-and-delete: never another proxy's)."""
+        with contextlib.suppress(*ERRORS):
+            self.calls += 1
+            await self.client().eval(RELEASE_LUA, 1, BUILD_KEY + name, token)
+
+    async def finish_build(self, name: str, token: str, saved: bool) -> None:
+        """The end of this proxy's build: a saved file leaves `BUILT` behind (kept as long as the state, so a
+        proxy whose own index does not know the file restores it from the server's save dir instead of building
+        it again); a failed build just lets go. Never another proxy's marker (compare-and-set in Lua)."""
+        if not saved:
+            await self.release_build(name, token)
+            return
+        with contextlib.suppress(*ERRORS):
+            self.calls += 1
+            await self.client().eval(FINISH_LUA, 1, BUILD_KEY + name, token, BUILT, KEEP_MS)
+
+
+class RedisSlotLocks:
+    """The paging lock of each slot of one server, shared by every proxy (`slotkeeper.drivers.page_runner`): a pager
+    decides what to save and restore only once the slot's previous pager, of any proxy, has sent its request;
+    and it learns which session that was (`Sent`: the conversation its save will write, whoever sent it)."""
+
+    def __init__(self, conn: RedisConnection, upstream: str) -> None:
+        self.conn = conn
+        self.prefix = state_key(upstream).removesuffix(":state") + ":slot:"
+        self.channel = claims_channel(upstream)
+
+    async def hold(self, slot: int, token: str, wait: float = SLOT_WAIT) -> tuple[bool, tuple[str, float] | None]:
+        """(held, the slot's last paged send: session and time). Not held: the store is down or the wait ran
+        out; the caller goes on without (as before this lock existed)."""
+        deadline = time.monotonic() + wait
+        pause = 0.01
+        while self.conn.usable():
+            try:
+                self.conn.calls += 1
+                got = await self.conn.client().eval(HOLD_LUA, 2, f"{self.prefix}{slot}:lock",
+                                                    f"{self.prefix}{slot}:sent", token, SLOT_LOCK_MS)
+            except ERRORS as e:
+                self.conn.failed(e)
+                return False, None
+            if got and int(got[0]) == 1:
+                return True, _sent(got[1])
+            if time.monotonic() >= deadline:
+                return False, None
+            await asyncio.sleep(pause)
+            pause = min(0.1, pause * 1.5)
+        return False, None
+
+    async def let_go(self, slot: int, token: str, session: str | None, at: float) -> None:
+        """Release the lock if it is still ours, recording the send it covered (None: nothing was sent) and
+        telling the other proxies (a `sent` claim notice: whoever believed the slot was theirs is not on top)."""
+        sent = json.dumps({"session": session, "at": at}) if session else ""
+        notice = notices.encode(notices.ClaimNotice(slot, session, None, self.conn.instance, at, sent=True)
+                                ) if session else ""
+        with contextlib.suppress(*ERRORS):
+            self.conn.calls += 1
+            await self.conn.client().eval(LET_GO_LUA, 3, f"{self.prefix}{slot}:lock", f"{self.prefix}{slot}:sent",
+                                          self.channel, token, sent, SENT_MS, notice)
+
+
+def _sent(raw: Any) -> tuple[str, float] | None:
+    try:
+        data = json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError, TypeError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    session, at = data.get("session"), data.get("at")
+    if not isinstance(session, str) or not isinstance(at, int | float) or isinstance(at, bool):
+        return None
+    return session, float(at)
+
+
+class RedisState:
+    """The `slotkeeper.drivers.store.StateStore` of one server, in Redis."""
+
+    remote = True
+
+    def __init__(self, conn: RedisConnection, upstream: str) -> None:
+        self.conn = conn
+        self.upstream = upstream
+        self.key = state_key(upstream)
+        self.channel = claims_channel(upstream)
+        self.last = shared.ServerState(upstream=upstream)
+        self.slot_locks: RedisSlotLocks | None = RedisSlotLocks(conn, upstream)
+
+    def watch(self, on_claim: OnClaim) -> None:
+        """Call `on_claim` with every claim another proxy makes on this server, as it is made."""
+        self.conn.notices.watch(self.channel, on_claim)
+
+    def _parse(self, raw: Any) -> shared.ServerState:
+        """The state in the key; a damaged document (not JSON, nested too deep to parse) is an empty state
+        that the next transaction overwrites."""
+        try:
+            data = json.loads(raw) if raw else None
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            data = None
+        return shared.from_dict(data, self.upstream)
+
+    def read(self) -> shared.ServerState:
+        """The last state seen (sync callers never wait for the network)."""
+        return self.last
+
+    async def fresh(self) -> shared.ServerState:
+        """Another machine may have written it at any time: always a read."""
+        return await self.aread()
+
+    async def aread(self) -> shared.ServerState:
+        if not self.conn.usable():
+            return self.last
+        try:
+            self.conn.calls += 1
+            raw = await self.conn.client().get(self.key)
+        except ERRORS as e:
+            self.conn.failed(e)
+            return self.last
+        self.conn.ok()
+        return self._parse(raw)
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[shared.ServerState]:
+        """Locked read-modify-write; on a store failure, the body runs on the local copy and nothing is
+        written (fail open)."""
+        lock, state = await self._begin()
+        if lock is None:
+            local = copy.deepcopy(self.last)
+            yield local
+            self.last = local
+            return
+        try:
+            before = notices.owners(state)
+            yield state
+            changed = notices.changes(before, state, self.conn.instance, time.time())
+            try:
+                pipe = self.conn.client().pipeline(transaction=False)  # one round trip: the write and the notices
+                pipe.set(self.key, json.dumps(shared.to_dict(state), separators=(",", ":")), px=KEEP_MS)
+                for notice in changed:
+                    pipe.publish(self.channel, notices.encode(notice))
+                self.conn.calls += 1 + len(changed)
+                await pipe.execute()
+                self.conn.ok()
+            except ERRORS as e:
+                self.conn.failed(e)
+            self.last = state
+        finally:
+            with contextlib.suppress(*ERRORS, LockError):
+                await lock.release()
+
+    async def _begin(self) -> tuple[Any, shared.ServerState]:
+        if not self.conn.usable():
+            return None, self.last
+        client = self.conn.client()
+        lock = client.lock(self.key + ":lock", timeout=LOCK_SECONDS, blocking_timeout=WAIT_SECONDS)
+        try:
+            self.conn.calls += 2
+            if not await lock.acquire():
+                raise LockError("lock wait timed out")
+            raw = await client.get(self.key)
+        except (*ERRORS, LockError) as e:
+            with contextlib.suppress(*ERRORS, LockError):
+                await lock.release()
+            self.conn.failed(e)
+            return None, self.last
+        self.conn.ok()
+        try:
+            return lock, self._parse(raw)
+        except BaseException:  # never leave the lock held (every other proxy would wait for it)
+            with contextlib.suppress(*ERRORS, LockError):
+                await lock.release()
+            raise
+
+    @contextlib.contextmanager
+    def transaction_sync(self) -> Iterator[shared.ServerState]:
+        """At shutdown (sync): a short-lived blocking client; fail open like the async one."""
+        client = None
+        lock = None
+        state = copy.deepcopy(self.last)
+        if self.conn.usable():
+            try:
+                client = redis.Redis.from_url(self.conn.url, socket_timeout=IO_TIMEOUT,
+                                              socket_connect_timeout=IO_TIMEOUT)
+                lock = client.lock(self.key + ":lock", timeout=LOCK_SECONDS, blocking_timeout=WAIT_SECONDS)
+                if not lock.acquire():
+                    raise LockError("lock wait timed out")
+                state = self._parse(client.get(self.key))
+            except (RedisError, OSError, LockError) as e:
+                self.conn.failed(e)
+                if lock is not None:
+                    with contextlib.suppress(RedisError, OSError, LockError):
+                        lock.release()
+                lock = None
+        try:
+            yield state
+            if lock is not None and client is not None:
+                with contextlib.suppress(RedisError, OSError):
+                    client.set(self.key, json.dumps(shared.to_dict(state), separators=(",", ":")), px=KEEP_MS)
+            self.last = state
+        finally:
+            if lock is not None:
+                with contextlib.suppress(RedisError, OSError, LockError):
+                    lock.release()
+            if client is not None:
+                client.close()
