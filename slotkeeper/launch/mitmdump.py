@@ -21,8 +21,8 @@ import httpx
 
 from slotkeeper.launch.llama_server import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-ADDON = ROOT / "addon.py"
+ROOT = Path(__file__).resolve().parents[2]  # the repository (the processes' cwd)
+ADDON = Path(__file__).resolve().parents[1] / "addon.py"  # slotkeeper/addon.py: in a checkout and an installed wheel
 WEB_COLUMNS = ("index", "icon", "method", "path", "status", "size", "time", "comment")
 
 
@@ -33,18 +33,19 @@ def mitm_binary(name: str = "mitmdump") -> str:
         return str(local)
     found = shutil.which(name)
     if not found:
-        raise RuntimeError(f"{name} not found; run `make install`")
+        raise RuntimeError(f"{name} not found next to {sys.executable} or on PATH")
     return found
 
 
 def mitm_argv(upstream: str, port: int, options: dict[str, object] | None = None, *,
               addon: bool = True, web: bool = False, web_port: int | None = None,
-              extra: list[str] | None = None, quiet: bool = True) -> list[str]:
-    """`quiet=False` keeps mitmproxy's own INFO lines (client/server connect, "Loading script") in the output."""
+              extra: list[str] | None = None, quiet: bool = True, host: str = "127.0.0.1") -> list[str]:
+    """`quiet=False` keeps mitmproxy's own INFO lines (client/server connect, "Loading script") in the output;
+    `host` is the listen address (`slotkeeper --listen`)."""
     argv = [mitm_binary("mitmweb" if web else "mitmdump")]
     if addon:
         argv += ["-s", str(ADDON)]
-    argv += ["--mode", f"reverse:{upstream}@127.0.0.1:{port}",
+    argv += ["--mode", f"reverse:{upstream}@{host}:{port}",
              "--set", "connection_strategy=lazy", "--set", "flow_detail=0"]
     if quiet:
         argv += ["--set", "termlog_verbosity=alert"]

@@ -1,0 +1,131 @@
+"""The `slotkeeper` command: mitmdump (or mitmweb) with the addon, in reverse mode in front of one llama-server.
+
+    slotkeeper --upstream http://127.0.0.1:8080 [--listen 127.0.0.1:8081] [--save-dir DIR] [--web]
+               [-- mitmproxy options, e.g. --set slots_policy=seed]
+    slotkeeper --addon-path        # the addon file, for `mitmdump -s`
+
+The flags are `make run`'s (`slotkeeper.launch.mitmdump.mitm_argv`): reverse mode with the upstream's scheme and
+an explicit listen host, `connection_strategy=lazy`, `flow_detail=0`, `termlog_verbosity=alert`. mitmdump is
+the one next to this interpreter (the venv's `bin/`), else the one on PATH. The process becomes mitmdump
+(`exec`), so Ctrl-C, signals and the exit status are mitmdump's own. Before that, exit status 2 and one line
+on stderr for a malformed `--upstream` or `--listen`, 1 when no mitmdump is found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+ADDON = Path(__file__).resolve().parent / "addon.py"
+USAGE_ERROR = 2
+NOT_FOUND = 1
+
+
+class UsageError(ValueError):
+    """A malformed argument: its one-line message goes to stderr, the exit status is 2."""
+
+
+def parse_upstream(url: str) -> str:
+    """`http(s)://host[:port]` without path, query or user, normalised (no trailing slash), else `UsageError`."""
+    example = "http://127.0.0.1:8080"
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port  # raises ValueError for a port that is not a number in 0..65535
+    except ValueError as e:
+        raise UsageError(f"--upstream {url!r} is not a URL like {example} ({e})") from None
+    if parts.scheme not in ("http", "https"):
+        raise UsageError(f"--upstream {url!r} needs the scheme http:// or https://, like {example}")
+    if not parts.hostname:
+        raise UsageError(f"--upstream {url!r} names no host, like {example}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username or parts.password:
+        raise UsageError(f"--upstream {url!r}: only scheme, host and port, like {example} "
+                         "(mitmproxy's reverse mode takes no path)")
+    if port == 0:
+        raise UsageError(f"--upstream {url!r}: port 0")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def parse_listen(spec: str) -> tuple[str, int]:
+    """`HOST:PORT` (`[::1]:PORT` for IPv6) or a bare `PORT` on 127.0.0.1, else `UsageError`."""
+    host, sep, port_s = spec.strip().rpartition(":")
+    if not sep:
+        host = "127.0.0.1"
+    try:
+        port = int(port_s)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise UsageError(f"--listen {spec!r} is not HOST:PORT with a port in 1..65535, like 127.0.0.1:8081")
+    if not host:
+        raise UsageError(f"--listen {spec!r} names no host (write 127.0.0.1:{port}, or 0.0.0.0:{port} for every "
+                         "interface)")
+    return host.removeprefix("[").removesuffix("]"), port
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="slotkeeper",
+        description="mitmdump with the slotkeeper addon in front of one llama-server (reverse proxy)",
+        epilog="Arguments after -- go to mitmdump/mitmweb as they are (e.g. -- --set slots_policy=seed).")
+    ap.add_argument("--upstream", metavar="URL", help="the llama-server, e.g. http://127.0.0.1:8080")
+    ap.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:8081",
+                    help="where the proxy listens (default 127.0.0.1:8081)")
+    ap.add_argument("--save-dir", metavar="DIR",
+                    help="llama-server's --slot-save-path: turns on session paging and prefix checkpoints")
+    ap.add_argument("--web", action="store_true", help="mitmweb instead of mitmdump")
+    ap.add_argument("--web-port", type=int, default=8082, help="mitmweb's UI port with --web (default 8082)")
+    ap.add_argument("--addon-path", action="store_true", help="print the addon's path (for mitmdump -s) and exit")
+    ap.add_argument("--dry-run", action="store_true", help="print the mitmdump command line instead of running it")
+    return ap
+
+
+def command(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The mitmdump argv for `argv` (the `slotkeeper` arguments) and the lines to print before it runs."""
+    own, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    a = build_parser().parse_args(own)
+    if not a.upstream:
+        raise UsageError("--upstream URL is required (e.g. --upstream http://127.0.0.1:8080)")
+    upstream = parse_upstream(a.upstream)
+    host, port = parse_listen(a.listen)
+    options: dict[str, object] = {}
+    if a.save_dir:
+        options["slots_save_dir"] = str(Path(a.save_dir).expanduser().resolve())
+    from slotkeeper.launch.mitmdump import mitm_argv  # after the arguments are checked: it imports httpx
+
+    mitm = mitm_argv(upstream, port, options, web=a.web, web_port=a.web_port, extra=extra, host=host)
+    shown = f"[{host}]" if ":" in host else host
+    ui = f", mitmweb UI on http://127.0.0.1:{a.web_port}" if a.web else ""
+    lines = [f"slotkeeper proxy on http://{shown}:{port} -> {upstream}{ui}",
+             f"  live slot page: http://{shown}:{port}/_slots/",
+             "  " + " ".join(mitm)]
+    return mitm, lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    if "--addon-path" in own:
+        print(ADDON)
+        return 0
+    try:
+        mitm, lines = command(argv)
+    except UsageError as e:
+        print(f"slotkeeper: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    except RuntimeError as e:  # mitm_binary: neither next to this interpreter nor on PATH
+        print(f"slotkeeper: {e} (pip install 'mitmproxy>=11.0.2,<13' next to slotkeeper)", file=sys.stderr)
+        return NOT_FOUND
+    if "--dry-run" in own:
+        print(" ".join(mitm))
+        return 0
+    print("\n".join(lines), flush=True)
+    sys.stderr.flush()
+    os.execve(mitm[0], mitm, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

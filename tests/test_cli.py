@@ -1,0 +1,84 @@
+"""The `slotkeeper` command's arguments: the mitmdump command line it runs, one line and exit status 2 for a
+malformed upstream or listen address, `--addon-path`; and the repository's `addon.py` shim loading, as
+`mitmdump -s` loads it, the same addon chain as the packaged `slotkeeper/addon.py`. (The installed command
+itself, answering a request, is tests/test_wheel_install.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mitmproxy.addons.script import load_script
+
+from slotkeeper import addon as packaged
+from slotkeeper.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_command_line_is_make_runs_with_the_listen_address_save_dir_and_passed_options(capsys, tmp_path):
+    code, out, err = run(capsys, "--upstream", "http://127.0.0.1:8080/", "--listen", "0.0.0.0:9000",
+                         "--save-dir", str(tmp_path), "--dry-run", "--", "--set", "slots_policy=seed")
+    assert (code, err) == (0, "")
+    argv = out.split()
+    assert Path(argv[0]).name == "mitmdump"
+    assert argv[1:3] == ["-s", str(ROOT / "slotkeeper" / "addon.py")]
+    joined = " ".join(argv)
+    assert "--mode reverse:http://127.0.0.1:8080@0.0.0.0:9000" in joined
+    for flag in ("connection_strategy=lazy", "flow_detail=0", "termlog_verbosity=alert",
+                 f"slots_save_dir={tmp_path.resolve()}"):
+        assert f"--set {flag}" in joined
+    assert argv[-2:] == ["--set", "slots_policy=seed"]  # after ours: a passed option wins
+
+
+def test_web_runs_mitmweb_and_the_default_listen_address_is_loopback(capsys):
+    code, out, _ = run(capsys, "--upstream", "https://llama.example:8443", "--web", "--web-port", "9100",
+                       "--dry-run")
+    argv = out.split()
+    assert code == 0 and Path(argv[0]).name == "mitmweb"
+    assert "reverse:https://llama.example:8443@127.0.0.1:8081" in argv and "web_port=9100" in argv
+
+
+@pytest.mark.parametrize(("upstream", "says"), [
+    ("127.0.0.1:8080", "needs the scheme http:// or https://"),
+    ("ftp://127.0.0.1:8080", "needs the scheme http:// or https://"),
+    ("http://127.0.0.1:99999", "is not a URL like http://127.0.0.1:8080"),
+    ("http://127.0.0.1:80x", "is not a URL like http://127.0.0.1:8080"),
+    ("http://:8080", "names no host"),
+    ("http://127.0.0.1:8080/v1", "only scheme, host and port"),
+    ("http://u:p@127.0.0.1:8080", "only scheme, host and port"),
+])
+def test_a_malformed_upstream_is_one_line_and_exit_status_2(capsys, upstream, says):
+    code, out, err = run(capsys, "--upstream", upstream)
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and err.startswith("slotkeeper: --upstream ") and says in err, err
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:0", "127.0.0.1:x", ":8081", "127.0.0.1:70000"])
+def test_a_malformed_listen_address_is_one_line_and_exit_status_2(capsys, listen):
+    code, out, err = run(capsys, "--upstream", "http://127.0.0.1:8080", "--listen", listen)
+    assert (code, out) == (2, "") and err.count("\n") == 1 and err.startswith("slotkeeper: --listen "), err
+
+
+def test_no_upstream_is_one_line_and_exit_status_2(capsys):
+    code, _, err = run(capsys)
+    assert code == 2 and err == "slotkeeper: --upstream URL is required (e.g. --upstream http://127.0.0.1:8080)\n"
+
+
+def test_addon_path_prints_the_packaged_addon(capsys):
+    code, out, _ = run(capsys, "--addon-path")
+    assert code == 0 and Path(out.strip()) == Path(packaged.__file__).resolve()
+
+
+def test_the_root_addon_py_loads_the_packaged_addon_chain_as_mitmdump_loads_a_script():
+    module = load_script(str(ROOT / "addon.py"))
+    assert module is not None
+    names = [type(a).__name__ for a in module.addons]
+    assert names == [type(a).__name__ for a in packaged.make_addons()]
+    assert names == ["LocalApi", "Pinning", "Watchdog", "FlowView", "RequestLog", "Commands"]
