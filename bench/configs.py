@@ -40,7 +40,8 @@ def default_threads() -> int:
 
 @dataclass(frozen=True)
 class Server:
-    """The llama-server the bench runs on. Default: the embedded one with SmolLM2 (slotkeeper/launch/llama_server.py)."""
+    """The llama-server the bench runs on. Default: the embedded one with SmolLM2
+    (slotkeeper/launch/llama_server.py)."""
 
     binary: str | None = None        # a llama-server binary (LLAMA_SERVER_BIN), else the embedded xllamacpp
     model: str | None = None         # a GGUF, else SmolLM2
@@ -64,7 +65,8 @@ def use_server(server: Server) -> None:
     global SERVER
     SERVER = server
     if server.binary:
-        os.environ["LLAMA_SERVER_BIN"] = server.binary  # slotkeeper.launch.llama_server reads it for every server it starts
+        # slotkeeper.launch.llama_server reads it for every server it starts
+        os.environ["LLAMA_SERVER_BIN"] = server.binary
 
 
 def server_kw(slot_dir: Path | None, threads: int, slots: int, log_path: Path) -> dict[str, Any]:
