@@ -90,3 +90,25 @@ def test_the_main_bench_runs_a_workload_on_a_running_server_and_reports_its_spee
     assert rows["costs"]["cost"] and "cost_choices" in rows["costs"] and rows["stock"]["cost"] is None
     assert "KV bytes per token" in (out / "latest.md").read_text()
     assert list(save.iterdir()) == []                          # the bench's slot files removed
+
+
+@pytest.mark.real
+def test_the_main_bench_starts_the_model_it_is_given_and_reports_its_kv_width(tmp_path):
+    """`python -m bench --model GGUF`: the bench starts its server on that model (here the 8B-class KV layout of
+    tests/tiny_models.py, with the embedded server standing in for the user's binary) and its report gives
+    that model's KV bytes per token, measured, beside x limit and the cost model's choices."""
+    from bench import __main__ as bench_main
+    from bench import configs
+
+    out = tmp_path / "out"
+    try:
+        assert bench_main.main(["--model", "tiny:dense_8b_kv", "--workloads", "fits", "--sessions", "2",
+                                "--turns", "2", "--configs", "costs", "--skip-overhead", "--speed-words", "30,60",
+                                "--out", str(out)]) == 0
+    finally:
+        configs.use_server(configs.Server())
+    doc = json.loads((out / "latest.json").read_text())
+    server = doc["meta"]["server"]
+    assert 130_000 <= server["kv_bytes_per_token"] <= 132_000   # 32 layers x 8 KV heads x 128 dims x 2 x f16
+    rows = {r["config"]: r for r in doc["rows"]}
+    assert rows["costs"]["errors"] == 0 and rows["costs"]["ratio_to_limit"] > 0 and "cost_choices" in rows["costs"]
