@@ -167,6 +167,10 @@ class Ledger:
         """`marker`'s claim is queued on `slot`: it is being handed to another proxy."""
         return bool(self._claims) and marker in self._claims.get(slot, ())
 
+    def claims_on(self, slot: int) -> tuple[str, ...]:
+        """Who has claimed `slot`, in claim order (sessions' placements, or a marker such as the probe's)."""
+        return tuple(self._claims.get(slot, ())) if self._claims else ()
+
     def claimed_slots(self) -> frozenset[int]:
         return frozenset(self._claims)
 

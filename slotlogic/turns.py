@@ -12,10 +12,10 @@ the keeper's name for this process and slot count (`TurnsHost`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
-from slotlogic import handover, reconcile, shared, wait
+from slotlogic import capability, handover, reconcile, shared, wait
 from slotlogic.decisions import Ticket
 from slotlogic.events import StalePlan
 from slotlogic.handover import Handover
@@ -24,6 +24,7 @@ from slotlogic.settings import Settings
 from slotlogic.table import SessionTable
 
 OTHER_PROXY = "\x00other-proxy"  # the ledger claim that keeps our sessions off a slot being handed over
+PROBE = "\x00start-up-probe"     # the ledger claim of the slot the start-up probe writes and erases
 
 
 class TurnsHost(Protocol):
@@ -41,6 +42,35 @@ class Turns:
         self.table = table
         self.ledger = ledger
         self.host = host
+
+    # ------------------------------------------------------------------------------------------- the probe
+
+    def probe_slot(self, live: Sequence[Mapping[str, Any]] | None, total: int) -> Fence | None:
+        """The slot the start-up probe may write (`capability.probe_slot`: empty and idle in `/slots`) that no
+        session of ours holds, is being placed on or has a request on its way to; claimed for the probe, so that
+        placements rank it busy, with the fence each of its slot actions is checked against (`probe_may_write`).
+        None: no such slot, no probe (it never writes over a conversation)."""
+        ledger, running = self.ledger, self.table.running
+        free = [e for e in live or () if isinstance(e, Mapping) and isinstance(e.get("id"), int)
+                and ledger.entry(e["id"]).owner is None and not ledger.claimed(e["id"]) and e["id"] not in running]
+        slot = capability.probe_slot(free, total)
+        if slot is None:
+            return None
+        ledger.claim(slot, PROBE)
+        return ledger.fence(slot)
+
+    def probe_may_write(self, fence: Fence) -> bool:
+        """Nothing of ours went to the probe's slot since it was chosen (a placement that chose it anyway, every
+        slot being busy, has its request there, queued with the probe's actions): its next action may run."""
+        slot = fence.slot
+        return (self.ledger.current(fence) and self.ledger.claims_on(slot) == (PROBE,)
+                and slot not in self.table.running)
+
+    def probe_done(self, fence: Fence, erased: bool) -> None:
+        """The probe is over: its claim goes; an erased slot is empty (when nothing else wrote it since)."""
+        self.ledger.unclaim(fence.slot, PROBE)
+        if erased and self.ledger.current(fence):
+            self.ledger.write(fence.slot, Holds.EMPTY, None)
 
     def slot_fence(self, slot: int) -> Fence:
         """The slot's epoch now: a move planned now is performed only while it holds (`slot_written`)."""

@@ -7,7 +7,7 @@ from slotlogic.events import TokensLost
 from slotlogic.ledger import MAX_SLOTS, Cause, Holds, Ledger, tolerance
 from slotlogic.paging import PageAsk
 from slotlogic.reasons import Why
-from tests.test_keeper import CHAT, FREE, chat, facts, make, server
+from tests.test_keeper import CHAT, FREE, chat, facts, make, place, server
 
 
 def test_a_write_makes_every_earlier_plan_for_the_slot_stale():
@@ -286,3 +286,32 @@ def test_an_expired_session_is_not_resumed_on_a_slot_written_since():
     assert isinstance(later, NeedSlot)
     again = k.assign(later, state, server(), FREE, 500.0)
     assert again.why is not Why.RESUMED
+
+
+def test_the_start_up_probe_never_takes_a_slot_of_ours_and_stops_writing_when_a_session_is_placed_there():
+    """The probe writes its slot (a prompt, a save, a restore) and erases it. It once chose a slot that was
+    empty and idle in `/slots` while a new session was being placed there, and its closing erase, queued
+    behind that session's request, emptied the session's slot (its next page-out saved 0 tokens)."""
+    k = make()
+    a = place(k, k.request(facts(chat("a"), now=0.0)))
+    taken = a.ticket.slot
+    fence = k.turns.probe_slot(FREE, 4)
+    assert fence is not None and fence.slot != taken                  # not the slot a session was pinned to
+    assert k.turns.probe_slot(FREE, 4).slot not in (taken, fence.slot)  # a probe's slot is claimed
+    assert k.turns.probe_may_write(fence)
+    need = k.request(facts(chat("b"), now=1.0))
+    placed = k.assign(need, shared.ServerState("http://up"), server(4), FREE, 1.0)
+    assert placed.slot != fence.slot                                  # a claimed slot ranks after free ones
+    k.pin(need, fence.slot, placed.why, 1.0)                          # ... but one may go there (all busy)
+    assert not k.turns.probe_may_write(fence)                         # then the probe leaves the slot alone
+    k.turns.probe_done(fence, erased=False)
+    assert k.ledger.entry(fence.slot).owner == need.ticket.session.key  # and the session still holds it
+
+
+def test_an_erase_by_the_probe_leaves_its_slot_empty_and_free_again():
+    k = make()
+    fence = k.turns.probe_slot(FREE, 4)
+    assert fence is not None and k.ledger.claimed(fence.slot)
+    k.turns.probe_done(fence, erased=True)
+    assert not k.ledger.claimed(fence.slot) and k.ledger.entry(fence.slot).holds is Holds.EMPTY
+    assert k.turns.probe_slot([{"id": 0, "n_prompt_tokens": 5, "is_processing": False}], 4) is None

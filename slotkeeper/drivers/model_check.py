@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 from slotkeeper.drivers import gguf_io
 from slotkeeper.drivers.llama_http import LlamaClient
@@ -26,6 +27,7 @@ from slotlogic import capability
 from slotlogic.capability import Throughput, Verdict
 from slotlogic.costs import SlotFileAnswer
 from slotlogic.events import Event, Failed, ModelDescribed, ModelHeader, Probed, Stage
+from slotlogic.ledger import Fence
 from slotlogic.model_facts import ModelFacts
 from slotlogic.server import ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
@@ -33,10 +35,21 @@ from slotlogic.settings import CheckpointMode, Settings
 PROBE_TIMEOUT = 120.0
 
 
+class ProbeTurns(Protocol):
+    """The core's rules for the probe's slot (`slotlogic.turns.Turns`)."""
+
+    def probe_slot(self, live: Sequence[Mapping[str, Any]] | None, total: int) -> Fence | None: ...
+
+    def probe_may_write(self, fence: Fence) -> bool: ...
+
+    def probe_done(self, fence: Fence, erased: bool) -> None: ...
+
+
 class ModelCheck:
     def __init__(self, client: LlamaClient, emit: Callable[[Event], None], upstream: str,
-                 on_speed: Callable[[float | None], None] = lambda pps: None) -> None:
+                 on_speed: Callable[[float | None], None] = lambda pps: None, turns: ProbeTurns | None = None) -> None:
         self.client = client
+        self.turns = turns  # the core's word on which slot the probe may write, and when (`Turns.probe_slot`)
         self.on_speed = on_speed  # the measured prefill speed, for answers without timings (Keeper.prefill_speed)
         self.on_answer: Callable[[SlotFileAnswer], None] = lambda a: None  # the probe save's size and time
         self.emit = emit
@@ -102,36 +115,52 @@ class ModelCheck:
 
     async def _probe(self, info: ServerInfo, settings: Settings, facts: ModelFacts | None) -> bool | None:
         """The start-up probe; returns whether the saved probe file carried checkpoints (None: not saved)."""
-        slot = capability.probe_slot(await self.client.slots(), info.total_slots)
+        live = await self.client.slots()
+        if self.turns is not None:
+            fence = self.turns.probe_slot(live, info.total_slots)
+            slot = fence.slot if fence is not None else None
+        else:  # no core at hand (a check on its own): an empty idle slot as `/slots` shows it
+            fence, slot = None, capability.probe_slot(live, info.total_slots)
         if slot is None:
             self.emit(Probed(self.upstream, None, None, None, None, None, None))
             return None
-        status, answer = await self.client.post_json("/completion", capability.probe_request(slot), PROBE_TIMEOUT)
-        speed = capability.throughput(answer, slot) if status == 200 else None
-        if settings.throughput_probe and speed is not None:
-            self.speed = speed
-            self.on_speed(speed.prefill_tok_s)
-        in_files = None
-        name = capability.probe_file(self.upstream)
-        if (facts is not None or settings.throughput_probe) and status == 200 and settings.save_dir:
-            code, saved = await self.client.post_json(f"/slots/{slot}?action=save", {"filename": name},
-                                                      PROBE_TIMEOUT)
-            answer = SlotFileAnswer.parse("save", saved) if code == 200 else None
-            if answer is not None:
-                self.on_answer(answer)
-            if answer is not None and settings.throughput_probe:  # read back once: the restore speed too
-                code, restored = await self.client.post_json(f"/slots/{slot}?action=restore", {"filename": name},
-                                                             PROBE_TIMEOUT)
-                back = SlotFileAnswer.parse("restore", restored) if code == 200 else None
-                if back is not None:
-                    self.on_answer(back)
-            if facts is not None and isinstance(saved, dict) and isinstance(saved.get("n_saved"), int) \
-                    and isinstance(saved.get("n_written"), int):
-                in_files = facts.file_has_checkpoints(saved["n_saved"], saved["n_written"],
-                                                      n_streams=info.total_slots)
-            await asyncio.to_thread(_remove, Path(settings.save_dir) / name)
-        if settings.save_dir:
-            await self.client.post_json(f"/slots/{slot}?action=erase", None, PROBE_TIMEOUT)
+
+        def may_write() -> bool:  # a session of ours placed on the slot since (every slot busy): leave it alone
+            return fence is None or self.turns is None or self.turns.probe_may_write(fence)
+
+        erased = False
+        try:
+            status, answer = await self.client.post_json("/completion", capability.probe_request(slot), PROBE_TIMEOUT)
+            speed = capability.throughput(answer, slot) if status == 200 else None
+            if settings.throughput_probe and speed is not None:
+                self.speed = speed
+                self.on_speed(speed.prefill_tok_s)
+            in_files = None
+            name = capability.probe_file(self.upstream)
+            if (facts is not None or settings.throughput_probe) and status == 200 and settings.save_dir \
+                    and may_write():
+                code, saved = await self.client.post_json(f"/slots/{slot}?action=save", {"filename": name},
+                                                          PROBE_TIMEOUT)
+                answer = SlotFileAnswer.parse("save", saved) if code == 200 else None
+                if answer is not None:
+                    self.on_answer(answer)
+                if answer is not None and settings.throughput_probe and may_write():  # the restore speed too
+                    code, restored = await self.client.post_json(f"/slots/{slot}?action=restore",
+                                                                 {"filename": name}, PROBE_TIMEOUT)
+                    back = SlotFileAnswer.parse("restore", restored) if code == 200 else None
+                    if back is not None:
+                        self.on_answer(back)
+                if facts is not None and isinstance(saved, dict) and isinstance(saved.get("n_saved"), int) \
+                        and isinstance(saved.get("n_written"), int):
+                    in_files = facts.file_has_checkpoints(saved["n_saved"], saved["n_written"],
+                                                          n_streams=info.total_slots)
+                await asyncio.to_thread(_remove, Path(settings.save_dir) / name)
+            if settings.save_dir and may_write():
+                await self.client.post_json(f"/slots/{slot}?action=erase", None, PROBE_TIMEOUT)
+                erased = True
+        finally:
+            if fence is not None and self.turns is not None:
+                self.turns.probe_done(fence, erased)
         self.emit(Probed(self.upstream, slot, speed.prefill_tok_s if speed else None,
                          speed.decode_tok_s if speed else None, speed.prompt_n if speed else None,
                          speed.predicted_n if speed else None, in_files))

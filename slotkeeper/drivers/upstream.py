@@ -107,7 +107,8 @@ class Upstream:
         # our requests open on each slot: a request behind them waits a bounded time (not in a replay)
         self.waits = SlotWaits(keeper=None if offline else self.keeper, bound=lambda: self.settings.wait_bound,
                                released=self.mover.unsent, slots=self.client.slots)
-        self.model = ModelCheck(self.client, emit, url, on_speed=self.keeper.outcomes.probed)
+        self.model = ModelCheck(self.client, emit, url, on_speed=self.keeper.outcomes.probed,
+                                turns=self.keeper.turns)
         self.speeds = SlotSpeeds(url, self.keeper, self.model, emit, lambda: self.settings)  # every save/restore
         self.model.on_answer = self.mover.on_answer = self.speeds
         self.tasks = Tasks()  # background work an answer or a command started
