@@ -317,13 +317,17 @@ class Ledger:
                 loss = Loss(short, self._cause(key, promise))
         if cache_n is not None and prompt_n is not None:
             tokens = cache_n + prompt_n
+            overtaken = False
             if slot is not None and 0 <= slot < MAX_SLOTS:
                 e = self.entry(slot)
                 if e.owner == key:
                     self._put(slot, replace(e, holds=Holds.SESSION, tokens=tokens))
+                else:  # pinned for someone else while this ran (a side call queued behind it): gone already
+                    overtaken = key in self.gone
             self.conversations[key] = tokens
             self.conversations.move_to_end(key)
-            self.gone.pop(key, None)
+            if not overtaken:
+                self.gone.pop(key, None)
             while len(self.conversations) > self.max_sessions:
                 old, _ = self.conversations.popitem(last=False)
                 self.gone.pop(old, None)

@@ -315,3 +315,22 @@ def test_an_erase_by_the_probe_leaves_its_slot_empty_and_free_again():
     k.turns.probe_done(fence, erased=True)
     assert not k.ledger.claimed(fence.slot) and k.ledger.entry(fence.slot).holds is Holds.EMPTY
     assert k.turns.probe_slot([{"id": 0, "n_prompt_tokens": 5, "is_processing": False}], 4) is None
+
+
+def test_a_conversation_a_side_call_was_queued_behind_is_gone_for_that_cause_after_its_answer():
+    """Simulator seed 352: a side call pinned to a slot while a session's request still ran there overwrote the
+    conversation that request left; the answer, settled after the side call's pin, must not clear what took it
+    (the meter said "cause unknown" for the owner's next turn)."""
+    from slotlogic.ledger import Cause, Holds, Ledger
+
+    ledger = Ledger()
+    ledger.resize(3)
+    first = ledger.pin(2, "owner")
+    assert ledger.settle("owner", first, 2, 0, 192, None) is None
+    running = ledger.pin(2, "owner")  # its second turn runs on slot 2 ...
+    ledger.pin(2, "title", side=True, paging=False)  # ... and a side call is queued behind it there
+    ledger.settle("owner", running, 2, 192, 4, True)  # its answer: 196 tokens, but the side call runs next
+    assert ledger.entry(2).holds is Holds.SIDE
+    nxt = ledger.pin(2, "owner")
+    loss = ledger.settle("owner", nxt, 2, 3, 264, True)
+    assert loss is not None and loss.cause is Cause.EVICTED and loss.expected and loss.tokens == 193
