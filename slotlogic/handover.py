@@ -81,6 +81,17 @@ def turn(writers: dict[int, str], handovers: dict[tuple[int, str], Handover], be
     return h
 
 
+def take_free(writers: dict[int, str], beats: Mapping[str, float], slot: int, proxy: str, now: float) -> bool:
+    """A held request of `proxy` may move to `slot` (`slotlogic.wait`): the slot is `proxy`'s, nobody's, or its
+    writer is gone, and is `proxy`'s from now on (True); False when a live proxy writes it. Nothing is asked
+    of anyone: a move is never worth a handover."""
+    writer = writers.get(slot)
+    if writer is None or writer == proxy or not alive(beats, writer, now):
+        writers[slot] = proxy
+        return True
+    return False
+
+
 def forced(writers: dict[int, str], handovers: dict[tuple[int, str], Handover], h: Handover, now: float) -> None:
     """The giver did not answer in time: the taker writes the slot anyway (a labelled loss at worst)."""
     writers[h.slot] = h.taker

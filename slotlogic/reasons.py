@@ -29,6 +29,8 @@ class Why(Enum):
     CLIENT_SLOT = "client-id_slot"                  # the client chose the slot itself
     MANUAL = "manual"                               # the slots.pin command
     PENDING = "pending"                             # affinity: llama-server chooses (id_slot -1), then pinned
+    SIDE_BUSY = "side-busy"                         # a side call moved to a free slot: its own was busy (wait)
+    WAIT_BOUND = "wait-bound"                       # moved to a free slot after waiting its bound (wait)
 
 
 class Unpinned(Enum):

@@ -12,7 +12,7 @@ the keeper's name for this process and slot count (`TurnsHost`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from slotlogic import capability, handover, reconcile, shared, wait
@@ -231,6 +231,32 @@ class Turns:
     def unpin(self, ticket: Ticket, why: wait.WaitWhy, holder: str | None) -> None:
         """The request goes out with `id_slot: -1` after its wait (`slotlogic.wait.unpin`)."""
         wait.unpin(ticket, why, holder, self.ledger, self.table)
+
+    def free_slot(self, avoid: int, busy: Collection[int]) -> int | None:
+        """A slot a held request may move to without writing over anything promised (`slotlogic.wait`, Rule 6);
+        not one this process is handing to another proxy. Whether it may write it: `take_free`."""
+        return wait.free_slot(self.ledger, self.table, self.host.total_slots, avoid, busy,
+                              writable=lambda s: not self.handing_over(s))
+
+    def writes(self, slot: int) -> bool:
+        """This process is the slot's writer, as it last knew (or the only proxy there can be)."""
+        return not self.host.instance or slot in self.ledger.writing
+
+    def take_free(self, state: shared.ServerState, slot: int, now: float) -> bool:
+        """In the store's transaction: make `slot` this process's to write for a held request's move when nobody
+        else may (`slotlogic.handover.take_free`); False when a live proxy writes it (the request is not moved)."""
+        if not self.host.instance:
+            return True
+        if self.handing_over(slot) or not handover.take_free(state.writers, state.beats, slot, self.host.instance,
+                                                             now):
+            return False
+        handover.beat(state.beats, self.host.instance, now)
+        self.ledger.writing.add(slot)
+        return True
+
+    def move_held(self, ticket: Ticket, slot: int, why: wait.WaitWhy, holder: str | None, now: float) -> None:
+        """A held request goes to the free `slot` instead (`slotlogic.wait.move`)."""
+        wait.move(ticket, slot, why, holder, self.ledger, self.table, now, paging=self.settings.paging)
 
     # ------------------------------------------------------------------------------------------- commands
 

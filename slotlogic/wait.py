@@ -9,24 +9,31 @@ where it can still change its mind, instead of handing it to the server's queue.
 Rule 1: pure; the waited time and the measured prefill rate are passed in.
 Rule 2: only our own open requests on the slot count as ahead (what `/slots` says is not asked on this
         path: no I/O). A slot with nothing of ours ahead is sent to at once (GO).
-Rule 3: a request that has waited `bound` seconds is sent with `id_slot: -1` (UNPIN, `wait-bound`): the
-        server runs it on the first slot that frees. The bound is well under every client's timeout.
-Rule 4: a side call is sent with `id_slot: -1` at once (`side-busy`) when the prompt work ahead of it on its
-        slot would take longer than prefilling its own prompt from nothing: it never waits behind a long
-        prefill when it can run elsewhere. A session's turn waits up to the bound (its cache is on that slot).
+Rule 3: a request that has waited `bound` seconds goes elsewhere (`wait-bound`): pinned to a free slot when
+        one is (MOVE, below), else with `id_slot: -1` (UNPIN): the server runs it on the first slot that frees.
+        The bound is well under every client's timeout.
+Rule 4: a side call goes elsewhere at once (`side-busy`) when the prompt work ahead of it on its slot would
+        take longer than prefilling its own prompt from nothing, and a free slot is there to run it (MOVE):
+        it never waits behind a long prefill when it can run elsewhere. Without a free slot it waits (sent
+        with `id_slot: -1` it would land on whichever idle slot the server picks, over a conversation this
+        proxy still promises to its owner). A session's turn waits up to the bound (its cache is there).
 Rule 5: `bound` 0 turns the hold off (the request goes to the server's queue, as before).
+Rule 6: a free slot (`free_slot`) is one the ledger says holds nobody's current conversation, with nothing of
+        ours running and no placement, hand-over or other writer on it: a request moved there overwrites only
+        what nobody is promised. Every move is the core's, written in the ledger before it is sent.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import Enum
 
 from slotlogic import rewrite
 from slotlogic.decisions import Ticket
 from slotlogic.ledger import Cause, Holds, Ledger
-from slotlogic.reasons import Unpinned
+from slotlogic.reasons import Unpinned, Why
 from slotlogic.table import SessionTable
 
 CHARS_PER_TOKEN = 4  # a body's bytes per prompt token, roughly (JSON and English text)
@@ -39,6 +46,7 @@ class Verdict(Enum):
     GO = "go"          # send it pinned now
     WAIT = "wait"      # hold it: the slot frees soon enough
     UNPIN = "unpin"    # send it with id_slot -1
+    MOVE = "move"      # pin it to `Plan.slot`, a free slot, instead
 
 
 class WaitWhy(Enum):
@@ -61,6 +69,7 @@ class Plan:
     verdict: Verdict
     why: WaitWhy | None = None
     wait: float | None = None  # seconds the work ahead is estimated to take (None: no rate known)
+    slot: int | None = None    # MOVE: the free slot it goes to
 
 
 def estimate(chars: int, rate: float | None) -> float | None:
@@ -70,31 +79,60 @@ def estimate(chars: int, rate: float | None) -> float | None:
     return chars / CHARS_PER_TOKEN / rate
 
 
-def plan(ahead: Ahead, waited: float, bound: float, *, side: bool, own_chars: int, rate: float | None) -> Plan:
-    """What to do with a request pinned to a slot with `ahead` in front of it, after `waited` seconds."""
+def plan(ahead: Ahead, waited: float, bound: float, *, side: bool, own_chars: int, rate: float | None,
+         free: int | None = None) -> Plan:
+    """What to do with a request pinned to a slot with `ahead` in front of it, after `waited` seconds; `free`
+    is a slot that could run it without writing over anyone's conversation (`free_slot`), if there is one."""
     if bound <= 0 or ahead.count <= 0:
         return Plan(Verdict.GO)
     wait = estimate(ahead.chars, rate)
     if waited >= bound:
+        if free is not None:
+            return Plan(Verdict.MOVE, WaitWhy.BOUND, wait, free)
         return Plan(Verdict.UNPIN, WaitWhy.BOUND, wait)
-    if side:
+    if side and free is not None:
         own = estimate(own_chars, rate)
         if wait is not None and own is not None and wait > own:
-            return Plan(Verdict.UNPIN, WaitWhy.SIDE_BUSY, wait)
+            return Plan(Verdict.MOVE, WaitWhy.SIDE_BUSY, wait, free)
     return Plan(Verdict.WAIT, None, wait)
 
 
-def unpinned_body(raw: bytes) -> bytes | None:
-    """The pinned body with `id_slot: -1` (the server chooses the slot), every other byte kept; None when
-    it is not one JSON object (the caller then sends it pinned, as it was)."""
+_FREE_RANK = {Holds.EMPTY: 0, Holds.SIDE: 1, Holds.UNKNOWN: 2, Holds.PREFIX: 3, Holds.SEED: 3, Holds.SESSION: 4,
+              Holds.PAGE: 4}
+
+
+def free_slot(ledger: Ledger, table: SessionTable, total: int | None, avoid: int, busy: Collection[int], *,
+              writable: Callable[[int], bool]) -> int | None:
+    """A slot other than `avoid` that runs a request without writing over anything promised (Rule 6): the
+    emptiest first (empty, a side call's prompt, never written, a prefix or a copy its session moved on from);
+    None when there is none. A scan of the ledger's slots: a held request's path only."""
+    if not total or total < 2:
+        return None
+    homes = {a.slot for a in table.sessions.values()}
+    best: tuple[int, int] | None = None
+    for s in range(total):
+        if s == avoid or s in busy or ledger.claimed(s) or not writable(s) or ledger.conversation_on(s):
+            continue
+        e = ledger.entry(s)
+        if e.holds is Holds.UNKNOWN and s in homes:
+            continue  # never written in this ledger: the table's session may still be there
+        rank = (_FREE_RANK[e.holds], s)
+        if best is None or rank < best:
+            best = rank
+    return None if best is None else best[1]
+
+
+def unpinned_body(raw: bytes, slot: int = -1) -> bytes | None:
+    """The pinned body with `id_slot: -1` (the server chooses the slot; or `slot`, a move), every other byte
+    kept; None when it is not one JSON object (the caller then sends it pinned, as it was)."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):
         return None
     if not isinstance(body, dict):
         return None
-    out = {"id_slot": -1, "cache_prompt": True if body.get("cache_prompt") is None else body["cache_prompt"]}
-    return rewrite.set_fields(raw, rewrite.Rewrite(body=out, slot=-1, changed=True, client_slot_kept=False))
+    out = {"id_slot": slot, "cache_prompt": True if body.get("cache_prompt") is None else body["cache_prompt"]}
+    return rewrite.set_fields(raw, rewrite.Rewrite(body=out, slot=slot, changed=True, client_slot_kept=False))
 
 
 def unpin(ticket: Ticket, why: WaitWhy, holder: str | None, ledger: Ledger, table: SessionTable) -> None:
@@ -112,6 +150,31 @@ def unpin(ticket: Ticket, why: WaitWhy, holder: str | None, ledger: Ledger, tabl
             table.dispatched[slot] = holder
     ticket.slot, ticket.why, ticket.paged_in, ticket.seeded, ticket.promise = None, None, False, False, None
     ticket.unpinned = Unpinned.WAIT_BOUND if why is WaitWhy.BOUND else Unpinned.SIDE_BUSY
+
+
+def move(ticket: Ticket, slot: int, why: WaitWhy, holder: str | None, ledger: Ledger, table: SessionTable,
+         now: float, *, paging: bool) -> None:
+    """The bookkeeping of a held request pinned to the free `slot` instead of its own (Rule 3, Rule 4): the
+    slot it leaves is its holder's again, as for `unpin`; the ledger and the table say where it runs now, so
+    nothing promised to anyone else is on `slot` and its session (not a side call) is at home there."""
+    old, key = ticket.slot, ticket.session.key
+    side = ticket.why is Why.SIDE_CALL
+    if ticket.claimed is not None:
+        ledger.unclaim(ticket.claimed, key)
+        ticket.claimed = None
+    if old is not None and table.dispatched.get(old) in (key, ""):
+        if holder is None:
+            del table.dispatched[old]
+        else:
+            table.dispatched[old] = holder
+    ticket.slot = slot
+    ticket.promise = ledger.pin(slot, key, side=side, paging=paging)
+    table.dispatch("" if side else key, slot)
+    known = table.sessions.get(key)
+    if not side and known is not None:
+        table.assign(key, slot, now, prefix=known.prefix, requests=known.requests)
+    ticket.why = Why.SIDE_BUSY if why is WaitWhy.SIDE_BUSY else Why.WAIT_BOUND
+    ticket.paged_in, ticket.seeded, ticket.displaced = False, False, False
 
 
 def ran(ledger: Ledger, slot: int, ticket: Ticket) -> None:

@@ -29,12 +29,14 @@ class SlotWaits:
 
     def __init__(self, clock: Clock | None = None, *, keeper: Keeper | None = None,
                  bound: Callable[[], float] = lambda: 0.0, released: Callable[[str], None] = lambda flow_id: None,
-                 slots: Callable[[], Awaitable[list[dict[str, Any]] | None]] | None = None) -> None:
+                 slots: Callable[[], Awaitable[list[dict[str, Any]] | None]] | None = None,
+                 take: Callable[[int], Awaitable[bool]] | None = None) -> None:
         self.clock: Clock = clock or (lambda: time.monotonic())  # read at each call: the simulator patches it
         self.open: dict[int, dict[str, tuple[int, str]]] = {}  # slot -> flow -> (body chars, session; "" side)
         self._slot_of: dict[str, int] = {}
         self._freed: dict[int, asyncio.Event] = {}
         self.keeper, self.bound, self.released, self.slots = keeper, bound, released, slots
+        self.take = take  # makes a free slot this process's to write (the shared state); None: it always is
 
     def entered(self, slot: int, flow_id: str, chars: int, session: str = "") -> None:
         """A request pinned to `slot` leaves the proxy now."""
@@ -76,13 +78,19 @@ class SlotWaits:
         started = self.clock()
         while True:
             p = wait.plan(self.ahead(slot, flow_id, session), self.clock() - started, bound, side=side,
-                          own_chars=own_chars, rate=rate())
+                          own_chars=own_chars, rate=rate(), free=self.free(slot))
             if p.verdict is not wait.Verdict.WAIT:
                 return p
             event = self._freed.setdefault(slot, asyncio.Event())
             left = bound - (self.clock() - started)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), max(0.0, left))
+
+    def free(self, slot: int) -> int | None:
+        """A slot other than `slot` that a held request may move to (the core's rule; None: none, or no keeper)."""
+        if self.keeper is None:
+            return None
+        return self.keeper.turns.free_slot(slot, [s for s, flows in self.open.items() if flows])
 
     def must_wait(self, decision: Pin) -> bool:
         """Our earlier requests run on the request's slot, and another slot could run it (one dict look-up)."""
@@ -95,7 +103,8 @@ class SlotWaits:
     async def held(self, decision: Pin, flow_id: str, content: bytes | None) -> Pin:
         """A request pinned to a slot where our earlier requests still run waits here rather than in the
         server's queue, at most `slots_wait_bound` seconds; then (or at once, for a side call behind longer
-        work) it goes out with `id_slot: -1` (`slotlogic.wait`). A free slot costs one dict look-up."""
+        work) it goes to a free slot the core chose, or else out with `id_slot: -1` (`slotlogic.wait`). A
+        request whose slot is free costs one dict look-up."""
         t = decision.ticket
         if t.slot is None or not self.must_wait(decision):
             return decision
@@ -103,12 +112,23 @@ class SlotWaits:
         raw = decision.body if decision.body is not None else content
         plan = await self.hold(t.slot, flow_id, bound=self.bound(), side=t.side, own_chars=len(raw or b""),
                                rate=self.keeper.prefill_estimate, session="" if t.side else t.session.key)
-        if plan.verdict is not wait.Verdict.UNPIN or not raw:
+        if plan.verdict not in (wait.Verdict.UNPIN, wait.Verdict.MOVE) or not raw:
             return decision
-        body = wait.unpinned_body(raw)
+        moved = plan.slot if plan.verdict is wait.Verdict.MOVE else None
+        # another proxy may write it: made ours in the shared state first, unless a live proxy writes it
+        if moved is not None and not self.keeper.turns.writes(moved) and (
+                self.take is None or not await self.take(moved) or self.free(t.slot) != moved):
+            if plan.why is wait.WaitWhy.SIDE_BUSY:
+                return decision  # queued on its own slot: nothing of anyone's is written over
+            moved = None
+        body = wait.unpinned_body(raw, -1 if moved is None else moved)
         if body is None:
             return decision
-        self.keeper.turns.unpin(t, plan.why or wait.WaitWhy.BOUND, self.holder(t.slot, flow_id))
+        why, holder = plan.why or wait.WaitWhy.BOUND, self.holder(t.slot, flow_id)
+        if moved is None:
+            self.keeper.turns.unpin(t, why, holder)
+        else:
+            self.keeper.turns.move_held(t, moved, why, holder, time.time())
         self.released(flow_id)
         return Pin(t, body)
 

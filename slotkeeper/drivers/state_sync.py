@@ -96,6 +96,16 @@ class StateSync:
         self._reconciled(state)
         return True
 
+    async def take_free(self, slot: int) -> bool:
+        """A held request's move to `slot`: the slot made this process's to write in the shared state, unless a
+        live proxy writes it (`Turns.take_free`); False also when the store cannot be written (fail open)."""
+        try:
+            async with self.store.transaction() as state:
+                return self.keeper.turns.take_free(state, slot, time.time())
+        except Exception as e:
+            self.emit(Failed(self.url, Stage.STATE_WRITE, type(e).__name__))
+            return False
+
     async def reconcile(self) -> None:
         """With nothing to flush: read the state (no lock, a worker thread) and look for a shared slot."""
         if not self.keeper.table.keys():

@@ -106,7 +106,8 @@ class Upstream:
         self.mover.builds = builds
         # our requests open on each slot: a request behind them waits a bounded time (not in a replay)
         self.waits = SlotWaits(keeper=None if offline else self.keeper, bound=lambda: self.settings.wait_bound,
-                               released=self.mover.unsent, slots=self.client.slots)
+                               released=self.mover.unsent, slots=self.client.slots,
+                               take=lambda slot: self.sync.take_free(slot))
         self.model = ModelCheck(self.client, emit, url, on_speed=self.keeper.outcomes.probed,
                                 turns=self.keeper.turns)
         self.speeds = SlotSpeeds(url, self.keeper, self.model, emit, lambda: self.settings)  # every save/restore
