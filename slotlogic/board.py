@@ -15,7 +15,7 @@ from typing import Any
 
 from slotlogic.decisions import Report
 from slotlogic.endpoints import ANTHROPIC_PATHS, RESPONSES_PATHS, normalise_path
-from slotlogic.events import CheckpointDone, Event, Paged
+from slotlogic.events import CheckpointDone, Event, Paged, TokensLost
 from slotlogic.session import DEFAULT_SESSION_HEADERS
 
 HORIZON_S = 600.0      # how far back the page's timeline reaches
@@ -100,11 +100,6 @@ class Board:
         lane.extra(short).client = client_kind(r.path, r.ticket.session.source)
         if r.slot is not None:
             lane.spans.append((round(now - r.seconds, 3), round(now, 3), r.slot, short))
-        if r.loss is not None and r.loss.tokens:
-            e = lane.extra(short)
-            e.lost[r.loss.cause.value] = e.lost.get(r.loss.cause.value, 0) + r.loss.tokens
-            if r.slot is not None:
-                lane.marks.append((round(now, 3), r.slot, "loss", short, r.loss.tokens))
 
     def event(self, e: Event, now: float, warning: str | None = None) -> None:
         """`warning`: the event's log line when it is a warning (worded by `slotlogic.wording`)."""
@@ -119,6 +114,12 @@ class Board:
                 lane.marks.append((round(now, 3), e.slot, "seed" if e.seed else "page-in", e.into, e.in_tokens))
                 if not e.seed:
                     lane.extra(e.into).pages_in += 1
+        elif isinstance(e, TokensLost) and e.tokens:  # at its answer, or once its cause was asked of the server
+            lane = self._lane(e.upstream)
+            x = lane.extra(e.session)
+            x.lost[e.cause.value] = x.lost.get(e.cause.value, 0) + e.tokens
+            if e.slot is not None:
+                lane.marks.append((round(now, 3), e.slot, "loss", e.session, e.tokens))
         elif isinstance(e, CheckpointDone) and e.outcome.restored:
             self._lane(e.upstream).marks.append((round(now, 3), e.slot, "prefix", "", e.prompt_n))
 

@@ -127,6 +127,7 @@ class Report:
     upstream: str
     seconds: float
     loss: Loss | None = None   # tokens the session had that its slot did not hold for this request
+    settled: bool = True       # False: its loss's cause is still being asked of the server (`Outcomes.settle_loss`)
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -135,7 +136,7 @@ class Report:
         out = {"session": t.session.key, "source": t.session.source, "slot": self.slot, "reason": t.reason,
                "side": t.side, "cache_n": self.obs.cache_n, "prompt_n": self.obs.prompt_n,
                "outcome": self.obs.outcome, "client": t.client, "facts": t.facts}
-        if self.loss is not None:
+        if self.loss is not None and self.settled:
             out["loss"] = {"tokens": self.loss.tokens, "cause": self.loss.cause.value, "expected": self.loss.expected}
         if t.translated:
             out["path"] = self.path  # the request went upstream as a chat completion; this is what was asked

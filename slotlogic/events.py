@@ -442,6 +442,7 @@ class TokensLost(Event):
     tokens: int
     cause: Cause
     expected: bool
+    client: str = ""               # the client kind (`slotlogic.board.client_kind`)
 
 
 @dataclass(frozen=True)

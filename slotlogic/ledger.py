@@ -63,6 +63,7 @@ class Cause(Enum):
     OTHER_PROCESS = "other-process"          # another proxy's session ran there
     UNPINNED = "unpinned"                    # a request the server placed itself ran there
     SIDE_CALL = "side-call"                  # a side call ran on the session's slot
+    IDLE_CLEAR = "idle-clear"                # the server emptied the idle slot (unified KV, --cache-idle-slots)
     UNKNOWN = "unknown"
 
     @property
@@ -71,7 +72,7 @@ class Cause(Enum):
         return self in _EXPECTED
 
 
-_EXPECTED = frozenset({Cause.RESTART, Cause.MODEL_CHANGE, Cause.EVICTED})
+_EXPECTED = frozenset({Cause.RESTART, Cause.MODEL_CHANGE, Cause.EVICTED, Cause.IDLE_CLEAR})
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ from typing import Any, Protocol
 
 from slotlogic import affinity, anthropic, anthropic_answer, costs, shared, wait
 from slotlogic.answers import Observation
+from slotlogic.board import client_kind
 from slotlogic.decisions import Report, Ticket
 from slotlogic.events import ContextOverflow, Event, SlotLearned, TokensLost
-from slotlogic.ledger import Ledger
+from slotlogic.ledger import Cause, Ledger, Loss, tolerance
 from slotlogic.reasons import Why
 from slotlogic.server import ServerInfo
 from slotlogic.stats import SessionStats
@@ -46,6 +47,7 @@ class Outcomes:
         self.prefill_speed: float | None = None  # the start-up probe's prefill tok/s (answers without timings)
         self.prefill_rate: float | None = None   # prompt tok/s of this server's recent answers (a moving average)
         self.speeds = costs.Speeds()  # slot save/restore throughput, KV bytes a token, the prefill fit (the drivers')
+        self.idle_clearing = False  # this server was seen emptying idle slots: a slot found empty is that
 
     def prefill_estimate(self) -> float | None:
         """Prompt tokens a second on this server: its recent answers', else the start-up probe's."""
@@ -63,9 +65,11 @@ class Outcomes:
         """The start-up probe's measured prefill speed (for answers that carry no timings)."""
         self.prefill_speed = prefill_tok_s
 
-    def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float, now: float) -> Report:
+    def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float, now: float,
+                 ask: bool = False) -> Report:
         """The answer moves the slot bookkeeping on (whose conversation a slot holds now) and returns the `Report`
-        every view of the request is rendered from."""
+        every view of the request is rendered from. `ask`: the server can be asked what emptied a slot; a loss
+        of no known cause is then left unsettled (`settle_loss`) instead of being counted as `unknown` now."""
         slot = obs.id_slot if obs.id_slot is not None else ticket.slot
         if ticket.learn is not None and ticket.learn is not affinity.Learn.SLOTS and obs.error_type is None:
             learned = self.learn(ticket, obs.id_slot, now)
@@ -82,7 +86,13 @@ class Outcomes:
         stats = self.stats.pop(key, None) or SessionStats()
         self.stats[key] = stats  # most recently answered last
         stats.add(obs, slot, ticket.session.source, fallback_pps=self.prefill_speed)
-        if loss is not None:
+        settled = True
+        if loss is not None and loss.cause is Cause.UNKNOWN:
+            if self.idle_clearing and obs.cache_n is not None and obs.cache_n <= tolerance(loss.tokens):
+                loss = Loss(loss.tokens, Cause.IDLE_CLEAR)  # this server was seen emptying idle slots
+            else:
+                settled = not ask
+        if loss is not None and settled:
             stats.lost += loss.tokens
             stats.lost_unexpected += 0 if loss.expected else loss.tokens
         pps = obs.prompt_per_second
@@ -92,7 +102,28 @@ class Outcomes:
             self.speeds.prefill(obs.prompt_n, obs.cache_n, pps)
         while len(self.stats) > MAX_STATS:
             self.stats.popitem(last=False)
-        return Report(ticket, obs, slot, path, self.upstream, seconds, loss)
+        return Report(ticket, obs, slot, path, self.upstream, seconds, loss, settled)
+
+    def settle_loss(self, report: Report, found: Cause | None) -> TokensLost | None:
+        """The cause of an unsettled loss, once the server was asked (`found`: a restart, idle clearing; None:
+        nothing explains it, `unknown`): the report says it from now on, and its `TokensLost` goes out."""
+        if report.settled or report.loss is None:
+            return None
+        if found is Cause.IDLE_CLEAR:
+            self.idle_clearing = True
+        report.loss = Loss(report.loss.tokens, found or Cause.UNKNOWN)
+        report.settled = True
+        stats = self.stats.get(report.ticket.session.key)
+        if stats is not None:
+            stats.lost += report.loss.tokens
+            stats.lost_unexpected += 0 if report.loss.expected else report.loss.tokens
+        return self._lost(report)
+
+    def _lost(self, report: Report) -> TokensLost:
+        assert report.loss is not None
+        t = report.ticket
+        return TokensLost(self.upstream, t.session.short, report.slot, report.loss.tokens, report.loss.cause,
+                          report.loss.expected, client_kind(report.path, t.session.source))
 
     def learn(self, ticket: Ticket, slot: int | None, now: float) -> SlotLearned | None:
         """Affinity: the slot llama-server chose for a pending request, from its answer (`slotlogic.affinity`).
@@ -126,10 +157,8 @@ class Outcomes:
         obs = report.obs
         out: list[Event] = [*self.learned]
         self.learned.clear()
-        if report.loss is not None:
-            loss = report.loss
-            out.append(TokensLost(self.upstream, report.ticket.session.short, report.slot, loss.tokens, loss.cause,
-                                  loss.expected))
+        if report.loss is not None and report.settled:
+            out.append(self._lost(report))
         if obs.error_type == "exceed_context_size_error":
             out.append(ContextOverflow(self.upstream, obs.n_prompt_tokens, obs.n_ctx))
         return out
@@ -142,15 +171,18 @@ class Outcomes:
                 and report.obs.cache_n == 0 and stats is not None and stats.requests > 1)
 
     def idle_cleared(self, live: Sequence[dict[str, Any]], cold_slot: int, now: float) -> int | None:
-        """A slot other than `cold_slot` that a live session of ours used and that now holds 0 tokens: the
-        server empties idle slots (unified KV + --cache-idle-slots). None when nothing shows that."""
+        """An idle slot other than `cold_slot` that holds 0 tokens where a live session of ours used it, or where
+        the ledger says it holds tokens (a conversation, a prefix, a side call's prompt): the server empties
+        idle slots (unified KV + --cache-idle-slots). None when nothing shows that."""
         for entry in live:
             sid = entry.get("id")
             if sid == cold_slot or entry.get("is_processing") or not isinstance(sid, int):
                 continue
-            holders = [k for k, a in self.table.sessions.items()
-                       if a.slot == sid and a.requests > 0 and now - a.last_used < self.table.ttl]
-            if holders and entry.get("n_prompt_tokens") == 0:
+            if entry.get("n_prompt_tokens") != 0:
+                continue
+            if self.ledger.entry(sid).tokens > 0 or any(
+                    a.slot == sid and a.requests > 0 and now - a.last_used < self.table.ttl
+                    for a in self.table.sessions.values()):
                 return sid
         return None
 

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 from slotlogic.board import client_kind
 from slotlogic.decisions import Report
-from slotlogic.events import CheckpointDone, Event, Paged, StalePlan
+from slotlogic.events import CheckpointDone, Event, Paged, StalePlan, TokensLost
 from slotlogic.ledger import Cause
 
 Key = tuple[str, str]   # (server, slot)
@@ -56,9 +56,6 @@ class Tally:
         self.servers.add(r.upstream)
         client = (r.upstream, client_kind(r.path, r.ticket.session.source))
         self.client_requests[client] += 1
-        if r.loss is not None:
-            self.lost[(r.upstream, r.loss.cause.value, "true" if r.loss.expected else "false")] += r.loss.tokens
-            self.client_lost[(*client, r.loss.cause.value)] += r.loss.tokens
         if r.obs.cache_n:
             self.reused[client] += r.obs.cache_n
             speed = r.obs.prompt_per_second or fallback_pps
@@ -78,6 +75,10 @@ class Tally:
                 self.page_ops[(*key, "in")] += 1
                 self.paged_in[key] += e.in_tokens
             self.page_seconds[key] += e.seconds
+        elif isinstance(e, TokensLost):  # at its answer, or once its cause was asked of the server
+            self.servers.add(e.upstream)
+            self.lost[(e.upstream, e.cause.value, "true" if e.expected else "false")] += e.tokens
+            self.client_lost[(e.upstream, e.client or "unknown", e.cause.value)] += e.tokens
         elif isinstance(e, StalePlan):
             self.stale_plans[(e.upstream, e.move)] += 1
         elif isinstance(e, CheckpointDone):

@@ -83,7 +83,7 @@ def request_record(r: Report) -> dict[str, Any]:
     out = {"kind": "request", "path": r.path, "upstream": r.upstream, "session": t.session.key,
            "source": t.session.source, "slot": r.slot, "reason": t.reason, "cache_n": r.obs.cache_n,
            "prompt_n": r.obs.prompt_n, "error": r.obs.error_type, "seconds": round(r.seconds, 4)}
-    if r.loss is not None:
+    if r.loss is not None and r.settled:  # an unsettled loss has its own `lost` record once its cause is known
         out["loss"] = {"tokens": r.loss.tokens, "cause": r.loss.cause.value, "expected": r.loss.expected}
     return out
 
@@ -258,6 +258,7 @@ _CAUSES = {
     "other-process": "another proxy's session ran on its slot",
     "unpinned": "a request the server placed itself ran on its slot",
     "side-call": "a side call ran on its slot",
+    "idle-clear": "the server emptied its idle slot (expected: unified KV with --cache-idle-slots)",
     "unknown": "cause unknown",
 }
 

@@ -11,7 +11,7 @@ from slotlogic.board import Board, client_kind
 from slotlogic.checkpoint_machine import Outcome
 from slotlogic.decisions import Report, Ticket
 from slotlogic.endpoints import Route
-from slotlogic.events import CheckpointDone, Paged
+from slotlogic.events import CheckpointDone, Paged, TokensLost
 from slotlogic.ledger import Cause, Loss
 from slotlogic.session import SessionId
 
@@ -46,6 +46,7 @@ def test_holders_marks_and_losses_are_shown_per_server():
     b.event(CheckpointDone(UP, 1, Outcome.RESTORED, 450, None, None, 0.1), now=104.5)
     b.event(CheckpointDone(UP, 1, Outcome.HIT, 0, None, None, 0.0), now=104.6)  # nothing restored: no mark
     b.report(report("bbbbbbbb22222222", 0, loss=Loss(300, Cause.EVICTED)), now=105.0)
+    b.event(TokensLost(UP, "bbbbbbbb", 0, 300, Cause.EVICTED, True, "chat/content:root"), now=105.0)  # its meter
     b.event(Paged("http://other:8080", 0, "cccccccc", 1, None, None, 0.1, 1.0), now=104.0)
     v = b.view(UP, now=106.0)
     assert [(s["slot"], s["session"], s["start"], s["end"]) for s in v["spans"]] == [
@@ -68,6 +69,7 @@ def test_old_history_and_warnings_leave_the_view_and_every_ring_is_bounded():
     assert later["spans"] == [] and later["marks"] == [] and later["warnings"] == []
     for i in range(board.MAX_SPANS + board.MAX_SESSIONS + 10):
         b.report(report(f"{i:08x}00000000", i % 8, loss=Loss(1, Cause.UNKNOWN)), now=1000.0 + i * 0.001)
+        b.event(TokensLost(UP, f"{i:08x}", i % 8, 1, Cause.UNKNOWN, False), now=1000.0 + i * 0.001)
     lane = b.lanes[UP]
     assert len(lane.spans) == board.MAX_SPANS and len(lane.marks) == board.MAX_MARKS
     assert len(lane.extras) == board.MAX_SESSIONS

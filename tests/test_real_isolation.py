@@ -232,3 +232,30 @@ def test_a_clients_id_slot_cannot_reach_another_sessions_slot_unless_clients_are
             assert b.slot != first.slot and again.slot == first.slot
             assert again.cache_n >= first.cache_n + first.prompt_n - 1  # A's cache untouched
             assert "why=known" in text and "client-id_slot" not in text
+
+
+def test_a_restart_noticed_only_when_a_session_finds_its_slot_empty_is_metered_as_the_restart(tmp_path):
+    """`slots_probe_interval 0`: nothing probes the server until a known session finds its slot empty. The loss is
+    settled once the server was asked why (`/props`: a new media marker), so it is labelled the restart's, not
+    `unknown` (before, it was counted `unknown` 44 ms before the restart was noticed)."""
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_probe_interval": 0}
+    log = tmp_path / "p.log"
+    with LlamaServer(slots=2, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
+            MitmProxy(srv.url, opts, log_path=str(log)) as px:
+        msgs = conversation("Task Q: survive a restart nobody probed for.")
+        first = ask(px.url, msgs)
+        extend(msgs, 1)
+        srv.restart()
+        cold = ask(px.url, msgs)
+        deadline = time.monotonic() + 20
+        while " lost " not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        metrics = httpx.get(px.url + "/_slots/metrics", timeout=10).text
+    text = log.read_text()
+    assert cold.slot == first.slot and cold.cache_n == 0
+    lost = [ln for ln in text.splitlines() if " lost " in ln and " tokens on slot " in ln]
+    assert len(lost) == 1 and lost[0].endswith("the server restarted (expected)"), lost
+    counted = {ln.split("{")[1].split("}")[0]: float(ln.split()[-1]) for ln in metrics.splitlines()
+               if ln.startswith("slotkeeper_tokens_lost_total{")}
+    assert counted[f'cause="restart",expected="true",server="{srv.url}"'] == first.cache_n + first.prompt_n
+    assert counted[f'cause="unknown",expected="false",server="{srv.url}"'] == 0

@@ -49,7 +49,7 @@ async def test_the_status_carries_what_the_page_draws_and_the_metrics_the_saving
     assert got[("slotkeeper_client_requests_total", on)] == 3
     lost = {k[1]: v for k, v in got.items() if k[0] == "slotkeeper_tokens_lost_total"}
     by_client = {k[1]: v for k, v in got.items() if k[0] == "slotkeeper_client_tokens_lost_total"}
-    assert len(by_client) == len(lost) == 10  # every cause present, 0 when none
+    assert len(by_client) == len(lost) == 11  # every cause present, 0 when none
     for cause in ("unknown", "evicted"):  # one client: its losses are the server's
         assert by_client[(("cause", cause), *on)] == lost[(("cause", cause), ("expected", "true" if cause == "evicted"
                                                                               else "false"), ("server", UP))]

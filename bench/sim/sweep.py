@@ -28,6 +28,7 @@ class SeedResult:
     seconds: float = 0.0
     error: str | None = None
     cpu: float = 0.0          # CPU seconds of its process (a loaded machine stretches `seconds`, not this)
+    miscalled: int = 0        # tokens the proxy's meter called unexpected where the ground truth has none unlabelled
 
     @property
     def ratio(self) -> float:
@@ -61,9 +62,24 @@ def run_shape(shape: Shape) -> tuple[SeedResult, Rig]:
     rig = holder["rig"]
     done = sorted((o.done for o in rig.outcomes if o.done is not None), key=lambda d: d.started)
     limit = sum(new_tokens([d.tokens for d in done])) if done else 0
+    losses = find_losses(rig)
     result = SeedResult(shape.seed, shape.describe(), len(rig.outcomes), rig.prefill_tokens, limit,
-                        find_losses(rig), time.perf_counter() - started, error, time.process_time() - cpu)
+                        losses, time.perf_counter() - started, error, time.process_time() - cpu,
+                        miscalled(rig, losses))
     return result, rig
+
+
+def miscalled(rig: Rig, losses: list[Loss]) -> int:
+    """Tokens the proxy's own meter called unexpected (`Report.loss`) for a session whose losses the ground truth
+    all labels (a restart, idle clearing, an eviction it chose): the meter crying wolf, which a user reads as a
+    fault of the proxy."""
+    real = {x.tag for x in losses if not x.labelled}
+    out = 0
+    for o in rig.outcomes:
+        loss = getattr(o.report, "loss", None) if o.report is not None else None
+        if loss is not None and not loss.expected and o.tag not in real:
+            out += loss.tokens
+    return out
 
 
 def run_seed(seed: int) -> SeedResult:
@@ -122,6 +138,8 @@ def summary(results: list[SeedResult], seconds: float) -> str:
            f"lost tokens (unlabelled): {lost}  labelled (restart, idle clearing, given away): "
            f"{sum(r.lost_labelled for r in results)}",
            "lost tokens by cause: " + (", ".join(f"{k}={v}" for k, v in sorted(causes.items())) or "none"),
+           f"the proxy's meter: unexpected where the ground truth labels the loss: "
+           f"{sum(r.miscalled for r in results)} tokens in {sum(1 for r in results if r.miscalled)} seeds",
            f"failing seeds: {len(failing)}" + (f" (first: {[r.seed for r in failing[:10]]})" if failing else "")]
     for r in failing[:3]:
         out.append(f"seed {r.seed}: lost {r.lost}" + (f", error {r.error}" if r.error else ""))

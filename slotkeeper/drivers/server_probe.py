@@ -20,8 +20,10 @@ from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.model_check import ModelCheck
 from slotkeeper.drivers.store import StateStore
 from slotkeeper.drivers.tasks import Tasks
+from slotlogic.decisions import Report
 from slotlogic.events import Event, IdleSlotsCleared, MessagesProbed, ModelUnloaded, SlotsSlow
 from slotlogic.keeper import Keeper
+from slotlogic.ledger import Cause
 from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
 from slotlogic.settings import AnthropicMode, Settings
 
@@ -175,16 +177,32 @@ class ServerProbe:
             self.emit(MessagesProbed(self.url, honoured))
         return honoured
 
-    async def explain_cache_loss(self, slot: int) -> None:
-        """A known session's pinned slot came back cold: restart? idle clearing (unified KV)? say which."""
+    async def explain(self, report: Report) -> None:
+        """A request found less of its conversation in its slot than it had: ask the server why, and settle the
+        loss with that cause (`Outcomes.settle_loss`; the loss meter's line goes out then). Always settled,
+        `unknown` when nothing explains it or the asking failed."""
+        found = None
+        try:
+            if report.slot is not None:
+                found = await self.explain_cache_loss(report.slot)
+        finally:
+            lost = self.keeper.outcomes.settle_loss(report, found)
+            if lost is not None:
+                self.emit(lost)
+
+    async def explain_cache_loss(self, slot: int) -> Cause | None:
+        """A known session's pinned slot came back cold: a restart? idle clearing (unified KV)? say which."""
         before = self.keeper.server.media_marker if self.keeper.server else None
         await self.probe()
         if (self.keeper.server.media_marker if self.keeper.server else None) != before:
-            return  # a restart explains it; already logged
+            return Cause.RESTART  # already logged
         live = await self.client.slots()
-        if live is None or self._unified_told:
-            return
+        if live is None:
+            return None
         cleared = self.keeper.outcomes.idle_cleared(live, slot, time.time())
-        if cleared is not None:
+        if cleared is None:
+            return None
+        if not self._unified_told:
             self._unified_told = True
             self.emit(IdleSlotsCleared(self.url, cleared))
+        return Cause.IDLE_CLEAR

@@ -303,7 +303,8 @@ class Upstream:
     # ------------------------------------------------------------------------------------------- answers
 
     def answered(self, ticket: Ticket, obs: Observation, *, path: str, seconds: float) -> Report:
-        report = self.keeper.outcomes.answered(ticket, obs, path=path, seconds=seconds, now=time.time())
+        report = self.keeper.outcomes.answered(ticket, obs, path=path, seconds=seconds, now=time.time(),
+                                               ask=not self.offline and ticket.slot is not None)
         for event in self.keeper.outcomes.warnings(report):
             self.emit(event)
         if ticket.learn is not None:  # affinity: a learned slot is a new claim for the state file
@@ -312,8 +313,9 @@ class Upstream:
             self.kick()
         if ticket.unpinned in wait.UNPINNED and not self.offline and obs.error_type is None:
             self.tasks.spawn(self.waits.ran_unpinned(ticket, obs))
-        if not self.offline and report.slot is not None and self.keeper.outcomes.lost_cache(report):
-            self.tasks.spawn(self.prober.explain_cache_loss(report.slot))
+        if not self.offline and report.slot is not None and (not report.settled
+                                                             or self.keeper.outcomes.lost_cache(report)):
+            self.tasks.spawn(self.prober.explain(report))
         check = self.keeper.pager.page_doubtful(report) if self.pages is not None else None
         page = self.keeper.pager.page_of(ticket.session.key)
         if check is not None and report.slot is not None and page is not None:
