@@ -26,6 +26,7 @@ WARMING → SAVING when persistence is on, else DONE. SAVING failure (501: no --
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -162,24 +163,32 @@ class Result:
         return None
 
 
-# (phase, verdict) → next phase. Verdicts: ok, fail, low (verification below its bar).
-TRANSITIONS: dict[tuple[Phase, str], Phase] = {
-    (Phase.RESTORING_BASE, "ok"): Phase.WARMING,
-    (Phase.RESTORING_BASE, "fail"): Phase.WARMING,
-    (Phase.RESTORING, "ok"): Phase.VERIFY_IDENTICAL,
-    (Phase.RESTORING, "fail"): Phase.WARMING,
-    (Phase.VERIFY_IDENTICAL, "ok"): Phase.VERIFY_DIVERGENT,
-    (Phase.VERIFY_IDENTICAL, "low"): Phase.ERASING,
-    (Phase.VERIFY_IDENTICAL, "fail"): Phase.DONE,
-    (Phase.VERIFY_DIVERGENT, "ok"): Phase.DONE,
-    (Phase.VERIFY_DIVERGENT, "low"): Phase.DONE,
-    (Phase.VERIFY_DIVERGENT, "fail"): Phase.DONE,
-    (Phase.ERASING, "ok"): Phase.WARMING,
-    (Phase.ERASING, "fail"): Phase.WARMING,
-    (Phase.WARMING, "ok"): Phase.SAVING,  # or DONE when persistence is off (see _after_warm)
-    (Phase.WARMING, "fail"): Phase.DONE,
-    (Phase.SAVING, "ok"): Phase.DONE,
-    (Phase.SAVING, "fail"): Phase.DONE,
+class Verdict(Enum):
+    """How one action went, as its phase's handler reads the answer."""
+
+    OK = "ok"
+    FAIL = "fail"
+    LOW = "low"   # a verification below its bar
+
+
+# (phase, verdict) → next phase.
+TRANSITIONS: dict[tuple[Phase, Verdict], Phase] = {
+    (Phase.RESTORING_BASE, Verdict.OK): Phase.WARMING,
+    (Phase.RESTORING_BASE, Verdict.FAIL): Phase.WARMING,
+    (Phase.RESTORING, Verdict.OK): Phase.VERIFY_IDENTICAL,
+    (Phase.RESTORING, Verdict.FAIL): Phase.WARMING,
+    (Phase.VERIFY_IDENTICAL, Verdict.OK): Phase.VERIFY_DIVERGENT,
+    (Phase.VERIFY_IDENTICAL, Verdict.LOW): Phase.ERASING,
+    (Phase.VERIFY_IDENTICAL, Verdict.FAIL): Phase.DONE,
+    (Phase.VERIFY_DIVERGENT, Verdict.OK): Phase.DONE,
+    (Phase.VERIFY_DIVERGENT, Verdict.LOW): Phase.DONE,
+    (Phase.VERIFY_DIVERGENT, Verdict.FAIL): Phase.DONE,
+    (Phase.ERASING, Verdict.OK): Phase.WARMING,
+    (Phase.ERASING, Verdict.FAIL): Phase.WARMING,
+    (Phase.WARMING, Verdict.OK): Phase.SAVING,  # or DONE when persistence is off (see _after_warm)
+    (Phase.WARMING, Verdict.FAIL): Phase.DONE,
+    (Phase.SAVING, Verdict.OK): Phase.DONE,
+    (Phase.SAVING, Verdict.FAIL): Phase.DONE,
 }
 
 
@@ -240,32 +249,32 @@ class Orchestrator:
         phase = self.phase
         if phase in (Phase.START, Phase.DONE):
             raise RuntimeError(f"no action pending in phase {phase.value}")
-        verdict = getattr(self, f"_on_{phase.name.lower()}")(result)
+        verdict = _HANDLERS[phase](self, result)
         nxt = TRANSITIONS[(phase, verdict)]
-        if phase is Phase.WARMING and verdict == "ok" and not self.persist:
+        if phase is Phase.WARMING and verdict is Verdict.OK and not self.persist:
             nxt = Phase.DONE
         self.phase = nxt
         if nxt is Phase.DONE and self.outcome is None:
-            self.outcome = Outcome.WARMED if phase is Phase.WARMING and verdict == "ok" else Outcome.FAILED
+            self.outcome = Outcome.WARMED if phase is Phase.WARMING and verdict is Verdict.OK else Outcome.FAILED
 
     # -------------------------------------------------------------------------------- per-phase verdicts
 
-    def _on_restoring_base(self, r: Result) -> str:
+    def _on_restoring_base(self, r: Result) -> Verdict:
         if r.ok:
             self._note(NoteKind.BASE_RESTORED, filename=self.base or "", tokens=_int(r.data, "n_restored"))
-            return "ok"
-        return "fail"
+            return Verdict.OK
+        return Verdict.FAIL
 
-    def _on_restoring(self, r: Result) -> str:
+    def _on_restoring(self, r: Result) -> Verdict:
         if r.ok:
             n = r.data.get("n_restored") if isinstance(r.data, dict) else None
             self.restored_tokens = n if isinstance(n, int) else None
             self._note(NoteKind.RESTORED, filename=self.filename, tokens=self.restored_tokens)
-            return "ok"
+            return Verdict.OK
         self.missing_save_path |= r.status == 501
         self._note(NoteKind.NO_FILE, failure=r.failure())
         self._note(NoteKind.COLD)
-        return "fail"
+        return Verdict.FAIL
 
     def _probe(self, r: Result) -> tuple[int, int] | None:
         """(cache_n, total) of a verification request, its prefill counted; None when it did not run."""
@@ -275,57 +284,57 @@ class Orchestrator:
         self.spent_prefill += t[1]
         return t[0], t[0] + t[1]
 
-    def _on_verify_identical(self, r: Result) -> str:
+    def _on_verify_identical(self, r: Result) -> Verdict:
         self.identical = self._probe(r)
         if self.identical is None:
             self._note(NoteKind.VERIFY_DID_NOT_RUN, failure=r.failure())
             self.outcome = Outcome.RESTORED_UNVERIFIED
-            return "fail"
+            return Verdict.FAIL
         cache_n, total = self.identical
         if cache_n < self.gate * total:
             self.file_bad = True
             self._note(NoteKind.REJECTED, identical=self.identical, gate=self.gate)
-            return "low"
-        return "ok"
+            return Verdict.LOW
+        return Verdict.OK
 
-    def _on_verify_divergent(self, r: Result) -> str:
+    def _on_verify_divergent(self, r: Result) -> Verdict:
         self.divergent = self._probe(r)
         if self.divergent is None:
             self._note(NoteKind.DIVERGENT_DID_NOT_RUN, identical=self.identical, failure=r.failure())
             self.outcome = Outcome.RESTORED
-            return "fail"
+            return Verdict.FAIL
         if self.divergent[0] == 0:
             self._note(NoteKind.CANNOT_RESUME, identical=self.identical, divergent=self.divergent)
             self.outcome = Outcome.RESTORED_UNVERIFIED
-            return "low"
+            return Verdict.LOW
         self._note(NoteKind.VERIFIED, identical=self.identical, divergent=self.divergent)
         self.outcome = Outcome.RESTORED
-        return "ok"
+        return Verdict.OK
 
-    def _on_erasing(self, r: Result) -> str:
-        return "ok" if r.ok else "fail"
+    def _on_erasing(self, r: Result) -> Verdict:
+        return Verdict.OK if r.ok else Verdict.FAIL
 
-    def _on_warming(self, r: Result) -> str:
+    def _on_warming(self, r: Result) -> Verdict:
         t = r.timings() if r.ok else None
         if t is None:
             self._note(NoteKind.WARM_FAILED, failure=r.failure())
             self.outcome = Outcome.FAILED
-            return "fail"
+            return Verdict.FAIL
         self.spent_prefill += t[1]
         self._note(NoteKind.WARMED, tokens=t[1], cached=t[0])
-        return "ok"
+        return Verdict.OK
 
-    def _on_saving(self, r: Result) -> str:
+    def _on_saving(self, r: Result) -> Verdict:
         if r.ok:
             n = r.data.get("n_saved") if isinstance(r.data, dict) else None
             self.saved_tokens = n if isinstance(n, int) else None
             self._note(NoteKind.SAVED, filename=self.filename, tokens=self.saved_tokens)
             self.outcome = Outcome.WARMED_SAVED
-            return "ok"
+            return Verdict.OK
         self.missing_save_path |= r.status == 501
         self._note(NoteKind.SAVE_FAILED, failure=r.failure())
         self.outcome = Outcome.WARMED
-        return "fail"
+        return Verdict.FAIL
 
     # -------------------------------------------------------------------------------- helpers
 
@@ -340,3 +349,15 @@ class Orchestrator:
 def _int(data: Any, key: str) -> int | None:
     v = data.get(key) if isinstance(data, dict) else None
     return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+# Each phase's handler of its action's answer: a table, not a method looked up by its name.
+_HANDLERS: dict[Phase, Callable[[Orchestrator, Result], Verdict]] = {
+    Phase.RESTORING_BASE: Orchestrator._on_restoring_base,
+    Phase.RESTORING: Orchestrator._on_restoring,
+    Phase.VERIFY_IDENTICAL: Orchestrator._on_verify_identical,
+    Phase.VERIFY_DIVERGENT: Orchestrator._on_verify_divergent,
+    Phase.ERASING: Orchestrator._on_erasing,
+    Phase.WARMING: Orchestrator._on_warming,
+    Phase.SAVING: Orchestrator._on_saving,
+}

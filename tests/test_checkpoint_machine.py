@@ -111,3 +111,14 @@ def test_a_cold_prefix_is_built_on_the_shorter_one_it_starts_with():
     failed = Orchestrator(1, P, "f.bin", persist=True, base="base.bin")
     assert run(failed, [RESTORE_400, chat(0, 930), SAVED]) == ["restore", "warm", "save"]
     assert run(Orchestrator(1, P, "f.bin", persist=False, base="base.bin"), [chat(0, 930)]) == ["warm"]
+
+
+def test_every_phase_with_an_action_has_its_handler_and_every_verdict_a_next_phase():
+    """The answer of each phase's action is read by a handler from a table (no method looked up by its name);
+    a phase without an action pending raises."""
+    from slotlogic.checkpoint_machine import _HANDLERS, TRANSITIONS, Verdict
+
+    acting = {p for p in Phase if p not in (Phase.START, Phase.DONE)}
+    assert set(_HANDLERS) == acting
+    assert {p for p, _ in TRANSITIONS} == acting
+    assert all(isinstance(v, Verdict) for _, v in TRANSITIONS)
