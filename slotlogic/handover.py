@@ -93,11 +93,10 @@ def take_free(writers: dict[int, str], beats: Mapping[str, float], slot: int, pr
 
 
 def forced(writers: dict[int, str], handovers: dict[tuple[int, str], Handover], h: Handover, now: float) -> None:
-    """The giver did not answer in time: the taker writes the slot anyway (a labelled loss at worst)."""
+    """The giver did not answer in time: the taker writes the slot anyway. The ask stays open: a giver that was
+    alive after all (at start-up, before its first beat) still answers it, and stops writing the slot; its
+    answer says whose conversation its last request left there, for the taker's next placement to page out."""
     writers[h.slot] = h.taker
-    current = handovers.get((h.slot, h.taker))
-    if current is not None and current.epoch == h.epoch:
-        handovers[(h.slot, h.taker)] = Handover(h.slot, h.giver, h.taker, h.claimant, h.epoch, h.asked, now)
 
 
 def writes(writers: Mapping[int, str], slot: int, proxy: str) -> bool:

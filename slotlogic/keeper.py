@@ -243,6 +243,7 @@ class Keeper:
                 self._follow(key, result.slot, now)
         ticket.promise = self.ledger.pin(result.slot, key, side=ticket.why is Why.SIDE_CALL,
                                          paging=self.settings.paging)
+        self._turns.pinned(result.slot)
         if ticket.claimed is not None:  # its placement's moves are done: the slot is its session's now
             self.ledger.unclaim(ticket.claimed, key)
             ticket.claimed = None

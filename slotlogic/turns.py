@@ -42,6 +42,8 @@ class Turns:
         self.table = table
         self.ledger = ledger
         self.host = host
+        self.handed: dict[int, Handover] = {}  # slot -> the answer it was handed to us with, until we pin there
+        self.read: dict[int, int] = {}  # slot -> the epoch of the last answer to our ask of it that we have read
 
     # ------------------------------------------------------------------------------------------- the probe
 
@@ -141,9 +143,36 @@ class Turns:
         handover.forced(state.writers, state.handovers, asked, now)
         self.ledger.writing.add(asked.slot)
 
+    def late_answer(self, state: shared.ServerState, slot: int) -> Handover | None:
+        """An answer to an ask of ours that we never read: its giver answered after we took the slot anyway
+        (it had not been heard of yet at start-up), or after the placement that asked went stale and went
+        elsewhere. It says whose conversation its last request left there, which our next placement on the
+        slot pages out first (`handover.holder` keeps whichever of that and ours ran later)."""
+        if not self.host.instance:
+            return None
+        h = state.handovers.get((slot, self.host.instance))
+        if h is None or h.answered is None or self.read.get(slot) == h.epoch:
+            return None
+        self.read[slot] = h.epoch
+        self.handed[slot] = h
+        return h
+
     def writer_given(self, answer: Handover) -> None:
-        """The giver answered: the slot is this process's to write."""
+        """The giver answered: the slot is this process's to write. Its answer (whose conversation its last
+        request left there) stays with the slot until a request of ours is pinned there: a placement planned
+        again after its first plan went stale still pages that conversation out first."""
         self.ledger.writing.add(answer.slot)
+        self.handed[answer.slot] = answer
+        self.read[answer.slot] = answer.epoch
+
+    def handed_with(self, slot: int) -> Handover | None:
+        """The answer `slot` was handed to this process with, while nothing of ours was pinned there since."""
+        return self.handed.get(slot)
+
+    def pinned(self, slot: int) -> None:
+        """A request of ours is pinned to `slot` (after its moves): what the giver left there is moved or gone."""
+        if self.handed:
+            self.handed.pop(slot, None)
 
     def asked_of_us(self, state: shared.ServerState) -> list[Handover]:
         """Handovers other proxies ask of this one (`slotlogic.handover`)."""
@@ -165,6 +194,7 @@ class Turns:
         if self.claimed_elsewhere(h.slot, h.claimant, None) is None:
             self.ledger.claimed_elsewhere(h.slot, h.claimant)
         self.ledger.writing.discard(h.slot)
+        self.handed.pop(h.slot, None)
         return last  # our sessions stay off the slot until the answer is written (`hand_over_cleared`)
 
     def others_alive(self, state: shared.ServerState, now: float) -> bool:

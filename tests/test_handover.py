@@ -42,7 +42,12 @@ def test_without_an_answer_the_taker_takes_the_slot_when_its_wait_runs_out():
     asked = handover.turn(writers, asks, {A: 100.0, B: 100.0}, 0, B, "sb", 101.0)
     assert asked is not None
     handover.forced(writers, asks, asked, 101.0 + WAIT)
-    assert writers == {0: B} and handover.asked_of(asks, A) == []
+    assert writers == {0: B}
+    # the ask stays open: a giver alive after all answers it late, and says what its last request left there
+    assert handover.asked_of(asks, A) == [asked]
+    assert handover.acknowledge(writers, asks, asked, "sa", 102.0, 105.0)
+    late = handover.answer(asks, asked)
+    assert late is not None and (late.last, late.answered) == ("sa", 105.0) and writers == {0: B}
 
 
 def test_the_holder_is_whichever_of_the_two_last_requests_reached_the_server_later():

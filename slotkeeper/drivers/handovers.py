@@ -157,7 +157,7 @@ class Handovers:
                 await asyncio.sleep(HANDOVER_POLL)
                 state = await self.store.fresh()
             if self.keeper.turns.may_write(state, slot):
-                return None, False
+                return self.keeper.turns.late_answer(state, slot), False
             async with self.store.transaction() as state:
                 asked = self.keeper.turns.writer_turn(state, slot, key or "side-call", time.time())
             if asked is not None:

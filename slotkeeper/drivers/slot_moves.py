@@ -201,6 +201,7 @@ class SlotMover:
         # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
         state = await self._fresh_pages(key) if self.store.remote else await self.store.fresh()
         given, stale = await self.handovers.take(slot, key, fence, state)
+        given = given or self.keeper.turns.handed_with(slot)  # handed over to an earlier plan that went stale
         if stale or not self.keeper.turns.fence_holds(fence):  # we handed the slot on since our claim: place it again
             assert fence is not None
             self.emit(self.keeper.turns.stale_plan(fence, "page", key))
