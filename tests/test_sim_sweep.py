@@ -85,6 +85,8 @@ CAUSES = [
           "again on it, and forgot the giver's answer (whose conversation was there): 96 of 129"),
     (627, "not-paged-in: two proxies, one slot; the giver answered after the taker's placement went stale and "
           "went elsewhere; the taker's next placement there never read that answer: 136 of 170"),
+    (1000, "not-paged-in: two proxies, two slots at start-up (seeds 1,000-2,999; open)"),
+    (2438, "page-of-another-conversation: two proxies at start-up (seeds 1,000-2,999; open)"),
     (352, "side-call-over-owner: paging off, every slot a session's; a title call behind a long prefill on the side "
           "slot went out with id_slot -1 and the server ran it on a `known` session's idle slot: 3 of 196"),
 ]
@@ -95,7 +97,7 @@ CAUSES = [
 # paged, what ran on a restarted server kept, no resume over a slot written since; routing to the server that
 # keeps a session's conversation, and its page restored on another server of the pool when it must go there;
 # two proxies hand a slot over (slotlogic/handover.py): one writer per slot, the giver answers before the taker moves
-FIXED = {185, 62, 59, 79, 6, 9, 129, 389, 54, 37, 201, 993, 277, 261, 98, 153, 381, 633, 984, 1224, 2034, 352, 131, 627}
+FIXED = {185, 62, 59, 79, 6, 9, 129, 389, 54, 37, 201, 993, 277, 261, 98, 153, 381, 633, 984, 1224, 2034, 352, 131, 627, 15}
 
 
 @pytest.mark.parametrize("seed", [pytest.param(seed, id=why.split(":")[0], marks=() if seed in FIXED else
@@ -113,6 +115,6 @@ def test_bench_sim_runs_without_a_server_and_prints_the_figures(capsys):
 
 
 def test_bench_sim_seed_prints_each_loss_step_by_step(capsys):
-    assert bench_main(["--sim-seed", "15"]) == 1  # a seed that still loses (docs/simulator.md)
+    assert bench_main(["--sim-seed", "1000"]) == 1  # a seed that still loses (docs/simulator.md)
     out = capsys.readouterr().out
     assert "cause=not-paged-in" in out and "this request: slot" in out

@@ -220,7 +220,7 @@ class Upstream:
         return decision
 
     async def _place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
-                     accept: Accept | None = None, retries: int = 1) -> Any:
+                     accept: Accept | None = None, retries: int = 2) -> Any:
         key, now = need.ticket.session.key, facts.now
         if self.pages is not None:
             await self.pages.settled(key)  # its page-out is in flight: page it back in after
