@@ -97,7 +97,8 @@ CAUSES = [
 # paged, what ran on a restarted server kept, no resume over a slot written since; routing to the server that
 # keeps a session's conversation, and its page restored on another server of the pool when it must go there;
 # two proxies hand a slot over (slotlogic/handover.py): one writer per slot, the giver answers before the taker moves
-FIXED = {185, 62, 59, 79, 6, 9, 129, 389, 54, 37, 201, 993, 277, 261, 98, 153, 381, 633, 984, 1224, 2034, 352, 131, 627, 15}
+FIXED = {185, 62, 59, 79, 6, 9, 129, 389, 54, 37, 201, 993, 277, 261, 98, 153, 381, 633, 984, 1224, 2034,
+         352, 131, 627, 15}
 
 
 @pytest.mark.parametrize("seed", [pytest.param(seed, id=why.split(":")[0], marks=() if seed in FIXED else
