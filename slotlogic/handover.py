@@ -92,7 +92,7 @@ def take_free(writers: dict[int, str], beats: Mapping[str, float], slot: int, pr
     return False
 
 
-def forced(writers: dict[int, str], handovers: dict[tuple[int, str], Handover], h: Handover, now: float) -> None:
+def forced(writers: dict[int, str], h: Handover) -> None:
     """The giver did not answer in time: the taker writes the slot anyway. The ask stays open: a giver that was
     alive after all (at start-up, before its first beat) still answers it, and stops writing the slot; its
     answer says whose conversation its last request left there, for the taker's next placement to page out."""

@@ -93,8 +93,7 @@ class Outcomes:
             else:
                 settled = not ask
         if loss is not None and settled:
-            stats.lost += loss.tokens
-            stats.lost_unexpected += 0 if loss.expected else loss.tokens
+            stats.count_loss(loss.tokens, loss.expected)
         pps = obs.prompt_per_second
         if pps and obs.prompt_n and obs.prompt_n >= RATE_MIN_TOKENS:
             old = self.prefill_rate
@@ -115,8 +114,7 @@ class Outcomes:
         report.settled = True
         stats = self.stats.get(report.ticket.session.key)
         if stats is not None:
-            stats.lost += report.loss.tokens
-            stats.lost_unexpected += 0 if report.loss.expected else report.loss.tokens
+            stats.count_loss(report.loss.tokens, report.loss.expected)
         return self._lost(report)
 
     def _lost(self, report: Report) -> TokensLost:

@@ -18,6 +18,11 @@ class SessionStats:
     lost: int = 0          # tokens the loss meter counted (slotlogic/ledger.py), every cause
     lost_unexpected: int = 0
 
+    def count_loss(self, tokens: int, expected: bool) -> None:
+        """A settled loss of this session (at its answer, or once its cause was asked of the server)."""
+        self.lost += tokens
+        self.lost_unexpected += 0 if expected else tokens
+
     def add(self, obs: Observation, slot: int | None, source: str, *, fallback_pps: float | None = None) -> None:
         """`fallback_pps`: the measured prefill speed (start-up probe), for answers without timings (Anthropic,
         /v1/responses)."""

@@ -140,7 +140,7 @@ class Turns:
         return asked
 
     def writer_forced(self, state: shared.ServerState, asked: Handover, now: float) -> None:
-        handover.forced(state.writers, state.handovers, asked, now)
+        handover.forced(state.writers, asked)
         self.ledger.writing.add(asked.slot)
 
     def late_answer(self, state: shared.ServerState, slot: int) -> Handover | None:

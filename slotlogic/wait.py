@@ -122,7 +122,7 @@ def free_slot(ledger: Ledger, table: SessionTable, total: int | None, avoid: int
     return None if best is None else best[1]
 
 
-def unpinned_body(raw: bytes, slot: int = -1) -> bytes | None:
+def body_with_slot(raw: bytes, slot: int = -1) -> bytes | None:
     """The pinned body with `id_slot: -1` (the server chooses the slot; or `slot`, a move), every other byte
     kept; None when it is not one JSON object (the caller then sends it pinned, as it was)."""
     try:
@@ -139,15 +139,7 @@ def unpin(ticket: Ticket, why: WaitWhy, holder: str | None, ledger: Ledger, tabl
     """The bookkeeping of a pinned request that goes out with `id_slot: -1` after all. The slot's last
     dispatch is its `holder`'s again (the request ahead: "" a side call, None unknown); the session stays
     where it was (its conversation is still on that slot), and its answer says where the server ran it."""
-    slot, key = ticket.slot, ticket.session.key
-    if ticket.claimed is not None:
-        ledger.unclaim(ticket.claimed, key)
-        ticket.claimed = None
-    if slot is not None and table.dispatched.get(slot) in (key, ""):
-        if holder is None:
-            del table.dispatched[slot]
-        else:
-            table.dispatched[slot] = holder
+    _leave(ticket, holder, ledger, table)
     ticket.slot, ticket.why, ticket.paged_in, ticket.seeded, ticket.promise = None, None, False, False, None
     ticket.unpinned = Unpinned.WAIT_BOUND if why is WaitWhy.BOUND else Unpinned.SIDE_BUSY
 
@@ -157,16 +149,8 @@ def move(ticket: Ticket, slot: int, why: WaitWhy, holder: str | None, ledger: Le
     """The bookkeeping of a held request pinned to the free `slot` instead of its own (Rule 3, Rule 4): the
     slot it leaves is its holder's again, as for `unpin`; the ledger and the table say where it runs now, so
     nothing promised to anyone else is on `slot` and its session (not a side call) is at home there."""
-    old, key = ticket.slot, ticket.session.key
-    side = ticket.why is Why.SIDE_CALL
-    if ticket.claimed is not None:
-        ledger.unclaim(ticket.claimed, key)
-        ticket.claimed = None
-    if old is not None and table.dispatched.get(old) in (key, ""):
-        if holder is None:
-            del table.dispatched[old]
-        else:
-            table.dispatched[old] = holder
+    key, side = ticket.session.key, ticket.why is Why.SIDE_CALL
+    _leave(ticket, holder, ledger, table)
     ticket.slot = slot
     ticket.promise = ledger.pin(slot, key, side=side, paging=paging)
     table.dispatch("" if side else key, slot)
@@ -175,6 +159,20 @@ def move(ticket: Ticket, slot: int, why: WaitWhy, holder: str | None, ledger: Le
         table.assign(key, slot, now, prefix=known.prefix, requests=known.requests)
     ticket.why = Why.SIDE_BUSY if why is WaitWhy.SIDE_BUSY else Why.WAIT_BOUND
     ticket.paged_in, ticket.seeded, ticket.displaced = False, False, False
+
+
+def _leave(ticket: Ticket, holder: str | None, ledger: Ledger, table: SessionTable) -> None:
+    """A held request leaves the slot it was pinned to: its claim goes, and the slot's last dispatch is its
+    `holder`'s again (the request ahead: "" a side call, None unknown)."""
+    slot, key = ticket.slot, ticket.session.key
+    if ticket.claimed is not None:
+        ledger.unclaim(ticket.claimed, key)
+        ticket.claimed = None
+    if slot is not None and table.dispatched.get(slot) in (key, ""):
+        if holder is None:
+            del table.dispatched[slot]
+        else:
+            table.dispatched[slot] = holder
 
 
 def ran(ledger: Ledger, slot: int, ticket: Ticket) -> None:

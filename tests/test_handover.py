@@ -2,7 +2,7 @@
 when the giver answers; the answer says whose conversation its last write left there; bounded and tolerant."""
 
 from slotlogic import handover, shared
-from slotlogic.handover import DEAD, WAIT, Handover
+from slotlogic.handover import DEAD, Handover
 
 A, B = "a" * 16, "b" * 16
 
@@ -41,7 +41,7 @@ def test_without_an_answer_the_taker_takes_the_slot_when_its_wait_runs_out():
     writers, asks = {0: A}, {}
     asked = handover.turn(writers, asks, {A: 100.0, B: 100.0}, 0, B, "sb", 101.0)
     assert asked is not None
-    handover.forced(writers, asks, asked, 101.0 + WAIT)
+    handover.forced(writers, asked)
     assert writers == {0: B}
     # the ask stays open: a giver alive after all answers it late, and says what its last request left there
     assert handover.asked_of(asks, A) == [asked]

@@ -104,13 +104,13 @@ def test_bound_zero_turns_the_hold_off():
     assert wait.plan(Ahead(3, 10**9), 999.0, 0.0, side=True, own_chars=1, rate=1.0).verdict is Verdict.GO
 
 
-def test_the_unpinned_body_keeps_every_other_byte():
+def test_the_body_with_slot_keeps_every_other_byte():
     raw = b'{"model":"m", "id_slot":2,"messages":[{"role":"user","content":"x"}],"cache_prompt":false}'
-    out = wait.unpinned_body(raw)
+    out = wait.body_with_slot(raw)
     assert out is not None and json.loads(out) == {**json.loads(raw), "id_slot": -1}
     assert out.replace(b"-1", b"2") == raw
-    assert json.loads(wait.unpinned_body(b'{"a":1}') or b"") == {"a": 1, "id_slot": -1, "cache_prompt": True}
-    assert wait.unpinned_body(b"[1]") is None and wait.unpinned_body(b"{") is None
+    assert json.loads(wait.body_with_slot(b'{"a":1}') or b"") == {"a": 1, "id_slot": -1, "cache_prompt": True}
+    assert wait.body_with_slot(b"[1]") is None and wait.body_with_slot(b"{") is None
 
 
 async def test_the_hold_ends_when_the_request_ahead_ends():

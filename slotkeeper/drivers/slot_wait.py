@@ -121,7 +121,7 @@ class SlotWaits:
             if plan.why is wait.WaitWhy.SIDE_BUSY:
                 return decision  # queued on its own slot: nothing of anyone's is written over
             moved = None
-        body = wait.unpinned_body(raw, -1 if moved is None else moved)
+        body = wait.body_with_slot(raw, -1 if moved is None else moved)
         if body is None:
             return decision
         why, holder = plan.why or wait.WaitWhy.BOUND, self.holder(t.slot, flow_id)
