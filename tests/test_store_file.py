@@ -127,3 +127,28 @@ def test_the_size_cap_is_exact(tmp_path, monkeypatch):
     assert len(store.path.read_bytes()) == 100 and store.file.load() == json.loads(doc)
     store.path.write_text(doc[:-2] + 'y"}')
     assert store.read().sessions == {} and not store.path.exists()
+
+
+async def test_the_shutdown_flush_does_not_wait_out_a_transaction_of_its_own_suspended_on_the_loop(tmp_path):
+    """`done` (sync, on the event loop) waited the lock's whole timeout for a flush of this same process that
+    could not run to let go (as on Redis in CI), then lost the last touches."""
+    store = StateFile(tmp_path, "http://127.0.0.1:8080")
+    inside, resume = asyncio.Event(), asyncio.Event()
+
+    async def background_flush() -> None:
+        async with store.transaction() as s:
+            st.claim(s, "b" * 16, 1, 1.0)
+            inside.set()
+            await resume.wait()
+
+    task = asyncio.create_task(background_flush())
+    await inside.wait()
+    t0 = asyncio.get_running_loop().time()
+    with store.transaction_sync() as s:  # blocks the loop, as `done` does
+        st.claim(s, "d" * 16, 0, 2.0)
+    assert asyncio.get_running_loop().time() - t0 < 2
+    resume.set()
+    await task
+    assert store.read().slots[0].owner == "d" * 16  # the suspended flush did not write its older state over it
+    async with store.transaction() as s:  # the lock was let go
+        assert s.slots[0].owner == "d" * 16

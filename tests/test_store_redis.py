@@ -344,3 +344,29 @@ async def test_a_huge_slot_count_in_the_redis_key_sizes_nothing(url, store_serve
                                             '{"2999999":{"last_used":1.0,"owner":"x"}},"sessions":{}}')
     st = await RedisState(RedisConnection(url, lambda e: None), SERVER).aread()
     assert st.total_slots is None and st.slots == {}
+
+
+async def test_the_shutdown_flush_does_not_wait_out_a_transaction_of_its_own_suspended_on_the_loop(url, store_server):
+    """CI, test_scale_real: `done` (sync, on the event loop) waited the lock's whole 10 s for a flush of this same
+    proxy that could not run to let go, then gave up (`unreachable (LockError)`) and dropped the last touches."""
+    store = RedisState(RedisConnection(url, lambda e: None), SERVER)
+    inside, resume = asyncio.Event(), asyncio.Event()
+
+    async def background_flush() -> None:
+        async with store.transaction() as st:
+            shared.claim(st, "b" * 16, 1, 1.0)
+            inside.set()
+            await resume.wait()  # suspended, holding the lock, when `done` runs
+
+    task = asyncio.create_task(background_flush())
+    await inside.wait()
+    t0 = asyncio.get_running_loop().time()
+    with store.transaction_sync() as st:  # blocks the loop, as `done` does
+        shared.claim(st, "d" * 16, 0, 2.0)
+    assert asyncio.get_running_loop().time() - t0 < 2 and store.conn.available
+    resume.set()
+    await task
+    r = redis.Redis(port=store_server.port)
+    seen = await RedisState(RedisConnection(url, lambda e: None), SERVER).aread()
+    assert seen.slots[0].owner == "d" * 16  # the suspended flush did not write its older state over it
+    assert r.get(state_key(SERVER) + ":lock") is None

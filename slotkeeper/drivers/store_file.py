@@ -165,6 +165,8 @@ class StateFile:
         self.last = shared.ServerState(upstream=upstream)  # as of the last transaction: for sync views
         self.dir, self.path = self.file.dir, self.file.path
         self._seen: tuple[tuple[int, int, int], shared.ServerState] | None = None  # (file's stamp, its state)
+        self._held = False  # a transaction holds the lock, suspended on the event loop (shutdown goes on under it)
+        self._superseded = False  # the shutdown flush wrote meanwhile: the suspended transaction must not
 
     def _stamp(self) -> tuple[int, int, int] | None:
         """The file's inode, size and mtime: every write replaces the file, so a new inode is a new state."""
@@ -208,17 +210,28 @@ class StateFile:
 
         The file I/O (and its fsync) runs in a worker thread: a slow disk must never stall other flows."""
         async with self.file.locked():
-            state = await asyncio.to_thread(self.read)
-            yield state
-            await asyncio.to_thread(self.write, state)
-            self.last = state
-            stamp = self._stamp()  # still under the lock: nobody else wrote since
-            self._seen = (stamp, state) if stamp else None
+            self._held = True
+            try:
+                state = await asyncio.to_thread(self.read)
+                yield state
+                if self._superseded:  # the shutdown flush wrote a newer state under this lock meanwhile
+                    return
+                await asyncio.to_thread(self.write, state)
+                self.last = state
+                stamp = self._stamp()  # still under the lock: nobody else wrote since
+                self._seen = (stamp, state) if stamp else None
+            finally:
+                self._held = False
 
     @contextlib.contextmanager
     def transaction_sync(self) -> Iterator[shared.ServerState]:
-        with self.file.locked_sync():
+        """At shutdown (`done`, sync, on the event loop). A transaction of this process suspended on that loop
+        holds the lock and cannot run to let go: waiting would wait out the whole timeout, so the flush goes on
+        under the lock it holds, and that transaction writes nothing when it resumes."""
+        held = self._held
+        with contextlib.nullcontext() if held else self.file.locked_sync():
             state = self.read()
             yield state
             self.write(state)
             self.last = state
+            self._superseded = held

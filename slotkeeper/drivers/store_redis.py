@@ -237,6 +237,8 @@ class RedisState:
         self.channel = claims_channel(upstream)
         self.last = shared.ServerState(upstream=upstream)
         self.slot_locks: RedisSlotLocks | None = RedisSlotLocks(conn, upstream)
+        self._held: Any = None  # the lock of a transaction suspended on the event loop (shutdown takes it over)
+        self._superseded = False  # the shutdown flush wrote under that lock: the suspended one must not
 
     def watch(self, on_claim: OnClaim) -> None:
         """Call `on_claim` with every claim another proxy makes on this server, as it is made."""
@@ -281,9 +283,12 @@ class RedisState:
             yield local
             self.last = local
             return
+        self._held = lock
         try:
             before = notices.owners(state)
             yield state
+            if self._superseded:  # the shutdown flush wrote a newer state under this lock meanwhile
+                return
             changed = notices.changes(before, state, self.conn.instance, time.time())
             try:
                 pipe = self.conn.client().pipeline(transaction=False)  # one round trip: the write and the notices
@@ -297,6 +302,7 @@ class RedisState:
                 self.conn.failed(e)
             self.last = state
         finally:
+            self._held = None
             with contextlib.suppress(*ERRORS, LockError):
                 await lock.release()
 
@@ -323,6 +329,17 @@ class RedisState:
                 await lock.release()
             raise
 
+    def _take_over(self, client: redis.Redis, lock: Any) -> bool:
+        """True when a transaction of this process holds the lock, suspended on the event loop that `done`
+        now blocks: waiting for it would wait out the lock's whole TTL (it cannot run to let go), so the
+        shutdown flush goes on under its token, and that transaction writes nothing when it resumes."""
+        held = self._held
+        token = getattr(getattr(held, "local", None), "token", None)
+        if token is None or client.get(self.key + ":lock") != token:
+            return False
+        lock.local.token = token
+        return True
+
     @contextlib.contextmanager
     def transaction_sync(self) -> Iterator[shared.ServerState]:
         """At shutdown (sync): a short-lived blocking client; fail open like the async one."""
@@ -334,7 +351,7 @@ class RedisState:
                 client = redis.Redis.from_url(self.conn.url, socket_timeout=IO_TIMEOUT,
                                               socket_connect_timeout=IO_TIMEOUT)
                 lock = client.lock(self.key + ":lock", timeout=LOCK_SECONDS, blocking_timeout=WAIT_SECONDS)
-                if not lock.acquire():
+                if not self._take_over(client, lock) and not lock.acquire():
                     raise LockError("lock wait timed out")
                 state = self._parse(client.get(self.key))
             except (RedisError, OSError, LockError) as e:
@@ -348,6 +365,7 @@ class RedisState:
             if lock is not None and client is not None:
                 with contextlib.suppress(RedisError, OSError):
                     client.set(self.key, json.dumps(shared.to_dict(state), separators=(",", ":")), px=KEEP_MS)
+                    self._superseded = self._held is not None
             self.last = state
         finally:
             if lock is not None:
