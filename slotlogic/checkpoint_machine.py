@@ -13,7 +13,8 @@ Theory of operation
 START:    the slot already holds the prefix (in-process knowledge, confirmed alive) → DONE (hit);
           persistence on and a matching file known → RESTORING; otherwise cold: → RESTORING_BASE when a file
           of a shorter prefix it starts with is known (a family's prefix extends the shared one: only the
-          difference is then prefilled), else → WARMING.
+          difference is then prefilled) and the slot holds no copy of a conversation that starts with the
+          prefix (a seed: the warm-up then reuses all of it), else → WARMING.
 RESTORING_BASE → WARMING, whatever the answer (a failed restore only wipes the slot).
 RESTORING → VERIFY_IDENTICAL on 200. Any failure → WARMING (a failed restore wipes the slot).
 VERIFY_IDENTICAL: the warm-up request re-sent must come back ≥ `gate` (90%) from cache, else the file is
@@ -201,6 +202,8 @@ class Orchestrator:
     holds_prefix: bool = False
     file_known: bool = False
     base: str | None = None      # a known file of a shorter prefix this one starts with (restored before a warm-up)
+    copied: bool = False         # the slot holds a copy of a conversation that starts with the prefix (a seed):
+                                 # the warm-up runs on it; a base restored first would wipe all it holds
     gate: float = 0.9
     phase: Phase = Phase.START
     outcome: Outcome | None = None
@@ -222,7 +225,7 @@ class Orchestrator:
             self.phase = Phase.RESTORING
         else:
             self._note(NoteKind.COLD)
-            self.phase = Phase.RESTORING_BASE if self.persist and self.base else Phase.WARMING
+            self.phase = Phase.RESTORING_BASE if self.persist and self.base and not self.copied else Phase.WARMING
 
     # -------------------------------------------------------------------------------- driver interface
 

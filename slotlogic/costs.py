@@ -261,6 +261,8 @@ def judge(plan: PagePlan, rates: Rates, *, holder_tokens: int | None, restore_by
     if plan.restore_file is not None:
         live = plan.seed is not None and plan.seed.slot is not None
         c = live_seed(seed_tokens, rates) if live else page_in(plan.restore_tokens, restore_bytes, rates)
+        if c is not None and plan.seed is not None and not live and 0 < seed_tokens < c.tokens:
+            c = replace(c, prefill_s=rates.prefill_s(seed_tokens))  # a page seed spares only what it shares
         if c is not None:
             choices.append(replace(c, session=plan.restore_for or ""))
             if not c.worth:

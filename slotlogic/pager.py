@@ -96,7 +96,7 @@ class Pager:
         rec = self.index.get(plan.restore_for or "")
         restore_bytes = rec.bytes if rec is not None and rec.file == plan.restore_file else 0
         seed, seed_tokens = plan.seed, 0
-        if seed is not None and seed.slot is not None:  # a live slot saved, then restored here
+        if seed is not None:  # another's conversation: what it spares is the part the two share
             seed_tokens = seed.chars // paging.CHARS_PER_TOKEN if seed.chars else \
                 self.ledger.conversations.get(seed.source, 0)
         return costs.judge(plan, rates, holder_tokens=tokens, restore_bytes=restore_bytes, seed_tokens=seed_tokens)
@@ -217,12 +217,20 @@ class Pager:
 
     def _prefix_seed(self, slot: int, key: str, holder: str | None, views: Sequence[SlotView],
                      cold: pfx.StablePrefix, busy_too: bool = False) -> paging.Seed | None:
-        """A live session of ours, idle on another slot, whose first system message starts with `cold`."""
+        """A session whose first system message starts with `cold`: its restorable page (no save needed), else
+        its live slot when idle (another of ours). A subagent's family prefix is its parent's, paged out or
+        waiting on its slot: copying it in spares prefilling the part a base checkpoint does not hold."""
+        live_seed = None
         for other in self.learner.sharing(cold):
-            live = self._idle_on(other, slot, views, busy_too) if other not in (key, holder) else None
-            if live is not None:
-                return paging.Seed(other, len(cold.text), live, prefix=True)
-        return None
+            if other in (key, holder):
+                continue
+            rec = self.index.get(other)
+            if rec is not None and rec.model == self.page_identity and rec.n_tokens >= paging.MIN_TOKENS:
+                return paging.Seed(other, len(cold.text), prefix=True)
+            live = self._idle_on(other, slot, views, busy_too)
+            if live is not None and live_seed is None:
+                live_seed = paging.Seed(other, len(cold.text), live, prefix=True)
+        return live_seed
 
     def _idle_on(self, key: str, slot: int, views: Sequence[SlotView], busy_too: bool = False) -> int | None:
         """The slot `key` holds, other than `slot`: its request was the last this process sent there and its

@@ -113,6 +113,15 @@ def test_a_cold_prefix_is_built_on_the_shorter_one_it_starts_with():
     assert run(Orchestrator(1, P, "f.bin", persist=False, base="base.bin"), [chat(0, 930)]) == ["warm"]
 
 
+def test_a_cold_prefix_on_a_copy_of_a_conversation_that_starts_with_it_is_warmed_on_the_copy_not_on_a_base():
+    """Bench subagents seed 3: a subagent's slot was seeded with its parent's conversation (the family prefix and
+    more), then the shared base was restored over that copy and the family's 262 environment tokens prefilled
+    again; on the copy the warm-up reuses all of it."""
+    o = Orchestrator(1, P, "f.bin", persist=True, base="base.bin", copied=True)
+    kinds = run(o, [chat(923, 1), SAVED])
+    assert kinds == ["warm", "save"] and o.outcome is Outcome.WARMED_SAVED and o.spent_prefill == 1
+
+
 def test_every_phase_with_an_action_has_its_handler_and_every_verdict_a_next_phase():
     """The answer of each phase's action is read by a handler from a table (no method looked up by its name);
     a phase without an action pending raises."""

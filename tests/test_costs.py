@@ -158,6 +158,19 @@ def test_judge_drops_each_move_that_costs_more_than_it_spares():
     assert costs.judge(live, CPU, holder_tokens=None, restore_bytes=0, seed_tokens=300).seed is not None
 
 
+def test_a_page_seed_is_worth_only_the_part_it_shares():
+    """Another session's page restored as a start spares prefilling what the two share, not the whole page:
+    a long page that shares a short prefix costs more to read than that prefix costs to prefill."""
+    pages = {"s": PageRecord("fs", 20_000, 1.0, 20_000 * 23_000, "m")}
+    seed = paging.seeded(PagePlan(0), paging.Seed("s", 4 * 300, prefix=True), pages, UP, "x")
+    slow_disk = replace(CPU, restore_bps=1e8)  # 4.6 s to read, 3 s to prefill 300 tokens
+    judged = costs.judge(seed, slow_disk, holder_tokens=None, restore_bytes=20_000 * 23_000, seed_tokens=300)
+    assert judged.seed is None and judged.restore_file is None
+    assert judged.choices[0].prefill_s == pytest.approx(slow_disk.prefill_s(300))
+    kept = costs.judge(seed, slow_disk, holder_tokens=None, restore_bytes=20_000 * 23_000, seed_tokens=19_000)
+    assert kept.seed is not None and kept.restore_file == "fs"
+
+
 def test_the_pager_weighs_its_plan_once_speeds_are_measured():
     k = Keeper(Settings(paging=True, save_dir="/x"), UP)
     k.facts.note_server(st.ServerState(UP), ServerInfo(total_slots=4, model_path="/m.gguf", build_info="b1",

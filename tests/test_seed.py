@@ -209,6 +209,27 @@ def test_a_cold_prefix_is_copied_from_a_live_session_that_starts_with_it():
             views=busy, cold=d.stable)).seed is None
 
 
+def test_a_cold_prefix_is_restored_from_the_page_of_a_session_that_starts_with_it():
+    """A subagent's parent was paged out (its slot went to a sibling): the parent's page holds the family
+    prefix, so it is restored as it is (no save, no wait for a busy slot) rather than warmed up on a base."""
+    k, state = Keeper(Settings(), U), shared.ServerState(U)
+    k.facts.note_server(state, info())
+    first = placed(k, state, generic("one", "/a"), "s1", 0.0)
+    s1 = k.table.dispatched[first]
+    d = need(k, generic("two", "/b"), "s2", 1.0)
+    p = k.assign(d, state, info(), LIVE, 1.0)
+    assert d.stable is not None
+    k.pager.index[s1] = page(s1, model=k.page_identity)
+    busy = [SlotView(i, busy=i == first) for i in range(4)]
+    ask = PageAsk(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=busy, cold=d.stable)
+    plan = k.pager.page_plan(ask)
+    assert plan.seed == Seed(s1, len(d.stable.text), None, prefix=True)
+    assert plan.restore_file == k.pager.index[s1].file and plan.seed_file is None and plan.saves == []
+    assert k.pager.busy_source(ask) is None                        # nothing to wait for: the page is there
+    k.pager.index[s1] = page(s1, model="/other|b9")                # saved by another server: not a seed
+    assert k.pager.page_plan(ask).seed is None
+
+
 def test_two_sessions_that_start_together_wait_for_the_first_to_copy_it():
     """The second session's source is still running its first request: waiting for it is worth at most what
     prefilling the copied part takes; nothing is waited for once the copy is there or a checkpoint covers it."""

@@ -112,8 +112,9 @@ class CheckpointRunner:
         return not self.settings.save_dir or (Path(self.settings.save_dir) / name).exists()
 
     async def prepare(self, slot: int, prefix: pfx.StablePrefix, info: ServerInfo, *,
-                      holds_prefix: bool) -> Orchestrator:
-        """Make `slot` hold `prefix` before a new session's first request. Never raises for HTTP trouble."""
+                      holds_prefix: bool, copied: bool = False) -> Orchestrator:
+        """Make `slot` hold `prefix` before a new session's first request (`copied`: the slot holds a copy of a
+        conversation that starts with it). Never raises for HTTP trouble."""
         fp = self.fingerprint(prefix, info)
         name = pfx.file_name(fp)
         self.current.add(name)
@@ -131,7 +132,8 @@ class CheckpointRunner:
         if self.persist and not holds_prefix:
             own = self.building[name] = asyncio.get_running_loop().create_future()
         try:
-            return await self._prepare(slot, prefix, info, fp, name, holds_prefix, waited or name in self.elsewhere)
+            return await self._prepare(slot, prefix, info, fp, name, holds_prefix, waited or name in self.elsewhere,
+                                       copied)
         finally:
             if own is not None:
                 if self.building.get(name) is own:
@@ -139,7 +141,7 @@ class CheckpointRunner:
                 own.set_result(None)
 
     async def _prepare(self, slot: int, prefix: pfx.StablePrefix, info: ServerInfo, fp: str, name: str,
-                       holds_prefix: bool, built: bool) -> Orchestrator:
+                       holds_prefix: bool, built: bool, copied: bool = False) -> Orchestrator:
         """`built`: a build of this file just ended (here or in another proxy): restore it even if this state
         dir's index does not know it; a failed restore falls back to warming (and saving) as for a cold one."""
         known = self.persist and self.file_known(name, info, built)
@@ -148,7 +150,7 @@ class CheckpointRunner:
             known = persist = False  # warming the prefix up is quicker than reading its file: warm, keep the file
         base = self._base(prefix, info, name) if self.persist and not known and not holds_prefix else None
         orch = Orchestrator(slot, prefix, name, persist=persist, holds_prefix=holds_prefix, file_known=known,
-                            base=base)
+                            base=base, copied=copied)
         self.emit(CheckpointStarted(self.upstream, fp, slot))
         while (action := orch.next_action()) is not None:
             orch.feed(await self.perform(action))

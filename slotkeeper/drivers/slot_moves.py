@@ -288,7 +288,7 @@ class SlotMover:
         self.pages.delete(doomed)
 
     async def warm(self, slot: int, need: NeedSlot, info: ServerInfo, holds: bool,
-                    fence: Fence | None = None) -> Fence | None:
+                    fence: Fence | None = None, copied: bool = False) -> Fence | None:
         """Restore or warm the shared prefix into the new session's slot; fail open on anything. With a shared
         store, the build is claimed first (`slotkeeper.drivers.build_claims`): another proxy's build is waited for and
         restored, not prefilled again."""
@@ -303,7 +303,7 @@ class SlotMover:
                 assert fence is not None
                 self.emit(self.keeper.turns.stale_plan(fence, "prefix", key))
                 return fence
-            orch = await cp.prepare(slot, need.stable, info, holds_prefix=holds)
+            orch = await cp.prepare(slot, need.stable, info, holds_prefix=holds, copied=copied)
         except Exception as e:
             self.emit(Failed(self.url, Stage.CHECKPOINT, type(e).__name__, slot=slot))
             return fence

@@ -270,7 +270,8 @@ class Upstream:
         if moved is Moved.STALE:  # twice: it goes where it was placed, with nothing moved (fail open)
             moved = Moved.NOTHING
         if self.checkpoints is not None and need.stable is not None and moved in (Moved.NOTHING, Moved.PREFIX):
-            fence = await self.mover.warm(placement.slot, need, info, holds and moved is Moved.NOTHING, fence=fence)
+            fence = await self.mover.warm(placement.slot, need, info, holds and moved is Moved.NOTHING, fence=fence,
+                                          copied=moved is Moved.PREFIX)
         elif self.checkpoints is not None and need.stable is None and "no-marker" not in self.warned:
             self.warned.add("no-marker")
             self.emit(NoPrefixMarker(self.url, need.ticket.session.short, self.settings.markers))
