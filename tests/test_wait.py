@@ -9,7 +9,9 @@ import json
 import logging
 import time
 
+import pytest
 from mitmproxy import http
+from mitmproxy.connection import ConnectionState
 from mitmproxy.flow import Error as flow_error
 
 from slotkeeper.drivers.slot_wait import SlotWaits
@@ -89,13 +91,13 @@ def test_a_moved_request_is_written_where_it_runs_and_its_old_slot_is_its_holder
     table.dispatch("owner", 2)
     side = Ticket(SessionId("title", "content:root"), Route.PINNABLE, side=True, slot=2, why=Why.SIDE_CALL)
     table.dispatch("", 2)
-    wait.move(side, 0, WaitWhy.SIDE_BUSY, "owner", ledger, table, 1.0, paging=False)
+    side = wait.move(side, 0, WaitWhy.SIDE_BUSY, "owner", ledger, table, 1.0, paging=False)
     assert (side.slot, side.why, side.reason) == (0, Why.SIDE_BUSY, "side-busy")
     assert ledger.entry(0).holds is Holds.SIDE and table.dispatched == {2: "owner", 0: ""}
     assert "title" not in table.sessions and ledger.conversation_on(2) == "owner"
 
     turn = Ticket(SessionId("owner", "header:x"), Route.PINNABLE, slot=2, why=Why.KNOWN)
-    wait.move(turn, 1, WaitWhy.BOUND, None, ledger, table, 2.0, paging=False)
+    turn = wait.move(turn, 1, WaitWhy.BOUND, None, ledger, table, 2.0, paging=False)
     assert (turn.reason, table.slot_of("owner"), ledger.entry(1).owner) == ("wait-bound", 1, "owner")
     assert 2 not in table.dispatched and turn.promise is not None and turn.promise.tokens == 0
 
@@ -202,12 +204,28 @@ async def test_a_client_that_hangs_up_while_held_is_logged_as_gone_with_the_time
     await proxy.request(flow(_side("the first title")))
     second = await proxy.request(flow(_side("the second title")))  # held 1 s, then sent unpinned
     second.error = flow_error("Client disconnected.")
+    second.client_conn.state = ConnectionState.CAN_WRITE  # what mitmproxy leaves when the client's end closes
     with caplog.at_level(logging.INFO):
         await proxy.hook("error", second)
     line = next(x for x in caplog.text.splitlines() if "why=wait-bound" in x)
     assert "error=client-gone" in line
     seconds = float(line.split("reuse=")[1].split()[1].rstrip("s"))
     assert seconds >= 1.0  # the proxy's own wait is in the line, not 0.00s
+
+
+@pytest.mark.parametrize("msg", ["Client disconnected.", "Server disconnected."])
+async def test_the_error_label_follows_the_client_connection_not_the_words(proxy, caplog, msg):
+    """A client still connected is never called gone, whatever the error says; one whose end closed is."""
+    f = await proxy.request(flow(chat("task A")))
+    f.error = flow_error(msg)
+    with caplog.at_level(logging.INFO):
+        await proxy.hook("error", f)
+    assert "error=transport" in caplog.text and "client-gone" not in caplog.text
+    g = await proxy.request(flow(chat("task B")))
+    g.error, g.client_conn.state = flow_error(msg), ConnectionState.CLOSED
+    with caplog.at_level(logging.INFO):
+        await proxy.hook("error", g)
+    assert "error=client-gone" in caplog.text
 
 
 def test_where_an_unpinned_request_ran_is_written_in_the_ledger():

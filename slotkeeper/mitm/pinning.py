@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from mitmproxy import ctx, exceptions, http
+from mitmproxy.connection import ConnectionState
 
 from slotkeeper.drivers import body_decode
 from slotkeeper.drivers.store import parse_url
@@ -326,15 +327,12 @@ class Pinning:
         return on_error
 
 
-CLIENT_GONE = "Client disconnected"  # mitmproxy's words (proxy/layers/http/_http1.py) when the client hangs up
-
-
 def _transport(flow: http.HTTPFlow) -> str:
-    """Which side cut a request off: `client-gone` when the client hung up (also while the proxy still held
-    the request: mitmproxy then ends it right after the request hook), else `transport`. A label for the log
-    line only; nothing is decided by it."""
-    msg = flow.error.msg if flow.error is not None else ""
-    return "client-gone" if msg.startswith(CLIENT_GONE) else "transport"
+    """Which side cut a request off: `client-gone` when the client hung up (its connection can no longer be
+    read: mitmproxy clears `CAN_READ` when the client's end closes, before the error hook; proxy/server.py),
+    else `transport`. A label for the log line; the state is a typed fact, not the error's words."""
+    gone = flow.live and not flow.client_conn.state & ConnectionState.CAN_READ  # a loaded flow keeps no state
+    return "client-gone" if gone else "transport"
 
 
 def observe_response(response: http.Response, stream: StreamObserver | None) -> Observation:
