@@ -24,12 +24,11 @@ Rule 3: only sessions recognised by their conversation root on a chat route, wit
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from dataclasses import dataclass
-from json.decoder import scanstring  # type: ignore[attr-defined]
 from typing import Any
 
+from slotlogic import json_scan
 from slotlogic.endpoints import CHAT_PATHS, normalise_path
 from slotlogic.session import SessionId
 
@@ -38,8 +37,6 @@ MAX_SHAPES = 256   # sessions remembered; the least recently matched go first
 MAX_BYTES = 32 << 20  # all shapes' heads, middles, tails and keys together
 OVERHEAD = 512     # bytes per shape besides its byte strings (the objects, the index entries)
 MAX_TRIES = 3      # learns of one session without a match in between: its bodies do not repeat, stop
-_WS = " \t\n\r"
-_scan = json.JSONDecoder().scan_once
 
 
 @dataclass
@@ -60,61 +57,35 @@ class Shape:
 def locate(text: str) -> tuple[int, int] | None:
     """(end of the first user message, start of the `]` closing `messages`) as offsets in `text`, a JSON
     object; None when the body is not a plain object with one `messages` array holding a user message."""
+    found: list[tuple[int, int]] = []
+
+    def scan(s: str, name: str, i: int) -> int:
+        if name != "messages":
+            return json_scan.value_end(s, i)
+        if found or s[i] != "[":
+            raise json_scan.NotOneObject("messages")  # a repeated key: json.loads keeps the last; not worth it
+        where, end = _messages(s, i + 1)
+        if where is None:
+            raise json_scan.NotOneObject("messages")
+        found.append(where)
+        return end
     try:
-        return _locate(text)
-    except (ValueError, IndexError, StopIteration, RecursionError):
+        json_scan.members(text, scan)
+    except json_scan.ERRORS:
         return None
-
-
-def _ws(s: str, i: int) -> int:
-    while s[i] in _WS:
-        i += 1
-    return i
-
-
-def _locate(s: str) -> tuple[int, int] | None:
-    i = _ws(s, 0)
-    if s[i] != "{":
-        return None
-    i, found = i + 1, None
-    while True:
-        i = _ws(s, i)
-        if s[i] == "}" and found is None:
-            return None
-        if s[i] != '"':
-            return None
-        name, i = scanstring(s, i + 1)
-        i = _ws(s, i)
-        if s[i] != ":":
-            return None
-        i = _ws(s, i + 1)
-        if name == "messages":
-            if found is not None or s[i] != "[":
-                return None  # a repeated key: json.loads keeps the last one; not worth the subtlety
-            found, i = _messages(s, i + 1)
-            if found is None:
-                return None
-        else:
-            _, i = _scan(s, i)
-        i = _ws(s, i)
-        if s[i] == ",":
-            i += 1
-            continue
-        if s[i] == "}" and found is not None and not s[i + 1:].strip(_WS):
-            return found
-        return None
+    return found[0] if found else None
 
 
 def _messages(s: str, i: int) -> tuple[tuple[int, int] | None, int]:
     first_user = None
     while True:
-        i = _ws(s, i)
+        i = json_scan.ws(s, i)
         if s[i] == "]":
             return ((first_user, i) if first_user is not None else None), i + 1
-        value, i = _scan(s, i)
+        value, i = json_scan.scan_value(s, i)
         if first_user is None and isinstance(value, dict) and value.get("role") == "user":
             first_user = i
-        i = _ws(s, i)
+        i = json_scan.ws(s, i)
         if s[i] == ",":
             i += 1
         elif s[i] != "]":
@@ -223,19 +194,19 @@ def appended_messages(new: bytes) -> bool:
         text = new.decode("utf-8")
         i, n = 0, len(text)
         while True:
-            while i < n and text[i] in _WS:
+            while i < n and text[i] in json_scan.WS:
                 i += 1
             if i == n:
                 return True
             if text[i] != ",":
                 return False
             i += 1
-            while i < n and text[i] in _WS:
+            while i < n and text[i] in json_scan.WS:
                 i += 1
             if i == n or text[i] != "{":
                 return False
-            _, i = _scan(text, i)
-    except (UnicodeDecodeError, ValueError, StopIteration, IndexError, RecursionError):
+            i = json_scan.value_end(text, i)
+    except json_scan.ERRORS:
         return False
 
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from json.decoder import scanstring  # type: ignore[attr-defined]
 from typing import Any
 
+from slotlogic import json_scan
+
 FIELDS = ("id_slot", "cache_prompt")
-_WS = " \t\n\r"
-_scan = json.JSONDecoder().scan_once
 
 
 def trusted_client_slot(body: dict[str, Any], total: int | None, override_client: bool) -> int | None:
@@ -106,12 +105,9 @@ def set_fields(raw: bytes, result: Rewrite) -> bytes | None:
     None when `raw` is not one JSON object."""
     try:
         text = raw.decode("utf-8")
-        spans = _top_level_values(text)
-    except (UnicodeDecodeError, ValueError, StopIteration, IndexError, RecursionError):
+        found, close = _top_level_values(text)
+    except json_scan.ERRORS:  # UnicodeDecodeError is a ValueError
         return None
-    if spans is None:
-        return None
-    found, close = spans
     out, pos = [], 0
     for start, end, name in found:
         out += [text[pos:start], _literal(result.body[name])]
@@ -126,39 +122,10 @@ def set_fields(raw: bytes, result: Rewrite) -> bytes | None:
     return ("".join(out) + head + extra + text[close:]).encode()
 
 
-def _top_level_values(s: str) -> tuple[list[tuple[int, int, str]], int] | None:
+def _top_level_values(s: str) -> tuple[list[tuple[int, int, str]], int]:
     """Spans of the values of the top-level keys named in FIELDS, and the offset of the closing brace."""
-    i = _ws(s, 0)
-    if s[i] != "{":
-        return None
-    found: list[tuple[int, int, str]] = []
-    i = _ws(s, i + 1)
-    if s[i] == "}":
-        return (found, i) if not s[i + 1:].strip(_WS) else None
-    while True:
-        if s[i] != '"':
-            return None
-        name, i = scanstring(s, i + 1)
-        i = _ws(s, i)
-        if s[i] != ":":
-            return None
-        start = _ws(s, i + 1)
-        _, end = _scan(s, start)
-        if name in FIELDS:
-            found.append((start, end, name))
-        i = _ws(s, end)
-        if s[i] == ",":
-            i = _ws(s, i + 1)
-            continue
-        if s[i] == "}" and not s[i + 1:].strip(_WS):
-            return found, i
-        return None
-
-
-def _ws(s: str, i: int) -> int:
-    while s[i] in _WS:
-        i += 1
-    return i
+    found, close = json_scan.members(s)
+    return [(start, end, name) for name, start, end in found if name in FIELDS], close
 
 
 _SPLICED = re.compile(rb'(,?)"id_slot":-?\d+,"cache_prompt":(?:true|false)(?:,"verbose":true)?\}\s*$')

@@ -109,3 +109,22 @@ def test_set_fields_keeps_a_lone_surrogate_as_the_client_sent_it():
     out = set_fields(raw, pin(json.loads(raw), 1, 4, override_client=True))
     assert out == raw.replace(b'"id_slot": 2', b'"id_slot": 1')[:-1] + b',"cache_prompt":true}'
     assert set_fields(b"[1]", pin({}, 1, 4)) is None and set_fields(b'{"a":1} x', pin({}, 1, 4)) is None
+
+
+json_values = s.recursive(s.none() | s.booleans() | s.integers() | s.text(max_size=8),
+                           lambda inner: s.lists(inner, max_size=3) | s.dictionaries(s.text(max_size=4), inner,
+                                                                                       max_size=3), max_leaves=8)
+
+
+@given(s.dictionaries(s.text(max_size=6), json_values, max_size=5), s.sampled_from(["", " ", "\n  "]))
+def test_the_one_scanner_finds_every_member_with_its_exact_span(obj, pad):
+    """`json_scan.members` (the splice's and the hot path's scanner) agrees with json.loads on any object."""
+    from slotlogic import json_scan
+
+    text = pad + json.dumps(obj, indent=1 if pad else None) + pad
+    found, close = json_scan.members(text)
+    assert [(name, json.loads(text[a:b])) for name, a, b in found] == list(obj.items())
+    assert text[close] == "}" and not text[close + 1:].strip()
+    for bad in ("[]", text + "{}", text.rstrip()[:-1]):
+        with pytest.raises(json_scan.ERRORS):
+            json_scan.members(bad)
