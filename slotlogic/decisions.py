@@ -50,9 +50,9 @@ class RequestFacts:
     replay: Replay | None = None
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Ticket:
-    """What the proxy decided about one request."""
+    """What the proxy decided about one request: a value (each step of the core returns a new one)."""
 
     session: SessionId
     route: Route
@@ -69,7 +69,6 @@ class Ticket:
     learn: Learn | None = None   # pending (`slots_policy=affinity`): how the slot llama-server chose is read
     promise: Promise | None = None   # what the slot ledger said its slot holds for it when it was pinned
     extends: bool | None = None      # its messages start with all of its previous request's (None: unknown)
-    claimed: int | None = None       # the slot its placement claimed in the ledger, until it is pinned there
 
     @property
     def reason(self) -> str:
@@ -103,8 +102,10 @@ class Pin:
 TRANSLATED_PATH = "/v1/chat/completions"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class NeedSlot:
+    """A request that needs a slot (`Keeper.request`): a value, handed to `Keeper.assign`, never edited."""
+
     ticket: Ticket
     body: dict[str, Any]        # the parsed request
     content: bytes              # the client's bytes, for the splice

@@ -84,6 +84,7 @@ class _Seen:
     seen: dict[str, Any]
     seen_path: str
     native: bool                   # an Anthropic request goes to the server's own /v1/messages
+    translated: bool = False       # `body` is the chat completion an Anthropic request was translated to
 
 
 class LowerHeaders(dict[str, str]):
@@ -132,16 +133,18 @@ class Intake:
         s, rec = self.settings, self.recognition
         key = sess.resolve(LowerHeaders(facts.fields), req.seen, req.seen_path, header_names=s.session_headers,
                            known_prompts=rec.marks, threads=rec.threads)
-        ticket = Ticket(key, route, client={k: req.body.get(k) for k in ("id_slot", "cache_prompt")})
+        client = {k: req.body.get(k) for k in ("id_slot", "cache_prompt")}
         rec.remember(key.key, sess.prompt_mark(req.body))
-        ticket.extends, mark = leads.extends(req.seen, self.ledger.marks.get(key.key))
+        extends, mark = leads.extends(req.seen, self.ledger.marks.get(key.key))
         if mark is not None:
             self.ledger.marks[key.key] = mark
-        if route is Route.ANTHROPIC and not self._translate(ticket, req):
-            return Observe(ticket, read.original)
-        ticket.side = sidecalls.is_side_call(sess.system_text(req.seen, req.seen_path), s.side_patterns)
+        refused = self._translate(req) if route is Route.ANTHROPIC else None
+        if refused is not None:
+            return Observe(Ticket(key, route, client=client, extends=extends, unpinned=refused), read.original)
+        side = sidecalls.is_side_call(sess.system_text(req.seen, req.seen_path), s.side_patterns)
         if facts.replay is None and fields_absent(req.body):
-            rec.shapes.learn(facts.path, req.content, key, ticket.side)
+            rec.shapes.learn(facts.path, req.content, key, side)
+        ticket = Ticket(key, route, side=side, translated=req.translated, client=client, extends=extends)
         return Arrival(ticket, req, read.original)
 
     def need_slot(self, ticket: Ticket, req: _Seen, now: float, displaced_from: int | None) -> NeedSlot:
@@ -181,20 +184,18 @@ class Intake:
         mode = self.settings.anthropic
         return mode is AnthropicMode.NATIVE or (mode is AnthropicMode.TRANSLATE and self.host.messages_native is True)
 
-    def _translate(self, ticket: Ticket, req: _Seen) -> bool:
+    def _translate(self, req: _Seen) -> Unpinned | None:
         """An Anthropic request made ready to pin: as it is (native), or as its chat completion (translate).
-        False when it is only observed (the mode is off, or the request cannot be translated)."""
+        Why it is only observed instead (the mode is off, or the request cannot be translated)."""
         if self.settings.anthropic is AnthropicMode.OFF:
-            ticket.unpinned = Unpinned.ROUTE
-            return False
+            return Unpinned.ROUTE
         if req.native:
-            return True
+            return None
         encoded = _encoded(req.chat)
         if req.chat is None or encoded is None:
-            ticket.unpinned = Unpinned.UNTRANSLATABLE
-            return False
-        req.body, req.content, ticket.translated = req.chat, encoded, True
-        return True
+            return Unpinned.UNTRANSLATABLE
+        req.body, req.content, req.translated = req.chat, encoded, True
+        return None
 
 
 def _read(facts: RequestFacts) -> _Read | Forward:

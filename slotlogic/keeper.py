@@ -5,8 +5,9 @@ Rule 1: pure. No sockets, files, clocks or mitmproxy: the driver (`slotkeeper/dr
 Rule 2: a known, live session is answered from memory (`request` returns `Pin`): no I/O, no lock, and, for an
         agent's next turn, not even a parse of the body (`slotlogic.fastpath`). That is the hot path.
 Rule 3: everything else that needs the server or the shared state comes out as `NeedSlot`; the driver then
-        calls, in this order: `assign` (under the state lock; claims a slot), `page_plan` (under that slot's
-        paging lock), `pin` (the rewrite). Or `fallback` when the server cannot be asked.
+        calls, in this order: `assign` (under the state lock; claims a slot, returns a `Placement`),
+        `page_plan` (under that slot's paging lock), `pin(placement)` (the rewrite). Or `fallback` when the
+        server cannot be asked. The values are frozen; a call out of order raises `ProtocolError`.
 Rule 4: the answer comes back through `outcomes.answered` (`slotlogic.outcomes`), which moves the slot
         bookkeeping on (whose conversation a slot holds now) and returns the `Report` every view is rendered from.
 
@@ -52,6 +53,7 @@ from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ledger import Fence, Ledger
 from slotlogic.outcomes import Outcomes
 from slotlogic.pager import Pager
+from slotlogic.placements import OpenPlacements, ProtocolError
 from slotlogic.ranking import Policy, SlotView
 from slotlogic.reasons import Passed, Unpinned, Why
 from slotlogic.server import ServerInfo, slot_facts
@@ -72,6 +74,8 @@ class Placement:
     events: list[Event]
     views: tuple[SlotView, ...] = ()  # every slot as it was before this claim (where a seed may come from)
     fence: Fence | None = None        # the slot's epoch after this claim: the moves for it are fenced by it
+    need: NeedSlot | None = None      # the request as placed (its prefix as learned by then): what `pin` takes
+    serial: int = 0                   # this claim's number: only the newest claim of a session may be pinned
 
     @property
     def side(self) -> bool:
@@ -92,6 +96,7 @@ class Keeper:
         self._pager = Pager(settings, upstream, self._table, self.ledger, self.learner, self)
         self._turns = Turns(settings, upstream, self._table, self.ledger, self)
         self._outcomes = Outcomes(upstream, self._table, self.ledger, self)
+        self._placements = OpenPlacements(self.ledger)  # assigned, not pinned yet (slotlogic/placements.py)
 
     # What the drivers and the core's parts may read (values; the core alone changes them).
 
@@ -178,47 +183,46 @@ class Keeper:
         if ticket is not None:
             if s.policy is Policy.OFF:
                 self.ledger.marks.pop(ticket.session.key, None)
-                ticket.unpinned = Unpinned.POLICY_OFF
-                return Observe(ticket)
-            slot = self._placed(ticket, facts.now)
-            if slot is not None:  # its last parsed request is not its previous one any more (this one is not parsed)
+                return Observe(replace(ticket, unpinned=Unpinned.POLICY_OFF))
+            placed = self._placed(ticket, facts.now)
+            if placed is not None:  # its last parsed request is not its previous one any more (this one is not parsed)
                 self.ledger.marks.pop(ticket.session.key, None)
-                return self._pin(ticket, {}, facts.content or b"", slot, facts.now)
+                return self._pin(replace(ticket, why=placed[1]), {}, facts.content or b"", placed[0], facts.now)
         arrival = self._intake.read(facts, route)
         if not isinstance(arrival, Arrival):
             return arrival
         ticket, req = arrival.ticket, arrival.req
         if s.policy is Policy.OFF:
-            ticket.unpinned = Unpinned.POLICY_OFF
-            return Observe(ticket, arrival.original)
-        slot = self._placed(ticket, facts.now, req.body)
-        if slot is not None:
-            return self._pin(ticket, req.body, req.content, slot, facts.now)
+            return Observe(replace(ticket, unpinned=Unpinned.POLICY_OFF), arrival.original)
+        placed = self._placed(ticket, facts.now, req.body)
+        if placed is not None:
+            return self._pin(replace(ticket, why=placed[1]), req.body, req.content, placed[0], facts.now)
         if s.policy is Policy.AFFINITY:
             return self._pending(ticket, req.body, req.content, TRANSLATED_PATH if ticket.translated else facts.path,
                                  facts.now)
-        return self._intake.need_slot(ticket, req, facts.now, self._displaced_from(ticket, facts.now))
+        displaced = self._displaced_from(ticket, facts.now)
+        if displaced is not None:
+            ticket = replace(ticket, displaced=True)
+        return self._intake.need_slot(ticket, req, facts.now, displaced)
 
     def _displaced_from(self, ticket: Ticket, now: float) -> int | None:
         """The slot a session still live here was on: another session ran there since (else it would have been
         placed from memory), so staying has no value of its own; it chooses again, its own slot a candidate."""
         live = self._table.live(ticket.session.key, now)
         if live is not None and (self.total_slots is None or live.slot < self.total_slots):
-            ticket.displaced = True
             return live.slot
         return None
 
-    def _placed(self, ticket: Ticket, now: float, body: dict[str, Any] | None = None) -> int | None:
-        """A side call, or a known session still on its slot: the slot, with no I/O. None: it needs a slot (a
-        trusted client asking for another slot than its session's is placed there, under the state lock)."""
+    def _placed(self, ticket: Ticket, now: float, body: dict[str, Any] | None = None) -> tuple[int, Why] | None:
+        """A side call, or a known session still on its slot: the slot and why, with no I/O. None: it needs a
+        slot (a trusted client asking for another slot than its session's is placed there, under the state lock)."""
         total = self.total_slots
         if ticket.side and total:
             reserved = sidecalls.side_slot(total, self.settings.side_slot)
             writes = not self._instance or reserved in self.ledger.writing  # no other proxy may write it now
             if reserved is not None and not self.ledger.claimed(reserved) and writes and not (
                     self.settings.paging and self.ledger.conversation_on(reserved)):
-                ticket.why = Why.SIDE_CALL
-                return reserved
+                return reserved, Why.SIDE_CALL
             if reserved is not None:
                 return None  # a placement is under way there, a conversation to page out first, or another writer
         key = ticket.session.key
@@ -228,31 +232,26 @@ class Keeper:
             client = rewrite.trusted_client_slot(body, total, self.settings.override_client) if body else None
             if client is not None and client != live.slot:
                 return None
-            ticket.why = Why.KNOWN
-            return live.slot
+            return live.slot, Why.KNOWN
         return None
 
     def _pin(self, ticket: Ticket, body: dict[str, Any], content: bytes, slot: int, now: float) -> Pin:
         total = self.total_slots or slot + 1
         result = rewrite.pin(body, slot, total, override_client=self.settings.override_client)
-        ticket.slot = result.slot
-        key = ticket.session.key
+        key, why = ticket.session.key, ticket.why
         if result.client_slot_kept and result.slot != slot:
-            ticket.why = Why.CLIENT_SLOT
+            why = Why.CLIENT_SLOT
             if not ticket.side:  # the claim follows the slot used (in memory; the next flush writes it)
                 self._follow(key, result.slot, now)
-        ticket.promise = self.ledger.pin(result.slot, key, side=ticket.why is Why.SIDE_CALL,
-                                         paging=self.settings.paging)
+        promise = self.ledger.pin(result.slot, key, side=why is Why.SIDE_CALL, paging=self.settings.paging)
         self._turns.pinned(result.slot)
-        if ticket.claimed is not None:  # its placement's moves are done: the slot is its session's now
-            self.ledger.unclaim(ticket.claimed, key)
-            ticket.claimed = None
-        self._table.dispatch("" if ticket.why is Why.SIDE_CALL else key, result.slot)
+        self._placements.drop(key)  # its placement's moves are done: the slot is its session's now
+        self._table.dispatch("" if why is Why.SIDE_CALL else key, result.slot)
         if ticket.side:
             self._table.side_call(now)
         if key in self._table.sessions:  # side calls on the reserved slot are not sessions
             self._table.use(key, now)
-        return _rewritten(ticket, content, body, result)
+        return _rewritten(replace(ticket, slot=result.slot, why=why, promise=promise), content, body, result)
 
     def _pending(self, ticket: Ticket, body: dict[str, Any], content: bytes, path: str, now: float) -> Pin:
         """Affinity: a session without a live slot of its own goes out with `id_slot: -1`; llama-server chooses,
@@ -261,17 +260,15 @@ class Keeper:
         result = rewrite.pend(body, self.total_slots, verbose=how is affinity.Learn.VERBOSE,
                               override_client=self.settings.override_client)
         if result.client_slot_kept:
-            ticket.why = Why.CLIENT_SLOT
-            ticket.slot = result.slot
-            ticket.promise = self.ledger.pin(result.slot, ticket.session.key)
+            ticket = replace(ticket, why=Why.CLIENT_SLOT, slot=result.slot,
+                             promise=self.ledger.pin(result.slot, ticket.session.key))
             if not ticket.side:
                 self._follow(ticket.session.key, result.slot, now)
                 self._table.use(ticket.session.key, now)
             self._table.dispatch(ticket.session.key, result.slot)
         else:
-            ticket.why = Why.PENDING
-            ticket.learn = how
-            ticket.client["verbose"] = body.get("verbose")
+            verbose = {**ticket.client, "verbose": body.get("verbose")}
+            ticket = replace(ticket, why=Why.PENDING, learn=how, client=verbose)
         if ticket.side:
             self._table.side_call(now)
         return _rewritten(ticket, content, body, result)
@@ -287,22 +284,22 @@ class Keeper:
 
     def assign(self, need: NeedSlot, state: shared.ServerState, info: ServerInfo,
                live: Sequence[dict[str, Any]] | None, now: float) -> Placement:
-        """Claim a slot for `need` in `state` (the caller holds the state lock and writes it back)."""
+        """Claim a slot for `need` in `state` (the caller holds the state lock and writes it back). Placed again
+        (its moves went stale), its older claim goes first and only the new `Placement` may be pinned."""
+        if not isinstance(need, NeedSlot):
+            raise ProtocolError(f"assign takes a NeedSlot, not {type(need).__name__}")
         events = self._facts.note_server(state, info, live)
         self.learner.load(state.prefixes)
         if need.stable is None and not need.ticket.side and need.displaced_from is None:
             found = self.learner.find(need.body, now)  # learned by another process, or before a restart
             if found is not None:
-                need.stable, need.prefix = found, found.signature
+                need = replace(need, stable=found, prefix=found.signature)
         shared.keep_learned(state, self.learner.records(), now, self.settings.checkpoint_ttl_days * 86400)
         total = info.total_slots
-        ticket = need.ticket
-        if ticket.claimed is not None:  # placed again (its moves went stale): its old claim goes first
-            self.ledger.unclaim(ticket.claimed, ticket.session.key)
-            ticket.claimed = None
+        self._placements.drop(need.ticket.session.key)
         pending = self.ledger.claimed_slots()  # placements under way there: busy, as their requests soon are
         before = shared.views(state, total, list(live) if live is not None else None, self._table, pending)
-        ticket.facts = {"props": dict(info.raw or {}), "slots": slot_facts(live)}
+        ticket = replace(need.ticket, facts={"props": dict(info.raw or {}), "slots": slot_facts(live)})
         who = placement.Seeker(ticket.session.key, need.prefix, ticket.side, need.displaced_from,
                                resume=ticket.session.key not in self._table.misplaced,
                                client_slot=rewrite.trusted_client_slot(need.body, total, self.settings.override_client))
@@ -318,61 +315,65 @@ class Keeper:
         if self._instance:
             handover.beat(state.beats, self._instance, now)
             handover.prune(state.handovers, state.beats, now)
-        self.ledger.claim(choice.slot, ticket.session.key)
-        ticket.claimed = choice.slot
+        serial = self._placements.open(ticket.session.key, choice.slot)
         fence = Fence(choice.slot, self.ledger.entry(choice.slot).epoch,
                       record.epoch if record is not None and record.owner == ticket.session.key else None,
                       self.ledger.outside(choice.slot))
-        return Placement(choice.slot, choice.why, before[choice.slot], dropped, events, tuple(before), fence)
+        return Placement(choice.slot, choice.why, before[choice.slot], dropped, events, tuple(before), fence,
+                         replace(need, ticket=ticket), serial)
 
     def fallback(self, need: NeedSlot, now: float, last_known_total: int | None) -> tuple[Pin | Observe, Event]:
         """The server did not answer `/props`: pin by a stable hash over the last known slot count (every
         proxy process agrees without asking), or send the request unpinned when no count was ever known."""
+        if not isinstance(need, NeedSlot):
+            raise ProtocolError(f"fallback takes a NeedSlot, not {type(need).__name__}")
         total = self.total_slots or last_known_total  # a hash's modulus only: never the size of anything
         ticket = need.ticket
+        self._placements.drop(ticket.session.key)
         choice = placement.fallback(ticket.session.key, total)
         if choice is None or total is None:
-            ticket.unpinned = Unpinned.SERVER_UNKNOWN
-            return Observe(ticket), Unreachable(self.upstream, ticket.session.short)
+            return Observe(replace(ticket, unpinned=Unpinned.SERVER_UNKNOWN)), Unreachable(self.upstream,
+                                                                                          ticket.session.short)
         self._table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix)
-        return self.pin(need, choice.slot, choice.why, now), Unreachable(self.upstream, ticket.session.short,
-                                                                         choice.slot, total)
+        pin = self._pin(replace(ticket, why=choice.why), need.body, need.content, choice.slot, now)
+        return pin, Unreachable(self.upstream, ticket.session.short, choice.slot, total)
 
-    def resume(self, need: NeedSlot, now: float) -> Pin | None:
+    def resume(self, need: NeedSlot, now: float) -> Pin | NeedSlot:
         """A `NeedSlot` that another keeper of the same pool made (several servers share one shape index):
-        this keeper's answer from memory when the session is live here, else None (and, when it was here
-        but displaced, `need` says from which slot, for `assign`)."""
-        slot = self._placed(need.ticket, now, need.body)
-        if slot is not None:
-            return self._pin(need.ticket, need.body, need.content, slot, now)
+        this keeper's answer from memory when the session is live here, else the `NeedSlot` for `assign`
+        (when it was here but displaced, a new one that says from which slot)."""
+        placed = self._placed(need.ticket, now, need.body)
+        if placed is not None:
+            return self._pin(replace(need.ticket, why=placed[1]), need.body, need.content, placed[0], now)
         live = self._table.live(need.ticket.session.key, now)
         if live is not None and need.displaced_from is None and (self.total_slots is None
                                                                    or live.slot < self.total_slots):
-            need.ticket.displaced, need.displaced_from = True, live.slot
-        return None
+            return replace(need, ticket=replace(need.ticket, displaced=True), displaced_from=live.slot)
+        return need
 
-    def pin(self, need: NeedSlot, slot: int, why: Why, now: float, *, paged_in: bool = False,
-            seeded: bool = False) -> Pin:
-        need.ticket.why = why
-        need.ticket.paged_in, need.ticket.seeded = paged_in, seeded
-        return self._pin(need.ticket, need.body, need.content, slot, now)
+    def pin(self, placed: Placement, now: float, *, paged_in: bool = False, seeded: bool = False) -> Pin:
+        """The rewrite of a placed request, once its slot's moves are done: only the newest `Placement` of its
+        session, once (a placement made again, pinned already, or abandoned raises)."""
+        need = placed.need if isinstance(placed, Placement) else None
+        if need is None:
+            raise ProtocolError(f"pin takes a Placement from assign, not {type(placed).__name__}")
+        self._placements.close(need.ticket.session.key, placed.serial)
+        ticket = replace(need.ticket, why=placed.why, paged_in=paged_in, seeded=seeded)
+        return self._pin(ticket, need.body, need.content, placed.slot, now)
 
     # ------------------------------------------------------------------------------------------- answers
 
-    def abandon(self, ticket: Ticket) -> None:
+    def abandon(self, ticket: Ticket) -> Ticket:
         """The request goes out unpinned after all (an error after its slot was chosen): nothing may still say
         it is pinned. The session is forgotten in memory, so its next request is placed again (its claim in
-        the state file lets it resume the same slot when that is still right)."""
+        the state file lets it resume the same slot when that is still right). Returns the ticket it goes with."""
         slot, key = ticket.slot, ticket.session.key
-        if ticket.claimed is not None:
-            self.ledger.unclaim(ticket.claimed, key)
-            ticket.claimed = None
+        self._placements.drop(key)
         if ticket.why is not Why.SIDE_CALL:
             self._table.forget(key)
         if slot is not None and self._table.dispatched.get(slot) in (key, ""):
             del self._table.dispatched[slot]
-        ticket.slot, ticket.why, ticket.paged_in, ticket.seeded = None, None, False, False
-        ticket.unpinned = Unpinned.FAILED
+        return replace(ticket, slot=None, why=None, paged_in=False, seeded=False, unpinned=Unpinned.FAILED)
 
     # ------------------------------------------------------------------------------------------- views
 

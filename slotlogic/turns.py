@@ -258,9 +258,9 @@ class Turns:
         """What the proxy believes each slot holds (`slotlogic.ledger.Entry`, in slot order)."""
         return self.ledger.view()
 
-    def unpin(self, ticket: Ticket, why: wait.WaitWhy, holder: str | None) -> None:
-        """The request goes out with `id_slot: -1` after its wait (`slotlogic.wait.unpin`)."""
-        wait.unpin(ticket, why, holder, self.ledger, self.table)
+    def unpin(self, ticket: Ticket, why: wait.WaitWhy, holder: str | None) -> Ticket:
+        """The request goes out with `id_slot: -1` after its wait (`slotlogic.wait.unpin`): its new ticket."""
+        return wait.unpin(ticket, why, holder, self.table)
 
     def free_slot(self, avoid: int, busy: Collection[int]) -> int | None:
         """A slot a held request may move to without writing over anything promised (`slotlogic.wait`, Rule 6);
@@ -284,9 +284,9 @@ class Turns:
         self.ledger.writing.add(slot)
         return True
 
-    def move_held(self, ticket: Ticket, slot: int, why: wait.WaitWhy, holder: str | None, now: float) -> None:
-        """A held request goes to the free `slot` instead (`slotlogic.wait.move`)."""
-        wait.move(ticket, slot, why, holder, self.ledger, self.table, now, paging=self.settings.paging)
+    def move_held(self, ticket: Ticket, slot: int, why: wait.WaitWhy, holder: str | None, now: float) -> Ticket:
+        """A held request goes to the free `slot` instead (`slotlogic.wait.move`): its new ticket."""
+        return wait.move(ticket, slot, why, holder, self.ledger, self.table, now, paging=self.settings.paging)
 
     # ------------------------------------------------------------------------------------------- commands
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from slotlogic import rewrite
@@ -135,39 +135,37 @@ def body_with_slot(raw: bytes, slot: int = -1) -> bytes | None:
     return rewrite.set_fields(raw, rewrite.Rewrite(body=out, slot=slot, changed=True, client_slot_kept=False))
 
 
-def unpin(ticket: Ticket, why: WaitWhy, holder: str | None, ledger: Ledger, table: SessionTable) -> None:
-    """The bookkeeping of a pinned request that goes out with `id_slot: -1` after all. The slot's last
-    dispatch is its `holder`'s again (the request ahead: "" a side call, None unknown); the session stays
-    where it was (its conversation is still on that slot), and its answer says where the server ran it."""
-    _leave(ticket, holder, ledger, table)
-    ticket.slot, ticket.why, ticket.paged_in, ticket.seeded, ticket.promise = None, None, False, False, None
-    ticket.unpinned = Unpinned.WAIT_BOUND if why is WaitWhy.BOUND else Unpinned.SIDE_BUSY
+def unpin(ticket: Ticket, why: WaitWhy, holder: str | None, table: SessionTable) -> Ticket:
+    """The bookkeeping of a pinned request that goes out with `id_slot: -1` after all, and the ticket it goes
+    with. The slot's last dispatch is its `holder`'s again (the request ahead: "" a side call, None unknown);
+    the session stays where it was (its conversation is still on that slot), and its answer says where the
+    server ran it."""
+    _leave(ticket, holder, table)
+    return replace(ticket, slot=None, why=None, paged_in=False, seeded=False, promise=None,
+                   unpinned=Unpinned.WAIT_BOUND if why is WaitWhy.BOUND else Unpinned.SIDE_BUSY)
 
 
 def move(ticket: Ticket, slot: int, why: WaitWhy, holder: str | None, ledger: Ledger, table: SessionTable,
-         now: float, *, paging: bool) -> None:
-    """The bookkeeping of a held request pinned to the free `slot` instead of its own (Rule 3, Rule 4): the
-    slot it leaves is its holder's again, as for `unpin`; the ledger and the table say where it runs now, so
-    nothing promised to anyone else is on `slot` and its session (not a side call) is at home there."""
+         now: float, *, paging: bool) -> Ticket:
+    """The bookkeeping of a held request pinned to the free `slot` instead of its own (Rule 3, Rule 4), and
+    the ticket it goes with: the slot it leaves is its holder's again, as for `unpin`; the ledger and the
+    table say where it runs now, so nothing promised to anyone else is on `slot` and its session (not a side
+    call) is at home there."""
     key, side = ticket.session.key, ticket.why is Why.SIDE_CALL
-    _leave(ticket, holder, ledger, table)
-    ticket.slot = slot
-    ticket.promise = ledger.pin(slot, key, side=side, paging=paging)
+    _leave(ticket, holder, table)
+    promise = ledger.pin(slot, key, side=side, paging=paging)
     table.dispatch("" if side else key, slot)
     known = table.sessions.get(key)
     if not side and known is not None:
         table.assign(key, slot, now, prefix=known.prefix, requests=known.requests)
-    ticket.why = Why.SIDE_BUSY if why is WaitWhy.SIDE_BUSY else Why.WAIT_BOUND
-    ticket.paged_in, ticket.seeded, ticket.displaced = False, False, False
+    held = Why.SIDE_BUSY if why is WaitWhy.SIDE_BUSY else Why.WAIT_BOUND
+    return replace(ticket, slot=slot, promise=promise, why=held, paged_in=False, seeded=False, displaced=False)
 
 
-def _leave(ticket: Ticket, holder: str | None, ledger: Ledger, table: SessionTable) -> None:
-    """A held request leaves the slot it was pinned to: its claim goes, and the slot's last dispatch is its
-    `holder`'s again (the request ahead: "" a side call, None unknown)."""
+def _leave(ticket: Ticket, holder: str | None, table: SessionTable) -> None:
+    """A held request leaves the slot it was pinned to: the slot's last dispatch is its `holder`'s again (the
+    request ahead: "" a side call, None unknown)."""
     slot, key = ticket.slot, ticket.session.key
-    if ticket.claimed is not None:
-        ledger.unclaim(ticket.claimed, key)
-        ticket.claimed = None
     if slot is not None and table.dispatched.get(slot) in (key, ""):
         if holder is None:
             del table.dispatched[slot]

@@ -2,6 +2,7 @@
 
 import json
 import logging
+from dataclasses import replace
 
 from mitmproxy import http
 
@@ -95,7 +96,7 @@ def test_nothing_is_learned_from_errors_out_of_range_slots_or_side_calls():
     answer(k, first, slot=5)
     assert k.request(facts(chat(), now=2.0)).ticket.why is Why.PENDING
     side = k.request(facts(chat(first="x"), now=3.0))
-    side.ticket.side = True
+    side = replace(side, ticket=replace(side.ticket, side=True))
     assert answer(k, side, slot=0)[1] == []
 
 

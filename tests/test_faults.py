@@ -146,7 +146,7 @@ def test_abandon_marks_the_ticket_unpinned():
     k.table.assign("s", 2, 1.0, prefix=None)
     k.table.dispatch("s", 2)
     t = Ticket(SessionId("s", "content:root"), Route.PINNABLE, slot=2, why=Why.FREE_EMPTY)
-    k.abandon(t)
+    t = k.abandon(t)
     assert (t.slot, t.why, t.unpinned) == (None, None, Unpinned.FAILED) and t.reason == "unpinned: internal error"
     assert "s" not in k.table.sessions and 2 not in k.table.dispatched and 2 not in k.table.holders
 

@@ -18,7 +18,6 @@ from slotlogic import session as sess
 from slotlogic.answers import SSEParser, StreamObserver
 from slotlogic.decisions import Forward, NeedSlot, Observe, Pin, RequestFacts
 from slotlogic.keeper import Keeper
-from slotlogic.reasons import Why
 from slotlogic.server import ServerInfo
 from slotlogic.settings import Settings
 from slotlogic.shared import ServerState
@@ -49,9 +48,8 @@ def facts(raw: bytes, headers: tuple[tuple[bytes, bytes], ...] = ()) -> RequestF
 def place(k: Keeper, decision: Any) -> Pin | Observe | Forward:
     """A NeedSlot resolved as the driver would (slot 0, no I/O), so every route ends in bytes."""
     if isinstance(decision, NeedSlot):
-        slot = int(decision.ticket.session.key, 16) % 4  # two sessions rarely send the same bytes
-        k.table.assign(decision.ticket.session.key, slot, 100.0, prefix=decision.prefix)
-        return k.pin(decision, slot, Why.FREE_EMPTY, 100.0)
+        info = ServerInfo(total_slots=4, media_marker="m", raw={"total_slots": 4})
+        return k.pin(k.assign(decision, ServerState("http://u:1"), info, None, 100.0), 100.0)
     return decision
 
 

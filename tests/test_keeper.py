@@ -1,6 +1,8 @@
 """The core's one entry: request facts in, typed decisions out; answers back in, reports out (no I/O)."""
 
+import dataclasses
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -46,7 +48,7 @@ def place(k, decision, state=None, live=FREE, now=0.0, total=4):
     assert isinstance(decision, NeedSlot)
     state = state if state is not None else shared.ServerState("http://up")
     placed = k.assign(decision, state, server(total), live, now)
-    return k.pin(decision, placed.slot, placed.why, now)
+    return k.pin(placed, now)
 
 
 def sent(pin):
@@ -229,8 +231,9 @@ def test_a_marker_less_clients_stable_prefix_is_learned_from_its_second_session(
     assert "Rule" not in json.dumps(shared.to_dict(state)["prefixes"])  # length and digest, never the text
     restarted = make(prefix_min_chars=200)  # another process, or this one after a restart: from the state
     third = restarted.request(facts(chat("task", system=shared_part + "\nWorking directory: /srv/c\n")))
-    restarted.assign(third, state, server(), FREE, 1.0)
-    assert third.stable is not None and third.stable.text == shared_part.rstrip()
+    placed = restarted.assign(third, state, server(), FREE, 1.0).need
+    assert third.stable is None  # a value: the placement carries the prefix learned since
+    assert placed is not None and placed.stable is not None and placed.stable.text == shared_part.rstrip()
 
 
 @pytest.mark.parametrize("system", ["You are a title generator. You output ONLY a thread title.",
@@ -247,14 +250,40 @@ def test_a_session_back_on_its_own_untouched_slot_keeps_its_conversation():
     state = shared.ServerState("http://up")
     need = k.request(facts(now=0.0))
     placed = k.assign(need, state, server(), FREE, 0.0)
-    k.pin(need, placed.slot, placed.why, 0.0)
+    k.pin(placed, 0.0)
     again = k.request(facts(now=400.0))  # long after the TTL
     assert isinstance(again, NeedSlot)
     live = [dict(s, n_prompt_tokens=5000 if s["id"] == placed.slot else 0) for s in FREE]
     back = k.assign(again, state, server(), live, 400.0)
     assert back.slot == placed.slot and back.view.owner == need.ticket.session.key
-    again.prefix = "another-prefix-signature"  # e.g. learned since its first turn
+    again = replace(again, prefix="another-prefix-signature")  # e.g. learned since its first turn
     assert k.pager.holds_prefix(again, back.view)
-    stranger = k.request(facts(body=chat("other"), now=400.0))
-    stranger.prefix = "another-prefix-signature"
+    stranger = replace(k.request(facts(body=chat("other"), now=400.0)), prefix="another-prefix-signature")
     assert not k.pager.holds_prefix(stranger, back.view)  # someone else's conversation, another prefix
+
+
+def test_the_protocol_is_closed_a_call_out_of_order_raises():
+    """request -> assign -> pin: a NeedSlot is not pinned, a placement is pinned once, and a session placed
+    again may be pinned only by its newest placement; every value handed out stays as it was."""
+    from slotlogic.placements import ProtocolError
+
+    k = make()
+    state = shared.ServerState("http://up")
+    need = k.request(facts(now=0.0))
+    assert isinstance(need, NeedSlot)
+    with pytest.raises(ProtocolError):
+        k.pin(need, 0.0)  # type: ignore[arg-type]
+    first = k.assign(need, state, server(), FREE, 0.0)
+    with pytest.raises(ProtocolError):
+        k.assign(first, state, server(), FREE, 0.0)  # type: ignore[arg-type]
+    assert first.need is not None
+    again = k.assign(first.need, state, server(), FREE, 0.0)  # its moves went stale: placed again
+    assert k.ledger.claimed_slots() == {again.slot}           # the older claim went first
+    with pytest.raises(ProtocolError):
+        k.pin(first, 0.0)
+    pin = k.pin(again, 0.0)
+    assert pin.ticket.slot == again.slot and need.ticket.slot is None and not k.ledger.claimed_slots()
+    with pytest.raises(ProtocolError):
+        k.pin(again, 0.0)                                      # pinned once
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pin.ticket.slot = 3  # type: ignore[misc]

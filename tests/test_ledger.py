@@ -1,5 +1,7 @@
 """The slot ledger and the loss meter: fenced writes, promises, losses with their cause (pure, no I/O)."""
 
+from dataclasses import replace
+
 from slotlogic import shared
 from slotlogic.answers import Observation
 from slotlogic.decisions import NeedSlot, Pin
@@ -99,8 +101,8 @@ def test_a_restart_noticed_before_the_next_turn_is_still_counted_as_the_restart_
     previous request, so the conversation it no longer finds is counted (an expected loss: the restart's)."""
     for settings in ({"paging": True, "save_dir": "/x"}, {}):
         k = make(**settings)
-        need, placed = _placed(k, chat("a"), 0.0)
-        pin = k.pin(need, placed.slot, placed.why, 0.0)
+        _, placed = _placed(k, chat("a"), 0.0)
+        pin = k.pin(placed, 0.0)
         k.outcomes.answered(pin.ticket, Observation(cache_n=0, prompt_n=894), path=CHAT, seconds=1, now=1.0)
         state = shared.ServerState("http://up")
         shared.note_server(state, server(4))
@@ -110,7 +112,7 @@ def test_a_restart_noticed_before_the_next_turn_is_still_counted_as_the_restart_
         d = k.request(facts(body, now=2.0))
         if isinstance(d, NeedSlot):
             p = k.assign(d, state, server(4, marker="m2"), FREE, 2.0)
-            d = k.pin(d, p.slot, p.why, 2.0)
+            d = k.pin(p, 2.0)
         report = k.outcomes.answered(d.ticket, Observation(cache_n=0, prompt_n=1184), path=CHAT, seconds=1, now=3.0)
         assert report.loss is not None and report.loss.tokens == 894 and report.loss.cause is Cause.RESTART, settings
 
@@ -138,8 +140,8 @@ def _placed(k, body, now, total=4):
 
 def test_a_known_session_whose_slot_got_another_write_is_placed_again_not_pinned_blind():
     k = make()
-    need, placed = _placed(k, chat("a"), 0.0)
-    pin = k.pin(need, placed.slot, placed.why, 0.0)
+    _, placed = _placed(k, chat("a"), 0.0)
+    pin = k.pin(placed, 0.0)
     k.outcomes.answered(pin.ticket, Observation(cache_n=0, prompt_n=856), path=CHAT, seconds=1, now=1.0)
     assert isinstance(k.request(facts(chat("a"), now=2.0)), Pin)  # known: the slot holds its conversation
     # A prefix restore for another session's placement writes that slot (the first loss of issue 19):
@@ -150,8 +152,8 @@ def test_a_known_session_whose_slot_got_another_write_is_placed_again_not_pinned
 
 def test_the_keeper_reports_a_loss_and_warns_once():
     k = make()
-    need, placed = _placed(k, chat("a"), 0.0)
-    pin = k.pin(need, placed.slot, placed.why, 0.0)
+    _, placed = _placed(k, chat("a"), 0.0)
+    pin = k.pin(placed, 0.0)
     k.outcomes.answered(pin.ticket, Observation(cache_n=0, prompt_n=900), path=CHAT, seconds=1, now=1.0)
     body = {"messages": [*chat("a")["messages"], {"role": "assistant", "content": "ok"},
                          {"role": "user", "content": "next"}]}
@@ -190,7 +192,7 @@ def test_a_side_call_never_overwrites_a_conversation_without_its_page_out():
             assert k.turns.side_needs_page_out(3)
             placed = k.assign(decision, shared.ServerState("http://up"), server(), FREE, 0.0)
             assert placed.side and placed.slot == 3
-            k.pin(decision, placed.slot, placed.why, 0.0)
+            k.pin(placed, 0.0)
             assert not k.turns.side_needs_page_out(3)  # the side call's prompt is there now: nobody's conversation
             assert isinstance(k.request(facts(side, now=1.0)), Pin)  # the next side call: the hot path again
 
@@ -273,7 +275,7 @@ def test_an_expired_session_is_not_resumed_on_a_slot_written_since():
     state = shared.ServerState("http://up")
     need = k.request(facts(chat("a")))
     placed = k.assign(need, state, server(), FREE, 0.0)
-    k.outcomes.answered(k.pin(need, placed.slot, placed.why, 0.0).ticket, Observation(cache_n=0, prompt_n=300),
+    k.outcomes.answered(k.pin(placed, 0.0).ticket, Observation(cache_n=0, prompt_n=300),
                path=CHAT, seconds=1, now=1.0)
     reserved = 3
     k.ledger.settle("s", k.ledger.pin(reserved, "s"), reserved, 0, 10, None)
@@ -302,7 +304,7 @@ def test_the_start_up_probe_never_takes_a_slot_of_ours_and_stops_writing_when_a_
     need = k.request(facts(chat("b"), now=1.0))
     placed = k.assign(need, shared.ServerState("http://up"), server(4), FREE, 1.0)
     assert placed.slot != fence.slot                                  # a claimed slot ranks after free ones
-    k.pin(need, fence.slot, placed.why, 1.0)                          # ... but one may go there (all busy)
+    k.pin(replace(placed, slot=fence.slot), 1.0)                      # ... but one may go there (all busy)
     assert not k.turns.probe_may_write(fence)                         # then the probe leaves the slot alone
     k.turns.probe_done(fence, erased=False)
     assert k.ledger.entry(fence.slot).owner == need.ticket.session.key  # and the session still holds it
@@ -342,8 +344,8 @@ def test_a_loss_no_record_explains_is_settled_with_what_the_server_shows_before_
     seen on the server, a slot found empty there is that at once (simulator: 21,057 tokens of idle clearing and
     restarts in 45 of 1,000 seeds were called unexpected)."""
     k = make()
-    need, placed = _placed(k, chat("a"), 0.0)
-    first = k.pin(need, placed.slot, placed.why, 0.0)
+    _, placed = _placed(k, chat("a"), 0.0)
+    first = k.pin(placed, 0.0)
     k.outcomes.answered(first.ticket, Observation(cache_n=0, prompt_n=500), path=CHAT, seconds=1, now=1.0)
     body = {"messages": [*chat("a")["messages"], {"role": "assistant", "content": "ok"},
                          {"role": "user", "content": "next"}]}

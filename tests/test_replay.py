@@ -268,7 +268,7 @@ def test_slotlogic_alone_reaches_the_same_decisions(name: str) -> None:
             info = ServerInfo.parse(recorded["props"])
             assert info is not None
             placed = k.assign(decision, state, info, recorded["slots"], now)
-            decision = k.pin(decision, placed.slot, placed.why, now)
+            decision = k.pin(placed, now)
         assert isinstance(decision, Pin)
         assert decision.ticket.session.source == meta["source"]
         assert (decision.ticket.slot, decision.ticket.reason) == (meta["slot"], meta["reason"]), f"{name} flow {i}"

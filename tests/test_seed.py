@@ -106,9 +106,9 @@ def placed(k: Keeper, state: shared.ServerState, body: dict, key: str, now: floa
     d = need(k, body, key, now)
     p = k.assign(d, state, info(), live, now)
     if pin:
-        k.pin(d, p.slot, p.why, now)
+        pinned = k.pin(p, now)
         if answer:
-            k.outcomes.answered(d.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions",
+            k.outcomes.answered(pinned.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions",
                                 seconds=1.0, now=now + 0.5)
     return p.slot
 
@@ -293,10 +293,10 @@ def test_the_awaited_slot_is_idle_only_once_slots_says_so_and_its_answer_came():
     k.facts.note_server(state, info())
     d = need(k, generic("one", "/a"), "s1", 0.0)
     p = k.assign(d, state, info(), LIVE, 0.0)
-    k.pin(d, p.slot, p.why, 0.0)
+    pinned = k.pin(p, 0.0)
     busy = [{**e, "is_processing": e["id"] == p.slot} for e in LIVE]
     assert not k.pager.source_idle(p.slot, LIVE)            # /slots idle, but its answer has not come yet
-    k.outcomes.answered(d.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions", seconds=1.0,
+    k.outcomes.answered(pinned.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions", seconds=1.0,
                         now=1.0)
     pager = k.pager
     assert pager.source_idle(p.slot, LIVE) and not pager.source_idle(p.slot, busy) and not pager.source_idle(p.slot, [])

@@ -37,7 +37,7 @@ from slotkeeper.drivers.pool_health import Member, PoolHealth
 from slotkeeper.drivers.upstream import Upstream
 from slotlogic import prefix as pfx
 from slotlogic import routing, shared, swap_models
-from slotlogic.decisions import Decision, Forward, NeedSlot, RequestFacts
+from slotlogic.decisions import Decision, Forward, NeedSlot, Pin, RequestFacts
 from slotlogic.events import Event
 from slotlogic.intake import Recognition
 from slotlogic.ranking import SlotView
@@ -254,11 +254,11 @@ class Pool:
             if up is first:
                 continue
             if up.keeper.table.live(key, now) is not None:
-                pin = up.keeper.resume(need, now)
-                if pin is not None:
+                resumed = up.keeper.resume(need, now)
+                if isinstance(resumed, Pin):
                     self._count(up, RouteWhy.HOME)
-                    return up, pin
-                return up, await self._place(up, need, facts, flow_id, None, RouteWhy.HOME)
+                    return up, resumed
+                return up, await self._place(up, resumed, facts, flow_id, None, RouteWhy.HOME)
         if first.keeper.table.live(key, now) is not None and self.is_up(first):
             return first, await self._place(first, need, facts, flow_id, None, RouteWhy.HOME)
         if was_down and previous is not None:

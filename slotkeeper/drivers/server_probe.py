@@ -20,7 +20,8 @@ from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.model_check import ModelCheck
 from slotkeeper.drivers.store import StateStore
 from slotkeeper.drivers.tasks import Tasks
-from slotlogic.decisions import Report
+from slotlogic.answers import Observation
+from slotlogic.decisions import Report, Ticket
 from slotlogic.events import Event, IdleSlotsCleared, MessagesProbed, ModelUnloaded, SlotsSlow
 from slotlogic.keeper import Keeper
 from slotlogic.ledger import Cause
@@ -176,6 +177,14 @@ class ServerProbe:
             self.keeper.facts.messages_probed(honoured)
             self.emit(MessagesProbed(self.url, honoured))
         return honoured
+
+    async def learn_slot(self, ticket: Ticket, obs: Observation) -> bool:
+        """Affinity on a route whose answer does not name the slot: read `/slots` once, right after it. True
+        when a slot was learned (a new claim for the state file)."""
+        learned = self.keeper.outcomes.learn_from_slots(ticket, obs, await self.client.slots(), time.time())
+        if learned is not None:
+            self.emit(learned)
+        return learned is not None
 
     async def explain(self, report: Report) -> None:
         """A request found less of its conversation in its slot than it had: ask the server why, and settle the

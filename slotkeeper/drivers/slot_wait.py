@@ -126,9 +126,9 @@ class SlotWaits:
             return decision
         why, holder = plan.why or wait.WaitWhy.BOUND, self.holder(t.slot, flow_id)
         if moved is None:
-            self.keeper.turns.unpin(t, why, holder)
+            t = self.keeper.turns.unpin(t, why, holder)
         else:
-            self.keeper.turns.move_held(t, moved, why, holder, time.time())
+            t = self.keeper.turns.move_held(t, moved, why, holder, time.time())
         self.released(flow_id)
         return Pin(t, body)
 

@@ -201,10 +201,12 @@ class Upstream:
             self.start()  # a pending request (affinity) asks nothing: learn the server in the background
         return decision
 
-    def abandon(self, ticket: Ticket, flow_id: str) -> None:
-        """A decided request goes out unpinned after all: roll the core's bookkeeping back, free the slot lock."""
-        self.keeper.abandon(ticket)
+    def abandon(self, ticket: Ticket, flow_id: str) -> Ticket:
+        """A decided request goes out unpinned after all: roll the core's bookkeeping back, free the slot lock;
+        the ticket it goes out with."""
+        out = self.keeper.abandon(ticket)
         self.mover.stopped(flow_id)
+        return out
 
     async def place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
                     accept: Accept | None = None) -> Pin | Observe | None:
@@ -256,13 +258,15 @@ class Upstream:
             state = await self.store.fresh()
             _, stale = await self.handovers.take(placement.slot, key, placement.fence, state)
             if stale and retries > 0:
-                return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
+                return await self._place(placement.need or need, facts, flow_id, asked=None, accept=accept,
+                                         retries=retries - 1)
         if placement.side and paged:
             # The side slot may hold a session's conversation (placed there before side calls came): saved first,
             # so the session pages back in whole instead of finding a side call's prompt.
             await self.mover.page(PageAsk(placement.slot, "", placement.view), flow_id, fence=placement.fence)
         if placement.side or self.offline:
-            return self.keeper.pin(need, placement.slot, placement.why, now)
+            return self.keeper.pin(placement, now)
+        need = placement.need or need  # as placed: its stable prefix as the core knows it by now
         moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id)
         if moved is Moved.STALE and retries > 0:  # another claim of the slot came first: place it again
             self.mover.stopped(flow_id)
@@ -280,8 +284,7 @@ class Upstream:
             self.emit(self.keeper.turns.stale_plan(fence, "pin", key))
             self.mover.stopped(flow_id)
             return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
-        return self.keeper.pin(need, placement.slot, placement.why, now, paged_in=moved is Moved.OWN,
-                               seeded=moved in (Moved.SEED, Moved.PREFIX))
+        return self.keeper.pin(placement, now, paged_in=moved is Moved.OWN, seeded=moved in (Moved.SEED, Moved.PREFIX))
 
     def unlock(self, flow_id: str) -> None:
         """The flow's request reached the server (its response headers came), or never will: the next pager
@@ -325,10 +328,7 @@ class Upstream:
         return report
 
     async def _learn_from_slots(self, ticket: Ticket, obs: Observation) -> None:
-        """Affinity on a route whose answer does not name the slot: read `/slots` once, right after it."""
-        learned = self.keeper.outcomes.learn_from_slots(ticket, obs, await self.client.slots(), time.time())
-        if learned is not None:
-            self.emit(learned)
+        if await self.prober.learn_slot(ticket, obs):
             self.kick()
 
     def start(self) -> None:
@@ -359,12 +359,7 @@ class Upstream:
         return self._status(self.store.last)
 
     def _status(self, state: shared.ServerState) -> dict[str, Any]:
-        """The keeper's view and the model's, with what the slot page adds: the measured prefill speed (recent
-        answers, else the start-up probe) and each session's page file on this server (any proxy's)."""
-        pps = self.keeper.prefill_estimate()
-        return {**self.keeper.status(state, time.time()), **self.model.status(self.settings),
-                "prefill_tok_s": round(pps, 1) if pps else None,
-                "pages": {key[:8]: {"bytes": p.bytes, "tokens": p.n_tokens} for key, p in state.pages.items()}}
+        return status_view(self.keeper, self.model, self.settings, state)
 
     async def settle(self) -> None:
         """Wait for the background work a command or an answer started (tests, shutdown)."""
@@ -388,3 +383,11 @@ class Upstream:
         self.handovers.stop()
         await self.client.aclose()
 
+
+def status_view(keeper: Keeper, model: ModelCheck, settings: Settings, state: shared.ServerState) -> dict[str, Any]:
+    """The keeper's view and the model's, with what the slot page adds: the measured prefill speed (recent
+    answers, else the start-up probe) and each session's page file on this server (any proxy's)."""
+    pps = keeper.prefill_estimate()
+    return {**keeper.status(state, time.time()), **model.status(settings),
+            "prefill_tok_s": round(pps, 1) if pps else None,
+            "pages": {key[:8]: {"bytes": p.bytes, "tokens": p.n_tokens} for key, p in state.pages.items()}}

@@ -1,0 +1,43 @@
+"""The size rules the code is held to (docs/design.md, "Shape"): no class over 300 lines and no function over
+8 parameters in the runtime's rooms. Checked on the source, so a class that grows past it fails here."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ROOMS = ("slotkeeper/mitm", "slotkeeper/drivers", "slotlogic")
+MAX_CLASS_LINES, MAX_PARAMS = 300, 8
+
+
+def _nodes() -> list[tuple[str, ast.AST]]:
+    out = []
+    for room in ROOMS:
+        for path in sorted((ROOT / room).rglob("*.py")):
+            out += [(f"{path.relative_to(ROOT)}:{getattr(n, 'lineno', 0)}", n)
+                    for n in ast.walk(ast.parse(path.read_text()))]
+    return out
+
+
+def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)] + [x.arg for x in (a.vararg, a.kwarg) if x]
+    return len([n for n in names if n not in ("self", "cls")])
+
+
+def test_the_rooms_hold_code():
+    assert len(_nodes()) > 10_000  # the walk found the sources (a wrong root would pass every rule)
+
+
+@pytest.mark.parametrize("rule", ["class lines", "parameters"])
+def test_no_class_over_300_lines_and_no_function_over_8_parameters(rule):
+    if rule == "class lines":
+        big = [f"{where} {n.name}: {n.end_lineno - n.lineno + 1}" for where, n in _nodes()
+               if isinstance(n, ast.ClassDef) and (n.end_lineno or 0) - n.lineno + 1 > MAX_CLASS_LINES]
+    else:
+        big = [f"{where} {n.name}: {_params(n)}" for where, n in _nodes()
+               if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and _params(n) > MAX_PARAMS]
+    assert big == []
