@@ -26,6 +26,7 @@ class Observation:
     prompt_n: int | None = None
     id_slot: int | None = None
     prompt_per_second: float | None = None
+    decode_per_second: float | None = None   # timings.predicted_per_second: generated tokens a second
     error_type: str | None = None
     error_message: str | None = None
     n_prompt_tokens: int | None = None  # from exceed_context_size_error
@@ -72,6 +73,10 @@ def absorb(obs: Observation, obj: Any) -> None:
         pps = timings.get("prompt_per_second")
         if isinstance(pps, int | float) and not isinstance(pps, bool) and pps > 0:
             obs.prompt_per_second = float(pps)
+        dps = timings.get("predicted_per_second")
+        several = (_int(timings.get("predicted_n")) or 0) > 1  # one token's speed says little
+        if isinstance(dps, int | float) and not isinstance(dps, bool) and dps > 0 and several:
+            obs.decode_per_second = float(dps)
     usage = obj.get("usage")
     if isinstance(usage, dict) and _int(usage.get("total_tokens")) is not None:
         obs.tokens_total = usage["total_tokens"]

@@ -86,6 +86,7 @@ class Rates:
     kv_bytes_per_token: float | None = None
     prefill_depth: float | None = None    # context depth at which a token costs twice as much (None: no slowdown)
     overhead_s: float = 0.0               # a slot call's time beyond the server's own (HTTP, queueing)
+    decode_tps: float | None = None       # generated tokens a second (answers' `predicted_per_second`)
 
     def prefill_s(self, tokens: int) -> float:
         """Seconds to prefill `tokens` into an empty slot."""
@@ -142,6 +143,7 @@ class Speeds:
         self.restore_bps: float | None = None
         self.kv_bytes_per_token: float | None = None
         self._overhead: float | None = None
+        self.decode_tps: float | None = None
         self.samples = {Direction.SAVE: 0, Direction.RESTORE: 0}
         self.fit = PrefillFit()
 
@@ -149,6 +151,11 @@ class Speeds:
         """One answer's prompt speed (`timings`): into the prefill fit."""
         if prompt_n and tok_s and prompt_n >= MIN_TOKENS:
             self.fit.note(prompt_n, cache_n or 0, tok_s)
+
+    def decode(self, tok_s: float | None) -> None:
+        """One answer's generation speed (`timings.predicted_per_second`)."""
+        if tok_s:
+            self.decode_tps = _avg(self.decode_tps, tok_s)
 
     def note(self, answer: SlotFileAnswer) -> bool:
         """Take one answer in; True when it was the first sample of its direction (worth a log line)."""
@@ -171,7 +178,8 @@ class Speeds:
         """The speeds now; `prefill_tps`: the keeper's measured average, used until the fit has depth."""
         fit = self.fit.solve()
         tps, depth = (1 / fit[0], fit[0] / fit[1]) if fit is not None else (prefill_tps, None)
-        return Rates(tps, self.save_bps, self.restore_bps, self.kv_bytes_per_token, depth, self._overhead or 0.0)
+        return Rates(tps, self.save_bps, self.restore_bps, self.kv_bytes_per_token, depth, self._overhead or 0.0,
+                     self.decode_tps)
 
     def forget(self) -> None:
         """Another model or server: its sizes and speeds are not ours."""

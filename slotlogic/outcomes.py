@@ -99,6 +99,7 @@ class Outcomes:
             old = self.prefill_rate
             self.prefill_rate = pps if old is None else old + RATE_WEIGHT * (pps - old)
             self.speeds.prefill(obs.prompt_n, obs.cache_n, pps)
+        self.speeds.decode(obs.decode_per_second)
         while len(self.stats) > MAX_STATS:
             self.stats.popitem(last=False)
         return Report(ticket, obs, slot, path, self.upstream, seconds, loss, settled)

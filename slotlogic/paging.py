@@ -248,13 +248,16 @@ class SourceWait:
     budget: float
     tokens: int
     cap: float
+    decode_cost: float | None = None  # prefill tokens one generated token costs (prefill ÷ decode speed)
 
 
 def keep_waiting(wait: SourceWait, entry: Mapping[str, object] | None, waited: float, budget_left: float) -> bool:
     """Whether to go on waiting for `wait.slot` after `waited` seconds (its `/slots` entry as it is now): within
     the budget; past it, as long as the source is still prefilling and has at most twice the tokens it would
     spare us left to go (prefilling them beside it on the same server would take at least as long, the two
-    sharing its compute); never past the cap."""
+    sharing its compute), or is generating with at most as much work left (its `n_remain` tokens, each costing
+    `wait.decode_cost` prefill tokens: its prompt is all there, the copy follows its last token); never past
+    the cap."""
     if waited >= wait.cap:
         return False
     if budget_left > 0:
@@ -265,7 +268,11 @@ def keep_waiting(wait: SourceWait, entry: Mapping[str, object] | None, waited: f
     first = nt[0] if isinstance(nt, list) and nt and isinstance(nt[0], Mapping) else nt
     decoded = first.get("n_decoded") if isinstance(first, Mapping) else None
     total, done = entry.get("n_prompt_tokens"), entry.get("n_prompt_tokens_processed")
-    if decoded or not isinstance(total, int) or not isinstance(done, int):
+    if decoded:
+        remain = first.get("n_remain") if isinstance(first, Mapping) else None
+        return (wait.decode_cost is not None and isinstance(remain, int) and not isinstance(remain, bool)
+                and 0 <= remain * wait.decode_cost <= 2 * wait.tokens)
+    if not isinstance(total, int) or not isinstance(done, int):
         return False
     return 0 <= total - done <= 2 * wait.tokens
 

@@ -214,3 +214,17 @@ def test_observer_is_started_by_a_dropped_line():
     o = StreamObserver()
     o.feed(b"x" * ((4 << 20) + 1))
     assert o.started and o.obs.events == 0
+
+
+def test_the_decode_speed_is_read_from_timings_only_when_it_is_a_measurement():
+    from slotlogic.answers import Observation, absorb
+
+    def speed(timings: dict) -> float | None:
+        obs = Observation()
+        absorb(obs, {"timings": timings})
+        return obs.decode_per_second
+
+    assert speed({"predicted_per_second": 42.5, "predicted_n": 20}) == 42.5
+    assert speed({"predicted_per_second": 42.5, "predicted_n": 1}) is None      # one token says little
+    assert speed({"predicted_per_second": "fast", "predicted_n": 20}) is None
+    assert speed({"predicted_per_second": 42.5, "predicted_n": "20"}) is None

@@ -313,5 +313,14 @@ def test_a_source_still_prefilling_what_would_be_copied_is_waited_for_past_the_b
     assert paging.keep_waiting(wait, prefilling, 5.0, -1.0)               # 1,100 left <= 2 x 1,000
     assert not paging.keep_waiting(wait, {**prefilling, "n_prompt_tokens": 4000}, 5.0, -1.0)  # too far behind
     assert not paging.keep_waiting(wait, {**prefilling, "next_token": [{"n_decoded": 3}]}, 5.0, -1.0)  # generating
+    # generating with the decode speed measured: its prompt is all there; wait while what it has left to
+    # generate costs no more than prefilling the copied part beside it (n_remain x prefill/decode speed)
+    measured = paging.SourceWait(slot=0, budget=1.0, tokens=1000, cap=30.0, decode_cost=8.0)
+    ending = {**prefilling, "next_token": [{"n_decoded": 3, "n_remain": 1}]}
+    assert paging.keep_waiting(measured, ending, 5.0, -1.0)
+    assert not paging.keep_waiting(measured, {**ending, "next_token": [{"n_decoded": 3, "n_remain": 400}]}, 5.0, -1.0)
+    assert not paging.keep_waiting(measured, {**ending, "next_token": [{"n_decoded": 3, "n_remain": -1}]}, 5.0, -1.0)
+    assert not paging.keep_waiting(wait, ending, 5.0, -1.0)              # decode speed unknown: as before
+    assert not paging.keep_waiting(measured, ending, 30.0, -1.0)         # the cap
     assert not paging.keep_waiting(wait, {**prefilling, "is_processing": False}, 5.0, -1.0)
     assert not paging.keep_waiting(wait, prefilling, 30.0, -1.0)          # the cap
