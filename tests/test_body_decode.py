@@ -15,8 +15,8 @@ import brotli
 import pytest
 from mitmproxy.net import encoding
 
-from slotkeeper.drivers import body_decode
-from slotkeeper.drivers.body_decode import TooLarge
+from slotkeeper.mitm import body_decode
+from slotkeeper.mitm.body_decode import TooLarge
 from tests.conftest import chat, flow, sent
 
 BODY = json.dumps(chat("decode me")).encode()

@@ -41,3 +41,15 @@ def test_no_class_over_300_lines_and_no_function_over_8_parameters(rule):
         big = [f"{where} {n.name}: {_params(n)}" for where, n in _nodes()
                if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and _params(n) > MAX_PARAMS]
     assert big == []
+
+
+def test_mitmproxy_is_imported_only_by_the_addons_room():
+    """README: mitmproxy lives only in `slotkeeper/mitm/`; the drivers and the core never import it."""
+    found = []
+    for room in ("slotkeeper/drivers", "slotlogic"):
+        for path in sorted((ROOT / room).rglob("*.py")):
+            for n in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+                    [n.module or ""] if isinstance(n, ast.ImportFrom) else []
+                found += [f"{path.relative_to(ROOT)}:{n.lineno}" for m in names if m.split(".")[0] == "mitmproxy"]
+    assert found == []

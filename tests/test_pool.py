@@ -120,7 +120,7 @@ async def test_a_request_that_cannot_connect_is_sent_to_the_other_server_before_
 
 
 async def test_a_retried_encoded_request_is_decoded_by_the_capped_path_not_mitmproxys(pool, monkeypatch):
-    """The retry reads the body as the first attempt did (`slotkeeper/drivers/body_decode`, under `slots_max_body_mb`),
+    """The retry reads the body as the first attempt did (`slotkeeper/mitm/body_decode`, under `slots_max_body_mb`),
     never through mitmproxy's uncapped decoder on the event loop."""
     await pool.request(flow(chat("task 0")))
     f = await pool.request(flow(chat("task 1"), headers={"content-encoding": "gzip"}))

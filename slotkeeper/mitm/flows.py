@@ -91,7 +91,7 @@ _DECODE: Any = object()
 def request_facts(flow: Any, body: bytes | None = _DECODE) -> RequestFacts:
     """The facts of a request for `Keeper.request`. A saved flow (`mitmdump -nr`, not live) keeps the recorded
     clock and brings what the proxy recorded with it: the client's own fields and the server's facts. `body`:
-    the decoded body when the caller decoded it already (`slotkeeper/drivers/body_decode.py`)."""
+    the decoded body when the caller decoded it already (`slotkeeper/mitm/body_decode.py`)."""
     req = flow.request
     if body is _DECODE:
         try:

@@ -15,9 +15,8 @@ from typing import Any
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.connection import ConnectionState
 
-from slotkeeper.drivers import body_decode
 from slotkeeper.drivers.store import parse_url
-from slotkeeper.mitm import flows, options
+from slotkeeper.mitm import body_decode, flows, options
 from slotkeeper.mitm.runtime import Open, Runtime, guarded
 from slotkeeper.mitm.sse_tap import SSETap, TranslatingTap
 from slotlogic import anthropic_answer, verbose

@@ -169,7 +169,7 @@ async def decode_async(raw: bytes, encoding: str, limit: int) -> bytes:
 
 def encode(body: bytes, encoding: str) -> bytes:
     """Encode a rewritten body back the way the client sent it (mitmproxy's encoders)."""
-    from mitmproxy.net import encoding as mitm_encoding  # the driver layer may use mitmproxy's codecs
+    from mitmproxy.net import encoding as mitm_encoding
 
     return mitm_encoding.encode(body, encoding.strip().lower())
 
