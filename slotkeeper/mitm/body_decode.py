@@ -167,6 +167,24 @@ async def decode_async(raw: bytes, encoding: str, limit: int) -> bytes:
     return await asyncio.to_thread(decode, raw, encoding, limit)
 
 
+TOO_LARGE_BODY = object()  # a body past slots_max_body_mb: passed through untouched, unread
+
+
+async def request_body(raw: bytes | None, encoding: bytes | None, limit: int) -> bytes | object | None:
+    """A request's decoded body (None when absent or badly encoded), or TOO_LARGE_BODY past `limit`
+    (`slots_max_body_mb`): decoded with the cap, and in a worker thread unless it is small."""
+    if raw is None:
+        return None
+    if not encoding:
+        return TOO_LARGE_BODY if len(raw) > limit else raw
+    try:
+        return await decode_async(raw, encoding.decode("latin-1"), limit)
+    except TooLarge:
+        return TOO_LARGE_BODY
+    except ValueError:
+        return None
+
+
 def encode(body: bytes, encoding: str) -> bytes:
     """Encode a rewritten body back the way the client sent it (mitmproxy's encoders)."""
     from mitmproxy.net import encoding as mitm_encoding

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from slotkeeper.mitm import body_decode
 from slotlogic.decisions import Decision, Fields, Observe, Pin, Replay, RequestFacts
 
 
@@ -114,6 +115,17 @@ def apply(flow: Any, decision: Decision) -> None:
         set_content(flow.request, decision.body)
     if isinstance(decision, Pin) and decision.path is not None:
         flow.request.path = decision.path
+
+
+async def apply_async(flow: Any, decision: Decision, encoding: bytes | None) -> None:
+    """`apply`, for a body the client sent encoded: the decision's body encoded again the same way (off the
+    event loop when it is large), its route set as `apply` does."""
+    if encoding and isinstance(decision, Pin | Observe) and decision.body is not None:
+        set_raw(flow.request, await body_decode.encode_async(decision.body, encoding.decode("latin-1")))
+        if isinstance(decision, Pin) and decision.path is not None:
+            flow.request.path = decision.path  # a translated request's route
+        return
+    apply(flow, decision)
 
 
 def response_body(response: Any) -> bytes:

@@ -28,7 +28,6 @@ from slotlogic.reasons import Passed
 from slotlogic.verbose import VerboseStripper
 
 log = logging.getLogger("slotkeeper")
-TOO_LARGE = object()  # a body past slots_max_body_mb: passed through untouched, unread
 
 
 class Pinning:
@@ -71,8 +70,8 @@ class Pinning:
         try:
             encoding = flows.get(original[1], b"content-encoding")
             limit = (upstream.settings if upstream is not None else self.rt.settings).max_body_bytes
-            body = await self._body(original[0], encoding, limit)
-            if body is TOO_LARGE:
+            body = await body_decode.request_body(original[0], encoding, limit)
+            if body is body_decode.TOO_LARGE_BODY:
                 self.rt.emit(PassedThrough(upstream.url if upstream is not None else flows.upstream_url(flow),
                                            flow.request.method, flow.request.path, Passed.TOO_LARGE))
                 return
@@ -89,7 +88,7 @@ class Pinning:
                 self.rt.open[flow.id] = Open(decision.ticket, upstream, arrived, original[2], flow=flow,
                                              original=original if pool is not None else None)
                 decision = await upstream.waits.held(decision, flow.id, body if isinstance(body, bytes) else None)
-            await self._apply(flow, decision, encoding)
+            await flows.apply_async(flow, decision, encoding)
         except Exception as e:  # fail open: the original request goes out untouched
             self.rt.open.pop(flow.id, None)
             flow.request.raw_content, flow.request.headers.fields, flow.request.path = original
@@ -243,15 +242,15 @@ class Pinning:
         original = flow.request.raw_content, flow.request.headers.fields, flow.request.path
         # The same capped decode as the first attempt (never mitmproxy's uncapped decoder on the event loop).
         encoding = flows.get(original[1], b"content-encoding")
-        body = await self._body(original[0], encoding, self.rt.settings.max_body_bytes)
-        if body is TOO_LARGE:
+        body = await body_decode.request_body(original[0], encoding, self.rt.settings.max_body_bytes)
+        if body is body_decode.TOO_LARGE_BODY:
             return None
         upstream, decision = await pool.decide(flows.request_facts(flow, body), flow.id, avoid=dead)
         member = pool.member_of(upstream)
         if member is dead or not member.health.up:
             return None
         flows.set_destination(flow, member.url)
-        await self._apply(flow, decision, flows.get(original[1], b"content-encoding"))
+        await flows.apply_async(flow, decision, encoding)
         if isinstance(decision, Pin | Observe):
             if decision.ticket.why is not None or decision.ticket.unpinned is None:
                 pool.count_retry(upstream)
@@ -266,32 +265,6 @@ class Pinning:
             up.close_sync()
 
     # ------------------------------------------------------------------------------------------- helpers
-
-    @staticmethod
-    async def _body(raw: bytes | None, encoding: bytes | None, limit: int) -> bytes | object | None:
-        """The decoded body (None when absent or badly encoded), or TOO_LARGE past `slots_max_body_mb`. An
-        encoded body is decoded with a cap, and in a worker thread unless it is small (body_decode)."""
-        if raw is None:
-            return None
-        if not encoding:
-            return TOO_LARGE if len(raw) > limit else raw
-        try:
-            return await body_decode.decode_async(raw, encoding.decode("latin-1"), limit)
-        except body_decode.TooLarge:
-            return TOO_LARGE
-        except ValueError:
-            return None
-
-    @staticmethod
-    async def _apply(flow: http.HTTPFlow, decision: Any, encoding: bytes | None) -> None:
-        """The decision's body onto the flow; an encoded body encoded again the same way (off the event loop
-        when it is large)."""
-        if encoding and isinstance(decision, Pin | Observe) and decision.body is not None:
-            flows.set_raw(flow.request, await body_decode.encode_async(decision.body, encoding.decode("latin-1")))
-            if isinstance(decision, Pin) and decision.path is not None:
-                flow.request.path = decision.path  # a translated request's route
-            return
-        flows.apply(flow, decision)
 
     def _finish(self, flow: http.HTTPFlow, req: Open, obs: Observation) -> None:
         req.upstream.ended(flow.id)
