@@ -270,8 +270,7 @@ class Orchestrator:
 
     def _on_restoring(self, r: Result) -> Verdict:
         if r.ok:
-            n = r.data.get("n_restored") if isinstance(r.data, dict) else None
-            self.restored_tokens = n if isinstance(n, int) else None
+            self.restored_tokens = _int(r.data, "n_restored")
             self._note(NoteKind.RESTORED, filename=self.filename, tokens=self.restored_tokens)
             return Verdict.OK
         self.missing_save_path |= r.status == 501
@@ -329,8 +328,7 @@ class Orchestrator:
 
     def _on_saving(self, r: Result) -> Verdict:
         if r.ok:
-            n = r.data.get("n_saved") if isinstance(r.data, dict) else None
-            self.saved_tokens = n if isinstance(n, int) else None
+            self.saved_tokens = _int(r.data, "n_saved")
             self._note(NoteKind.SAVED, filename=self.filename, tokens=self.saved_tokens)
             self.outcome = Outcome.WARMED_SAVED
             return Verdict.OK
