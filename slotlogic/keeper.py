@@ -187,7 +187,7 @@ class Keeper:
             placed = self._placed(ticket, facts.now)
             if placed is not None:  # its last parsed request is not its previous one any more (this one is not parsed)
                 self.ledger.marks.pop(ticket.session.key, None)
-                return self._pin(replace(ticket, why=placed[1]), {}, facts.content or b"", placed[0], facts.now)
+                return self._pin(ticket, placed[1], {}, facts.content or b"", placed[0], facts.now)
         arrival = self._intake.read(facts, route)
         if not isinstance(arrival, Arrival):
             return arrival
@@ -196,13 +196,12 @@ class Keeper:
             return Observe(replace(ticket, unpinned=Unpinned.POLICY_OFF), arrival.original)
         placed = self._placed(ticket, facts.now, req.body)
         if placed is not None:
-            return self._pin(replace(ticket, why=placed[1]), req.body, req.content, placed[0], facts.now)
+            return self._pin(ticket, placed[1], req.body, req.content, placed[0], facts.now)
         if s.policy is Policy.AFFINITY:
             return self._pending(ticket, req.body, req.content, TRANSLATED_PATH if ticket.translated else facts.path,
                                  facts.now)
         displaced = self._displaced_from(ticket, facts.now)
-        if displaced is not None:
-            ticket = replace(ticket, displaced=True)
+        ticket = replace(ticket, displaced=True) if displaced is not None else ticket
         return self._intake.need_slot(ticket, req, facts.now, displaced)
 
     def _displaced_from(self, ticket: Ticket, now: float) -> int | None:
@@ -235,10 +234,12 @@ class Keeper:
             return live.slot, Why.KNOWN
         return None
 
-    def _pin(self, ticket: Ticket, body: dict[str, Any], content: bytes, slot: int, now: float) -> Pin:
+    def _pin(self, ticket: Ticket, why: Why | None, body: dict[str, Any], content: bytes, slot: int, now: float, *,
+             paged_in: bool = False, seeded: bool = False) -> Pin:
+        """The rewrite of `ticket`'s request for `slot` and its pin's bookkeeping (one new ticket: the hot path)."""
         total = self.total_slots or slot + 1
         result = rewrite.pin(body, slot, total, override_client=self.settings.override_client)
-        key, why = ticket.session.key, ticket.why
+        key = ticket.session.key
         if result.client_slot_kept and result.slot != slot:
             why = Why.CLIENT_SLOT
             if not ticket.side:  # the claim follows the slot used (in memory; the next flush writes it)
@@ -251,7 +252,8 @@ class Keeper:
             self._table.side_call(now)
         if key in self._table.sessions:  # side calls on the reserved slot are not sessions
             self._table.use(key, now)
-        return _rewritten(replace(ticket, slot=result.slot, why=why, promise=promise), content, body, result)
+        pinned = replace(ticket, slot=result.slot, why=why, promise=promise, paged_in=paged_in, seeded=seeded)
+        return _rewritten(pinned, content, body, result)
 
     def _pending(self, ticket: Ticket, body: dict[str, Any], content: bytes, path: str, now: float) -> Pin:
         """Affinity: a session without a live slot of its own goes out with `id_slot: -1`; llama-server chooses,
@@ -335,7 +337,7 @@ class Keeper:
             return Observe(replace(ticket, unpinned=Unpinned.SERVER_UNKNOWN)), Unreachable(self.upstream,
                                                                                           ticket.session.short)
         self._table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix)
-        pin = self._pin(replace(ticket, why=choice.why), need.body, need.content, choice.slot, now)
+        pin = self._pin(ticket, choice.why, need.body, need.content, choice.slot, now)
         return pin, Unreachable(self.upstream, ticket.session.short, choice.slot, total)
 
     def resume(self, need: NeedSlot, now: float) -> Pin | NeedSlot:
@@ -344,7 +346,7 @@ class Keeper:
         (when it was here but displaced, a new one that says from which slot)."""
         placed = self._placed(need.ticket, now, need.body)
         if placed is not None:
-            return self._pin(replace(need.ticket, why=placed[1]), need.body, need.content, placed[0], now)
+            return self._pin(need.ticket, placed[1], need.body, need.content, placed[0], now)
         live = self._table.live(need.ticket.session.key, now)
         if live is not None and need.displaced_from is None and (self.total_slots is None
                                                                    or live.slot < self.total_slots):
@@ -358,8 +360,8 @@ class Keeper:
         if need is None:
             raise ProtocolError(f"pin takes a Placement from assign, not {type(placed).__name__}")
         self._placements.close(need.ticket.session.key, placed.serial)
-        ticket = replace(need.ticket, why=placed.why, paged_in=paged_in, seeded=seeded)
-        return self._pin(ticket, need.body, need.content, placed.slot, now)
+        return self._pin(need.ticket, placed.why, need.body, need.content, placed.slot, now, paged_in=paged_in,
+                         seeded=seeded)
 
     # ------------------------------------------------------------------------------------------- answers
 
