@@ -133,7 +133,8 @@ def cpu_seconds(pid: int) -> float:
 
 class Watch(threading.Thread):
     """Samples the proxy's memory every 50 ms (killing it past `KILL_MB` growth) and asks its health every
-    100 ms; `ended` is set when it was killed or the attack gave up, so a reading client stops."""
+    100 ms; `ended` is set when it was killed or the attack gave up, so a reading client stops. While `quiet` is
+    set it asks nothing (an attack measuring the proxy's idle CPU would otherwise count the health answers)."""
 
     def __init__(self, pid: int, url: str) -> None:
         super().__init__(daemon=True)
@@ -145,6 +146,7 @@ class Watch(threading.Thread):
         self.health_late = 0
         self.stopping = threading.Event()
         self.ended = threading.Event()
+        self.quiet = threading.Event()
 
     def run(self) -> None:
         next_health = 0.0
@@ -155,7 +157,7 @@ class Watch(threading.Thread):
                     self.killed = True
                     self.ended.set()
                     os.kill(self.pid, signal.SIGKILL)
-                if time.monotonic() >= next_health and not self.killed:
+                if time.monotonic() >= next_health and not self.killed and not self.quiet.is_set():
                     t0 = time.monotonic()
                     next_health = t0 + HEALTH_EVERY
                     try:
@@ -379,9 +381,14 @@ def swap_models(soak: Any, sizes: Sizes) -> Attack:
         listed = _chat(px.url, [{"role": "system", "content": "real"}, {"role": "user", "content": "go"}])
         status = httpx.get(px.url + "/_slots/status", timeout=30)
         servers, files = len(status.json().get("servers") or []), len(list(state.iterdir()))
-        c0 = cpu_seconds(px.proc.pid)
-        time.sleep(3)
-        idle = round(100 * (cpu_seconds(px.proc.pid) - c0) / 3, 1)
+        watch.quiet.set()
+        try:
+            time.sleep(1)
+            c0 = cpu_seconds(px.proc.pid)
+            time.sleep(3)
+            idle = round(100 * (cpu_seconds(px.proc.pid) - c0) / 3, 1)
+        finally:
+            watch.quiet.clear()
         row.notes |= {"listed_model": listed, "status_kb": round(len(status.content) / 1024, 1), "servers": servers,
                       "state_files": files, "idle_cpu_pct": idle}
         if listed == 200 and servers <= 8 and files <= 8 and idle < 5:
