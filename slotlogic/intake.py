@@ -22,7 +22,7 @@ from slotlogic import prefix as pfx
 from slotlogic import session as sess
 from slotlogic.decisions import TRANSLATED_PATH, Fields, Forward, NeedSlot, Observe, Replay, RequestFacts, Ticket
 from slotlogic.endpoints import Route
-from slotlogic.fastpath import ShapeIndex, fields_absent
+from slotlogic.fastpath import Shape, ShapeIndex, fields_absent
 from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ledger import Ledger
 from slotlogic.reasons import Passed, Unpinned
@@ -108,21 +108,19 @@ class Intake:
         self.host = host
         self.recognition = recognition or Recognition()
 
-    def known(self, facts: RequestFacts, route: Route) -> Ticket | None:
-        """The hot path without a parse (`slotlogic.fastpath`): a known session's next chat request (the byte
-        match proved it carries no id_slot/cache_prompt and appends to its previous request's messages)."""
+    def known(self, facts: RequestFacts, route: Route) -> Shape | None:
+        """The hot path without a parse (`slotlogic.fastpath`): the shape of a known session's next chat request
+        (the byte match proved it carries no id_slot/cache_prompt and appends to its previous request's
+        messages); the keeper builds its one ticket once it knows the slot (`ticket_of`)."""
         if route is not Route.PINNABLE or facts.replay is not None or not facts.content:
             return None
         shapes = self.recognition.shapes
         if not shapes:
             return None
-        if any(k.lower() in self.settings.header_bytes for k, _ in facts.fields):
+        named = self.settings.header_bytes
+        if any(k.lower() in named for k, _ in facts.fields):
             return None  # a header names the session: the full path reads it
-        shape = shapes.match(facts.path, facts.content)
-        if shape is None:
-            return None
-        return Ticket(shape.key, route, side=shape.side, client={"id_slot": None, "cache_prompt": None},
-                      extends=True)
+        return shapes.match(facts.path, facts.content)
 
     def read(self, facts: RequestFacts, route: Route) -> Arrival | Forward | Observe:
         """Parse the request and name its session: an `Arrival`, or a request that is not ours to pin."""

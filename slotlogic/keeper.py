@@ -48,6 +48,7 @@ from slotlogic.events import (
     Event,
     Unreachable,
 )
+from slotlogic.fastpath import Shape
 from slotlogic.intake import Arrival, Intake, Recognition
 from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ledger import Fence, Ledger
@@ -179,22 +180,22 @@ class Keeper:
         if route is Route.OTHER:
             return Forward(Passed.NOT_COMPLETION, completion_route=False)
         s = self.settings
-        ticket = self._intake.known(facts, route)  # the hot path: a known session's next turn, from its bytes
-        if ticket is not None:
+        shape = self._intake.known(facts, route)  # the hot path: a known session's next turn, from its bytes
+        if shape is not None:
             if s.policy is Policy.OFF:
-                self.ledger.marks.pop(ticket.session.key, None)
-                return Observe(replace(ticket, unpinned=Unpinned.POLICY_OFF))
-            placed = self._placed(ticket, facts.now)
+                self.ledger.marks.pop(shape.key.key, None)
+                return Observe(_known_ticket(shape, unpinned=Unpinned.POLICY_OFF))
+            placed = self._placed(shape.key.key, shape.side, facts.now)
             if placed is not None:  # its last parsed request is not its previous one any more (this one is not parsed)
-                self.ledger.marks.pop(ticket.session.key, None)
-                return self._pin(ticket, placed[1], {}, facts.content or b"", placed[0], facts.now)
+                self.ledger.marks.pop(shape.key.key, None)
+                return self._pin(shape, placed[1], {}, facts.content or b"", placed[0], facts.now)
         arrival = self._intake.read(facts, route)
         if not isinstance(arrival, Arrival):
             return arrival
         ticket, req = arrival.ticket, arrival.req
         if s.policy is Policy.OFF:
             return Observe(replace(ticket, unpinned=Unpinned.POLICY_OFF), arrival.original)
-        placed = self._placed(ticket, facts.now, req.body)
+        placed = self._placed(ticket.session.key, ticket.side, facts.now, req.body)
         if placed is not None:
             return self._pin(ticket, placed[1], req.body, req.content, placed[0], facts.now)
         if s.policy is Policy.AFFINITY:
@@ -212,11 +213,12 @@ class Keeper:
             return live.slot
         return None
 
-    def _placed(self, ticket: Ticket, now: float, body: dict[str, Any] | None = None) -> tuple[int, Why] | None:
+    def _placed(self, key: str, side: bool, now: float, body: dict[str, Any] | None = None
+                ) -> tuple[int, Why] | None:
         """A side call, or a known session still on its slot: the slot and why, with no I/O. None: it needs a
         slot (a trusted client asking for another slot than its session's is placed there, under the state lock)."""
         total = self.total_slots
-        if ticket.side and total:
+        if side and total:
             reserved = sidecalls.side_slot(total, self.settings.side_slot)
             writes = not self._instance or reserved in self.ledger.writing  # no other proxy may write it now
             if reserved is not None and not self.ledger.claimed(reserved) and writes and not (
@@ -224,7 +226,6 @@ class Keeper:
                 return reserved, Why.SIDE_CALL
             if reserved is not None:
                 return None  # a placement is under way there, a conversation to page out first, or another writer
-        key = ticket.session.key
         live = self._table.live(key, now)
         if (live is not None and (total is None or live.slot < total) and not self._table.displaced(key, live.slot)
                 and self.ledger.holds(live.slot, key)):
@@ -234,12 +235,12 @@ class Keeper:
             return live.slot, Why.KNOWN
         return None
 
-    def _pin(self, ticket: Ticket, why: Why | None, body: dict[str, Any], content: bytes, slot: int, now: float, *,
-             paged_in: bool = False, seeded: bool = False) -> Pin:
-        """The rewrite of `ticket`'s request for `slot` and its pin's bookkeeping (one new ticket: the hot path)."""
+    def _pin(self, ticket: Ticket | Shape, why: Why | None, body: dict[str, Any], content: bytes, slot: int,
+             now: float, *, paged_in: bool = False, seeded: bool = False) -> Pin:
+        """The rewrite for `slot` and the pin's bookkeeping; one new ticket (a hot path `Shape`'s only one)."""
         total = self.total_slots or slot + 1
         result = rewrite.pin(body, slot, total, override_client=self.settings.override_client)
-        key = ticket.session.key
+        key = ticket.key.key if isinstance(ticket, Shape) else ticket.session.key
         if result.client_slot_kept and result.slot != slot:
             why = Why.CLIENT_SLOT
             if not ticket.side:  # the claim follows the slot used (in memory; the next flush writes it)
@@ -252,7 +253,8 @@ class Keeper:
             self._table.side_call(now)
         if key in self._table.sessions:  # side calls on the reserved slot are not sessions
             self._table.use(key, now)
-        pinned = replace(ticket, slot=result.slot, why=why, promise=promise, paged_in=paged_in, seeded=seeded)
+        pinned = (_known_ticket(ticket, slot=result.slot, why=why, promise=promise) if isinstance(ticket, Shape)
+                  else replace(ticket, slot=result.slot, why=why, promise=promise, paged_in=paged_in, seeded=seeded))
         return _rewritten(pinned, content, body, result)
 
     def _pending(self, ticket: Ticket, body: dict[str, Any], content: bytes, path: str, now: float) -> Pin:
@@ -344,7 +346,7 @@ class Keeper:
         """A `NeedSlot` that another keeper of the same pool made (several servers share one shape index):
         this keeper's answer from memory when the session is live here, else the `NeedSlot` for `assign`
         (when it was here but displaced, a new one that says from which slot)."""
-        placed = self._placed(need.ticket, now, need.body)
+        placed = self._placed(need.ticket.session.key, need.ticket.side, now, need.body)
         if placed is not None:
             return self._pin(need.ticket, placed[1], need.body, need.content, placed[0], now)
         live = self._table.live(need.ticket.session.key, now)
@@ -380,8 +382,13 @@ class Keeper:
     # ------------------------------------------------------------------------------------------- views
 
     def status(self, state: shared.ServerState, now: float) -> dict[str, Any]:
-        """The status view of this server (`Outcomes.status`): hashes and counts only."""
-        return self._outcomes.status(state, now, self.server)
+        return self._outcomes.status(state, now, self.server)  # the status view: hashes and counts only
+
+
+def _known_ticket(shape: Shape, **fields: Any) -> Ticket:
+    """The ticket of a chat request the fast path matched (no parse: the match proved both fields absent)."""
+    return Ticket(shape.key, Route.PINNABLE, side=shape.side, client={"id_slot": None, "cache_prompt": None},
+                  extends=True, **fields)
 
 
 def _rewritten(ticket: Ticket, content: bytes, body: dict[str, Any], result: rewrite.Rewrite) -> Pin:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from enum import Enum
 
 from slotlogic import prefix as pfx
@@ -70,9 +71,10 @@ class Settings:
     throughput_probe: bool = False     # one short completion at start measures prefill and decode speed
     cost_model: bool = True            # weigh page and prefix moves by their measured cost (False: always move)
 
-    @property
+    @cached_property
     def header_bytes(self) -> frozenset[bytes]:
-        """The session header names as the raw header fields spell them (lower-case bytes)."""
+        """The session header names as the raw header fields spell them (lower-case bytes; built once, it is
+        asked for every header of every request)."""
         return frozenset(h.encode("latin-1") for h in self.session_headers)
 
     def for_upstream(self, fronted: bool) -> Settings:

@@ -140,7 +140,8 @@ async def test_a_sliding_window_model_keeps_slot_files_only_where_the_probe_save
     assert llama.posts[0][1]["id_slot"] == 1 and llama.posts[1][1]["filename"].startswith("slotkeeper-probe-")
     assert (up.pages is not None) == files and up.checkpoints is not None
     assert up.checkpoints.persist == files                        # disk checkpoints off, memory warm-ups stay
-    assert [type(e) for e in events] == [ModelHeader, SpeedsMeasured, Probed, ModelDescribed]  # the save's speed
+    kinds = [type(e) for e in events]
+    assert kinds == [ModelHeader, SpeedsMeasured, Probed, ModelDescribed], events  # the save's speed
     text = "\n".join(wording.event_line(e)[1] for e in events)
     assert "model: gemma3, 12 layers" in text and "slot file ~" in text
     if files:
