@@ -62,8 +62,7 @@ class Pager:
     def keeps(self, state: shared.ServerState, key: str) -> bool:
         """`key`'s conversation is on this server: a restorable page of it in `state`, or a slot still holding
         it (where routing sends it back, to be paged in rather than prefilled elsewhere)."""
-        rec = state.pages.get(key)
-        if rec is not None and rec.n_tokens > 0 and rec.model == self.page_identity:
+        if paging.restorable(state.pages.get(key), self.page_identity, 1):
             return True
         return self.ledger.where(key) is not None
 
@@ -226,8 +225,7 @@ class Pager:
         for other in self.learner.sharing(cold):
             if other in (key, holder):
                 continue
-            rec = self.index.get(other)
-            if rec is not None and rec.model == self.page_identity and rec.n_tokens >= paging.MIN_TOKENS:
+            if paging.restorable(self.index.get(other), self.page_identity):
                 return paging.Seed(other, len(cold.text), prefix=True)
             live = self._idle_on(other, slot, views, busy_too)
             if live is not None and live_seed is None:

@@ -147,6 +147,12 @@ class PagePlan:
         return replace(self, seed=None, seed_file=None, restore_for=None, restore_file=None, restore_tokens=0)
 
 
+def restorable(rec: PageRecord | None, identity: str, min_tokens: int = MIN_TOKENS) -> bool:
+    """A page that can stand for its conversation here: written under this model, build and KV layout
+    (`identity`, `model_id`), and long enough to be worth a restore (the one rule for pages, seeds and routing)."""
+    return rec is not None and rec.model == identity and rec.n_tokens >= min_tokens
+
+
 def page_file(upstream: str, session_key: str, salt: str = "") -> str:
     """A private file name per (server, session, save): no session text in it, no collision between two
     servers that share one save directory, and, with a salt unique to the save, never a file that two
@@ -199,7 +205,7 @@ def plan(slot: int, session_key: str, holder: str | None, holder_tokens: int | N
     if holder not in (None, "", session_key) and (holder_tokens is None or holder_tokens >= min_tokens):
         save_for, save_file = holder, page_file(files.upstream, holder, files.salt)
     rec = pages.get(session_key)
-    if rec is None or rec.model != files.model or holds_own or holder == session_key or rec.n_tokens < min_tokens:
+    if not restorable(rec, files.model, min_tokens) or holds_own or holder == session_key:
         return PagePlan(slot, save_for, save_file)
     return PagePlan(slot, save_for, save_file, session_key, rec.file, rec.n_tokens)
 
@@ -215,8 +221,7 @@ def choose_seed(lead: Lead | None, candidates: Iterable[tuple[str, Lead | None, 
         _, chars = leads.shared(lead, other)
         if chars < beat + SEED_MIN_CHARS:
             continue
-        rec = pages.get(key)
-        if rec is not None and rec.model == model and rec.n_tokens >= MIN_TOKENS:
+        if restorable(pages.get(key), model):
             seed, rank = Seed(key, chars), 1
         elif live is not None:
             seed, rank = Seed(key, chars, live), 0

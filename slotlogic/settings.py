@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from enum import Enum
+from functools import cached_property
 
 from slotlogic import prefix as pfx
 from slotlogic import session as sess
