@@ -5,8 +5,8 @@ A request's destination is (server, slot). Inside one server the slot is chosen 
 
 Rule 1: pure. The driver (`slotkeeper/drivers/pool.py`) gathers one `ServerView` per server (health, `/slots`, the
         shared state's claims, this proxy's in-flight requests) and calls `choose`; the clock comes in.
-Rule 2: a session stays where it is. A known session goes back to its server (`home`) while that server is
-        up; a session the shared state says still owns a slot on some server goes back there, and so does one
+Rule 2: a session stays where it is. A known session goes back to its server (`go_back`) while that server
+        is up; a session the shared state says still owns a slot on some server goes back there, and so does one
         whose conversation is on a server as a page or still in a slot (`kept`: paged back in there instead
         of prefilled on another). Only a new session (or one whose server went down) is placed by cost.
 Rule 3: never a down server, while any server is up. With none up, `choose` returns None and the driver
@@ -25,7 +25,7 @@ the first good answer marks it up again (one log line).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from slotlogic.ranking import SlotView, is_claimed
@@ -103,6 +103,46 @@ def choose(servers: Sequence[ServerView], *, side: bool = False, home: int | Non
         if hits:
             return RouteChoice(min(hits, key=load_key).index, why)
     return RouteChoice(least.index, RouteWhy.FAILOVER if was_down else RouteWhy.LEAST_LOADED)
+
+
+@dataclass(frozen=True)
+class GoBack:
+    """A session a server of the pool still knows goes back there: candidate `index`, whose keeper answers
+    from its own memory first (`resume`: another server parsed the request); None: the server that parsed it."""
+
+    index: int | None
+
+    @property
+    def resume(self) -> bool:
+        return self.index is not None
+
+
+def go_back(knows: Sequence[bool], first: int | None, first_knows: bool, first_up: bool) -> GoBack | None:
+    """Rule 2 for a session a server still holds live (`knows`, one per candidate server): another candidate
+    than the server its request was parsed for (`first`, its candidate index or None) wins, since the parsing
+    server would have placed it from memory; else the parsing server while it is up. None: the session is new
+    to every candidate, and `choose` places it."""
+    for i, known in enumerate(knows):
+        if known and i != first:
+            return GoBack(i)
+    return GoBack(None) if first_knows and first_up else None
+
+
+def failed_over(previous_up: bool | None, previous_avoided: bool) -> bool:
+    """The session's last server (None: it had none) is down, or this request could not reach it."""
+    return previous_up is not None and (not previous_up or previous_avoided)
+
+
+def wants_free(shown: Sequence[ServerView], chosen: ServerView, side: bool) -> bool:
+    """A session placed on a server that showed a free slot (`chosen`, as first seen) takes one there (a claim
+    that finds every slot taken since, by another proxy, routes again) while some server still shows one
+    (`shown`, the full ones as `full` made them); a side call never does (its reserved slot is not free)."""
+    return not side and chosen.free > 0 and any(v.up and v.free > 0 for v in shown)
+
+
+def full(v: ServerView) -> ServerView:
+    """`v` once a claim there found every slot taken: nothing free, nothing held free, nothing kept free."""
+    return replace(v, free=0, same_prefix=False, checkpoint=False, kept=False)
 
 
 def slot_counts(views: Sequence[SlotView], now: float, ttl: float, *, exclude: int | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from slotlogic import routing
 from slotlogic.ranking import SlotView
 from slotlogic.routing import (
     PROBE_MAX,
@@ -81,3 +82,24 @@ def test_a_session_whose_conversation_a_server_keeps_goes_back_there():
     owned = [ServerView(0, kept=True), ServerView(1, owned=True)]
     assert choose(owned).index == 1 and choose(owned).why is RouteWhy.OWNED
     assert choose([ServerView(0, up=False, kept=True), ServerView(1)]).index == 1  # never a down server
+
+
+def test_a_session_goes_back_to_the_server_that_knows_it_before_the_one_that_parsed_it():
+    # another candidate knows it: that keeper answers from its memory (the parsing one would have pinned it)
+    assert routing.go_back([False, True, True], 2, True, True) == routing.GoBack(1)
+    assert routing.go_back([False, True], 1, True, True) == routing.GoBack(None)    # only the parsing server
+    assert routing.go_back([False, True], 1, True, False) is None                    # ... which is down: choose
+    assert routing.go_back([False, False], None, True, True) == routing.GoBack(None)  # parsed off the list
+    assert routing.go_back([False, False], 0, False, True) is None                   # new to every server
+    assert routing.failed_over(None, False) is False                                 # no server before
+    assert routing.failed_over(True, False) is False and routing.failed_over(False, False) is True
+    assert routing.failed_over(True, True) is True                                   # could not reach it
+
+
+def test_a_full_server_is_chosen_again_only_for_what_needs_no_free_slot():
+    a, b = routing.ServerView(0, free=1, idle=2, kept=True), routing.ServerView(1, free=1, idle=2)
+    assert routing.choose([a, b]).why is RouteWhy.KEPT and routing.wants_free([a, b], a, side=False)
+    shown = [routing.full(a), b]
+    assert routing.choose(shown) == routing.RouteChoice(1, RouteWhy.LEAST_LOADED)
+    assert not routing.wants_free(shown, b, side=True)                               # a side call never
+    assert not routing.wants_free([routing.full(a), routing.full(b)], a, side=False)  # nowhere free: any slot

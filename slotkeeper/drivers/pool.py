@@ -6,10 +6,12 @@ warnings work per server as with one); this pool adds what is between them:
 - One shape index and one prompt memory for all their keepers, so a known session's next turn is
   recognised once, whatever server it is on, and `where` says which: the hot path stays a memory look-up
   (no parse, no network, no lock).
-- A new session (or one whose server went down) is routed by `slotlogic.routing.choose` from each server's
-  `/props`, `/slots` and shared state, then placed inside that server as always. The claim is made under
-  that server's state lock, where `accept` checks that a free slot is still there (another proxy may have
-  taken it since the look-up); if not, the choice is made again.
+- The pool only gathers facts and performs; `slotlogic.routing` decides. A session a server still holds goes
+  back there (`go_back`); a new session (or one whose server went down, `failed_over`) is routed by `choose`
+  from each server's `/props`, `/slots` and shared state, then placed inside that server by its own
+  `Upstream`, as with one server. The claim is made under that server's state lock, where `accept` checks
+  that a free slot is still there when one was seen (`wants_free`; another proxy may have taken it since the
+  look-up); if not, that server counts as full (`full`) and the choice is made again.
 - Health (`slotkeeper.drivers.pool_health`): a background task asks every server's `/health` (`slots_health_interval`),
   a down one with back-off (`routing.Health`); a connection that cannot be opened marks the server down at
   once (`connect_failed`, from mitmproxy's `server_connect` hook), and that request goes to another server
@@ -248,40 +250,39 @@ class Pool:
         model = _model_of_body(need.body) if self.servers[first.url][1] or self.member_of(first).swap else ""
         cands = [up for m in self.members if m.health.up and m is not avoid
                  and (up := await self._served(m, model)) is not None]
+        knows = [up.keeper.table.live(key, now) is not None for up in cands]
+        back = routing.go_back(knows, next((i for i, up in enumerate(cands) if up is first), None),
+                               first.keeper.table.live(key, now) is not None, self.is_up(first))
+        if back is not None:
+            if back.index is None:
+                return first, await self._place(first, need, facts, flow_id, None, RouteWhy.HOME)
+            up = cands[back.index]
+            resumed = up.keeper.resume(need, now)
+            if isinstance(resumed, Pin):
+                self._count(up, RouteWhy.HOME)
+                return up, resumed
+            return up, await self._place(up, resumed, facts, flow_id, None, RouteWhy.HOME)
         previous = self.where.get(key)
-        was_down = previous is not None and (not self.is_up(previous) or self.member_of(previous) is avoid)
-        for up in cands:  # the session lives on one of them: it goes back there
-            if up is first:
-                continue
-            if up.keeper.table.live(key, now) is not None:
-                resumed = up.keeper.resume(need, now)
-                if isinstance(resumed, Pin):
-                    self._count(up, RouteWhy.HOME)
-                    return up, resumed
-                return up, await self._place(up, resumed, facts, flow_id, None, RouteWhy.HOME)
-        if first.keeper.table.live(key, now) is not None and self.is_up(first):
-            return first, await self._place(first, need, facts, flow_id, None, RouteWhy.HOME)
+        was_down = routing.failed_over(None if previous is None else self.is_up(previous),
+                                       previous is not None and self.member_of(previous) is avoid)
         if was_down and previous is not None:
             previous.keeper.turns.forget([key])
         page = await self._page_elsewhere(key, previous) if was_down and previous is not None else None
         asked = await asyncio.gather(*(u.prober.ask() for u in cands))
         if page is None and not need.ticket.side:  # a page another server of the pool wrote: the save dir is one
             page = await self._page_anywhere(key, cands)
-        views, infos = [], []
+        views = []
         for i, (up, (props, live)) in enumerate(zip(cands, asked, strict=True)):
             info = ServerInfo.parse(props)
-            infos.append(info)
             views.append(await self._view(i, up, info, live, need, now) if info is not None
                          else ServerView(i, up=False))
-        full: set[int] = set()
+        shown = list(views)
         for _ in range(len(cands)):
-            choice = routing.choose([v if v.index not in full else _full(v) for v in views], side=need.ticket.side,
-                                    was_down=was_down)
+            choice = routing.choose(shown, side=need.ticket.side, was_down=was_down)
             if choice is None:
                 break
             up = cands[choice.index]
-            want_free = views[choice.index].free > 0 and not need.ticket.side and any(
-                v.up and v.free > 0 and v.index not in full for v in views)
+            want_free = routing.wants_free(shown, views[choice.index], need.ticket.side)
 
             def accept(state: shared.ServerState, info: ServerInfo, live: list[dict[str, Any]] | None,
                        want_free: bool = want_free, up: Upstream = up) -> bool:
@@ -293,7 +294,7 @@ class Pool:
 
             decision = await up.place(need, facts, flow_id, asked=asked[choice.index], accept=accept)
             if decision is None:  # another proxy took the last free slot there since the look-up
-                full.add(choice.index)
+                shown[choice.index] = routing.full(views[choice.index])
                 continue
             self._count(up, choice.why)
             return up, decision
@@ -345,10 +346,6 @@ class Pool:
             state = await previous.store.aread()
             return state.pages.get(key) or previous.keeper.pager.page_of(key)
         return None
-
-def _full(v: ServerView) -> ServerView:
-    return ServerView(v.index, v.up, v.total_slots, 0, v.idle, v.busy, v.queued, False, False, v.owned)
-
 
 def _slot_counts(up: Upstream, state: shared.ServerState, info: ServerInfo, live: list[dict[str, Any]] | None,
                  now: float) -> tuple[list[SlotView], tuple[int, int, int]]:
