@@ -160,6 +160,13 @@ class Pool:
     def known(self) -> list[Upstream]:
         return [self.make_upstream(url, None) for url in self.servers]
 
+    # The router interface the pinning addon uses (`slotkeeper.drivers.one_server.OneServer` has it too).
+    retries = True   # a request that could not reach its server goes to another before anything was sent
+    server = None    # no request's server is known before the pool decides
+
+    def destination(self, up: Upstream) -> str:
+        return self.member_of(up).url
+
     def member_of(self, up: Upstream) -> Member:
         return self.servers[up.url][0]
 

@@ -2,8 +2,9 @@
 
 Its options are the core's: how slots are chosen, where the shared state lives, checkpoints and paging.
 `configure` validates them once and builds one frozen `Settings`; the hooks are guards plus one call to the
-request's `Upstream` (slotkeeper/drivers/upstream.py), which asks the pure core (slotlogic/keeper.py) and performs what
-it decides.
+request's router (`Runtime.router`: the pool of several servers, slotkeeper/drivers/pool.py, or the one server's
+`OneServer`, slotkeeper/drivers/one_server.py), whose chosen `Upstream` (slotkeeper/drivers/upstream.py) asks the
+pure core (slotlogic/keeper.py) and performs what it decides.
 """
 
 from __future__ import annotations
@@ -63,30 +64,27 @@ class Pinning:
             return  # answered already (the local API), or a saved flow (-nr) that carries its answer
         arrived = time.monotonic()  # the line's seconds count the proxy's own placement and hold too
         original = flow.request.raw_content, flow.request.headers.fields, flow.request.path
-        pool = self.rt.pool if flow.live and self.rt.pool is not None and self.rt.pool.fronts(
-            flows.upstream_url(flow)) else None
-        upstream = self.rt.upstream(flows.upstream_url(flow), live=flow.live) if pool is None else None
-        decision = None
+        router = self.rt.router(flow)  # a pool chooses the server; one server is its own router
+        upstream, decision = router.server, None
+        retry = original if router.retries else None  # what a re-route sends again
         try:
             encoding = flows.get(original[1], b"content-encoding")
             limit = (upstream.settings if upstream is not None else self.rt.settings).max_body_bytes
             body = await body_decode.request_body(original[0], encoding, limit)
             if body is body_decode.TOO_LARGE_BODY:
-                self.rt.emit(PassedThrough(upstream.url if upstream is not None else flows.upstream_url(flow),
-                                           flow.request.method, flow.request.path, Passed.TOO_LARGE))
+                self.rt.emit(PassedThrough(flows.upstream_url(flow), flow.request.method, flow.request.path,
+                                           Passed.TOO_LARGE))
                 return
             facts = flows.request_facts(flow, body)
-            if pool is not None:
-                upstream, decision = await pool.decide(facts, flow.id)
-                flows.set_destination(flow, pool.member_of(upstream).url)
+            upstream, decision = await router.decide(facts, flow.id)
+            destination = router.destination(upstream)
+            if destination is not None:
+                flows.set_destination(flow, destination)
                 self.rt.pending[flow.client_conn.id] = flow
-            else:
-                assert upstream is not None
-                decision = await upstream.decide(facts, flow.id)
             if isinstance(decision, Pin) and upstream.waits.must_wait(decision):
                 # its slot runs our earlier requests: a bounded wait here (slotlogic.wait), watched like the rest
                 self.rt.open[flow.id] = Open(decision.ticket, upstream, arrived, original[2], flow=flow,
-                                             original=original if pool is not None else None)
+                                             original=retry)
                 decision = await upstream.waits.held(decision, flow.id, body if isinstance(body, bytes) else None)
             await flows.apply_async(flow, decision, encoding)
         except Exception as e:  # fail open: the original request goes out untouched
@@ -101,8 +99,7 @@ class Pinning:
             return
         if isinstance(decision, Pin | Observe):
             asked = facts.replay.path if facts.replay is not None and facts.replay.path else original[2]
-            self.rt.open[flow.id] = Open(decision.ticket, upstream, arrived, asked, flow=flow,
-                                         original=original if pool is not None else None)
+            self.rt.open[flow.id] = Open(decision.ticket, upstream, arrived, asked, flow=flow, original=retry)
             if isinstance(decision, Pin):
                 t = decision.ticket
                 upstream.sent(flow.id, t.slot, "" if t.side else t.session.key,
