@@ -98,6 +98,11 @@ class Rates:
     def measured(self) -> bool:
         return bool(self.prefill_tps and self.restore_bps)
 
+    @property
+    def decode_cost(self) -> float | None:
+        """Prefill tokens one generated token costs (prefill speed ÷ decode speed; None: not both measured)."""
+        return self.prefill_tps / self.decode_tps if self.prefill_tps and self.decode_tps else None
+
     def as_dict(self) -> dict[str, float | None]:
         """For the status view: rounded, None where not measured."""
         return {"prefill_tok_s": _round(self.prefill_tps, 1),

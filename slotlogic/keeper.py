@@ -19,7 +19,7 @@ whose slot ran another session since its last answer is *displaced* and is place
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -287,9 +287,10 @@ class Keeper:
     # ------------------------------------------------------------------------------------------- new slots
 
     def assign(self, need: NeedSlot, state: shared.ServerState, info: ServerInfo,
-               live: Sequence[dict[str, Any]] | None, now: float) -> Placement:
-        """Claim a slot for `need` in `state` (the caller holds the state lock and writes it back). Placed again
-        (its moves went stale), its older claim goes first and only the new `Placement` may be pinned."""
+               live: Sequence[dict[str, Any]] | None, now: float, ahead: Mapping[int, int] | None = None
+               ) -> Placement:
+        """Claim a slot for `need` in `state` (the caller holds the state lock and writes it back; `ahead`: our
+        requests' prompt chars open per slot). Placed again, only the new `Placement` may be pinned."""
         if not isinstance(need, NeedSlot):
             raise ProtocolError(f"assign takes a NeedSlot, not {type(need).__name__}")
         events = self._facts.note_server(state, info, live)
@@ -306,9 +307,10 @@ class Keeper:
         ticket = replace(need.ticket, facts={"props": dict(info.raw or {}), "slots": slot_facts(live)})
         who = placement.Seeker(ticket.session.key, need.prefix, ticket.side, need.displaced_from,
                                resume=ticket.session.key not in self._table.misplaced,
-                               client_slot=rewrite.trusted_client_slot(need.body, total, self.settings.override_client))
-        choice = placement.assign(self.settings, state, who,
-                                  placement.SlotsSeen(live, total, self._table, pending, self.ledger.moved_on), now)
+                               client_slot=rewrite.trusted_client_slot(need.body, total, self.settings.override_client),
+                               prefix_chars=len(need.stable.text) if need.stable is not None else 0)
+        choice = placement.assign(self.settings, state, who, placement.SlotsSeen(
+            live, total, self._table, pending, self.ledger.moved_on, dict(ahead or {}), self.rates().decode_cost), now)
         dropped = shared.compact(state, now, SESSION_KEEP_SECONDS, self.settings.state_max_sessions)
         self._pager.load(state.pages)
         if choice.why is not Why.SIDE_CALL:
@@ -378,8 +380,6 @@ class Keeper:
         if slot is not None and self._table.dispatched.get(slot) in (key, ""):
             del self._table.dispatched[slot]
         return replace(ticket, slot=None, why=None, paged_in=False, seeded=False, unpinned=Unpinned.FAILED)
-
-    # ------------------------------------------------------------------------------------------- views
 
     def status(self, state: shared.ServerState, now: float) -> dict[str, Any]:
         return self._outcomes.status(state, now, self.server)  # the status view: hashes and counts only

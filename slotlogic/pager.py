@@ -184,8 +184,7 @@ class Pager:
         wait = paging.source_wait(gain, self.host.prefill_estimate(), self.settings.seed_wait)
         if gain <= 0 or wait <= 0:
             return None
-        rates = self.host.rates()
-        cost = rates.prefill_tps / rates.decode_tps if rates.prefill_tps and rates.decode_tps else None
+        cost = self.host.rates().decode_cost
         return paging.SourceWait(then.slot, wait, gain // paging.CHARS_PER_TOKEN, self.settings.seed_wait, cost)
 
     def source_idle(self, source: int, live: Sequence[object]) -> bool:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from slotlogic import lead as leads
 from slotlogic.lead import Lead
 from slotlogic.ranking import SlotView
+from slotlogic.server import work_left
 
 if TYPE_CHECKING:
     from slotlogic.costs import Choice
@@ -267,19 +268,8 @@ def keep_waiting(wait: SourceWait, entry: Mapping[str, object] | None, waited: f
         return False
     if budget_left > 0:
         return True
-    if not isinstance(entry, Mapping) or entry.get("is_processing") is not True:
-        return False
-    nt = entry.get("next_token")
-    first = nt[0] if isinstance(nt, list) and nt and isinstance(nt[0], Mapping) else nt
-    decoded = first.get("n_decoded") if isinstance(first, Mapping) else None
-    total, done = entry.get("n_prompt_tokens"), entry.get("n_prompt_tokens_processed")
-    if decoded:
-        remain = first.get("n_remain") if isinstance(first, Mapping) else None
-        return (wait.decode_cost is not None and isinstance(remain, int) and not isinstance(remain, bool)
-                and 0 <= remain * wait.decode_cost <= 2 * wait.tokens)
-    if not isinstance(total, int) or not isinstance(done, int):
-        return False
-    return 0 <= total - done <= 2 * wait.tokens
+    left = work_left(entry, wait.decode_cost)
+    return left is not None and left <= 2 * wait.tokens
 
 
 def seeded(plan: PagePlan, seed: Seed, pages: Mapping[str, PageRecord], upstream: str, salt: str) -> PagePlan:

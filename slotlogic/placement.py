@@ -12,13 +12,15 @@ Rule 4: a trusted client's own valid `id_slot` (`slots_override_client=false`) i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from slotlogic import ranking, shared, sidecalls
+from slotlogic.paging import CHARS_PER_TOKEN
 from slotlogic.ranking import Choice, Policy
 from slotlogic.reasons import Why
+from slotlogic.server import work_left
 from slotlogic.settings import Settings
 from slotlogic.table import SessionTable
 
@@ -35,6 +37,7 @@ class Seeker:
     displaced_from: int | None = None
     resume: bool = True
     client_slot: int | None = None
+    prefix_chars: int = 0         # the length of the stable prefix `prefix` names
 
 
 @dataclass(frozen=True)
@@ -42,13 +45,16 @@ class SlotsSeen:
     """The server's slots as this process sees them for one placement. `pending`: slots other placements of
     this process have chosen and not yet sent their request to (ranked as busy). `written_over(slot, session)`:
     this process knows the slot no longer holds the session's conversation (a side call or another session
-    wrote it since): its claim there is not resumed."""
+    wrote it since): its claim there is not resumed. `ahead` and `decode_cost`: what a busy slot's wait is
+    made of (`waits`)."""
 
     live: Sequence[dict[str, Any]] | None   # `/slots` as read (None: unknown)
     total: int
     local: SessionTable | None = None       # this process's session table
     pending: Collection[int] = ()
     written_over: Callable[[int, str], bool] | None = None
+    ahead: Mapping[int, int] = field(default_factory=dict)  # slot -> prompt chars of our requests open there
+    decode_cost: float | None = None        # prefill tokens one generated token costs (None: not measured)
 
 
 def assign(cfg: Settings, state: shared.ServerState, who: Seeker, slots: SlotsSeen, now: float) -> Choice:
@@ -66,6 +72,7 @@ def assign(cfg: Settings, state: shared.ServerState, who: Seeker, slots: SlotsSe
         shared.claim(state, session_key, client_slot, now, prefix=prefix, requests=(rec.requests if rec else 0) + 1)
         return Choice(client_slot, Why.CLIENT_SLOT)
     views = shared.views(state, total_slots, list(live_slots) if live_slots is not None else None, local, pending)
+    views = waits(views, slots, prefix, who.prefix_chars)
     owned = shared.owned_slot(state, session_key)
     if resume and owned is not None and owned < total_slots and not (written_over and written_over(owned, session_key)):
         view = views[owned]
@@ -86,6 +93,24 @@ def assign(cfg: Settings, state: shared.ServerState, who: Seeker, slots: SlotsSe
         requests = (rec.requests if rec else 0) + 1
     shared.claim(state, session_key, choice.slot, now, prefix=prefix, requests=requests)
     return choice
+
+
+def waits(views: Sequence[ranking.SlotView], slots: SlotsSeen, prefix: str | None, prefix_chars: int
+          ) -> list[ranking.SlotView]:
+    """Each busy slot's expected time to first token for this session, in prefill tokens: the work its
+    `/slots` entry shows left (`server.work_left`), or without `/slots` the prompts of ours open there, less
+    the shared prefix it holds and would not prefill again. Unknown (None) when neither says."""
+    by_id = {e.get("id"): e for e in slots.live or () if isinstance(e, Mapping)}
+    spared = prefix_chars / CHARS_PER_TOKEN
+    out = []
+    for v in views:
+        if v.busy:
+            left = (work_left(by_id.get(v.id), slots.decode_cost) if slots.live is not None
+                    else slots.ahead[v.id] / CHARS_PER_TOKEN if v.id in slots.ahead else None)
+            if left is not None:
+                v = replace(v, wait_tokens=max(0.0, left - (spared if ranking.holds_prefix(v, prefix) else 0.0)))
+        out.append(v)
+    return out
 
 
 def fallback(session_key: str, total_slots: int | None) -> Choice | None:

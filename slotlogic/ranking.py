@@ -15,7 +15,10 @@ claimed, oldest `last_used`, then fewest tokens, then lowest id.
 
 `auto` (default) ranks by a tuple, smallest first, each element a reason llama-server gives us:
   1. busy slots last: a request pinned to a busy slot is *deferred* until that slot frees (docs/llama-server.md),
-     and deferred unpinned requests can starve behind it;
+     and deferred unpinned requests can starve behind it. When every slot is busy, the lowest expected time
+     to first token first (`SlotView.wait_tokens`, `placement.waits`: the work `/slots` shows left there, in
+     prefill tokens, less the shared prefix the slot would spare; a slot whose work nobody can size comes
+     last), the way cache-aware routers weigh a cache hit against the queue in front of it;
   2. free before claimed: a live session's cache is worth more than an expired one's;
   3. the reserved side-call slot after every other free slot (sessions use it only when nothing else is
      free); with session paging, after the claimed slots too: evicting a live session then costs a save
@@ -71,6 +74,7 @@ class SlotView:
     owner_requests: int = 0          # how many requests the owner sent (short-lived owners are cheap)
     prefix: str | None = None        # prefix signature of the last content pinned here
     owner_done: float | None = None  # when the owner's last response completed (this process's knowledge)
+    wait_tokens: float | None = None  # busy: its expected time to first token in prefill tokens (None: unknown)
 
 
 SPAWN_WINDOW = 3.0  # seconds: a new session this soon after a session's answer is likely its subagent
@@ -101,20 +105,27 @@ def seed_key(view: SlotView, now: float, ttl: float) -> tuple[int, float, int, i
     return (1, view.last_used or 0.0, _tokens(view), view.id)
 
 
+def holds_prefix(view: SlotView, prefix: str | None) -> bool:
+    """The slot's last content starts with the shared prefix `prefix` names."""
+    return prefix is not None and view.prefix == prefix and _tokens(view) > 0
+
+
 def auto_key(view: SlotView, now: float, ttl: float, prefix: str | None,
              reserved: int | None, spawn: bool = True, paging: bool = False) -> tuple[object, ...]:
     claimed = is_claimed(view, now, ttl)
     side = view.id == reserved
-    same_prefix = prefix is not None and view.prefix == prefix and _tokens(view) > 0
+    same_prefix = holds_prefix(view, prefix)
     if not claimed:
         content = 0 if same_prefix else 1 if _empty(view) else 2
         inner: tuple[object, ...] = (content, _tokens(view), view.last_used or 0.0)
     else:
         inner = (0 if spawn and _spawned_from(view, now) else 1, activity(view), view.owner_requests,
                  0 if same_prefix else 1, _tokens(view))
+    # busy last; when every slot is busy, the lowest expected time to first token first
+    wait = (float("inf") if view.wait_tokens is None else view.wait_tokens) if view.busy else 0.0
     if paging:
-        return (view.busy, side, claimed, *inner, view.id)
-    return (view.busy, claimed, side, *inner, view.id)
+        return (view.busy, wait, side, claimed, *inner, view.id)
+    return (view.busy, wait, claimed, side, *inner, view.id)
 
 
 def activity(view: SlotView) -> float:
@@ -153,10 +164,10 @@ def _spawned_from(view: SlotView, now: float) -> bool:
 
 def _reason(view: SlotView, now: float, ttl: float, prefix: str | None, spawn: bool = True) -> Why:
     if view.busy:
-        return Why.ALL_BUSY
+        return Why.ALL_BUSY if view.wait_tokens is None else Why.ALL_BUSY_SHORTEST
     if is_claimed(view, now, ttl):
         return Why.EVICT_WAITING_PARENT if spawn and _spawned_from(view, now) else Why.EVICT_CHEAPEST
-    if prefix is not None and view.prefix == prefix and _tokens(view) > 0:
+    if holds_prefix(view, prefix):
         return Why.FREE_SAME_PREFIX
     if _empty(view):
         return Why.FREE_EMPTY

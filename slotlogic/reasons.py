@@ -21,7 +21,8 @@ class Why(Enum):
     FREE_FEWEST_TOKENS = "free-fewest-tokens"
     EVICT_WAITING_PARENT = "evict-waiting-parent"   # the owner just answered: it waits for this subagent
     EVICT_CHEAPEST = "evict-cheapest"
-    ALL_BUSY = "all-busy"
+    ALL_BUSY = "all-busy"                           # every slot busy, with work this process cannot size
+    ALL_BUSY_SHORTEST = "all-busy-shortest-wait"    # every slot busy: the lowest expected time to first token
     SEED_FREE = "seed-free"
     SEED_CLAIMED_COLDEST = "seed-claimed-coldest"
     SHARED = "shared"                               # a displaced session stays on its own slot

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from slotlogic.ranking import SlotView, is_claimed
+from slotlogic.ranking import SlotView, holds_prefix, is_claimed
 
 PROBE_MIN = 1.0     # seconds before a down server is asked again
 PROBE_MAX = 30.0    # the back-off never waits longer than this
@@ -158,8 +158,7 @@ def holds_prefix_free(views: Sequence[SlotView], prefix: str | None, now: float,
     """A free slot whose last content starts with `prefix` (what `ranking` calls free-same-prefix)."""
     if prefix is None:
         return False
-    return any(not v.busy and not is_claimed(v, now, ttl) and v.prefix == prefix and (v.n_tokens or 0) > 0
-               for v in views)
+    return any(not v.busy and not is_claimed(v, now, ttl) and holds_prefix(v, prefix) for v in views)
 
 
 # ------------------------------------------------------------------------------------------- health

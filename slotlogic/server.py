@@ -113,3 +113,24 @@ def probe_slot(live: Sequence[Mapping[str, Any]]) -> int | None:
     if len(live) < 2 or 0 not in ids or any(e.get("is_processing") or e.get("n_prompt_tokens") for e in live):
         return None
     return 0
+
+
+def work_left(entry: Mapping[str, Any] | None, decode_cost: float | None) -> float | None:
+    """A busy slot's work still to do, in prefill tokens, from its `/slots` entry: the prompt tokens it has yet
+    to evaluate, or once it generates, its `n_remain` tokens at `decode_cost` prefill tokens each (prefill
+    speed / decode speed). None: not busy, not said (`n_remain` -1 is "no limit"), or no speed measured.
+    `n_prompt_tokens_processed` moves per batch, so a prompt shorter than one shows all of it left."""
+    if not isinstance(entry, Mapping) or entry.get("is_processing") is not True:
+        return None
+    nt = entry.get("next_token")
+    first = nt[0] if isinstance(nt, list) and nt and isinstance(nt[0], Mapping) else nt
+    decoded = first.get("n_decoded") if isinstance(first, Mapping) else None
+    if decoded:
+        remain = first.get("n_remain") if isinstance(first, Mapping) else None
+        if decode_cost is None or not isinstance(remain, int) or isinstance(remain, bool) or remain < 0:
+            return None
+        return remain * decode_cost
+    total, done = entry.get("n_prompt_tokens"), entry.get("n_prompt_tokens_processed")
+    if not isinstance(total, int) or not isinstance(done, int) or isinstance(total, bool) or total < done:
+        return None
+    return float(total - done)

@@ -91,3 +91,59 @@ def test_the_side_call_slot_is_held_back_only_while_side_calls_come():
     table.side_call(30.0)
     assert table.reserving(31.0) and pick(31.0) == 0
     assert not table.reserving(150.0)
+
+
+def _busy(sid, *, prompt=None, done=0, decoded=0, remain=None, prefix_tokens=0):
+    entry = {"id": sid, "is_processing": True, "n_prompt_tokens": prompt or prefix_tokens,
+             "n_prompt_tokens_processed": done}
+    if decoded:
+        entry["next_token"] = [{"n_decoded": decoded, "n_remain": remain if remain is not None else -1}]
+    return entry
+
+
+def test_with_every_slot_busy_a_new_session_queues_where_it_reaches_its_first_token_soonest():
+    def state_now():
+        state = st.ServerState("u", total_slots=3)
+        for i in range(3):
+            st.claim(state, f"o{i}", i, 50.0)
+        return state
+
+    # slot 0 prefills 3,000 tokens more, slot 1 generates 40 more tokens at 25 prefill tokens each (1,000),
+    # slot 2 generates with no limit: nobody can size it
+    live = [_busy(0, prompt=4000, done=1000), _busy(1, prompt=900, done=900, decoded=10, remain=40),
+            _busy(2, prompt=500, done=500, decoded=5)]
+    seen = placement.SlotsSeen(live, 3, decode_cost=25.0)
+    choice = placement.assign(Settings(), state_now(), placement.Seeker("new", None), seen, 60.0)
+    assert (choice.slot, choice.why) == (1, Why.ALL_BUSY_SHORTEST)
+    # no decode speed measured yet: the generating slot cannot be sized; the prefilling one can
+    choice = placement.assign(Settings(), state_now(), placement.Seeker("new", None), placement.SlotsSeen(live, 3),
+                              60.0)
+    assert (choice.slot, choice.why) == (0, Why.ALL_BUSY_SHORTEST)
+
+
+def test_a_busy_slot_holding_the_session_s_prefix_spares_its_prefill_and_unknown_work_ranks_last():
+    views = [placement.ranking.SlotView(0, 3000, busy=True, prefix="p"), placement.ranking.SlotView(1, 10, busy=True)]
+    # 2,000 tokens left on both; slot 0 holds the new session's 1,600-token (6,400 chars) prefix: 400 to wait
+    live = [_busy(0, prompt=5000, done=3000), _busy(1, prompt=2100, done=100)]
+    got = placement.waits(views, placement.SlotsSeen(live, 2), "p", 6400)
+    assert [v.wait_tokens for v in got] == [400.0, 2000.0]
+    assert placement.ranking.choose(placement.ranking.Policy.AUTO, got, 0.0, 300.0, prefix="p").slot == 0
+    # without /slots, the prompts of ours open there are the wait; a slot with none of ours is unknown
+    got = placement.waits(views, placement.SlotsSeen(None, 2, ahead={1: 800}), "p", 6400)
+    assert [v.wait_tokens for v in got] == [None, 200.0]
+    choice = placement.ranking.choose(placement.ranking.Policy.AUTO, got, 0.0, 300.0, prefix="p")
+    assert (choice.slot, choice.why) == (1, Why.ALL_BUSY_SHORTEST)
+    unknown = placement.ranking.choose(placement.ranking.Policy.AUTO, views, 0.0, 300.0)
+    assert unknown.why is Why.ALL_BUSY                    # nothing sized: as before, by the owners' claims
+
+
+def test_work_left_reads_a_busy_slot_s_entry():
+    from slotlogic.server import work_left
+    assert work_left(_busy(0, prompt=4000, done=1000), None) == 3000.0
+    assert work_left(_busy(0, prompt=900, done=900, decoded=3, remain=40), 25.0) == 1000.0
+    assert work_left(_busy(0, prompt=900, done=900, decoded=3, remain=40), None) is None  # no decode speed
+    assert work_left(_busy(0, prompt=900, done=900, decoded=3), 25.0) is None            # n_remain -1: no limit
+    assert work_left({"id": 0, "is_processing": False, "n_prompt_tokens": 9}, 25.0) is None
+    assert work_left({"id": 0, "is_processing": True, "n_prompt_tokens": True, "n_prompt_tokens_processed": 0},
+                     1.0) is None
+    assert work_left(None, 1.0) is None

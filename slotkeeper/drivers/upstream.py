@@ -246,7 +246,7 @@ class Upstream:
         async with self.store.transaction() as state:
             if accept is not None and not accept(state, info, live):
                 return None
-            placement = self.keeper.assign(need, state, info, live, now)
+            placement = self.keeper.assign(need, state, info, live, now, self.waits.queued_chars())
         for event in placement.events:
             self.emit(event)
         if self.pages is not None and placement.dropped_pages:

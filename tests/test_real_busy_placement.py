@@ -1,0 +1,77 @@
+"""Placement that weighs the wait, on a real llama-server behind a real mitmdump: with every slot busy, a new
+session queues on the slot whose work `/slots` shows ends first (its `n_remain` tokens at the measured decode
+speed), not on the one whose owner was seen longest ago; it is answered while the long generation on the
+other slot still runs (`why=all-busy-shortest-wait`, slotlogic/placement.py `waits`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from slotkeeper.launch.llama_server import LlamaServer
+from slotkeeper.launch.mitmdump import MitmProxy
+from tests.real_helpers import jsonl
+
+pytestmark = pytest.mark.real
+
+
+def chat(system: str, user: str, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "temperature": 0, **extra}
+
+
+def decoding(url: str) -> set[int]:
+    slots = httpx.get(url + "/slots", timeout=10).json()
+    out = set()
+    for s in slots:
+        nt = s.get("next_token")
+        first = nt[0] if isinstance(nt, list) and nt else nt
+        if s.get("is_processing") and isinstance(first, dict) and first.get("n_decoded"):
+            out.add(s["id"])
+    return out
+
+
+def test_with_every_slot_busy_a_new_session_waits_for_the_slot_that_frees_first(tmp_path):
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
+            "slots_wait_bound": 60}
+    with LlamaServer(slots=2, ctx_per_slot=4096, threads=2, log_path=str(tmp_path / "s.log")) as srv, \
+            MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
+        # one answer first: the proxy measures the prefill and decode speeds from its timings (a prompt long
+        # enough to count for the prefill speed)
+        warm = "You are a warm-up. " + " ".join(f"Rule {i}: answer briefly and stay on topic." for i in range(30))
+        assert httpx.post(px.url + "/v1/chat/completions", timeout=120,
+                          json=chat(warm, "Say hi.", max_tokens=8)).status_code == 200
+        done: dict[str, float] = {}
+
+        def run(name: str, system: str, tokens: int) -> None:
+            body = chat(system, "Count from one to one thousand.", max_tokens=tokens, ignore_eos=True)
+            r = httpx.post(px.url + "/v1/chat/completions", json=body, timeout=600)
+            done[name] = time.monotonic() if r.status_code == 200 else -1.0
+
+        long = threading.Thread(target=run, args=("long", "You are agent Alpha, a careful counter.", 1500))
+        long.start()
+        deadline = time.monotonic() + 120
+        while not decoding(srv.url) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        short = threading.Thread(target=run, args=("short", "You are agent Bravo, a quick counter.", 120))
+        short.start()
+        while len(decoding(srv.url)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(decoding(srv.url)) == 2, "both slots should be generating"
+        r = httpx.post(px.url + "/v1/chat/completions", timeout=300,
+                       json=chat("You are agent Charlie, new here.", "Name one colour.", max_tokens=4))
+        charlie = time.monotonic()
+        assert r.status_code == 200
+        assert "long" not in done, "answered only after the long generation: queued behind it"
+        long.join(600)
+        short.join(60)
+        records = [x for x in jsonl(tmp_path / "req.jsonl") if "reason" in x]
+    assert done["short"] <= charlie
+    # answered in this order: the warm-up, Bravo, Charlie, Alpha
+    reasons = [x["reason"] for x in records]
+    assert len(records) == 4 and reasons[2] == "all-busy-shortest-wait", reasons
+    assert records[2]["slot"] == records[1]["slot"] != records[3]["slot"]  # behind Bravo's 120, not Alpha's 1500
