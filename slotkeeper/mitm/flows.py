@@ -117,9 +117,13 @@ def apply(flow: Any, decision: Decision) -> None:
         flow.request.path = decision.path
 
 
-async def apply_async(flow: Any, decision: Decision, encoding: bytes | None) -> None:
+async def apply_async(flow: Any, decision: Decision, encoding: bytes | None, destination: str | None = None
+                      ) -> None:
     """`apply`, for a body the client sent encoded: the decision's body encoded again the same way (off the
-    event loop when it is large), its route set as `apply` does."""
+    event loop when it is large), its route set as `apply` does; `destination`: the server a pool chose
+    (`set_destination`)."""
+    if destination is not None:
+        set_destination(flow, destination)
     if encoding and isinstance(decision, Pin | Observe) and decision.body is not None:
         set_raw(flow.request, await body_decode.encode_async(decision.body, encoding.decode("latin-1")))
         if isinstance(decision, Pin) and decision.path is not None:

@@ -64,29 +64,27 @@ class Pinning:
             return  # answered already (the local API), or a saved flow (-nr) that carries its answer
         arrived = time.monotonic()  # the line's seconds count the proxy's own placement and hold too
         original = flow.request.raw_content, flow.request.headers.fields, flow.request.path
-        router = self.rt.router(flow)  # a pool chooses the server; one server is its own router
+        url, encoding = flows.upstream_url(flow), flows.get(original[1], b"content-encoding")
+        router = self.rt.router(url, flow.live)  # a pool chooses the server; one server is its own router
         upstream, decision = router.server, None
         retry = original if router.retries else None  # what a re-route sends again
         try:
-            encoding = flows.get(original[1], b"content-encoding")
             limit = (upstream.settings if upstream is not None else self.rt.settings).max_body_bytes
             body = await body_decode.request_body(original[0], encoding, limit)
             if body is body_decode.TOO_LARGE_BODY:
-                self.rt.emit(PassedThrough(flows.upstream_url(flow), flow.request.method, flow.request.path,
-                                           Passed.TOO_LARGE))
+                self.rt.emit(PassedThrough(url, flow.request.method, flow.request.path, Passed.TOO_LARGE))
                 return
             facts = flows.request_facts(flow, body)
             upstream, decision = await router.decide(facts, flow.id)
-            destination = router.destination(upstream)
-            if destination is not None:
-                flows.set_destination(flow, destination)
-                self.rt.pending[flow.client_conn.id] = flow
             if isinstance(decision, Pin) and upstream.waits.must_wait(decision):
                 # its slot runs our earlier requests: a bounded wait here (slotlogic.wait), watched like the rest
                 self.rt.open[flow.id] = Open(decision.ticket, upstream, arrived, original[2], flow=flow,
                                              original=retry)
                 decision = await upstream.waits.held(decision, flow.id, body if isinstance(body, bytes) else None)
-            await flows.apply_async(flow, decision, encoding)
+            destination = router.destination(upstream)
+            await flows.apply_async(flow, decision, encoding, destination)
+            if destination is not None:
+                self.rt.pending[flow.client_conn.id] = flow
         except Exception as e:  # fail open: the original request goes out untouched
             self.rt.open.pop(flow.id, None)
             flow.request.raw_content, flow.request.headers.fields, flow.request.path = original
@@ -246,8 +244,7 @@ class Pinning:
         member = pool.member_of(upstream)
         if member is dead or not member.health.up:
             return None
-        flows.set_destination(flow, member.url)
-        await flows.apply_async(flow, decision, encoding)
+        await flows.apply_async(flow, decision, encoding, member.url)
         if isinstance(decision, Pin | Observe):
             if decision.ticket.why is not None or decision.ticket.unpinned is None:
                 pool.count_retry(upstream)

@@ -27,7 +27,6 @@ from slotkeeper.drivers.pool import Pool, base_of
 from slotkeeper.drivers.store_file import default_state_dir
 from slotkeeper.drivers.stores import Stores
 from slotkeeper.drivers.upstream import Shared, Upstream
-from slotkeeper.mitm import flows
 from slotlogic import wording
 from slotlogic.answers import StreamObserver
 from slotlogic.board import Board
@@ -130,13 +129,12 @@ class Runtime:
             pool[url] = up
         return up
 
-    def router(self, flow: Any) -> Pool | OneServer:
-        """Who decides where a request goes: the pool for a live request to a server it fronts, else the
-        request's own server (one driver path either way: `decide`, then the chosen server performs)."""
-        url = flows.upstream_url(flow)
-        if flow.live and self.pool is not None and self.pool.fronts(url):
+    def router(self, url: str, live: bool) -> Pool | OneServer:
+        """Who decides where a request to `url` goes: the pool for a live request to a server it fronts, else
+        the request's own server (one driver path either way: `decide`, then the chosen server performs)."""
+        if live and self.pool is not None and self.pool.fronts(url):
             return self.pool
-        return OneServer(self.upstream(url, live=flow.live))
+        return OneServer(self.upstream(url, live=live))
 
     def drop_upstream(self, url: str) -> None:
         """A llama-swap model's server the pool forgot: its last touches written, its tasks and client closed."""
