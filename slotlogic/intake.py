@@ -111,7 +111,7 @@ class Intake:
     def known(self, facts: RequestFacts, route: Route) -> Shape | None:
         """The hot path without a parse (`slotlogic.fastpath`): the shape of a known session's next chat request
         (the byte match proved it carries no id_slot/cache_prompt and appends to its previous request's
-        messages); the keeper builds its one ticket once it knows the slot (`ticket_of`)."""
+        messages); the keeper builds its one ticket once it knows the slot (`keeper._known_ticket`)."""
         if route is not Route.PINNABLE or facts.replay is not None or not facts.content:
             return None
         shapes = self.recognition.shapes
