@@ -119,8 +119,8 @@ class ServerProbe:
         if info is None:
             return
         self._hung.pop("/props", None)  # it answers again: new sessions may ask it
-        self.seen(info)
         if not self.keeper.facts.props_seen(info):
+            self.seen(info)
             return
         live = await self.live_slots()  # what ran on the new server before this look is kept
         assert self.store is not None
@@ -128,6 +128,7 @@ class ServerProbe:
             events = self.keeper.facts.note_server(state, info, live)
         for event in events:
             self.emit(event)
+        self.seen(info)  # after the core noted the server: the model probe's fence is planned against its slots
         if self.keeper.messages_native is None:  # a restarted server may be another build; its slots are empty
             self._messages_probing = False
             self.probe_messages_once()
