@@ -81,13 +81,16 @@ async def test_a_large_body_is_decoded_off_the_event_loop():
             last = now
 
     ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)  # the ticker is running before the decode starts
     t0 = time.perf_counter()
     out = await body_decode.decode_async(bomb, "gzip", 64 << 20)
     took = time.perf_counter() - t0
+    turns = len(gaps)  # the loop's turns while zlib worked: none (one long gap after) if it ran on the loop
     done.set()
     await ticker
     assert len(out) > 48 << 20
-    assert max(gaps) < max(0.05, took / 2), (max(gaps), took)  # the loop kept turning while zlib worked
+    # Counted, not timed: a busy machine stretches gaps either way, but only a decode on the loop stops the turns.
+    assert turns >= 3, (turns, took, max(gaps, default=None))
 
 
 async def test_a_gzip_bomb_passes_untouched_and_unread(proxy, fake_llama, caplog):
