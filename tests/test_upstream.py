@@ -216,3 +216,20 @@ async def test_a_huge_slot_count_in_the_state_sizes_nothing_while_the_server_is_
     decision = await up.decide(facts(), "f1")
     assert isinstance(decision, Observe) and up.keeper.total_slots is None
     await up.sync.reconcile()  # the background look for shared slots ranges over nothing the state says
+
+
+async def test_two_requests_of_one_session_at_once_are_placed_once_and_both_pinned(tmp_path, seen):
+    """Two identical requests that arrive together (a retry, two windows sending the same first prompt) are one
+    session: the second waits for the first's placement and goes to the same slot, instead of replacing the
+    first's placement (whose pin then broke both: `internal error ... ProtocolError`, both sent unpinned)."""
+
+    class SlowLlama(FakeLlama):
+        async def slots(self):
+            await asyncio.sleep(0.05)  # the first placement is under way when the second request asks
+            return await super().slots()
+
+    up = Upstream(UP, Settings(probe_interval=0), tmp_path / "state", seen.append, client=SlowLlama())
+    first, second = await asyncio.gather(up.decide(facts(), "f1"), up.decide(facts(), "f2"))
+    assert isinstance(first, Pin) and isinstance(second, Pin)
+    assert first.ticket.session.key == second.ticket.session.key and first.ticket.slot == second.ticket.slot
+    assert {first.ticket.why, second.ticket.why} == {Why.FREE_EMPTY, Why.KNOWN}, (first.ticket.why, second.ticket.why)

@@ -39,6 +39,7 @@ from slotkeeper.drivers.handovers import Handovers
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.model_check import ModelCheck
 from slotkeeper.drivers.page_runner import PageRunner
+from slotkeeper.drivers.placings import Placings
 from slotkeeper.drivers.server_auth import ServerAuth
 from slotkeeper.drivers.server_probe import Facts, ServerProbe
 from slotkeeper.drivers.slot_gate import SlotGate
@@ -113,6 +114,7 @@ class Upstream:
         self.speeds = SlotSpeeds(url, self.keeper, self.model, emit, lambda: self.settings)  # every save/restore
         self.model.on_answer = self.mover.on_answer = self.speeds
         self.tasks = Tasks()  # background work an answer or a command started
+        self.placings = Placings()  # one placement of a session at a time
         self.prober = ServerProbe(url, self.client, self.keeper, emit, self.model, self.tasks, loaded=loaded,
                                  on_checked=lambda: self._runners(self.settings))
         self.prober.store = self.store
@@ -213,8 +215,10 @@ class Upstream:
         """A `NeedSlot` made by any keeper of a pool, placed on this server (`slotkeeper/drivers/pool.py`): `asked` are
         the `/props` and `/slots` the router already has; `accept` may refuse the server under its state lock
         (None: no claim was made, route again)."""
-        try:
-            decision = await self._place(need, facts, flow_id, asked=asked, accept=accept)
+        try:  # a session's second request at once waits for its first one's placement (drivers/placings.py)
+            decision = await self.placings.one_at_a_time(
+                need, lambda again: self.keeper.resume(again, facts.now),
+                lambda n, waited: self._place(n, facts, flow_id, asked=None if waited else asked, accept=accept))
         except BaseException:
             self.abandon(need.ticket, flow_id)
             raise
