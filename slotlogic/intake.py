@@ -39,6 +39,8 @@ class Recognition:
     shapes: ShapeIndex = field(default_factory=ShapeIndex)  # known sessions' request shapes: no parse
     marks: OrderedDict[str, sess.PromptMark] = field(default_factory=OrderedDict)
     threads: sess.Threads = field(default_factory=sess.Threads)  # one content root's conversations apart
+    # stable prefixes learned from the sessions of every server (two siblings parsed by two servers still teach)
+    learner: PrefixLearner = field(default_factory=PrefixLearner)
 
     def remember(self, key: str, mark: sess.PromptMark | None) -> None:
         if mark is None:
@@ -100,13 +102,14 @@ class LowerHeaders(dict[str, str]):
 
 
 class Intake:
-    def __init__(self, settings: Settings, ledger: Ledger, learner: PrefixLearner, host: IntakeHost,
+    def __init__(self, settings: Settings, ledger: Ledger, host: IntakeHost,
                  recognition: Recognition | None = None) -> None:
         self.settings = settings
         self.ledger = ledger
-        self.learner = learner
         self.host = host
         self.recognition = recognition or Recognition()
+        self.learner = self.recognition.learner
+        self.learner.min_chars = settings.prefix_min_chars
 
     def known(self, facts: RequestFacts, route: Route) -> Shape | None:
         """The hot path without a parse (`slotlogic.fastpath`): the shape of a known session's next chat request

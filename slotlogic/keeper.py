@@ -50,7 +50,6 @@ from slotlogic.events import (
 )
 from slotlogic.fastpath import Shape
 from slotlogic.intake import Arrival, Intake, Recognition
-from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ledger import Fence, Ledger
 from slotlogic.outcomes import Outcomes
 from slotlogic.pager import Pager
@@ -91,9 +90,9 @@ class Keeper:
         self._table = SessionTable(ttl=settings.ttl)
         self.ledger = Ledger()  # what each slot holds, fenced by its epoch; the loss meter (slotlogic/ledger.py)
         self._facts = ServerFacts(settings, upstream, self._table, self.ledger)  # `/props` as last seen
-        self.learner = PrefixLearner(settings.prefix_min_chars)  # stable prefixes of marker-less clients
         self._instance = instance  # unique to this process ("" offline), so its page file names are its own
-        self._intake = Intake(settings, self.ledger, self.learner, self, recognition)
+        self._intake = Intake(settings, self.ledger, self, recognition)
+        self.learner = self._intake.recognition.learner  # stable prefixes of marker-less clients (one per pool)
         self._pager = Pager(settings, upstream, self._table, self.ledger, self.learner, self)
         self._turns = Turns(settings, upstream, self._table, self.ledger, self)
         self._outcomes = Outcomes(upstream, self._table, self.ledger, self)
@@ -295,9 +294,9 @@ class Keeper:
             raise ProtocolError(f"assign takes a NeedSlot, not {type(need).__name__}")
         events = self._facts.note_server(state, info, live)
         self.learner.load(state.prefixes)
-        if need.stable is None and not need.ticket.side and need.displaced_from is None:
-            found = self.learner.find(need.body, now)  # learned by another process, or before a restart
-            if found is not None:
+        if not need.ticket.side and need.displaced_from is None:
+            found = self.learner.find(need.body, now)  # learned elsewhere, before a restart, or since it came
+            if found is not None and (need.stable is None or len(found.text) > len(need.stable.text)):
                 need = replace(need, stable=found, prefix=found.signature)
         shared.keep_learned(state, self.learner.records(), now, self.settings.checkpoint_ttl_days * 86400)
         total = info.total_slots

@@ -150,12 +150,17 @@ class PrefixLearner:
         if text is not None:
             self.sample_bytes -= sys.getsizeof(text)
 
-    def sharing(self, prefix: StablePrefix) -> list[str]:
-        """Sessions whose first system message, as observed, starts with `prefix` in the same context: their
-        slots hold it (a cut at a line end is a token boundary, so the prefix's tokens lead theirs)."""
+    def sharers(self, prefix: StablePrefix) -> list[tuple[str, int]]:
+        """Sessions whose first system message, as observed, shares a part of `prefix` in the same context, with
+        how many of its characters: all of it for those that start with it, else their common part cut back to a
+        line end (a token boundary), when at least `min_chars` long. A copy of their slot gives that much of it."""
         first = First(prefix.text, prefix.role, prefix.tools, prefix.template_kwargs, prefix.route)
-        seen = self.samples.get(_context(first)) or {}
-        return [s for s, text in seen.items() if text.startswith(prefix.text)]
+        out = []
+        for s, text in (self.samples.get(_context(first)) or {}).items():
+            n = len(prefix.text) if text.startswith(prefix.text) else stable_cut(prefix.text, text, self.min_chars)
+            if n is not None:
+                out.append((s, min(n, len(prefix.text))))
+        return out
 
     def load(self, records: list[Learned]) -> None:
         """Learned prefixes from the shared state (another process, or this one before a restart)."""

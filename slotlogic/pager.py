@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from slotlogic import costs, handover, paging, shared
+from slotlogic import costs, handover, paging, shared, sources
 from slotlogic import lead as leads
 from slotlogic import prefix as pfx
 from slotlogic.decisions import NeedSlot, Report
@@ -180,7 +180,7 @@ class Pager:
         cold, stable_chars = ask.cold, ask.stable_chars
         if then is None or then.slot is None or (now is not None and now.slot == then.slot):
             return None
-        gain = then.chars - (now.chars if now is not None else 0 if cold is not None else stable_chars)
+        gain = then.chars - (now.chars if now is not None else ask.base_chars if cold is not None else stable_chars)
         wait = paging.source_wait(gain, self.host.prefill_estimate(), self.settings.seed_wait)
         if gain <= 0 or wait <= 0:
             return None
@@ -210,39 +210,45 @@ class Pager:
             return None
         left = self.table.sessions.get(holder or "")
         have = leads.shared(mine.lead, left.lead)[1] if left is not None and view.n_tokens != 0 else 0
-        candidates = [(other, a.lead, self._idle_on(other, slot, views, busy_too))
+        candidates = [(other, a.lead, self._idle_on(other, slot, views, busy_too, key))
                       for other, a in self.table.sessions.items() if other not in (key, holder) and a.lead is not None]
         return paging.choose_seed(mine.lead, candidates, self.index, self.page_identity,
                                   beat=max(have, stable_chars))
 
     def _prefix_seed(self, slot: int, key: str, holder: str | None, views: Sequence[SlotView],
                      cold: pfx.StablePrefix, busy_too: bool = False) -> paging.Seed | None:
-        """A session whose first system message starts with `cold`: its restorable page (no save needed), else
-        its live slot when idle (another of ours). A subagent's family prefix is its parent's, paged out or
-        waiting on its slot: copying it in spares prefilling the part a base checkpoint does not hold."""
-        live_seed = None
-        for other in self.learner.sharing(cold):
-            if other in (key, holder):
+        """The session that shares the most of `cold` (all of it: its first system message starts with it; or a
+        part of it, as a subagent of another family shares the base prompt): its restorable page (no save needed),
+        else its live slot when idle (another of ours). A subagent's family prefix is its parent's, paged out or
+        waiting on its slot: copying it in spares prefilling the part a base checkpoint does not hold; a part
+        copied spares that part, the warm-up prefills the rest."""
+        best: paging.Seed | None = None
+        for other, chars in self.learner.sharers(cold):
+            if other in (key, holder) or (best is not None and chars <= best.chars):
                 continue
             if paging.restorable(self.index.get(other), self.page_identity):
-                return paging.Seed(other, len(cold.text), prefix=True)
-            live = self._idle_on(other, slot, views, busy_too)
-            if live is not None and live_seed is None:
-                live_seed = paging.Seed(other, len(cold.text), live, prefix=True)
-        return live_seed
+                best = paging.Seed(other, chars, prefix=True)
+            elif (live := self._idle_on(other, slot, views, busy_too, key)) is not None:
+                best = paging.Seed(other, chars, live, prefix=True)
+        return best
 
-    def _idle_on(self, key: str, slot: int, views: Sequence[SlotView], busy_too: bool = False) -> int | None:
+    def _idle_on(self, key: str, slot: int, views: Sequence[SlotView], busy_too: bool = False,
+                 me: str | None = None) -> int | None:
         """The slot `key` holds, other than `slot`: its request was the last this process sent there and its
-        answer completed there, and `/slots` says the slot is idle (`busy_too`: or running `key`'s request).
-        A session placed whose request has not gone out yet holds nothing."""
-        a = self.table.sessions.get(key)
-        if a is None or a.slot == slot or a.slot >= len(views):
+        answer completed there, and `/slots` says the slot is idle (`busy_too`: or running `key`'s request, or
+        about to: `key` was placed there before `me`). A session placed whose request has not gone out yet holds
+        nothing now."""
+        table = self.table
+        a = table.sessions.get(key)
+        if a is None or a.slot == slot or a.slot >= len(views) or table.holders.get(a.slot) != key:
             return None
-        if self.table.dispatched.get(a.slot) != key or self.table.holders.get(a.slot) != key:
+        if busy_too and table.running.get(a.slot) == key and table.placed_before(key, me):
+            return a.slot  # its request is on its way there, or running
+        if table.dispatched.get(a.slot) != key:
             return None
         if busy_too:
-            return a.slot if self.table.running.get(a.slot) in (None, key) else None
-        return a.slot if not views[a.slot].busy and a.slot not in self.table.running else None
+            return a.slot if table.running.get(a.slot) in (None, key) else None
+        return a.slot if not views[a.slot].busy and a.slot not in table.running else None
 
     def pages_seen(self, state: shared.ServerState, session_key: str, now: float, wait: float) -> bool:
         """Take the page index of a fresh read of the shared state; True while `session_key`'s own page is
@@ -309,6 +315,10 @@ class Pager:
             del state.pages[key]
         self.index = dict(state.pages)
         return [file]
+
+    def share(self, need: NeedSlot) -> int:
+        """Characters of `need`'s prompt a session of this server could seed it with (`slotlogic.sources`)."""
+        return sources.shared_chars(need, self.table, self.ledger, self.index, self.page_identity, self.learner)
 
     def holds_prefix(self, need: NeedSlot, view: SlotView) -> bool:
         """The chosen slot still holds the session's stable prefix (no checkpoint work needed): another

@@ -58,7 +58,8 @@ class PageAsk:
     `Pager.busy_source`): `session_key`'s request goes to `slot` (as `view` shows it). `sent`: the session the
     slot's previous pager of any proxy sent there, and when. `views`: every slot (where a seed may come from).
     `stable_chars`: its stable prefix's length (what a checkpoint gives it anyway). `cold`: its stable prefix,
-    when no checkpoint file holds it yet. `copy_live=False`: no live slot may be saved for it. `given`: the other
+    when no checkpoint file holds it yet, with `base_chars` of it that a shorter one's file gives (a family's base
+    prompt). `copy_live=False`: no live slot may be saved for it. `given`: the other
     proxy's answer to this placement's handover, with `ours` (this process's last request there to reach the
     server)."""
 
@@ -69,6 +70,7 @@ class PageAsk:
     views: Sequence[SlotView] = ()
     stable_chars: int = 0
     cold: StablePrefix | None = None
+    base_chars: int = 0
     copy_live: bool = True
     given: Handover | None = None
     ours: tuple[str, float] | None = None
@@ -262,12 +264,15 @@ def keep_waiting(wait: SourceWait, entry: Mapping[str, object] | None, waited: f
     the budget; past it, as long as the source is still prefilling and has at most twice the tokens it would
     spare us left to go (prefilling them beside it on the same server would take at least as long, the two
     sharing its compute), or is generating with at most as much work left (its `n_remain` tokens, each costing
-    `wait.decode_cost` prefill tokens: its prompt is all there, the copy follows its last token); never past
-    the cap."""
+    `wait.decode_cost` prefill tokens: its prompt is all there, the copy follows its last token); or is idle while
+    its answer has not come (it ended a moment ago) or its request is still on its way there (it was placed first:
+    `Pager.busy_source`), up to twice the budget; never past the cap."""
     if waited >= wait.cap:
         return False
     if budget_left > 0:
         return True
+    if isinstance(entry, Mapping) and entry.get("is_processing") is False:
+        return waited < 2 * wait.budget
     left = work_left(entry, wait.decode_cost)
     return left is not None and left <= 2 * wait.tokens
 

@@ -12,7 +12,9 @@ Rule 2: a session stays where it is. A known session goes back to its server (`g
 Rule 3: never a down server, while any server is up. With none up, `choose` returns None and the driver
         forwards the request where the client sent it (fail open: the server may be back).
 Rule 4: a new session's cost, cheapest first: a free slot that already holds its stable prefix (nothing to
-        prefill but its own turn); then a server that can restore the prefix from a checkpoint file it can
+        prefill but its own turn); then a server with a free slot where another session holds (or is computing)
+        more of its prompt than a checkpoint would give (`source`: it is copied there, not prefilled again; the
+        most shared first); then a server that can restore the prefix from a checkpoint file it can
         read; then the least loaded server: most free slots (no live claim of any proxy, not processing),
         most idle slots, fewest queued requests, fewest slots prefilling; then the order of `slots_upstreams`.
         A side call (nobody's conversation) goes to the least loaded server, whose reserved slot takes it.
@@ -28,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from slotlogic.paging import SEED_MIN_CHARS
 from slotlogic.ranking import SlotView, holds_prefix, is_claimed
 
 PROBE_MIN = 1.0     # seconds before a down server is asked again
@@ -41,6 +44,7 @@ class RouteWhy(Enum):
     OWNED = "owned"                 # the shared state says the session still owns a slot there
     KEPT = "kept"                   # its conversation is there, as a page or in a slot: paged back in there
     SAME_PREFIX = "same-prefix"     # a free slot there holds the session's stable prefix
+    SOURCE = "source"               # a session there holds more of its prompt than a checkpoint gives: copied
     CHECKPOINT = "checkpoint"       # the server can restore the prefix from a checkpoint file
     LEAST_LOADED = "least-loaded"
     SIDE_CALL = "side-call"         # a side call: the least loaded server's reserved slot
@@ -64,6 +68,7 @@ class ServerView:
     checkpoint: bool = False         # a checkpoint file of the prefix that this server can restore
     owned: bool = False              # the session owns a slot there (shared state)
     kept: bool = False               # the session's conversation is there: a restorable page, or still a slot's
+    source: int = 0                  # characters of its prompt a session there gives beyond a checkpoint (a copy)
 
 
 @dataclass(frozen=True)
@@ -98,10 +103,11 @@ def choose(servers: Sequence[ServerView], *, side: bool = False, home: int | Non
     if kept:
         return RouteChoice(min(kept, key=load_key).index, RouteWhy.KEPT)
     for flag, why in ((lambda v: v.same_prefix and v.free > 0, RouteWhy.SAME_PREFIX),
+                      (lambda v: v.source > 0 and v.free > 0, RouteWhy.SOURCE),
                       (lambda v: v.checkpoint and v.free > 0, RouteWhy.CHECKPOINT)):
         hits = [v for v in up if flag(v)]
         if hits:
-            return RouteChoice(min(hits, key=load_key).index, why)
+            return RouteChoice(min(hits, key=lambda v: (-v.source, *load_key(v))).index, why)
     return RouteChoice(least.index, RouteWhy.FAILOVER if was_down else RouteWhy.LEAST_LOADED)
 
 
@@ -140,9 +146,15 @@ def wants_free(shown: Sequence[ServerView], chosen: ServerView, side: bool) -> b
     return not side and chosen.free > 0 and any(v.up and v.free > 0 for v in shown)
 
 
+def beyond(shared: int, checkpoint: int) -> int:
+    """A server's `source`: the characters a copy there gives beyond what a checkpoint restore gives, when that is
+    worth a save and a restore (`paging.SEED_MIN_CHARS`, as a seed must be); else 0."""
+    return shared if shared >= checkpoint + SEED_MIN_CHARS else 0
+
+
 def full(v: ServerView) -> ServerView:
     """`v` once a claim there found every slot taken: nothing free, nothing held free, nothing kept free."""
-    return replace(v, free=0, same_prefix=False, checkpoint=False, kept=False)
+    return replace(v, free=0, same_prefix=False, checkpoint=False, kept=False, source=0)
 
 
 def slot_counts(views: Sequence[SlotView], now: float, ttl: float, *, exclude: int | None = None

@@ -94,6 +94,13 @@ class SessionTable:
             self._bound()
         return a
 
+    def placed_before(self, key: str, other: str | None) -> bool:
+        """`key` was placed before `other` (the dict keeps the order of assignment): of two sessions placed
+        together, only the later one waits for the earlier, never each for the other."""
+        if other is None or other not in self.sessions:
+            return False
+        return next(k for k in self.sessions if k in (key, other)) == key
+
     def _bound(self) -> None:
         """Drop the least recently used entries (an eighth of the cap at once, so the sort is rare)."""
         excess = len(self.sessions) - self.max_sessions + max(1, self.max_sessions // 8)

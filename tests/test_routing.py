@@ -103,3 +103,18 @@ def test_a_full_server_is_chosen_again_only_for_what_needs_no_free_slot():
     assert routing.choose(shown) == routing.RouteChoice(1, RouteWhy.LEAST_LOADED)
     assert not routing.wants_free(shown, b, side=True)                               # a side call never
     assert not routing.wants_free([routing.full(a), routing.full(b)], a, side=False)  # nowhere free: any slot
+
+
+def test_a_new_session_goes_where_another_session_holds_more_of_its_prompt_than_a_checkpoint_gives():
+    """A subagent whose sibling is prefilling their family prompt on server 0 (one free slot left) goes there to
+    copy it, not to the idle server 1 to prefill it again; the most shared wins; only with a free slot; a share a
+    checkpoint gives anyway (or too small to be worth a save and a restore) is no source."""
+    sibling = [ServerView(0, free=1, busy=1, source=4000), ServerView(1, free=2)]
+    assert choose(sibling) == routing.RouteChoice(0, RouteWhy.SOURCE)
+    both = [ServerView(0, free=1, source=3000), ServerView(1, free=2, source=4000)]
+    assert choose(both).index == 1
+    assert choose([ServerView(0, free=0, busy=2, source=4000), ServerView(1, free=2)]).why is RouteWhy.LEAST_LOADED
+    assert choose([ServerView(0, free=1, source=4000, same_prefix=True), ServerView(1, free=2, same_prefix=True)]
+                  ).why is RouteWhy.SAME_PREFIX                      # nothing to copy beats a copy
+    assert routing.beyond(4000, 3000) == 4000 and routing.beyond(3100, 3000) == 0 and routing.beyond(200, 0) == 0
+    assert routing.full(sibling[0]).source == 0

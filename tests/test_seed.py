@@ -276,7 +276,8 @@ def test_source_wait_never_exceeds_the_prefill_it_saves_nor_the_cap():
 @pytest.mark.parametrize("sent", [False, True])
 def test_a_session_whose_request_has_not_gone_out_or_still_runs_is_no_idle_source(sent):
     """`/slots` may call such a slot idle (the request is on its way): a copy of it would be empty, or cut
-    short. One still running is waited for; one not sent yet holds nothing to wait for."""
+    short. One still running is waited for, and so is one placed before whose request has not gone out yet: it
+    is on its way to compute what would be copied (two siblings placed together: the later waits)."""
     k, state = Keeper(Settings(), U), shared.ServerState(U)
     k.facts.note_server(state, info())
     first = placed(k, state, generic("one", "/a"), "s1", 0.0, pin=sent, answer=False)
@@ -285,7 +286,7 @@ def test_a_session_whose_request_has_not_gone_out_or_still_runs_is_no_idle_sourc
     key, view, idle = d.ticket.session.key, SlotView(p.slot, 0), [SlotView(i) for i in range(4)]
     assert k.pager.page_plan(PageAsk(p.slot, key, view, views=idle, cold=d.stable)).seed is None
     found = k.pager.busy_source(PageAsk(p.slot, key, view, views=idle, cold=d.stable))
-    assert ((found.slot, found.budget) if found else None) == ((first, Settings().seed_wait) if sent else None)
+    assert found is not None and (found.slot, found.budget) == (first, Settings().seed_wait)
 
 
 def test_the_awaited_slot_is_idle_only_once_slots_says_so_and_its_answer_came():
@@ -322,5 +323,76 @@ def test_a_source_still_prefilling_what_would_be_copied_is_waited_for_past_the_b
     assert not paging.keep_waiting(measured, {**ending, "next_token": [{"n_decoded": 3, "n_remain": -1}]}, 5.0, -1.0)
     assert not paging.keep_waiting(wait, ending, 5.0, -1.0)              # decode speed unknown: as before
     assert not paging.keep_waiting(measured, ending, 30.0, -1.0)         # the cap
-    assert not paging.keep_waiting(wait, {**prefilling, "is_processing": False}, 5.0, -1.0)
+    # idle, but its answer has not come, or its request is on its way: on up to twice the budget
+    assert paging.keep_waiting(wait, {**prefilling, "is_processing": False}, 1.5, -0.5)
+    assert not paging.keep_waiting(wait, {**prefilling, "is_processing": False}, 2.0, -1.0)
     assert not paging.keep_waiting(wait, prefilling, 30.0, -1.0)          # the cap
+
+
+def test_of_two_sessions_placed_together_only_the_later_waits_for_the_earlier():
+    """Two siblings of a new prompt are placed back to back; the first one's request will compute the prompt,
+    so the second waits for it; the first never waits for the second (each waiting for the other would hold
+    both until their budgets ran out)."""
+    k, state = Keeper(Settings(), U), shared.ServerState(U)
+    k.facts.note_server(state, info())
+    d1 = need(k, generic("one", "/a"), "s1", 0.0)
+    d2 = need(k, generic("two", "/b"), "s2", 0.0)          # the second teaches the shared part
+    p1 = k.assign(d1, state, info(), LIVE, 0.0)
+    p2 = k.assign(d2, state, info(), LIVE, 0.0)
+    idle = [SlotView(i) for i in range(4)]
+    later = k.pager.busy_source(PageAsk(p2.slot, d2.ticket.session.key, SlotView(p2.slot, 0), views=idle,
+                                        cold=d2.stable))
+    assert later is not None and later.slot == p1.slot
+    earlier = k.pager.busy_source(PageAsk(p1.slot, d1.ticket.session.key, SlotView(p1.slot, 0), views=idle,
+                                          cold=d2.stable))
+    assert earlier is None
+
+
+def family(rules: str, folder: str) -> dict:
+    """A subagent's system prompt: the shared role, its family's rules, then a per-session line."""
+    return {"messages": [{"role": "system", "content": SYS + "\n" + f"{rules}\n" * 30 + "Working in " + folder + "\n"},
+                         {"role": "user", "content": "go"}]}
+
+
+def test_a_cold_family_prefix_waits_for_a_session_prefilling_the_part_it_shares():
+    """Subagents of two families start together: family B's prompt is cold, and a family-A subagent is prefilling
+    the base role both share. B waits for it and copies that part (its warm-up prefills only the rest), unless a
+    checkpoint already gives the base (then the wait would spare nothing)."""
+    k, state = Keeper(Settings(), U), shared.ServerState(U)
+    k.facts.note_server(state, info())
+    a1 = placed(k, state, family("Family A rules.", "/a1"), "a1", 0.0, answer=False)   # running its request
+    need(k, family("Family B rules.", "/b1"), "b1", 0.5)                                # seen, not placed yet
+    d = need(k, family("Family B rules.", "/b2"), "b2", 0.5)
+    assert d.stable is not None and d.stable.text.startswith(SYS + "\nFamily B")       # learned from b1 and b2
+    p = k.assign(d, state, info(), LIVE, 0.5)
+    key, view, busy = d.ticket.session.key, SlotView(p.slot, 0), [SlotView(i, busy=i == a1) for i in range(4)]
+    found = k.pager.busy_source(PageAsk(p.slot, key, view, views=busy, cold=d.stable))
+    assert found is not None and found.slot == a1
+    assert found.tokens == len(SYS.rstrip()) // paging.CHARS_PER_TOKEN                 # the base part, not all of it
+    base = len(SYS.rstrip())                                                           # a checkpoint gives the base
+    assert k.pager.busy_source(PageAsk(p.slot, key, view, views=busy, cold=d.stable, base_chars=base)) is None
+    k, state = Keeper(Settings(), U), shared.ServerState(U)                           # once a1 has answered
+    k.facts.note_server(state, info())
+    a1 = placed(k, state, family("Family A rules.", "/a1"), "a1", 0.0)
+    need(k, family("Family B rules.", "/b1"), "b1", 0.5)
+    d = need(k, family("Family B rules.", "/b2"), "b2", 0.5)
+    p = k.assign(d, state, info(), LIVE, 0.5)
+    idle = [SlotView(i) for i in range(4)]
+    plan = k.pager.page_plan(PageAsk(p.slot, d.ticket.session.key, SlotView(p.slot, 0), views=idle, cold=d.stable))
+    assert plan.seed is not None and plan.seed.prefix and plan.seed.slot == a1 and plan.seed.chars == len(SYS.rstrip())
+
+
+def test_a_sibling_placed_after_the_one_that_taught_its_family_prefix_takes_that_prefix():
+    """Two subagents of one family arrive together: the first knows only the base prompt (its family is new),
+    the second teaches the family's. Placed in the other order, the first takes the family prefix at its
+    placement, so it waits for its sibling's one build of it instead of prefilling the family part beside it."""
+    k, state = Keeper(Settings(), U), shared.ServerState(U)
+    k.facts.note_server(state, info())
+    placed(k, state, family("Family A rules.", "/a1"), "a1", 0.0)
+    placed(k, state, family("Family B rules.", "/b1"), "b1", 0.1)                    # the base is learned
+    c1 = need(k, family("Family C rules.", "/c1"), "c1", 0.2)
+    c2 = need(k, family("Family C rules.", "/c2"), "c2", 0.2)
+    assert c1.stable is not None and c2.stable is not None and len(c1.stable.text) < len(c2.stable.text)
+    k.assign(c2, state, info(), LIVE, 0.2)
+    p1 = k.assign(c1, state, info(), LIVE, 0.2)
+    assert p1.need is not None and p1.need.stable == c2.stable and p1.need.prefix == c2.stable.signature

@@ -195,6 +195,13 @@ class CheckpointRunner:
     def _base(self, prefix: pfx.StablePrefix, info: ServerInfo, name: str) -> str | None:
         """The file of the longest prefix this process knows that `prefix` starts with (same route, tools and
         template arguments), when it is there to restore: a family's prefix is then built on the shared one."""
+        best = self.longest_base(prefix, info, name)
+        return best[1] if best else None
+
+    def longest_base(self, prefix: pfx.StablePrefix, info: ServerInfo, name: str | None = None
+                     ) -> tuple[int, str] | None:
+        """`_base` with its length in characters (what a restore gives a session whose own prefix is cold).
+        Reads the index: a worker thread's or a placement's work, never the hot path's."""
         best: tuple[int, str] | None = None
         for other_name, other in self.known.items():
             if (other_name == name or len(other.text) >= len(prefix.text) or not prefix.text.startswith(other.text)
@@ -204,7 +211,7 @@ class CheckpointRunner:
             file = pfx.file_name(self.fingerprint(other, info))
             if (best is None or len(other.text) > best[0]) and self.file_known(file, info):
                 best = (len(other.text), file)
-        return best[1] if best else None
+        return best
 
     async def perform(self, action: Action) -> Result:
         if action.kind.slot_action:

@@ -332,11 +332,13 @@ class Pool:
             with contextlib.suppress(OSError, ValueError):
                 name = pfx.file_name(up.checkpoints.fingerprint(need.stable, info))
                 checkpoint = await asyncio.to_thread(up.checkpoints.file_known, name, info)
+        source = routing.beyond(up.keeper.pager.share(need) if up.pages is not None else 0,
+                                len(need.stable.text) if checkpoint and need.stable is not None else 0)
         return ServerView(i, total_slots=info.total_slots, free=free, idle=idle, busy=busy,
                           queued=max(0, self.inflight.get(up.url, 0) - busy),
                           same_prefix=routing.holds_prefix_free(views, need.prefix, now, ttl),
                           checkpoint=checkpoint, owned=shared.owned_slot(state, need.ticket.session.key) is not None,
-                          kept=up.keeper.pager.keeps(state, need.ticket.session.key))
+                          kept=up.keeper.pager.keeps(state, need.ticket.session.key), source=source)
 
     async def _page_anywhere(self, key: str, cands: list[Upstream]) -> Any:
         """The session's restorable page on any server of the pool (their slot files share one save dir): the

@@ -136,18 +136,24 @@ class SlotMover:
         if self.pages is None:
             return Moved.NOTHING, placement.fence, holds
         stable_chars = len(need.stable.text) if need.stable is not None and self.checkpoints is not None else 0
-        cold = need.stable if not holds and await self._unbuilt(need, info) else None
-        ask = PageAsk(placement.slot, key, placement.view, views=placement.views, stable_chars=stable_chars, cold=cold)
+        base = await self._unbuilt(need, info) if not holds else None
+        cold = need.stable if base is not None else None
+        ask = PageAsk(placement.slot, key, placement.view, views=placement.views, stable_chars=stable_chars, cold=cold,
+                      base_chars=base or 0)
         moved, fence = await self.page(await self._await_source(ask), flow_id, fence=placement.fence)
         return moved, fence, holds
 
-    async def _unbuilt(self, need: NeedSlot, info: ServerInfo) -> bool:
-        """No checkpoint file holds the session's stable prefix yet (so a warm-up would prefill all of it)."""
+    async def _unbuilt(self, need: NeedSlot, info: ServerInfo) -> int | None:
+        """No checkpoint file holds the session's stable prefix yet (so a warm-up would prefill it): how much of it
+        the longest shorter checkpoint gives (a family's base prompt; 0: none). None: it is built, or being built."""
         cp = self.checkpoints
         if cp is None or need.stable is None or not cp.persist:
-            return False
+            return None
         name = pfx.file_name(cp.fingerprint(need.stable, info))
-        return name not in cp.building and not await asyncio.to_thread(cp.file_known, name, info)
+        if name in cp.building or await asyncio.to_thread(cp.file_known, name, info):
+            return None
+        base = await asyncio.to_thread(cp.longest_base, need.stable, info, name)
+        return base[0] if base is not None else 0
 
     async def _await_source(self, ask: PageAsk) -> PageAsk:
         """Before the slot's paging lock: when the conversation this new session would start from is on a slot
