@@ -168,6 +168,7 @@ class SourceAwaited(Event):
     source: int     # the slot it waited for
     seconds: float
     idle: bool      # the source's slot went idle in time (its conversation is copied)
+    server: str | None = None  # that slot's server, when another of the pool (`slotkeeper.drivers.pool_seeds`)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class Recognition:
     threads: sess.Threads = field(default_factory=sess.Threads)  # one content root's conversations apart
     # stable prefixes learned from the sessions of every server (two siblings parsed by two servers still teach)
     learner: PrefixLearner = field(default_factory=PrefixLearner)
+    placements: list[int] = field(default_factory=lambda: [0])  # the pool's placements counted (`SessionTable`)
 
     def remember(self, key: str, mark: sess.PromptMark | None) -> None:
         if mark is None:

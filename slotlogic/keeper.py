@@ -87,12 +87,12 @@ class Keeper:
                  instance: str = "") -> None:
         self.settings = settings
         self.upstream = upstream
-        self._table = SessionTable(ttl=settings.ttl)
         self.ledger = Ledger()  # what each slot holds, fenced by its epoch; the loss meter (slotlogic/ledger.py)
-        self._facts = ServerFacts(settings, upstream, self._table, self.ledger)  # `/props` as last seen
         self._instance = instance  # unique to this process ("" offline), so its page file names are its own
         self._intake = Intake(settings, self.ledger, self, recognition)
         self.learner = self._intake.recognition.learner  # stable prefixes of marker-less clients (one per pool)
+        self._table = SessionTable(ttl=settings.ttl, placements=self._intake.recognition.placements)
+        self._facts = ServerFacts(settings, upstream, self._table, self.ledger)  # `/props` as last seen
         self._pager = Pager(settings, upstream, self._table, self.ledger, self.learner, self)
         self._turns = Turns(settings, upstream, self._table, self.ledger, self)
         self._outcomes = Outcomes(upstream, self._table, self.ledger, self)

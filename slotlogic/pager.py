@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from slotlogic import costs, handover, paging, shared, sources
+from slotlogic import costs, handover, paging, shared
 from slotlogic import lead as leads
-from slotlogic import prefix as pfx
 from slotlogic.decisions import NeedSlot, Report
 from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ledger import Ledger, tolerance
 from slotlogic.ranking import SlotView
+from slotlogic.seeds import Seeds
 from slotlogic.settings import SESSION_KEEP_SECONDS, Settings
 from slotlogic.table import SessionTable
 
@@ -50,6 +50,7 @@ class Pager:
         self.host = host
         self.index: dict[str, paging.PageRecord] = {}  # the page index as of the last state transaction
         self._seq = 0
+        self.seeds = Seeds(self)  # where a new session's start comes from (slotlogic/seeds.py)
 
     @property
     def page_identity(self) -> str:
@@ -128,7 +129,7 @@ class Pager:
             live = self._current_page(plan, session_key, salt)
             if live is not plan:
                 return live, holder, tokens
-        seed = self._any_seed(ask, holder)
+        seed = self.seeds.any_seed(ask, holder)
         seeded = paging.seeded(plan, seed, self.index, self.upstream, salt) if seed is not None else plan
         return seeded, holder, tokens
 
@@ -166,89 +167,26 @@ class Pager:
         return paging.holder_of(slot, view, dispatched)
 
     def busy_source(self, ask: paging.PageAsk) -> paging.SourceWait | None:
-        """The slot of the conversation `session_key` would start from if that slot were not running a request
-        now (two sessions that start together: the first is still prefilling what the second would copy), and
-        how long waiting for it is worth (`paging.source_wait`); None when nothing better is worth waiting for.
-        Asked before the slot's paging lock is taken; `page_plan` decides again after the wait."""
+        """The busy slot worth waiting for before the paging lock (`Seeds.busy_source`)."""
         if not ask.views or ask.session_key in self.index:
             return None
-        holder, _ = self._holder(ask.slot, ask.view, ask.sent)
-        if holder == ask.session_key:
-            return None
-        now = self._any_seed(ask, holder)
-        then = self._any_seed(ask, holder, busy_too=True)
-        cold, stable_chars = ask.cold, ask.stable_chars
-        if then is None or then.slot is None or (now is not None and now.slot == then.slot):
-            return None
-        gain = then.chars - (now.chars if now is not None else ask.base_chars if cold is not None else stable_chars)
-        wait = paging.source_wait(gain, self.host.prefill_estimate(), self.settings.seed_wait)
-        if gain <= 0 or wait <= 0:
-            return None
-        cost = self.host.rates().decode_cost
-        return paging.SourceWait(then.slot, wait, gain // paging.CHARS_PER_TOKEN, self.settings.seed_wait, cost)
+        return self.seeds.busy_source(ask, self._holder(ask.slot, ask.view, ask.sent)[0])
 
     def source_idle(self, source: int, live: Sequence[object]) -> bool:
-        """The slot waited for (`busy_source`) is idle now: `/slots` says so and no request this process sent
-        there is still unanswered (an answer completes a moment after the slot goes idle)."""
-        return source not in self.table.running and any(
-            isinstance(e, Mapping) and e.get("id") == source and not e.get("is_processing") for e in live)
+        return self.seeds.source_idle(source, live)
 
-    def _any_seed(self, ask: paging.PageAsk, holder: str | None, busy_too: bool = False) -> paging.Seed | None:
-        """What `page_plan` would seed the slot with (`busy_too`: if every live source were idle)."""
-        slot, key, views = ask.slot, ask.session_key, ask.views
-        seed = self._seed(slot, key, holder, ask.view, views, ask.stable_chars, busy_too)
-        if seed is None and ask.cold is not None:
-            seed = self._prefix_seed(slot, key, holder, views, ask.cold, busy_too)
-        return seed
+    def source_for(self, need: NeedSlot, total: int, before: int | None) -> tuple[paging.Seed, bool] | None:
+        return self.seeds.source_for(need, total, before)
 
-    def _seed(self, slot: int, key: str, holder: str | None, view: SlotView, views: Sequence[SlotView],
-              stable_chars: int, busy_too: bool = False) -> paging.Seed | None:
-        """The conversation `key` should start from, if any: a live session of ours idle on another slot (the
-        last sent there, by `/slots` not busy) or a page, whichever shares the most of its leading messages."""
-        mine = self.table.sessions.get(key)
-        if mine is None or mine.lead is None:
-            return None
-        left = self.table.sessions.get(holder or "")
-        have = leads.shared(mine.lead, left.lead)[1] if left is not None and view.n_tokens != 0 else 0
-        candidates = [(other, a.lead, self._idle_on(other, slot, views, busy_too, key))
-                      for other, a in self.table.sessions.items() if other not in (key, holder) and a.lead is not None]
-        return paging.choose_seed(mine.lead, candidates, self.index, self.page_identity,
-                                  beat=max(have, stable_chars))
+    def order(self, key: str) -> int | None:
+        """The pool's number of `key`'s placement here (which of two placements came first)."""
+        return self.table.order(key)
 
-    def _prefix_seed(self, slot: int, key: str, holder: str | None, views: Sequence[SlotView],
-                     cold: pfx.StablePrefix, busy_too: bool = False) -> paging.Seed | None:
-        """The session that shares the most of `cold` (all of it: its first system message starts with it; or a
-        part of it, as a subagent of another family shares the base prompt): its restorable page (no save needed),
-        else its live slot when idle (another of ours). A subagent's family prefix is its parent's, paged out or
-        waiting on its slot: copying it in spares prefilling the part a base checkpoint does not hold; a part
-        copied spares that part, the warm-up prefills the rest."""
-        best: paging.Seed | None = None
-        for other, chars in self.learner.sharers(cold):
-            if other in (key, holder) or (best is not None and chars <= best.chars):
-                continue
-            if paging.restorable(self.index.get(other), self.page_identity):
-                best = paging.Seed(other, chars, prefix=True)
-            elif (live := self._idle_on(other, slot, views, busy_too, key)) is not None:
-                best = paging.Seed(other, chars, live, prefix=True)
-        return best
+    def wait_worth(self, slot: int, gain: int) -> paging.SourceWait | None:
+        return self.seeds.wait_worth(slot, gain)
 
-    def _idle_on(self, key: str, slot: int, views: Sequence[SlotView], busy_too: bool = False,
-                 me: str | None = None) -> int | None:
-        """The slot `key` holds, other than `slot`: its request was the last this process sent there and its
-        answer completed there, and `/slots` says the slot is idle (`busy_too`: or running `key`'s request, or
-        about to: `key` was placed there before `me`). A session placed whose request has not gone out yet holds
-        nothing now."""
-        table = self.table
-        a = table.sessions.get(key)
-        if a is None or a.slot == slot or a.slot >= len(views) or table.holders.get(a.slot) != key:
-            return None
-        if busy_too and table.running.get(a.slot) == key and table.placed_before(key, me):
-            return a.slot  # its request is on its way there, or running
-        if table.dispatched.get(a.slot) != key:
-            return None
-        if busy_too:
-            return a.slot if table.running.get(a.slot) in (None, key) else None
-        return a.slot if not views[a.slot].busy and a.slot not in table.running else None
+    def share(self, need: NeedSlot) -> int:
+        return self.seeds.share(need)
 
     def pages_seen(self, state: shared.ServerState, session_key: str, now: float, wait: float) -> bool:
         """Take the page index of a fresh read of the shared state; True while `session_key`'s own page is
@@ -315,10 +253,6 @@ class Pager:
             del state.pages[key]
         self.index = dict(state.pages)
         return [file]
-
-    def share(self, need: NeedSlot) -> int:
-        """Characters of `need`'s prompt a session of this server could seed it with (`slotlogic.sources`)."""
-        return sources.shared_chars(need, self.table, self.ledger, self.index, self.page_identity, self.learner)
 
     def holds_prefix(self, need: NeedSlot, view: SlotView) -> bool:
         """The chosen slot still holds the session's stable prefix (no checkpoint work needed): another

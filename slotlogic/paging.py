@@ -59,7 +59,8 @@ class PageAsk:
     slot's previous pager of any proxy sent there, and when. `views`: every slot (where a seed may come from).
     `stable_chars`: its stable prefix's length (what a checkpoint gives it anyway). `cold`: its stable prefix,
     when no checkpoint file holds it yet, with `base_chars` of it that a shorter one's file gives (a family's base
-    prompt). `copy_live=False`: no live slot may be saved for it. `given`: the other
+    prompt). `elsewhere`: a source on another server, idle there, copied when nothing here gives as much.
+    `copy_live=False`: no live slot may be saved for it. `given`: the other
     proxy's answer to this placement's handover, with `ours` (this process's last request there to reach the
     server)."""
 
@@ -72,6 +73,7 @@ class PageAsk:
     cold: StablePrefix | None = None
     base_chars: int = 0
     copy_live: bool = True
+    elsewhere: Seed | None = None  # the best live source on another server of the pool (`Pager.source_for`)
     given: Handover | None = None
     ours: tuple[str, float] | None = None
 
@@ -116,6 +118,12 @@ class Seed:
     chars: int              # characters of the leading messages the two share
     slot: int | None = None  # its live slot, saved first; None: its page is restored as it is
     prefix: bool = False     # it shares only the stable prefix: the prefix checkpoint is then built from it
+    server: str | None = None  # another server of the pool whose live slot is copied (the save dir is one)
+
+    @property
+    def local_slot(self) -> int | None:
+        """The live slot of this server the seed is saved from (None: a page, or a slot of another server)."""
+        return self.slot if self.server is None else None
 
 
 @dataclass(frozen=True)
@@ -138,11 +146,17 @@ class PagePlan:
 
     @property
     def saves(self) -> list[tuple[str, str]]:
-        """(session, file) of every save this plan makes: the slot's holder, a live seed's source."""
+        """(session, file) of every save this plan makes and records: the slot's holder, a live seed's source
+        (a copy from another server is nobody's page here: its file goes once restored, `copy_file`)."""
         out = [(self.save_for, self.save_file)]
-        if self.seed is not None:
+        if self.seed is not None and self.seed.server is None:
             out.append((self.seed.source, self.seed_file))
         return [(k, f) for k, f in out if k and f]
+
+    @property
+    def copy_file(self) -> str | None:
+        """The file a copy of another server's slot is saved to and restored from, deleted after."""
+        return self.seed_file if self.seed is not None and self.seed.server is not None else None
 
     def without_seed(self) -> PagePlan:
         if self.seed is None:

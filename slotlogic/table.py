@@ -35,6 +35,7 @@ class Assignment:
     prefix: str | None = None
     done: float | None = None  # when its last response completed
     lead: Lead | None = None   # its first request's leading messages, as digests (a new session's seed)
+    order: int = 0             # its placement's number in the pool (`SessionTable.assign`): which came first
 
 
 @dataclass
@@ -49,6 +50,8 @@ class SessionTable:
     misplaced: set[str] = field(default_factory=set)  # sharing a slot with another process's session: place again
     foreign: dict[int, str] = field(default_factory=dict)  # slot -> another process's newer claim (a notice)
     max_sessions: int = MAX_SESSIONS
+    # the pool's count of placements, one list shared by its servers' tables (`Recognition.placements`)
+    placements: list[int] = field(default_factory=lambda: [0])
 
     def side_call(self, now: float) -> None:
         self.last_side_call = now
@@ -83,8 +86,10 @@ class SessionTable:
     def assign(self, key: str, slot: int, now: float, *, prefix: str | None, requests: int = 0,
                lead: Lead | None = None) -> Assignment:
         old = self.sessions.pop(key, None)  # re-inserted last: the dict's order is the order of assignment
+        self.placements[0] += 1
         a = Assignment(slot=slot, last_used=now, requests=requests, prefix=prefix,
-                       lead=lead if lead is not None else old.lead if old is not None else None)
+                       lead=lead if lead is not None else old.lead if old is not None else None,
+                       order=self.placements[0])
         self.sessions[key] = a
         self.holders[slot] = key
         self.running[slot] = key
@@ -94,12 +99,16 @@ class SessionTable:
             self._bound()
         return a
 
-    def placed_before(self, key: str, other: str | None) -> bool:
-        """`key` was placed before `other` (the dict keeps the order of assignment): of two sessions placed
-        together, only the later one waits for the earlier, never each for the other."""
-        if other is None or other not in self.sessions:
-            return False
-        return next(k for k in self.sessions if k in (key, other)) == key
+    def order(self, key: str) -> int | None:
+        """The number of `key`'s placement (counted across the servers of a pool: `placements`)."""
+        a = self.sessions.get(key)
+        return a.order if a is not None else None
+
+    def placed_before(self, key: str, order: int | None) -> bool:
+        """`key` was placed before the placement numbered `order` (of this server or another of the pool): of
+        two sessions placed together, only the later one waits for the earlier, never each for the other."""
+        a = self.sessions.get(key)
+        return a is not None and order is not None and a.order < order
 
     def _bound(self) -> None:
         """Drop the least recently used entries (an eighth of the cap at once, so the sort is rare)."""

@@ -186,9 +186,10 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
                                             f"decide without it for {e.seconds:.0f} s"),
     ev.PagingLockTimeout: lambda e: (Level.WARNING, f"paging lock of slot {e.slot} not released within "
                                                     f"{e.seconds:.0f} s; going ahead without paging"),
-    ev.SourceAwaited: lambda e: (Level.INFO, f"slot {e.slot} waited {_secs(e.seconds)} for slot {e.source} to finish "
-                                             "its request, " + ("to start from a copy of its conversation" if e.idle
-                                                                else "then gave up (prefilling is as quick)")),
+    ev.SourceAwaited: lambda e: (Level.INFO, f"slot {e.slot} waited {_secs(e.seconds)} for slot {e.source}"
+                                             + (f" of {e.server}" if e.server else "") + " to finish its request, "
+                                             + ("to start from a copy of its conversation" if e.idle
+                                                else "then gave up (prefilling is as quick)")),
     ev.HandedOver: lambda e: (Level.INFO, (
         f"slot {e.slot} handed to another proxy after {_secs(e.seconds)} (it pages out "
         + (f"session {e.session})" if e.session else "nothing of ours)")) if e.giver else (
@@ -471,7 +472,7 @@ def event_record(event: ev.Event) -> dict[str, Any] | None:
                 "answered": event.answered, "role": "giver" if event.giver else "taker", "session": event.session}
     if isinstance(event, ev.SourceAwaited):
         return {"kind": "source-wait", "upstream": event.upstream, "slot": event.slot, "source": event.source,
-                "seconds": round(event.seconds, 3), "idle": event.idle}
+                "seconds": round(event.seconds, 3), "idle": event.idle, "server": event.server}
     if isinstance(event, ev.Waiting):
         return {"kind": "waiting", "upstream": event.upstream, "path": event.path, "session": event.session,
                 "state": event.state.value if isinstance(event.state, State) else str(event.state),

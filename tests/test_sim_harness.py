@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from bench.sim.clock import VirtualClock, run
-from bench.sim.harness import Rig, Setup
+from bench.sim.harness import Outcome, Rig, Setup
 from bench.sim.sweep import run_seed, run_shape
 from bench.sim.traffic import SessionShape, Shape, shape_from_seed
 
@@ -83,3 +83,27 @@ def test_an_eviction_without_paging_is_a_labelled_loss():
     result, _ = run_shape(shape)
     assert result.losses and all(x.cause == "given-away" and x.labelled for x in result.losses)
     assert result.lost == 0 and result.lost_labelled > 0
+
+
+def test_a_new_session_on_the_other_server_starts_from_a_copy_of_a_slot_of_the_first():
+    """Two servers of one slot each, one save dir: the second session of a client lands on the second server
+    (the first's only slot is taken) and starts from a copy of the first server's slot (saved there, restored
+    here), so it prefills only its own words; without the pool's seeds it prefilled the shared environment
+    block again (a checkpoint holds only the system prompt)."""
+    env = "environment : " + " ".join(f"file{i}.py" for i in range(150))
+
+    def body(task: str) -> dict:
+        return {"model": "sim", "max_tokens": 4, "messages": [
+            {"role": "system", "content": "You are a coding agent . " * 30},
+            {"role": "user", "content": env}, {"role": "user", "content": task}]}
+
+    async def main() -> tuple[Outcome, Outcome, dict]:
+        async with Rig(Setup(servers=2, slots=1, paging=True)) as rig:
+            a = await rig.send("a", body("fix the parser"))
+            b = await rig.send("b", body("write the docs"))
+            await rig.settle()
+            return a, b, {url: [(e.kind, e.slot) for e in s.events] for url, s in rig.servers.items()}
+    a, b, events = run(VirtualClock(), main)
+    assert a.server != b.server and a.error is None and b.error is None
+    assert ("save", 0) in events[a.server] and ("restore", 0) in events[b.server]
+    assert b.done.prompt_n < 20, (b.done.cache_n, b.done.prompt_n)   # its task and the template's tokens

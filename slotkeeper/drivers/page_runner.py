@@ -24,7 +24,7 @@ import os
 import secrets
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +74,8 @@ class PageRunner:
         self._waits: dict[int, int] = {}  # slot whose lock is held -> the slot its holder waits for (`wait_free`)
         self.gate: SlotGate = SlotGate(upstream, emit)  # which requests reached the server (Upstream shares its own)
         self.on_answer: Callable[[SlotFileAnswer], None] = lambda a: None  # each save/restore's size and time
+        # a seed's slot on another server of the pool saved there (`pool_seeds.PoolSeeds.copy`)
+        self.copy_from: Callable[[str, int, str], Awaitable[tuple[int, int] | None]] = _no_copy
 
     def busy(self, slot: int) -> bool:
         lock = self.locks.get(slot)
@@ -152,10 +154,11 @@ class PageRunner:
         expected = plan.restore_tokens
         if plan.seed is not None and plan.seed.slot is not None and plan.seed_file is not None:
             # A live seed: its slot is saved first (its lock held meanwhile: the caller saw it free, so this
-            # takes it at once), then that file goes into ours.
-            async with self.locks.setdefault(plan.seed.slot, asyncio.Lock()):
-                saved = await self._save(plan.seed.slot, plan.seed_file, out) \
-                    if await self.gate.quiet(plan.seed.slot) else None
+            # takes it at once), then that file goes into ours. On another server of the pool: saved there.
+            if plan.seed.server is not None:
+                saved = await self.copy_from(plan.seed.server, plan.seed.slot, plan.seed_file)
+            else:
+                saved = await self.copy_out(plan.seed.slot, plan.seed_file, out)
             if saved is None:
                 out.seconds = time.monotonic() - started
                 return out
@@ -183,6 +186,17 @@ class PageRunner:
                     self.emit(PageFailed(self.upstream, plan.slot, "in", Failure.of(status, data)))
         out.seconds = time.monotonic() - started
         return out
+
+    async def copy_out(self, slot: int, filename: str, out: PageOutcome | None = None) -> tuple[int, int] | None:
+        """Save `slot` for a seed (of this server, or of another of the pool: `pool_seeds`) under its lock, once
+        every request sent there reached the server: the tokens and bytes written, or None (also while another
+        placement holds the slot's lock: it is about to write the slot)."""
+        if self.busy(slot):
+            return None
+        async with self.locks.setdefault(slot, asyncio.Lock()):
+            if not await self.gate.quiet(slot):
+                return None
+            return await self._save(slot, filename, out if out is not None else PageOutcome())
 
     async def _save(self, slot: int, filename: str, out: PageOutcome) -> tuple[int, int] | None:
         """Save `slot` into `filename`: (tokens, bytes) written, or None (logged once per failure)."""
@@ -270,3 +284,7 @@ def _ms(data: dict[str, Any], key: str) -> float:
     timings = data.get("timings")
     value = timings.get(key) if isinstance(timings, dict) else None
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+async def _no_copy(url: str, slot: int, file: str) -> tuple[int, int] | None:
+    return None  # one server: no other server's slot to copy

@@ -96,6 +96,7 @@ class Pool:
             if member.swap and model:
                 self.used[url] = time.monotonic()  # new: not idle (a request is on its way)
             up.mover.share(self.prefixes)  # prefix builds and known prefixes: the pool's
+            up.mover.join(lambda up=up: [u.mover for u in self.known() if u is not up])  # seeds across servers
         return up
 
     def _loaded(self, member: Member, model: str) -> Callable[[], Any]:

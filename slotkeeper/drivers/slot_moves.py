@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from slotkeeper.drivers.checkpoint_runner import CheckpointRunner, PrefixRegistr
 from slotkeeper.drivers.handovers import Handovers
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.page_runner import PageOutcome, PageRunner
+from slotkeeper.drivers.pool_seeds import PoolSeeds
 from slotkeeper.drivers.slot_gate import SlotGate
 from slotkeeper.drivers.store import StateStore
 from slotlogic import paging, shared
@@ -74,6 +75,13 @@ class SlotMover:
         self.on_answer: Callable[[SlotFileAnswer], None] = lambda a: None  # each save/restore (slot_speeds.py)
         self._told_no_save_path = False
         self._swept = False
+        self.elsewhere: PoolSeeds | None = None  # in a pool: seeds from its other servers' slots (`join`)
+
+    def join(self, peers: Callable[[], Sequence[SlotMover]]) -> None:
+        """The server is one of a pool's: a new session here may start from a copy of another server's slot."""
+        self.elsewhere = PoolSeeds(self, peers)
+        if self.pages is not None:
+            self.pages.copy_from = self.elsewhere.copy
 
     def share(self, registry: PrefixRegistry) -> None:
         """The server joined a pool: its prefix builds and known prefixes are the pool's from now on."""
@@ -93,6 +101,8 @@ class SlotMover:
                 self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
                 self.pages.gate = self.gate
             self.pages.on_answer = self.on_answer
+            if self.elsewhere is not None:
+                self.pages.copy_from = self.elsewhere.copy
             self.pages.max_bytes = s.page_max_bytes
             self.pages.shared = self.store.slot_locks
         else:
@@ -140,7 +150,10 @@ class SlotMover:
         cold = need.stable if base is not None else None
         ask = PageAsk(placement.slot, key, placement.view, views=placement.views, stable_chars=stable_chars, cold=cold,
                       base_chars=base or 0)
-        moved, fence = await self.page(await self._await_source(ask), flow_id, fence=placement.fence)
+        ask = await self._await_source(ask)
+        if self.elsewhere is not None and not self.store.remote:  # a shared store: only pages are seeds
+            ask = await self.elsewhere.find(need, ask)
+        moved, fence = await self.page(ask, flow_id, fence=placement.fence)
         return moved, fence, holds
 
     async def _unbuilt(self, need: NeedSlot, info: ServerInfo) -> int | None:
@@ -217,13 +230,13 @@ class SlotMover:
         plan = self.keeper.pager.page_plan(ask)
         # Our own conversation is on a slot another placement is paging now: its page of us is recorded by the
         # time it lets that slot go; wait for that, then plan again (the page is there then).
-        if plan.seed is not None and plan.seed.source == key and plan.seed.slot is not None \
-                and not self.store.remote and self.pages.busy(plan.seed.slot) \
-                and await self.pages.wait_free(plan.seed.slot, slot, SEED_SLOT_WAIT):
+        if plan.seed is not None and plan.seed.source == key and plan.seed.local_slot is not None \
+                and not self.store.remote and self.pages.busy(plan.seed.local_slot) \
+                and await self.pages.wait_free(plan.seed.local_slot, slot, SEED_SLOT_WAIT):
             ask = replace(ask, sent=self.pages.last_sent.get(slot), ours=self.gate.last_started.get(slot))
             plan = self.keeper.pager.page_plan(ask)
-        if plan.seed is not None and plan.seed.slot is not None and (self.store.remote
-                                                                     or self.pages.busy(plan.seed.slot)):
+        if plan.seed is not None and plan.seed.local_slot is not None and (
+                self.store.remote or self.pages.busy(plan.seed.local_slot)):
             # A live seed's slot is saved under its local lock only: never while another placement pages it,
             # nor when other proxies (a shared store) may be paging it. Its own live conversation: its page then.
             plan = plan.without_seed() if plan.seed.source != key else self.keeper.pager.page_plan(replace(
@@ -247,6 +260,8 @@ class SlotMover:
                 # a seed from this session's page, on a slot whose lock it holds, not this one.
                 self.pages.delete_later(replaced, REPLACED_GRACE)
             out = await self.pages.run(plan)
+            if plan.copy_file is not None:  # another server's slot, copied: nobody's page
+                self.pages.delete([plan.copy_file])
             await self._record_pages(plan, out)
         except Exception as e:
             self.emit(Failed(self.url, Stage.PAGING, type(e).__name__, slot=plan.slot))
