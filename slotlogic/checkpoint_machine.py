@@ -12,8 +12,9 @@ Theory of operation
 -------------------
 START:    the slot already holds the prefix (in-process knowledge, confirmed alive) → DONE (hit);
           persistence on and a matching file known → RESTORING; otherwise cold: → RESTORING_BASE when a file
-          of a shorter prefix it starts with is known (a family's prefix extends the shared one: only the
-          difference is then prefilled) and the slot holds no copy of a conversation that starts with the
+          holding a part of it is known (a shorter prefix it starts with: a family's prefix extends the shared
+          one, only the difference is then prefilled; or a longer one that starts with it: a family's file
+          holds the shared role whole) and the slot holds no copy of a conversation that starts with the
           prefix (a seed: the warm-up then reuses all of it), else → WARMING.
 RESTORING_BASE → WARMING, whatever the answer (a failed restore only wipes the slot).
 RESTORING → VERIFY_IDENTICAL on 200. Any failure → WARMING (a failed restore wipes the slot).
@@ -201,7 +202,7 @@ class Orchestrator:
     persist: bool
     holds_prefix: bool = False
     file_known: bool = False
-    base: str | None = None      # a known file of a shorter prefix this one starts with (restored before a warm-up)
+    base: str | None = None      # a known file holding a part of the prefix, or all (restored before a warm-up)
     copied: bool = False         # the slot holds a copy of a conversation that starts with the prefix (a seed):
                                  # the warm-up runs on it; a base restored first would wipe all it holds
     gate: float = 0.9

@@ -107,3 +107,20 @@ async def test_a_file_another_proxy_built_is_restored_and_a_missing_one_is_warme
     server.calls.clear()
     o2 = await m2.prepare(1, PREFIX, PROPS, holds_prefix=False)
     assert o2.outcome is Outcome.RESTORED and o2.spent_prefill <= 2
+
+
+async def test_a_cold_prefix_restores_a_known_file_that_holds_it_whole_before_its_warm_up(tmp_path):
+    """A family's file (the shared role + its own rules) is known; the shared role alone is not built yet: its
+    warm-up restores the family file first (which starts with all of it), so it prefills the boundary, not the
+    role again. A shorter file it starts with is the base otherwise; the longer one wins (it holds all)."""
+    server = ScriptedServer()
+    m = manager(tmp_path, server)
+    role = StablePrefix("You are a research subagent.\n", "system", None, None)
+    family = StablePrefix(role.text + "Family A rules.\n", "system", None, None)
+    shorter = StablePrefix("You are a", "system", None, None)
+    await m.prepare(0, family, PROPS, holds_prefix=False)
+    await m.prepare(2, shorter, PROPS, holds_prefix=False)
+    assert m.longest_base(role, PROPS) == (len(role.text), file_name(m.fingerprint(family, PROPS)))
+    server.calls.clear()
+    o = await m.prepare(1, role, PROPS, holds_prefix=False)
+    assert server.calls[0] == ("restore", 1) and o.outcome is Outcome.WARMED_SAVED and o.spent_prefill == 1

@@ -193,24 +193,28 @@ class CheckpointRunner:
         return choice
 
     def _base(self, prefix: pfx.StablePrefix, info: ServerInfo, name: str) -> str | None:
-        """The file of the longest prefix this process knows that `prefix` starts with (same route, tools and
-        template arguments), when it is there to restore: a family's prefix is then built on the shared one."""
+        """The file restored before a cold prefix's warm-up (`longest_base`): the warm-up then prefills only
+        what the file does not hold."""
         best = self.longest_base(prefix, info, name)
         return best[1] if best else None
 
     def longest_base(self, prefix: pfx.StablePrefix, info: ServerInfo, name: str | None = None
                      ) -> tuple[int, str] | None:
-        """`_base` with its length in characters (what a restore gives a session whose own prefix is cold).
-        Reads the index: a worker thread's or a placement's work, never the hot path's."""
+        """The known file that holds the most of `prefix` (same route, tools and template arguments), when it is
+        there to restore, with how many of its characters: one of a longer prefix that starts with it holds all
+        of it (a family's, for the shared role), else the longest shorter one it starts with (the shared role,
+        for a family). Reads the index: a worker thread's or a placement's work, never the hot path's."""
         best: tuple[int, str] | None = None
         for other_name, other in self.known.items():
-            if (other_name == name or len(other.text) >= len(prefix.text) or not prefix.text.startswith(other.text)
+            covered = len(prefix.text) if other.text.startswith(prefix.text) else \
+                len(other.text) if prefix.text.startswith(other.text) else 0
+            if (other_name == name or not covered or (best is not None and covered <= best[0])
                     or (other.role, other.route, other.tools, other.template_kwargs)
                     != (prefix.role, prefix.route, prefix.tools, prefix.template_kwargs)):
                 continue
             file = pfx.file_name(self.fingerprint(other, info))
-            if (best is None or len(other.text) > best[0]) and self.file_known(file, info):
-                best = (len(other.text), file)
+            if self.file_known(file, info):
+                best = (covered, file)
         return best
 
     async def perform(self, action: Action) -> Result:
