@@ -135,6 +135,9 @@ class Intake:
         s, rec = self.settings, self.recognition
         key = sess.resolve(LowerHeaders(facts.fields), req.seen, req.seen_path, header_names=s.session_headers,
                            known_prompts=rec.marks, threads=rec.threads)
+        side = sidecalls.is_side_call(sess.system_text(req.seen, req.seen_path), s.side_patterns)
+        if side:  # its slot content is its kind's, not the session's it came with (`sidecalls.home`)
+            key = sidecalls.home(sess.prefix_signature(req.seen, req.seen_path), key)
         client = {k: req.body.get(k) for k in ("id_slot", "cache_prompt")}
         rec.remember(key.key, sess.prompt_mark(req.body))
         extends, mark = leads.extends(req.seen, self.ledger.marks.get(key.key))
@@ -143,7 +146,6 @@ class Intake:
         refused = self._translate(req) if route is Route.ANTHROPIC else None
         if refused is not None:
             return Observe(Ticket(key, route, client=client, extends=extends, unpinned=refused), read.original)
-        side = sidecalls.is_side_call(sess.system_text(req.seen, req.seen_path), s.side_patterns)
         if facts.replay is None and fields_absent(req.body):
             rec.shapes.learn(facts.path, req.content, key, side)
         ticket = Ticket(key, route, side=side, translated=req.translated, client=client, extends=extends)

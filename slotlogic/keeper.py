@@ -220,8 +220,7 @@ class Keeper:
         if side and total:
             reserved = sidecalls.side_slot(total, self.settings.side_slot)
             writes = not self._instance or reserved in self.ledger.writing  # no other proxy may write it now
-            if reserved is not None and not self.ledger.claimed(reserved) and writes and not (
-                    self.settings.paging and self.ledger.conversation_on(reserved)):
+            if sidecalls.at_home(reserved, key, self.ledger, writes, self.settings.paging, self._pager.has(key)):
                 return reserved, Why.SIDE_CALL
             if reserved is not None:
                 return None  # a placement is under way there, a conversation to page out first, or another writer
@@ -247,7 +246,7 @@ class Keeper:
         promise = self.ledger.pin(result.slot, key, side=why is Why.SIDE_CALL, paging=self.settings.paging)
         self._turns.pinned(result.slot)
         self._placements.drop(key)  # its placement's moves are done: the slot is its session's now
-        self._table.dispatch("" if why is Why.SIDE_CALL else key, result.slot)
+        self._table.dispatch(key, result.slot)
         if ticket.side:
             self._table.side_call(now)
         if key in self._table.sessions:  # side calls on the reserved slot are not sessions

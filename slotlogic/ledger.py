@@ -48,7 +48,6 @@ class Holds(Enum):
     PREFIX = "prefix"     # a stable prefix restored or warmed for `owner`'s request
     PAGE = "page"         # `owner`'s page, restored: `tokens` long (its request has not run yet)
     SEED = "seed"         # another session's conversation, copied in as `owner`'s start
-    SIDE = "side"         # a side call's prompt: nobody's conversation
 
 
 class Cause(Enum):
@@ -299,10 +298,9 @@ class Ledger:
         old = self.entry(slot)
         own = old.owner == key and old.holds in (Holds.SESSION, Holds.PREFIX, Holds.PAGE)
         promised = old.tokens if own else 0
-        if side:
-            self.write(slot, Holds.SIDE, None, 0, Cause.SIDE_CALL if paging else Cause.EVICTED)
-        else:
-            self.write(slot, Holds.SESSION, key, promised, Cause.EVICTED)
+        # a side call's home (`sidecalls.home`) owns what it leaves there, as a session does
+        self.write(slot, Holds.SESSION, key, promised, (Cause.SIDE_CALL if paging else Cause.EVICTED) if side
+                   else Cause.EVICTED)
         page = old.tokens if own and old.holds is Holds.PAGE else None
         return Promise(slot, promised, self.conversations.get(key, 0), page)
 

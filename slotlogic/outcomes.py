@@ -80,8 +80,7 @@ class Outcomes:
         if obs.error_type is None:
             if ticket.slot is None and obs.id_slot is not None and self.ledger.entry(obs.id_slot).owner != key:
                 self.ledger.ran_unpinned(obs.id_slot, key)  # the server chose the slot (affinity, or unpinned)
-            loss = self.ledger.settle(key, ticket.promise, slot, obs.cache_n, obs.prompt_n,
-                                      ticket.extends if not ticket.side else None)
+            loss = self.ledger.settle(key, ticket.promise, slot, obs.cache_n, obs.prompt_n, ticket.extends)
         self.table.answered(key, slot, now)
         stats = self.stats.pop(key, None) or SessionStats()
         self.stats[key] = stats  # most recently answered last

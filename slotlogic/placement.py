@@ -5,7 +5,8 @@ Rule 1: pure. The driver holds the state file's lock, reads `/slots`, and calls 
 Rule 2: a session keeps the slot the state file says it still owns (a restarted proxy keeps its sessions
         where they were); otherwise `ranking.choose` picks, and the claim is recorded at once so that every
         other proxy process sharing the file sees it.
-Rule 3: a side call claims nothing (it is nobody's conversation); it gets the reserved slot when there is one.
+Rule 3: a side call gets the reserved slot when there is one, claimed for its home (`sidecalls.home`: one per
+        side-call prompt), so the shared state keeps its home's page like a session's.
 Rule 4: a trusted client's own valid `id_slot` (`slots_override_client=false`) is the slot the request runs on,
         so it is the slot claimed: the claim follows the slot used, never a slot the request does not touch.
 """
@@ -66,6 +67,8 @@ def assign(cfg: Settings, state: shared.ServerState, who: Seeker, slots: SlotsSe
                                                              slots.written_over)
     reserved = sidecalls.side_slot(total_slots, cfg.side_slot)
     if side and reserved is not None:
+        rec = state.sessions.get(session_key)
+        shared.claim(state, session_key, reserved, now, prefix=prefix, requests=(rec.requests if rec else 0) + 1)
         return Choice(reserved, Why.SIDE_CALL)
     if client_slot is not None and 0 <= client_slot < total_slots:
         rec = state.sessions.get(session_key)

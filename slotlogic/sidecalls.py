@@ -3,7 +3,9 @@ Qwen Code's memory extraction after every turn).
 
 Each would otherwise be a new "session", evicting a working session's slot (OpenCode's title call even
 carries the main session's headers). Seed 003 sends them to one reserved slot; we do the same when there are
-≥ 2 slots. Calls of one kind share their long system prompt, so that slot mostly keeps it warm for the next.
+≥ 2 slots. Calls of one kind share their long system prompt, so that slot mostly keeps it warm for the next;
+each kind has a home of its own (`home`): with paging, another kind's content there is paged out first and
+this kind's paged back in, so OpenCode's title calls and Qwen Code's memory calls no longer erase each other.
 What each client sends: docs/clients.md.
 """
 
@@ -11,6 +13,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+
+from slotlogic.ledger import Ledger
+from slotlogic.session import SessionId, digest
 
 DEFAULT_SIDE_PATTERNS = (
     r"^You are a context summarization assistant",                       # pi: compaction
@@ -36,6 +41,27 @@ def is_side_call(system: str | None, patterns: Iterable[re.Pattern[str]]) -> boo
     if not system:
         return False
     return any(p.search(system) for p in patterns)
+
+
+def home(signature: str | None, key: SessionId) -> SessionId:
+    """A side call's home: one per side-call prompt (its system prompt, tools and template arguments, so per
+    client and per kind), under which its slot content is kept, paged out and back in like a session's
+    conversation, so one client's side calls never erase another's. `key` (the session it came with) when the
+    call has no system prompt to name it by."""
+    if signature is None:
+        return key
+    return SessionId(digest("side-home", signature), "side:prompt")
+
+
+def at_home(slot: int | None, key: str, ledger: Ledger, writes: bool, paging: bool, paged: bool) -> bool:
+    """A side call of home `key` may go to `slot` with no move first (from memory): no placement is under way
+    there, no other proxy writes it (`writes`), and the slot holds its home's content, or (with paging) no
+    conversation to page out and no page of its home to bring back (`paged`). Otherwise its placement pages the
+    slot's holder out and its home's page in."""
+    if slot is None or ledger.claimed(slot) or not writes:
+        return False
+    there = ledger.conversation_on(slot)
+    return there == key or not (paging and (there is not None or paged))
 
 
 def side_slot(total_slots: int, configured: int = -1) -> int | None:

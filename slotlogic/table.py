@@ -11,8 +11,8 @@ Rule 3: bounded. At most `max_sessions` entries: when a new one would pass the c
 Three slot maps follow three moments of a request, because llama-server runs a slot's work in arrival order
 and a request pinned to a busy slot waits:
 - `running`:    slot -> the session whose request was assigned there last (set when the slot is chosen);
-- `dispatched`: slot -> the session whose request left the proxy for it last ("" for a side call, which is
-                nobody's conversation); what a save on that slot would write;
+- `dispatched`: slot -> the session whose request left the proxy for it last (for a side call its home,
+                `sidecalls.home`); what a save on that slot would write;
 - `holders`:    slot -> the session whose answer completed there last: the conversation the slot holds.
 """
 
@@ -162,7 +162,7 @@ class SessionTable:
         return None
 
     def dispatch(self, key: str, slot: int) -> None:
-        """A request pinned to `slot` leaves the proxy now ("" for a side call)."""
+        """A request pinned to `slot` leaves the proxy now (a side call: its home, `sidecalls.home`)."""
         self.dispatched[slot] = key
 
     def drain(self) -> dict[str, Assignment]:

@@ -219,10 +219,6 @@ class Turns:
             handover.beat(state.beats, self.host.instance, now)
             handover.prune(state.handovers, state.beats, now)
 
-    def side_needs_page_out(self, slot: int) -> bool:
-        """A side call placed on `slot` would overwrite a session's conversation: page it out first."""
-        return self.settings.paging and self.ledger.conversation_on(slot) is not None
-
     def reconcile(self, state: shared.ServerState, now: float) -> list[str]:
         """Mark this process's sessions that share a slot with an earlier one of another process while a slot is
         free (`slotlogic.reconcile`); their next request is placed again. Off the hot path: the background

@@ -32,7 +32,7 @@ from enum import Enum
 
 from slotlogic import rewrite
 from slotlogic.decisions import Ticket
-from slotlogic.ledger import Cause, Holds, Ledger
+from slotlogic.ledger import Holds, Ledger
 from slotlogic.reasons import Unpinned, Why
 from slotlogic.table import SessionTable
 
@@ -97,14 +97,13 @@ def plan(ahead: Ahead, waited: float, bound: float, *, side: bool, own_chars: in
     return Plan(Verdict.WAIT, None, wait)
 
 
-_FREE_RANK = {Holds.EMPTY: 0, Holds.SIDE: 1, Holds.UNKNOWN: 2, Holds.PREFIX: 3, Holds.SEED: 3, Holds.SESSION: 4,
-              Holds.PAGE: 4}
+_FREE_RANK = {Holds.EMPTY: 0, Holds.UNKNOWN: 2, Holds.PREFIX: 3, Holds.SEED: 3, Holds.SESSION: 4, Holds.PAGE: 4}
 
 
 def free_slot(ledger: Ledger, table: SessionTable, total: int | None, avoid: int, busy: Collection[int], *,
               writable: Callable[[int], bool]) -> int | None:
     """A slot other than `avoid` that runs a request without writing over anything promised (Rule 6): the
-    emptiest first (empty, a side call's prompt, never written, a prefix or a copy its session moved on from);
+    emptiest first (empty, never written, a prefix or a copy its session moved on from);
     None when there is none. A scan of the ledger's slots: a held request's path only."""
     if not total or total < 2:
         return None
@@ -137,7 +136,7 @@ def body_with_slot(raw: bytes, slot: int = -1) -> bytes | None:
 
 def unpin(ticket: Ticket, why: WaitWhy, holder: str | None, table: SessionTable) -> Ticket:
     """The bookkeeping of a pinned request that goes out with `id_slot: -1` after all, and the ticket it goes
-    with. The slot's last dispatch is its `holder`'s again (the request ahead: "" a side call, None unknown);
+    with. The slot's last dispatch is its `holder`'s again (the request ahead, None unknown);
     the session stays where it was (its conversation is still on that slot), and its answer says where the
     server ran it."""
     _leave(ticket, holder, table)
@@ -154,7 +153,7 @@ def move(ticket: Ticket, slot: int, why: WaitWhy, holder: str | None, ledger: Le
     key, side = ticket.session.key, ticket.why is Why.SIDE_CALL
     _leave(ticket, holder, table)
     promise = ledger.pin(slot, key, side=side, paging=paging)
-    table.dispatch("" if side else key, slot)
+    table.dispatch(key, slot)
     known = table.sessions.get(key)
     if not side and known is not None:
         table.assign(key, slot, now, prefix=known.prefix, requests=known.requests)
@@ -164,7 +163,7 @@ def move(ticket: Ticket, slot: int, why: WaitWhy, holder: str | None, ledger: Le
 
 def _leave(ticket: Ticket, holder: str | None, table: SessionTable) -> None:
     """A held request leaves the slot it was pinned to: the slot's last dispatch is its `holder`'s again (the
-    request ahead: "" a side call, None unknown)."""
+    request ahead, None unknown)."""
     slot, key = ticket.slot, ticket.session.key
     if slot is not None and table.dispatched.get(slot) in (key, ""):
         if holder is None:
@@ -176,7 +175,5 @@ def _leave(ticket: Ticket, holder: str | None, table: SessionTable) -> None:
 def ran(ledger: Ledger, slot: int, ticket: Ticket) -> None:
     """Where a request sent with `id_slot: -1` ran (read from `/slots` after its answer): that slot holds its
     prompt now, so what the slot's owner had there is a labelled eviction, not a surprise at its next turn."""
-    if ticket.side:
-        ledger.write(slot, Holds.SIDE, None, 0, Cause.UNPINNED)
-    elif ledger.entry(slot).owner != ticket.session.key:
+    if ledger.entry(slot).owner != ticket.session.key:
         ledger.ran_unpinned(slot, ticket.session.key)

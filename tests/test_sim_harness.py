@@ -107,3 +107,38 @@ def test_a_new_session_on_the_other_server_starts_from_a_copy_of_a_slot_of_the_f
     assert a.server != b.server and a.error is None and b.error is None
     assert ("save", 0) in events[a.server] and ("restore", 0) in events[b.server]
     assert b.done.prompt_n < 20, (b.done.cache_n, b.done.prompt_n)   # its task and the template's tokens
+
+
+def test_side_calls_of_two_kinds_keep_their_content_on_the_side_slot():
+    """Issue 25: OpenCode's title calls and Qwen Code's memory calls took turns on the one side slot, and each
+    found the other's prompt there (4,142 tokens lost in one run). Each kind now has a home: with paging, the
+    other kind's content is paged out and its own paged back in, so a call that extends its kind's previous one
+    finds all of it."""
+    memory = "You are now acting as the managed memory extraction subagent . " * 20
+    title = "You are a title generator . Write a short title for the conversation . " * 20
+
+    def body(system: str, turns: list[str]) -> dict:
+        msgs = [{"role": "system", "content": system}]
+        msgs += [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+        return {"model": "sim", "max_tokens": 4, "messages": msgs}
+
+    async def main() -> tuple[list[Outcome], list[str]]:
+        async with Rig(Setup(slots=3, paging=True)) as rig:
+            mem: list[str] = []
+            for i in range(3):
+                mem.append(f"memory of turn {i} " * 30)
+                out = await rig.send("memory", body(memory, mem))
+                mem.append(out.content)
+                await rig.send(f"title{i}", body(title, [f"conversation {i} " * 20]))
+            await rig.settle()
+            return rig.outcomes, [e.kind for s in rig.servers.values() for e in s.events if e.slot == 2]
+    outcomes, kinds = run(VirtualClock(), main)
+    calls = [o for o in outcomes if o.tag == "memory"]
+    assert all(o.meta.get("reason") == "side-call" and o.error is None for o in outcomes)
+    assert {o.meta["slot"] for o in outcomes} == {2}                        # one side slot for both kinds
+    later = calls[1:]
+    assert all(o.done.lost == 0 and o.done.cache_n >= o.done.expected - 1 for o in later), \
+        [(o.done.cache_n, o.done.expected) for o in later]
+    assert kinds.count("save") >= 4 and kinds.count("restore") >= 4        # paged out, and each back in
+    titles = [o for o in outcomes if o.tag.startswith("title")][1:]
+    assert all(o.done.cache_n > 200 for o in titles)                        # a title call finds its prompt

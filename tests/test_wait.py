@@ -57,10 +57,10 @@ def test_a_free_slot_holds_nobodys_current_conversation_and_nothing_of_ours_runs
     for slot, key in ((0, "a"), (1, "b")):
         table.assign(key, slot, 0.0, prefix=None)
         ledger.write(slot, Holds.SESSION, key, 500)
-    ledger.write(2, Holds.SIDE, None)
+    ledger.write(2, Holds.EMPTY, None)
     anywhere = lambda s: True  # noqa: E731
 
-    assert wait.free_slot(ledger, table, 4, 3, [], writable=anywhere) == 2  # a side call's prompt: nobody's
+    assert wait.free_slot(ledger, table, 4, 3, [], writable=anywhere) == 2  # emptied: nobody's
     assert wait.free_slot(ledger, table, 4, 2, [], writable=anywhere) == 3  # never written, nobody's home
     assert wait.free_slot(ledger, table, 4, 3, [2], writable=anywhere) is None  # 2 runs ours; 0, 1 are owned
     assert wait.free_slot(ledger, table, 4, 3, [], writable=lambda s: s != 2) is None  # another proxy writes 2
@@ -89,11 +89,12 @@ def test_a_moved_request_is_written_where_it_runs_and_its_old_slot_is_its_holder
     table.assign("owner", 2, 0.0, prefix=None)
     ledger.write(2, Holds.SESSION, "owner", 900)
     table.dispatch("owner", 2)
-    side = Ticket(SessionId("title", "content:root"), Route.PINNABLE, side=True, slot=2, why=Why.SIDE_CALL)
-    table.dispatch("", 2)
+    side = Ticket(SessionId("title", "side:prompt"), Route.PINNABLE, side=True, slot=2, why=Why.SIDE_CALL)
+    table.dispatch("title", 2)
     side = wait.move(side, 0, WaitWhy.SIDE_BUSY, "owner", ledger, table, 1.0, paging=False)
     assert (side.slot, side.why, side.reason) == (0, Why.SIDE_BUSY, "side-busy")
-    assert ledger.entry(0).holds is Holds.SIDE and table.dispatched == {2: "owner", 0: ""}
+    # what it leaves on slot 0 is its kind's (its home, `sidecalls.home`), not a session of the table
+    assert ledger.conversation_on(0) == "title" and table.dispatched == {2: "owner", 0: "title"}
     assert "title" not in table.sessions and ledger.conversation_on(2) == "owner"
 
     turn = Ticket(SessionId("owner", "header:x"), Route.PINNABLE, slot=2, why=Why.KNOWN)
@@ -134,8 +135,11 @@ async def test_the_hold_ends_at_its_bound():
     assert (p.verdict, p.why) == (Verdict.UNPIN, WaitWhy.BOUND)
 
 
-def _side(text: str) -> dict:
-    return {"model": "m", "messages": [{"role": "system", "content": SIDE_SYSTEM}, {"role": "user", "content": text}]}
+OTHER_SIDE = "You are a context summarization assistant. Summarize the conversation."  # another kind: its own home
+
+
+def _side(text: str, system: str = SIDE_SYSTEM) -> dict:
+    return {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": text}]}
 
 
 async def test_a_request_behind_another_on_its_slot_goes_to_a_free_slot_after_the_bound(proxy, caplog):
@@ -143,13 +147,22 @@ async def test_a_request_behind_another_on_its_slot_goes_to_a_free_slot_after_th
     first = await proxy.request(flow(_side("the first title")))
     assert sent(first)["id_slot"] == 3
     with caplog.at_level(logging.INFO):  # no prefill rate measured yet: it waits the whole bound
-        second = await asyncio.wait_for(proxy.request(flow(_side("the second title"))), 5.0)
+        second = await asyncio.wait_for(proxy.request(flow(_side("a summary", OTHER_SIDE))), 5.0)
         assert sent(second)["id_slot"] == 0  # the emptiest slot nobody else writes
         await proxy.answer(second, http.Response.make(200, b'{"id_slot":0,"timings":{"cache_n":0,"prompt_n":5}}', {}))
     assert "why=wait-bound" in caplog.text
     await proxy.answer(first, http.Response.make(200, b'{"timings":{"cache_n":0,"prompt_n":5}}', {}))
     third = await asyncio.wait_for(proxy.request(flow(_side("the third title"))), 1.0)
     assert sent(third)["id_slot"] == 3  # nothing ahead any more: pinned again, no wait
+
+
+async def test_a_side_call_behind_one_of_its_own_kind_is_not_held(proxy):
+    """Two title calls at once share their kind's home (`sidecalls.home`): the second queues behind the first on
+    the server, where its prompt is being computed, as a session's own earlier request holds nothing."""
+    proxy.configure(slots_wait_bound=1)
+    first = await proxy.request(flow(_side("the first title")))
+    second = await asyncio.wait_for(proxy.request(flow(_side("the second title"))), 0.5)
+    assert sent(first)["id_slot"] == sent(second)["id_slot"] == 3
 
 
 async def test_a_sessions_own_open_request_holds_nothing(proxy):
@@ -166,10 +179,11 @@ async def test_a_side_call_behind_a_long_side_call_goes_to_a_free_slot_at_once(p
     up.keeper.outcomes.prefill_rate = 50.0  # measured: 50 tok/s
     up.keeper.table.assign("owner", 0, 0.0, prefix=None)  # slot 0 is a session's home
     with caplog.at_level(logging.INFO):
-        short = await asyncio.wait_for(proxy.request(flow(_side("short one"))), 1.0)  # no 30 s wait
+        short = await asyncio.wait_for(proxy.request(flow(_side("short one", OTHER_SIDE))), 1.0)  # no 30 s wait
         assert sent(short)["id_slot"] == 1  # free: not 3 (busy), not 0 (a session's home)
         await proxy.answer(short, http.Response.make(200, b'{"id_slot":1,"timings":{"cache_n":0,"prompt_n":5}}', {}))
-    assert "why=side-busy" in caplog.text and up.keeper.ledger.entry(1).holds.value == "side"
+    home = up.keeper.ledger.entry(1).owner
+    assert "why=side-busy" in caplog.text and home is not None and up.keeper.ledger.conversation_on(1) == home
     assert 1 in up.keeper.ledger.writing  # made this proxy's to write in the state before it was sent there
 
 
@@ -181,11 +195,11 @@ async def test_a_side_call_behind_longer_work_waits_when_every_other_slot_is_ano
         for slot in range(3):
             state.writers[slot] = "0123456789abcdef"
         state.beats["0123456789abcdef"] = time.time()
-    done = await asyncio.wait_for(proxy.request(flow(_side("short one"))), 1.0)  # queued on its own slot
+    done = await asyncio.wait_for(proxy.request(flow(_side("short one", OTHER_SIDE))), 1.0)  # queued on its slot
     assert sent(done)["id_slot"] == 3 and up.keeper.ledger.writing.isdisjoint({0, 1, 2})
     up.keeper.outcomes.prefill_rate = None  # no speed known: a request waits its bound, then goes unpinned
     proxy.configure(slots_wait_bound=1)
-    late = await asyncio.wait_for(proxy.request(flow(_side("short two"))), 5.0)
+    late = await asyncio.wait_for(proxy.request(flow(_side("short two", OTHER_SIDE))), 5.0)
     assert sent(late)["id_slot"] == -1
     await proxy.answer(long, http.Response.make(200, b'{"timings":{"cache_n":0,"prompt_n":5}}', {}))
 
@@ -202,7 +216,7 @@ async def test_a_known_session_on_a_free_slot_is_not_held(proxy):
 async def test_a_client_that_hangs_up_while_held_is_logged_as_gone_with_the_time_it_waited(proxy, caplog):
     proxy.configure(slots_wait_bound=1)
     await proxy.request(flow(_side("the first title")))
-    second = await proxy.request(flow(_side("the second title")))  # held 1 s, then sent unpinned
+    second = await proxy.request(flow(_side("a summary", OTHER_SIDE)))  # held 1 s, then sent unpinned
     second.error = flow_error("Client disconnected.")
     second.client_conn.state = ConnectionState.CAN_WRITE  # what mitmproxy leaves when the client's end closes
     with caplog.at_level(logging.INFO):
@@ -239,6 +253,6 @@ def test_where_an_unpinned_request_ran_is_written_in_the_ledger():
     turn = Ticket(SessionId("mine", "header:x"), Route.PINNABLE)
     wait.ran(ledger, 0, turn)
     assert ledger.entry(0).owner == "mine"
-    side = Ticket(SessionId("side", "content:root"), Route.PINNABLE, side=True)
+    side = Ticket(SessionId("side", "side:prompt"), Route.PINNABLE, side=True)
     wait.ran(ledger, 0, side)
-    assert ledger.entry(0).holds is Holds.SIDE and ledger.entry(0).owner is None
+    assert ledger.entry(0).owner == "side"  # a side call's home holds what it ran

@@ -34,7 +34,7 @@ class SlotGate:
         self._quiet: dict[int, asyncio.Event] = {}
 
     def sent(self, slot: int, flow_id: str, session: str = "") -> None:
-        """A request pinned to `slot` leaves the proxy; `session` is "" for a side call."""
+        """A request pinned to `slot` leaves the proxy; `session` is a side call's home for a side call."""
         self.started(flow_id)  # a retried flow's earlier slot
         self.unstarted.setdefault(slot, {})[flow_id] = session
         self._flow_slot[flow_id] = slot

@@ -218,7 +218,7 @@ class SlotMover:
         fence = self.keeper.turns.turn(fence) if fence is not None else None
         # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
         # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
-        state = await self._fresh_pages(key) if self.store.remote else await self.store.fresh()
+        state = await self._fresh_pages(key)
         given, stale = await self.handovers.take(slot, key, fence, state)
         given = given or self.keeper.turns.handed_with(slot)  # handed over to an earlier plan that went stale
         if stale or not self.keeper.turns.fence_holds(fence):  # we handed the slot on since our claim: place it again
@@ -285,14 +285,15 @@ class SlotMover:
         return moved, self.keeper.turns.slot_written(fence, Holds.SEED, key, 0, over=Cause.SEED_OVER_OWNER)
 
     async def _fresh_pages(self, key: str) -> shared.ServerState:
-        """With the slot's lock held: the page index as the store has it now (another proxy may have paged
-        this session out since its placement was decided), waiting a little while its page is being written.
-        Returns the state last read (its slot epochs fence the moves)."""
+        """With the slot's lock held: the page index as the store has it now (another proxy, of this machine's
+        state dir or of a shared store, may have paged this session out since its placement was decided),
+        waiting a little while its page is being written (recorded, not saved yet: simulator seed 984, a page
+        saved by the other proxy in the same millisecond). Returns the state last read (its epochs fence moves)."""
         deadline = time.monotonic() + REMOTE_SETTLE
-        state = await self.store.aread()
+        state = await self.store.fresh()
         while self.keeper.pager.pages_seen(state, key, time.time(), REMOTE_SETTLE) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-            state = await self.store.aread()
+            state = await self.store.fresh()
         return state
 
     async def _record_pages(self, plan: PagePlan, out: PageOutcome) -> None:

@@ -72,7 +72,7 @@ class SlotWaits:
         return wait.Ahead(len(others), sum(others))
 
     def holder(self, slot: int, flow_id: str = "") -> str | None:
-        """The session of the last request of ours sent to `slot` and still open ("" a side call)."""
+        """The session of the last request of ours sent to `slot` and still open (a side call's: its home)."""
         flows = [session for fid, (_, session) in self.open.get(slot, {}).items() if fid != flow_id]
         return flows[-1] if flows else None
 
@@ -101,7 +101,7 @@ class SlotWaits:
         t = decision.ticket
         slot = t.slot
         return (slot is not None and bool(self.open.get(slot)) and self.keeper is not None
-                and self.ahead(slot, session="" if t.side else t.session.key).count > 0
+                and self.ahead(slot, session=t.session.key).count > 0
                 and self.bound() > 0 and (self.keeper.total_slots or 0) > 1)
 
     async def held(self, decision: Pin, flow_id: str, content: bytes | None) -> Pin:
@@ -115,7 +115,7 @@ class SlotWaits:
         assert self.keeper is not None
         raw = decision.body if decision.body is not None else content
         plan = await self.hold(t.slot, flow_id, bound=self.bound(), side=t.side, own_chars=len(raw or b""),
-                               rate=self.keeper.prefill_estimate, session="" if t.side else t.session.key)
+                               rate=self.keeper.prefill_estimate, session=t.session.key)
         if plan.verdict not in (wait.Verdict.UNPIN, wait.Verdict.MOVE) or not raw:
             return decision
         moved = plan.slot if plan.verdict is wait.Verdict.MOVE else None

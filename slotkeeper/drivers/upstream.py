@@ -267,7 +267,7 @@ class Upstream:
         if placement.side and paged:
             # The side slot may hold a session's conversation (placed there before side calls came): saved first,
             # so the session pages back in whole instead of finding a side call's prompt.
-            await self.mover.page(PageAsk(placement.slot, "", placement.view), flow_id, fence=placement.fence)
+            await self.mover.page(PageAsk(placement.slot, key, placement.view), flow_id, fence=placement.fence)
         if placement.side or self.offline:
             return self.keeper.pin(placement, now)
         need = placement.need or need  # as placed: its stable prefix as the core knows it by now

@@ -100,7 +100,7 @@ class Pinning:
             self.rt.open[flow.id] = Open(decision.ticket, upstream, arrived, asked, flow=flow, original=retry)
             if isinstance(decision, Pin):
                 t = decision.ticket
-                upstream.sent(flow.id, t.slot, "" if t.side else t.session.key,
+                upstream.sent(flow.id, t.slot, t.session.key,
                               len(body) if isinstance(body, bytes) else 0)
         elif isinstance(decision, Forward) and decision.completion_route:
             self.rt.emit(PassedThrough(upstream.url, flow.request.method, flow.request.path, decision.reason))
