@@ -218,11 +218,12 @@ class Keeper:
         slot (a trusted client asking for another slot than its session's is placed there, under the state lock)."""
         total = self.total_slots
         if side and total:
-            reserved = sidecalls.side_slot(total, self.settings.side_slot)
-            writes = not self._instance or reserved in self.ledger.writing  # no other proxy may write it now
-            if sidecalls.at_home(reserved, key, self.ledger, writes, self.settings.paging, self._pager.has(key)):
-                return reserved, Why.SIDE_CALL
-            if reserved is not None:
+            slots = sidecalls.side_slots(total, self.settings.side_slot)
+            writes = self.ledger.writing.__contains__ if self._instance else bool  # no other proxy may write it
+            slot = sidecalls.home_slot(slots, key, self.ledger, writes, self.settings.paging, self._pager.has(key))
+            if slot is not None:
+                return slot, Why.SIDE_CALL
+            if slots:
                 return None  # a placement is under way there, a conversation to page out first, or another writer
         live = self._table.live(key, now)
         if (live is not None and (total is None or live.slot < total) and not self._table.displaced(key, live.slot)
@@ -246,7 +247,7 @@ class Keeper:
         promise = self.ledger.pin(result.slot, key, side=why is Why.SIDE_CALL, paging=self.settings.paging)
         self._turns.pinned(result.slot)
         self._placements.drop(key)  # its placement's moves are done: the slot is its session's now
-        self._table.dispatch(key, result.slot)
+        self._table.dispatch(key, result.slot, holds=why is Why.SIDE_CALL)
         if ticket.side:
             self._table.side_call(now)
         if key in self._table.sessions:  # side calls on the reserved slot are not sessions

@@ -5,8 +5,9 @@ Rule 1: pure. The driver holds the state file's lock, reads `/slots`, and calls 
 Rule 2: a session keeps the slot the state file says it still owns (a restarted proxy keeps its sessions
         where they were); otherwise `ranking.choose` picks, and the claim is recorded at once so that every
         other proxy process sharing the file sees it.
-Rule 3: a side call gets the reserved slot when there is one, claimed for its home (`sidecalls.home`: one per
-        side-call prompt), so the shared state keeps its home's page like a session's.
+Rule 3: a side call gets a reserved slot when there is one (the one its home claimed, else an idle one:
+        `sidecalls.choose_side_slot`), claimed for its home (`sidecalls.home`: one per side-call prompt), so the
+        shared state keeps its home's page like a session's.
 Rule 4: a trusted client's own valid `id_slot` (`slots_override_client=false`) is the slot the request runs on,
         so it is the slot claimed: the claim follows the slot used, never a slot the request does not touch.
 """
@@ -65,16 +66,19 @@ def assign(cfg: Settings, state: shared.ServerState, who: Seeker, slots: SlotsSe
     resume, client_slot = who.resume, who.client_slot
     live_slots, total_slots, local, pending, written_over = (slots.live, slots.total, slots.local, slots.pending,
                                                              slots.written_over)
-    reserved = sidecalls.side_slot(total_slots, cfg.side_slot)
-    if side and reserved is not None:
+    reserved = sidecalls.side_slots(total_slots, cfg.side_slot)
+    views = shared.views(state, total_slots, list(live_slots) if live_slots is not None else None, local, pending)
+    if side and reserved:
         rec = state.sessions.get(session_key)
-        shared.claim(state, session_key, reserved, now, prefix=prefix, requests=(rec.requests if rec else 0) + 1)
-        return Choice(reserved, Why.SIDE_CALL)
+        owners = {s: r.owner for s, r in state.slots.items()}
+        slot = sidecalls.choose_side_slot(reserved, session_key, owners, lambda s: not views[s].busy,
+                                          lambda s: views[s].last_used or 0.0)
+        shared.claim(state, session_key, slot, now, prefix=prefix, requests=(rec.requests if rec else 0) + 1)
+        return Choice(slot, Why.SIDE_CALL)
     if client_slot is not None and 0 <= client_slot < total_slots:
         rec = state.sessions.get(session_key)
         shared.claim(state, session_key, client_slot, now, prefix=prefix, requests=(rec.requests if rec else 0) + 1)
         return Choice(client_slot, Why.CLIENT_SLOT)
-    views = shared.views(state, total_slots, list(live_slots) if live_slots is not None else None, local, pending)
     views = waits(views, slots, prefix, who.prefix_chars)
     owned = shared.owned_slot(state, session_key)
     if resume and owned is not None and owned < total_slots and not (written_over and written_over(owned, session_key)):
@@ -84,7 +88,7 @@ def assign(cfg: Settings, state: shared.ServerState, who: Seeker, slots: SlotsSe
             rec = state.sessions.get(session_key)
             shared.claim(state, session_key, owned, now, prefix=prefix, requests=(rec.requests if rec else 0) + 1)
             return Choice(owned, Why.RESUMED)
-    held_back = reserved if cfg.policy is Policy.AUTO and (local is None or local.reserving(now)) else None
+    held_back = reserved if cfg.policy is Policy.AUTO and (local is None or local.reserving(now)) else ()
     choice = ranking.choose(cfg.policy, views, now, cfg.ttl, prefix=prefix, reserved=held_back,
                             spawn=displaced_from is None, paging=cfg.paging)
     requests = 1

@@ -50,7 +50,7 @@ key modulo the last known slot count, so every proxy process agrees without coor
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -111,9 +111,9 @@ def holds_prefix(view: SlotView, prefix: str | None) -> bool:
 
 
 def auto_key(view: SlotView, now: float, ttl: float, prefix: str | None,
-             reserved: int | None, spawn: bool = True, paging: bool = False) -> tuple[object, ...]:
+             reserved: Collection[int], spawn: bool = True, paging: bool = False) -> tuple[object, ...]:
     claimed = is_claimed(view, now, ttl)
-    side = view.id == reserved
+    side = view.id in reserved
     same_prefix = holds_prefix(view, prefix)
     if not claimed:
         content = 0 if same_prefix else 1 if _empty(view) else 2
@@ -175,7 +175,7 @@ def _reason(view: SlotView, now: float, ttl: float, prefix: str | None, spawn: b
 
 
 def choose(policy: Policy, slots: Sequence[SlotView], now: float, ttl: float, *,
-           prefix: str | None = None, reserved: int | None = None, spawn: bool = True,
+           prefix: str | None = None, reserved: Collection[int] = (), spawn: bool = True,
            paging: bool = False) -> Choice:
     """The slot for a new session. `slots` must be non-empty and list every slot id once. `spawn=False`
     for a displaced session: it is no subagent, so "the owner that just answered is its parent" is void.

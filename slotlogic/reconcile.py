@@ -24,7 +24,7 @@ from slotlogic.shared import ServerState
 
 
 def misplaced(state: ServerState, ours: Mapping[str, int], now: float, ttl: float, total_slots: int | None,
-              reserved: int | None = None, mine: Collection[str] = ()) -> list[str]:
+              reserved: Collection[int] = (), mine: Collection[str] = ()) -> list[str]:
     """Keys of this process's live sessions (`ours`: key → slot, from memory) that share a slot with an
     earlier-claimed live session of another process while another slot is free; sorted for determinism.
     `mine`: every session this process knows (a displaced one of ours is not another process's: its state
@@ -45,7 +45,7 @@ def misplaced(state: ServerState, ours: Mapping[str, int], now: float, ttl: floa
         # Our memory knows the slot best (a flush may lag); the file knows when the claim was made.
         since = (rec.claimed or rec.last_used) if rec is not None and rec.slot == slot else now
         by_slot.setdefault(slot, []).append((since, key))
-    free = [s for s in range(total) if s not in by_slot and s != reserved and not _claimed(state, s, now, ttl)]
+    free = [s for s in range(total) if s not in by_slot and s not in reserved and not _claimed(state, s, now, ttl)]
     if not free:
         return []
     out = []

@@ -26,7 +26,7 @@ the first good answer marks it up again (one log line).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -157,11 +157,11 @@ def full(v: ServerView) -> ServerView:
     return replace(v, free=0, same_prefix=False, checkpoint=False, kept=False, source=0)
 
 
-def slot_counts(views: Sequence[SlotView], now: float, ttl: float, *, exclude: int | None = None
+def slot_counts(views: Sequence[SlotView], now: float, ttl: float, *, exclude: Collection[int] = ()
                 ) -> tuple[int, int, int]:
     """(free, idle, busy) slots of one server from its merged slot views; `exclude` (the reserved side-call
-    slot) is not counted as free for a session."""
-    free = sum(1 for v in views if not v.busy and not is_claimed(v, now, ttl) and v.id != exclude)
+    slots) is not counted as free for a session."""
+    free = sum(1 for v in views if not v.busy and not is_claimed(v, now, ttl) and v.id not in exclude)
     busy = sum(1 for v in views if v.busy)
     return free, len(views) - busy, busy
 

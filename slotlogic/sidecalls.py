@@ -12,7 +12,7 @@ What each client sends: docs/clients.md.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from slotlogic.ledger import Ledger
 from slotlogic.session import SessionId, digest
@@ -64,10 +64,47 @@ def at_home(slot: int | None, key: str, ledger: Ledger, writes: bool, paging: bo
     return there == key or not (paging and (there is not None or paged))
 
 
-def side_slot(total_slots: int, configured: int = -1) -> int | None:
-    """The reserved slot: the configured one, else the highest id; None with fewer than 2 slots."""
+SLOTS_PER_SIDE_SLOT = 6  # one more side slot per this many slots (a large pool serves several clients' kinds)
+MAX_SIDE_SLOTS = 3
+
+
+def side_slots(total_slots: int, configured: int = -1) -> tuple[int, ...]:
+    """The reserved slots: the configured one, else the highest ids, one for 2-7 slots, two for 8-13, three from
+    14 on (several clients' side-call kinds then each keep a home in a slot, not only in a page); none with
+    fewer than 2 slots."""
     if total_slots < 2:
-        return None
+        return ()
     if 0 <= configured < total_slots:
-        return configured
-    return total_slots - 1
+        return (configured,)
+    n = min(MAX_SIDE_SLOTS, 1 + (total_slots - 2) // SLOTS_PER_SIDE_SLOT)
+    return tuple(range(total_slots - 1, total_slots - 1 - n, -1))
+
+
+def home_slot(slots: Sequence[int], key: str, ledger: Ledger, writes: Callable[[int], bool], paging: bool,
+              paged: bool) -> int | None:
+    """The side slot a side call of home `key` goes to from memory (`at_home`): the one holding its home's
+    content; else, without paging, its home's own (a stable hash, so kinds spread over the side slots)."""
+    if not slots:
+        return None
+    for slot in slots:
+        if ledger.conversation_on(slot) == key and at_home(slot, key, ledger, writes(slot), paging, paged):
+            return slot
+    mine = slots[int(key[:8], 16) % len(slots)] if _hex(key) else slots[0]
+    return mine if at_home(mine, key, ledger, writes(mine), paging, paged) else None
+
+
+def choose_side_slot(slots: Sequence[int], key: str, owners: Mapping[int, str | None],
+                     idle: Callable[[int], bool], last_used: Callable[[int], float]) -> int:
+    """A side call's placement: the side slot its home claimed (the shared state's `owners`), else an idle one,
+    the least recently used first, else its home's own (a stable hash)."""
+    for slot in slots:
+        if owners.get(slot) == key:
+            return slot
+    free = [s for s in slots if idle(s)]
+    if free:
+        return min(free, key=lambda s: (last_used(s), s))
+    return slots[int(key[:8], 16) % len(slots)] if _hex(key) else slots[0]
+
+
+def _hex(key: str) -> bool:
+    return len(key) >= 8 and all(c in "0123456789abcdef" for c in key[:8])

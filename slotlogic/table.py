@@ -61,9 +61,9 @@ class SessionTable:
         nobody uses would cost every session a quarter of a 4-slot server."""
         return self.last_side_call is not None and now - self.last_side_call < self.ttl
 
-    def reserved_slot(self, total: int | None, configured: int, now: float) -> int | None:
-        """The side-call slot kept out of sessions' reach now: none before side calls came (`reserving`)."""
-        return sidecalls.side_slot(total, configured) if total and self.reserving(now) else None
+    def reserved_slots(self, total: int | None, configured: int, now: float) -> tuple[int, ...]:
+        """The side-call slots kept out of sessions' reach now: none before side calls came (`reserving`)."""
+        return sidecalls.side_slots(total, configured) if total and self.reserving(now) else ()
 
     def displaced(self, key: str, slot: int) -> bool:
         """Another session ran on `slot` since `key` last did, or has a request on its way there (ours would
@@ -161,9 +161,12 @@ class SessionTable:
                 return key
         return None
 
-    def dispatch(self, key: str, slot: int) -> None:
-        """A request pinned to `slot` leaves the proxy now (a side call: its home, `sidecalls.home`)."""
+    def dispatch(self, key: str, slot: int, *, holds: bool = False) -> None:
+        """A request pinned to `slot` leaves the proxy now (a side call: its home, `sidecalls.home`, which
+        `holds` the slot from now: it is no session of the table, whose answers move `holders` on)."""
         self.dispatched[slot] = key
+        if holds:
+            self.holders[slot] = key
 
     def drain(self) -> dict[str, Assignment]:
         """The touches to flush, emptied."""

@@ -232,7 +232,7 @@ class Turns:
         if not ours:
             return []
         total = self.host.total_slots  # `/props` only: the state's count sizes nothing
-        reserved = table.reserved_slot(total, self.settings.side_slot, now)
+        reserved = table.reserved_slots(total, self.settings.side_slot, now)
         marked = [k for k in reconcile.misplaced(state, ours, now, ttl, total, reserved, mine=table.sessions.keys())
                   if k not in self.table.misplaced]
         for key in marked:

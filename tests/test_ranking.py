@@ -60,21 +60,22 @@ def test_auto_ranking(slots, expected, reason, why):
 
 def test_auto_uses_reserved_side_slot_last():
     slots = [v(0, 500, FRESH, owner="a", reqs=5), v(1), v(2)]
-    assert choose(Policy.AUTO, slots, NOW, TTL, reserved=2).slot == 1
+    assert choose(Policy.AUTO, slots, NOW, TTL, reserved=(2,)).slot == 1
     only_reserved_free = [v(0, 500, FRESH, owner="a", reqs=5), v(1, 500, FRESH, owner="b", reqs=5), v(2)]
-    assert choose(Policy.AUTO, only_reserved_free, NOW, TTL, reserved=2).slot == 2
+    assert choose(Policy.AUTO, only_reserved_free, NOW, TTL, reserved=(2,)).slot == 2
 
 
 def test_with_paging_a_session_is_paged_out_before_the_side_slot_is_taken():
     """Paging makes an eviction cost a save and a restore; the side calls' prompt on the reserved slot is
     nobody's page, so a session placed there would cost the next side call its whole prefill."""
     only_reserved_free = [v(0, 500, FRESH, owner="a", reqs=5), v(1, 500, NOW - 30, owner="b", reqs=5), v(2, 900)]
-    assert choose(Policy.AUTO, only_reserved_free, NOW, TTL, reserved=2).slot == 2
-    paged = choose(Policy.AUTO, only_reserved_free, NOW, TTL, reserved=2, paging=True)
+    assert choose(Policy.AUTO, only_reserved_free, NOW, TTL, reserved=(2,)).slot == 2
+    paged = choose(Policy.AUTO, only_reserved_free, NOW, TTL, reserved=(2,), paging=True)
     assert paged == Choice(1, Why("evict-cheapest"))  # the coldest owner
     all_busy_but_reserved = [v(0, 500, FRESH, owner="a", busy=True), v(1, 500, FRESH, owner="b", busy=True), v(2)]
-    assert choose(Policy.AUTO, all_busy_but_reserved, NOW, TTL, reserved=2, paging=True).slot == 2
-    assert choose(Policy.AUTO, [v(0, 500, FRESH, owner="a"), v(1), v(2)], NOW, TTL, reserved=2, paging=True).slot == 1
+    assert choose(Policy.AUTO, all_busy_but_reserved, NOW, TTL, reserved=(2,), paging=True).slot == 2
+    two = [v(0, 500, FRESH, owner="a"), v(1), v(2)]
+    assert choose(Policy.AUTO, two, NOW, TTL, reserved=(2,), paging=True).slot == 1
 
 
 def test_auto_beats_seed_on_the_empty_slot_trap():

@@ -34,7 +34,7 @@ def test_nothing_moves_when_every_slot_is_claimed_or_the_sharer_expired():
     assert reconcile.misplaced(state(("a", 0, 100.0), ("b", 0, 105.0), ("c", 1, 101.0)), {"b": 0}, 110.0, 120.0,
                                2) == []
     assert reconcile.misplaced(state(("a", 0, 100.0), ("b", 0, 105.0)), {"b": 0}, 300.0, 120.0, 2) == []
-    assert reconcile.misplaced(state(("a", 0, 100.0), ("b", 0, 105.0)), {"b": 0}, 110.0, 120.0, 2, reserved=1) == []
+    assert reconcile.misplaced(state(("a", 0, 100.0), ("b", 0, 105.0)), {"b": 0}, 110.0, 120.0, 2, reserved=(1,)) == []
 
 
 def test_two_sessions_of_this_process_on_one_slot_are_not_another_process_s():

@@ -60,7 +60,7 @@ def test_slot_counts_and_prefix_from_slot_views():
     views = [SlotView(0, n_tokens=10, prefix="p"), SlotView(1, busy=True), SlotView(2, last_used=99.0, owner="x"),
              SlotView(3)]
     assert slot_counts(views, 100.0, 120.0) == (2, 3, 1)
-    assert slot_counts(views, 100.0, 120.0, exclude=3) == (1, 3, 1)
+    assert slot_counts(views, 100.0, 120.0, exclude=(3,)) == (1, 3, 1)
     assert holds_prefix_free(views, "p", 100.0, 120.0) and not holds_prefix_free(views, "q", 100.0, 120.0)
 
 

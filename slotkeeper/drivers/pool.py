@@ -359,9 +359,9 @@ class Pool:
 
 def _slot_counts(up: Upstream, state: shared.ServerState, info: ServerInfo, live: list[dict[str, Any]] | None,
                  now: float) -> tuple[list[SlotView], tuple[int, int, int]]:
-    """One server's merged slot views and its (free, idle, busy) counts, its reserved side slot not free."""
+    """One server's merged slot views and its (free, idle, busy) counts, its reserved side slots not free."""
     views = shared.views(state, info.total_slots, live, up.keeper.table)
-    reserved = up.keeper.table.reserved_slot(info.total_slots, up.settings.side_slot, now)
+    reserved = up.keeper.table.reserved_slots(info.total_slots, up.settings.side_slot, now)
     return views, routing.slot_counts(views, now, up.settings.ttl, exclude=reserved)
 
 
