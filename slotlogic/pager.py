@@ -182,6 +182,10 @@ class Pager:
         """The pool's number of `key`'s placement here (which of two placements came first)."""
         return self.table.order(key)
 
+    def page_coming(self, ask: paging.PageAsk, have: paging.Seed | None) -> str | None:
+        """The session whose page, being written now, would seed `ask` better than `have` (`Seeds.page_coming`)."""
+        return self.seeds.page_coming(ask, self._holder(ask.slot, ask.view, ask.sent)[0], have)
+
     def wait_worth(self, slot: int, gain: int) -> paging.SourceWait | None:
         return self.seeds.wait_worth(slot, gain)
 

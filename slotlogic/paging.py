@@ -74,6 +74,7 @@ class PageAsk:
     base_chars: int = 0
     copy_live: bool = True
     elsewhere: Seed | None = None  # the best live source on another server of the pool (`Pager.source_for`)
+    paging_out: frozenset[str] = frozenset()  # sessions this process is paging out now (their pages to come)
     given: Handover | None = None
     ours: tuple[str, float] | None = None
 

@@ -157,3 +157,20 @@ class Seeds:
         if need.stable is not None:
             best = max([best] + [chars for other, chars in p.learner.sharers(need.stable) if here(other)])
         return best
+
+    def page_coming(self, ask: paging.PageAsk, holder: str | None, have: paging.Seed | None) -> str | None:
+        """A session whose page is being written now (`ask.paging_out`, or recorded and not saved yet: the
+        placement that took its slot pages it out) and would seed `ask` with a seed's worth more than `have` or
+        the slot gives: worth waiting for, its save takes milliseconds (`SlotMover.page`)."""
+        key, p = ask.session_key, self.p
+        beat = max(have.chars if have is not None else 0, ask.base_chars if ask.cold is not None else ask.stable_chars)
+        shares = dict(p.learner.sharers(ask.cold)) if ask.cold is not None else {}
+        mine = p.table.sessions.get(key)
+        if mine is not None and mine.lead is not None:
+            for other, a in p.table.sessions.items():
+                if a.lead is not None:
+                    shares[other] = max(shares.get(other, 0), leads.shared(mine.lead, a.lead)[1])
+        coming = [(chars, other) for other, chars in shares.items() if other not in (key, holder)
+                  and (other in ask.paging_out or ((rec := p.index.get(other)) is not None and rec.n_tokens == 0))
+                  and chars >= beat + SEED_MIN_CHARS]
+        return max(coming)[1] if coming else None

@@ -142,3 +142,35 @@ def test_side_calls_of_two_kinds_keep_their_content_on_the_side_slot():
     assert kinds.count("save") >= 4 and kinds.count("restore") >= 4        # paged out, and each back in
     titles = [o for o in outcomes if o.tag.startswith("title")][1:]
     assert all(o.done.cache_n > 200 for o in titles)                        # a title call finds its prompt
+
+
+def test_sessions_waiting_for_one_source_copy_it_even_when_a_placement_takes_its_slot():
+    """Bench subagents seed 1 under load: three sessions waited for the one session computing their prompt;
+    when it ended, a fourth session took its slot (paging it out) and the three found the slot busy, no seed,
+    and one of them warmed the whole prompt cold (737 tokens). Now they take its page once written, or copy the
+    slot before the taker writes it; copies of one slot wait for each other instead of being refused."""
+    system = "You are a coding agent . Follow the rules . " * 60
+
+    def body(folder: str, task: str) -> dict:
+        return {"model": "sim", "max_tokens": 4, "messages": [
+            {"role": "system", "content": system + f"\nWorking in /home/{folder}\n"},
+            {"role": "user", "content": task}]}
+
+    async def main(taker_at: float) -> tuple[list[Outcome], int]:
+        async with Rig(Setup(slots=4, paging=True)) as rig:
+            async def at(t: float, tag: str, b: dict) -> Outcome:
+                await asyncio.sleep(t)
+                return await rig.send(tag, b)
+            other = {"model": "sim", "max_tokens": 4, "messages": [
+                {"role": "system", "content": "Something else entirely . " * 80}, {"role": "user", "content": "x"}]}
+            outs = await asyncio.gather(at(0.0, "m0", body("a", "task zero")), *(
+                at(0.1, f"m{i}", body(f"p{i}", f"task {i}")) for i in (1, 2, 3)), at(taker_at, "m4", other))
+            await rig.settle()
+            proxy_prefill = sum(e.after - e.reused for s in rig.servers.values() for e in s.events
+                                if e.kind == "request" and e.tag is None)  # warm-ups and checks
+            return list(outs), proxy_prefill
+    for taker_at in (0.5, 0.7):  # its slot taken while its page is being written; or just after the copies
+        outs, proxy_prefill = run(VirtualClock(), lambda t=taker_at: main(t))
+        waiting = [o for o in outs if o.tag in ("m1", "m2", "m3")]
+        assert all(o.meta["reason"].endswith("+seeded") for o in waiting), [o.meta["reason"] for o in waiting]
+        assert proxy_prefill < 60, proxy_prefill  # the checkpoint's few boundary tokens, not the prompt again

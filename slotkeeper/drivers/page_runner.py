@@ -189,11 +189,12 @@ class PageRunner:
 
     async def copy_out(self, slot: int, filename: str, out: PageOutcome | None = None) -> tuple[int, int] | None:
         """Save `slot` for a seed (of this server, or of another of the pool: `pool_seeds`) under its lock, once
-        every request sent there reached the server: the tokens and bytes written, or None (also while another
-        placement holds the slot's lock: it is about to write the slot)."""
-        if self.busy(slot):
+        every request sent there reached the server: the tokens and bytes written, or None (also while a
+        placement holds the slot's lock: it is about to write the slot; another copy's save is waited for)."""
+        lock = self.locks.setdefault(slot, asyncio.Lock())
+        if any(held is lock for held in self.holding.values()):
             return None
-        async with self.locks.setdefault(slot, asyncio.Lock()):
+        async with lock:
             if not await self.gate.quiet(slot):
                 return None
             return await self._save(slot, filename, out if out is not None else PageOutcome())

@@ -226,13 +226,24 @@ class SlotMover:
             self.emit(self.keeper.turns.stale_plan(fence, "page", key))
             return Moved.STALE, fence
         self.gate.moves(slot, flow_id)
-        ask = replace(ask, sent=self.pages.last_sent.get(slot), given=given, ours=self.gate.last_started.get(slot))
+        ask = replace(ask, sent=self.pages.last_sent.get(slot), given=given, ours=self.gate.last_started.get(slot),
+                      paging_out=frozenset(self.pages.saving))
         plan = self.keeper.pager.page_plan(ask)
         # Our own conversation is on a slot another placement is paging now: its page of us is recorded by the
         # time it lets that slot go; wait for that, then plan again (the page is there then).
         if plan.seed is not None and plan.seed.source == key and plan.seed.local_slot is not None \
                 and not self.store.remote and self.pages.busy(plan.seed.local_slot) \
                 and await self.pages.wait_free(plan.seed.local_slot, slot, SEED_SLOT_WAIT):
+            ask = replace(ask, sent=self.pages.last_sent.get(slot), ours=self.gate.last_started.get(slot))
+            plan = self.keeper.pager.page_plan(ask)
+        # The source is being paged out by the placement that took its slot: once its page is recorded the page
+        # is the seed (no save needed), instead of prefilling it all (bench subagents seed 1 under load: three
+        # sessions waited for one source, whose slot was then taken; one of them warmed 737 tokens cold)
+        seed = plan.seed
+        source = seed.source if seed is not None and seed.local_slot is not None and seed.source != key \
+            and self.pages.busy(seed.local_slot) else self.keeper.pager.page_coming(ask, seed)
+        if source is not None and source in self.pages.saving and not self.store.remote:
+            await self.pages.settled(source)
             ask = replace(ask, sent=self.pages.last_sent.get(slot), ours=self.gate.last_started.get(slot))
             plan = self.keeper.pager.page_plan(ask)
         if plan.seed is not None and plan.seed.local_slot is not None and (
