@@ -272,6 +272,7 @@ class SourceWait:
     tokens: int
     cap: float
     decode_cost: float | None = None  # prefill tokens one generated token costs (prefill ÷ decode speed)
+    session: str | None = None        # whose conversation that slot holds (its page may come instead)
 
 
 def keep_waiting(wait: SourceWait, entry: Mapping[str, object] | None, waited: float, budget_left: float) -> bool:

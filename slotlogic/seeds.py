@@ -5,6 +5,7 @@ waiting for. Read by the pager (`Pager.page_plan`, `Pager.busy_source`); pure, a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from slotlogic import lead as leads
@@ -35,7 +36,8 @@ class Seeds:
         if then is None or then.slot is None or (now is not None and (now.slot, now.server) == (then.slot, None)):
             return None
         gain = then.chars - (now.chars if now is not None else ask.base_chars if cold is not None else stable_chars)
-        return self.wait_worth(then.slot, gain)
+        wait = self.wait_worth(then.slot, gain)
+        return replace(wait, session=then.source) if wait is not None else None
 
     def wait_worth(self, slot: int, gain: int) -> paging.SourceWait | None:
         """Waiting for a busy `slot` whose copy would spare `gain` characters: worth what prefilling them takes

@@ -119,7 +119,9 @@ def work_left(entry: Mapping[str, Any] | None, decode_cost: float | None) -> flo
     """A busy slot's work still to do, in prefill tokens, from its `/slots` entry: the prompt tokens it has yet
     to evaluate, or once it generates, its `n_remain` tokens at `decode_cost` prefill tokens each (prefill
     speed / decode speed). None: not busy, not said (`n_remain` -1 is "no limit"), or no speed measured.
-    `n_prompt_tokens_processed` moves per batch, so a prompt shorter than one shows all of it left."""
+    The prompt tokens left are `n_prompt_tokens` less those reused from the slot's cache
+    (`n_prompt_tokens_cache`, when reported) and those evaluated so far (`n_prompt_tokens_processed`, which
+    moves per batch: a prompt shorter than one shows all of its new tokens left)."""
     if not isinstance(entry, Mapping) or entry.get("is_processing") is not True:
         return None
     nt = entry.get("next_token")
@@ -133,4 +135,6 @@ def work_left(entry: Mapping[str, Any] | None, decode_cost: float | None) -> flo
     total, done = entry.get("n_prompt_tokens"), entry.get("n_prompt_tokens_processed")
     if not isinstance(total, int) or not isinstance(done, int) or isinstance(total, bool) or total < done:
         return None
-    return float(total - done)
+    cached = entry.get("n_prompt_tokens_cache")
+    reused = cached if isinstance(cached, int) and not isinstance(cached, bool) and cached > 0 else 0
+    return float(max(0, total - done - reused))

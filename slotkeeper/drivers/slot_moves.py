@@ -25,9 +25,10 @@ from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.page_runner import PageOutcome, PageRunner
 from slotkeeper.drivers.pool_seeds import PoolSeeds
 from slotkeeper.drivers.slot_gate import SlotGate
+from slotkeeper.drivers.source_wait import await_source
 from slotkeeper.drivers.store import StateStore
-from slotlogic import paging, shared
 from slotlogic import prefix as pfx
+from slotlogic import shared
 from slotlogic.checkpoint_machine import Outcome
 from slotlogic.costs import SlotFileAnswer
 from slotlogic.decisions import NeedSlot
@@ -38,7 +39,6 @@ from slotlogic.events import (
     Failed,
     NoSavePath,
     Paged,
-    SourceAwaited,
     Stage,
 )
 from slotlogic.keeper import Keeper, Placement
@@ -49,9 +49,7 @@ from slotlogic.settings import CheckpointMode, Settings
 
 REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its session stays (a restore planned)
 REMOTE_SETTLE = 10.0   # seconds a pager waits for another proxy's page-out of its session (a shared store)
-SOURCE_POLL = 0.2      # seconds between `/slots` looks while a new session waits for the slot it would copy
 SEED_SLOT_WAIT = 30.0  # seconds a placement waits for the slot its own conversation is being paged out of
-MIN_SLEEP = 0.001      # a wait's last sliver below this is not slept (nor polled for)
 
 
 class SlotMover:
@@ -150,7 +148,7 @@ class SlotMover:
         cold = need.stable if base is not None else None
         ask = PageAsk(placement.slot, key, placement.view, views=placement.views, stable_chars=stable_chars, cold=cold,
                       base_chars=base or 0)
-        ask = await self._await_source(ask)
+        ask = await await_source(self, ask)
         if self.elsewhere is not None and not self.store.remote:  # a shared store: only pages are seeds
             ask = await self.elsewhere.find(need, ask)
         moved, fence = await self.page(ask, flow_id, fence=placement.fence)
@@ -167,38 +165,6 @@ class SlotMover:
             return None
         base = await asyncio.to_thread(cp.longest_base, need.stable, info, name)
         return base[0] if base is not None else 0
-
-    async def _await_source(self, ask: PageAsk) -> PageAsk:
-        """Before the slot's paging lock: when the conversation this new session would start from is on a slot
-        still running a request, or about to (two sessions that start together), wait for that slot to go idle,
-        within the time prefilling the copied part would take (`Pager.busy_source`); `ask` with its views as
-        they are then. A shared store never seeds from a live slot (other proxies may page it), so it never waits."""
-        assert self.pages is not None
-        if self.store.remote:
-            return ask
-        pages, slot, views = self.pages, ask.slot, ask.views
-        # A slot whose paging lock is held is as good as busy: its placement's request is on its way there.
-        busy = [replace(v, busy=True) if not v.busy and pages.busy(v.id) else v for v in views]
-        found = self.keeper.pager.busy_source(replace(ask, views=busy, sent=pages.last_sent.get(slot)))
-        if found is None:
-            return ask
-        source = found.slot
-        started = time.monotonic()
-        deadline = started + found.budget
-        idle, entry = False, None
-        # a sliver of the budget left is not worth one more look, but a source still prefilling what we would
-        # copy is (paging.keep_waiting)
-        while not idle and paging.keep_waiting(found, entry, time.monotonic() - started,
-                                               deadline - time.monotonic() - MIN_SLEEP):
-            left = deadline - time.monotonic()
-            await asyncio.sleep(min(SOURCE_POLL, left) if left >= MIN_SLEEP else SOURCE_POLL)
-            live = await self.client.slots()
-            if live is None:
-                break
-            idle = not pages.busy(source) and self.keeper.pager.source_idle(source, live)
-            entry = next((e for e in live if isinstance(e, dict) and e.get("id") == source), None)
-        self.emit(SourceAwaited(self.url, slot, source, time.monotonic() - started, idle))
-        return replace(ask, views=[replace(v, busy=False) if v.id == source else v for v in views]) if idle else ask
 
     async def page(self, ask: PageAsk, flow_id: str, fence: Fence | None = None) -> tuple[Moved, Fence | None]:
         """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
