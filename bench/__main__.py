@@ -25,7 +25,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import client_workloads, configs, limit, loss, overhead, pi_workload, report, restart, subagent_workload
+from bench import (
+    client_workloads,
+    configs,
+    limit,
+    loss,
+    mix_workload,
+    overhead,
+    pi_workload,
+    report,
+    restart,
+    subagent_workload,
+)
 from bench.client import RequestRecord, run_workload
 from bench.workload import WORKLOADS, Workload, generate
 from slotlogic import anthropic
@@ -208,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     limits: dict[str, dict[str, Any]] = {}
     client_rows: list[dict[str, Any]] = []
+    mix_rows: list[dict[str, Any]] = []  # several real clients at once (bench/mix_workload.py)
     log_dir = Path(tempfile.mkdtemp(prefix="slotkeeper-bench-logs-"))
     load_start = os.getloadavg()
     log(t0, f"workloads {a.workloads}, configs {a.configs}, seed {a.seed}, llama-server threads {a.threads}; "
@@ -234,6 +246,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         chosen = a.configs if a.explicit_configs or spec.configs is None else [
             c for c in a.configs if c in spec.configs]
+        if wl_name.startswith(mix_workload.PREFIX):
+            if why := mix_workload.missing(mix_workload.MIXES[wl_name]):
+                log(t0, why)
+                notes.append(why)
+                continue
+            mix_rows += mix_workload.run_workload(wl_name, chosen, configs.CONFIGS, log_dir, a.threads,
+                                                  lambda m: log(t0, m))
+            continue
         if wl_name.startswith(client_workloads.PREFIX):
             if why := client_workloads.unavailable(client_workloads.client_of(wl_name)):
                 log(t0, why)
@@ -350,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"started": started, "elapsed_s": elapsed, "knobs": knobs, "python": sys.version.split()[0],
             "slots": configs.SLOTS, "ctx_per_slot": configs.SERVER.ctx_per_slot, "log_dir": str(log_dir),
             "server": server}
-    report.write_all(a.out, meta, rows, runs, limits, ov, notes, restart_rows, client_rows)
+    report.write_all(a.out, meta, rows, runs, limits, ov, notes, restart_rows, client_rows, mix_rows)
 
     print()
     if server:
@@ -360,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     if client_rows:
         print()
         print(report.text_table(client_rows, report.CLIENT_COLUMNS))
+    if mix_rows:
+        print()
+        print(mix_workload.table(mix_rows))
     if restart_rows:
         print()
         print(restart.text(restart_rows))

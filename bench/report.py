@@ -143,7 +143,8 @@ def overhead_text(overhead: dict[str, Any], markdown: bool = False) -> str:
 
 def render_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], overhead: dict[str, Any] | None,
                     notes: list[str], restart_rows: list[dict[str, Any]] | None = None,
-                    client_rows: list[dict[str, Any]] | None = None) -> str:
+                    client_rows: list[dict[str, Any]] | None = None, mix_rows: list[dict[str, Any]] | None = None
+                    ) -> str:
     parts = ["# slotkeeper benchmark", "",
              f"Run {meta['started']}, elapsed {meta['elapsed_s']:.0f} s, seed {meta['knobs']['seed']}; knobs: "
              + ", ".join(f"`{k}={v}`" for k, v in meta["knobs"].items()), "",
@@ -159,6 +160,10 @@ def render_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], overhead: 
     if client_rows:
         parts += ["## Real clients (3 sessions x 2 turns, 2 slots; turn 2+ = main conversation only)", "",
                   md_table(client_rows, CLIENT_COLUMNS), ""]
+    if mix_rows:
+        from bench import mix_workload  # local: it imports the client launchers
+
+        parts += ["## Several real clients at once (fewer slots than sessions)", "", mix_workload.table(mix_rows), ""]
     if restart_rows:
         from bench import restart  # local: restart imports configs, which report need not load otherwise
 
@@ -221,10 +226,11 @@ def _cumsum(values: list[int]) -> list[int]:
 def write_all(out_dir: Path, meta: dict[str, Any], rows: list[dict[str, Any]], runs: list[dict[str, Any]],
               limits: dict[str, dict[str, Any]], overhead: dict[str, Any] | None, notes: list[str],
               restart_rows: list[dict[str, Any]] | None = None,
-              client_rows: list[dict[str, Any]] | None = None) -> None:
+              client_rows: list[dict[str, Any]] | None = None, mix_rows: list[dict[str, Any]] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {"meta": meta, "rows": rows, "overhead": overhead, "limits": limits, "notes": notes, "runs": runs,
-           "restart": restart_rows}
-    (out_dir / "latest.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (out_dir / "latest.md").write_text(render_markdown(meta, rows, overhead, notes, restart_rows, client_rows))
+           "restart": restart_rows, "mix": mix_rows}
+    (out_dir / "latest.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    (out_dir / "latest.md").write_text(render_markdown(meta, rows, overhead, notes, restart_rows, client_rows,
+                                                       mix_rows))
     plot(out_dir / "latest.png", runs, limits)

@@ -136,6 +136,11 @@ WORKLOADS: dict[str, WorkloadSpec] = {w.name: w for w in [
     *(WorkloadSpec(f"client-{c}", 3, 2, False, f"3 sessions x 2 turns of the real {c} client in one project "
                    "on 2 slots (bench/client_workloads.py)", configs=("stock", "auto", "auto+ckpt"))
       for c in ("claude-code", "opencode", "codex", "qwen-code", "aider")),
+    # Several real clients at once on fewer slots than sessions (bench/mix_workload.py: the mixes' shapes).
+    WorkloadSpec("mix-4", 2, 2, False, "4 real clients x 2 sessions x 2 turns at once on 3 slots "
+                 "(bench/mix_workload.py)", configs=("stock", "auto+ckpt")),
+    WorkloadSpec("mix-3", 1, 2, False, "3 real clients x 1 session x 2 turns at once on 2 slots "
+                 "(bench/mix_workload.py)", configs=("stock", "auto+ckpt")),
 ]}
 
 
