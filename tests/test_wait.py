@@ -156,13 +156,18 @@ async def test_a_request_behind_another_on_its_slot_goes_to_a_free_slot_after_th
     assert sent(third)["id_slot"] == 3  # nothing ahead any more: pinned again, no wait
 
 
-async def test_a_side_call_behind_one_of_its_own_kind_is_not_held(proxy):
-    """Two title calls at once share their kind's home (`sidecalls.home`): the second queues behind the first on
-    the server, where its prompt is being computed, as a session's own earlier request holds nothing."""
-    proxy.configure(slots_wait_bound=1)
+async def test_a_side_call_behind_one_of_its_own_kind_waits_for_it_in_the_proxy_then_runs_at_home(proxy):
+    """Two title calls at once share their kind's home (`sidecalls.home`) but not a conversation: the second is
+    held in the proxy like any request behind another (its bound still applies: a long generation ahead of it
+    is not its own work), and runs at home, where the prompt is, once the first has ended."""
+    proxy.configure(slots_wait_bound=30)
     first = await proxy.request(flow(_side("the first title")))
-    second = await asyncio.wait_for(proxy.request(flow(_side("the second title"))), 0.5)
-    assert sent(first)["id_slot"] == sent(second)["id_slot"] == 3
+    second = asyncio.ensure_future(proxy.request(flow(_side("the second title"))))
+    await asyncio.sleep(0.3)
+    assert not second.done()  # held: not handed to the server's queue behind the first
+    await proxy.answer(first, http.Response.make(200, b'{"timings":{"cache_n":0,"prompt_n":5}}', {}))
+    done = await asyncio.wait_for(second, 1.0)
+    assert sent(first)["id_slot"] == sent(done)["id_slot"] == 3
 
 
 async def test_a_sessions_own_open_request_holds_nothing(proxy):

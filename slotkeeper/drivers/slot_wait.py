@@ -64,7 +64,9 @@ class SlotWaits:
 
     def ahead(self, slot: int, flow_id: str = "", session: str = "") -> wait.Ahead:
         """Our other requests open on `slot`; those of the same `session` do not count (its own work: on its
-        own slot it finds its cache after them), side calls ("") always do."""
+        own slot it finds its cache after them). A side call passes "": every request ahead counts, its own
+        home's too (two side calls of one home are independent; the second need not wait for the first's
+        generation when its bound says go elsewhere)."""
         flows = self.open.get(slot)
         if not flows:
             return wait.Ahead()
@@ -101,7 +103,7 @@ class SlotWaits:
         t = decision.ticket
         slot = t.slot
         return (slot is not None and bool(self.open.get(slot)) and self.keeper is not None
-                and self.ahead(slot, session=t.session.key).count > 0
+                and self.ahead(slot, session="" if t.side else t.session.key).count > 0
                 and self.bound() > 0 and (self.keeper.total_slots or 0) > 1)
 
     async def held(self, decision: Pin, flow_id: str, content: bytes | None) -> Pin:
@@ -115,7 +117,7 @@ class SlotWaits:
         assert self.keeper is not None
         raw = decision.body if decision.body is not None else content
         plan = await self.hold(t.slot, flow_id, bound=self.bound(), side=t.side, own_chars=len(raw or b""),
-                               rate=self.keeper.prefill_estimate, session=t.session.key)
+                               rate=self.keeper.prefill_estimate, session="" if t.side else t.session.key)
         if plan.verdict not in (wait.Verdict.UNPIN, wait.Verdict.MOVE) or not raw:
             return decision
         moved = plan.slot if plan.verdict is wait.Verdict.MOVE else None
