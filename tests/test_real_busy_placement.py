@@ -38,7 +38,10 @@ def decoding(url: str) -> set[int]:
 def test_with_every_slot_busy_a_new_session_waits_for_the_slot_that_frees_first(tmp_path):
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
             "slots_wait_bound": 60}
-    with LlamaServer(slots=2, ctx_per_slot=4096, threads=2, log_path=str(tmp_path / "s.log")) as srv, \
+    # One compute thread: with two, llama.cpp's spinning thread barrier stalls whenever anything else on the
+    # machine runs (the proxy's start-up model read, a loaded CI runner), and two decoding slots then made ~1.5
+    # tokens/s each: Bravo's 120 took 66 s, past the 60 s wait bound (seen twice on a loaded 2-core machine).
+    with LlamaServer(slots=2, ctx_per_slot=4096, threads=1, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
         # one answer first: the proxy measures the prefill and decode speeds from its timings (a prompt long
         # enough to count for the prefill speed)
@@ -52,7 +55,10 @@ def test_with_every_slot_busy_a_new_session_waits_for_the_slot_that_frees_first(
             r = httpx.post(px.url + "/v1/chat/completions", json=body, timeout=600)
             done[name] = time.monotonic() if r.status_code == 200 else -1.0
 
-        long = threading.Thread(target=run, args=("long", "You are agent Alpha, a careful counter.", 1500))
+        # Alpha must outlast Bravo's 120 tokens and Charlie's answer after them: both slots decode in one batch,
+        # at one speed, so Alpha runs ~150-200 tokens past its start by then (500: a margin of 2.5x whatever
+        # the machine's speed; 1,500 only made the test wait ~15 s longer for Alpha's end)
+        long = threading.Thread(target=run, args=("long", "You are agent Alpha, a careful counter.", 500))
         long.start()
         deadline = time.monotonic() + 120
         while not decoding(srv.url) and time.monotonic() < deadline:
