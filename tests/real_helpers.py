@@ -9,7 +9,14 @@ from pathlib import Path
 
 import httpx
 
-# ~330 tokens of shared "agent system prompt" (deterministic, no randomness).
+# llama.cpp compute threads for the tests' servers. One: with two on a 2-core machine, llama.cpp's spinning thread
+# barrier stalls whenever anything else runs (the proxy reading the model's header at start-up, the client,
+# another job on a CI runner). Measured beside one other busy process: four 1-token requests 4.3-4.6 s with two
+# threads, 0.7-1.0 s with one; 100 decoded tokens 20-24 s against 2.4-3.7 s; a 460-token prefill 4.7-6.7 s
+# against 3.2-4.1 s (bench/configs.py has the same finding). Two are faster only on an otherwise idle machine.
+THREADS = 1
+
+# ~460 tokens of shared "agent system prompt" with the chat template (deterministic, no randomness).
 SYSTEM = "You are a careful coding agent working in a repository. " + " ".join(
     f"Rule {i}: read files before editing them, run the tests, and keep changes small." for i in range(22))
 

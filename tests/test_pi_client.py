@@ -11,6 +11,7 @@ import pytest
 
 from slotkeeper.launch.llama_server import LlamaServer
 from slotkeeper.launch.pi import PiSession, PiUnavailable, ensure_pi_installed, node_available
+from tests.real_helpers import THREADS
 
 pytestmark = [
     pytest.mark.real,
@@ -27,7 +28,7 @@ def pi_binary():
 
 
 def test_pi_two_turns_reuse_the_servers_cache(tmp_path, pi_binary):
-    with LlamaServer(slots=2, ctx_per_slot=8192, log_path=str(tmp_path / "llama.log")) as srv:
+    with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=8192, log_path=str(tmp_path / "llama.log")) as srv:
         # max_tokens=16 keeps the turn short on 2 CPUs; pi still sends its full system prompt and tools.
         pi = PiSession(srv.url, tmp_path, "w0", max_tokens=16, binary=pi_binary)
         for prompt in ("Reply with one short sentence: what is a hash map?",

@@ -13,7 +13,7 @@ import pytest
 
 from slotkeeper.launch.llama_server import LlamaServer
 from slotkeeper.launch.mitmdump import MitmProxy
-from tests.real_helpers import SYSTEM
+from tests.real_helpers import SYSTEM, THREADS
 
 pytestmark = pytest.mark.real
 
@@ -60,7 +60,7 @@ def test_two_claude_code_windows_stay_on_their_slots_and_answer_natively(tmp_pat
     """With the billing block kept, the translated prompt is the native one, token for token."""
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
             "slots_strip_billing": False}
-    with LlamaServer(slots=3, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
+    with LlamaServer(threads=THREADS, slots=3, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
         deadline = time.monotonic() + 20  # at start, while the slots are empty, the proxy probes the route
         while "id_slot on /v1/messages" not in (tmp_path / "p.log").read_text() and time.monotonic() < deadline:
@@ -92,7 +92,7 @@ def test_without_the_billing_block_a_new_window_reuses_the_system_prompt(tmp_pat
     """Claude Code's billing block differs per session from its 47th character; dropped (the default), the
     second window's first request finds the whole system prompt in the slot the first one left."""
     opts = {"slots_state_dir": str(tmp_path / "state")}
-    with LlamaServer(slots=1, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
+    with LlamaServer(threads=THREADS, slots=1, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
         first, _ = send(px.url, body("Task A.", 1, stream=False, session="cc-aaa"), "cc-aaa")
         second, _ = send(px.url, body("Task B.", 1, stream=False, session="cc-bbb"), "cc-bbb")

@@ -14,7 +14,7 @@ import pytest
 
 from slotkeeper.launch.llama_server import LlamaServer
 from slotkeeper.launch.mitmdump import MitmProxy
-from tests.real_helpers import SYSTEM, ask, jsonl
+from tests.real_helpers import SYSTEM, THREADS, ask, jsonl
 
 pytestmark = pytest.mark.real
 
@@ -42,7 +42,8 @@ def proxy_opts(tmp: Path, slots: Path) -> dict[str, object]:
 def test_new_sessions_start_warm_and_a_restarted_server_restores(dirs):
     tmp, slots = dirs
     log = tmp / "req.jsonl"
-    srv = LlamaServer(slots=4, ctx_per_slot=4096, slot_save_path=str(slots), log_path=str(tmp / "s.log"))
+    srv = LlamaServer(threads=THREADS, slots=4, ctx_per_slot=4096, slot_save_path=str(slots),
+                      log_path=str(tmp / "s.log"))
     with srv, MitmProxy(srv.url, proxy_opts(tmp, slots), log_path=str(tmp / "p.log")) as px:
         a = ask(px.url, conv("Task A: first window."))
         b = ask(px.url, conv("Task B: second window, other project.", cwd="/srv/other"))
@@ -66,7 +67,8 @@ def test_new_sessions_start_warm_and_a_restarted_server_restores(dirs):
 def test_corrupt_or_stale_checkpoint_is_detected_erased_and_rebuilt(dirs):
     tmp, slots = dirs
     log = tmp / "req.jsonl"
-    srv = LlamaServer(slots=2, ctx_per_slot=4096, slot_save_path=str(slots), log_path=str(tmp / "s.log"))
+    srv = LlamaServer(threads=THREADS, slots=2, ctx_per_slot=4096, slot_save_path=str(slots),
+                      log_path=str(tmp / "s.log"))
     with srv, MitmProxy(srv.url, proxy_opts(tmp, slots), log_path=str(tmp / "p.log")) as px:
         ask(px.url, conv("Task A: build the checkpoint."))
         (good,) = slots.glob("prefix-*.bin")
@@ -100,7 +102,7 @@ def test_missing_slot_save_path_is_reported_and_the_request_still_served(tmp_pat
     """Persistence asked for, but llama-server was started without --slot-save-path: one clear warning."""
     log = tmp_path / "p.log"
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_prefix_cache": "disk", "slots_probe_interval": 0}
-    with LlamaServer(slots=2, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
+    with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(log)) as px:
         first = ask(px.url, conv("Task A: no save path."))
         second = ask(px.url, conv("Task B: no save path either."))
@@ -117,7 +119,8 @@ def generic(first: str, cwd: str) -> list[dict[str, str]]:
 
 @contextmanager
 def four_slots(tmp: Path, slots: Path, **opts: object) -> Iterator[tuple[LlamaServer, MitmProxy]]:
-    srv = LlamaServer(slots=4, ctx_per_slot=4096, slot_save_path=str(slots), log_path=str(tmp / "s.log"))
+    srv = LlamaServer(threads=THREADS, slots=4, ctx_per_slot=4096, slot_save_path=str(slots),
+                      log_path=str(tmp / "s.log"))
     with srv, MitmProxy(srv.url, {**proxy_opts(tmp, slots), **opts}, log_path=str(tmp / "p.log")) as px:
         yield srv, px
 

@@ -14,7 +14,7 @@ from slotkeeper.launch.llama_server import LlamaServer
 from slotkeeper.launch.mitmdump import MitmProxy
 from slotlogic.costs import Move
 from tests import tiny_models
-from tests.real_helpers import ask, jsonl
+from tests.real_helpers import THREADS, ask, jsonl
 
 pytestmark = pytest.mark.real
 
@@ -50,7 +50,8 @@ def test_speeds_are_measured_and_every_page_move_is_weighed_with_both_estimates(
     log = tmp_path / "p.log"
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
             "slots_save_dir": str(save), "slots_prefix_cache": "off", "slots_throughput_probe": True}
-    with LlamaServer(slots=2, ctx_per_slot=2048, slot_save_path=str(save), log_path=str(tmp_path / "s.log")) as srv, \
+    with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=2048, slot_save_path=str(save),
+                     log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(log)) as px:
         deadline = time.monotonic() + 60
         while "slot restore speed" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
@@ -92,7 +93,8 @@ def test_a_page_saved_under_q8_0_is_not_restored_after_a_restart_with_f16(tmp_pa
     log = tmp_path / "p.log"
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
             "slots_save_dir": str(save), "slots_prefix_cache": "off", "slots_throughput_probe": True}
-    with LlamaServer(slots=2, ctx_per_slot=2048, slot_save_path=str(save), log_path=str(tmp_path / "s.log"),
+    with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=2048, slot_save_path=str(save),
+                     log_path=str(tmp_path / "s.log"),
                      extra=["-ctk", "q8_0", "-ctv", "q8_0"]) as srv, \
             MitmProxy(srv.url, opts, log_path=str(log)) as px:
         deadline = time.monotonic() + 60
@@ -134,7 +136,8 @@ def test_other_architectures_are_checked_pinned_paged_and_resume(tmp_path, monke
     log = tmp_path / "p.log"
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
             "slots_save_dir": str(save), "slots_prefix_cache": "off", "slots_throughput_probe": True}
-    with LlamaServer(slots=2, ctx_per_slot=2048, slot_save_path=str(save), log_path=str(tmp_path / "s.log")) as srv, \
+    with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=2048, slot_save_path=str(save),
+                     log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(log)) as px:
         deadline = time.monotonic() + 60
         while "slot restore speed" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:

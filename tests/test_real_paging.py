@@ -10,7 +10,7 @@ import pytest
 from slotkeeper.launch.llama_server import LlamaServer
 from slotkeeper.launch.mitmdump import MitmProxy
 from slotlogic import paging
-from tests.real_helpers import ask, conversation, extend, jsonl
+from tests.real_helpers import THREADS, ask, conversation, extend, jsonl
 
 pytestmark = pytest.mark.real
 
@@ -24,7 +24,8 @@ def test_an_evicted_session_is_paged_back_in_instead_of_prefilled(tmp_path):
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
             "slots_save_dir": str(save), "slots_prefix_cache": "off"}
     convs = {c: conversation(f"Task {c}: paging test, keep the whole conversation.") for c in "ABC"}
-    with LlamaServer(slots=2, ctx_per_slot=2048, slot_save_path=str(save), log_path=str(tmp_path / "s.log")) as srv, \
+    with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=2048, slot_save_path=str(save),
+                     log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
         first = {c: ask(px.url, convs[c]) for c in "AB"}
         extend(convs["A"], 1)

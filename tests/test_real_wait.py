@@ -14,7 +14,7 @@ import pytest
 
 from slotkeeper.launch.llama_server import LlamaServer
 from slotkeeper.launch.mitmdump import MitmProxy
-from tests.real_helpers import jsonl
+from tests.real_helpers import THREADS, jsonl
 
 pytestmark = pytest.mark.real
 
@@ -29,7 +29,7 @@ def side(text: str, **extra: Any) -> dict[str, Any]:
 def test_a_side_call_behind_a_long_one_runs_on_the_idle_slot_after_its_bound(tmp_path):
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
             "slots_wait_bound": 2}
-    with LlamaServer(slots=2, ctx_per_slot=4096, threads=2, log_path=str(tmp_path / "s.log")) as srv, \
+    with LlamaServer(slots=2, ctx_per_slot=4096, threads=THREADS, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
         started, stop = threading.Event(), threading.Event()
         long_done: dict[str, float] = {}
@@ -65,7 +65,7 @@ def test_a_client_that_gives_up_while_the_proxy_holds_its_request_is_logged_as_g
     started when the request left. Now it says who hung up and how long the proxy had it."""
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
             "slots_wait_bound": 4}
-    with LlamaServer(slots=2, ctx_per_slot=4096, threads=2, log_path=str(tmp_path / "s.log")) as srv, \
+    with LlamaServer(slots=2, ctx_per_slot=4096, threads=THREADS, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
         started, stop = threading.Event(), threading.Event()
 

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from slotkeeper.launch import browser
 from slotkeeper.launch.llama_server import LlamaServer
 from slotkeeper.launch.mitmdump import MitmProxy
-from tests.real_helpers import ask, conversation, extend
+from tests.real_helpers import THREADS, ask, conversation, extend
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "slotkeeper.json"
@@ -83,7 +83,8 @@ def stack(tmp_path_factory) -> Iterator[dict[str, Any]]:
     save = tmp / "slots"
     save.mkdir()
     opts = {"slots_state_dir": str(tmp / "state"), "slots_save_dir": str(save), "slots_prefix_cache": "off"}
-    with LlamaServer(slots=2, ctx_per_slot=2048, slot_save_path=str(save), log_path=str(tmp / "s.log")) as srv, \
+    with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=2048, slot_save_path=str(save),
+                     log_path=str(tmp / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(tmp / "p.log")) as px, browser.Browser() as b:
         b.open(px.url + "/_slots/")
         during: list[tuple[dict[str, Any], dict[str, Any]]] = []
