@@ -15,15 +15,24 @@ import pytest
 
 from slotkeeper.launch.llama_server import LlamaServer
 from slotkeeper.launch.mitmdump import MitmProxy
-from tests.real_helpers import Turn, ask, conversation, extend, jsonl
+from tests.real_helpers import THREADS, Turn, ask, conversation, extend, jsonl
 
 pytestmark = pytest.mark.real
 
 
+# A shorter agent conversation than tests.real_helpers' (its system prompt ~150 tokens instead of ~460, a turn ~85
+# instead of ~165): the same shape at half the prefill. Stock prefills each turn's whole conversation but the
+# system prompt, pinning only the new turn: 2,994 against 1,184 tokens here (2.5x; 2.5x with the long one).
+LRU_SYSTEM = "You are a careful coding agent working in a repository. " + " ".join(
+    f"Rule {i}: read files before editing them, run the tests, and keep changes small." for i in range(6))
+
+
 def run_alternating(base: str, rounds: int = 3) -> dict[str, list]:
     """Two sessions take turns; each turn is two requests (a tool call and its follow-up), like an agent."""
-    convs = {"A": conversation("Task A: rename the config loader."),
-             "B": conversation("Task B: fix the flaky upload test.")}
+    convs = {"A": [{"role": "system", "content": LRU_SYSTEM},
+                   {"role": "user", "content": "Task A: rename the config loader."}],
+             "B": [{"role": "system", "content": LRU_SYSTEM},
+                   {"role": "user", "content": "Task B: fix the flaky upload test."}]}
     turns: dict[str, list] = {"A": [], "B": []}
     n = 0
     for _ in range(rounds):
@@ -31,18 +40,22 @@ def run_alternating(base: str, rounds: int = 3) -> dict[str, list]:
             for _ in range(2):
                 turns[name].append(ask(base, msgs))
                 n += 1
-                extend(msgs, n)
+                msgs.append({"role": "assistant", "content": f"Running step {n} now."})
+                msgs.append({"role": "user", "content": f"Output of step {n}: "
+                             + " ".join(f"line{n}-{k} ok" for k in range(12))})
     return turns
 
 
 # Stock llama-server prefills every turn again (that is the point): on a loaded 2-core machine its half alone
-# took over 300 s once, so this test has a longer bound than the suite's.
+# took over 300 s once (with two compute threads), so this test has a longer bound than the suite's.
 @pytest.mark.timeout(900)
 def test_two_sessions_keep_their_caches_and_stock_lru_does_not(tmp_path):
-    with LlamaServer(slots=2, ctx_per_slot=4096, sps=0.0, cache_ram_mib=0, log_path=str(tmp_path / "s1.log")) as srv, \
+    with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=4096, sps=0.0, cache_ram_mib=0,
+                     log_path=str(tmp_path / "s1.log")) as srv, \
             MitmProxy(srv.url, {"slots_state_dir": str(tmp_path / "state")}, log_path=str(tmp_path / "p.log")) as px:
         pinned = run_alternating(px.url)
-    with LlamaServer(slots=2, ctx_per_slot=4096, sps=0.0, cache_ram_mib=0, log_path=str(tmp_path / "s2.log")) as srv:
+    with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=4096, sps=0.0, cache_ram_mib=0,
+                     log_path=str(tmp_path / "s2.log")) as srv:
         stock = run_alternating(srv.url)
 
     for name in ("A", "B"):
@@ -61,7 +74,7 @@ def test_two_sessions_keep_their_caches_and_stock_lru_does_not(tmp_path):
 
 
 def test_streamed_responses_are_observed_through_the_proxy(tmp_path):
-    with LlamaServer(slots=2, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
+    with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, {"slots_state_dir": str(tmp_path / "state"),
                                 "slots_log_file": str(tmp_path / "req.jsonl")}) as px:
         msgs = conversation("Task S: stream please.")
@@ -77,7 +90,7 @@ def test_streamed_responses_are_observed_through_the_proxy(tmp_path):
 
 def test_restarted_proxy_keeps_its_sessions_on_their_slots(tmp_path):
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl")}
-    with LlamaServer(slots=4, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv:
+    with LlamaServer(threads=THREADS, slots=4, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv:
         convs = [conversation(f"Task {c}: restart test.") for c in "ABC"]
         with MitmProxy(srv.url, opts) as px:
             before = [ask(px.url, m).slot for m in convs]
@@ -93,7 +106,7 @@ def test_restarted_proxy_keeps_its_sessions_on_their_slots(tmp_path):
 
 def test_two_proxies_sharing_a_state_dir_never_collide(tmp_path):
     opts = {"slots_state_dir": str(tmp_path / "state")}
-    with LlamaServer(slots=4, ctx_per_slot=2048, log_path=str(tmp_path / "s.log")) as srv, \
+    with LlamaServer(threads=THREADS, slots=4, ctx_per_slot=2048, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts) as p1, MitmProxy(srv.url, opts) as p2:
         slots = []
         for i in range(4):
@@ -106,7 +119,7 @@ def test_two_proxies_sharing_a_state_dir_never_collide(tmp_path):
 def test_server_restart_is_detected(tmp_path):
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_probe_interval": 1}
     log = tmp_path / "p.log"
-    with LlamaServer(slots=2, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
+    with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(log)) as px:
         msgs = conversation("Task R: survive a restart.")
         first = ask(px.url, msgs)
@@ -139,7 +152,8 @@ def test_warnings_that_save_hours(tmp_path):
     """Unified KV with idle-slot clearing defeats pinning; an oversized prompt names the fix; /v1/messages
     is pinned through translation (and, with translation off, said to be unpinnable)."""
     log = tmp_path / "p.log"
-    with LlamaServer(slots=2, ctx_per_slot=2048, kv_unified=True, log_path=str(tmp_path / "s.log")) as srv, \
+    with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=2048, kv_unified=True,
+                     log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, {"slots_state_dir": str(tmp_path / "state"), "slots_probe_interval": 0},
                       log_path=str(log)) as px:
         a, b = conversation("Task A: unified."), conversation("Task B: unified.")
@@ -170,7 +184,7 @@ def test_a_displaced_session_moves_to_a_cold_slot_or_shares_its_own(tmp_path):
     owner was active within seconds, so B shares slot 1 with A instead of pushing the damage on."""
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl")}
     convs = {c: conversation(f"Task {c}: displacement test.") for c in "ABDCE"}
-    with LlamaServer(slots=4, ctx_per_slot=2048, log_path=str(tmp_path / "s.log")) as srv, \
+    with LlamaServer(threads=THREADS, slots=4, ctx_per_slot=2048, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
         first = {c: ask(px.url, convs[c]) for c in "ABDC"}
         time.sleep(5.5)
@@ -217,7 +231,8 @@ def test_a_clients_id_slot_cannot_reach_another_sessions_slot_unless_clients_are
     for trusted in (False, True):
         log = tmp_path / f"p-{trusted}.log"
         opts = {"slots_state_dir": str(tmp_path / f"state-{trusted}"), "slots_override_client": not trusted}
-        with LlamaServer(slots=2, ctx_per_slot=4096, log_path=str(tmp_path / f"s-{trusted}.log")) as srv, \
+        with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=4096,
+                         log_path=str(tmp_path / f"s-{trusted}.log")) as srv, \
                 MitmProxy(srv.url, opts, log_path=str(log)) as px:
             a = conversation("Task A: rename the config loader.")
             first = ask(px.url, a)
@@ -240,7 +255,7 @@ def test_a_restart_noticed_only_when_a_session_finds_its_slot_empty_is_metered_a
     `unknown` (before, it was counted `unknown` 44 ms before the restart was noticed)."""
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_probe_interval": 0}
     log = tmp_path / "p.log"
-    with LlamaServer(slots=2, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
+    with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=4096, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(log)) as px:
         msgs = conversation("Task Q: survive a restart nobody probed for.")
         first = ask(px.url, msgs)
