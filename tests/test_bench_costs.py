@@ -8,6 +8,7 @@ import pytest
 
 from bench import costs as bench_costs
 from slotkeeper.launch.llama_server import LlamaServer
+from tests.real_helpers import THREADS
 
 
 def fake_move(tokens: int, prefill_s: float, restore_s: float, kv: int = 131_072) -> dict:
@@ -34,7 +35,8 @@ def test_the_bench_measures_a_running_server_given_by_url(tmp_path):
     save = tmp_path / "slots"
     save.mkdir()
     out = tmp_path / "costs.json"
-    with LlamaServer(slots=1, ctx_per_slot=1024, slot_save_path=str(save), log_path=str(tmp_path / "s.log")) as srv:
+    with LlamaServer(threads=THREADS, slots=1, ctx_per_slot=1024, slot_save_path=str(save),
+                     log_path=str(tmp_path / "s.log")) as srv:
         bench_costs.main(["--llama-url", srv.url, "--save-dir", str(save), "--words", "16,24", "--out", str(out)])
     report = json.loads(out.read_text())
     assert report["model"] and report["build"] and report["of"] == 2
@@ -73,11 +75,11 @@ def test_the_main_bench_runs_a_workload_on_a_running_server_and_reports_its_spee
     save.mkdir()
     out = tmp_path / "out"
     try:
-        with LlamaServer(slots=4, ctx_per_slot=4096, slot_save_path=str(save),
+        with LlamaServer(threads=THREADS, slots=4, ctx_per_slot=4096, slot_save_path=str(save),
                          log_path=str(tmp_path / "s.log")) as srv:
             assert bench_main.main(["--llama-url", srv.url, "--save-dir", str(save), "--workloads", "fits",
                                     "--sessions", "2", "--turns", "2", "--configs", "stock,costs",
-                                    "--skip-overhead", "--speed-words", "30,60", "--out", str(out)]) == 0
+                                    "--skip-overhead", "--speed-words", "16,24", "--out", str(out)]) == 0
     finally:
         configs.use_server(configs.Server())
     doc = json.loads((out / "latest.json").read_text())
@@ -102,9 +104,11 @@ def test_the_main_bench_starts_the_model_it_is_given_and_reports_its_kv_width(tm
 
     out = tmp_path / "out"
     try:
+        # 2,048 tokens a slot hold the workload's longest prompt (~1,200 tokens); at the 8B layout's 128 KiB a
+        # token the default 8,192 made the server allocate and clear 4 GiB of KV cache first (~11 s here)
         assert bench_main.main(["--model", "tiny:dense_8b_kv", "--workloads", "fits", "--sessions", "2",
-                                "--turns", "2", "--configs", "costs", "--skip-overhead", "--speed-words", "30,60",
-                                "--out", str(out)]) == 0
+                                "--turns", "2", "--configs", "costs", "--skip-overhead", "--speed-words", "16,24",
+                                "--ctx-per-slot", "2048", "--threads", str(THREADS), "--out", str(out)]) == 0
     finally:
         configs.use_server(configs.Server())
     doc = json.loads((out / "latest.json").read_text())
