@@ -88,11 +88,14 @@ def test_corrupt_or_stale_checkpoint_is_detected_erased_and_rebuilt(dirs):
         r2 = ask(px.url, conv("Task C: stale file."))
         srv.restart()
         r3 = ask(px.url, conv("Task D: the rebuilt file restores again."))
-    outcomes = [c["outcome"] for c in checkpoints(log)]
+    records = checkpoints(log)
+    outcomes = [c["outcome"] for c in records]
     assert outcomes[1] == "warmed-saved"  # garbage: restore 400 → cold → saved anew
     assert outcomes[3] == "warmed-saved"  # stale: verify failed → erase → cold → saved anew
     assert outcomes[4] == "restored"
-    assert r1.prompt_n > 0 and r2.prompt_n > 0 and r3.cache_n > 250
+    # r3 starts from the rebuilt file: (nearly) the whole prefix, the first build's prompt_n (215 tokens; this
+    # was "> 250" when real_helpers.SYSTEM made a ~455-token prefix)
+    assert r1.prompt_n > 0 and r2.prompt_n > 0 and r3.cache_n >= 0.9 * records[0]["prompt_n"], (r3, records[0])
     text = (tmp / "p.log").read_text()
     assert "RESTORE rejected: identical" in text and "no checkpoint (restore HTTP 400" in text
     assert "Traceback" not in text

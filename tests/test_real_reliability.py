@@ -63,7 +63,7 @@ def test_a_page_is_not_restored_after_a_restart_with_another_n_ctx(tmp_path):
     finally:
         srv.stop()
     reqs = [r for r in jsonl(tmp_path / "req.jsonl") if r["kind"] == "request"]
-    assert reqs[2]["reason"].endswith("paged-in") and same.cache_n > 300, reqs
+    assert reqs[2]["reason"].endswith("paged-in") and same.cache_n > 150, reqs  # A's ~225 tokens came back
     assert "paged-in" not in reqs[4]["reason"] and changed.cache_n < 50, (reqs, changed)
     pages_in = [r for r in jsonl(tmp_path / "req.jsonl") if r["kind"] == "page" and r["in"] is not None]
     assert len(pages_in) == 1, pages_in
