@@ -80,8 +80,10 @@ def test_two_proxies_stop_sharing_a_slot_once_one_frees(tmp_path):
             MitmProxy(srv.url, {**opts, "slots_log_file": str(tmp_path / "p2.jsonl")},
                       log_path=str(tmp_path / "p2.log")) as p2:
         first_a = ask(p1.url, a)
+        # slot 1 only has to be busy when proxy 2 places B, right after it is seen processing: 200 tokens are
+        # seconds of decoding at any speed (400 only made the test wait longer for them, and B's next turn)
         busy = threading.Thread(target=lambda: httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
-            "messages": [{"role": "user", "content": "count to a thousand"}], "id_slot": 1, "max_tokens": 400,
+            "messages": [{"role": "user", "content": "count to a thousand"}], "id_slot": 1, "max_tokens": 200,
             "ignore_eos": True, "temperature": 0}))
         busy.start()
         deadline = time.monotonic() + 30
