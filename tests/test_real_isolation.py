@@ -20,12 +20,12 @@ from tests.real_helpers import THREADS, Turn, ask, conversation, extend, jsonl
 pytestmark = pytest.mark.real
 
 
-# A shorter agent conversation than tests.real_helpers' (a system prompt of ~135 tokens, turns of ~85 instead of
-# ~165): the same shape at half the prefill. Stock prefills each turn's whole conversation but the system
-# prompt, pinning only the new turn: 3,000 against 1,136 tokens (2.6x; with the 22-rule system prompt and long
-# turns this test had before, 5,985 against ~2,400).
+# A shorter agent conversation than tests.real_helpers' (a 77-token system prompt, turns of ~53 tokens instead of
+# ~165): the same shape at a third of the prefill. Stock prefills each turn's whole conversation but the system
+# prompt, pinning only the new turn: 1,920 against 696 tokens (2.8x; with the 22-rule system prompt and long
+# turns this test had before, 5,985 against ~2,400, 2.5x). Each pinned turn's cache (>= 90) exceeds its ~53.
 LRU_SYSTEM = "You are a careful coding agent working in a repository. " + " ".join(
-    f"Rule {i}: read files before editing them, run the tests, and keep changes small." for i in range(6))
+    f"Rule {i}: read files before editing them, run the tests, and keep changes small." for i in range(3))
 
 
 def run_alternating(base: str, rounds: int = 3) -> dict[str, list]:
@@ -43,7 +43,7 @@ def run_alternating(base: str, rounds: int = 3) -> dict[str, list]:
                 n += 1
                 msgs.append({"role": "assistant", "content": f"Running step {n} now."})
                 msgs.append({"role": "user", "content": f"Output of step {n}: "
-                             + " ".join(f"line{n}-{k} ok" for k in range(12))})
+                             + " ".join(f"line{n}-{k} ok" for k in range(6))})
     return turns
 
 
