@@ -121,7 +121,7 @@ def test_what_each_way_of_learning_costs(tmp_path):
     """The numbers behind slotlogic/affinity.py's choice: `verbose` costs bytes in one answer per session and a
     strip in the proxy; reading `/slots` costs one round trip after the answer (and hangs while a big prompt is
     prefilled, docs/llama-server.md)."""
-    prompt = "Summarise: " + " ".join(f"line {i} of the log says ok." for i in range(120))
+    prompt = "Summarise: " + " ".join(f"line {i} of the log says ok." for i in range(40))  # ~420 tokens
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "temperature": 0}
     with LlamaServer(slots=2, ctx_per_slot=4096, threads=1, log_path=str(tmp_path / "s.log")) as srv:
         plain = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120).content
