@@ -34,6 +34,7 @@ from slotkeeper.launch.clients import (
 from slotkeeper.launch.llama_server import LlamaServer
 from slotkeeper.launch.long_context import long_context_model
 from slotkeeper.launch.mitmdump import MitmProxy
+from tests.real_helpers import THREADS
 
 ROOT = Path(__file__).resolve().parent.parent
 ADDON = ROOT / "tools" / "capture" / "capture_addon.py"
@@ -72,7 +73,10 @@ def capture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Capture]:
     tmp = tmp_path_factory.mktemp("clients")
     jsonl = tmp / "capture.jsonl"
     # n_predict caps answers for clients that send no limit (Codex); 1 slot of 32K fits every client's prompt.
-    with LlamaServer(slots=1, ctx_per_slot=32768, threads=2, n_predict=16, model=str(long_context_model()),
+    # Two compute threads for the slow clients' 20K-token prompts (docs/clients.md's durations), else one
+    # (aider's 676 tokens; two stall on a busy machine: tests/real_helpers.py, THREADS).
+    with LlamaServer(slots=1, ctx_per_slot=32768, threads=2 if SLOW else THREADS, n_predict=16,
+                     model=str(long_context_model()),
                      log_path=str(tmp / "llama.log")) as srv, \
             MitmProxy(srv.url, addon=False, log_path=str(tmp / "mitm.log"),
                       extra=["-s", str(ADDON), "--set", f"capture_path={jsonl}"]) as proxy:
