@@ -31,6 +31,7 @@ class Why(Enum):
     MANUAL = "manual"                               # the slots.pin command
     PENDING = "pending"                             # affinity: llama-server chooses (id_slot -1), then pinned
     SIDE_BUSY = "side-busy"                         # a side call moved to a free slot: its own was busy (wait)
+    SLOT_BUSY = "slot-busy"                         # a session's turn moved: another's longer work on its slot
     WAIT_BOUND = "wait-bound"                       # moved to a free slot after waiting its bound (wait)
 
 

@@ -12,11 +12,14 @@ Rule 2: only our own open requests on the slot count as ahead (what `/slots` say
 Rule 3: a request that has waited `bound` seconds goes elsewhere (`wait-bound`): pinned to a free slot when
         one is (MOVE, below), else with `id_slot: -1` (UNPIN): the server runs it on the first slot that frees.
         The bound is well under every client's timeout.
-Rule 4: a side call goes elsewhere at once (`side-busy`) when the prompt work ahead of it on its slot would
-        take longer than prefilling its own prompt from nothing, and a free slot is there to run it (MOVE):
-        it never waits behind a long prefill when it can run elsewhere. Without a free slot it waits (sent
-        with `id_slot: -1` it would land on whichever idle slot the server picks, over a conversation this
-        proxy still promises to its owner). A session's turn waits up to the bound (its cache is there).
+Rule 4: a request goes elsewhere at once when the prompt work ahead of it on its slot (another session's:
+        its own session's requests never count) would take longer than prefilling its own prompt from nothing,
+        and a free slot is there to run it (MOVE): a side call (`side-busy`), or a session's turn whose own
+        slot runs another session's longer work (`slot-busy`: its cache there saves less time than the queue
+        costs; the lowest expected time to first token, as for a new session's placement). Without a free
+        slot it waits (sent with `id_slot: -1` it would land on whichever idle slot the server picks, over a
+        conversation this proxy still promises to its owner). Otherwise a session's turn waits up to the
+        bound (its cache is there).
 Rule 5: `bound` 0 turns the hold off (the request goes to the server's queue, as before).
 Rule 6: a free slot (`free_slot`) is one the ledger says holds nobody's current conversation, with nothing of
         ours running and no placement, hand-over or other writer on it: a request moved there overwrites only
@@ -54,6 +57,7 @@ class WaitWhy(Enum):
 
     BOUND = "wait-bound"     # it waited its bound behind our own requests on its slot
     SIDE_BUSY = "side-busy"  # a side call: the work ahead on its slot outlasts prefilling it elsewhere
+    SLOT_BUSY = "slot-busy"  # a session's turn: another session's work on its slot outlasts its own prefill
 
 
 @dataclass(frozen=True)
@@ -90,10 +94,10 @@ def plan(ahead: Ahead, waited: float, bound: float, *, side: bool, own_chars: in
         if free is not None:
             return Plan(Verdict.MOVE, WaitWhy.BOUND, wait, free)
         return Plan(Verdict.UNPIN, WaitWhy.BOUND, wait)
-    if side and free is not None:
+    if free is not None:
         own = estimate(own_chars, rate)
         if wait is not None and own is not None and wait > own:
-            return Plan(Verdict.MOVE, WaitWhy.SIDE_BUSY, wait, free)
+            return Plan(Verdict.MOVE, WaitWhy.SIDE_BUSY if side else WaitWhy.SLOT_BUSY, wait, free)
     return Plan(Verdict.WAIT, None, wait)
 
 
@@ -157,7 +161,7 @@ def move(ticket: Ticket, slot: int, why: WaitWhy, holder: str | None, ledger: Le
     known = table.sessions.get(key)
     if not side and known is not None:
         table.assign(key, slot, now, prefix=known.prefix, requests=known.requests)
-    held = Why.SIDE_BUSY if why is WaitWhy.SIDE_BUSY else Why.WAIT_BOUND
+    held = {WaitWhy.SIDE_BUSY: Why.SIDE_BUSY, WaitWhy.SLOT_BUSY: Why.SLOT_BUSY}.get(why, Why.WAIT_BOUND)
     return replace(ticket, slot=slot, promise=promise, why=held, paged_in=False, seeded=False, displaced=False)
 
 

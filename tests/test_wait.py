@@ -28,7 +28,8 @@ def test_a_slot_with_nothing_of_ours_ahead_is_sent_to_at_once():
 
 def test_a_session_waits_until_its_bound_then_goes_to_a_free_slot_or_unpinned():
     ahead = Ahead(1, 400_000)  # 100,000 tokens ahead: far longer than the bound
-    assert wait.plan(ahead, 29.9, 30.0, side=False, own_chars=100, rate=100.0, free=2).verdict is Verdict.WAIT
+    # no speed measured yet: only the bound moves it (with one, it would move at once: `slot-busy`, below)
+    assert wait.plan(ahead, 29.9, 30.0, side=False, own_chars=100, rate=None, free=2).verdict is Verdict.WAIT
     p = wait.plan(ahead, 30.0, 30.0, side=False, own_chars=100, rate=100.0)
     assert (p.verdict, p.why) == (Verdict.UNPIN, WaitWhy.BOUND) and p.wait == 1000.0
     p = wait.plan(ahead, 30.0, 30.0, side=False, own_chars=100, rate=100.0, free=2)
@@ -45,6 +46,18 @@ def test_a_side_call_never_waits_behind_longer_work_than_its_own_prefill_when_a_
     # no free slot: sent with id_slot -1 it would land on an idle slot over a conversation still promised to
     # its owner (simulator seed 352: 193 tokens of a known session lost), so it waits for its own slot
     nowhere = wait.plan(Ahead(1, 4592 * 4), 0.0, 30.0, side=True, own_chars=591 * 4, rate=50.0)
+    assert nowhere.verdict is Verdict.WAIT
+
+
+def test_a_sessions_turn_behind_another_sessions_longer_work_runs_on_a_free_slot_at_once():
+    """The known-session case of the issue's placement by expected time to first token: 4,592 tokens of another
+    session's prefill ahead outlast prefilling its own 591 from nothing, so it moves now (`slot-busy`); a short
+    queue ahead costs less than its cache saves, so it waits for its own slot."""
+    behind_long = wait.plan(Ahead(1, 4592 * 4), 0.0, 30.0, side=False, own_chars=591 * 4, rate=50.0, free=0)
+    assert (behind_long.verdict, behind_long.why, behind_long.slot) == (Verdict.MOVE, WaitWhy.SLOT_BUSY, 0)
+    behind_short = wait.plan(Ahead(1, 100 * 4), 0.0, 30.0, side=False, own_chars=591 * 4, rate=50.0, free=0)
+    assert behind_short.verdict is Verdict.WAIT
+    nowhere = wait.plan(Ahead(1, 4592 * 4), 0.0, 30.0, side=False, own_chars=591 * 4, rate=50.0)
     assert nowhere.verdict is Verdict.WAIT
 
 
@@ -190,6 +203,27 @@ async def test_a_side_call_behind_a_long_side_call_goes_to_a_free_slot_at_once(p
     home = up.keeper.ledger.entry(1).owner
     assert "why=side-busy" in caplog.text and home is not None and up.keeper.ledger.conversation_on(1) == home
     assert 1 in up.keeper.ledger.writing  # made this proxy's to write in the state before it was sent there
+
+
+async def test_a_known_session_behind_another_sessions_long_prompt_on_its_slot_moves_to_a_free_slot(proxy, caplog):
+    """Another session's request of ours open on A's slot (two sessions sharing a slot, `why=shared`, when no
+    other slot was worth moving to): A's turn does not queue 400 s of prefill behind it with a slot free."""
+    a = await proxy.request(flow(chat("task A")))
+    home = sent(a)["id_slot"]
+    await proxy.answer(a, http.Response.make(200, b'{"timings":{"cache_n":0,"prompt_n":5}}', {}))
+    up = next(iter(proxy.rt.upstreams.values()))
+    up.keeper.outcomes.prefill_rate = 50.0
+    up.waits.entered(home, "b-flow", 80_000, "b-session")  # 20,000 tokens of session B's prompt ahead
+    with caplog.at_level(logging.INFO):
+        turn = await asyncio.wait_for(proxy.request(flow(chat("task A"))), 1.0)  # not 30 s behind it
+        moved = sent(turn)["id_slot"]
+        await proxy.answer(turn, http.Response.make(200, b'{"timings":{"cache_n":0,"prompt_n":5}}', {}))
+    assert moved != home and "why=slot-busy" in caplog.text
+    owner = up.keeper.ledger.conversation_on(moved)
+    assert owner is not None and up.keeper.table.sessions[owner].slot == moved  # at home there now
+    up.waits.left("b-flow")
+    again = await asyncio.wait_for(proxy.request(flow(chat("task A"))), 1.0)
+    assert sent(again)["id_slot"] == moved  # its next turn finds its cache there
 
 
 async def test_a_side_call_behind_longer_work_waits_when_every_other_slot_is_another_proxy_s(proxy):

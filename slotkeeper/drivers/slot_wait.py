@@ -124,7 +124,7 @@ class SlotWaits:
         # another proxy may write it: made ours in the shared state first, unless a live proxy writes it
         if moved is not None and not self.keeper.turns.writes(moved) and (
                 self.take is None or not await self.take(moved) or self.free(t.slot) != moved):
-            if plan.why is wait.WaitWhy.SIDE_BUSY:
+            if plan.why is not wait.WaitWhy.BOUND:
                 return decision  # queued on its own slot: nothing of anyone's is written over
             moved = None
         body = wait.body_with_slot(raw, -1 if moved is None else moved)
