@@ -286,7 +286,7 @@ class Keeper:
     # ------------------------------------------------------------------------------------------- new slots
 
     def assign(self, need: NeedSlot, state: shared.ServerState, info: ServerInfo,
-               live: Sequence[dict[str, Any]] | None, now: float, ahead: Mapping[int, int] | None = None
+               live: Sequence[dict[str, Any]] | None, now: float, ahead: Mapping[int, Sequence[int]] | None = None
                ) -> Placement:
         """Claim a slot for `need` in `state` (the caller holds the state lock and writes it back; `ahead`: our
         requests' prompt chars open per slot). Placed again, only the new `Placement` may be pinned."""

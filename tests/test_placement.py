@@ -129,12 +129,26 @@ def test_a_busy_slot_holding_the_session_s_prefix_spares_its_prefill_and_unknown
     assert [v.wait_tokens for v in got] == [400.0, 2000.0]
     assert placement.ranking.choose(placement.ranking.Policy.AUTO, got, 0.0, 300.0, prefix="p").slot == 0
     # without /slots, the prompts of ours open there are the wait; a slot with none of ours is unknown
-    got = placement.waits(views, placement.SlotsSeen(None, 2, ahead={1: 800}), "p", 6400)
+    got = placement.waits(views, placement.SlotsSeen(None, 2, ahead={1: (800,)}), "p", 6400)
     assert [v.wait_tokens for v in got] == [None, 200.0]
     choice = placement.ranking.choose(placement.ranking.Policy.AUTO, got, 0.0, 300.0, prefix="p")
     assert (choice.slot, choice.why) == (1, Why.ALL_BUSY_SHORTEST)
     unknown = placement.ranking.choose(placement.ranking.Policy.AUTO, views, 0.0, 300.0)
     assert unknown.why is Why.ALL_BUSY                    # nothing sized: as before, by the owners' claims
+
+
+def test_the_requests_of_ours_queued_behind_a_busy_slot_count_in_its_wait():
+    """Three new sessions placed within seconds on every-slot-busy: each one's wait is the running work plus
+    those placed there before it (bench mix-4: the third waited 337 s behind two 9,000-token prompts while
+    another slot had 1,000 tokens left)."""
+    views = [placement.ranking.SlotView(0, 3000, busy=True), placement.ranking.SlotView(1, 10, busy=True)]
+    live = [_busy(0, prompt=3100, done=3000), _busy(1, prompt=1100, done=100)]
+    alone = placement.waits(views, placement.SlotsSeen(live, 2, ahead={0: (12_400,)}), None, 0)
+    assert [v.wait_tokens for v in alone] == [100.0, 1000.0]  # the running one: /slots sizes it
+    queued = placement.waits(views, placement.SlotsSeen(live, 2, ahead={0: (12_400, 36_000, 36_000)}), None, 0)
+    assert [v.wait_tokens for v in queued] == [18_100.0, 1000.0]
+    choice = placement.ranking.choose(placement.ranking.Policy.AUTO, queued, 0.0, 300.0)
+    assert (choice.slot, choice.why) == (1, Why.ALL_BUSY_SHORTEST)
 
 
 def test_work_left_reads_a_busy_slot_s_entry():

@@ -44,9 +44,10 @@ class SlotWaits:
         self.open.setdefault(slot, {})[flow_id] = (chars, session)
         self._slot_of[flow_id] = slot
 
-    def queued_chars(self) -> dict[int, int]:
-        """Slot -> the prompt characters of our requests open there (a busy slot's known wait, for placement)."""
-        return {slot: sum(chars for chars, _ in flows.values()) for slot, flows in self.open.items()}
+    def queued_chars(self) -> dict[int, tuple[int, ...]]:
+        """Slot -> the prompt characters of each request of ours open there, in the order they were sent (the
+        first runs, the others queue behind it): a busy slot's known wait, for placement."""
+        return {slot: tuple(chars for chars, _ in flows.values()) for slot, flows in self.open.items()}
 
     def left(self, flow_id: str) -> None:
         """Its answer ended (or it failed, or went elsewhere): whoever waits for the slot looks again."""
