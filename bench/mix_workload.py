@@ -152,14 +152,18 @@ def run_workload(name: str, config_names: Sequence[str], configs: dict[str, Benc
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
+    """The mix rows; `lost` is the proxy's loss meter (every session's and side-call home's tokens it had and
+    lost, `unlabelled` its cause-unknown part; `-` without a proxy)."""
     head = ("| workload | config | requests | prefill | wall s | error lines | side calls | side prefill | "
-            "side p95 s | turns failed |\n|---|---|---|---|---|---|---|---|---|---|")
+            "side p95 s | turns failed | lost | lost unlabelled |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         p95 = f"{r['side_p95_s']:.1f}" if r["side_p95_s"] is not None else "-"
+        lost = r.get("proxy_lost")
+        total, unknown = (f"{lost['total']:,}", f"{lost['unknown']:,}") if lost else ("-", "-")
         lines.append(f"| {r['workload']} | {r['config']} | {r['requests']} | {r['prefill']:,} | {r['wall_s']:.0f} | "
                      f"{r['errors']} | {r['side_calls']} | {r['side_prefill']:,} | {p95} | "
-                     f"{r['turns_failed']}/{r['turns']} |")
+                     f"{r['turns_failed']}/{r['turns']} | {total} | {unknown} |")
     return "\n".join(lines)
 
 

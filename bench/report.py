@@ -154,7 +154,7 @@ def render_markdown(meta: dict[str, Any], rows: list[dict[str, Any]], overhead: 
              "lost tokens (`slotkeeper_tokens_lost_total`; `–`: no proxy or no meter), `lost unlabelled` its "
              "cause-`unknown` part, `lost (bench)` the bench's own count from `cache_n` (bench/loss.py). "
              "Wall time includes the clients' think time; TTFT is request sent -> first SSE data event.", "",
-             md_table(rows, COLUMNS), ""]
+             *([md_table(rows, COLUMNS), ""] if rows else [])]
     if meta.get("server"):
         parts[4:4] = [server_text(meta["server"], markdown=True), ""]
     if client_rows:

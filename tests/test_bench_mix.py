@@ -19,7 +19,10 @@ def test_the_summary_counts_prefill_errors_and_side_calls():
     assert (row["prefill"], row["cached"], row["errors"], row["side_calls"], row["side_prefill"]) == (
         1030, 600, 2, 2, 120)
     assert row["side_p95_s"] == 6 and row["turns_failed"] == 1 and row["error_kinds"] == ["client-gone", "http-500"]
-    assert "| mix-3 | auto | 5 | 1,030 | 42 | 2 | 2 | 120 | 6.0 | 1/2 |" in table([{"workload": "mix-3", **row}])
+    unmetered = table([{"workload": "mix-3", **row}])
+    assert "| mix-3 | auto | 5 | 1,030 | 42 | 2 | 2 | 120 | 6.0 | 1/2 | - | - |" in unmetered
+    metered = {**row, "proxy_lost": {"total": 1200, "unknown": 7, "by_cause": {}}}
+    assert table([{"workload": "mix-3", **metered}]).endswith("| 1/2 | 1,200 | 7 |")
 
 
 def test_every_mix_has_fewer_slots_than_sessions():
