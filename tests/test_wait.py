@@ -148,6 +148,21 @@ async def test_the_hold_ends_at_its_bound():
     assert (p.verdict, p.why) == (Verdict.UNPIN, WaitWhy.BOUND)
 
 
+async def test_the_bound_counts_from_the_request_s_arrival_not_from_its_hold():
+    """A request whose placement took the bound already (paging its slot's holder out behind a long prefill;
+    bench mix-4: wait-bound lines after 231-259 s with a 30 s bound) is not held a further bound."""
+    waits = SlotWaits()
+    waits.entered(0, "ahead", 10)
+    late = await asyncio.wait_for(waits.hold(0, "mine", bound=30.0, side=False, own_chars=10, rate=lambda: None,
+                                             waited=30.0), 1.0)
+    assert (late.verdict, late.why) == (Verdict.UNPIN, WaitWhy.BOUND)
+    early = asyncio.create_task(waits.hold(0, "mine", bound=30.0, side=False, own_chars=10, rate=lambda: None,
+                                           waited=29.0))
+    await asyncio.sleep(0.1)
+    assert not early.done()  # a second of its bound left
+    early.cancel()
+
+
 OTHER_SIDE = "You are a context summarization assistant. Summarize the conversation."  # another kind: its own home
 
 

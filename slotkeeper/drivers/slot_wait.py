@@ -80,9 +80,10 @@ class SlotWaits:
         return flows[-1] if flows else None
 
     async def hold(self, slot: int, flow_id: str, *, bound: float, side: bool, own_chars: int,
-                   rate: Callable[[], float | None], session: str = "") -> wait.Plan:
-        """Wait while our earlier requests occupy `slot`: GO once it is free, UNPIN when the rules say so."""
-        started = self.clock()
+                   rate: Callable[[], float | None], session: str = "", waited: float = 0.0) -> wait.Plan:
+        """Wait while our earlier requests occupy `slot`: GO once it is free, UNPIN when the rules say so.
+        `waited`: the seconds the request spent in the proxy before (its placement), counted in the bound."""
+        started = self.clock() - max(0.0, waited)
         while True:
             p = wait.plan(self.ahead(slot, flow_id, session), self.clock() - started, bound, side=side,
                           own_chars=own_chars, rate=rate(), free=self.free(slot))
@@ -107,18 +108,20 @@ class SlotWaits:
                 and self.ahead(slot, session="" if t.side else t.session.key).count > 0
                 and self.bound() > 0 and (self.keeper.total_slots or 0) > 1)
 
-    async def held(self, decision: Pin, flow_id: str, content: bytes | None) -> Pin:
+    async def held(self, decision: Pin, flow_id: str, content: bytes | None, waited: float = 0.0) -> Pin:
         """A request pinned to a slot where our earlier requests still run waits here rather than in the
-        server's queue, at most `slots_wait_bound` seconds; then (or at once, for a side call behind longer
-        work) it goes to a free slot the core chose, or else out with `id_slot: -1` (`slotlogic.wait`). A
-        request whose slot is free costs one dict look-up."""
+        server's queue, at most `slots_wait_bound` seconds from its arrival in the proxy (`waited`: the time
+        its placement took, paging included); then (or at once, for a side call behind longer work) it goes
+        to a free slot the core chose, or else out with `id_slot: -1` (`slotlogic.wait`). A request whose
+        slot is free costs one dict look-up."""
         t = decision.ticket
         if t.slot is None or not self.must_wait(decision):
             return decision
         assert self.keeper is not None
         raw = decision.body if decision.body is not None else content
         plan = await self.hold(t.slot, flow_id, bound=self.bound(), side=t.side, own_chars=len(raw or b""),
-                               rate=self.keeper.prefill_estimate, session="" if t.side else t.session.key)
+                               rate=self.keeper.prefill_estimate, session="" if t.side else t.session.key,
+                               waited=waited)
         if plan.verdict not in (wait.Verdict.UNPIN, wait.Verdict.MOVE) or not raw:
             return decision
         moved = plan.slot if plan.verdict is wait.Verdict.MOVE else None

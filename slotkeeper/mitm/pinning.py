@@ -80,7 +80,8 @@ class Pinning:
                 # its slot runs our earlier requests: a bounded wait here (slotlogic.wait), watched like the rest
                 self.rt.open[flow.id] = Open(decision.ticket, upstream, arrived, original[2], flow=flow,
                                              original=retry)
-                decision = await upstream.waits.held(decision, flow.id, body if isinstance(body, bytes) else None)
+                decision = await upstream.waits.held(decision, flow.id, body if isinstance(body, bytes) else None,
+                                                     time.monotonic() - arrived)
             destination = router.destination(upstream)
             await flows.apply_async(flow, decision, encoding, destination)
             if destination is not None:
