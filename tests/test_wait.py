@@ -36,6 +36,25 @@ def test_a_session_waits_until_its_bound_then_goes_to_a_free_slot_or_unpinned():
     assert (p.verdict, p.why, p.slot) == (Verdict.MOVE, WaitWhy.BOUND, 2)
 
 
+def test_past_its_bound_a_request_stays_while_its_own_slot_runs_it_no_later_than_elsewhere():
+    """Prefills on one server share its compute: started elsewhere beside the 6,300-token prompt ahead, a
+    6,300-token call reaches its first token after both; staying, after the one ahead, with the home's cache
+    (bench mix-4: two memory calls of one home, the second sent out at its bound, both prefilled from 5 tokens).
+    It stays at most its own prefill's time past the bound (at most twice the bound), then goes."""
+    ahead, own = Ahead(1, 6_300 * 4), 6_300 * 4  # 63 s each at 100 tok/s
+    at_bound = wait.plan(ahead, 30.0, 30.0, side=True, own_chars=own, rate=100.0, free=2)
+    assert (at_bound.verdict, at_bound.until) == (Verdict.WAIT, 90.0)
+    late = wait.plan(ahead, 90.0, 30.0, side=True, own_chars=own, rate=100.0)
+    assert (late.verdict, late.why) == (Verdict.UNPIN, WaitWhy.BOUND)
+    # the work ahead still outlasts its own prefill at the bound: it goes, as before
+    long_ahead = wait.plan(Ahead(1, 20_000 * 4), 30.0, 30.0, side=True, own_chars=own, rate=100.0, free=2)
+    assert (long_ahead.verdict, long_ahead.why, long_ahead.slot) == (Verdict.MOVE, WaitWhy.BOUND, 2)
+    # no speed measured: only the bound
+    assert wait.plan(ahead, 30.0, 30.0, side=True, own_chars=own, rate=None).verdict is Verdict.UNPIN
+    # before the bound it waits until the bound
+    assert wait.plan(ahead, 5.0, 30.0, side=True, own_chars=own, rate=100.0).until == 30.0
+
+
 def test_a_side_call_never_waits_behind_longer_work_than_its_own_prefill_when_a_free_slot_can_run_it():
     behind_long = wait.plan(Ahead(1, 4592 * 4), 0.0, 30.0, side=True, own_chars=591 * 4, rate=50.0, free=0)
     assert (behind_long.verdict, behind_long.why, behind_long.slot) == (Verdict.MOVE, WaitWhy.SIDE_BUSY, 0)

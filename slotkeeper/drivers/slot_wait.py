@@ -90,7 +90,7 @@ class SlotWaits:
             if p.verdict is not wait.Verdict.WAIT:
                 return p
             event = self._freed.setdefault(slot, asyncio.Event())
-            left = bound - (self.clock() - started)
+            left = p.until - (self.clock() - started)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), max(0.0, left))
 
