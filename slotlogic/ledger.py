@@ -334,9 +334,15 @@ class Ledger:
                 self.latest.pop(old, None)
         return loss
 
-    def ran_unpinned(self, slot: int, key: str) -> None:
-        """An unpinned request (the server chose) ran on `slot`: it holds `key`'s prompt now."""
+    def ran_unpinned(self, slot: int, key: str, *, side: bool = False) -> None:
+        """An unpinned request (the server chose) ran on `slot`: it holds `key`'s prompt now. A side call's home
+        whose content another slot holds stays there (two calls of one home are independent: the one that ran
+        elsewhere leaves a copy nobody is promised, and its home's slot is still paged out before another
+        writes it)."""
         self._from_outside(slot)
+        if side and self.where(key) not in (None, slot):
+            self.write(slot, Holds.UNKNOWN, None, 0, Cause.UNPINNED)
+            return
         self.write(slot, Holds.SESSION, key, 0, Cause.UNPINNED)
 
     def claimed_elsewhere(self, slot: int, claimant: str, cause: Cause = Cause.OTHER_PROCESS) -> None:

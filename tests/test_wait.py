@@ -328,4 +328,24 @@ def test_where_an_unpinned_request_ran_is_written_in_the_ledger():
     assert ledger.entry(0).owner == "mine"
     side = Ticket(SessionId("side", "side:prompt"), Route.PINNABLE, side=True)
     wait.ran(ledger, 0, side)
-    assert ledger.entry(0).owner == "side"  # a side call's home holds what it ran
+    assert ledger.entry(0).owner == "side"  # a side call's home with no content elsewhere holds what it ran
+
+
+def test_a_side_call_that_ran_unpinned_beside_its_home_leaves_the_home_on_its_own_slot():
+    """Two memory calls of one Qwen Code home at once (bench mix-4): one pinned to the home's side slot, the
+    other sent with id_slot -1. The one that ran elsewhere had moved the home to its slot in the ledger, so the
+    side slot's content was nobody's, and the next placement wrote over it without paging it out: the home's
+    next call found 5 tokens of 6,300."""
+    from slotlogic.decisions import Ticket
+    from slotlogic.endpoints import Route
+    from slotlogic.ledger import Cause, Holds, Ledger
+    from slotlogic.session import SessionId
+
+    ledger = Ledger()
+    ledger.write(0, Holds.SESSION, "owner-a", 2_253)
+    ledger.write(2, Holds.SESSION, "home", 6_303)
+    side = Ticket(SessionId("home", "side:prompt"), Route.PINNABLE, side=True)
+    wait.ran(ledger, 0, side)
+    assert ledger.conversation_on(2) == "home"  # still paged out before anyone else writes slot 2
+    assert ledger.conversation_on(0) is None and ledger.entry(0).holds is Holds.UNKNOWN
+    assert ledger.gone["owner-a"] is Cause.UNPINNED  # what it wrote over is a labelled loss
