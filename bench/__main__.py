@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     if server:
         print(report.server_text(server))
         print()
-    print(report.text_table(rows, report.COLUMNS))
+    if rows:
+        print(report.text_table(rows, report.COLUMNS))
     if client_rows:
         print()
         print(report.text_table(client_rows, report.CLIENT_COLUMNS))
