@@ -12,7 +12,11 @@ Numbers, per configuration, from the saved flows: prefill (Σ prompt_n), wall ti
 whose answer failed (`error=` lines: no prompt_n, a status ≥ 400 or a cut stream), side calls and their
 prefill, the side calls' whole-request time p95 (they answer ≤ 16 tokens, so it is their time to first token
 plus a few tokens), turns whose client exited with an error, and the proxy's own loss meter (side-call
-losses included).
+losses included). Each configuration's physical limit is its own: the clients decide their requests as they
+go, so two runs never send the same prompts. It is rendered as the client workloads render theirs (the
+server's `/apply-template` and `/tokenize`, Claude Code's billing block stripped, bench/client_workloads.py),
+from that run's requests in start order, with every rendered length checked against the server's
+`cache_n + prompt_n`.
 """
 
 from __future__ import annotations
@@ -26,15 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import loss
+from bench import limit, loss
 from bench.client_workloads import (
     MAX_TOKENS,
     N_PREDICT,
     TURN_TIMEOUT_S,
     Request,
     config_for,
+    mismatches,
     prompts,
     read_flows,
+    render,
     server_and_proxy,
     unavailable,
 )
@@ -88,7 +94,7 @@ def run_config(name: str, mix: Mix, cfg: BenchConfig, log_dir: Path, threads: in
     flows.unlink(missing_ok=True)
     done: list[TurnDone] = []
     with server_and_proxy(cfg, log_dir, tag, threads, flows, slots=mix.slots, ctx_per_slot=CTX_PER_SLOT) as (
-            _, stack, root, stop_proxy):
+            server, stack, root, stop_proxy):
         def session(client: str, i: int, delay: float) -> None:
             time.sleep(delay)
             w = CLIENTS[client](stack.url, root / f"project-{client}", root / f"home-{client}",
@@ -110,7 +116,9 @@ def run_config(name: str, mix: Mix, cfg: BenchConfig, log_dir: Path, threads: in
         lost = loss.proxy_lost([stack.url]) if cfg.options.get("slots_policy") != "off" else None
         stop_proxy()
         requests = read_flows(flows)
-    return summary(cfg.name, requests, done, wall, lost)
+        render(server.url, requests)  # each request's rendered length, for the mismatch check
+        own = render(server.url, requests, strip_billing=True)
+    return summary(cfg.name, requests, done, wall, lost, own)
 
 
 def _p95(values: Sequence[float]) -> float | None:
@@ -125,9 +133,15 @@ def failed(r: Request) -> bool:
 
 
 def summary(config: str, requests: Sequence[Request], done: Sequence[TurnDone], wall: float,
-            lost: Any) -> dict[str, Any]:
+            lost: Any, tokens: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
+    """One configuration's row; `tokens`: its requests' rendered prompts in start order (empty where one could
+    not be rendered: then no limit, as a limit over part of the requests would flatter the ratio)."""
     side = [r for r in requests if r.side]
-    return {"config": config, "requests": len(requests), "prefill": sum(r.prompt_n or 0 for r in requests),
+    prefill = sum(r.prompt_n or 0 for r in requests)
+    lim = sum(limit.new_tokens(tokens)) if tokens and all(tokens) and len(tokens) == len(requests) else None
+    return {"config": config, "requests": len(requests), "prefill": prefill,
+            "limit": lim, "x_limit": round(prefill / lim, 3) if lim else None,
+            "unrendered": sum(1 for t in tokens if not t), "mismatches": len(mismatches(requests)),
             "cached": sum(r.cache_n or 0 for r in requests), "wall_s": round(wall, 1),
             "errors": sum(1 for r in requests if failed(r)),
             "error_kinds": sorted({r.error or f"http-{r.status}" for r in requests if failed(r)}),
@@ -147,6 +161,9 @@ def run_workload(name: str, config_names: Sequence[str], configs: dict[str, Benc
         log(f"{name}/{cfg_name}: {mix.description} (long-context SmolLM2, {CTX_PER_SLOT} a slot, -n {N_PREDICT})")
         row = run_config(name, mix, cfg, log_dir, threads, log)
         log(f"{name}/{cfg_name}: {json.dumps(row, default=str)}")
+        if row["unrendered"] or row["mismatches"]:
+            log(f"{name}/{cfg_name}: {row['unrendered']} request(s) not rendered, {row['mismatches']} rendered to a "
+                f"length other than the server's cache_n + prompt_n (no limit when any is unrendered)")
         rows.append({"workload": name, **row})
     return rows
 
@@ -154,14 +171,17 @@ def run_workload(name: str, config_names: Sequence[str], configs: dict[str, Benc
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The mix rows; `lost` is the proxy's loss meter (every session's and side-call home's tokens it had and
     lost, `unlabelled` its cause-unknown part; `-` without a proxy)."""
-    head = ("| workload | config | requests | prefill | wall s | error lines | side calls | side prefill | "
-            "side p95 s | turns failed | lost | lost unlabelled |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| workload | config | requests | prefill | limit | x limit | wall s | error lines | side calls | "
+            "side prefill | side p95 s | turns failed | lost | lost unlabelled |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         p95 = f"{r['side_p95_s']:.1f}" if r["side_p95_s"] is not None else "-"
         lost = r.get("proxy_lost")
         total, unknown = (f"{lost['total']:,}", f"{lost['unknown']:,}") if lost else ("-", "-")
-        lines.append(f"| {r['workload']} | {r['config']} | {r['requests']} | {r['prefill']:,} | {r['wall_s']:.0f} | "
+        lim, ratio = r.get("limit"), r.get("x_limit")
+        lines.append(f"| {r['workload']} | {r['config']} | {r['requests']} | {r['prefill']:,} | "
+                     f"{f'{lim:,}' if lim else '-'} | {f'{ratio:.2f}' if ratio else '-'} | {r['wall_s']:.0f} | "
                      f"{r['errors']} | {r['side_calls']} | {r['side_prefill']:,} | {p95} | "
                      f"{r['turns_failed']}/{r['turns']} | {total} | {unknown} |")
     return "\n".join(lines)
