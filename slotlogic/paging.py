@@ -190,6 +190,7 @@ class Moved(Enum):
     SEED = "seed"        # another session's conversation it shares its start with
     PREFIX = "prefix"    # another session's conversation that starts with its stable prefix (a cheap build)
     STALE = "stale"      # nothing was moved: the slot moved on since the placement (place the request again)
+    LATE = "late"        # nothing was moved: the slot stayed another placement's past the request's wait bound
 
 
 class PageCheck(Enum):

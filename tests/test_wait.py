@@ -349,3 +349,47 @@ def test_a_side_call_that_ran_unpinned_beside_its_home_leaves_the_home_on_its_ow
     assert ledger.conversation_on(2) == "home"  # still paged out before anyone else writes slot 2
     assert ledger.conversation_on(0) is None and ledger.entry(0).holds is Holds.UNKNOWN
     assert ledger.gone["owner-a"] is Cause.UNPINNED  # what it wrote over is a labelled loss
+
+
+async def test_a_side_call_whose_slot_another_placement_holds_past_its_bound_goes_unpinned(tmp_path):
+    """bench mix-4 run D: an OpenCode title call whose home had been paged out was placed on a slot whose lock
+    another placement held through a 137-second prefill; its own page-in waited for that lock 140 s, past its
+    30 s bound (which covered only waits behind requests already sent), and OpenCode had exited by then
+    (client-gone). Its placement now waits at most the bound, then it goes as the client sent it, to the first
+    slot that frees, and nothing of ours is written to the held slot."""
+    from slotkeeper.drivers.upstream import Upstream
+    from slotlogic.answers import Observation
+    from slotlogic.decisions import Observe, Pin, RequestFacts
+    from slotlogic.reasons import Unpinned
+    from slotlogic.settings import Settings
+    from tests.conftest import UP
+    from tests.test_page_safety import PagingLlama, Slots
+
+    (tmp_path / "slots").mkdir()
+    settings = Settings(probe_interval=0, paging=True, save_dir=str(tmp_path / "slots"), wait_bound=0.3)
+    client = PagingLlama(Slots())
+    client.props_data = {**(client.props_data or {}), "total_slots": 2}  # a side slot of its own
+    client.slots_data = [{"id": i, "n_ctx": 8192, "is_processing": False, "n_prompt_tokens": 0} for i in range(2)]
+    up = Upstream(UP, settings, tmp_path / "state", lambda e: None, client=client)
+    title = chat("Title for: a flaky test.", system="You are a title generator. Write a title.")
+    memory = chat("Remember: the user likes tabs.",
+                  system="You are now acting as the managed memory extraction subagent for x.")
+
+    def facts(body: dict) -> RequestFacts:
+        return RequestFacts("POST", "/v1/chat/completions", (), json.dumps(body).encode(), time.time())
+
+    first = await up.decide(facts(title), "f-title")
+    assert isinstance(first, Pin) and first.ticket.slot is not None
+    up.unlock("f-title")
+    up.answered(first.ticket, Observation(cache_n=0, prompt_n=300), path="/v1/chat/completions", seconds=1.0)
+    slot = first.ticket.slot
+    assert up.pages is not None and await up.pages.hold(slot, "another-placement")  # a long prefill's placement
+    started = time.monotonic()
+    late = await asyncio.wait_for(up.decide(facts(memory), "f-memory"), 5)
+    assert time.monotonic() - started < 2.0
+    assert isinstance(late, Observe) and late.ticket.slot is None and late.body is None  # the client's bytes
+    assert late.ticket.unpinned is Unpinned.WAIT_BOUND and late.ticket.reason == "wait-bound"
+    assert up.keeper.ledger.entry(slot).owner == first.ticket.session.key  # nothing of the memory call's there
+    up.pages.unlock("another-placement")
+    again = await asyncio.wait_for(up.decide(facts(memory), "f-memory-2"), 5)  # the slot free: placed as before
+    assert isinstance(again, Pin) and again.ticket.slot == slot

@@ -81,14 +81,16 @@ class PageRunner:
         lock = self.locks.get(slot)
         return lock is not None and lock.locked()
 
-    async def hold(self, slot: int, flow_id: str, session: str | None = None) -> bool:
+    async def hold(self, slot: int, flow_id: str, session: str | None = None, within: float | None = None) -> bool:
         """Take `slot`'s lock for `flow_id` (let go by `unlock` at its response headers or its end); with a
-        shared store, the slot's lock there too, and `last_sent[slot]` says what the previous pager sent."""
+        shared store, the slot's lock there too, and `last_sent[slot]` says what the previous pager sent.
+        `within`: a request's own wait bound, which running out is no fault of the lock (nothing logged)."""
         lock = self.locks.setdefault(slot, asyncio.Lock())
         try:
-            await asyncio.wait_for(lock.acquire(), LOCK_WAIT)
+            await asyncio.wait_for(lock.acquire(), LOCK_WAIT if within is None else max(0.0, within))
         except TimeoutError:
-            self.emit(PagingLockTimeout(self.upstream, slot, LOCK_WAIT))
+            if within is None:
+                self.emit(PagingLockTimeout(self.upstream, slot, LOCK_WAIT))
             return False
         self.holding[flow_id] = lock
         self.last_sent.pop(slot, None)

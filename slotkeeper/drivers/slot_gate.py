@@ -60,16 +60,17 @@ class SlotGate:
                 if event is not None:
                     event.set()
 
-    async def quiet(self, slot: int, timeout: float = WAIT) -> bool:
+    async def quiet(self, slot: int, timeout: float = WAIT, *, warn: bool = True) -> bool:
         """Wait until every request sent to `slot` so far has reached the server; False when `timeout` ran out
-        first (the caller moves nothing then)."""
+        first (the caller moves nothing then; `warn`: logged as a lock that was never let go)."""
         deadline = time.monotonic() + timeout
         while slot in self.unstarted:
             event = self._quiet.setdefault(slot, asyncio.Event())
             try:
                 await asyncio.wait_for(event.wait(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                self.emit(PagingLockTimeout(self.upstream, slot, timeout))
+                if warn:
+                    self.emit(PagingLockTimeout(self.upstream, slot, timeout))
                 return False
         return True
 

@@ -31,7 +31,7 @@ from slotlogic import prefix as pfx
 from slotlogic import shared
 from slotlogic.checkpoint_machine import Outcome
 from slotlogic.costs import SlotFileAnswer
-from slotlogic.decisions import NeedSlot
+from slotlogic.decisions import NeedSlot, Observe
 from slotlogic.events import (
     CheckpointDone,
     CostWeighed,
@@ -44,6 +44,7 @@ from slotlogic.events import (
 from slotlogic.keeper import Keeper, Placement
 from slotlogic.ledger import Cause, Fence, Holds
 from slotlogic.paging import Moved, PageAsk, PageDone, PagePlan
+from slotlogic.reasons import Unpinned
 from slotlogic.server import ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
 
@@ -166,21 +167,44 @@ class SlotMover:
         base = await asyncio.to_thread(cp.longest_base, need.stable, info, name)
         return base[0] if base is not None else 0
 
-    async def page(self, ask: PageAsk, flow_id: str, fence: Fence | None = None) -> tuple[Moved, Fence | None]:
+    async def side(self, placement: Placement, flow_id: str, arrived: float, bound: float) -> Observe | None:
+        """A side call's turn on the slot it is placed on: the slot's holder paged out (it may be a session's
+        conversation, placed there before side calls came: it pages back in whole), its home's page in; waited
+        for until `bound` (`slots_wait_bound`; 0: none) from its arrival (wall clock) at most. None: go on and
+        pin it. Past the bound (LATE): it goes as the client sent it, with no slot (`why=wait-bound`), as a
+        held request past its bound goes; nothing of ours was written to the slot, so the placement is
+        dropped, not pinned, and its answer says which slot ran it (`ran_unpinned`)."""
+        assert placement.need is not None
+        within = bound - max(0.0, time.time() - arrived) if bound > 0 else None
+        ask = PageAsk(placement.slot, placement.need.ticket.session.key, placement.view)
+        moved, _ = await self.page(ask, flow_id, fence=placement.fence, within=within)
+        if moved is not Moved.LATE:
+            return None
+        ticket = self.keeper.abandon(placement.need.ticket)
+        self.unsent(flow_id)
+        return Observe(replace(ticket, unpinned=Unpinned.WAIT_BOUND, translated=False))
+
+    async def page(self, ask: PageAsk, flow_id: str, fence: Fence | None = None,
+                   within: float | None = None) -> tuple[Moved, Fence | None]:
         """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
         shares the most with: a seed); what is in the slot for it now. Decided once the lock is held. Fails
-        open: trouble only costs the prefill."""
+        open: trouble only costs the prefill. `within`: the seconds the request may still wait for the slot
+        (its wait bound); past them nothing is moved (LATE) and the request goes elsewhere."""
         assert self.pages is not None
         slot, key = ask.slot, ask.session_key
+        deadline = None if within is None else time.monotonic() + within
         # The lock is taken even with nothing to page: a placement on this slot that is still warming its
         # prefix, or whose request has not reached the server, must finish first (a second new session would
         # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
-        if not await self.pages.hold(slot, flow_id, key):
-            return Moved.NOTHING, fence
+        if not await self.pages.hold(slot, flow_id, key, within=within):
+            return (Moved.NOTHING if deadline is None else Moved.LATE), fence
         # Its turn: every request sent to the slot before has reached the server (a save now writes what
         # they leave there). The moves are fenced by the slot's epoch as it is now.
-        if not await self.gate.quiet(slot):
-            return Moved.NOTHING, fence
+        if deadline is None:
+            if not await self.gate.quiet(slot):
+                return Moved.NOTHING, fence
+        elif not await self.gate.quiet(slot, max(0.0, deadline - time.monotonic()), warn=False):
+            return Moved.LATE, fence
         fence = self.keeper.turns.turn(fence) if fence is not None else None
         # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
         # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.

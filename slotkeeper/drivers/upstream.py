@@ -62,7 +62,7 @@ from slotlogic.events import (
 )
 from slotlogic.intake import Recognition
 from slotlogic.keeper import Keeper
-from slotlogic.paging import Moved, PageAsk
+from slotlogic.paging import Moved
 from slotlogic.server import ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
 
@@ -264,10 +264,10 @@ class Upstream:
             if stale and retries > 0:
                 return await self._place(placement.need or need, facts, flow_id, asked=None, accept=accept,
                                          retries=retries - 1)
-        if placement.side and paged:
-            # The side slot may hold a session's conversation (placed there before side calls came): saved first,
-            # so the session pages back in whole instead of finding a side call's prompt.
-            await self.mover.page(PageAsk(placement.slot, key, placement.view), flow_id, fence=placement.fence)
+        if placement.side and paged:  # a conversation there is paged out first, within the call's wait bound
+            late = await self.mover.side(placement, flow_id, now, self.settings.wait_bound)
+            if late is not None:
+                return late
         if placement.side or self.offline:
             return self.keeper.pin(placement, now)
         need = placement.need or need  # as placed: its stable prefix as the core knows it by now
