@@ -24,6 +24,7 @@ from slotkeeper.drivers.handovers import Handovers
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.page_runner import PageOutcome, PageRunner
 from slotkeeper.drivers.pool_seeds import PoolSeeds
+from slotkeeper.drivers.slot_gate import WAIT as QUIET_WAIT
 from slotkeeper.drivers.slot_gate import SlotGate
 from slotkeeper.drivers.source_wait import await_source
 from slotkeeper.drivers.store import StateStore
@@ -192,19 +193,17 @@ class SlotMover:
         (its wait bound); past them nothing is moved (LATE) and the request goes elsewhere."""
         assert self.pages is not None
         slot, key = ask.slot, ask.session_key
-        deadline = None if within is None else time.monotonic() + within
+        started, gave_up = time.monotonic(), Moved.NOTHING if within is None else Moved.LATE
         # The lock is taken even with nothing to page: a placement on this slot that is still warming its
         # prefix, or whose request has not reached the server, must finish first (a second new session would
         # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
         if not await self.pages.hold(slot, flow_id, key, within=within):
-            return (Moved.NOTHING if deadline is None else Moved.LATE), fence
+            return gave_up, fence
         # Its turn: every request sent to the slot before has reached the server (a save now writes what
         # they leave there). The moves are fenced by the slot's epoch as it is now.
-        if deadline is None:
-            if not await self.gate.quiet(slot):
-                return Moved.NOTHING, fence
-        elif not await self.gate.quiet(slot, max(0.0, deadline - time.monotonic()), warn=False):
-            return Moved.LATE, fence
+        left = QUIET_WAIT if within is None else max(0.0, within - (time.monotonic() - started))
+        if not await self.gate.quiet(slot, left, warn=within is None):
+            return gave_up, fence
         fence = self.keeper.turns.turn(fence) if fence is not None else None
         # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
         # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
