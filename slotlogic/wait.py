@@ -30,6 +30,9 @@ Rule 5: `bound` 0 turns the hold off (the request goes to the server's queue, as
 Rule 6: a free slot (`free_slot`) is one the ledger says holds nobody's current conversation, with nothing of
         ours running and no placement, hand-over or other writer on it: a request moved there overwrites only
         what nobody is promised. Every move is the core's, written in the ledger before it is sent.
+Rule 7: the bound counts from the request's arrival in the proxy, its placement included: a placement (a new
+        session's, a displaced one's, a side call's) whose slot's paging lock, earlier requests or seed source
+        are not free within the bound moves nothing and the request goes as the client sent it (`past_bound`).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from slotlogic import rewrite
-from slotlogic.decisions import Ticket
+from slotlogic.decisions import Observe, Ticket
 from slotlogic.ledger import Holds, Ledger
 from slotlogic.reasons import Unpinned, Why
 from slotlogic.table import SessionTable
@@ -168,6 +171,13 @@ def unpin(ticket: Ticket, why: WaitWhy, holder: str | None, table: SessionTable)
     _leave(ticket, holder, table)
     return replace(ticket, slot=None, why=None, paged_in=False, seeded=False, promise=None,
                    unpinned=Unpinned.WAIT_BOUND if why is WaitWhy.BOUND else Unpinned.SIDE_BUSY)
+
+
+def past_bound(abandoned: Ticket) -> Observe:
+    """A request whose placement waited out its bound before anything was moved for it (Rule 7), given up by
+    `Keeper.abandon`: it goes as the client sent it (its own path and bytes, no slot), and its answer says
+    which slot ran it (`ran`)."""
+    return Observe(replace(abandoned, unpinned=Unpinned.WAIT_BOUND, translated=False))
 
 
 def move(ticket: Ticket, slot: int, why: WaitWhy, holder: str | None, ledger: Ledger, table: SessionTable,

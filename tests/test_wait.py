@@ -393,3 +393,53 @@ async def test_a_side_call_whose_slot_another_placement_holds_past_its_bound_goe
     up.pages.unlock("another-placement")
     again = await asyncio.wait_for(up.decide(facts(memory), "f-memory-2"), 5)  # the slot free: placed as before
     assert isinstance(again, Pin) and again.ticket.slot == slot
+
+
+async def test_a_new_session_whose_slot_another_placement_holds_past_its_bound_goes_unpinned(tmp_path):
+    """bench mix-4 run E: Claude Code's second session was held 490 s in its placement, waiting for the paging
+    lock of a slot another placement held through a minutes-long prefill (only a side call's placement was
+    bounded then), until Claude Code gave up. A new session's placement now waits at most the bound too, then
+    the request goes as the client sent it; the slot's holder keeps its slot and its cache."""
+    from slotkeeper.drivers.upstream import Upstream
+    from slotlogic.answers import Observation
+    from slotlogic.decisions import Observe, Pin, RequestFacts
+    from slotlogic.reasons import Unpinned, Why
+    from slotlogic.settings import Settings
+    from tests.conftest import UP
+    from tests.test_page_safety import PagingLlama, Slots
+
+    (tmp_path / "slots").mkdir()
+    settings = Settings(probe_interval=0, paging=True, save_dir=str(tmp_path / "slots"), wait_bound=0.3)
+    client = PagingLlama(Slots())
+    client.props_data = {**(client.props_data or {}), "total_slots": 2}
+    client.slots_data = [{"id": i, "n_ctx": 8192, "is_processing": False, "n_prompt_tokens": 0} for i in range(2)]
+    up = Upstream(UP, settings, tmp_path / "state", lambda e: None, client=client)
+
+    def facts(body: dict) -> RequestFacts:
+        return RequestFacts("POST", "/v1/chat/completions", (), json.dumps(body).encode(), time.time())
+
+    firsts = {}
+    for name in ("a", "b"):
+        pin = await up.decide(facts(chat(f"task {name}")), f"f-{name}")
+        assert isinstance(pin, Pin) and pin.ticket.slot is not None
+        up.unlock(f"f-{name}")
+        up.answered(pin.ticket, Observation(cache_n=0, prompt_n=300), path="/v1/chat/completions", seconds=1.0)
+        firsts[name] = pin
+    assert {p.ticket.slot for p in firsts.values()} == {0, 1}
+    assert up.pages is not None
+    for slot in (0, 1):
+        assert await up.pages.hold(slot, f"another-placement-{slot}")  # long prefills' placements hold both
+    started = time.monotonic()
+    late = await asyncio.wait_for(up.decide(facts(chat("task c")), "f-c"), 5)
+    assert time.monotonic() - started < 2.0
+    assert isinstance(late, Observe) and late.ticket.slot is None and late.body is None  # the client's bytes
+    assert late.ticket.unpinned is Unpinned.WAIT_BOUND and late.ticket.reason == "wait-bound"
+    for pin in firsts.values():  # nothing of c's written anywhere: each holder keeps its slot
+        assert up.keeper.ledger.entry(pin.ticket.slot).owner == pin.ticket.session.key
+    for slot in (0, 1):
+        up.pages.unlock(f"another-placement-{slot}")
+    a = firsts["a"]
+    follow = chat("task a")
+    follow["messages"] += [{"role": "assistant", "content": "done"}, {"role": "user", "content": "next"}]
+    again = await asyncio.wait_for(up.decide(facts(follow), "f-a-2"), 5)
+    assert isinstance(again, Pin) and again.ticket.slot == a.ticket.slot and again.ticket.why is Why.KNOWN

@@ -123,12 +123,13 @@ class PageRunner:
         lock.release()
         return True
 
-    async def settled(self, session_key: str) -> None:
-        """Wait (at most SAVE_WAIT) while `session_key` is being paged out, so it can be paged back in."""
+    async def settled(self, session_key: str, timeout: float | None = None) -> None:
+        """Wait (at most SAVE_WAIT, or `timeout` when shorter) while `session_key` is being paged out, so it can
+        be paged back in."""
         event = self.saving.get(session_key)
         if event is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), SAVE_WAIT)
+                await asyncio.wait_for(event.wait(), SAVE_WAIT if timeout is None else min(SAVE_WAIT, timeout))
 
     def unlock(self, flow_id: str, *, sent: bool = True) -> None:
         """Let the slot go (`sent`: the flow's request reached the server, so the store records its session

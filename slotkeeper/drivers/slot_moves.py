@@ -32,7 +32,7 @@ from slotlogic import prefix as pfx
 from slotlogic import shared
 from slotlogic.checkpoint_machine import Outcome
 from slotlogic.costs import SlotFileAnswer
-from slotlogic.decisions import NeedSlot, Observe
+from slotlogic.decisions import NeedSlot
 from slotlogic.events import (
     CheckpointDone,
     CostWeighed,
@@ -45,7 +45,6 @@ from slotlogic.events import (
 from slotlogic.keeper import Keeper, Placement
 from slotlogic.ledger import Cause, Fence, Holds
 from slotlogic.paging import Moved, PageAsk, PageDone, PagePlan
-from slotlogic.reasons import Unpinned
 from slotlogic.server import ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
 
@@ -136,11 +135,12 @@ class SlotMover:
             doomed = self.keeper.pager.page_dropped(state, key, file)
         self.delete_pages(doomed)
 
-    async def moves_for(self, need: NeedSlot, placement: Placement, info: ServerInfo,
-                        flow_id: str) -> tuple[Moved, Fence | None, bool]:
+    async def moves_for(self, need: NeedSlot, placement: Placement, info: ServerInfo, flow_id: str,
+                        by: float | None = None) -> tuple[Moved, Fence | None, bool]:
         """What the core planned around the new owner of `placement.slot`, performed: the holder paged out and
-        this session (or a seed) paged in. Returns what the slot holds for it now, the fence after the moves,
-        and whether the slot holds the session's stable prefix already."""
+        this session (or a seed) paged in, waited for until `by` (monotonic; None: no bound) at most. Returns what
+        the slot holds for it now (LATE: nothing moved, the bound passed first), the fence after the moves, and
+        whether the slot holds the session's stable prefix already."""
         key = need.ticket.session.key
         holds = self.keeper.pager.holds_prefix(need, placement.view)
         if self.pages is None:
@@ -150,10 +150,10 @@ class SlotMover:
         cold = need.stable if base is not None else None
         ask = PageAsk(placement.slot, key, placement.view, views=placement.views, stable_chars=stable_chars, cold=cold,
                       base_chars=base or 0)
-        ask = await await_source(self, ask)
+        ask = await await_source(self, ask, by)
         if self.elsewhere is not None and not self.store.remote:  # a shared store: only pages are seeds
             ask = await self.elsewhere.find(need, ask)
-        moved, fence = await self.page(ask, flow_id, fence=placement.fence)
+        moved, fence = await self.page(ask, flow_id, fence=placement.fence, by=by)
         return moved, fence, holds
 
     async def _unbuilt(self, need: NeedSlot, info: ServerInfo) -> int | None:
@@ -168,41 +168,33 @@ class SlotMover:
         base = await asyncio.to_thread(cp.longest_base, need.stable, info, name)
         return base[0] if base is not None else 0
 
-    async def side(self, placement: Placement, flow_id: str, arrived: float, bound: float) -> Observe | None:
+    async def side(self, placement: Placement, flow_id: str, by: float | None) -> Moved:
         """A side call's turn on the slot it is placed on: the slot's holder paged out (it may be a session's
         conversation, placed there before side calls came: it pages back in whole), its home's page in; waited
-        for until `bound` (`slots_wait_bound`; 0: none) from its arrival (wall clock) at most. None: go on and
-        pin it. Past the bound (LATE): it goes as the client sent it, with no slot (`why=wait-bound`), as a
-        held request past its bound goes; nothing of ours was written to the slot, so the placement is
-        dropped, not pinned, and its answer says which slot ran it (`ran_unpinned`)."""
+        for until `by` (monotonic; None: no bound) at most, else LATE with nothing moved."""
         assert placement.need is not None
-        within = bound - max(0.0, time.time() - arrived) if bound > 0 else None
         ask = PageAsk(placement.slot, placement.need.ticket.session.key, placement.view)
-        moved, _ = await self.page(ask, flow_id, fence=placement.fence, within=within)
-        if moved is not Moved.LATE:
-            return None
-        ticket = self.keeper.abandon(placement.need.ticket)
-        self.unsent(flow_id)
-        return Observe(replace(ticket, unpinned=Unpinned.WAIT_BOUND, translated=False))
+        moved, _ = await self.page(ask, flow_id, fence=placement.fence, by=by)
+        return moved
 
     async def page(self, ask: PageAsk, flow_id: str, fence: Fence | None = None,
-                   within: float | None = None) -> tuple[Moved, Fence | None]:
+                   by: float | None = None) -> tuple[Moved, Fence | None]:
         """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
         shares the most with: a seed); what is in the slot for it now. Decided once the lock is held. Fails
-        open: trouble only costs the prefill. `within`: the seconds the request may still wait for the slot
-        (its wait bound); past them nothing is moved (LATE) and the request goes elsewhere."""
+        open: trouble only costs the prefill. `by`: when the request's wait bound ends (monotonic; None: none);
+        past it nothing is moved (LATE) and the request goes as the client sent it (`slotlogic.wait`, Rule 7)."""
         assert self.pages is not None
         slot, key = ask.slot, ask.session_key
-        started, gave_up = time.monotonic(), Moved.NOTHING if within is None else Moved.LATE
+        gave_up = Moved.NOTHING if by is None else Moved.LATE
         # The lock is taken even with nothing to page: a placement on this slot that is still warming its
         # prefix, or whose request has not reached the server, must finish first (a second new session would
         # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
-        if not await self.pages.hold(slot, flow_id, key, within=within):
+        if not await self.pages.hold(slot, flow_id, key, within=_left(by)):
             return gave_up, fence
         # Its turn: every request sent to the slot before has reached the server (a save now writes what
         # they leave there). The moves are fenced by the slot's epoch as it is now.
-        left = QUIET_WAIT if within is None else max(0.0, within - (time.monotonic() - started))
-        if not await self.gate.quiet(slot, left, warn=within is None):
+        left = _left(by)
+        if not await self.gate.quiet(slot, QUIET_WAIT if left is None else left, warn=by is None):
             return gave_up, fence
         fence = self.keeper.turns.turn(fence) if fence is not None else None
         # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
@@ -222,7 +214,7 @@ class SlotMover:
         # time it lets that slot go; wait for that, then plan again (the page is there then).
         if plan.seed is not None and plan.seed.source == key and plan.seed.local_slot is not None \
                 and not self.store.remote and self.pages.busy(plan.seed.local_slot) \
-                and await self.pages.wait_free(plan.seed.local_slot, slot, SEED_SLOT_WAIT):
+                and await self.pages.wait_free(plan.seed.local_slot, slot, _within(SEED_SLOT_WAIT, by)):
             ask = replace(ask, sent=self.pages.last_sent.get(slot), ours=self.gate.last_started.get(slot))
             plan = self.keeper.pager.page_plan(ask)
         # The source is being paged out by the placement that took its slot: once its page is recorded the page
@@ -232,7 +224,7 @@ class SlotMover:
         source = seed.source if seed is not None and seed.local_slot is not None and seed.source != key \
             and self.pages.busy(seed.local_slot) else self.keeper.pager.page_coming(ask, seed)
         if source is not None and source in self.pages.saving and not self.store.remote:
-            await self.pages.settled(source)
+            await self.pages.settled(source, _left(by))
             ask = replace(ask, sent=self.pages.last_sent.get(slot), ours=self.gate.last_started.get(slot))
             plan = self.keeper.pager.page_plan(ask)
         if plan.seed is not None and plan.seed.local_slot is not None and (
@@ -340,6 +332,17 @@ class SlotMover:
                 fence = self.keeper.turns.slot_written(fence, Holds.PREFIX, key, tokens, over=Cause.PREFIX_OVER_OWNER) \
                     or fence
         return fence
+
+
+def _left(by: float | None) -> float | None:
+    """The seconds until `by` (monotonic), never below 0; None: no bound."""
+    return None if by is None else max(0.0, by - time.monotonic())
+
+
+def _within(wait: float, by: float | None) -> float:
+    """`wait` seconds, or fewer when the request's bound ends sooner (`by`, monotonic)."""
+    left = _left(by)
+    return wait if left is None else min(wait, left)
 
 
 def unrecorded_files(pages: PageRunner, state_dir: Path, own_state: str) -> dict[str, Any]:

@@ -23,11 +23,12 @@ SOURCE_POLL = 0.2      # seconds between `/slots` looks while a new session wait
 MIN_SLEEP = 0.001      # a wait's last sliver below this is not slept (nor polled for)
 
 
-async def await_source(mover: SlotMover, ask: PageAsk) -> PageAsk:
+async def await_source(mover: SlotMover, ask: PageAsk, by: float | None = None) -> PageAsk:
     """Before the slot's paging lock: when the conversation this new session would start from is on a slot
     still running a request, or about to (two sessions that start together), wait for that slot to go idle,
     within the time prefilling the copied part would take (`Pager.busy_source`); `ask` with its views as
-    they are then. A shared store never seeds from a live slot (other proxies may page it), so it never waits."""
+    they are then, and never past `by` (monotonic: the request's wait bound). A shared store never seeds from a
+    live slot (other proxies may page it), so it never waits."""
     assert mover.pages is not None
     if mover.store.remote:
         return ask
@@ -43,14 +44,15 @@ async def await_source(mover: SlotMover, ask: PageAsk) -> PageAsk:
     idle, paged, entry = False, False, None
     # a sliver of the budget left is not worth one more look, but a source still prefilling what we would
     # copy is (paging.keep_waiting)
-    while not idle and paging.keep_waiting(found, entry, time.monotonic() - started,
+    while not idle and (by is None or time.monotonic() < by) and paging.keep_waiting(found, entry, time.monotonic() - started,
                                            deadline - time.monotonic() - MIN_SLEEP):
         left = deadline - time.monotonic()
-        await asyncio.sleep(min(SOURCE_POLL, left) if left >= MIN_SLEEP else SOURCE_POLL)
+        poll = min(SOURCE_POLL, left) if left >= MIN_SLEEP else SOURCE_POLL
+        await asyncio.sleep(poll if by is None else max(0.0, min(poll, by - time.monotonic())))
         if pages.busy(source) and found.session in pages.saving:
             # the placement that took the source's slot pages it out: its page is the seed (bench subagents
             # seed 6: two waits gave up while the slot's new owner paged the source out, and prefilled)
-            await pages.settled(found.session)
+            await pages.settled(found.session, None if by is None else max(0.0, by - time.monotonic()))
             paged = True
             break
         live = await mover.client.slots()
