@@ -13,8 +13,9 @@ Rule 2: until a speed is measured, nothing changes: every decision is `None` (to
         whenever possible).
 Rule 3: no prompt text: counts, bytes and seconds only.
 
-The estimates. A move of B bytes takes `overhead + B / throughput` (the overhead: the call's wall time beyond
-the server's own `timings`, measured). Prefilling n tokens from an empty slot takes `a·n + b·n²/2`: every token
+The estimates. A move of B bytes takes `overhead + B / throughput` (the overhead: the call's fixed wall time
+beyond the server's own `timings`, the smallest of the last few restores: the rest is queueing behind the batch
+running then, which a prefill started at that moment waits for too). Prefilling n tokens from an empty slot takes `a·n + b·n²/2`: every token
 costs `a` plus `b` per token before it (attention reads the whole context so far), so long conversations
 prefill slower per token while their files grow only linearly: on a GPU a short conversation is recomputed
 and a long one restored. `a` and `b` are fitted to the answers' own `prompt_n`, `cache_n` and prompt speed
@@ -24,6 +25,7 @@ keeper's measured tokens a second.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
@@ -35,6 +37,7 @@ FORGET = 0.95        # of the older answers in the prefill fit's sums (the newes
 FIT_MIN = 3          # answers the prefill fit needs before its depth term is used
 MIN_TOKENS = 64      # a shorter file's time is mostly the request's fixed overhead: not a throughput sample
 MIN_MS = 0.05        # a timing below this is the clock's resolution, not a measurement
+OVERHEAD_WINDOW = 8  # the restores whose fixed overhead is the smallest of (a busy server queues the others)
 
 
 class Direction(Enum):
@@ -85,7 +88,7 @@ class Rates:
     restore_bps: float | None = None      # bytes a second read by a slot restore
     kv_bytes_per_token: float | None = None
     prefill_depth: float | None = None    # context depth at which a token costs twice as much (None: no slowdown)
-    overhead_s: float = 0.0               # a slot call's time beyond the server's own (HTTP, queueing)
+    overhead_s: float = 0.0               # a slot call's fixed time beyond the server's own (HTTP), not queueing
     decode_tps: float | None = None       # generated tokens a second (answers' `predicted_per_second`)
 
     def prefill_s(self, tokens: int) -> float:
@@ -147,7 +150,7 @@ class Speeds:
         self.save_bps: float | None = None
         self.restore_bps: float | None = None
         self.kv_bytes_per_token: float | None = None
-        self._overhead: float | None = None
+        self._overheads: deque[float] = deque(maxlen=OVERHEAD_WINDOW)
         self.decode_tps: float | None = None
         self.samples = {Direction.SAVE: 0, Direction.RESTORE: 0}
         self.fit = PrefillFit()
@@ -171,7 +174,11 @@ class Speeds:
             return False
         bps = answer.bytes / (answer.ms / 1000)
         if answer.wall_ms is not None and answer.direction is Direction.RESTORE:  # a save may wait for the slot
-            self._overhead = _avg(self._overhead, max(0.0, answer.wall_ms - answer.ms) / 1000)
+            # A call's time beyond the server's own is its fixed cost plus its wait in the server's queue behind
+            # the batch running then (bench mix-4 run E: 19 s for a 0.5 s restore, behind a long prefill). A
+            # prefill started at that moment would wait for the same batch, so only the fixed part weighs a
+            # move against a prefill: the smallest of the last few.
+            self._overheads.append(max(0.0, answer.wall_ms - answer.ms) / 1000)
         if answer.direction is Direction.SAVE:
             self.save_bps = _avg(self.save_bps, bps)
         else:
@@ -183,8 +190,8 @@ class Speeds:
         """The speeds now; `prefill_tps`: the keeper's measured average, used until the fit has depth."""
         fit = self.fit.solve()
         tps, depth = (1 / fit[0], fit[0] / fit[1]) if fit is not None else (prefill_tps, None)
-        return Rates(tps, self.save_bps, self.restore_bps, self.kv_bytes_per_token, depth, self._overhead or 0.0,
-                     self.decode_tps)
+        return Rates(tps, self.save_bps, self.restore_bps, self.kv_bytes_per_token, depth,
+                     min(self._overheads, default=0.0), self.decode_tps)
 
     def forget(self) -> None:
         """Another model or server: its sizes and speeds are not ours."""

@@ -56,14 +56,28 @@ def test_speeds_are_moving_averages_of_the_answers_and_tiny_files_do_not_count()
     assert s.note(SlotFileAnswer(Direction.RESTORE, 1000, 100_000_000, 50.0, 52.0))  # first restore: worth a line
     assert not s.note(SlotFileAnswer(Direction.RESTORE, 1000, 100_000_000, 25.0, 30.0))
     assert s.restore_bps == pytest.approx(2e9 + 0.3 * (4e9 - 2e9))
-    assert s.rates(None).overhead_s == pytest.approx(0.002 + 0.3 * (0.005 - 0.002))
+    assert s.rates(None).overhead_s == pytest.approx(0.002)  # the fixed part: the smallest of the recent ones
     assert not s.note(SlotFileAnswer(Direction.SAVE, 10, 1000, 1.0))      # below MIN_TOKENS: overhead, not speed
     assert s.save_bps is None and s.kv_bytes_per_token == 100_000
     assert s.note(SlotFileAnswer(Direction.SAVE, 1000, 100_000_000, 100.0, 900.0))  # a save's wait is no overhead
-    assert s.save_bps == 1e9 and s.rates(None).overhead_s == pytest.approx(0.0029)
+    assert s.save_bps == 1e9 and s.rates(None).overhead_s == pytest.approx(0.002)
     assert s.rates(250.0).measured and s.rates(250.0).prefill_tps == 250.0
     s.forget()
     assert not s.rates(250.0).measured
+
+
+def test_a_restore_queued_behind_a_running_batch_does_not_raise_the_move_overhead():
+    """bench mix-4 run E: a 0.5 s restore (server time) answered after 19 s, queued behind a long prefill; the
+    overhead then priced every restore at about 19 s. A prefill started then waits for the same batch: only the
+    call's fixed part, the smallest of the last OVERHEAD_WINDOW restores, weighs a move against a prefill."""
+    from slotlogic.costs import OVERHEAD_WINDOW
+    s = Speeds()
+    s.note(SlotFileAnswer(Direction.RESTORE, 6000, 600_000_000, 500.0, 530.0))
+    s.note(SlotFileAnswer(Direction.RESTORE, 6000, 600_000_000, 500.0, 19_000.0))
+    assert s.rates(None).overhead_s == pytest.approx(0.03)
+    for _ in range(OVERHEAD_WINDOW - 1):  # the old sample leaves the window: the overhead follows the server
+        s.note(SlotFileAnswer(Direction.RESTORE, 6000, 600_000_000, 500.0, 560.0))
+    assert s.rates(None).overhead_s == pytest.approx(0.06)
 
 
 def test_the_prefill_fit_finds_the_per_token_cost_and_its_growth_with_depth():
