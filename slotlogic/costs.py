@@ -15,12 +15,12 @@ Rule 3: no prompt text: counts, bytes and seconds only.
 
 The estimates. A move of B bytes takes `overhead + B / throughput` (the overhead: the call's fixed wall time
 beyond the server's own `timings`, the smallest of the last few restores: the rest is queueing behind the batch
-running then, which a prefill started at that moment waits for too). Prefilling n tokens from an empty slot takes `a·n + b·n²/2`: every token
-costs `a` plus `b` per token before it (attention reads the whole context so far), so long conversations
-prefill slower per token while their files grow only linearly: on a GPU a short conversation is recomputed
-and a long one restored. `a` and `b` are fitted to the answers' own `prompt_n`, `cache_n` and prompt speed
-(`PrefillFit`, least squares with forgetting); until the fit has depth to go on, `b` is 0 and `a` is the
-keeper's measured tokens a second.
+running then, which a prefill started at that moment waits for too). Prefilling n tokens from an empty slot
+takes `a·n + b·n²/2`: every token costs `a` plus `b` per token before it (attention reads the whole context so
+far), so long conversations prefill slower per token while their files grow only linearly: on a GPU a short
+conversation is recomputed and a long one restored. `a` and `b` are fitted to the answers' own `prompt_n`,
+`cache_n` and prompt speed (`PrefillFit`, least squares with forgetting); until the fit has depth to go on, `b`
+is 0 and `a` is the keeper's measured tokens a second.
 """
 
 from __future__ import annotations

@@ -115,6 +115,11 @@ def probe_slot(live: Sequence[Mapping[str, Any]]) -> int | None:
     return 0
 
 
+def running(live: Sequence[object], slot: int) -> bool:
+    """`/slots` says `slot` runs a request now: a slot action sent there would wait in the server's queue."""
+    return any(isinstance(e, Mapping) and e.get("id") == slot and e.get("is_processing") is True for e in live)
+
+
 def work_left(entry: Mapping[str, Any] | None, decode_cost: float | None) -> float | None:
     """A busy slot's work still to do, in prefill tokens, from its `/slots` entry: the prompt tokens it has yet
     to evaluate, or once it generates, its `n_remain` tokens at `decode_cost` prefill tokens each (prefill

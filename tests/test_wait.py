@@ -443,3 +443,45 @@ async def test_a_new_session_whose_slot_another_placement_holds_past_its_bound_g
     follow["messages"] += [{"role": "assistant", "content": "done"}, {"role": "user", "content": "next"}]
     again = await asyncio.wait_for(up.decide(facts(follow), "f-a-2"), 5)
     assert isinstance(again, Pin) and again.ticket.slot == a.ticket.slot and again.ticket.why is Why.KNOWN
+
+
+async def test_a_placement_sends_no_save_to_a_slot_the_server_still_runs_past_its_bound(tmp_path):
+    """bench mix-4 run E: page-outs of slots still running a request waited in the server's queue behind
+    minutes-long prefills until they timed out, and the sessions paged out prefilled again. A slot action cannot
+    be called back once sent (the server writes the file whenever the slot frees), so a bounded placement sends
+    none to a slot `/slots` says is running: past the bound it goes as the client sent it, nothing saved."""
+    from slotkeeper.drivers.upstream import Upstream
+    from slotlogic.answers import Observation
+    from slotlogic.decisions import Observe, Pin, RequestFacts
+    from slotlogic.reasons import Unpinned
+    from slotlogic.settings import Settings
+    from tests.conftest import UP
+    from tests.test_page_safety import PagingLlama, Slots
+
+    (tmp_path / "slots").mkdir()
+    settings = Settings(probe_interval=0, paging=True, save_dir=str(tmp_path / "slots"), wait_bound=0.5)
+    actions = Slots()
+    client = PagingLlama(actions)
+    client.props_data = {**(client.props_data or {}), "total_slots": 2}
+    client.slots_data = [{"id": i, "n_ctx": 8192, "is_processing": False, "n_prompt_tokens": 0} for i in range(2)]
+    up = Upstream(UP, settings, tmp_path / "state", lambda e: None, client=client)
+
+    def facts(body: dict) -> RequestFacts:
+        return RequestFacts("POST", "/v1/chat/completions", (), json.dumps(body).encode(), time.time())
+
+    for name in ("a", "b"):
+        pin = await up.decide(facts(chat(f"task {name}")), f"f-{name}")
+        assert isinstance(pin, Pin)
+        up.unlock(f"f-{name}")
+        up.answered(pin.ticket, Observation(cache_n=0, prompt_n=300), path="/v1/chat/completions", seconds=1.0)
+    calls_before = list(actions.calls)
+    client.slots_data = [{**e, "is_processing": True} for e in client.slots_data]  # another client's long prompts
+    started = time.monotonic()
+    other = chat("task c", system="You are a reviewer of pull requests. " * 20)  # nothing of a's or b's to copy
+    late = await asyncio.wait_for(up.decide(facts(other), "f-c"), 5)
+    assert time.monotonic() - started < 2.0
+    assert isinstance(late, Observe) and late.ticket.unpinned is Unpinned.WAIT_BOUND
+    assert actions.calls == calls_before, (calls_before, actions.calls)
+    client.slots_data = [{**e, "is_processing": False} for e in client.slots_data]
+    placed = await asyncio.wait_for(up.decide(facts(other), "f-c-2"), 5)  # idle now: paged as before
+    assert isinstance(placed, Pin) and "save" in actions.calls[len(calls_before):]  # its holder paged out

@@ -26,13 +26,13 @@ from slotkeeper.drivers.page_runner import PageOutcome, PageRunner
 from slotkeeper.drivers.pool_seeds import PoolSeeds
 from slotkeeper.drivers.slot_gate import WAIT as QUIET_WAIT
 from slotkeeper.drivers.slot_gate import SlotGate
-from slotkeeper.drivers.source_wait import await_source
+from slotkeeper.drivers.source_wait import await_idle, await_source
 from slotkeeper.drivers.store import StateStore
 from slotlogic import prefix as pfx
-from slotlogic import shared
+from slotlogic import shared, wait
 from slotlogic.checkpoint_machine import Outcome
 from slotlogic.costs import SlotFileAnswer
-from slotlogic.decisions import NeedSlot
+from slotlogic.decisions import NeedSlot, Observe
 from slotlogic.events import (
     CheckpointDone,
     CostWeighed,
@@ -177,6 +177,13 @@ class SlotMover:
         moved, _ = await self.page(ask, flow_id, fence=placement.fence, by=by)
         return moved
 
+    def give_up(self, need: NeedSlot, flow_id: str) -> Observe:
+        """The placement waited out the request's bound with nothing moved (`slotlogic.wait`, Rule 7): the core
+        gives it up and the request goes as the client sent it; its slot lock is let go."""
+        decision = wait.past_bound(self.keeper.abandon(need.ticket))
+        self.unsent(flow_id)
+        return decision
+
     async def page(self, ask: PageAsk, flow_id: str, fence: Fence | None = None,
                    by: float | None = None) -> tuple[Moved, Fence | None]:
         """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
@@ -189,13 +196,14 @@ class SlotMover:
         # The lock is taken even with nothing to page: a placement on this slot that is still warming its
         # prefix, or whose request has not reached the server, must finish first (a second new session would
         # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
-        if not await self.pages.hold(slot, flow_id, key, within=_left(by)):
+        if not await self.pages.hold(slot, flow_id, key, within=left(by)):
             return gave_up, fence
         # Its turn: every request sent to the slot before has reached the server (a save now writes what
         # they leave there). The moves are fenced by the slot's epoch as it is now.
-        left = _left(by)
-        if not await self.gate.quiet(slot, QUIET_WAIT if left is None else left, warn=by is None):
+        if not await self.gate.quiet(slot, _within(QUIET_WAIT, by), warn=by is None):
             return gave_up, fence
+        if by is not None and not await await_idle(self, {slot}, by):
+            return Moved.LATE, fence  # still running a request at the server when the bound passed: nothing sent
         fence = self.keeper.turns.turn(fence) if fence is not None else None
         # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
         # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
@@ -224,7 +232,7 @@ class SlotMover:
         source = seed.source if seed is not None and seed.local_slot is not None and seed.source != key \
             and self.pages.busy(seed.local_slot) else self.keeper.pager.page_coming(ask, seed)
         if source is not None and source in self.pages.saving and not self.store.remote:
-            await self.pages.settled(source, _left(by))
+            await self.pages.settled(source, left(by))
             ask = replace(ask, sent=self.pages.last_sent.get(slot), ours=self.gate.last_started.get(slot))
             plan = self.keeper.pager.page_plan(ask)
         if plan.seed is not None and plan.seed.local_slot is not None and (
@@ -334,15 +342,21 @@ class SlotMover:
         return fence
 
 
-def _left(by: float | None) -> float | None:
+def deadline(arrived: float, bound: float) -> float | None:
+    """When a request that reached the proxy at `arrived` (wall clock) has waited its bound (`slots_wait_bound`,
+    its placement's waits included), on the monotonic clock; None: no bound (0)."""
+    return time.monotonic() + bound - max(0.0, time.time() - arrived) if bound > 0 else None
+
+
+def left(by: float | None) -> float | None:
     """The seconds until `by` (monotonic), never below 0; None: no bound."""
     return None if by is None else max(0.0, by - time.monotonic())
 
 
 def _within(wait: float, by: float | None) -> float:
     """`wait` seconds, or fewer when the request's bound ends sooner (`by`, monotonic)."""
-    left = _left(by)
-    return wait if left is None else min(wait, left)
+    rest = left(by)
+    return wait if rest is None else min(wait, rest)
 
 
 def unrecorded_files(pages: PageRunner, state_dir: Path, own_state: str) -> dict[str, Any]:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Collection
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from slotlogic import paging
+from slotlogic import paging, server
 from slotlogic.events import SourceAwaited
 from slotlogic.paging import PageAsk
 
@@ -44,8 +45,8 @@ async def await_source(mover: SlotMover, ask: PageAsk, by: float | None = None) 
     idle, paged, entry = False, False, None
     # a sliver of the budget left is not worth one more look, but a source still prefilling what we would
     # copy is (paging.keep_waiting)
-    while not idle and (by is None or time.monotonic() < by) and paging.keep_waiting(found, entry, time.monotonic() - started,
-                                           deadline - time.monotonic() - MIN_SLEEP):
+    while not idle and (by is None or time.monotonic() < by) and paging.keep_waiting(
+            found, entry, time.monotonic() - started, deadline - time.monotonic() - MIN_SLEEP):
         left = deadline - time.monotonic()
         poll = min(SOURCE_POLL, left) if left >= MIN_SLEEP else SOURCE_POLL
         await asyncio.sleep(poll if by is None else max(0.0, min(poll, by - time.monotonic())))
@@ -62,3 +63,22 @@ async def await_source(mover: SlotMover, ask: PageAsk, by: float | None = None) 
         entry = next((e for e in live if isinstance(e, dict) and e.get("id") == source), None)
     mover.emit(SourceAwaited(mover.url, slot, source, time.monotonic() - started, idle or paged))
     return replace(ask, views=[replace(v, busy=False) if v.id == source else v for v in views]) if idle else ask
+
+
+async def await_idle(mover: SlotMover, slots: Collection[int], by: float) -> bool:
+    """With the slot's paging lock held and its requests of ours started, before a bounded placement plans its
+    moves: whether `slots` are all idle at the server by `by` (monotonic). A slot action on a slot still running a
+    request waits in the server's queue until that request ends, and cannot be called back then (the server
+    writes the file whenever the slot frees), so none is sent before (bench mix-4 run E: page-outs timed out
+    behind minutes-long prefills). The moves are planned after this wait, from the slot as it is then (planned
+    before it, the simulator found pages recorded for a holder the slot no longer held). False: still busy at
+    `by`, nothing sent. No `/slots` answer: it goes on as before."""
+    while slots:
+        live = await mover.client.slots()
+        if live is None or not any(server.running(live, slot) for slot in slots):
+            return True
+        left = by - time.monotonic()
+        if left <= 0:
+            return False
+        await asyncio.sleep(min(SOURCE_POLL, left))
+    return True

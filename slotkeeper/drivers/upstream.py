@@ -43,7 +43,7 @@ from slotkeeper.drivers.placings import Placings
 from slotkeeper.drivers.server_auth import ServerAuth
 from slotkeeper.drivers.server_probe import Facts, ServerProbe
 from slotkeeper.drivers.slot_gate import SlotGate
-from slotkeeper.drivers.slot_moves import SlotMover
+from slotkeeper.drivers.slot_moves import SlotMover, deadline, left
 from slotkeeper.drivers.slot_speeds import SlotSpeeds
 from slotkeeper.drivers.slot_wait import SlotWaits
 from slotkeeper.drivers.state_sync import StateSync
@@ -228,10 +228,9 @@ class Upstream:
     async def _place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
                      accept: Accept | None = None, retries: int = 2) -> Any:
         key, now = need.ticket.session.key, facts.now
-        bound = self.settings.wait_bound  # counted from its arrival, its placement's waits included
-        by = time.monotonic() + bound - max(0.0, time.time() - now) if bound > 0 and not self.offline else None
+        by = None if self.offline else deadline(now, self.settings.wait_bound)  # its placement's waits included
         if self.pages is not None:
-            await self.pages.settled(key, None if by is None else max(0.0, by - time.monotonic()))  # then paged in
+            await self.pages.settled(key, left(by))  # its page-out is in flight: page it back in after
         if self.offline:
             recorded = (facts.replay.facts if facts.replay else None) or {}
             props = recorded.get("props") or {"total_slots": self.keeper.total_slots or 4}
@@ -267,14 +266,12 @@ class Upstream:
                 return await self._place(placement.need or need, facts, flow_id, asked=None, accept=accept,
                                          retries=retries - 1)
         need = placement.need or need  # as placed: its stable prefix as the core knows it by now
-        # a conversation there is paged out first, within the call's wait bound
-        if placement.side and paged and await self.mover.side(placement, flow_id, by) is Moved.LATE:
-            return self._past_bound(need, flow_id)
-        if placement.side or self.offline:
-            return self.keeper.pin(placement, now)
+        if placement.side or self.offline:  # a side call's slot holder is paged out first, within its bound
+            late = paged and await self.mover.side(placement, flow_id, by) is Moved.LATE
+            return self.mover.give_up(need, flow_id) if late else self.keeper.pin(placement, now)
         moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id, by)
         if moved is Moved.LATE:  # its bound passed before its slot was ours to write: nothing moved
-            return self._past_bound(need, flow_id)
+            return self.mover.give_up(need, flow_id)
         if moved is Moved.STALE and retries > 0:  # another claim of the slot came first: place it again
             self.mover.stopped(flow_id)
             return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
@@ -292,13 +289,6 @@ class Upstream:
             self.mover.stopped(flow_id)
             return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
         return self.keeper.pin(placement, now, paged_in=moved is Moved.OWN, seeded=moved in (Moved.SEED, Moved.PREFIX))
-
-    def _past_bound(self, need: NeedSlot, flow_id: str) -> Observe:
-        """The placement waited out the request's bound (`slotlogic.wait`, Rule 7): given up, the request goes
-        as the client sent it."""
-        decision = wait.past_bound(self.keeper.abandon(need.ticket))
-        self.mover.unsent(flow_id)
-        return decision
 
     def unlock(self, flow_id: str) -> None:
         """The flow's request reached the server (its response headers came), or never will: the next pager
