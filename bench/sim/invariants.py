@@ -29,6 +29,15 @@ class Checker:
     def tags(self) -> dict[str, str]:
         return {o.meta["session"]: o.tag for o in self.rig.outcomes if o.meta.get("session")}
 
+    def tag_on(self, key: str, url: str, slot: int, tags: dict[str, str]) -> str | None:
+        """The tag of `key`'s last request that ran on `slot` of `url`, else its last anywhere. A session's tags
+        are one; a side call's home has one per call, and its calls share a prompt, not a conversation (the pool
+        sends each to the least loaded server): a slot holding an earlier call holds that call, not the newest."""
+        for o in reversed(self.rig.outcomes):
+            if o.meta.get("session") == key and o.server == url and o.done is not None and o.done.slot == slot:
+                return o.tag
+        return tags.get(key)
+
     def last_end(self, tag: str) -> float:
         return max((o.done.ended for o in self.rig.outcomes if o.tag == tag and o.done is not None), default=0.0)
 
@@ -80,7 +89,7 @@ class Checker:
                     out.append(f"proxy {pi} slot {slot} of {url}: epoch went back {before} -> {epoch}")
                 self.epochs[(pi, url, slot)] = epoch
             owner, tokens = getattr(entry, "owner", None), getattr(entry, "tokens", None) or 0
-            tag = tags.get(owner) if owner else None
+            tag = self.tag_on(owner, url, slot, tags) if owner and isinstance(slot, int) else None
             if tag is None or not isinstance(slot, int) or slot >= len(sim.slots) or self._excused(sim, tag):
                 continue
             held = common_prefix(sim.slots[slot].tokens, sim.left.get(tag, []))

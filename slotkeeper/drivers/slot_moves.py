@@ -342,10 +342,10 @@ class SlotMover:
         return fence
 
 
-def deadline(arrived: float, bound: float) -> float | None:
-    """When a request that reached the proxy at `arrived` (wall clock) has waited its bound (`slots_wait_bound`,
-    its placement's waits included), on the monotonic clock; None: no bound (0)."""
-    return time.monotonic() + bound - max(0.0, time.time() - arrived) if bound > 0 else None
+def deadline(bound: float) -> float | None:
+    """When a request whose placement starts now has waited its bound (`slots_wait_bound`, its placement's
+    waits included), on the monotonic clock; None: no bound (0)."""
+    return time.monotonic() + bound if bound > 0 else None
 
 
 def left(by: float | None) -> float | None:

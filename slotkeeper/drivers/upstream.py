@@ -215,10 +215,11 @@ class Upstream:
         """A `NeedSlot` made by any keeper of a pool, placed on this server (`slotkeeper/drivers/pool.py`): `asked` are
         the `/props` and `/slots` the router already has; `accept` may refuse the server under its state lock
         (None: no claim was made, route again)."""
+        by = None if self.offline else deadline(self.settings.wait_bound)  # its placement's waits included
         try:  # a session's second request at once waits for its first one's placement (drivers/placings.py)
             decision = await self.placings.one_at_a_time(
                 need, lambda again: self.keeper.resume(again, facts.now),
-                lambda n, waited: self._place(n, facts, flow_id, asked=None if waited else asked, accept=accept))
+                lambda n, waited: self._place(n, facts, flow_id, asked=None if waited else asked, accept=accept, by=by))
         except BaseException:
             self.abandon(need.ticket, flow_id)
             raise
@@ -226,9 +227,8 @@ class Upstream:
         return decision
 
     async def _place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
-                     accept: Accept | None = None, retries: int = 2) -> Any:
+                     accept: Accept | None = None, retries: int = 2, by: float | None = None) -> Any:
         key, now = need.ticket.session.key, facts.now
-        by = None if self.offline else deadline(now, self.settings.wait_bound)  # its placement's waits included
         if self.pages is not None:
             await self.pages.settled(key, left(by))  # its page-out is in flight: page it back in after
         if self.offline:
@@ -264,7 +264,7 @@ class Upstream:
             _, stale = await self.handovers.take(placement.slot, key, placement.fence, state)
             if stale and retries > 0:
                 return await self._place(placement.need or need, facts, flow_id, asked=None, accept=accept,
-                                         retries=retries - 1)
+                                         retries=retries - 1, by=by)
         need = placement.need or need  # as placed: its stable prefix as the core knows it by now
         if placement.side or self.offline:  # a side call's slot holder is paged out first, within its bound
             late = paged and await self.mover.side(placement, flow_id, by) is Moved.LATE
@@ -274,7 +274,7 @@ class Upstream:
             return self.mover.give_up(need, flow_id)
         if moved is Moved.STALE and retries > 0:  # another claim of the slot came first: place it again
             self.mover.stopped(flow_id)
-            return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
+            return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1, by=by)
         if moved is Moved.STALE:  # twice: it goes where it was placed, with nothing moved (fail open)
             moved = Moved.NOTHING
         if self.checkpoints is not None and need.stable is not None and moved in (Moved.NOTHING, Moved.PREFIX):
@@ -287,7 +287,7 @@ class Upstream:
             # Another placement claimed the slot while this one's moves ran: plan this request again.
             self.emit(self.keeper.turns.stale_plan(fence, "pin", key))
             self.mover.stopped(flow_id)
-            return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1)
+            return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1, by=by)
         return self.keeper.pin(placement, now, paged_in=moved is Moved.OWN, seeded=moved in (Moved.SEED, Moved.PREFIX))
 
     def unlock(self, flow_id: str) -> None:
