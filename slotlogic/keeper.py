@@ -257,8 +257,7 @@ class Keeper:
         return _rewritten(pinned, content, body, result)
 
     def _pending(self, ticket: Ticket, body: dict[str, Any], content: bytes, path: str, now: float) -> Pin:
-        """Affinity: a session without a live slot of its own goes out with `id_slot: -1`; llama-server chooses,
-        and `learn` pins the session to that slot once the answer says which it was (slotlogic/affinity.py)."""
+        """Affinity: `id_slot: -1`, llama-server chooses; `learn` pins the session where it ran (slotlogic/affinity)."""
         how = affinity.method(path, body)
         result = rewrite.pend(body, self.total_slots, verbose=how is affinity.Learn.VERBOSE,
                               override_client=self.settings.override_client)
@@ -270,8 +269,9 @@ class Keeper:
                 self._table.use(ticket.session.key, now)
             self._table.dispatch(ticket.session.key, result.slot)
         else:
-            verbose = {**ticket.client, "verbose": body.get("verbose")}
-            ticket = replace(ticket, why=Why.PENDING, learn=how, client=verbose)
+            self.ledger.sent_unpinned()  # the server chooses: a loss on any slot may be its doing (`_cause`)
+            ticket = replace(ticket, why=Why.PENDING, learn=how,
+                             client={**ticket.client, "verbose": body.get("verbose")})
         if ticket.side:
             self._table.side_call(now)
         return _rewritten(ticket, content, body, result)

@@ -131,6 +131,8 @@ class Ledger:
         self._outside: dict[int, int] = {}  # slot -> writes from outside this process's plans (fences compare it)
         self.writing: set[int] = set()  # slots this process is the writer of (`slotlogic.handover`), as it last knew
         self.latest: dict[str, int] = {}  # session -> the mark of its newest pin or page-in, on any slot
+        self.unpinned = 0  # requests sent for the server to place (`id_slot: -1`): where they ran may stay unknown
+        self._unpinned_at: dict[str, int] = {}  # session -> `unpinned` as of its last answer
 
     # ------------------------------------------------------------------------------------------ reading
 
@@ -325,6 +327,7 @@ class Ledger:
                     overtaken = key in self.gone
             self.conversations[key] = tokens
             self.conversations.move_to_end(key)
+            self._unpinned_at[key] = self.unpinned
             if not overtaken:
                 self.gone.pop(key, None)
             while len(self.conversations) > self.max_sessions:
@@ -332,6 +335,7 @@ class Ledger:
                 self.gone.pop(old, None)
                 self.marks.pop(old, None)
                 self.latest.pop(old, None)
+                self._unpinned_at.pop(old, None)
         return loss
 
     def ran_unpinned(self, slot: int, key: str, *, side: bool = False) -> None:
@@ -345,6 +349,11 @@ class Ledger:
             return
         self.write(slot, Holds.SESSION, key, 0, Cause.UNPINNED)
 
+    def sent_unpinned(self) -> None:
+        """A request goes out for the server to choose its slot (`slots_policy=affinity`): until its answer says
+        where it ran (if it ever does), a conversation found short with nothing else to blame is its doing."""
+        self.unpinned += 1
+
     def claimed_elsewhere(self, slot: int, claimant: str, cause: Cause = Cause.OTHER_PROCESS) -> None:
         self._from_outside(slot)
         self.write(slot, Holds.SESSION, claimant, 0, cause)
@@ -354,6 +363,7 @@ class Ledger:
         self.conversations.pop(key, None)
         self.gone.pop(key, None)
         self.marks.pop(key, None)
+        self._unpinned_at.pop(key, None)
 
     # ------------------------------------------------------------------------------------------ inside
 
@@ -361,7 +371,10 @@ class Ledger:
         if promise.page_tokens is not None and promise.page_tokens + tolerance(promise.conversation) \
                 < promise.conversation:
             return Cause.STALE_PAGE
-        return self.gone.get(key, Cause.UNKNOWN)
+        cause = self.gone.get(key)
+        if cause is not None:
+            return cause
+        return Cause.UNPINNED if self.unpinned > self._unpinned_at.get(key, self.unpinned) else Cause.UNKNOWN
 
     def _put(self, slot: int, e: Entry) -> None:
         self._slots[slot] = e

@@ -372,3 +372,15 @@ def test_a_loss_no_record_explains_is_settled_with_what_the_server_shows_before_
     again = k.outcomes.answered(third.ticket, Observation(cache_n=0, prompt_n=700), path=CHAT, seconds=1, now=5.0,
                                 ask=True)
     assert again.settled and again.loss is not None and again.loss.cause is Cause.IDLE_CLEAR  # seen on this server
+
+
+def test_a_loss_after_the_server_placed_a_request_itself_is_blamed_on_that_request_not_unknown():
+    # affinity: a pending request (id_slot -1) ran somewhere and its answer never said where
+    ledger = Ledger()
+    ledger.resize(2)
+    ledger.settle("a", ledger.pin(0, "a"), 0, 0, 500, extends=False)
+    ledger.sent_unpinned()
+    loss = ledger.settle("a", ledger.pin(0, "a"), 0, 100, 450, extends=True)
+    assert loss is not None and loss.cause is Cause.UNPINNED and not loss.expected
+    # with no unpinned request since its last answer, the same shortfall has no one to blame
+    assert ledger.settle("a", ledger.pin(0, "a"), 0, 100, 460, extends=True).cause is Cause.UNKNOWN
