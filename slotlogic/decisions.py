@@ -67,6 +67,7 @@ class Ticket:
     client: dict[str, Any] = field(default_factory=dict)   # id_slot / cache_prompt as the client sent them
     facts: dict[str, Any] | None = None                    # server facts behind a new session's decision
     learn: Learn | None = None   # pending (`slots_policy=affinity`): how the slot llama-server chose is read
+    placed: int | None = None    # pending: its number among the requests the server places (`Ledger.placed`)
     promise: Promise | None = None   # what the slot ledger said its slot holds for it when it was pinned
     extends: bool | None = None      # its messages start with all of its previous request's (None: unknown)
 

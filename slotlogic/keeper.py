@@ -269,8 +269,7 @@ class Keeper:
                 self._table.use(ticket.session.key, now)
             self._table.dispatch(ticket.session.key, result.slot)
         else:
-            self.ledger.sent_unpinned()  # the server chooses: a loss on any slot may be its doing (`_cause`)
-            ticket = replace(ticket, why=Why.PENDING, learn=how,
+            ticket = replace(ticket, why=Why.PENDING, learn=how, placed=self.ledger.sent_unpinned(),
                              client={**ticket.client, "verbose": body.get("verbose")})
         if ticket.side:
             self._table.side_call(now)

@@ -33,6 +33,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from slotlogic.server_placed import ServerPlaced
+
 MAX_SLOTS = 1024        # slots of one server the ledger keeps (a larger count is capped, never allocated)
 MAX_SESSIONS = 4096     # conversations whose length and history are remembered
 TOLERANCE_TOKENS = 16   # a turn's re-rendered tail (generation prompt, a re-evaluated last token) is no loss
@@ -101,6 +103,7 @@ class Promise:
     tokens: int
     conversation: int          # the session's prompt tokens at its previous answer (0: none known)
     page_tokens: int | None    # the page it was paged in from, when it was
+    placed_before: int = 0     # requests sent for the server to place before this one was pinned
 
 
 @dataclass(frozen=True)
@@ -131,8 +134,8 @@ class Ledger:
         self._outside: dict[int, int] = {}  # slot -> writes from outside this process's plans (fences compare it)
         self.writing: set[int] = set()  # slots this process is the writer of (`slotlogic.handover`), as it last knew
         self.latest: dict[str, int] = {}  # session -> the mark of its newest pin or page-in, on any slot
-        self.unpinned = 0  # requests sent for the server to place (`id_slot: -1`): where they ran may stay unknown
-        self._unpinned_at: dict[str, int] = {}  # session -> `unpinned` as of its last answer
+        self.placed = ServerPlaced()  # requests sent for the server to place (`id_slot: -1`)
+        self._unpinned_at: dict[str, int] = {}  # session -> `placed.answers` as of its last answer
 
     # ------------------------------------------------------------------------------------------ reading
 
@@ -304,7 +307,7 @@ class Ledger:
         self.write(slot, Holds.SESSION, key, promised, (Cause.SIDE_CALL if paging else Cause.EVICTED) if side
                    else Cause.EVICTED)
         page = old.tokens if own and old.holds is Holds.PAGE else None
-        return Promise(slot, promised, self.conversations.get(key, 0), page)
+        return Promise(slot, promised, self.conversations.get(key, 0), page, self.placed.sent)
 
     def settle(self, key: str, promise: Promise | None, slot: int | None, cache_n: int | None,
                prompt_n: int | None, extends: bool | None) -> Loss | None:
@@ -327,7 +330,7 @@ class Ledger:
                     overtaken = key in self.gone
             self.conversations[key] = tokens
             self.conversations.move_to_end(key)
-            self._unpinned_at[key] = self.unpinned
+            self._unpinned_at[key] = self.placed.answers
             if not overtaken:
                 self.gone.pop(key, None)
             while len(self.conversations) > self.max_sessions:
@@ -349,10 +352,11 @@ class Ledger:
             return
         self.write(slot, Holds.SESSION, key, 0, Cause.UNPINNED)
 
-    def sent_unpinned(self) -> None:
-        """A request goes out for the server to choose its slot (`slots_policy=affinity`): until its answer says
-        where it ran (if it ever does), a conversation found short with nothing else to blame is its doing."""
-        self.unpinned += 1
+    def sent_unpinned(self) -> int:
+        """A request goes out for the server to choose its slot (`slots_policy=affinity`): its number. Answered
+        without its slot learned, a conversation found short with nothing else to blame is its doing
+        (`slotlogic.server_placed`)."""
+        return self.placed.send()
 
     def claimed_elsewhere(self, slot: int, claimant: str, cause: Cause = Cause.OTHER_PROCESS) -> None:
         self._from_outside(slot)
@@ -374,7 +378,8 @@ class Ledger:
         cause = self.gone.get(key)
         if cause is not None:
             return cause
-        return Cause.UNPINNED if self.unpinned > self._unpinned_at.get(key, self.unpinned) else Cause.UNKNOWN
+        since = self._unpinned_at.get(key, self.placed.answers)
+        return Cause.UNPINNED if self.placed.blamed(since, promise.placed_before) else Cause.UNKNOWN
 
     def _put(self, slot: int, e: Entry) -> None:
         self._slots[slot] = e

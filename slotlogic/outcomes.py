@@ -71,6 +71,9 @@ class Outcomes:
         every view of the request is rendered from. `ask`: the server can be asked what emptied a slot; a loss
         of no known cause is then left unsettled (`settle_loss`) instead of being counted as `unknown` now."""
         slot = obs.id_slot if obs.id_slot is not None else ticket.slot
+        if ticket.placed is not None:  # the server placed it: is where it ran known? (a loss's suspect if not)
+            self.ledger.placed.answered(ticket.placed, learned=obs.error_type is None
+                                        and affinity.valid(obs.id_slot, self.host.total_slots))
         if ticket.learn is not None and ticket.learn is not affinity.Learn.SLOTS and obs.error_type is None:
             learned = self.learn(ticket, obs.id_slot, now)
             if learned is not None:
@@ -130,6 +133,8 @@ class Outcomes:
         if ticket.learn is None or ticket.side or not affinity.valid(slot, self.host.total_slots):
             return None
         assert slot is not None
+        if ticket.placed is not None:
+            self.ledger.placed.learned(ticket.placed)
         key = ticket.session.key
         known = self.table.sessions.get(key)
         self.table.assign(key, slot, now, prefix=known.prefix if known else None,

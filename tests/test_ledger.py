@@ -9,6 +9,7 @@ from slotlogic.events import TokensLost
 from slotlogic.ledger import MAX_SLOTS, Cause, Holds, Ledger, tolerance
 from slotlogic.paging import PageAsk
 from slotlogic.reasons import Why
+from slotlogic.server_placed import ServerPlaced
 from tests.test_keeper import CHAT, FREE, chat, facts, make, place, server
 
 
@@ -379,8 +380,49 @@ def test_a_loss_after_the_server_placed_a_request_itself_is_blamed_on_that_reque
     ledger = Ledger()
     ledger.resize(2)
     ledger.settle("a", ledger.pin(0, "a"), 0, 0, 500, extends=False)
-    ledger.sent_unpinned()
+    n = ledger.sent_unpinned()
+    ledger.placed.answered(n, learned=False)
     loss = ledger.settle("a", ledger.pin(0, "a"), 0, 100, 450, extends=True)
     assert loss is not None and loss.cause is Cause.UNPINNED and not loss.expected
-    # with no unpinned request since its last answer, the same shortfall has no one to blame
+    # with no unpinned request answered since its last answer, the same shortfall has no one to blame
     assert ledger.settle("a", ledger.pin(0, "a"), 0, 100, 460, extends=True).cause is Cause.UNKNOWN
+
+
+def test_a_server_placed_request_whose_slot_was_learned_or_that_could_not_have_run_first_is_not_blamed():
+    ledger = Ledger()
+    ledger.resize(3)
+    ledger.settle("a", ledger.pin(0, "a"), 0, 0, 500, extends=False)
+    # learned: it ran on slot 2 (accounted there), so a shortfall on slot 0 stays unexplained
+    learned = ledger.sent_unpinned()
+    ledger.placed.answered(learned, learned=True)
+    assert ledger.settle("a", ledger.pin(0, "a"), 0, 100, 450, extends=True).cause is Cause.UNKNOWN
+    # learned late (its slot read from /slots after the answer): no longer a suspect either
+    late = ledger.sent_unpinned()
+    ledger.placed.answered(late, learned=False)
+    ledger.placed.learned(late)
+    assert ledger.settle("a", ledger.pin(0, "a"), 0, 100, 450, extends=True).cause is Cause.UNKNOWN
+    # still running when the short request is answered: it runs on another slot, not a suspect
+    ledger.sent_unpinned()
+    assert ledger.settle("a", ledger.pin(0, "a"), 0, 100, 450, extends=True).cause is Cause.UNKNOWN
+    # sent after the short request was pinned: it cannot have run before it
+    promise = ledger.pin(0, "a")
+    after = ledger.sent_unpinned()
+    ledger.placed.answered(after, learned=False)
+    assert ledger.settle("a", promise, 0, 100, 450, extends=True).cause is Cause.UNKNOWN
+    # but one sent before the pin and answered, slot unknown, after the session's last answer is
+    before = ledger.sent_unpinned()
+    promise = ledger.pin(0, "a")
+    ledger.placed.answered(before, learned=False)
+    assert ledger.settle("a", promise, 0, 100, 450, extends=True).cause is Cause.UNPINNED
+
+
+def test_the_server_placed_requests_are_bounded_and_a_forgotten_one_is_still_blamed():
+    placed = ServerPlaced(cap=4)
+    since = placed.answers
+    numbers = [placed.send() for _ in range(10)]
+    assert placed.remembered == 4  # never answered: the oldest dropped first
+    for n in numbers:
+        placed.answered(n, learned=False)
+    assert placed.remembered == 4
+    assert placed.blamed(since, before=0)  # the window reaches past a forgotten answer: still blamed
+    assert not placed.blamed(placed.answers, before=100)  # nothing answered since
