@@ -264,6 +264,10 @@ class Turns:
         return wait.free_slot(self.ledger, self.table, self.host.total_slots, avoid, busy,
                               writable=lambda s: not self.handing_over(s))
 
+    def idle_slots(self, avoid: int | None, busy: Collection[int], mine: str = "") -> int:
+        """Slots other than `avoid` that run nothing of ours and no placement but `mine`'s (`slotlogic.wait`)."""
+        return wait.idle_slots(self.ledger, self.host.total_slots, avoid, busy, mine)
+
     def writes(self, slot: int) -> bool:
         """This process is the slot's writer, as it last knew (or the only proxy there can be)."""
         return not self.host.instance or slot in self.ledger.writing

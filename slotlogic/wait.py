@@ -33,6 +33,15 @@ Rule 6: a free slot (`free_slot`) is one the ledger says holds nobody's current 
 Rule 7: the bound counts from the request's arrival in the proxy, its placement included: a placement (a new
         session's, a displaced one's, a side call's) whose slot's paging lock, earlier requests or seed source
         are not free within the bound moves nothing and the request goes as the client sent it (`past_bound`).
+Rule 8: `id_slot: -1` only when it can run sooner. Past its bound, while every slot runs or awaits a request
+        of ours (or a placement), a request sent with `id_slot: -1` would queue in the server behind the same
+        work and then run wherever llama-server's own choice puts it, over a conversation promised to someone
+        (bench mix-4: seven placements went out so at 30 s, then queued 150 s more in the server; the two
+        memory calls of one Qwen Code home prefilled 6,335 tokens each on slots llama-server chose). So it is
+        held on and decided again each time one of our requests ends: its own slot free (GO), a free slot
+        (MOVE), or some slot with nothing of ours (`id_slot: -1`, it runs now). A placement past its bound is
+        placed again the same way, once a slot runs nothing of ours (`slotkeeper/drivers/upstream.py`). Never
+        past `HOLD_CAP` bounds in all: then it goes with `id_slot: -1` whatever the slots do.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from enum import Enum
 
 from slotlogic import rewrite
 from slotlogic.decisions import Observe, Ticket
-from slotlogic.ledger import Holds, Ledger
+from slotlogic.ledger import MAX_SLOTS, Holds, Ledger
 from slotlogic.reasons import Unpinned, Why
 from slotlogic.table import SessionTable
 
@@ -52,6 +61,7 @@ CHARS_PER_TOKEN = 4  # a body's bytes per prompt token, roughly (JSON and Englis
 
 
 UNPINNED = (Unpinned.WAIT_BOUND, Unpinned.SIDE_BUSY)  # the requests this module sent with id_slot -1
+HOLD_CAP = 3.0  # bounds a request may be held in all while every slot runs or awaits our requests (Rule 8)
 
 
 class Verdict(Enum):
@@ -94,9 +104,10 @@ def estimate(chars: int, rate: float | None) -> float | None:
 
 
 def plan(ahead: Ahead, waited: float, bound: float, *, side: bool, own_chars: int, rate: float | None,
-         free: int | None = None) -> Plan:
+         free: int | None = None, idle: bool = True) -> Plan:
     """What to do with a request pinned to a slot with `ahead` in front of it, after `waited` seconds; `free`
-    is a slot that could run it without writing over anyone's conversation (`free_slot`), if there is one."""
+    is a slot that could run it without writing over anyone's conversation (`free_slot`), if there is one;
+    `idle`: some other slot runs nothing of ours and no placement is under way there (`idle_elsewhere`)."""
     if bound <= 0 or ahead.count <= 0:
         return Plan(Verdict.GO)
     wait = estimate(ahead.chars, rate)
@@ -106,10 +117,26 @@ def plan(ahead: Ahead, waited: float, bound: float, *, side: bool, own_chars: in
             return Plan(Verdict.WAIT, None, wait, until=stay_limit(own, bound))
         if free is not None:
             return Plan(Verdict.MOVE, WaitWhy.BOUND, wait, free)
+        if not idle and waited < hold_cap(bound):  # Rule 8: the server's queue would not run it sooner
+            return Plan(Verdict.WAIT, None, wait, until=hold_cap(bound))
         return Plan(Verdict.UNPIN, WaitWhy.BOUND, wait)
     if free is not None and wait is not None and own is not None and wait > own:
         return Plan(Verdict.MOVE, WaitWhy.SIDE_BUSY if side else WaitWhy.SLOT_BUSY, wait, free)
     return Plan(Verdict.WAIT, None, wait, until=bound)
+
+
+def hold_cap(bound: float) -> float:
+    """The longest any request is held in the proxy (Rule 8): `HOLD_CAP` bounds."""
+    return HOLD_CAP * bound
+
+
+def idle_slots(ledger: Ledger, total: int | None, avoid: int | None, busy: Collection[int], mine: str = "") -> int:
+    """How many slots other than `avoid` run nothing of ours (`busy`: the slots with requests of ours open) and
+    have no placement under way but `mine`'s (Rule 8). Unknown slot count: 1 (the server may well have one)."""
+    if not total:
+        return 1
+    return sum(1 for s in range(min(total, MAX_SLOTS)) if s != avoid and s not in busy
+               and all(claimant == mine for claimant in ledger.claims_on(s)))
 
 
 def stay_limit(own: float | None, bound: float) -> float:

@@ -55,6 +55,38 @@ def test_past_its_bound_a_request_stays_while_its_own_slot_runs_it_no_later_than
     assert wait.plan(ahead, 5.0, 30.0, side=True, own_chars=own, rate=100.0).until == 30.0
 
 
+def test_past_its_bound_a_request_is_held_while_every_slot_runs_ours_and_goes_unpinned_once_one_does_not():
+    """bench mix-4 (stop 36): seven requests went out with `id_slot: -1` at their 30 s bound while all three
+    slots ran long prefills of ours, then queued 150 s more in the server and ran where llama-server put them,
+    over conversations promised to others. With no slot free of our work the server would not run it sooner:
+    it is held (decided again as our requests end), to `HOLD_CAP` bounds at most."""
+    ahead = Ahead(1, 400_000)
+    held = wait.plan(ahead, 30.0, 30.0, side=False, own_chars=100, rate=100.0, idle=False)
+    assert (held.verdict, held.until) == (Verdict.WAIT, wait.hold_cap(30.0)) and wait.hold_cap(30.0) == 90.0
+    # a slot with nothing of ours: sent with id_slot -1 it runs now
+    idle = wait.plan(ahead, 31.0, 30.0, side=False, own_chars=100, rate=100.0, idle=True)
+    assert (idle.verdict, idle.why) == (Verdict.UNPIN, WaitWhy.BOUND)
+    # a free slot (nobody's conversation) still comes first
+    assert wait.plan(ahead, 31.0, 30.0, side=False, own_chars=100, rate=100.0, free=2, idle=False).verdict \
+        is Verdict.MOVE
+    # never held past the cap
+    capped = wait.plan(ahead, 90.0, 30.0, side=False, own_chars=100, rate=100.0, idle=False)
+    assert (capped.verdict, capped.why) == (Verdict.UNPIN, WaitWhy.BOUND)
+
+
+def test_a_slot_counts_as_idle_only_with_nothing_of_ours_on_it_and_no_placement_but_the_askers():
+    from slotlogic.ledger import Ledger
+
+    ledger = Ledger()
+    ledger.resize(3)
+    assert wait.idle_slots(ledger, 3, None, busy=[0, 1]) == 1
+    ledger.claim(2, "other")
+    assert wait.idle_slots(ledger, 3, None, busy=[0, 1]) == 0
+    assert wait.idle_slots(ledger, 3, None, busy=[0, 1], mine="other") == 1  # its own claim does not count
+    assert wait.idle_slots(ledger, 3, 2, busy=[0, 1], mine="other") == 0  # the slot it is held on does not count
+    assert wait.idle_slots(ledger, None, None, busy=[]) == 1  # no slot count known: the server may have one
+
+
 def test_a_side_call_never_waits_behind_longer_work_than_its_own_prefill_when_a_free_slot_can_run_it():
     behind_long = wait.plan(Ahead(1, 4592 * 4), 0.0, 30.0, side=True, own_chars=591 * 4, rate=50.0, free=0)
     assert (behind_long.verdict, behind_long.why, behind_long.slot) == (Verdict.MOVE, WaitWhy.SIDE_BUSY, 0)
@@ -443,6 +475,58 @@ async def test_a_new_session_whose_slot_another_placement_holds_past_its_bound_g
     follow["messages"] += [{"role": "assistant", "content": "done"}, {"role": "user", "content": "next"}]
     again = await asyncio.wait_for(up.decide(facts(follow), "f-a-2"), 5)
     assert isinstance(again, Pin) and again.ticket.slot == a.ticket.slot and again.ticket.why is Why.KNOWN
+
+
+async def test_a_new_session_past_its_bound_with_every_slot_running_ours_is_placed_on_the_first_that_frees(tmp_path):
+    """bench mix-4 (stop 36): with every slot running a long prefill of ours, new sessions went out with
+    `id_slot: -1` at their bound, queued in the server anyway, and ran where llama-server chose, over
+    conversations promised to others (Claude Code's 3,100-token conversation lost, a Qwen Code memory home
+    overwritten). A placement past its bound is now placed again once one of our requests ends: on the slot
+    that freed, its holder paged out first, pinned; only at `HOLD_CAP` bounds would it go unpinned."""
+    from slotkeeper.drivers.upstream import Upstream
+    from slotlogic.answers import Observation
+    from slotlogic.decisions import Pin, RequestFacts
+    from slotlogic.settings import Settings
+    from tests.conftest import UP
+    from tests.test_page_safety import PagingLlama, Slots
+
+    (tmp_path / "slots").mkdir()
+    bound = 0.4
+    settings = Settings(probe_interval=0, paging=True, save_dir=str(tmp_path / "slots"), wait_bound=bound)
+    slots = Slots()
+    client = PagingLlama(slots)
+    client.props_data = {**(client.props_data or {}), "total_slots": 2}
+    client.slots_data = [{"id": i, "n_ctx": 8192, "is_processing": False, "n_prompt_tokens": 0} for i in range(2)]
+    up = Upstream(UP, settings, tmp_path / "state", lambda e: None, client=client)
+
+    def facts(body: dict) -> RequestFacts:
+        return RequestFacts("POST", "/v1/chat/completions", (), json.dumps(body).encode(), time.time())
+
+    firsts = {}
+    for name in ("a", "b"):
+        pin = await up.decide(facts(chat(f"task {name}")), f"f-{name}")
+        assert isinstance(pin, Pin) and pin.ticket.slot is not None
+        up.unlock(f"f-{name}")
+        up.answered(pin.ticket, Observation(cache_n=0, prompt_n=300), path="/v1/chat/completions", seconds=1.0)
+        firsts[name] = pin
+    # their next turns run long prefills on both slots
+    for name, pin in firsts.items():
+        up.sent(f"f-{name}-2", pin.ticket.slot, pin.ticket.session.key, 40_000)
+        up.unlock(f"f-{name}-2")  # the server has it (its response headers came)
+        client.slots_data[pin.ticket.slot]["is_processing"] = True
+    started = time.monotonic()
+    task = asyncio.create_task(up.decide(facts(chat("task c")), "f-c"))
+    await asyncio.sleep(bound * 1.6)
+    assert not task.done()  # past its bound, held: sent unpinned it would only queue in the server
+    freed = firsts["b"].ticket.slot
+    client.slots_data[freed]["is_processing"] = False
+    up.ended("f-b-2")
+    placed = await asyncio.wait_for(task, 5)
+    assert time.monotonic() - started < wait.HOLD_CAP * bound
+    assert isinstance(placed, Pin) and placed.ticket.slot == freed and placed.ticket.unpinned is None
+    assert "save" in slots.calls  # b's conversation paged out before c was sent there
+    b_key = firsts["b"].ticket.session.key
+    assert up.keeper.pager.page_of(b_key) is not None
 
 
 async def test_a_placement_sends_no_save_to_a_slot_the_server_still_runs_past_its_bound(tmp_path):

@@ -20,6 +20,7 @@ from slotlogic.decisions import Pin, Ticket
 from slotlogic.keeper import Keeper
 
 Clock = Callable[[], float]
+MAX_UNPLACED = 4096  # open flows of ours sent with `id_slot: -1` that are remembered (each ends with `left`)
 
 
 class SlotWaits:
@@ -34,7 +35,8 @@ class SlotWaits:
         self.clock: Clock = clock or (lambda: time.monotonic())  # read at each call: the simulator patches it
         self.open: dict[int, dict[str, tuple[int, str]]] = {}  # slot -> flow -> (body chars, session; "" side)
         self._slot_of: dict[str, int] = {}
-        self._freed: dict[int, asyncio.Event] = {}
+        self._changed = asyncio.Event()  # set (and replaced) whenever one of our requests ends anywhere
+        self.unplaced: dict[str, None] = {}  # flows of ours sent with `id_slot: -1`, open (a slot each, somewhere)
         self.keeper, self.bound, self.released, self.slots = keeper, bound, released, slots
         self.take = take  # makes a free slot this process's to write (the shared state); None: it always is
 
@@ -53,15 +55,17 @@ class SlotWaits:
         """Its answer ended (or it failed, or went elsewhere): whoever waits for the slot looks again."""
         slot = self._slot_of.pop(flow_id, None)
         if slot is None:
+            if self.unplaced.pop(flow_id, 0) is None:  # an unpinned one of ours ended: a slot frees
+                self._changed.set()
+                self._changed = asyncio.Event()
             return
         flows = self.open.get(slot)
         if flows is not None:
             flows.pop(flow_id, None)
             if not flows:
                 del self.open[slot]
-        event = self._freed.pop(slot, None)
-        if event is not None:
-            event.set()
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def ahead(self, slot: int, flow_id: str = "", session: str = "") -> wait.Ahead:
         """Our other requests open on `slot`; those of the same `session` do not count (its own work: on its
@@ -86,10 +90,10 @@ class SlotWaits:
         started = self.clock() - max(0.0, waited)
         while True:
             p = wait.plan(self.ahead(slot, flow_id, session), self.clock() - started, bound, side=side,
-                          own_chars=own_chars, rate=rate(), free=self.free(slot))
+                          own_chars=own_chars, rate=rate(), free=self.free(slot), idle=self.idle(slot))
             if p.verdict is not wait.Verdict.WAIT:
                 return p
-            event = self._freed.setdefault(slot, asyncio.Event())
+            event = self._changed  # any request of ours ending may free this slot or another (Rule 8)
             left = p.until - (self.clock() - started)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), max(0.0, left))
@@ -99,6 +103,31 @@ class SlotWaits:
         if self.keeper is None:
             return None
         return self.keeper.turns.free_slot(slot, [s for s, flows in self.open.items() if flows])
+
+    def idle(self, avoid: int | None = None, mine: str = "") -> bool:
+        """Some slot other than `avoid` runs nothing of ours and no placement but `mine`'s, beyond those our
+        requests sent with `id_slot: -1` will take (`slotlogic.wait`, Rule 8)."""
+        if self.keeper is None:
+            return True
+        busy = [s for s, flows in self.open.items() if flows]
+        return self.keeper.turns.idle_slots(avoid, busy, mine) > len(self.unplaced)
+
+    def sent_unplaced(self, flow_id: str) -> None:
+        """A request of ours goes out with `id_slot: -1`: it takes the first slot that frees (until `left`)."""
+        self.unplaced[flow_id] = None
+        while len(self.unplaced) > MAX_UNPLACED:
+            del self.unplaced[next(iter(self.unplaced))]
+
+    async def until_idle(self, until: float, mine: str = "") -> bool:
+        """Wait until some slot runs nothing of ours and no placement but `mine`'s, at most until `until` (this
+        clock): whether one does (a placement past its bound is then placed again, `slotlogic.wait` Rule 8)."""
+        while not self.idle(mine=mine):
+            left = until - self.clock()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+        return True
 
     def must_wait(self, decision: Pin) -> bool:
         """Our earlier requests run on the request's slot, and another slot could run it (one dict look-up)."""
@@ -137,6 +166,7 @@ class SlotWaits:
         why, holder = plan.why or wait.WaitWhy.BOUND, self.holder(t.slot, flow_id)
         if moved is None:
             t = self.keeper.turns.unpin(t, why, holder)
+            self.sent_unplaced(flow_id)
         else:
             t = self.keeper.turns.move_held(t, moved, why, holder, time.time())
         self.released(flow_id)

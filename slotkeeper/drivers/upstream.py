@@ -227,7 +227,8 @@ class Upstream:
         return decision
 
     async def _place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
-                     accept: Accept | None = None, retries: int = 2, by: float | None = None) -> Any:
+                     accept: Accept | None = None, retries: int = 2, by: float | None = None,
+                     cap: float | None = None) -> Any:
         key, now = need.ticket.session.key, facts.now
         if self.pages is not None:
             await self.pages.settled(key, left(by))  # its page-out is in flight: page it back in after
@@ -267,11 +268,12 @@ class Upstream:
                                          retries=retries - 1, by=by)
         need = placement.need or need  # as placed: its stable prefix as the core knows it by now
         if placement.side or self.offline:  # a side call's slot holder is paged out first, within its bound
-            late = paged and await self.mover.side(placement, flow_id, by) is Moved.LATE
-            return self.mover.give_up(need, flow_id) if late else self.keeper.pin(placement, now)
+            if paged and await self.mover.side(placement, flow_id, by) is Moved.LATE:
+                return await _late(self, need, facts, flow_id, accept, by, cap)
+            return self.keeper.pin(placement, now)
         moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id, by)
         if moved is Moved.LATE:  # its bound passed before its slot was ours to write: nothing moved
-            return self.mover.give_up(need, flow_id)
+            return await _late(self, need, facts, flow_id, accept, by, cap)
         if moved is Moved.STALE and retries > 0:  # another claim of the slot came first: place it again
             self.mover.stopped(flow_id)
             return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1, by=by)
@@ -344,8 +346,6 @@ class Upstream:
         self._started = True
         self.tasks.spawn(self.prober.start())
 
-    # ------------------------------------------------------------------------------------------- background
-
     def kick(self) -> None:
         """Make sure the background flusher/prober runs (no I/O here)."""
         if not self.offline:
@@ -369,8 +369,6 @@ class Upstream:
         """Wait for the background work a command or an answer started (tests, shutdown)."""
         await self.tasks.settle()
 
-    # ------------------------------------------------------------------------------------------- shutdown
-
     def close_sync(self) -> None:
         """At `done`: the last touches written; a replay's throw-away state removed."""
         if self.offline:
@@ -386,6 +384,20 @@ class Upstream:
     async def aclose(self) -> None:
         self.handovers.stop()
         await self.client.aclose()
+
+
+async def _late(up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str, accept: Accept | None,
+                by: float | None, cap: float | None) -> Any:
+    """A placement whose bound passed before its slot was ours to write, nothing moved: placed again once a
+    slot runs nothing of ours, within `HOLD_CAP` bounds of its arrival (`cap`); else it goes as the client sent
+    it (`slotlogic.wait`, Rules 7 and 8)."""
+    cap = cap if cap is not None or by is None else by + (wait.HOLD_CAP - 1) * up.settings.wait_bound
+    if by is not None and cap is not None and by < cap:
+        up.mover.stopped(flow_id)  # its slot's lock let go while it waits
+        if await up.waits.until_idle(cap, mine=need.ticket.session.key):
+            return await up._place(need, facts, flow_id, accept=accept, by=cap, cap=cap)
+    up.waits.sent_unplaced(flow_id)
+    return up.mover.give_up(need, flow_id)
 
 
 def status_view(keeper: Keeper, model: ModelCheck, settings: Settings, state: shared.ServerState) -> dict[str, Any]:
