@@ -389,74 +389,11 @@ async def test_a_side_call_whose_slot_another_placement_holds_past_its_bound_goe
     30 s bound (which covered only waits behind requests already sent), and OpenCode had exited by then
     (client-gone). Its placement now waits at most the bound, then it goes as the client sent it, to the first
     slot that frees, and nothing of ours is written to the held slot."""
-    from slotkeeper.drivers.upstream import Upstream
-    from slotlogic.answers import Observation
-    from slotlogic.decisions import Observe, Pin, RequestFacts
-    from slotlogic.reasons import Unpinned
-    from slotlogic.settings import Settings
-    from tests.conftest import UP
-    from tests.test_page_safety import PagingLlama, Slots
-
-    (tmp_path / "slots").mkdir()
-    settings = Settings(probe_interval=0, paging=True, save_dir=str(tmp_path / "slots"), wait_bound=0.3)
-    client = PagingLlama(Slots())
-    client.props_data = {**(client.props_data or {}), "total_slots": 2}  # a side slot of its own
-    client.slots_data = [{"id": i, "n_ctx": 8192, "is_processing": False, "n_prompt_tokens": 0} for i in range(2)]
-    up = Upstream(UP, settings, tmp_path / "state", lambda e: None, client=client)
-    title = chat("Title for: a flaky test.", system="You are a title generator. Write a title.")
-    memory = chat("Remember: the user likes tabs.",
-                  system="You are now acting as the managed memory extraction subagent for x.")
-
-    def facts(body: dict) -> RequestFacts:
-        return RequestFacts("POST", "/v1/chat/completions", (), json.dumps(body).encode(), time.time())
-
-    first = await up.decide(facts(title), "f-title")
-    assert isinstance(first, Pin) and first.ticket.slot is not None
-    up.unlock("f-title")
-    up.answered(first.ticket, Observation(cache_n=0, prompt_n=300), path="/v1/chat/completions", seconds=1.0)
-    slot = first.ticket.slot
-    assert up.pages is not None and await up.pages.hold(slot, "another-placement")  # a long prefill's placement
-    started = time.monotonic()
-    late = await asyncio.wait_for(up.decide(facts(memory), "f-memory"), 5)
-    assert time.monotonic() - started < 2.0
-    assert isinstance(late, Observe) and late.ticket.slot is None and late.body is None  # the client's bytes
-    assert late.ticket.unpinned is Unpinned.WAIT_BOUND and late.ticket.reason == "wait-bound"
-    assert up.keeper.ledger.entry(slot).owner == first.ticket.session.key  # nothing of the memory call's there
-    up.pages.unlock("another-placement")
-    again = await asyncio.wait_for(up.decide(facts(memory), "f-memory-2"), 5)  # the slot free: placed as before
-    assert isinstance(again, Pin) and again.ticket.slot == slot
-
-
-async def test_a_new_session_whose_slot_another_placement_holds_past_its_bound_goes_unpinned(tmp_path):
-    """bench mix-4 run E: Claude Code's second session was held 490 s in its placement, waiting for the paging
-    lock of a slot another placement held through a minutes-long prefill (only a side call's placement was
-    bounded then), until Claude Code gave up. A new session's placement now waits at most the bound too, then
-    the request goes as the client sent it; the slot's holder keeps its slot and its cache."""
-    from slotkeeper.drivers.upstream import Upstream
-    from slotlogic.answers import Observation
-    from slotlogic.decisions import Observe, Pin, RequestFacts
+    from slotlogic.decisions import Observe, Pin
     from slotlogic.reasons import Unpinned, Why
-    from slotlogic.settings import Settings
-    from tests.conftest import UP
-    from tests.test_page_safety import PagingLlama, Slots
 
-    (tmp_path / "slots").mkdir()
-    settings = Settings(probe_interval=0, paging=True, save_dir=str(tmp_path / "slots"), wait_bound=0.3)
-    client = PagingLlama(Slots())
-    client.props_data = {**(client.props_data or {}), "total_slots": 2}
-    client.slots_data = [{"id": i, "n_ctx": 8192, "is_processing": False, "n_prompt_tokens": 0} for i in range(2)]
-    up = Upstream(UP, settings, tmp_path / "state", lambda e: None, client=client)
-
-    def facts(body: dict) -> RequestFacts:
-        return RequestFacts("POST", "/v1/chat/completions", (), json.dumps(body).encode(), time.time())
-
-    firsts = {}
-    for name in ("a", "b"):
-        pin = await up.decide(facts(chat(f"task {name}")), f"f-{name}")
-        assert isinstance(pin, Pin) and pin.ticket.slot is not None
-        up.unlock(f"f-{name}")
-        up.answered(pin.ticket, Observation(cache_n=0, prompt_n=300), path="/v1/chat/completions", seconds=1.0)
-        firsts[name] = pin
+    up, _, _, firsts = await _two_sessions_on_two_slots(tmp_path, 0.3)
+    facts = _chat_facts
     assert {p.ticket.slot for p in firsts.values()} == {0, 1}
     assert up.pages is not None
     for slot in (0, 1):
@@ -483,32 +420,11 @@ async def test_a_new_session_past_its_bound_with_every_slot_running_ours_is_plac
     conversations promised to others (Claude Code's 3,100-token conversation lost, a Qwen Code memory home
     overwritten). A placement past its bound is now placed again once one of our requests ends: on the slot
     that freed, its holder paged out first, pinned; only at `HOLD_CAP` bounds would it go unpinned."""
-    from slotkeeper.drivers.upstream import Upstream
-    from slotlogic.answers import Observation
-    from slotlogic.decisions import Pin, RequestFacts
-    from slotlogic.settings import Settings
-    from tests.conftest import UP
-    from tests.test_page_safety import PagingLlama, Slots
+    from slotlogic.decisions import Pin
 
-    (tmp_path / "slots").mkdir()
     bound = 0.4
-    settings = Settings(probe_interval=0, paging=True, save_dir=str(tmp_path / "slots"), wait_bound=bound)
-    slots = Slots()
-    client = PagingLlama(slots)
-    client.props_data = {**(client.props_data or {}), "total_slots": 2}
-    client.slots_data = [{"id": i, "n_ctx": 8192, "is_processing": False, "n_prompt_tokens": 0} for i in range(2)]
-    up = Upstream(UP, settings, tmp_path / "state", lambda e: None, client=client)
-
-    def facts(body: dict) -> RequestFacts:
-        return RequestFacts("POST", "/v1/chat/completions", (), json.dumps(body).encode(), time.time())
-
-    firsts = {}
-    for name in ("a", "b"):
-        pin = await up.decide(facts(chat(f"task {name}")), f"f-{name}")
-        assert isinstance(pin, Pin) and pin.ticket.slot is not None
-        up.unlock(f"f-{name}")
-        up.answered(pin.ticket, Observation(cache_n=0, prompt_n=300), path="/v1/chat/completions", seconds=1.0)
-        firsts[name] = pin
+    up, client, slots, firsts = await _two_sessions_on_two_slots(tmp_path, bound)
+    facts = _chat_facts
     # their next turns run long prefills on both slots
     for name, pin in firsts.items():
         up.sent(f"f-{name}-2", pin.ticket.slot, pin.ticket.session.key, 40_000)
@@ -569,3 +485,36 @@ async def test_a_placement_sends_no_save_to_a_slot_the_server_still_runs_past_it
     client.slots_data = [{**e, "is_processing": False} for e in client.slots_data]
     placed = await asyncio.wait_for(up.decide(facts(other), "f-c-2"), 5)  # idle now: paged as before
     assert isinstance(placed, Pin) and "save" in actions.calls[len(calls_before):]  # its holder paged out
+
+
+def _chat_facts(body: dict):
+    from slotlogic.decisions import RequestFacts
+
+    return RequestFacts("POST", "/v1/chat/completions", (), json.dumps(body).encode(), time.time())
+
+
+async def _two_sessions_on_two_slots(tmp_path, bound: float):
+    """A paging upstream on 2 slots with sessions a and b answered on them: (upstream, client, slot actions,
+    the two first pins by name)."""
+    from slotkeeper.drivers.upstream import Upstream
+    from slotlogic.answers import Observation
+    from slotlogic.decisions import Pin
+    from slotlogic.settings import Settings
+    from tests.conftest import UP
+    from tests.test_page_safety import PagingLlama, Slots
+
+    (tmp_path / "slots").mkdir()
+    settings = Settings(probe_interval=0, paging=True, save_dir=str(tmp_path / "slots"), wait_bound=bound)
+    slots = Slots()
+    client = PagingLlama(slots)
+    client.props_data = {**(client.props_data or {}), "total_slots": 2}
+    client.slots_data = [{"id": i, "n_ctx": 8192, "is_processing": False, "n_prompt_tokens": 0} for i in range(2)]
+    up = Upstream(UP, settings, tmp_path / "state", lambda e: None, client=client)
+    firsts = {}
+    for name in ("a", "b"):
+        pin = await up.decide(_chat_facts(chat(f"task {name}")), f"f-{name}")
+        assert isinstance(pin, Pin) and pin.ticket.slot is not None
+        up.unlock(f"f-{name}")
+        up.answered(pin.ticket, Observation(cache_n=0, prompt_n=300), path="/v1/chat/completions", seconds=1.0)
+        firsts[name] = pin
+    return up, client, slots, firsts
