@@ -35,7 +35,7 @@ class SlotWaits:
         self.clock: Clock = clock or (lambda: time.monotonic())  # read at each call: the simulator patches it
         self.open: dict[int, dict[str, tuple[int, str]]] = {}  # slot -> flow -> (body chars, session; "" side)
         self._slot_of: dict[str, int] = {}
-        self._changed = asyncio.Event()  # set (and replaced) whenever one of our requests ends anywhere
+        self._changed: asyncio.Event | None = None  # made by a waiter; set (and dropped) when a request ends
         self.unplaced: dict[str, None] = {}  # flows of ours sent with `id_slot: -1`, open (a slot each, somewhere)
         self.keeper, self.bound, self.released, self.slots = keeper, bound, released, slots
         self.take = take  # makes a free slot this process's to write (the shared state); None: it always is
@@ -56,16 +56,26 @@ class SlotWaits:
         slot = self._slot_of.pop(flow_id, None)
         if slot is None:
             if self.unplaced.pop(flow_id, 0) is None:  # an unpinned one of ours ended: a slot frees
-                self._changed.set()
-                self._changed = asyncio.Event()
+                self._wake()
             return
         flows = self.open.get(slot)
         if flows is not None:
             flows.pop(flow_id, None)
             if not flows:
                 del self.open[slot]
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Whoever waits for a slot looks again (no waiter: nothing to do, nothing made)."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def _change(self) -> asyncio.Event:
+        """What a waiter awaits: set when one of our requests next ends, anywhere (Rule 8)."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
 
     def ahead(self, slot: int, flow_id: str = "", session: str = "") -> wait.Ahead:
         """Our other requests open on `slot`; those of the same `session` do not count (its own work: on its
@@ -93,7 +103,7 @@ class SlotWaits:
                           own_chars=own_chars, rate=rate(), free=self.free(slot), idle=self.idle(slot))
             if p.verdict is not wait.Verdict.WAIT:
                 return p
-            event = self._changed  # any request of ours ending may free this slot or another (Rule 8)
+            event = self._change()  # any request of ours ending may free this slot or another (Rule 8)
             left = p.until - (self.clock() - started)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), max(0.0, left))
@@ -126,7 +136,7 @@ class SlotWaits:
             if left <= 0:
                 return False
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), left)
+                await asyncio.wait_for(self._change().wait(), left)
         return True
 
     def must_wait(self, decision: Pin) -> bool:
