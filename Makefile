@@ -9,6 +9,8 @@ PROXY_PORT ?= 8081
 LLAMA_PORT ?= 8080
 SLOTS ?= 4
 ARGS ?=
+# pytest workers for make test: each takes whole test files (a module's real server and redis stay in one worker).
+JOBS ?= 2
 # pipefail: a recipe's pipe (pip | the filter below) fails when pip does.
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
@@ -45,7 +47,7 @@ services:
 
 test: services $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -p no:cacheprovider $(ARGS)
+	$(BIN)/pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile $(ARGS)
 
 # Both supported pairs: Python 3.11 + mitmproxy 11.0.2, Python 3.12 + mitmproxy 12.x.
 test-312:
