@@ -69,9 +69,25 @@ def test_past_its_bound_a_request_is_held_while_every_slot_runs_ours_and_goes_un
     # a free slot (nobody's conversation) still comes first
     assert wait.plan(ahead, 31.0, 30.0, side=False, own_chars=100, rate=100.0, free=2, idle=False).verdict \
         is Verdict.MOVE
-    # never held past the cap
+    # never held past the cap: the work ahead outlasts its own prefill, so it goes where it may start sooner
     capped = wait.plan(ahead, 90.0, 30.0, side=False, own_chars=100, rate=100.0, idle=False)
     assert (capped.verdict, capped.why) == (Verdict.UNPIN, WaitWhy.BOUND)
+
+
+def test_at_the_cap_with_every_slot_running_ours_a_turn_queues_on_its_own_slot_when_that_is_no_later():
+    """bench mix-4 (stop 36): Claude Code and OpenCode turns held to the cap while all three slots prefilled
+    went out with `id_slot: -1`, queued in the server all the same, and prefilled 2,275-3,199 tokens their own
+    slots still held. Queued either way, pinned it starts once the work ahead ends and finds its cache."""
+    ahead, own = Ahead(1, 100 * 100 * 4), 30 * 100 * 4  # 100 s of work ahead (90 s of it run), 30 s of its own
+    queued = wait.plan(ahead, 90.0, 30.0, side=False, own_chars=own, rate=100.0, idle=False)
+    assert queued.verdict is Verdict.GO
+    # the same at the cap with a slot that runs nothing of ours: id_slot -1 starts it now
+    assert wait.plan(ahead, 90.0, 30.0, side=False, own_chars=own, rate=100.0, idle=True).verdict is Verdict.UNPIN
+    # the work ahead still to run outlasts its own prefill: the first slot that frees is sooner
+    long_ahead = wait.plan(Ahead(1, 200 * 100 * 4), 90.0, 30.0, side=False, own_chars=own, rate=100.0, idle=False)
+    assert (long_ahead.verdict, long_ahead.why) == (Verdict.UNPIN, WaitWhy.BOUND)
+    # no speed measured: no estimate says stay
+    assert wait.plan(ahead, 90.0, 30.0, side=False, own_chars=own, rate=None, idle=False).verdict is Verdict.UNPIN
 
 
 def test_a_slot_counts_as_idle_only_with_nothing_of_ours_on_it_and_no_placement_but_the_askers():
