@@ -82,8 +82,8 @@ def miscalled(rig: Rig, losses: list[Loss]) -> int:
     return out
 
 
-def run_seed(seed: int) -> SeedResult:
-    return run_shape(shape_for(seed))[0]
+def run_seed(seed: int, *, load: bool = True) -> SeedResult:
+    return run_shape(shape_for(seed, load=load))[0]
 
 
 def _quiet() -> None:

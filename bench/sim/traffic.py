@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bench.sim.harness import Rig, Setup
@@ -50,7 +50,7 @@ class Shape:
     def describe(self) -> str:
         s = self.setup
         return (f"seed={self.seed} servers={s.servers} slots={s.slots} paging={s.paging} proxies={s.proxies} "
-                f"prefill={s.prefill_speed:.0f}tok/s "
+                f"prefill={s.prefill_speed:.0f}tok/s {''.join(f'{k}={v} ' for k, v in s.options)}"
                 f"unified={s.unified} ttl={s.ttl} sessions={len(self.sessions)} "
                 f"requests={self.requests} restarts={len(self.restarts)}")
 
@@ -60,8 +60,9 @@ class Shape:
                    for x in self.sessions)
 
 
-def shape_from_seed(seed: int, *, max_sessions: int = 6) -> Shape:
-    """A workload's shape, drawn from `seed` alone (the sweep's seeds; a failing one is its reproduction)."""
+def shape_from_seed(seed: int, *, max_sessions: int = 6, load: bool = True) -> Shape:
+    """A workload's shape, drawn from `seed` alone (the sweep's seeds; a failing one is its reproduction).
+    `load=False`: never a loaded server (the shapes as drawn before that draw existed, for older regressions)."""
     rng = random.Random(seed)
     servers = 2 if rng.random() < 0.2 else 1
     slots = rng.randint(1, 4 if servers == 2 else 8)
@@ -84,7 +85,11 @@ def shape_from_seed(seed: int, *, max_sessions: int = 6) -> Shape:
             proxy=rng.randrange(setup.proxies)))
     restarts = tuple((rng.uniform(0.5, 20), rng.randrange(servers), rng.random() < 0.3)
                      for _ in range(1 if rng.random() < 0.1 else 0))
-    return Shape(seed, setup, tuple(sessions), system_words=rng.randint(60, 200), restarts=restarts)
+    system_words = rng.randint(60, 200)
+    if rng.random() < 0.15 and load:  # a loaded server: prefills outlast the bound (held requests, Rules 3-9)
+        setup = replace(setup, prefill_speed=rng.uniform(60, 300),
+                        options=(("slots_wait_bound", rng.choice((1, 2, 5))),))
+    return Shape(seed, setup, tuple(sessions), system_words=system_words, restarts=restarts)
 
 
 def issue_shape(seed: int, servers: int = 1, slots: int = 4, prefill_speed: float = 150.0) -> Shape:
@@ -99,12 +104,12 @@ def issue_shape(seed: int, servers: int = 1, slots: int = 4, prefill_speed: floa
                  system_words=500, output_words=(60, 200))
 
 
-def shape_for(seed: int) -> Shape:
+def shape_for(seed: int, *, load: bool = True) -> Shape:
     """The sweep's workload for `seed`: every tenth (seed % 10 == 9) the issue-19 traffic on 1 x 4 or 2 x 2
     slots, the others drawn by `shape_from_seed`."""
     if seed % 10 == 9:
         return issue_shape(seed, *((1, 4) if seed % 20 == 9 else (2, 2)))
-    return shape_from_seed(seed)
+    return shape_from_seed(seed, load=load)
 
 
 # ----------------------------------------------------------------------------------------------- content
