@@ -200,17 +200,9 @@ class Keeper:
         if s.policy is Policy.AFFINITY:
             return self._pending(ticket, req.body, req.content, TRANSLATED_PATH if ticket.translated else facts.path,
                                  facts.now)
-        displaced = self._displaced_from(ticket, facts.now)
+        displaced = _displaced_from(self._table, self.total_slots, ticket, facts.now)
         ticket = replace(ticket, displaced=True) if displaced is not None else ticket
         return self._intake.need_slot(ticket, req, facts.now, displaced)
-
-    def _displaced_from(self, ticket: Ticket, now: float) -> int | None:
-        """The slot a session still live here was on: another session ran there since (else it would have been
-        placed from memory), so staying has no value of its own; it chooses again, its own slot a candidate."""
-        live = self._table.live(ticket.session.key, now)
-        if live is not None and (self.total_slots is None or live.slot < self.total_slots):
-            return live.slot
-        return None
 
     def _placed(self, key: str, side: bool, now: float, body: dict[str, Any] | None = None
                 ) -> tuple[int, Why] | None:
@@ -367,6 +359,10 @@ class Keeper:
 
     # ------------------------------------------------------------------------------------------- answers
 
+    def withdraw(self, key: str) -> None:
+        """A placement waiting to be placed again (`slotlogic.wait`, Rule 8) lets go of its slot meanwhile."""
+        self._placements.drop(key)
+
     def abandon(self, ticket: Ticket) -> Ticket:
         """The request goes out unpinned after all (an error after its slot was chosen): nothing may still say
         it is pinned. The session is forgotten in memory, so its next request is placed again (its claim in
@@ -381,6 +377,15 @@ class Keeper:
 
     def status(self, state: shared.ServerState, now: float) -> dict[str, Any]:
         return self._outcomes.status(state, now, self.server)  # the status view: hashes and counts only
+
+
+def _displaced_from(table: SessionTable, total: int | None, ticket: Ticket, now: float) -> int | None:
+    """The slot a session still live here was on: another session ran there since (else it would have been
+    placed from memory), so staying has no value of its own; it chooses again, its own slot a candidate."""
+    live = table.live(ticket.session.key, now)
+    if live is not None and (total is None or live.slot < total):
+        return live.slot
+    return None
 
 
 def _known_ticket(shape: Shape, **fields: Any) -> Ticket:

@@ -69,6 +69,7 @@ CHARS_PER_TOKEN = 4  # a body's bytes per prompt token, roughly (JSON and Englis
 
 UNPINNED = (Unpinned.WAIT_BOUND, Unpinned.SIDE_BUSY)  # the requests this module sent with id_slot -1
 HOLD_CAP = 3.0  # bounds a request may be held in all while every slot runs or awaits our requests (Rule 8)
+HOLD_FLOOR = 90.0  # seconds: the cap is never shorter (a short bound asks for moves, not for the server's queue)
 
 
 class Verdict(Enum):
@@ -135,8 +136,8 @@ def plan(ahead: Ahead, waited: float, bound: float, *, side: bool, own_chars: in
 
 
 def hold_cap(bound: float) -> float:
-    """The longest any request is held in the proxy (Rule 8): `HOLD_CAP` bounds."""
-    return HOLD_CAP * bound
+    """The longest any request is held in the proxy (Rule 8): `HOLD_CAP` bounds, at least `HOLD_FLOOR`."""
+    return max(HOLD_CAP * bound, HOLD_FLOOR)
 
 
 def idle_slots(ledger: Ledger, total: int | None, avoid: int | None, busy: Collection[int], mine: str = "") -> int:

@@ -29,7 +29,12 @@ def test_the_seeded_sweep_loses_nothing_unlabelled(results):
 
 
 def causes(seed: int) -> set[str]:
-    return {x.cause for x in run_seed(seed).losses if not x.labelled}
+    """The unlabelled causes of `seed`'s losses, on the shape it was found in (`LOADED`: drawn with the loaded
+    server the sweep draws since stop 37; the others as drawn before, so that each still replays its cause)."""
+    return {x.cause for x in run_seed(seed, load=seed in LOADED).losses if not x.labelled}
+
+
+LOADED = {590}
 
 
 # Each: the smallest seed of 0..299 with the cause (seeds 59 and 79: the issue-19 traffic, seed % 10 == 9).
@@ -90,6 +95,11 @@ CAUSES = [
            "placements: their moves are planned once the slot is idle at the server)"),
     (352, "side-call-over-owner: paging off, every slot a session's; a title call behind a long prefill on the side "
           "slot went out with id_slot -1 and the server ran it on a `known` session's idle slot: 3 of 196"),
+    (590, "not-paged-in: a loaded server (183 tok/s, bound 1 s), two one-slot servers; two placements past their "
+          "bound both claimed the one slot and each waited for a slot with no claim but its own until the 3 s cap, "
+          "then went with id_slot -1 over the sessions the slot held (fixed: a waiting placement lets go of its "
+          "claim; the hold's cap is never under 90 s, so a short bound moves requests and never queues them "
+          "unpinned in the server sooner)"),
 ]
 
 
@@ -99,7 +109,7 @@ CAUSES = [
 # keeps a session's conversation, and its page restored on another server of the pool when it must go there;
 # two proxies hand a slot over (slotlogic/handover.py): one writer per slot, the giver answers before the taker moves
 FIXED = {185, 62, 59, 79, 6, 9, 129, 389, 54, 37, 201, 993, 277, 261, 98, 153, 381, 633, 984, 1224, 2034,
-         352, 131, 627, 15, 2438}
+         352, 131, 627, 15, 2438, 590}
 
 
 @pytest.mark.parametrize("seed", [pytest.param(seed, id=why.split(":")[0], marks=() if seed in FIXED else

@@ -399,7 +399,7 @@ def test_a_side_call_that_ran_unpinned_beside_its_home_leaves_the_home_on_its_ow
     assert ledger.gone["owner-a"] is Cause.UNPINNED  # what it wrote over is a labelled loss
 
 
-async def test_a_side_call_whose_slot_another_placement_holds_past_its_bound_goes_unpinned(tmp_path):
+async def test_a_side_call_whose_slot_another_placement_holds_past_its_bound_goes_unpinned(tmp_path, monkeypatch):
     """bench mix-4 run D: an OpenCode title call whose home had been paged out was placed on a slot whose lock
     another placement held through a 137-second prefill; its own page-in waited for that lock 140 s, past its
     30 s bound (which covered only waits behind requests already sent), and OpenCode had exited by then
@@ -408,6 +408,7 @@ async def test_a_side_call_whose_slot_another_placement_holds_past_its_bound_goe
     from slotlogic.decisions import Observe, Pin
     from slotlogic.reasons import Unpinned, Why
 
+    monkeypatch.setattr(wait, "HOLD_FLOOR", 0.0)  # the cap at three bounds of 0.3 s, not the 90 s floor
     up, _, _, firsts = await _two_sessions_on_two_slots(tmp_path, 0.3)
     facts = _chat_facts
     assert {p.ticket.slot for p in firsts.values()} == {0, 1}
@@ -461,7 +462,7 @@ async def test_a_new_session_past_its_bound_with_every_slot_running_ours_is_plac
     assert up.keeper.pager.page_of(b_key) is not None
 
 
-async def test_a_placement_sends_no_save_to_a_slot_the_server_still_runs_past_its_bound(tmp_path):
+async def test_a_placement_sends_no_save_to_a_slot_the_server_still_runs_past_its_bound(tmp_path, monkeypatch):
     """bench mix-4 run E: page-outs of slots still running a request waited in the server's queue behind
     minutes-long prefills until they timed out, and the sessions paged out prefilled again. A slot action cannot
     be called back once sent (the server writes the file whenever the slot frees), so a bounded placement sends
@@ -474,6 +475,7 @@ async def test_a_placement_sends_no_save_to_a_slot_the_server_still_runs_past_it
     from tests.conftest import UP
     from tests.test_page_safety import PagingLlama, Slots
 
+    monkeypatch.setattr(wait, "HOLD_FLOOR", 0.0)  # the cap at three bounds of 0.5 s, not the 90 s floor
     (tmp_path / "slots").mkdir()
     settings = Settings(probe_interval=0, paging=True, save_dir=str(tmp_path / "slots"), wait_bound=0.5)
     actions = Slots()

@@ -388,13 +388,16 @@ class Upstream:
 
 async def _late(up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str, accept: Accept | None,
                 by: float | None, cap: float | None) -> Any:
-    """A placement whose bound passed before its slot was ours to write, nothing moved: placed again once a
-    slot runs nothing of ours, within `HOLD_CAP` bounds of its arrival (`cap`); else it goes as the client sent
-    it (`slotlogic.wait`, Rules 7 and 8)."""
-    cap = cap if cap is not None or by is None else by + (wait.HOLD_CAP - 1) * up.settings.wait_bound
+    """A placement whose bound passed before its slot was ours to write, nothing moved: it lets go of its slot
+    (two waiting placements never keep the one slot that could run either from each other) and is placed again
+    once a slot runs nothing of ours, within the hold's cap (`hold_cap` from its arrival); else it goes as the
+    client sent it (`slotlogic.wait`, Rules 7 and 8)."""
+    bound, key = up.settings.wait_bound, need.ticket.session.key
+    cap = cap if cap is not None or by is None else by - bound + wait.hold_cap(bound)
     if by is not None and cap is not None and by < cap:
-        up.mover.stopped(flow_id)  # its slot's lock let go while it waits
-        if await up.waits.until_idle(cap, mine=need.ticket.session.key):
+        up.mover.stopped(flow_id)  # its slot's lock and claim let go while it waits
+        up.keeper.withdraw(key)
+        if await up.waits.until_idle(cap, mine=key):
             return await up._place(need, facts, flow_id, accept=accept, by=cap, cap=cap)
     up.waits.sent_unplaced(flow_id)
     return up.mover.give_up(need, flow_id)
