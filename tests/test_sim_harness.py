@@ -174,3 +174,25 @@ def test_sessions_waiting_for_one_source_copy_it_even_when_a_placement_takes_its
         waiting = [o for o in outs if o.tag in ("m1", "m2", "m3")]
         assert all(o.meta["reason"].endswith("+seeded") for o in waiting), [o.meta["reason"] for o in waiting]
         assert proxy_prefill < 60, proxy_prefill  # the checkpoint's few boundary tokens, not the prompt again
+
+
+def test_a_run_that_never_ends_fails_once_past_its_real_time_budget():
+    """A poll that never ends in virtual time, or a loop that never waits, would hold a sweep's worker at 100%
+    CPU for ever; past its budget the run raises `Stalled`, so the sweep reports the seed and goes on."""
+    from bench.sim.clock import Stalled
+
+    async def polls() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+
+    async def spins() -> None:
+        while True:
+            await asyncio.sleep(0)
+
+    for main in (polls, spins):
+        try:
+            run(VirtualClock(budget=0.2), main)
+        except Stalled as e:
+            assert "virtual seconds" in str(e)
+        else:
+            raise AssertionError("the run should have stalled")

@@ -119,6 +119,13 @@ def test_a_shrunk_seed_of_each_cause_loses_nothing(seed):
     assert causes(seed) == set()
 
 
+def test_a_seed_whose_hold_once_never_ended_runs_to_its_end():
+    """Seed 1698 (loaded, two proxies, four slots): a held request's remaining wait was under the clock's
+    resolution, so the clock never moved and the hold decided again for ever (a sweep's worker at 100% CPU)."""
+    result = run_seed(1698)
+    assert result.error is None and result.lost == 0
+
+
 def test_bench_sim_runs_without_a_server_and_prints_the_figures(capsys):
     code = bench_main(["--sim", "--sim-seeds", "3", "--sim-processes", "1"])
     out = capsys.readouterr().out

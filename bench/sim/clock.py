@@ -22,10 +22,19 @@ _REAL_TIME = time.time
 _REAL_MONOTONIC = time.monotonic
 
 
+class Stalled(Exception):
+    """A run went on past its real-time budget: a loop that never ends (polling in virtual time, or spinning on
+    work that is always ready) would otherwise hold a sweep's worker at 100% CPU for ever."""
+
+
 class VirtualClock:
-    def __init__(self, wall: float = 1_800_000_000.0, mono: float = 10_000.0) -> None:
+    """`budget`: real seconds a run may take before the loop raises `Stalled` (None: no limit)."""
+
+    def __init__(self, wall: float = 1_800_000_000.0, mono: float = 10_000.0, budget: float | None = None) -> None:
         self.offset = 0.0
         self.wall0, self.mono0 = wall, mono
+        self.budget = budget
+        self.deadline: float | None = None   # real monotonic time the budget ends, set when a run starts
 
     def time(self) -> float:
         return self.wall0 + self.offset
@@ -74,6 +83,11 @@ class _VirtualSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-ty
         self.clock = clock
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        deadline = self.clock.deadline
+        if deadline is not None and _REAL_MONOTONIC() > deadline:
+            self.clock.deadline = None   # raised once: the loop may still run to cancel its tasks
+            raise Stalled(f"still running after {self.clock.budget:.0f} real seconds, "
+                          f"{self.clock.now:.0f} virtual seconds in")
         ready = super().select(0)
         if ready or not timeout:
             return ready
@@ -90,6 +104,8 @@ def new_loop(clock: VirtualClock) -> asyncio.AbstractEventLoop:
 
 def run(clock: VirtualClock, main: Callable[[], Any]) -> Any:
     """Run the coroutine `main()` to its end on a fresh virtual loop, `time` patched meanwhile."""
+    if clock.budget is not None:
+        clock.deadline = _REAL_MONOTONIC() + clock.budget
     with clock.patched():
         loop = new_loop(clock)
         try:

@@ -8,6 +8,7 @@ import logging
 import multiprocessing
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from bench.limit import new_tokens
@@ -15,6 +16,8 @@ from bench.sim.clock import VirtualClock, run
 from bench.sim.harness import Rig
 from bench.sim.losses import Loss, find_losses
 from bench.sim.traffic import Shape, play, shape_for
+
+SEED_BUDGET = 60.0   # real seconds one seed may take (they take under 3): past it the seed fails, the sweep goes on
 
 
 @dataclass
@@ -56,7 +59,7 @@ def run_shape(shape: Shape) -> tuple[SeedResult, Rig]:
 
     error = None
     try:
-        run(VirtualClock(), main)
+        run(VirtualClock(budget=SEED_BUDGET), main)
     except Exception as e:  # a crash of the harness or the product is a finding too
         error = f"{type(e).__name__}: {e}"
     rig = holder["rig"]
@@ -103,8 +106,10 @@ def sweep(seeds: range, processes: int | None = None, progress: bool = False) ->
         finally:
             logger.setLevel(level)  # in-process (a test): the caller's logging is left as it was
     out: list[SeedResult] = []
-    with multiprocessing.get_context("fork").Pool(procs, initializer=_quiet) as pool:
-        for r in pool.imap_unordered(run_seed, seeds, chunksize=8):
+    # ProcessPoolExecutor, not multiprocessing.Pool: a worker that dies breaks the pool with an error, where
+    # Pool's imap waits for its lost chunk for ever.
+    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("fork"), initializer=_quiet) as pool:
+        for r in pool.map(run_seed, seeds, chunksize=8):
             out.append(r)
             if progress and len(out) % 100 == 0:
                 print(f"  {len(out)}/{len(seeds)} workloads", flush=True)

@@ -21,6 +21,8 @@ from slotlogic.keeper import Keeper
 
 Clock = Callable[[], float]
 MAX_UNPLACED = 4096  # open flows of ours sent with `id_slot: -1` that are remembered (each ends with `left`)
+TICK = 0.001  # seconds: a hold never waits less. A remainder under the clock's resolution (a virtual clock's float,
+#               a coarse monotonic clock) leaves the clock where it was, and the hold would decide again for ever
 
 
 class SlotWaits:
@@ -106,7 +108,7 @@ class SlotWaits:
             event = self._change()  # any request of ours ending may free this slot or another (Rule 8)
             left = p.until - (self.clock() - started)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), max(0.0, left))
+                await asyncio.wait_for(event.wait(), max(TICK, left))
 
     def free(self, slot: int) -> int | None:
         """A slot other than `slot` that a held request may move to (the core's rule; None: none, or no keeper)."""
@@ -133,7 +135,7 @@ class SlotWaits:
         clock): whether one does (a placement past its bound is then placed again, `slotlogic.wait` Rule 8)."""
         while not self.idle(mine=mine):
             left = until - self.clock()
-            if left <= 0:
+            if left < TICK:
                 return False
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._change().wait(), left)
