@@ -251,7 +251,7 @@ class Upstream:
             self.emit(NoSlotsEndpoint(self.url))
         async with self.store.transaction() as state:
             if accept is not None and not accept(state, info, live):
-                return None
+                return _refused(self, state, need, flow_id, placed_before=cap is not None or retries < 2)
             placement = self.keeper.assign(need, state, info, live, now, self.waits.queued_chars())
         for event in placement.events:
             self.emit(event)
@@ -384,6 +384,16 @@ class Upstream:
     async def aclose(self) -> None:
         self.handovers.stop()
         await self.client.aclose()
+
+
+def _refused(up: Upstream, state: shared.ServerState, need: NeedSlot, flow_id: str, *, placed_before: bool) -> None:
+    """The pool's `accept` refused this server, and the request goes to another. A placement made here before
+    (placed again after its bound, or after a stale plan) claimed a slot and entered the session in the table:
+    both go, or the session's next turn comes back here to an old copy instead of to its current conversation
+    on the other server (sim seed 1224, loaded)."""
+    if placed_before:
+        shared.forget_session(state, need.ticket.session.key)
+        up.abandon(need.ticket, flow_id)
 
 
 async def _late(up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str, accept: Accept | None,
