@@ -102,6 +102,19 @@ async def test_a_replay_upstream_never_asks_the_server_and_cleans_up(seen):
     assert not os.path.exists(directory)
 
 
+def test_a_replay_upstreams_throw_away_state_dir_goes_with_it_when_done_never_runs(seen):
+    """A replay's state dir is its own: when `done` never comes (a test, an interrupted replay), the dir goes
+    when the upstream does, not a directory a run left in /tmp."""
+    import gc
+
+    replay = Upstream.for_replay(UP, Settings(), seen.append)
+    directory = replay.state_dir
+    assert os.path.isdir(directory)
+    del replay
+    gc.collect()
+    assert not os.path.exists(directory)
+
+
 async def test_commands_act_in_memory_at_once_and_in_the_file_soon(up, tmp_path):
     pin = await up.decide(facts(), "f1")
     short = pin.ticket.session.short

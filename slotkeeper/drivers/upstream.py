@@ -28,6 +28,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -132,7 +133,9 @@ class Upstream:
         """Saved flows (`mitmdump -nr`) get an offline upstream with a throw-away state dir: a replay never
         touches the network, the live state or any slot file."""
         quiet = replace(settings, checkpoints=CheckpointMode.OFF, paging=False, save_dir=None)
-        return cls(url, quiet, tempfile.mkdtemp(prefix="slotkeeper-replay-"), emit, offline=True)
+        up = cls(url, quiet, tempfile.mkdtemp(prefix="slotkeeper-replay-"), emit, offline=True)
+        weakref.finalize(up, shutil.rmtree, up.state_dir, True)  # also when `done` never runs (a test, a crash)
+        return up
 
     def _runners(self, s: Settings) -> None:
         """The mover's runners for these settings (`SlotMover.configure`); a replay has none."""
