@@ -186,6 +186,11 @@ class Pager:
         """The session whose page, being written now, would seed `ask` better than `have` (`Seeds.page_coming`)."""
         return self.seeds.page_coming(ask, self._holder(ask.slot, ask.view, ask.sent)[0], have)
 
+    def taken(self, key: str, slot: int) -> bool:
+        """`key`'s conversation is on a slot other than `slot` that a placement of ours has claimed: its page-out
+        comes first (`Seeds.taken`)."""
+        return self.seeds.taken(key, slot)
+
     def wait_worth(self, slot: int, gain: int) -> paging.SourceWait | None:
         return self.seeds.wait_worth(slot, gain)
 

@@ -173,6 +173,15 @@ class Seeds:
                 if a.lead is not None:
                     shares[other] = max(shares.get(other, 0), leads.shared(mine.lead, a.lead)[1])
         coming = [(chars, other) for other, chars in shares.items() if other not in (key, holder)
-                  and (other in ask.paging_out or ((rec := p.index.get(other)) is not None and rec.n_tokens == 0))
+                  and (other in ask.paging_out or ((rec := p.index.get(other)) is not None and rec.n_tokens == 0)
+                       or self.taken(other, ask.slot))
                   and chars >= beat + SEED_MIN_CHARS]
         return max(coming)[1] if coming else None
+
+    def taken(self, other: str, slot: int) -> bool:
+        """`other`'s current conversation is on a slot (not `slot`) that another placement has claimed: that
+        placement pages it out before it writes the slot, so its page is coming. Two subagents of one parent
+        placed at once: one takes the parent's slot, the other would copy whatever else shares the base prompt
+        (bench subagents seed 6: the family's part of the prefix, 170-211 tokens, prefilled three times)."""
+        where = self.p.ledger.where(other)
+        return where is not None and where != slot and any(c != other for c in self.p.ledger.claims_on(where))

@@ -426,3 +426,31 @@ def test_the_server_placed_requests_are_bounded_and_a_forgotten_one_is_still_bla
     assert placed.remembered == 4
     assert placed.blamed(since, before=0)  # the window reaches past a forgotten answer: still blamed
     assert not placed.blamed(placed.answers, before=100)  # nothing answered since
+
+
+def test_a_parents_conversation_on_a_slot_another_placement_claimed_is_a_page_to_come():
+    """Two subagents of one parent placed at once: one takes the parent's slot (its placement pages the parent
+    out first), the other starts from the parent's page once it is written, not from whatever else shares the
+    base prompt (bench subagents seed 6: the family's part of the prompt prefilled again, 170-211 tokens)."""
+    from slotlogic.ranking import SlotView
+
+    k = make(paging=True)
+    state = shared.ServerState("http://up")
+    parent_body = chat("the task", system="You are a coding agent. " * 40 + "\nenv: /home/p")
+    need = k.request(facts(parent_body, now=0.0))
+    placed = k.assign(need, state, server(), FREE, 0.0)
+    pin = k.pin(placed, 0.0)
+    k.outcomes.answered(pin.ticket, Observation(cache_n=0, prompt_n=900), path=CHAT, seconds=1, now=1.0)
+    parent, where = need.ticket.session.key, placed.slot
+    sub = chat("a subtask", system=parent_body["messages"][0]["content"])  # a subagent sends its parent's prompt
+    other = chat("another subtask", system=parent_body["messages"][0]["content"])
+    first = k.request(facts(sub, now=2.0))
+    second = k.request(facts(other, now=2.0))
+    assert isinstance(first, NeedSlot) and isinstance(second, NeedSlot)
+    free = k.assign(second, state, server(), FREE, 2.0).slot  # placed: its session and lead are in the table
+    assert free != where
+    ask = PageAsk(free, second.ticket.session.key, SlotView(free, 0), views=[SlotView(i) for i in range(4)])
+    assert k.pager.page_coming(ask, None) is None and not k.pager.taken(parent, free)  # nobody claimed its slot
+    k.ledger.claim(where, first.ticket.session.key)  # the first subagent's placement took the parent's slot
+    assert k.pager.taken(parent, free) and k.pager.page_coming(ask, None) == parent
+    assert not k.pager.taken(parent, where)  # the placement on the parent's own slot pages it out itself

@@ -51,6 +51,8 @@ from slotlogic.settings import CheckpointMode, Settings
 REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its session stays (a restore planned)
 REMOTE_SETTLE = 10.0   # seconds a pager waits for another proxy's page-out of its session (a shared store)
 SEED_SLOT_WAIT = 30.0  # seconds a placement waits for the slot its own conversation is being paged out of
+COMING_WAIT = 2.0      # seconds a placement waits for the page-out of a seed's source to start (`_save_begun`)
+COMING_POLL = 0.02
 
 
 class SlotMover:
@@ -231,7 +233,7 @@ class SlotMover:
         seed = plan.seed
         source = seed.source if seed is not None and seed.local_slot is not None and seed.source != key \
             and self.pages.busy(seed.local_slot) else self.keeper.pager.page_coming(ask, seed)
-        if source is not None and source in self.pages.saving and not self.store.remote:
+        if source is not None and not self.store.remote and await _save_begun(self, source, slot, by):
             await self.pages.settled(source, left(by))
             ask = replace(ask, sent=self.pages.last_sent.get(slot), ours=self.gate.last_started.get(slot))
             plan = self.keeper.pager.page_plan(ask)
@@ -340,6 +342,21 @@ class SlotMover:
                 fence = self.keeper.turns.slot_written(fence, Holds.PREFIX, key, tokens, over=Cause.PREFIX_OVER_OWNER) \
                     or fence
         return fence
+
+
+async def _save_begun(mover: SlotMover, source: str, slot: int, by: float | None) -> bool:
+    """Whether `source`'s page-out by this process is under way. When a placement of ours has claimed its slot
+    (`Pager.taken`), that placement pages it out first, so its save starts within moments: waited for at most
+    `COMING_WAIT` (within the request's bound), or until a page of it is there already."""
+    if source not in mover.pages.saving and not mover.keeper.pager.taken(source, slot):
+        return False
+    until = time.monotonic() + _within(COMING_WAIT, by)
+    while source not in mover.pages.saving:
+        page = mover.keeper.pager.page_of(source)
+        if (page is not None and page.n_tokens > 0) or time.monotonic() >= until:
+            return False
+        await asyncio.sleep(COMING_POLL)
+    return True
 
 
 def deadline(bound: float) -> float | None:
