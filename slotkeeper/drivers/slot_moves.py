@@ -265,6 +265,8 @@ class SlotMover:
             if plan.copy_file is not None:  # another server's slot, copied: nobody's page
                 self.pages.delete([plan.copy_file])
             await self._record_pages(plan, out)
+            if plan.seed is not None and plan.seed.local_slot is not None and out.seed_tokens is None:
+                plan, out = await _seed_from_its_page(self, ask, plan, out, fence, by)
         except Exception as e:
             self.emit(Failed(self.url, Stage.PAGING, type(e).__name__, slot=plan.slot))
             return Moved.NOTHING, fence
@@ -357,6 +359,29 @@ async def _save_begun(mover: SlotMover, source: str, slot: int, by: float | None
             return False
         await asyncio.sleep(COMING_POLL)
     return True
+
+
+async def _seed_from_its_page(mover: SlotMover, ask: PageAsk, plan: PagePlan, out: PageOutcome, fence: Fence | None,
+                              by: float | None) -> tuple[PagePlan, PageOutcome]:
+    """A live seed that was not copied: another placement took its slot, to page its conversation out, between
+    this plan and the copy (the copy never writes a slot another placement holds). Once that page is recorded it
+    is the seed, restored without a save; else the plan stands as run (nothing restored). bench subagents seeds 5
+    and 6: the copy failed so, and the family's part of the prompt the seed held was prefilled again (167-181
+    tokens)."""
+    assert plan.seed is not None
+    source = plan.seed.source
+    if await _save_begun(mover, source, ask.slot, by):
+        await mover.pages.settled(source, left(by))
+    again = mover.keeper.pager.page_plan(replace(ask, sent=mover.pages.last_sent.get(ask.slot),
+                                                 ours=mover.gate.last_started.get(ask.slot)))
+    if again.seed is None or again.seed.source != source or again.seed.slot is not None \
+            or again.restore_file is None or not mover.keeper.turns.fence_holds(fence):
+        return plan, out
+    # The holder's page-out ran with the first plan: this step only restores (its outcome keeps that save).
+    more = await mover.pages.run(replace(again, save_for=None, save_file=None))
+    await mover._record_pages(replace(again, save_for=None, save_file=None), more)
+    more.saved_tokens, more.saved_bytes = out.saved_tokens, out.saved_bytes
+    return replace(again, save_for=plan.save_for, save_file=plan.save_file), more
 
 
 def deadline(bound: float) -> float | None:
