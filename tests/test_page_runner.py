@@ -80,13 +80,32 @@ async def test_the_next_pager_of_a_slot_waits_for_the_previous_request_to_reach_
 
 async def test_a_session_being_paged_out_is_waited_for(tmp_path):
     pager = runner(Slots(), tmp_path)  # type: ignore[arg-type]
-    event = pager.saving["b"] = asyncio.Event()
+    event = pager.save_starts("b")
     waiter = asyncio.create_task(pager.settled("b"))
     await asyncio.sleep(0.05)
     assert not waiter.done()
-    event.set()
+    pager.save_ends("b", event)
     await asyncio.wait_for(waiter, 1)
+    assert "b" not in pager.saving
     await asyncio.wait_for(pager.settled("nobody"), 1)
+
+
+async def test_a_page_out_about_to_start_is_waited_for_and_wakes_its_waiter_when_it_starts(tmp_path):
+    pager = runner(Slots(), tmp_path)  # type: ignore[arg-type]
+    loop = asyncio.get_running_loop()
+    waiter = asyncio.create_task(pager.save_begins("b", 5.0, lambda: False))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    started = loop.time()
+    pager.save_starts("a")  # another session's page-out: still waiting for b's
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    pager.save_starts("b")
+    assert await asyncio.wait_for(waiter, 1) is True
+    assert loop.time() - started < 1.0  # woken by the start, not by the 5 s timeout
+    recorded = asyncio.create_task(pager.save_begins("c", 5.0, lambda: True))  # its page is there already
+    assert await asyncio.wait_for(recorded, 1) is False
+    assert await pager.save_begins("d", 0.05, lambda: False) is False  # nobody pages it out: the wait ends
 
 
 async def test_a_replaced_page_stays_for_a_while_and_goes_at_shutdown(tmp_path):

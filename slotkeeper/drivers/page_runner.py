@@ -66,6 +66,7 @@ class PageRunner:
         self.locks: dict[int, asyncio.Lock] = {}
         self.holding: dict[str, asyncio.Lock] = {}  # flow id -> the slot lock it holds
         self.saving: dict[str, asyncio.Event] = {}  # session key -> set once its page-out is recorded
+        self._saves_changed = asyncio.Event()  # set (and renewed) whenever a page-out starts or ends
         self.shared: SlotLocks | None = None          # the store's slot locks (proxies on several machines)
         self.remote: dict[str, tuple[int, str, str | None]] = {}  # flow id -> (slot, token, session) held there
         self.last_sent: dict[int, tuple[str, float] | None] = {}  # slot -> its last paged send, as the lock said
@@ -122,6 +123,35 @@ class PageRunner:
             self._waits.pop(mine, None)
         lock.release()
         return True
+
+    def save_starts(self, session_key: str) -> asyncio.Event:
+        """`session_key`'s page-out starts: the event its waiters (`settled`) wait for, set by `save_ends`."""
+        event = self.saving[session_key] = asyncio.Event()
+        self._changed()
+        return event
+
+    def save_ends(self, session_key: str, event: asyncio.Event) -> None:
+        """The page-out `save_starts` began is recorded, or failed: its waiters go on."""
+        event.set()
+        if self.saving.get(session_key) is event:
+            del self.saving[session_key]
+        self._changed()
+
+    async def save_begins(self, session_key: str, timeout: float, recorded: Callable[[], bool]) -> bool:
+        """Wait until `session_key`'s page-out starts (True), or until `recorded()` says its page is there
+        already or `timeout` seconds pass (False). Woken by every start and end of a page-out, never polled."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while session_key not in self.saving:
+            if recorded() or loop.time() >= end:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._saves_changed.wait(), end - loop.time())
+        return True
+
+    def _changed(self) -> None:
+        self._saves_changed.set()
+        self._saves_changed = asyncio.Event()
 
     async def settled(self, session_key: str, timeout: float | None = None) -> None:
         """Wait (at most SAVE_WAIT, or `timeout` when shorter) while `session_key` is being paged out, so it can

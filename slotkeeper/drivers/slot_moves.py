@@ -52,7 +52,6 @@ REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its ses
 REMOTE_SETTLE = 10.0   # seconds a pager waits for another proxy's page-out of its session (a shared store)
 SEED_SLOT_WAIT = 30.0  # seconds a placement waits for the slot its own conversation is being paged out of
 COMING_WAIT = 2.0      # seconds a placement waits for the page-out of a seed's source to start (`_save_begun`)
-COMING_POLL = 0.02
 
 
 class SlotMover:
@@ -251,9 +250,7 @@ class SlotMover:
             assert fence is not None
             self.emit(self.keeper.turns.stale_plan(fence, "page", key))  # the slot moved on while the lock was awaited
             return Moved.STALE, fence
-        saving = None
-        if plan.save_for is not None:
-            saving = self.pages.saving[plan.save_for] = asyncio.Event()
+        saving = self.pages.save_starts(plan.save_for) if plan.save_for is not None else None
         try:
             if plan.saves:  # the holder's page-out and a live seed's save: both recorded before they are written
                 async with self.store.transaction() as state:
@@ -272,9 +269,7 @@ class SlotMover:
             return Moved.NOTHING, fence
         finally:
             if saving is not None:
-                saving.set()
-                if self.pages.saving.get(plan.save_for or "") is saving:
-                    del self.pages.saving[plan.save_for or ""]
+                self.pages.save_ends(plan.save_for or "", saving)
         if out.missing_save_path and not self._told_no_save_path:
             self._told_no_save_path = True
             self.emit(NoSavePath(self.url, paging=True))
@@ -352,13 +347,12 @@ async def _save_begun(mover: SlotMover, source: str, slot: int, by: float | None
     `COMING_WAIT` (within the request's bound), or until a page of it is there already."""
     if source not in mover.pages.saving and not mover.keeper.pager.taken(source, slot):
         return False
-    until = time.monotonic() + _within(COMING_WAIT, by)
-    while source not in mover.pages.saving:
+
+    def recorded() -> bool:
         page = mover.keeper.pager.page_of(source)
-        if (page is not None and page.n_tokens > 0) or time.monotonic() >= until:
-            return False
-        await asyncio.sleep(COMING_POLL)
-    return True
+        return page is not None and page.n_tokens > 0
+
+    return await mover.pages.save_begins(source, _within(COMING_WAIT, by), recorded)
 
 
 async def _seed_from_its_page(mover: SlotMover, ask: PageAsk, plan: PagePlan, out: PageOutcome, fence: Fence | None,

@@ -78,6 +78,18 @@ Accept = Callable[[shared.ServerState, ServerInfo, list[dict[str, Any]] | None],
 
 
 @dataclass(frozen=True)
+class Tries:
+    """Where a request's placement on one server stands: stale plans it may still place again, its hold's cap
+    (`wait.hold_cap`), and whether an earlier try here claimed a slot (a refusal then lets that claim go)."""
+    retries: int = 2
+    cap: float | None = None
+    claimed: bool = False
+
+    def again(self) -> Tries:
+        return replace(self, retries=self.retries - 1, claimed=True)
+
+
+@dataclass(frozen=True)
 class Shared:
     """What one server's driver shares with the rest of the proxy: the state store (None: this machine's file)
     with the build claims of a store several proxies share, and the recognition of the pool's sessions."""
@@ -230,8 +242,7 @@ class Upstream:
         return decision
 
     async def _place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
-                     accept: Accept | None = None, retries: int = 2, by: float | None = None,
-                     cap: float | None = None) -> Any:
+                     accept: Accept | None = None, by: float | None = None, tries: Tries = Tries()) -> Any:
         key, now = need.ticket.session.key, facts.now
         if self.pages is not None:
             await self.pages.settled(key, left(by))  # its page-out is in flight: page it back in after
@@ -254,7 +265,7 @@ class Upstream:
             self.emit(NoSlotsEndpoint(self.url))
         async with self.store.transaction() as state:
             if accept is not None and not accept(state, info, live):
-                return _refused(self, state, need, flow_id, placed_before=cap is not None or retries < 2)
+                return _refused(self, state, need, flow_id, claimed=tries.claimed)
             placement = self.keeper.assign(need, state, info, live, now, self.waits.queued_chars())
         for event in placement.events:
             self.emit(event)
@@ -266,20 +277,20 @@ class Upstream:
         if not paged and not self.offline:  # no moves, but another proxy may write the slot: it is asked first
             state = await self.store.fresh()
             _, stale = await self.handovers.take(placement.slot, key, placement.fence, state)
-            if stale and retries > 0:
-                return await self._place(placement.need or need, facts, flow_id, asked=None, accept=accept,
-                                         retries=retries - 1, by=by)
+            if stale and tries.retries > 0:
+                return await self._place(placement.need or need, facts, flow_id, accept=accept, by=by,
+                                         tries=tries.again())
         need = placement.need or need  # as placed: its stable prefix as the core knows it by now
         if placement.side or self.offline:  # a side call's slot holder is paged out first, within its bound
             if paged and await self.mover.side(placement, flow_id, by) is Moved.LATE:
-                return await _late(self, need, facts, flow_id, accept, by, cap)
+                return await _late(self, need, facts, flow_id, accept, by, tries.cap)
             return self.keeper.pin(placement, now)
         moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id, by)
         if moved is Moved.LATE:  # its bound passed before its slot was ours to write: nothing moved
-            return await _late(self, need, facts, flow_id, accept, by, cap)
-        if moved is Moved.STALE and retries > 0:  # another claim of the slot came first: place it again
+            return await _late(self, need, facts, flow_id, accept, by, tries.cap)
+        if moved is Moved.STALE and tries.retries > 0:  # another claim of the slot came first: place it again
             self.mover.stopped(flow_id)
-            return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1, by=by)
+            return await self._place(need, facts, flow_id, accept=accept, by=by, tries=tries.again())
         if moved is Moved.STALE:  # twice: it goes where it was placed, with nothing moved (fail open)
             moved = Moved.NOTHING
         if self.checkpoints is not None and need.stable is not None and moved in (Moved.NOTHING, Moved.PREFIX):
@@ -288,11 +299,11 @@ class Upstream:
         elif self.checkpoints is not None and need.stable is None and "no-marker" not in self.warned:
             self.warned.add("no-marker")
             self.emit(NoPrefixMarker(self.url, need.ticket.session.short, self.settings.markers))
-        if fence is not None and not self.keeper.turns.fence_holds(fence) and retries > 0:
+        if fence is not None and not self.keeper.turns.fence_holds(fence) and tries.retries > 0:
             # Another placement claimed the slot while this one's moves ran: plan this request again.
             self.emit(self.keeper.turns.stale_plan(fence, "pin", key))
             self.mover.stopped(flow_id)
-            return await self._place(need, facts, flow_id, asked=None, accept=accept, retries=retries - 1, by=by)
+            return await self._place(need, facts, flow_id, accept=accept, by=by, tries=tries.again())
         return self.keeper.pin(placement, now, paged_in=moved is Moved.OWN, seeded=moved in (Moved.SEED, Moved.PREFIX))
 
     def unlock(self, flow_id: str) -> None:
@@ -389,12 +400,12 @@ class Upstream:
         await self.client.aclose()
 
 
-def _refused(up: Upstream, state: shared.ServerState, need: NeedSlot, flow_id: str, *, placed_before: bool) -> None:
-    """The pool's `accept` refused this server, and the request goes to another. A placement made here before
+def _refused(up: Upstream, state: shared.ServerState, need: NeedSlot, flow_id: str, *, claimed: bool) -> None:
+    """The pool's `accept` refused this server, and the request goes to another. A try made here before
     (placed again after its bound, or after a stale plan) claimed a slot and entered the session in the table:
     both go, or the session's next turn comes back here to an old copy instead of to its current conversation
     on the other server (sim seed 1224, loaded)."""
-    if placed_before:
+    if claimed:
         shared.forget_session(state, need.ticket.session.key)
         up.abandon(need.ticket, flow_id)
 
@@ -411,7 +422,7 @@ async def _late(up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str,
         up.mover.stopped(flow_id)  # its slot's lock and claim let go while it waits
         up.keeper.withdraw(key)
         if await up.waits.until_idle(cap, mine=key):
-            return await up._place(need, facts, flow_id, accept=accept, by=cap, cap=cap)
+            return await up._place(need, facts, flow_id, accept=accept, by=cap, tries=Tries(cap=cap, claimed=True))
     up.waits.sent_unplaced(flow_id)
     return up.mover.give_up(need, flow_id)
 
