@@ -90,7 +90,9 @@ CAUSES = [
           "again on it, and forgot the giver's answer (whose conversation was there): 96 of 129"),
     (627, "not-paged-in: two proxies, one slot; the giver answered after the taker's placement went stale and "
           "went elsewhere; the taker's next placement there never read that answer: 136 of 170"),
-    (1000, "not-paged-in: two proxies, two slots at start-up (seeds 1,000-2,999; open)"),
+    (1000, "not-paged-in: two proxies, two slots at start-up; a title call's page step went stale (another claim "
+           "of its slot came first) and the call was pinned there anyway, over a session's conversation that "
+           "nobody had paged out: 34 of 217 (fixed: a side call whose page step went stale is placed again)"),
     (2438, "page-of-another-conversation: two proxies at start-up (seeds 1,000-2,999; fixed with the bounded "
            "placements: their moves are planned once the slot is idle at the server)"),
     (352, "side-call-over-owner: paging off, every slot a session's; a title call behind a long prefill on the side "
@@ -109,7 +111,7 @@ CAUSES = [
 # keeps a session's conversation, and its page restored on another server of the pool when it must go there;
 # two proxies hand a slot over (slotlogic/handover.py): one writer per slot, the giver answers before the taker moves
 FIXED = {185, 62, 59, 79, 6, 9, 129, 389, 54, 37, 201, 993, 277, 261, 98, 153, 381, 633, 984, 1224, 2034,
-         352, 131, 627, 15, 2438, 590}
+         352, 131, 627, 15, 2438, 590, 1000}
 
 
 # Seeds whose loaded draw showed a cause of its own, besides the one its first draw showed (in CAUSES).

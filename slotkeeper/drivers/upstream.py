@@ -282,10 +282,9 @@ class Upstream:
                                          tries=tries.again())
         need = placement.need or need  # as placed: its stable prefix as the core knows it by now
         if placement.side or self.offline:  # a side call's slot holder is paged out first, within its bound
-            if paged and await self.mover.side(placement, flow_id, by) is Moved.LATE:
-                return await _late(self, need, facts, flow_id, accept, by, tries.cap)
-            return self.keeper.pin(placement, now)
-        moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id, by)
+            moved = await self.mover.side(placement, flow_id, by) if paged else Moved.NOTHING
+        else:
+            moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id, by)
         if moved is Moved.LATE:  # its bound passed before its slot was ours to write: nothing moved
             return await _late(self, need, facts, flow_id, accept, by, tries.cap)
         if moved is Moved.STALE and tries.retries > 0:  # another claim of the slot came first: place it again
@@ -293,6 +292,8 @@ class Upstream:
             return await self._place(need, facts, flow_id, accept=accept, by=by, tries=tries.again())
         if moved is Moved.STALE:  # twice: it goes where it was placed, with nothing moved (fail open)
             moved = Moved.NOTHING
+        if placement.side or self.offline:  # a side call whose page step went stale was placed again above
+            return self.keeper.pin(placement, now)
         if self.checkpoints is not None and need.stable is not None and moved in (Moved.NOTHING, Moved.PREFIX):
             fence = await self.mover.warm(placement.slot, need, info, holds and moved is Moved.NOTHING, fence=fence,
                                           copied=moved is Moved.PREFIX)
