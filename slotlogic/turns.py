@@ -213,6 +213,10 @@ class Turns:
     def handover_answer(self, state: shared.ServerState, asked: Handover) -> Handover | None:
         return handover.answer(state.handovers, asked)
 
+    def beat_age(self, state: shared.ServerState, now: float) -> float:
+        """Seconds since this process last beat in `state` (any transaction of its placements beats)."""
+        return now - state.beats.get(self.host.instance, float("-inf")) if self.host.instance else float("inf")
+
     def beat(self, state: shared.ServerState, now: float) -> None:
         """This process is alive, in the state of a server it has live sessions on."""
         if self.host.instance:

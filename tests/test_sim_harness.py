@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+import time
 
 from bench.sim.clock import VirtualClock, run
 from bench.sim.harness import Outcome, Rig, Setup
@@ -196,3 +198,39 @@ def test_a_run_that_never_ends_fails_once_past_its_real_time_budget():
             assert "virtual seconds" in str(e)
         else:
             raise AssertionError("the run should have stalled")
+
+
+class _Counting:
+    """The state store as the handover driver sees it, counting the transactions its beat task opens (its
+    `take` for a placement opens some too)."""
+
+    def __init__(self, store) -> None:
+        self.store, self.opened = store, []
+
+    def transaction(self):
+        if sys._getframe(1).f_code.co_name == "_look":
+            self.opened.append(time.monotonic())
+        return self.store.transaction()
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_proxy_whose_placements_beat_writes_no_beat_of_its_own_until_it_goes_quiet():
+    """The handover beat (`slotlogic.handover.BEAT`, every 2 s) is a state-file transaction of its own; a
+    placement's transaction beats too, so while new sessions keep coming the beat task only looks. Once they
+    stop it beats on its own again, so another proxy still hears that this one is alive."""
+    async def main() -> tuple[int, int]:
+        async with Rig(Setup(slots=4)) as rig:
+            counting = None
+            for i in range(8):  # a new session every second: each placement is a transaction that beats
+                await rig.send(f"s{i}", convo(f"s{i}", f"task {i}"))
+                if counting is None:
+                    handovers = rig.proxies[0].upstream("http://127.0.0.1:8080").handovers
+                    counting = handovers.store = _Counting(handovers.store)
+                await asyncio.sleep(1.0)
+            busy = len(counting.opened)
+            await asyncio.sleep(10.0)  # quiet: the beat task writes its own beats again
+            return busy, len(counting.opened) - busy
+    busy, quiet = run(VirtualClock(), main)
+    assert busy == 0 and quiet >= 4, (busy, quiet)

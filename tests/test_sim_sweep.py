@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from bench.__main__ import main as bench_main
-from bench.sim.sweep import SeedResult, run_seed, sweep
+from bench.sim.losses import Loss
+from bench.sim.sweep import SeedResult, run_seed, summary, sweep
 
 SWEEP = range(12)
 BOUND = 3.0  # × limit: the worst of 1,000 seeds was 2.9 (few slots, paging off, many sessions)
@@ -121,6 +122,10 @@ LOADED_AGAIN = [
            "B still counted it as its own, so its next turn went back to B (`displaced:resumed`) instead of "
            "having its page restored on A: 205 of 253 (fixed: a placement refused on a server it had claimed a "
            "slot of lets that claim and the session go)"),
+    (984, "not-paged-in: a loaded server (174 tok/s, bound 2 s), two proxies, two slots; a title call's page step "
+          "went stale when the other proxy's placement took the slot, and the call was pinned there anyway, over "
+          "the conversation its own proxy had handed over to be paged out: 40 of 239 (found once the simulator's "
+          "state-file lock became an in-process one; the same cause as seed 1000, fixed with it)"),
 ]
 
 
@@ -148,6 +153,15 @@ def test_bench_sim_runs_without_a_server_and_prints_the_figures(capsys):
 
 
 def test_bench_sim_seed_prints_each_loss_step_by_step(capsys):
-    assert bench_main(["--sim-seed", "1000"]) == 1  # a seed that still loses (docs/simulator.md)
+    assert bench_main(["--sim-seed", "88"]) == 0  # unified KV: idle clearing, a labelled loss
     out = capsys.readouterr().out
-    assert "cause=not-paged-in" in out and "this request: slot" in out
+    assert "cause=idle-clear why=known (labelled)" in out and "idle-clear 125->0" in out and "this request: slot" in out
+
+
+def test_a_seed_with_an_unlabelled_loss_fails_the_sweep_and_prints_its_reproduction():
+    loss = Loss("m2", "http://127.0.0.1:8080", 1, 40, 239, 199, "not-paged-in", "displaced:all-busy",
+                ["t=10002.000 slot 1: request m3.title0 239->42 reused 3"])
+    bad = SeedResult(984, "seed=984 servers=1 slots=2", 21, 1576, 1300, [loss])
+    text = summary([run_seed(3), bad], 1.0)
+    assert "lost tokens (unlabelled): 40" in text and "failing seeds: 1 (first: [984])" in text
+    assert "reproduce: python -m bench --sim --sim-seed 984" in text and "request m3.title0 239->42" in text

@@ -95,9 +95,35 @@ class _VirtualSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-ty
         return []
 
 
+class _VirtualLoop(asyncio.SelectorEventLoop):
+    """Runs executor jobs at once (as `_InlineExecutor` does) and hands their result to the awaiting task one
+    loop turn later, which is when a worker thread's result would come back through `call_soon_threadsafe`:
+    the same order of callbacks, without a concurrent future, its chaining and a wake-up byte through the
+    loop's self-pipe per job (about a tenth of a sweep's time went there)."""
+
+    def run_in_executor(self, executor: Any, func: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        fut = self.create_future()
+        try:
+            result = func(*args)
+        except BaseException as e:
+            self.call_soon(_settle, fut, None, e)
+        else:
+            self.call_soon(_settle, fut, result, None)
+        return fut
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if fut.cancelled():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
 def new_loop(clock: VirtualClock) -> asyncio.AbstractEventLoop:
     """An event loop on `clock` (call inside `clock.patched()`: the loop's time is `time.monotonic`)."""
-    loop = asyncio.SelectorEventLoop(_VirtualSelector(clock))
+    loop = _VirtualLoop(_VirtualSelector(clock))
     loop.set_default_executor(_InlineExecutor())
     return loop
 

@@ -11,7 +11,9 @@ Several requests run at once on the loop; nothing here waits in real time.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import os
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import filelock
 from mitmproxy import http
 from mitmproxy.flow import Error as FlowError
 from mitmproxy.test import taddons, tflow
@@ -27,10 +30,43 @@ from mitmproxy.test import taddons, tflow
 from bench.sim.llama import Done, Down, SimServer, answer_body, chat_stream
 from bench.sim.transport import transport
 from slotkeeper import addon as addon_module
+from slotkeeper.drivers import store_file
 from slotkeeper.drivers.llama_http import LlamaClient
 
 PORT0 = 8080
 _FAST_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None  # tmpfs: no fsync cost
+
+
+class _ProcessFileLock:
+    """Stands in for `filelock.AsyncFileLock` on the state files while a rig runs: one asyncio lock per lock
+    path, so the simulated proxies (all in this process, on one loop) still exclude each other, as two
+    processes do on the real lock. filelock 4's acquire and release each hop to a worker thread and back
+    (about a tenth of a sweep's time); the same hops, one loop turn each, keep the order of callbacks. The OS
+    lock itself is exercised by the tests that run real mitmdump processes on one state dir."""
+
+    def __init__(self, locks: dict[str, asyncio.Lock], path: str, timeout: float = -1, mode: int = 0o600) -> None:
+        self.path, self.timeout = path, timeout
+        self.lock = locks.setdefault(path, asyncio.Lock())  # the rig's own: one loop's locks
+
+    async def __aenter__(self) -> _ProcessFileLock:
+        await _hop()
+        try:
+            await asyncio.wait_for(self.lock.acquire(), None if self.timeout < 0 else self.timeout)
+        except TimeoutError:
+            raise filelock.Timeout(self.path) from None
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.lock.release()
+        await _hop()
+
+
+async def _hop() -> None:
+    """One round trip through the loop, as a worker thread's result takes (`clock._VirtualLoop`)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    loop.call_soon(lambda: fut.done() or fut.set_result(None))
+    await fut
 
 
 def server_url(i: int) -> str:
@@ -110,6 +146,7 @@ class Rig:
         self._stack = contextlib.ExitStack()
 
     async def __aenter__(self) -> Rig:
+        self._stack.enter_context(_patched(store_file, "AsyncFileLock", functools.partial(_ProcessFileLock, {})))
         for _ in range(self.setup.proxies):
             addons = addon_module.make_addons()
             addons[0].rt.make_client = lambda url: LlamaClient(url, transport=transport(self.servers[url]))
@@ -201,3 +238,13 @@ class Rig:
     @property
     def prefill_tokens(self) -> int:
         return sum(s.prefill_tokens for s in self.servers.values())
+
+
+@contextlib.contextmanager
+def _patched(module: Any, name: str, value: Any) -> Any:
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
