@@ -22,6 +22,9 @@ VERIFY_IDENTICAL: the warm-up request re-sent must come back ≥ `gate` (90%) fr
           bad → ERASING → WARMING (then SAVING overwrites the file).
 VERIFY_DIVERGENT: the prefix plus a non-empty user message must show `cache_n > 0`; if not, say so
           loudly and keep the restore (a rebuild would produce the same state).
+          Both gates run once per file and server process: a file that passed them on this process, unchanged
+          since, restored to the same token count again (`verified_tokens`), is DONE at RESTORING (each gate
+          prefills a few tokens: about 12 per restore, a few % of an agent workload's limit).
 WARMING → SAVING when persistence is on, else DONE. SAVING failure (501: no --slot-save-path) → DONE with
           a warning; the slot is warm anyway.
 """
@@ -78,6 +81,7 @@ class NoteKind(Enum):
     DIVERGENT_DID_NOT_RUN = "divergent-did-not-run"
     CANNOT_RESUME = "cannot-resume"
     VERIFIED = "verified"
+    TRUSTED = "trusted"          # restored as when it was verified on this server process: no gates again
     WARM_FAILED = "warm-failed"
     WARMED = "warmed"
     SAVED = "saved"
@@ -205,6 +209,8 @@ class Orchestrator:
     base: str | None = None      # a known file holding a part of the prefix, or all (restored before a warm-up)
     copied: bool = False         # the slot holds a copy of a conversation that starts with the prefix (a seed):
                                  # the warm-up runs on it; a base restored first would wipe all it holds
+    verified_tokens: int | None = None  # the file passed both gates on this server process, unchanged since:
+                                        # the n_restored it had then
     gate: float = 0.9
     phase: Phase = Phase.START
     outcome: Outcome | None = None
@@ -257,11 +263,24 @@ class Orchestrator:
         nxt = TRANSITIONS[(phase, verdict)]
         if phase is Phase.WARMING and verdict is Verdict.OK and not self.persist:
             nxt = Phase.DONE
+        if phase is Phase.RESTORING and verdict is Verdict.OK and self.trusted:
+            nxt, self.outcome = Phase.DONE, Outcome.RESTORED
+            self._note(NoteKind.TRUSTED, tokens=self.restored_tokens)
         self.phase = nxt
         if nxt is Phase.DONE and self.outcome is None:
             self.outcome = Outcome.WARMED if phase is Phase.WARMING and verdict is Verdict.OK else Outcome.FAILED
 
     # -------------------------------------------------------------------------------- per-phase verdicts
+
+    @property
+    def trusted(self) -> bool:
+        """The file restored now as it did when it passed both gates on this server process."""
+        return self.verified_tokens is not None and self.restored_tokens == self.verified_tokens
+
+    @property
+    def verified(self) -> bool:
+        """Both gates passed in this run (the driver remembers the file for this server process)."""
+        return any(n.kind is NoteKind.VERIFIED for n in self.notes)
 
     def _on_restoring_base(self, r: Result) -> Verdict:
         if r.ok:

@@ -147,6 +147,8 @@ def note(n: Note) -> str:
                 "large?); keeping it")
     if k is NoteKind.VERIFIED:
         return f"RESTORE verified: {ident}, divergent probe {_pair(n.divergent)}"
+    if k is NoteKind.TRUSTED:
+        return f"RESTORE as verified before on this server ({n.tokens} tokens): no verification requests"
     if k is NoteKind.WARM_FAILED:
         return f"warm-up failed ({failure(n.failure)}); request proceeds cold"
     if k is NoteKind.WARMED:

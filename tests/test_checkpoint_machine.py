@@ -48,7 +48,16 @@ def test_restore_and_verify():
     kinds = run(o, [RESTORED, chat(290, 1), chat(288, 7)])
     assert kinds == ["restore", "verify", "verify"] and o.outcome is Outcome.RESTORED
     assert o.identical == (290, 291) and o.divergent == (288, 295) and o.spent_prefill == 8
+    assert o.verified and not o.trusted
     assert "RESTORE verified: identical 290/291, divergent probe 288/295" in lines(o)
+
+
+def test_a_file_verified_before_on_this_server_restores_without_the_gates_when_it_restores_as_then():
+    o = Orchestrator(1, P, "f.bin", persist=True, file_known=True, verified_tokens=291)
+    assert run(o, [RESTORED]) == ["restore"] and o.outcome is Outcome.RESTORED and o.spent_prefill == 0
+    assert lines(o)[-1] == "RESTORE as verified before on this server (291 tokens): no verification requests"
+    other = Orchestrator(1, P, "f.bin", persist=True, file_known=True, verified_tokens=300)  # restored otherwise
+    assert run(other, [RESTORED, chat(290, 1), chat(288, 7)]) == ["restore", "verify", "verify"]
 
 
 def test_restore_400_falls_back_to_cold_build_and_save():

@@ -124,3 +124,45 @@ async def test_a_cold_prefix_restores_a_known_file_that_holds_it_whole_before_it
     server.calls.clear()
     o = await m.prepare(1, role, PROPS, holds_prefix=False)
     assert server.calls[0] == ("restore", 1) and o.outcome is Outcome.WARMED_SAVED and o.spent_prefill == 1
+
+
+class FilingServer(ScriptedServer):
+    """Writes each saved file into the save dir, as llama-server does."""
+
+    def __init__(self, save_dir) -> None:
+        super().__init__()
+        self.save_dir = save_dir
+
+    async def post_json(self, path: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
+        if "action=save" in path and body is not None:
+            (self.save_dir / body["filename"]).write_bytes(b"kv" * 100)
+        return await super().post_json(path, body, timeout)
+
+
+async def test_a_file_verified_on_this_server_process_is_restored_again_without_the_gates(tmp_path):
+    """The restore gates (the warm-up re-sent, then a divergent probe) prefill about 12 tokens a restore: once
+    per file and server process is enough, until the server restarts (a new media_marker) or the file changes."""
+    save = tmp_path / "slots"
+    save.mkdir()
+    server = FilingServer(save)
+    m = CheckpointRunner(server, tmp_path, Settings(checkpoints=CheckpointMode.DISK, save_dir=str(save)),  # type: ignore[arg-type]
+                         [].append)
+    props = {"build_info": "b1", "model_path": "/nonexistent/m.gguf", "total_slots": 8, "media_marker": "one",
+             "default_generation_settings": {"n_ctx": 4096}}
+    info = ServerInfo.parse(props)
+
+    def gates(slot: int) -> int:
+        return len([c for c in server.calls if c == ("chat", slot)])
+
+    assert (await m.prepare(0, PREFIX, info, holds_prefix=False)).outcome is Outcome.WARMED_SAVED
+    verified = await m.prepare(1, PREFIX, info, holds_prefix=False)
+    assert verified.outcome is Outcome.RESTORED and gates(1) == 2 and verified.verified
+    again = await m.prepare(2, PREFIX, info, holds_prefix=False)
+    assert again.outcome is Outcome.RESTORED and gates(2) == 0 and again.spent_prefill == 0
+    assert ("restore", 2) in server.calls and not again.verified
+    restarted = ServerInfo.parse(props | {"media_marker": "two"})  # same file, a new server process
+    assert (await m.prepare(3, PREFIX, restarted, holds_prefix=False)).outcome is Outcome.RESTORED and gates(3) == 2
+    assert (await m.prepare(4, PREFIX, restarted, holds_prefix=False)).outcome is Outcome.RESTORED and gates(4) == 0
+    (name,) = [p.name for p in save.iterdir()]
+    (save / name).write_bytes(b"kv" * 101)  # rewritten since it was verified
+    assert (await m.prepare(5, PREFIX, restarted, holds_prefix=False)).outcome is Outcome.RESTORED and gates(5) == 2

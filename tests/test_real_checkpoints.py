@@ -53,15 +53,20 @@ def test_new_sessions_start_warm_and_a_restarted_server_restores(dirs):
         assert a.slot != b.slot
         assert a.cache_n >= 0.9 * prefix_tokens and b.cache_n >= 0.9 * prefix_tokens  # both start warm
         assert len(list(slots.glob("prefix-*.bin"))) == 1
+        d = ask(px.url, conv("Task D: a third window.", cwd="/srv/third"))  # the file passed the gates with b
+        assert checkpoints(log)[2]["outcome"] == "restored" and d.cache_n >= 0.9 * prefix_tokens
 
         srv.restart()  # a new process: every slot is empty, only the files survive
         c = ask(px.url, conv("Task C: after the restart."))
-    third = checkpoints(log)[2]
+    third = checkpoints(log)[3]
     assert third["outcome"] == "restored"
     assert c.cache_n >= 0.9 * prefix_tokens, (c, prefix_tokens)  # the first request after a restart
     assert c.prompt_n <= 0.1 * prefix_tokens + 60  # ≤ 10% of the prefix + its own user message
     text = (tmp / "p.log").read_text()
-    assert "prefix-cache SAVED prefix-" in text and "prefix-cache RESTORE verified: identical" in text
+    assert "prefix-cache SAVED prefix-" in text
+    # the gates ran once per server process: for b, and for c after the restart; d restored as b had
+    assert text.count("prefix-cache RESTORE verified: identical") == 2
+    assert text.count("prefix-cache RESTORE as verified before on this server") == 1
 
 
 def test_corrupt_or_stale_checkpoint_is_detected_erased_and_rebuilt(dirs):

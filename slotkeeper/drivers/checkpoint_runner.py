@@ -73,6 +73,8 @@ class CheckpointRunner:
         self.known = registry.known
         self.warned: set[str] = set()
         self.cleaned = False
+        # files that passed the restore gates on this server: name -> (its media_marker, the file's stamp, n_restored)
+        self.verified: OrderedDict[str, tuple[str, tuple[int, int, int], int]] = OrderedDict()
         self.on_answer: Callable[[SlotFileAnswer], None] = lambda a: None  # each save/restore's size and time
         self.rates: Callable[[], costs.Rates] = costs.Rates  # the server's measured speeds (none: restore)
 
@@ -150,10 +152,12 @@ class CheckpointRunner:
             known = persist = False  # warming the prefix up is quicker than reading its file: warm, keep the file
         base = self._base(prefix, info, name) if self.persist and not known and not holds_prefix else None
         orch = Orchestrator(slot, prefix, name, persist=persist, holds_prefix=holds_prefix, file_known=known,
-                            base=base, copied=copied)
+                            base=base, copied=copied, verified_tokens=self._verified_tokens(name, info) if known
+                            else None)
         self.emit(CheckpointStarted(self.upstream, fp, slot))
         while (action := orch.next_action()) is not None:
             orch.feed(await self.perform(action))
+        self._remember_verified(name, info, orch)
         for note in orch.notes:
             self.emit(CheckpointStep(self.upstream, note))
         if orch.outcome in (Outcome.RESTORED, Outcome.RESTORED_UNVERIFIED, Outcome.WARMED_SAVED):
@@ -172,6 +176,34 @@ class CheckpointRunner:
                 self.cleaned = True
                 await self.cleanup()
         return orch
+
+    def _verified_tokens(self, name: str, info: ServerInfo) -> int | None:
+        """The n_restored with which `name` passed the restore gates on this server process (its media_marker),
+        if the file is the same one (inode, size, mtime); None: verify it."""
+        got = self.verified.get(name)
+        if got is None or info.media_marker is None:
+            return None
+        marker, stamp, tokens = got
+        return tokens if marker == info.media_marker and stamp == self._stamp(name) else None
+
+    def _remember_verified(self, name: str, info: ServerInfo, orch: Orchestrator) -> None:
+        stamp = self._stamp(name)
+        if orch.verified and info.media_marker and orch.restored_tokens is not None and stamp is not None:
+            self.verified[name] = (info.media_marker, stamp, orch.restored_tokens)
+            self.verified.move_to_end(name)
+            while len(self.verified) > KNOWN_PREFIXES:
+                self.verified.popitem(last=False)
+        elif orch.file_bad:
+            self.verified.pop(name, None)
+
+    def _stamp(self, name: str) -> tuple[int, int, int] | None:
+        if not self.settings.save_dir:
+            return None
+        try:
+            st = os.stat(Path(self.settings.save_dir) / name)
+        except OSError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns
 
     def _weigh(self, name: str, slot: int) -> costs.Choice | None:
         """Restoring checkpoint `name` against warming its prefix up, at the measured speeds (None: not
