@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 from slotlogic import affinity, anthropic, anthropic_answer, costs, shared, wait
@@ -173,17 +173,19 @@ class Outcomes:
         return (t.why is Why.KNOWN and not t.displaced and not t.paged_in and t.slot is not None
                 and report.obs.cache_n == 0 and stats is not None and stats.requests > 1)
 
-    def idle_cleared(self, live: Sequence[dict[str, Any]], cold_slot: int, now: float) -> int | None:
-        """An idle slot other than `cold_slot` that holds 0 tokens where a live session of ours used it, or where
-        the ledger says it holds tokens (a conversation, a prefix, a side call's prompt): the server empties
-        idle slots (unified KV + --cache-idle-slots). None when nothing shows that."""
+    def idle_cleared(self, live: Sequence[dict[str, Any]], cold_slot: int, now: float,
+                     held: Collection[int] = ()) -> int | None:
+        """An idle slot other than `cold_slot` that holds 0 tokens where a live session of ours used it, where
+        the ledger says it holds tokens (a conversation, a prefix, a side call's prompt), or that the shared
+        state says another proxy's live session holds (`held`): the server empties idle slots (unified KV +
+        --cache-idle-slots). None when nothing shows that."""
         for entry in live:
             sid = entry.get("id")
             if sid == cold_slot or entry.get("is_processing") or not isinstance(sid, int):
                 continue
             if entry.get("n_prompt_tokens") != 0:
                 continue
-            if self.ledger.entry(sid).tokens > 0 or any(
+            if sid in held or self.ledger.entry(sid).tokens > 0 or any(
                     a.slot == sid and a.requests > 0 and now - a.last_used < self.table.ttl
                     for a in self.table.sessions.values()):
                 return sid

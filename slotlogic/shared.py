@@ -37,6 +37,7 @@ FORMAT_VERSION = 1
 # never the size of anything built. Beyond this it is junk and dropped (llama-server's own slot counts are a
 # few dozen at most in practice: each slot is a KV cache of its own).
 MAX_SLOTS = 1024
+MAX_MARKER = 128  # a media_marker longer than this read from the store is not one
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class ServerState:
     handovers: dict[tuple[int, str], Handover] = field(default_factory=dict)  # (slot, taker) -> its ask (handover.py)
     beats: dict[str, float] = field(default_factory=dict)        # proxy -> when it last said it is alive
     writers: dict[int, str] = field(default_factory=dict)        # slot -> the proxy that may write it
+    idle_clearing: str | None = None  # media_marker of the server process a proxy saw emptying idle slots
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -97,6 +99,8 @@ def from_dict(data: Any, upstream: str) -> ServerState:
     if not isinstance(data, dict):
         return st
     st.media_marker = _str(data.get("media_marker"))
+    marker = _str(data.get("idle_clearing"))
+    st.idle_clearing = marker if marker and len(marker) <= MAX_MARKER else None
     total = _int(data.get("total_slots"))
     st.total_slots = total if total and 0 < total <= MAX_SLOTS else None
     st.n_ctx = _int(data.get("n_ctx"))
@@ -183,7 +187,22 @@ def to_dict(st: ServerState) -> dict[str, Any]:
         "handovers": [handover.to_dict(h) for _, h in sorted(st.handovers.items())],
         "beats": dict(st.beats),
         "writers": {str(k): v for k, v in sorted(st.writers.items())},
+        "idle_clearing": st.idle_clearing,
     }
+
+
+def saw_idle_clearing(st: ServerState, marker: str | None) -> bool:
+    """A proxy saw the server process `marker` empty idle slots (unified KV): the other proxies of this state
+    may not, when the emptied slots were only this one's. True when that is news for the state."""
+    if not marker or st.idle_clearing == marker:
+        return False
+    st.idle_clearing = marker
+    return True
+
+
+def clears_idle_slots(st: ServerState, marker: str | None) -> bool:
+    """Some proxy saw this server process (`marker`) empty idle slots."""
+    return bool(marker) and st.idle_clearing == marker
 
 
 def keep_learned(st: ServerState, records: list[Learned], now: float, keep_seconds: float) -> None:
@@ -227,6 +246,11 @@ def note_server(st: ServerState, info: ServerInfo) -> ServerChange:
     if info.n_ctx:
         st.n_ctx = info.n_ctx
     return ServerChange(restarted=restarted, resized=resized)
+
+
+def held_slots(st: ServerState, now: float, ttl: float) -> set[int]:
+    """Slots whose newest claim is a session (of any proxy) that ran a request there within `ttl` seconds."""
+    return {sid for sid, rec in st.slots.items() if rec.owner and rec.requests > 0 and now - rec.last_used < ttl}
 
 
 def owned_slot(st: ServerState, session: str) -> int | None:

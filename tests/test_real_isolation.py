@@ -275,3 +275,29 @@ def test_a_restart_noticed_only_when_a_session_finds_its_slot_empty_is_metered_a
                if ln.startswith("slotkeeper_tokens_lost_total{")}
     assert counted[f'cause="restart",expected="true",server="{srv.url}"'] == first.cache_n + first.prompt_n
     assert counted[f'cause="unknown",expected="false",server="{srv.url}"'] == 0
+
+
+def test_two_proxies_label_idle_clearing_seen_on_each_others_slots(tmp_path):
+    """Unified KV with idle clearing, two proxies on one state dir, 3 slots: A runs sessions a and c, B runs b.
+    c's launch empties the idle slots of a and b. B's b comes back cold; the only evidence of idle clearing is
+    a's slot, empty while idle, which only A placed: B reads it off the shared state and labels its loss
+    expected, instead of `unknown`."""
+    state = str(tmp_path / "state")
+    logs = tmp_path / "a.log", tmp_path / "b.log"
+    opts = {"slots_state_dir": state, "slots_probe_interval": 0}
+    with LlamaServer(threads=THREADS, slots=3, ctx_per_slot=2048, kv_unified=True,
+                     log_path=str(tmp_path / "s.log")) as srv, \
+            MitmProxy(srv.url, opts, log_path=str(logs[0])) as pa, \
+            MitmProxy(srv.url, opts, log_path=str(logs[1])) as pb:
+        a, b, c = (conversation(f"Task {x}: unified, two proxies.") for x in "ABC")
+        ask(pa.url, a)
+        ask(pb.url, b)
+        ask(pa.url, c)  # its launch empties the idle slots of a and b
+        extend(b, 1)
+        lost = ask(pb.url, b)
+        deadline = time.monotonic() + 15
+        while " lost " not in logs[1].read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    line = next(x for x in logs[1].read_text().splitlines() if " lost " in x)
+    assert lost.cache_n == 0
+    assert "the server emptied its idle slot (expected" in line, line

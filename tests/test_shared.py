@@ -97,3 +97,22 @@ def test_a_slot_count_or_slot_id_past_the_cap_in_the_state_is_junk():
     capped = st.from_dict({"total_slots": st.MAX_SLOTS}, "http://up")
     assert capped.total_slots == st.MAX_SLOTS
     assert st.from_dict({"total_slots": st.MAX_SLOTS + 1}, "http://up").total_slots is None
+
+
+def test_idle_clearing_seen_by_one_proxy_is_kept_for_that_server_process_only():
+    state = st.ServerState(upstream="u")
+    assert st.saw_idle_clearing(state, "m1") and not st.saw_idle_clearing(state, "m1")  # news once
+    back = st.from_dict(st.to_dict(state), "u")
+    assert st.clears_idle_slots(back, "m1") and not st.clears_idle_slots(back, "m2")  # a restart forgets it
+    assert not st.clears_idle_slots(back, None)
+    junk = st.to_dict(state) | {"idle_clearing": "x" * 500}
+    assert st.from_dict(junk, "u").idle_clearing is None
+    assert st.from_dict({"idle_clearing": 5}, "u").idle_clearing is None
+
+
+def test_the_slots_live_sessions_hold_are_those_claimed_and_used_within_the_ttl():
+    state = st.ServerState(upstream="u")
+    state.slots = {0: st.SlotRecord(last_used=100.0, owner="a", requests=2),
+                   1: st.SlotRecord(last_used=10.0, owner="b", requests=2),     # expired
+                   2: st.SlotRecord(last_used=100.0, owner=None, requests=0)}   # nobody's
+    assert st.held_slots(state, 110.0, 60.0) == {0}

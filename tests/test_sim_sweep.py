@@ -165,3 +165,12 @@ def test_a_seed_with_an_unlabelled_loss_fails_the_sweep_and_prints_its_reproduct
     text = summary([run_seed(3), bad], 1.0)
     assert "lost tokens (unlabelled): 40" in text and "failing seeds: 1 (first: [984])" in text
     assert "reproduce: python -m bench --sim --sim-seed 984" in text and "request m3.title0 239->42" in text
+
+
+@pytest.mark.parametrize("seed", [88, 105, 132])
+def test_idle_clearing_seen_through_the_other_proxy_is_labelled_expected_by_both(seed):
+    """Two proxies, unified KV: a slot emptied while idle was called `unknown` by the proxy whose own slots
+    showed no evidence (the emptied ones were the other proxy's), 121-209 tokens a loss. Both read the evidence
+    off the shared state now: the slots another proxy's live sessions hold, and that proxy's finding."""
+    result = run_seed(seed)
+    assert result.miscalled == 0 and any(x.cause == "idle-clear" for x in result.losses)

@@ -20,11 +20,12 @@ from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.model_check import ModelCheck
 from slotkeeper.drivers.store import StateStore
 from slotkeeper.drivers.tasks import Tasks
+from slotlogic import shared
 from slotlogic.answers import Observation
 from slotlogic.decisions import Report, Ticket
 from slotlogic.events import Event, IdleSlotsCleared, MessagesProbed, ModelUnloaded, SlotsSlow
 from slotlogic.keeper import Keeper
-from slotlogic.ledger import Cause
+from slotlogic.ledger import Cause, tolerance
 from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
 from slotlogic.settings import AnthropicMode, Settings
 
@@ -54,6 +55,7 @@ class ServerProbe:
         self._last_live: list[dict[str, Any]] | None = None  # the last /slots answer (counts for a hung /slots)
         self._messages_probing = False   # the /v1/messages probe is running or has answered
         self._unified_told = False       # idle-slot clearing explained once
+        self._clearing_shared: str | None = None  # the server process whose idle clearing the state was told of
 
     async def ask(self) -> Facts:
         """`/props` and, when it answered, `/slots` (an endpoint that hung lately is not asked)."""
@@ -194,14 +196,17 @@ class ServerProbe:
         found = None
         try:
             if report.slot is not None:
-                found = await self.explain_cache_loss(report.slot)
+                cold = report.loss is not None and report.obs.cache_n is not None \
+                    and report.obs.cache_n <= tolerance(report.loss.tokens)
+                found = await self.explain_cache_loss(report.slot, cold=cold)
         finally:
             lost = self.keeper.outcomes.settle_loss(report, found)
             if lost is not None:
                 self.emit(lost)
 
-    async def explain_cache_loss(self, slot: int) -> Cause | None:
-        """A known session's pinned slot came back cold: a restart? idle clearing (unified KV)? say which."""
+    async def explain_cache_loss(self, slot: int, *, cold: bool = True) -> Cause | None:
+        """A known session's pinned slot came back cold: a restart? idle clearing (unified KV)? say which.
+        `cold`: it found (next to) nothing there, as idle clearing leaves a slot."""
         before = self.keeper.server.media_marker if self.keeper.server else None
         await self.probe()
         if (self.keeper.server.media_marker if self.keeper.server else None) != before:
@@ -209,10 +214,19 @@ class ServerProbe:
         live = await self.client.slots()
         if live is None:
             return None
-        cleared = self.keeper.outcomes.idle_cleared(live, slot, time.time())
+        marker = self.keeper.server.media_marker if self.keeper.server else None
+        state = await self.store.fresh() if self.store is not None else None
+        # The evidence may be on slots only another proxy of this state uses (sim seed 132), or that proxy may
+        # have seen it already (sim seeds 88, 105: the other proxy called the same clearing `unknown`).
+        held = shared.held_slots(state, time.time(), self.settings.ttl) if state is not None else set()
+        cleared = self.keeper.outcomes.idle_cleared(live, slot, time.time(), held - {slot})
         if cleared is None:
-            return None
+            return Cause.IDLE_CLEAR if state is not None and cold and shared.clears_idle_slots(state, marker) else None
         if not self._unified_told:
             self._unified_told = True
             self.emit(IdleSlotsCleared(self.url, cleared))
+        if self.store is not None and marker and marker != self._clearing_shared:
+            self._clearing_shared = marker
+            async with self.store.transaction() as state:
+                shared.saw_idle_clearing(state, marker)
         return Cause.IDLE_CLEAR
