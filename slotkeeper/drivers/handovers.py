@@ -91,8 +91,11 @@ class Handovers:
 
     async def _look(self) -> None:
         now = time.monotonic()
-        if now - self._beat >= handover.BEAT and self.keeper.turns.holds_conversations():
-            state = await self.store.fresh()
+        due = now - self._beat >= handover.BEAT and self.keeper.turns.holds_conversations()
+        if not due and not self._changed():
+            return
+        state = await self.store.fresh()  # the state this process last wrote or read is not parsed again
+        if due:
             age = self.keeper.turns.beat_age(state, time.time())  # a placement's transaction beats too
             if age < handover.BEAT:
                 self._beat = now - age
@@ -100,10 +103,6 @@ class Handovers:
                 self._beat = now
                 async with self.store.transaction() as state:
                     self.keeper.turns.beat(state, time.time())
-        elif not self._changed():
-            return
-        else:  # the state this process last wrote or read is not parsed again (`StateStore.fresh`)
-            state = await self.store.fresh()
         self._others = self.keeper.turns.others_alive(state, time.time())
         asked = self.keeper.turns.asked_of_us(state)
         for h in asked:
