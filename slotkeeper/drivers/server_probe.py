@@ -23,7 +23,7 @@ from slotkeeper.drivers.tasks import Tasks
 from slotlogic import shared
 from slotlogic.answers import Observation
 from slotlogic.decisions import Report, Ticket
-from slotlogic.events import Event, IdleSlotsCleared, MessagesProbed, ModelUnloaded, SlotsSlow
+from slotlogic.events import Event, Failed, IdleSlotsCleared, MessagesProbed, ModelUnloaded, SlotsSlow, Stage
 from slotlogic.keeper import Keeper
 from slotlogic.ledger import Cause, tolerance
 from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
@@ -227,6 +227,9 @@ class ServerProbe:
             self.emit(IdleSlotsCleared(self.url, cleared))
         if self.store is not None and marker and marker != self._clearing_shared:
             self._clearing_shared = marker
-            async with self.store.transaction() as state:
-                shared.saw_idle_clearing(state, marker)
+            try:  # telling the other proxies is a courtesy: the cause found here stands either way
+                async with self.store.transaction() as state:
+                    shared.saw_idle_clearing(state, marker)
+            except Exception as e:
+                self.emit(Failed(self.url, Stage.STATE_WRITE, type(e).__name__))
         return Cause.IDLE_CLEAR
