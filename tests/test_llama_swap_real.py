@@ -38,6 +38,14 @@ def test_each_model_behind_llama_swap_is_a_server_and_an_unloaded_model_a_restar
                 "model": "nope", "messages": conversation("Task U: a model llama-swap does not list.")})
             extend(conv, 1)
             slot2, t2 = ask_model(px.url, conv, "m1")
+            # Unload between two probes (every 1 s): a probe already past its `/running` look when the model goes
+            # would load it again, as llama-swap loads a model on any request; no proxy can close that window,
+            # and under a loaded suite it was hit once (loads 2 where 1 was asserted).
+            probes = swap.paths.count("GET /upstream/m1/props")
+            deadline = time.monotonic() + 10
+            while swap.paths.count("GET /upstream/m1/props") == probes and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.3)  # that probe's last call has come and gone
             swap.unload()
             deadline = time.monotonic() + 15
             while "unloaded by llama-swap" not in (tmp_path / "p.log").read_text() and time.monotonic() < deadline:
