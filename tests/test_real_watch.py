@@ -63,9 +63,9 @@ def test_queued_then_prefilling_is_logged_and_shown_while_it_waits(tmp_path):
 
         def generate() -> None:
             # long enough to be still generating when the queued request's first watch line comes (2.5 s
-            # after it starts, at the latest) on a fast machine too: 120 tokens were not, once. 250 take ~6 s
-            # on one thread here, where that line came 0.5 s after the start; 400 only made the test wait
-            body = {**LONG, "max_tokens": 250, "stream": True}
+            # after it starts, at the latest) on a fast machine too: 120 tokens were not, once, and 250 (~6 s
+            # on one thread here) were not once either, in a full 3.12 suite; 400 take ~10 s
+            body = {**LONG, "max_tokens": 400, "stream": True}
             with httpx.stream("POST", px.url + "/v1/chat/completions", json=body, timeout=120) as r:
                 for _ in r.iter_raw():
                     first_chunk.set()
