@@ -21,6 +21,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import filelock
 from mitmproxy import http
@@ -63,10 +64,7 @@ class _ProcessFileLock:
 
 async def _hop() -> None:
     """One round trip through the loop, as a worker thread's result takes (`clock._VirtualLoop`)."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    loop.call_soon(lambda: fut.done() or fut.set_result(None))
-    await fut
+    await asyncio.get_running_loop().run_in_executor(None, lambda: None)
 
 
 def server_url(i: int) -> str:
@@ -146,7 +144,8 @@ class Rig:
         self._stack = contextlib.ExitStack()
 
     async def __aenter__(self) -> Rig:
-        self._stack.enter_context(_patched(store_file, "AsyncFileLock", functools.partial(_ProcessFileLock, {})))
+        lock = functools.partial(_ProcessFileLock, {})  # the rig's own locks, one per lock path
+        self._stack.enter_context(mock.patch.object(store_file, "AsyncFileLock", lock))
         for _ in range(self.setup.proxies):
             addons = addon_module.make_addons()
             addons[0].rt.make_client = lambda url: LlamaClient(url, transport=transport(self.servers[url]))
@@ -239,12 +238,3 @@ class Rig:
     def prefill_tokens(self) -> int:
         return sum(s.prefill_tokens for s in self.servers.values())
 
-
-@contextlib.contextmanager
-def _patched(module: Any, name: str, value: Any) -> Any:
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from slotkeeper.drivers.llama_http import LlamaClient
-from slotkeeper.drivers.store_file import CorruptFile, JsonFile
+from slotkeeper.drivers.store_file import CorruptFile, JsonFile, file_stamp
 from slotlogic import __version__, checkpoint_cleanup, costs
 from slotlogic import prefix as pfx
 from slotlogic.checkpoint_machine import Action, Orchestrator, Outcome, Result
@@ -197,13 +197,7 @@ class CheckpointRunner:
             self.verified.pop(name, None)
 
     def _stamp(self, name: str) -> tuple[int, int, int] | None:
-        if not self.settings.save_dir:
-            return None
-        try:
-            st = os.stat(Path(self.settings.save_dir) / name)
-        except OSError:
-            return None
-        return st.st_ino, st.st_size, st.st_mtime_ns
+        return file_stamp(Path(self.settings.save_dir) / name) if self.settings.save_dir else None
 
     def _weigh(self, name: str, slot: int) -> costs.Choice | None:
         """Restoring checkpoint `name` against warming its prefix up, at the measured speeds (None: not

@@ -170,11 +170,7 @@ class StateFile:
 
     def _stamp(self) -> tuple[int, int, int] | None:
         """The file's inode, size and mtime: every write replaces the file, so a new inode is a new state."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return st.st_ino, st.st_size, st.st_mtime_ns
+        return file_stamp(self.path)
 
     async def fresh(self) -> shared.ServerState:
         """The state as it is now, without reading it when the file is the one this process last read or
@@ -235,3 +231,12 @@ class StateFile:
             self.write(state)
             self.last = state
             self._superseded = held
+
+
+def file_stamp(path: str | Path) -> tuple[int, int, int] | None:
+    """A file's inode, size and mtime (None: not there): a file replaced or rewritten has another stamp."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
