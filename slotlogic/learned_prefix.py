@@ -14,10 +14,16 @@ Rule 2: learned only from two sessions: the longest common prefix of their first
         `min_chars` long. A system message that two sessions send identically is its own stable prefix.
 Rule 3: a new session gets the longest learned prefix its system message starts with (checked by length and
         digest), so several clients, and several projects of one client, each get theirs.
-Rule 4: bounded: `MAX_LEARNED` prefixes (the least recently seen forgotten first), `MAX_SAMPLES` sample texts
-        per context, `MAX_CONTEXTS` contexts, and `MAX_SAMPLE_BYTES` of sample text in all (the oldest samples
-        go first), so 60 sessions with 8 MB system prompts cannot keep 60 × 8. A system message past
-        `MAX_TEXT_BYTES` (4 MB: a million tokens, more than any slot's context) is neither compared nor kept.
+Rule 4: bounded: `MAX_LEARNED` prefixes (the least recently seen forgotten first), `MAX_SAMPLES` distinct
+        sample texts per context, `MAX_CONTEXTS` contexts, and `MAX_SAMPLE_BYTES` of sample text in all (the
+        least recently observed text goes first), so 60 sessions with 8 MB system prompts cannot keep 60 × 8. A
+        system message past `MAX_TEXT_BYTES` (4 MB: a million tokens, more than any slot's context) is neither
+        compared nor kept.
+Rule 5: a text is kept once, with the sessions that sent it (`MAX_SENDERS` at most, the latest): a session that
+        sends a text seen before (a subagent started with its parent's system prompt) keeps that text, and so
+        its first sender, among the samples. Kept per session, a burst of subagents pushed their parent's
+        text out, and `sharers` no longer knew the one live conversation that held their family's part of the
+        prompt (bench subagents seed 6: 211 tokens warmed up from the base checkpoint instead of copied).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from slotlogic.prefix import First, StablePrefix, first_system
 
 MAX_LEARNED = 64
 MAX_SAMPLES = 8
+MAX_SENDERS = 32  # sessions remembered per sample text (Rule 5)
 MAX_CONTEXTS = 32
 MAX_SAMPLE_BYTES = 32 << 20  # the sample texts of every context together (their in-memory size)
 MAX_TEXT_BYTES = MAX_SAMPLE_BYTES // 8  # one system message worth learning from, at most
@@ -89,7 +96,7 @@ class PrefixLearner:
     def __init__(self, min_chars: int = MIN_CHARS) -> None:
         self.min_chars = min_chars
         self.learned: OrderedDict[tuple[str, int, str], Learned] = OrderedDict()
-        self.samples: OrderedDict[str, OrderedDict[str, str]] = OrderedDict()  # context -> session -> text
+        self.samples: OrderedDict[str, Samples] = OrderedDict()  # context -> its sample texts
         self.sample_bytes = 0  # sys.getsizeof of every sample text
 
     def find(self, body: dict[str, Any], now: float) -> StablePrefix | None:
@@ -116,39 +123,31 @@ class PrefixLearner:
         if first is None or len(first.text) < self.min_chars or sys.getsizeof(first.text) > MAX_TEXT_BYTES:
             return None
         context = _context(first)
-        seen = self.samples.setdefault(context, OrderedDict())
+        seen = self.samples.setdefault(context, Samples())
         self.samples.move_to_end(context)
+        self.sample_bytes -= seen.drop(session)  # observed again: compared as new
         best = None
-        for other, text in seen.items():
-            if other == session:
-                continue
+        for text in seen.values():
             n = stable_cut(first.text, text, self.min_chars)
             if n is not None and (best is None or n > best):
                 best = n
-        self._drop(seen, session)
-        seen[session] = first.text
-        self.sample_bytes += sys.getsizeof(first.text)
+        self.sample_bytes += seen.add(session, first.text)
         while len(seen) > MAX_SAMPLES:
-            self._drop(seen, next(iter(seen)))
+            self.sample_bytes -= seen.drop_oldest()
         while len(self.samples) > MAX_CONTEXTS or (self.sample_bytes > MAX_SAMPLE_BYTES and self.samples):
             oldest_context = next(iter(self.samples))
             texts = self.samples[oldest_context]
             if texts and (len(self.samples) <= MAX_CONTEXTS):
-                self._drop(texts, next(iter(texts)))
+                self.sample_bytes -= texts.drop_oldest()
                 if texts:
                     continue
-            for text in self.samples.pop(oldest_context).values():
-                self.sample_bytes -= sys.getsizeof(text)
+            self.sample_bytes -= sum(sys.getsizeof(text) for text in self.samples.pop(oldest_context).values())
         if best is None:
             return None
         rec = Learned(context, best, text_digest(first.text[:best]), now)
         self._remember(rec)
         return rec
 
-    def _drop(self, seen: OrderedDict[str, str], session: str) -> None:
-        text = seen.pop(session, None)
-        if text is not None:
-            self.sample_bytes -= sys.getsizeof(text)
 
     def sharers(self, prefix: StablePrefix) -> list[tuple[str, int]]:
         """Sessions whose first system message, as observed, shares a part of `prefix` in the same context, with
@@ -156,10 +155,11 @@ class PrefixLearner:
         line end (a token boundary), when at least `min_chars` long. A copy of their slot gives that much of it."""
         first = First(prefix.text, prefix.role, prefix.tools, prefix.template_kwargs, prefix.route)
         out = []
-        for s, text in (self.samples.get(_context(first)) or {}).items():
+        seen = self.samples.get(_context(first))
+        for text in seen.values() if seen is not None else ():
             n = len(prefix.text) if text.startswith(prefix.text) else stable_cut(prefix.text, text, self.min_chars)
             if n is not None:
-                out.append((s, min(n, len(prefix.text))))
+                out.extend((s, min(n, len(prefix.text))) for s in seen.senders(text))
         return out
 
     def load(self, records: list[Learned]) -> None:
@@ -179,3 +179,59 @@ class PrefixLearner:
         self.learned.move_to_end(key)
         while len(self.learned) > MAX_LEARNED:
             self.learned.popitem(last=False)
+
+
+class Samples:
+    """One context's sample texts, each kept once with the sessions that sent it (Rule 5); the least recently
+    observed text first. Sizes returned are `sys.getsizeof` of the texts added or dropped."""
+
+    def __init__(self) -> None:
+        self._texts: OrderedDict[str, OrderedDict[str, None]] = OrderedDict()  # text -> its senders, latest last
+        self._of: dict[str, str] = {}  # session -> the text it sent
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def __contains__(self, session: object) -> bool:
+        return session in self._of
+
+    def values(self) -> list[str]:
+        """The distinct texts, least recently observed first."""
+        return list(self._texts)
+
+    def senders(self, text: str) -> list[str]:
+        return list(self._texts.get(text, ()))
+
+    def add(self, session: str, text: str) -> int:
+        """`session` sent `text`: the bytes newly kept (0 when the text is kept already)."""
+        senders = self._texts.get(text)
+        if senders is None:
+            senders = self._texts[text] = OrderedDict()
+            size = sys.getsizeof(text)
+        else:
+            self._texts.move_to_end(text)
+            size = 0
+        senders[session] = None
+        self._of[session] = text
+        while len(senders) > MAX_SENDERS:
+            del self._of[senders.popitem(last=False)[0]]
+        return size
+
+    def drop(self, session: str) -> int:
+        """Forget `session`'s sample: the bytes freed (its text goes with its last sender)."""
+        text = self._of.pop(session, None)
+        if text is None:
+            return 0
+        senders = self._texts[text]
+        senders.pop(session, None)
+        if senders:
+            return 0
+        del self._texts[text]
+        return sys.getsizeof(text)
+
+    def drop_oldest(self) -> int:
+        """Forget the least recently observed text and its senders: the bytes freed."""
+        text, senders = self._texts.popitem(last=False)
+        for session in senders:
+            self._of.pop(session, None)
+        return sys.getsizeof(text)

@@ -7,7 +7,15 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as s
 
-from slotlogic.learned_prefix import MAX_LEARNED, PrefixLearner, common_length, first_system, stable_cut
+from slotlogic.learned_prefix import (
+    MAX_LEARNED,
+    MAX_SAMPLES,
+    MAX_SENDERS,
+    PrefixLearner,
+    common_length,
+    first_system,
+    stable_cut,
+)
 
 SHARED = "You are a coding agent.\n" + "".join(f"Rule {i}: keep changes small and test them.\n" for i in range(30))
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
@@ -81,6 +89,39 @@ def test_sample_texts_stay_under_their_byte_budget_and_still_teach(monkeypatch):
     assert learner.find(body(shared + env("/w/new", "d"), tools=[{"name": "t"}]), 20.0) is not None
     learner.observe("huge", body("x" * (1 << 19)), 21.0)  # past a million tokens' worth: neither compared nor kept
     assert all("huge" not in c for c in learner.samples.values()) and learner.sample_bytes <= 1 << 20
+
+
+def test_a_parent_whose_subagents_send_its_system_prompt_stays_a_sharer_of_it():
+    """bench subagents seed 6: four main sessions, then a burst of subagents each sending its parent's system
+    prompt. Kept per session, the first parents' texts went out after eight sessions, and the next subagent of
+    that family found no live conversation sharing its family's part of the prompt (a 211-token warm-up)."""
+    learner = PrefixLearner(min_chars=100)
+    mains = [f"m{i}" for i in range(4)]
+    for i, m in enumerate(mains):
+        learner.observe(m, body(env(f"/w/{i}", "d")), float(i))
+    learner.observe("first", body(env("/w/0", "d"), first="question"), 5.0)  # the first family's first subagent
+    for n in range(3 * MAX_SAMPLES):  # then a burst of the other families' subagents
+        parent = 1 + n % 3
+        learner.observe(f"sub{n}", body(env(f"/w/{parent}", "d"), first=f"question {n}"), 10.0 + n)
+    family = learner.find(body(env("/w/0", "d"), first="another question"), 50.0)
+    assert family is not None and family.text == env("/w/0", "d")  # learned from the parent and its subagent
+    sharers = dict(learner.sharers(family))
+    assert sharers["m0"] == len(family.text)  # the parent holds all of it
+    assert all(sharers[m] < len(family.text) for m in mains[1:])  # the others: the shared part only
+
+
+def test_a_text_keeps_its_latest_senders_and_the_least_recently_sent_text_goes_first():
+    learner = PrefixLearner(min_chars=100)
+    for n in range(MAX_SENDERS + 5):
+        learner.observe(f"s{n}", body(env("/same", "d")), float(n))
+    prefix = learner.find(body(env("/same", "d")), 99.0)
+    assert prefix is not None
+    senders = [k for k, _ in learner.sharers(prefix) if k.startswith("s")]
+    assert senders == [f"s{n}" for n in range(5, MAX_SENDERS + 5)]
+    for i in range(MAX_SAMPLES):
+        learner.observe(f"o{i}", body(env(f"/other/{i}", "d")), 200.0 + i)
+    assert not any(k.startswith("s") for k, _ in learner.sharers(prefix))  # its text was the oldest
+    assert learner.sample_bytes == sum(sys.getsizeof(t) for c in learner.samples.values() for t in c.values())
 
 
 def test_short_or_markerless_texts_teach_nothing():
