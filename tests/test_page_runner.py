@@ -146,3 +146,27 @@ async def test_a_symlink_under_a_page_name_is_never_followed(tmp_path):
     assert pager.files() == {}
     pager.delete([PLAN.save_file])
     assert target.read_text() == "KEEP" and not (save / PLAN.save_file).is_symlink()
+
+
+async def test_a_slot_call_made_while_a_request_of_ours_runs_gives_no_overhead_sample(tmp_path):
+    """bench subagents seed 7: restores queued behind a prefill at the server were taken as the calls' fixed cost
+    (~2.5 s), so every later move was priced out and none was made again to bring the estimate back down."""
+
+    class Timed(Slots):
+        async def post_json(self, path: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
+            status, data = await super().post_json(path, body, timeout)
+            if isinstance(data, dict) and "n_restored" in data:
+                data["n_read"] = 16_000_000
+            return status, data
+
+    (tmp_path / PLAN.restore_file).write_bytes(b"x")
+    pages = runner(Timed(), tmp_path)
+    answers: list = []
+    pages.on_answer = answers.append
+    running = [True]
+    pages.server_busy = lambda: running[0]
+    await pages.run(PLAN)  # type: ignore[arg-type]
+    running[0] = False
+    await pages.run(PLAN)  # type: ignore[arg-type]
+    assert [(a.direction.value, a.wall_ms is None) for a in answers] == [
+        ("save", True), ("restore", True), ("save", False), ("restore", False)]

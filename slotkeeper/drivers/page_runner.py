@@ -75,6 +75,9 @@ class PageRunner:
         self._waits: dict[int, int] = {}  # slot whose lock is held -> the slot its holder waits for (`wait_free`)
         self.gate: SlotGate = SlotGate(upstream, emit)  # which requests reached the server (Upstream shares its own)
         self.on_answer: Callable[[SlotFileAnswer], None] = lambda a: None  # each save/restore's size and time
+        # A request of ours is running at the server: a slot call sent now waits for its batch step, so its wall
+        # time is no sample of the call's fixed cost (`slotlogic.costs`, the move overhead).
+        self.server_busy: Callable[[], bool] = lambda: False
         # a seed's slot on another server of the pool saved there (`pool_seeds.PoolSeeds.copy`)
         self.copy_from: Callable[[str, int, str], Awaitable[tuple[int, int] | None]] = _no_copy
 
@@ -202,12 +205,12 @@ class PageRunner:
                 self.emit(PageGone(self.upstream, plan.restore_file))
                 out.restore_failed = True
             else:
-                asked = time.monotonic()
+                asked = self._asked()
                 status, data = await self._action(plan.slot, "restore", plan.restore_file)
                 if status == 200 and isinstance(data, dict) and isinstance(data.get("n_restored"), int):
                     check = restore_checked(expected, data["n_restored"])
                     out.server_ms += _ms(data, "restore_ms")
-                    self._measured("restore", data, time.monotonic() - asked)
+                    self._measured("restore", data, asked)
                     if check is None:
                         out.restored_tokens = data["n_restored"]
                     else:  # the slot holds something other than the page we recorded: not a page-in
@@ -234,11 +237,11 @@ class PageRunner:
 
     async def _save(self, slot: int, filename: str, out: PageOutcome) -> tuple[int, int] | None:
         """Save `slot` into `filename`: (tokens, bytes) written, or None (logged once per failure)."""
-        asked = time.monotonic()
+        asked = self._asked()
         status, data = await self._action(slot, "save", filename)
         if status == 200 and isinstance(data, dict) and isinstance(data.get("n_saved"), int):
             out.server_ms += _ms(data, "save_ms")
-            self._measured("save", data, time.monotonic() - asked)
+            self._measured("save", data, asked)
             written = data.get("n_written")
             self._private(filename)
             return data["n_saved"], written if isinstance(written, int) else self._size(filename)
@@ -246,8 +249,16 @@ class PageRunner:
         self.emit(PageFailed(self.upstream, slot, "out", Failure.of(status, data)))
         return None
 
-    def _measured(self, action: str, data: dict[str, Any], wall: float) -> None:
-        answer = SlotFileAnswer.parse(action, data, wall * 1000)
+    def _asked(self) -> float | None:
+        """When a slot call is sent (monotonic), for its wall time; None while a request of ours runs."""
+        return None if self.server_busy() else time.monotonic()
+
+    def _measured(self, action: str, data: dict[str, Any], asked: float | None) -> None:
+        """One save or restore answer into the speeds; its wall time only when no request of ours ran while it
+        did (bench subagents seed 7: two restores queued behind a prefill priced every move at ~2.5 s more, so
+        none was made again and the estimate never came back down: 17 page-outs let go, 13 prefixes warmed)."""
+        wall = None if asked is None or self.server_busy() else (time.monotonic() - asked) * 1000
+        answer = SlotFileAnswer.parse(action, data, wall)
         if answer is not None:
             self.on_answer(answer)
 

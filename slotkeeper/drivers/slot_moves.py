@@ -73,6 +73,7 @@ class SlotMover:
         self.pages: PageRunner | None = None
         self.checkpoints: CheckpointRunner | None = None
         self.on_answer: Callable[[SlotFileAnswer], None] = lambda a: None  # each save/restore (slot_speeds.py)
+        self.server_busy: Callable[[], bool] = lambda: False  # a request of ours runs at the server (PageRunner)
         self._told_no_save_path = False
         self._swept = False
         self.elsewhere: PoolSeeds | None = None  # in a pool: seeds from its other servers' slots (`join`)
@@ -100,7 +101,7 @@ class SlotMover:
             if self.pages is None or self.pages.save_dir != Path(s.save_dir):
                 self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
                 self.pages.gate = self.gate
-            self.pages.on_answer = self.on_answer
+            self.pages.on_answer, self.pages.server_busy = self.on_answer, self.server_busy
             if self.elsewhere is not None:
                 self.pages.copy_from = self.elsewhere.copy
             self.pages.max_bytes = s.page_max_bytes
@@ -141,7 +142,10 @@ class SlotMover:
         """What the core planned around the new owner of `placement.slot`, performed: the holder paged out and
         this session (or a seed) paged in, waited for until `by` (monotonic; None: no bound) at most. Returns what
         the slot holds for it now (LATE: nothing moved, the bound passed first), the fence after the moves, and
-        whether the slot holds the session's stable prefix already."""
+        whether the slot holds the session's stable prefix already. A side call: its slot's holder paged out and
+        its home's page in (`side`)."""
+        if placement.side:
+            return (await self.side(placement, flow_id, by) if self.pages is not None else Moved.NOTHING), None, False
         key = need.ticket.session.key
         holds = self.keeper.pager.holds_prefix(need, placement.view)
         if self.pages is None:

@@ -48,6 +48,10 @@ class SlotWaits:
         self.open.setdefault(slot, {})[flow_id] = (chars, session)
         self._slot_of[flow_id] = slot
 
+    def any_open(self) -> bool:
+        """Some request of ours is open at the server (pinned, or sent with `id_slot: -1`)."""
+        return bool(self.open) or bool(self.unplaced)
+
     def queued_chars(self) -> dict[int, tuple[int, ...]]:
         """Slot -> the prompt characters of each request of ours open there, in the order they were sent (the
         first runs, the others queue behind it): a busy slot's known wait, for placement."""

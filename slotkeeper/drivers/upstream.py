@@ -126,6 +126,7 @@ class Upstream:
                                 turns=self.keeper.turns)
         self.speeds = SlotSpeeds(url, self.keeper, self.model, emit, lambda: self.settings)  # every save/restore
         self.model.on_answer = self.mover.on_answer = self.speeds
+        self.mover.server_busy = self.waits.any_open
         self.tasks = Tasks()  # background work an answer or a command started
         self.placings = Placings()  # one placement of a session at a time
         self.prober = ServerProbe(url, self.client, self.keeper, emit, self.model, self.tasks, loaded=loaded,
@@ -281,10 +282,7 @@ class Upstream:
                 return await self._place(placement.need or need, facts, flow_id, accept=accept, by=by,
                                          tries=tries.again())
         need = placement.need or need  # as placed: its stable prefix as the core knows it by now
-        if placement.side or self.offline:  # a side call's slot holder is paged out first, within its bound
-            moved = await self.mover.side(placement, flow_id, by) if paged else Moved.NOTHING
-        else:
-            moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id, by)
+        moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id, by)
         if moved is Moved.LATE:  # its bound passed before its slot was ours to write: nothing moved
             return await _late(self, need, facts, flow_id, accept, by, tries.cap)
         if moved is Moved.STALE and tries.retries > 0:  # another claim of the slot came first: place it again
@@ -292,7 +290,7 @@ class Upstream:
             return await self._place(need, facts, flow_id, accept=accept, by=by, tries=tries.again())
         if moved is Moved.STALE:  # twice: it goes where it was placed, with nothing moved (fail open)
             moved = Moved.NOTHING
-        if placement.side or self.offline:  # a side call whose page step went stale was placed again above
+        if placement.side:  # no prefix of its own to warm (a side call whose page step went stale: placed again)
             return self.keeper.pin(placement, now)
         if self.checkpoints is not None and need.stable is not None and moved in (Moved.NOTHING, Moved.PREFIX):
             fence = await self.mover.warm(placement.slot, need, info, holds and moved is Moved.NOTHING, fence=fence,
