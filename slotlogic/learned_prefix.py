@@ -148,7 +148,6 @@ class PrefixLearner:
         self._remember(rec)
         return rec
 
-
     def sharers(self, prefix: StablePrefix) -> list[tuple[str, int]]:
         """Sessions whose first system message, as observed, shares a part of `prefix` in the same context, with
         how many of its characters: all of it for those that start with it, else their common part cut back to a
