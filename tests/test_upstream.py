@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import time
+from unittest import mock
 
 import pytest
 
@@ -135,9 +136,12 @@ async def test_a_known_session_that_comes_back_cold_gets_an_explanation(up, fake
         up.answered(pin.ticket, Observation(cache_n=0, prompt_n=100), path=CHAT, seconds=1.0)
     again = await up.decide(facts(chat("A"), now=time.time()), "fa2")
     fake_llama.slots_data[b.ticket.slot]["n_prompt_tokens"] = 0  # B's slot was emptied while idle
-    up.answered(again.ticket, Observation(cache_n=0, prompt_n=120), path=CHAT, seconds=1.0)
-    await up.settle()
+    reads = mock.patch.object(up.prober.store, "fresh", wraps=up.prober.store.fresh)
+    with reads as fresh:
+        up.answered(again.ticket, Observation(cache_n=0, prompt_n=120), path=CHAT, seconds=1.0)
+        await up.settle()
     assert ev.IdleSlotsCleared(UP, b.ticket.slot) in seen
+    assert fresh.call_count == 0  # this process's own slots showed it: the shared state was not read
 
 
 async def test_new_settings_replace_the_old_and_keep_the_sessions(up, tmp_path):

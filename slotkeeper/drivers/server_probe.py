@@ -215,11 +215,14 @@ class ServerProbe:
         if live is None:
             return None
         marker = self.keeper.server.media_marker if self.keeper.server else None
-        state = await self.store.fresh() if self.store is not None else None
-        # The evidence may be on slots only another proxy of this state uses (sim seed 132), or that proxy may
-        # have seen it already (sim seeds 88, 105: the other proxy called the same clearing `unknown`).
-        held = shared.held_slots(state, time.time(), self.settings.ttl) if state is not None else set()
-        cleared = self.keeper.outcomes.idle_cleared(live, slot, time.time(), held - {slot})
+        cleared, state = self.keeper.outcomes.idle_cleared(live, slot, time.time()), None
+        if cleared is None and self.store is not None:
+            # The evidence may be on slots only another proxy of this state uses (sim seed 132), or that proxy
+            # may have seen it already (sim seeds 88, 105: the other proxy called the same clearing `unknown`).
+            # The state is read only when this process's own slots show nothing.
+            state = await self.store.fresh()
+            held = shared.held_slots(state, time.time(), self.settings.ttl)
+            cleared = self.keeper.outcomes.idle_cleared(live, slot, time.time(), held - {slot})
         if cleared is None:
             return Cause.IDLE_CLEAR if state is not None and cold and shared.clears_idle_slots(state, marker) else None
         if not self._unified_told:
