@@ -272,16 +272,15 @@ class Upstream:
             self.emit(event)
         if self.pages is not None and placement.dropped_pages:
             self.pages.delete(placement.dropped_pages)
-        # A side call on the slow path takes its turn too: a placement may be under way there (its session's
-        # conversation is then paged out first, once its request reached the server).
-        paged = self.pages is not None and not self.offline
-        if not paged and not self.offline:  # no moves, but another proxy may write the slot: it is asked first
+        if self.pages is None and not self.offline:  # no moves, but another proxy may write the slot: asked first
             state = await self.store.fresh()
             _, stale = await self.handovers.take(placement.slot, key, placement.fence, state)
             if stale and tries.retries > 0:
                 return await self._place(placement.need or need, facts, flow_id, accept=accept, by=by,
                                          tries=tries.again())
         need = placement.need or need  # as placed: its stable prefix as the core knows it by now
+        # A side call takes its turn on the slot too: a placement may be under way there (its holder is paged
+        # out first, once its request reached the server).
         moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id, by)
         if moved is Moved.LATE:  # its bound passed before its slot was ours to write: nothing moved
             return await _late(self, need, facts, flow_id, accept, by, tries.cap)
