@@ -60,7 +60,7 @@ class Seeds:
         slot, key, views = ask.slot, ask.session_key, ask.views
         seed = self._seed(slot, key, holder, ask.view, views, ask.stable_chars, busy_too)
         if seed is None and ask.cold is not None:
-            seed = self._prefix_seed(slot, key, holder, views, ask.cold, busy_too)
+            seed = self._prefix_seed(slot, key, holder, views, ask.cold, busy_too, self._held(ask, holder))
         far, beat = ask.elsewhere, ask.base_chars if ask.cold is not None else ask.stable_chars
         if far is not None and not busy_too and far.chars >= max(beat, seed.chars if seed else 0) + SEED_MIN_CHARS:
             return far
@@ -100,16 +100,24 @@ class Seeds:
         return paging.choose_seed(mine.lead, candidates, self.p.index, self.p.page_identity,
                                   beat=max(have, stable_chars))
 
+    def _held(self, ask: paging.PageAsk, holder: str | None) -> int:
+        """How much of `ask.cold` the slot gives anyway: its holder's conversation stays there once paged out
+        (a sibling of the same family holds all of it)."""
+        if holder is None or ask.cold is None or ask.view.n_tokens == 0:
+            return 0
+        return dict(self.p.learner.sharers(ask.cold)).get(holder, 0)
+
     def _prefix_seed(self, slot: int, key: str, holder: str | None, views: Sequence[SlotView],
-                     cold: pfx.StablePrefix, busy_too: bool = False) -> paging.Seed | None:
+                     cold: pfx.StablePrefix, busy_too: bool = False, held: int = 0) -> paging.Seed | None:
         """The session that shares the most of `cold` (all of it: its first system message starts with it; or a
         part of it, as a subagent of another family shares the base prompt): its restorable page (no save needed),
         else its live slot when idle (another of ours). A subagent's family prefix is its parent's, paged out or
         waiting on its slot: copying it in spares prefilling the part a base checkpoint does not hold; a part
-        copied spares that part, the warm-up prefills the rest."""
+        copied spares that part, the warm-up prefills the rest. None unless it shares a seed's worth more than
+        the slot's holder (`held`)."""
         best: paging.Seed | None = None
         for other, chars in self.p.learner.sharers(cold):
-            if other in (key, holder) or (best is not None and chars <= best.chars):
+            if other in (key, holder) or chars < held + paging.SEED_MIN_CHARS or (best and chars <= best.chars):
                 continue
             if paging.restorable(self.p.index.get(other), self.p.page_identity):
                 best = paging.Seed(other, chars, prefix=True)

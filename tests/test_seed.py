@@ -396,3 +396,27 @@ def test_a_sibling_placed_after_the_one_that_taught_its_family_prefix_takes_that
     k.assign(c2, state, info(), LIVE, 0.2)
     p1 = k.assign(c1, state, info(), LIVE, 0.2)
     assert p1.need is not None and p1.need.stable == c2.stable and p1.need.prefix == c2.stable.signature
+
+
+def test_a_slot_whose_holder_shares_the_cold_family_prefix_keeps_it_rather_than_take_a_shorter_seed():
+    """Two subagents of family B ran together; the second to be placed goes to its sibling's slot once that
+    sibling has answered. The sibling's conversation stays in the slot after its page-out and holds the whole
+    family prefix: no seed that shares only the base prompt (family A's page) is restored over it (bench
+    subagents seed 7: a page sharing 860 tokens restored over a sibling's 1,072, then 181 warmed up again)."""
+    k, state = Keeper(Settings(), U), shared.ServerState(U)
+    k.facts.note_server(state, info())
+    a1 = placed(k, state, family("Family A rules.", "/a1"), "a1", 0.0)
+    a1_key = k.table.dispatched[a1]
+    k.pager.index[a1_key] = page(a1_key, model=k.page_identity)                      # paged out: a restorable page
+    b1 = placed(k, state, family("Family B rules.", "/b1"), "b1", 0.5)
+    b1_key = k.table.dispatched[b1]
+    d = need(k, family("Family B rules.", "/b2"), "b2", 1.0)
+    assert d.stable is not None and d.stable.text.startswith(SYS + "\nFamily B")
+    k.assign(d, state, info(), LIVE, 1.0)
+    key, views = d.ticket.session.key, [SlotView(i) for i in range(4)]
+    plan = k.pager.page_plan(PageAsk(b1, key, SlotView(b1, 4000, owner=b1_key), views=views, cold=d.stable))
+    assert plan.seed is None and plan.restore_file is None and plan.save_for == b1_key    # saved, then kept
+    # the same slot emptied meanwhile: the base prompt from family A's page is worth restoring
+    emptied = k.pager.page_plan(PageAsk(b1, key, SlotView(b1, 0, owner=b1_key), views=views, cold=d.stable))
+    assert emptied.seed is not None and emptied.seed.source == a1_key
+
