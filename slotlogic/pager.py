@@ -270,11 +270,17 @@ class Pager:
         key = need.ticket.session.key
         if (view.n_tokens or 0) <= 0:
             return False
-        if view.prefix == need.prefix or view.owner == key:
+        holder = self.table.dispatched.get(view.id) or view.owner
+        prefix = view.prefix
+        if view.owner in self.table.sessions and view.owner != holder:
+            # a claim of ours whose request has not gone out: the slot still holds what was sent there last
+            # (bench subagents seed 7: a sibling's claim named the family prefix over another family's
+            # conversation, and 177 tokens were prefilled beside the sibling that was computing them)
+            prefix = self.table.sessions[holder].prefix if holder in self.table.sessions else None
+        if prefix == need.prefix or view.owner == key:
             return True
         # The conversation left there (its holder was paged out, not erased) starts with all of our prefix:
         # a warm-up would cut it back to the prefix, losing the messages we share beyond it.
-        holder = self.table.dispatched.get(view.id) or view.owner
         ours, theirs = self.table.sessions.get(key), self.table.sessions.get(holder or "")
         if need.stable is None or ours is None or theirs is None:
             return False

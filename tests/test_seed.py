@@ -420,3 +420,23 @@ def test_a_slot_whose_holder_shares_the_cold_family_prefix_keeps_it_rather_than_
     emptied = k.pager.page_plan(PageAsk(b1, key, SlotView(b1, 0, owner=b1_key), views=views, cold=d.stable))
     assert emptied.seed is not None and emptied.seed.source == a1_key
 
+
+def test_a_claim_whose_request_has_not_gone_out_says_nothing_of_what_the_slot_holds():
+    """Three subagents of family B arrive together while family A's conversation is the last sent to a slot; b2
+    claims that slot first (it waits for it), then b3 is placed there too. b2's claim names the family prefix,
+    but the slot still holds family A's conversation: b3 does not take the prefix as held, so it waits for the
+    sibling computing it instead of prefilling the family's part beside it (bench subagents seed 7)."""
+    k, state = Keeper(Settings(), U), shared.ServerState(U)
+    k.facts.note_server(state, info())
+    a1 = placed(k, state, family("Family A rules.", "/a1"), "a1", 0.0)
+    need(k, family("Family B rules.", "/b1"), "b1", 0.5)
+    b2 = need(k, family("Family B rules.", "/b2"), "b2", 0.5)
+    k.assign(b2, state, info(), LIVE, 0.5)                                          # claimed, not sent yet
+    b3 = need(k, family("Family B rules.", "/b3"), "b3", 0.5)
+    assert b3.prefix == b2.prefix and b3.prefix is not None
+    b2_key, a1_key = b2.ticket.session.key, k.table.dispatched[a1]
+    claimed = SlotView(a1, 1000, busy=True, owner=b2_key, prefix=b3.prefix)
+    assert not k.pager.holds_prefix(b3, claimed)
+    k.table.dispatch(b2_key, a1)                                                    # b2's request went there
+    assert k.pager.holds_prefix(b3, claimed)
+    assert a1_key != b2_key
