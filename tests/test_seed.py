@@ -348,9 +348,9 @@ def test_of_two_sessions_placed_together_only_the_later_waits_for_the_earlier():
     assert earlier is None
 
 
-def family(rules: str, folder: str) -> dict:
+def family(rules: str, folder: str, times: int = 30) -> dict:
     """A subagent's system prompt: the shared role, its family's rules, then a per-session line."""
-    return {"messages": [{"role": "system", "content": SYS + "\n" + f"{rules}\n" * 30 + "Working in " + folder + "\n"},
+    return {"messages": [{"role": "system", "content": SYS + "\n" + f"{rules}\n" * times + "Working in " + folder + "\n"},
                          {"role": "user", "content": "go"}]}
 
 
@@ -440,3 +440,23 @@ def test_a_claim_whose_request_has_not_gone_out_says_nothing_of_what_the_slot_ho
     k.table.dispatch(b2_key, a1)                                                    # b2's request went there
     assert k.pager.holds_prefix(b3, claimed)
     assert a1_key != b2_key
+
+
+def test_a_seed_that_shares_a_short_family_part_more_than_the_slot_holder_is_restored():
+    """The slot's holder is another family's subagent (it shares the base role only); the family's parent is paged
+    out and shares the whole family prefix, whose own part is short (fewer characters than a seed's minimum, still
+    tokens a prefill pays for): its page is the seed (bench subagents seed 17: 73 tokens, 192 characters, were
+    warmed up cold on a slot whose holder shared only the base)."""
+    k, state = Keeper(Settings(), U), shared.ServerState(U)
+    k.facts.note_server(state, info())
+    a1 = placed(k, state, family("Family A rules.", "/a1"), "a1", 0.0)
+    a1_key = k.table.dispatched[a1]
+    b1 = placed(k, state, family("B only.", "/b1", times=8), "b1", 0.5)
+    b1_key = k.table.dispatched[b1]
+    k.pager.index[b1_key] = page(b1_key, model=k.page_identity)
+    d = need(k, family("B only.", "/b2", times=8), "b2", 1.0)
+    assert d.stable is not None and 0 < len(d.stable.text) - len(SYS) < paging.SEED_MIN_CHARS
+    k.assign(d, state, info(), LIVE, 1.0)
+    key, views = d.ticket.session.key, [SlotView(i) for i in range(4)]
+    plan = k.pager.page_plan(PageAsk(a1, key, SlotView(a1, 4000, owner=a1_key), views=views, cold=d.stable))
+    assert plan.seed is not None and plan.seed.source == b1_key and plan.seed.prefix
