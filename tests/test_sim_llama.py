@@ -6,6 +6,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.sim.clock import VirtualClock, run
 from bench.sim.llama import SimServer, render_chat
 from bench.sim.transport import transport
@@ -72,6 +74,25 @@ def test_a_busy_slot_defers_save_and_restore_until_it_is_idle(tmp_path: Path):
         assert (tmp_path / "page-a.bin").stat().st_size == data["n_written"]
         await s.action(1, "restore", "page-a.bin").done
         assert s.slots[1].tokens == s.slots[0].tokens
+    sim(main)
+
+
+def test_a_slot_action_waits_for_the_prompt_batch_running_on_another_slot(tmp_path: Path):
+    """The server takes queued tasks only between two batches: a save of an idle slot sent while another slot
+    prefills waits for that batch (a prompt shorter than `n_batch`: all of it), not for the whole request."""
+    async def main() -> None:
+        s = SimServer(2, save_dir=tmp_path, prefill_speed=1000.0, n_batch=512)
+        long = s.completion("/v1/chat/completions", body("long " * 1500, id_slot=0), tag="A")
+        await long.started
+        t0 = s.now()
+        await asyncio.sleep(0.1)
+        status, _ = await s.action(1, "save", "page-b.bin").done
+        assert status == 200 and s.now() - t0 == pytest.approx(0.513, abs=0.002)  # batch of 512 ends, + the save
+        assert not long.done.done()                                    # the request itself runs on
+        await long.done
+        t1 = s.now()
+        await s.action(1, "save", "page-b.bin").done
+        assert s.now() - t1 < 0.01                                     # nothing prefills: at once
     sim(main)
 
 

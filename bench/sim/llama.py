@@ -5,7 +5,9 @@ finds there: the longest common prefix with the slot's tokens is reused (`cache_
 the server evaluates the last prompt token again), the rest is prefilled (`prompt_n`), a few generated tokens
 are appended. A request pinned with `id_slot` waits for its slot (the server defers it); `id_slot` -1 or absent
 takes the idle slot most similar to the prompt (share > `sps`), else the least recently used one (ties: the
-highest id). Slot saves and restores wait for a busy slot too; a failed restore wipes the slot. A restart
+highest id). Slot saves and restores wait for a busy slot too, and for the prompt batch in progress on any other
+slot (the server takes new tasks only between two batches, of at most `n_batch` tokens); a failed restore
+wipes the slot. A restart
 empties every slot and fails what was in flight. With `unified_idle_clear` every idle slot is cleared when a
 task starts on another (unified KV with `--cache-idle-slots`).
 
@@ -95,6 +97,7 @@ class Slot:
     id_task: int | None = None
     n_prompt: int = 0
     writer: str | None = None   # ground truth: the tag whose request or file last wrote these tokens
+    prefill: tuple[float, float] | None = None  # (start, end) of the prefill running now
 
 
 @dataclass
@@ -156,8 +159,8 @@ class SimServer:
     def __init__(self, n_slots: int = 4, n_ctx: int = 8192, *, save_dir: str | Path | None = None,
                  prefill_speed: float = 2000.0, decode_speed: float = 100.0, sps: float = 0.1,
                  unified_idle_clear: bool = False, model_path: str = "/models/sim.gguf", build: str = "b1-sim",
-                 honour_messages_slot: bool = False, name: str = "sim") -> None:
-        self.n_slots, self.n_ctx = n_slots, n_ctx
+                 honour_messages_slot: bool = False, name: str = "sim", n_batch: int = 2048) -> None:
+        self.n_slots, self.n_ctx, self.n_batch = n_slots, n_ctx, n_batch
         self.save_dir = Path(save_dir) if save_dir else None
         self.prefill_speed, self.decode_speed, self.sps = prefill_speed, decode_speed, sps
         self.unified_idle_clear = unified_idle_clear
@@ -317,7 +320,11 @@ class SimServer:
         slot.tokens, slot.n_prompt, slot.writer = tokens[:cache_n], len(tokens), tag
         self.events.append(SlotEvent(started, slot.id, "request", tag, before, len(tokens), cache_n))
         self.prefill_tokens += prompt_n
-        await asyncio.sleep(prompt_n / self.prefill_speed)
+        slot.prefill = (started, started + prompt_n / self.prefill_speed)
+        try:
+            await asyncio.sleep(prompt_n / self.prefill_speed)
+        finally:
+            slot.prefill = None
         if gen != self.generation:
             raise Down()
         slot.tokens = list(tokens)
@@ -343,8 +350,23 @@ class SimServer:
                     "predicted_n": n_gen, "predicted_ms": n_gen / self.decode_speed * 1000,
                     "predicted_per_token_ms": 1000 / self.decode_speed, "predicted_per_second": self.decode_speed}}
 
+    def batch_left(self) -> float:
+        """Seconds until the prompt batch in progress ends: the server's loop takes queued tasks (slot saves,
+        restores, erases) only between two `update_slots` calls, and each call prefills at most `n_batch` prompt
+        tokens (llama.cpp tools/server/server-queue.cpp, `server_queue::start_loop`)."""
+        now, left = self.now(), 0.0
+        batch = self.n_batch / self.prefill_speed
+        for s in self.slots:
+            if s.prefill is not None:
+                start, end = s.prefill
+                done = int((now - start) / batch) + 1
+                left = max(left, min(end, start + done * batch) - now)
+        return left
+
     async def _action(self, task: Task, slot: Slot) -> tuple[int, dict[str, Any]]:
         kind, name = task.kind, task.payload
+        if (wait := self.batch_left()) > 0:
+            await asyncio.sleep(wait)
         t = self.now()
         if kind == "erase":
             n = len(slot.tokens)
