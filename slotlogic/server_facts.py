@@ -77,9 +77,15 @@ class ServerFacts:
         """Fold a `/props` answer into the shared state and this process's memory. `live`: `/slots` as read with
         it; after a restart, a slot it shows holding what our last request there left was written since the
         restart (a request that went out before the restart was noticed) and is kept."""
+        known = self.server.media_marker if self.server is not None else None
         change = shared.note_server(state, info)
+        # Restarted for this process too when the shared state had the new marker already: another proxy of
+        # this state saw the restart first (sim seed 861: this proxy's ledger kept promising the emptied slot,
+        # and the meter called the restart's 331 tokens `unknown`).
+        restarted = change.restarted or bool(known and info.media_marker and info.media_marker != known
+                                             and not change.resized)
         events: list[Event] = []
-        if change.restarted:
+        if restarted:
             events.append(ServerRestarted(self.upstream))
             kept = self.ledger.written_since_restart(live, self.table.running)
             self.ledger.resize(info.total_slots, Cause.RESTART, keep=kept)

@@ -12,6 +12,7 @@ from slotlogic.answers import Observation
 from slotlogic.decisions import Forward, NeedSlot, Observe, Pin, Replay, RequestFacts
 from slotlogic.events import ContextOverflow, PoolResized, ServerRestarted, Unreachable
 from slotlogic.keeper import Keeper
+from slotlogic.ledger import Holds
 from slotlogic.ranking import Policy
 from slotlogic.reasons import Passed, Unpinned, Why
 from slotlogic.server import ServerInfo
@@ -125,6 +126,21 @@ def test_a_resized_or_restarted_server_is_noted():
     assert k.facts.note_server(state, server(4, "m2")) == [ServerRestarted("http://up")]
     assert isinstance(k.request(facts(now=1.0)), NeedSlot)  # checkpoints: its prefix is restored first
     assert k.facts.note_server(state, server(2, "m2")) == [PoolResized("http://up", 2)]
+
+
+def test_a_restart_another_proxy_of_the_state_saw_first_is_a_restart_here_too():
+    """Two proxies on one state: the other one wrote the new media_marker first. This one still knew the old
+    server, so its ledger empties its slots too, and a session coming back is not promised its conversation
+    (sim seed 861: the meter called the restart's 331 tokens `unknown`)."""
+    k = make(checkpoints=CheckpointMode.MEMORY)
+    state = shared.ServerState("http://up", media_marker="m1", total_slots=4)
+    placed = place(k, k.request(facts()), state)
+    slot = placed.ticket.slot
+    assert slot is not None
+    shared.note_server(state, server(4, "m2"))                            # the other proxy's probe
+    assert k.facts.note_server(state, server(4, "m2")) == [ServerRestarted("http://up")]
+    assert k.ledger.entry(slot).holds is Holds.EMPTY
+    assert k.facts.note_server(state, server(4, "m2")) == []              # once
 
 
 def test_the_proxy_owns_id_slot_unless_clients_are_trusted():
