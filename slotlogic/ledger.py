@@ -33,6 +33,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from slotlogic.paging import MIN_TOKENS as MIN_PAGE_TOKENS
 from slotlogic.server_placed import ServerPlaced
 
 MAX_SLOTS = 1024        # slots of one server the ledger keeps (a larger count is capped, never allocated)
@@ -372,6 +373,14 @@ class Ledger:
     # ------------------------------------------------------------------------------------------ inside
 
     def _cause(self, key: str, promise: Promise) -> Cause:
+        cause = self._found_cause(key, promise)
+        if not cause.expected and self.conversations.get(key, 0) < MIN_PAGE_TOKENS:
+            # too short to be worth a page (`paging.MIN_TOKENS`): never saved nor restored, prefilled again by
+            # choice, as with no save dir (sim seed 62: a title call's 42-token home, 39 tokens called `unknown`)
+            return Cause.EVICTED
+        return cause
+
+    def _found_cause(self, key: str, promise: Promise) -> Cause:
         if promise.page_tokens is not None and promise.page_tokens + tolerance(promise.conversation) \
                 < promise.conversation:
             return Cause.STALE_PAGE

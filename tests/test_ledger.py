@@ -96,6 +96,22 @@ def test_a_restart_is_an_expected_loss_and_keeps_owners():
     assert loss is not None and loss.cause is Cause.RESTART and loss.expected
 
 
+def test_a_conversation_too_short_for_a_page_is_evicted_by_choice_not_lost():
+    """Sim seed 62: a title call's home held 42 tokens, too few to page (`paging.MIN_TOKENS`); the next title
+    call prefilled them again and the meter called 39 tokens `unknown`. Prefilling so little is the chosen
+    cost, as with no save dir: an expected eviction."""
+    ledger = Ledger()
+    ledger.resize(2)
+    ledger.settle("home", ledger.pin(1, "home"), 1, 0, 42, None)
+    ledger.write(1, Holds.PAGE, "a", 300)
+    loss = ledger.settle("home", ledger.pin(1, "home"), 1, 3, 39, True)
+    assert loss is not None and loss.cause is Cause.EVICTED and loss.expected
+    ledger.settle("long", ledger.pin(0, "long"), 0, 0, 420, None)
+    ledger.write(0, Holds.PAGE, "a", 300)
+    loss = ledger.settle("long", ledger.pin(0, "long"), 0, 3, 417, True)
+    assert loss is not None and loss.cause is Cause.UNKNOWN and not loss.expected
+
+
 def test_a_restart_noticed_before_the_next_turn_is_still_counted_as_the_restart_s_loss():
     """With paging or checkpoints, a noticed restart sends every session through the slow path once. Its next
     turn is recognised from its bytes first, but not pinned from memory: it must still be known to extend its
