@@ -96,6 +96,30 @@ def test_a_restart_is_an_expected_loss_and_keeps_owners():
     assert loss is not None and loss.cause is Cause.RESTART and loss.expected
 
 
+def test_a_conversation_paged_out_before_a_restart_is_the_restart_s_loss_whatever_wrote_its_slot_since():
+    """Sim seed 785: a session paged out before a restart (to a new build: its page no longer restores) came
+    back to an empty slot; the meter called its 103 tokens `unknown`. A restart empties every conversation it
+    knows of, later writes over an emptied slot lose nothing more, and a page-in restores it only when whole."""
+    ledger = Ledger()
+    ledger.resize(2)
+    ledger.settle("a", ledger.pin(0, "a"), 0, 0, 500, None)
+    ledger.settle("b", ledger.pin(1, "b"), 1, 0, 300, None)
+    ledger.write(0, Holds.PAGE, "c", 200)                   # a paged out, c paged in over it
+    ledger.resize(2, Cause.RESTART)
+    ledger.write(0, Holds.PREFIX, "d", 100, Cause.PREFIX_OVER_OWNER)
+    loss = ledger.settle("a", ledger.pin(0, "a"), 0, 100, 440, True)
+    assert loss is not None and loss.cause is Cause.RESTART and loss.expected
+    ledger.write(1, Holds.PAGE, "b", 250)                   # an older page of b: still the restart's loss
+    loss = ledger.settle("b", ledger.pin(1, "b"), 1, 250, 90, True)
+    assert loss is not None and loss.cause is Cause.RESTART
+    ledger.settle("b", ledger.pin(1, "b"), 1, 300, 40, True)
+    ledger.write(0, Holds.PAGE, "b", 344)                    # paged in whole: the earlier cause is over
+    ledger.pin(0, "b")
+    ledger.write(0, Holds.PREFIX, "d", 100, Cause.PREFIX_OVER_OWNER)
+    loss = ledger.settle("b", ledger.pin(0, "b"), 0, 100, 300, True)
+    assert loss is not None and loss.cause is Cause.PREFIX_OVER_OWNER
+
+
 def test_a_conversation_too_short_for_a_page_is_evicted_by_choice_not_lost():
     """Sim seed 62: a title call's home held 42 tokens, too few to page (`paging.MIN_TOKENS`); the next title
     call prefilled them again and the meter called 39 tokens `unknown`. Prefilling so little is the chosen
