@@ -350,7 +350,8 @@ def test_of_two_sessions_placed_together_only_the_later_waits_for_the_earlier():
 
 def family(rules: str, folder: str, times: int = 30) -> dict:
     """A subagent's system prompt: the shared role, its family's rules, then a per-session line."""
-    return {"messages": [{"role": "system", "content": SYS + "\n" + f"{rules}\n" * times + "Working in " + folder + "\n"},
+    system = SYS + "\n" + f"{rules}\n" * times + "Working in " + folder + "\n"
+    return {"messages": [{"role": "system", "content": system},
                          {"role": "user", "content": "go"}]}
 
 
