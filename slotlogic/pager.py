@@ -281,8 +281,15 @@ class Pager:
             return True
         # The conversation left there (its holder was paged out, not erased) starts with all of our prefix:
         # a warm-up would cut it back to the prefix, losing the messages we share beyond it.
-        ours, theirs = self.table.sessions.get(key), self.table.sessions.get(holder or "")
-        if need.stable is None or ours is None or theirs is None:
+        if need.stable is None or holder is None:
+            return False
+        # A sibling's first message differs in its last line, so no message is shared, but its text starts with
+        # all of our prefix (bench subagents seed 15: a subagent queued on its sibling's slot restored the base
+        # prefix over the sibling's conversation and prefilled their family's 100 tokens again, twice)
+        if any(other == holder and n >= len(need.stable.text) for other, n in self.learner.sharers(need.stable)):
+            return True
+        ours, theirs = self.table.sessions.get(key), self.table.sessions.get(holder)
+        if ours is None or theirs is None:
             return False
         n, chars = leads.shared(ours.lead, theirs.lead)
         return n > 0 and chars >= len(need.stable.text)

@@ -461,3 +461,19 @@ def test_a_seed_that_shares_a_short_family_part_more_than_the_slot_holder_is_res
     key, views = d.ticket.session.key, [SlotView(i) for i in range(4)]
     plan = k.pager.page_plan(PageAsk(a1, key, SlotView(a1, 4000, owner=a1_key), views=views, cold=d.stable))
     assert plan.seed is not None and plan.seed.source == b1_key and plan.seed.prefix
+
+
+def test_a_slot_whose_holder_is_a_sibling_already_holds_the_family_prefix():
+    """Subagents of one family differ in their system message's last line, so they share no whole message; a
+    subagent queued on its sibling's slot still finds all of its stable prefix there, and no warm-up restores
+    the base over the sibling's conversation to prefill the family's part again (bench subagents seed 15: 111
+    and 135 tokens)."""
+    k, state = Keeper(Settings(), U), shared.ServerState(U)
+    k.facts.note_server(state, info())
+    b1 = placed(k, state, family("Family B rules.", "/b1"), "b1", 0.0)
+    b1_key = k.table.dispatched[b1]
+    d = need(k, family("Family B rules.", "/b2"), "b2", 0.5)
+    assert d.stable is not None and d.stable.text.startswith(SYS + "\nFamily B")
+    assert k.pager.holds_prefix(d, SlotView(b1, 1000, owner=b1_key))
+    a1 = placed(k, state, family("Family A rules.", "/a1"), "a1", 1.0)            # another family's slot: no
+    assert not k.pager.holds_prefix(d, SlotView(a1, 1000, owner=k.table.dispatched[a1]))
