@@ -234,3 +234,36 @@ def test_a_proxy_whose_placements_beat_writes_no_beat_of_its_own_until_it_goes_q
             return busy, len(counting.opened) - busy
     busy, quiet = run(VirtualClock(), main)
     assert busy == 0 and quiet >= 4, (busy, quiet)
+
+
+def test_a_sibling_queued_on_the_slot_its_sibling_was_placed_on_finds_the_family_prefix_there():
+    """One slot, another session on it: two subagents of one family are placed on it, the second while the
+    first's claim has not written the slot yet. Decided at placement, the second took the slot as holding the
+    other session's prompt and warmed its family prefix up over its sibling's conversation (bench subagents seed
+    15: 135 tokens); decided when its turn comes, the sibling's conversation is there and holds all of it."""
+    base = "You are a coding agent . Follow the rules . " * 40
+    family = "\nFamily rules : review the parser with care . " * 12
+
+    def body(system: str, folder: str, task: str) -> dict:
+        return {"model": "sim", "max_tokens": 4, "messages": [
+            {"role": "system", "content": system + f"\nWorking in /home/{folder}\n"},
+            {"role": "user", "content": task}]}
+
+    async def main(gap: float) -> tuple[list[Outcome], int]:
+        async with Rig(Setup(slots=1, paging=True, prefill_speed=300)) as rig:
+            async def at(t: float, tag: str, b: dict) -> Outcome:
+                await asyncio.sleep(t)
+                return await rig.send(tag, b)
+            outs = await asyncio.gather(at(0.0, "o", body("Another prompt entirely . " * 60, "o", "x")),
+                                        at(0.05, "s1", body(base + family, "s1", "task one")),
+                                        at(0.05 + gap, "s2", body(base + family, "s2", "task two")))
+            await rig.settle()
+            proxy_prefill = sum(e.after - e.reused for s in rig.servers.values() for e in s.events
+                                if e.kind == "request" and e.tag is None)
+            return list(outs), proxy_prefill
+    for gap in (0.1, 0.5):
+        outs, proxy_prefill = run(VirtualClock(), lambda g=gap: main(g))
+        s1, s2 = outs[1], outs[2]
+        assert s1.error is None and s2.error is None
+        assert proxy_prefill == 0, (gap, proxy_prefill)                       # no warm-up over the sibling
+        assert s2.done.cache_n > s1.done.prompt_n - 20, (s2.done.cache_n, s2.done.prompt_n)

@@ -159,6 +159,12 @@ class SlotMover:
         if self.elsewhere is not None and not self.store.remote:  # a shared store: only pages are seeds
             ask = await self.elsewhere.find(need, ask)
         moved, fence = await self.page(ask, flow_id, fence=placement.fence, by=by)
+        if moved is Moved.NOTHING:
+            # Its turn has come: the requests placed on the slot before it have gone out, so what the slot holds
+            # is now known, where at placement a claim ahead of it had still to write it (bench subagents seed 15:
+            # a sibling's conversation taken for another family's, 135 tokens warmed up; and the other way, a
+            # prefix taken as held over a slot the claim ahead paged its own conversation into, 680 prefilled)
+            holds = self.keeper.pager.holds_prefix(need, placement.view)
         return moved, fence, holds
 
     async def _unbuilt(self, need: NeedSlot, info: ServerInfo) -> int | None:
