@@ -264,9 +264,9 @@ class SlotMover:
         # A live seed's save is its source's new page: placements that would copy the same source wait for it
         # and restore that page, instead of finding its slot busy and prefilling (bench subagents seed 17: two
         # subagents of one parent, the second warmed its family's 85 tokens up cold while the first copied them)
-        copied = plan.seed.source if plan.seed is not None and plan.seed.local_slot is not None \
+        copy_source = plan.seed.source if plan.seed is not None and plan.seed.local_slot is not None \
             and plan.seed_file is not None and plan.seed.source not in (key, plan.save_for) else None
-        copying = self.pages.save_starts(copied) if copied is not None else None
+        copying = self.pages.save_starts(copy_source) if copy_source is not None else None
         try:
             if plan.saves:  # the holder's page-out and a live seed's save: both recorded before they are written
                 async with self.store.transaction() as state:
@@ -287,7 +287,7 @@ class SlotMover:
             if saving is not None:
                 self.pages.save_ends(plan.save_for or "", saving)
             if copying is not None:
-                self.pages.save_ends(copied or "", copying)
+                self.pages.save_ends(copy_source or "", copying)
         if out.missing_save_path and not self._told_no_save_path:
             self._told_no_save_path = True
             self.emit(NoSavePath(self.url, paging=True))
