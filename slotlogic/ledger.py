@@ -344,6 +344,10 @@ class Ledger:
             self._unpinned_at[key] = self.placed.answers
             if not overtaken:
                 self.gone.pop(key, None)
+            if slot is None:  # sent with id_slot -1 and the slot that ran it not learned: the server's choice
+                # (bench mix-4: a turn sent unpinned at its wait bound; its next one, placed anew, found none of
+                # its 8,977 tokens and the meter called them `unknown`)
+                self.gone[key] = Cause.UNPINNED
             while len(self.conversations) > self.max_sessions:
                 old, _ = self.conversations.popitem(last=False)
                 self.gone.pop(old, None)

@@ -120,6 +120,20 @@ def test_a_conversation_paged_out_before_a_restart_is_the_restart_s_loss_whateve
     assert loss is not None and loss.cause is Cause.PREFIX_OVER_OWNER
 
 
+def test_a_conversation_whose_last_request_ran_where_the_server_chose_unlearned_is_lost_to_that():
+    """Bench mix-4: a turn waited out its bound and went with `id_slot: -1`; the slot that ran it was not
+    learned, so its next turn was placed anew and found none of its 8,977 tokens, which the meter called
+    `unknown`. The server's own choice put the conversation where the proxy does not know: `unpinned`."""
+    ledger = Ledger()
+    ledger.resize(2)
+    ledger.settle("a", ledger.pin(0, "a"), 0, 0, 8800, None)
+    ledger.settle("a", None, None, 8805, 177, True)              # unpinned, its slot not learned
+    loss = ledger.settle("a", ledger.pin(1, "a"), 1, 5, 9012, True)
+    assert loss is not None and loss.cause is Cause.UNPINNED
+    loss = ledger.settle("a", ledger.pin(1, "a"), 1, 5, 9100, True)   # pinned since: a fault of its own again
+    assert loss is not None and loss.cause is Cause.UNKNOWN
+
+
 def test_a_conversation_too_short_for_a_page_is_evicted_by_choice_not_lost():
     """Sim seed 62: a title call's home held 42 tokens, too few to page (`paging.MIN_TOKENS`); the next title
     call prefilled them again and the meter called 39 tokens `unknown`. Prefilling so little is the chosen
