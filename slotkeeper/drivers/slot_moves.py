@@ -159,12 +159,8 @@ class SlotMover:
         if self.elsewhere is not None and not self.store.remote:  # a shared store: only pages are seeds
             ask = await self.elsewhere.find(need, ask)
         moved, fence = await self.page(ask, flow_id, fence=placement.fence, by=by)
-        if moved is Moved.NOTHING:
-            # Its turn has come: the requests placed on the slot before it have gone out, so what the slot holds
-            # is now known, where at placement a claim ahead of it had still to write it (bench subagents seed 15:
-            # a sibling's conversation taken for another family's, 135 tokens warmed up; and the other way, a
-            # prefix taken as held over a slot the claim ahead paged its own conversation into, 680 prefilled)
-            holds = self.keeper.pager.holds_prefix(need, placement.view)
+        if moved is Moved.NOTHING:  # its turn: what was placed there before went out, so judge the slot now
+            holds = self.keeper.pager.holds_prefix(need, placement.view)  # (subagents seed 15, docs/paging.md)
         return moved, fence, holds
 
     async def _unbuilt(self, need: NeedSlot, info: ServerInfo) -> int | None:
@@ -261,9 +257,7 @@ class SlotMover:
             self.emit(self.keeper.turns.stale_plan(fence, "page", key))  # the slot moved on while the lock was awaited
             return Moved.STALE, fence
         saving = self.pages.save_starts(plan.save_for) if plan.save_for is not None else None
-        # A live seed's save is its source's new page: placements that would copy the same source wait for it
-        # and restore that page, instead of finding its slot busy and prefilling (bench subagents seed 17: two
-        # subagents of one parent, the second warmed its family's 85 tokens up cold while the first copied them)
+        # A live seed's save is its source's new page: others copying that source wait for it (subagents seed 17)
         copy_source = plan.seed.source if plan.seed is not None and plan.seed.local_slot is not None \
             and plan.seed_file is not None and plan.seed.source not in (key, plan.save_for) else None
         copying = self.pages.save_starts(copy_source) if copy_source is not None else None
