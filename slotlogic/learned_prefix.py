@@ -161,6 +161,10 @@ class PrefixLearner:
                 out.extend((s, min(n, len(prefix.text))) for s in seen.senders(text))
         return out
 
+    def share_of(self, prefix: StablePrefix, session: str) -> int:
+        """How many of `prefix`'s characters `session`'s first system message starts with (`sharers`; 0: none)."""
+        return max((n for other, n in self.sharers(prefix) if other == session), default=0)
+
     def load(self, records: list[Learned]) -> None:
         """Learned prefixes from the shared state (another process, or this one before a restart)."""
         for rec in sorted(records, key=lambda r: r.last_seen):

@@ -286,7 +286,7 @@ class Pager:
         # A sibling's first message differs in its last line, so no message is shared, but its text starts with
         # all of our prefix (bench subagents seed 15: a subagent queued on its sibling's slot restored the base
         # prefix over the sibling's conversation and prefilled their family's 100 tokens again, twice)
-        if any(other == holder and n >= len(need.stable.text) for other, n in self.learner.sharers(need.stable)):
+        if self.learner.share_of(need.stable, holder) >= len(need.stable.text):
             return True
         ours, theirs = self.table.sessions.get(key), self.table.sessions.get(holder)
         if ours is None or theirs is None:

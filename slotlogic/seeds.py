@@ -105,7 +105,7 @@ class Seeds:
         (a sibling of the same family holds all of it)."""
         if holder is None or ask.cold is None or ask.view.n_tokens == 0:
             return 0
-        return max((n for other, n in self.p.learner.sharers(ask.cold) if other == holder), default=0)
+        return self.p.learner.share_of(ask.cold, holder)
 
     def _prefix_seed(self, slot: int, key: str, holder: str | None, views: Sequence[SlotView],
                      cold: pfx.StablePrefix, busy_too: bool = False, held: int = 0) -> paging.Seed | None:
