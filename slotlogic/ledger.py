@@ -289,8 +289,8 @@ class Ledger:
         if old.owner and old.owner != owner and old.holds is Holds.SESSION \
                 and self.gone.get(old.owner) not in _EMPTIED:  # what a restart emptied, later writes cannot lose
             self.gone[old.owner] = cause
-        had = self.conversations.get(owner or "", 0)
-        if owner and holds is Holds.PAGE and tokens > 0 and tokens + tolerance(had) >= had:
+        if owner and holds is Holds.PAGE and tokens > 0 \
+                and tokens + tolerance(had := self.conversations.get(owner, 0)) >= had:
             self.gone.pop(owner, None)  # paged back in whole: its conversation is here again, whatever took it
         mark = 0
         if owner and holds in (Holds.SESSION, Holds.PAGE):
@@ -366,6 +366,8 @@ class Ledger:
             self.write(slot, Holds.UNKNOWN, None, 0, Cause.UNPINNED)
             return
         self.write(slot, Holds.SESSION, key, 0, Cause.UNPINNED)
+        if self.gone.get(key) is Cause.UNPINNED:
+            del self.gone[key]  # where it ran is learned after all: its conversation is known to be here
 
     def sent_unpinned(self) -> int:
         """A request goes out for the server to choose its slot (`slots_policy=affinity`): its number. Answered

@@ -132,6 +132,10 @@ def test_a_conversation_whose_last_request_ran_where_the_server_chose_unlearned_
     assert loss is not None and loss.cause is Cause.UNPINNED
     loss = ledger.settle("a", ledger.pin(1, "a"), 1, 5, 9100, True)   # pinned since: a fault of its own again
     assert loss is not None and loss.cause is Cause.UNKNOWN
+    ledger.settle("a", None, None, 9100, 10, True)                     # unpinned again, and then
+    ledger.ran_unpinned(0, "a")                                         # where it ran is learned
+    loss = ledger.settle("a", ledger.pin(0, "a"), 0, 5, 9200, True)
+    assert loss is not None and loss.cause is not Cause.UNPINNED
 
 
 def test_a_conversation_too_short_for_a_page_is_evicted_by_choice_not_lost():
