@@ -234,7 +234,8 @@ class Pager:
                 if ours:
                     state.pages.pop(key)
                 doomed.append(file)
-        if restore_failed and plan.restore_for and plan.restore_file:
+        theirs = plan.seed is not None and plan.seed.page is not None  # another server's page: never ours to drop
+        if restore_failed and plan.restore_for and plan.restore_file and not theirs:
             rec = state.pages.get(plan.restore_for)
             if rec is not None and rec.file == plan.restore_file:
                 state.pages.pop(plan.restore_for)

@@ -120,6 +120,7 @@ class Seed:
     slot: int | None = None  # its live slot, saved first; None: its page is restored as it is
     prefix: bool = False     # it shares only the stable prefix: the prefix checkpoint is then built from it
     server: str | None = None  # another server of the pool whose live slot is copied (the save dir is one)
+    page: PageRecord | None = None  # with `server` and no `slot`: that server's page of it, restored as it is
 
     @property
     def local_slot(self) -> int | None:
@@ -297,7 +298,7 @@ def keep_waiting(wait: SourceWait, entry: Mapping[str, object] | None, waited: f
 def seeded(plan: PagePlan, seed: Seed, pages: Mapping[str, PageRecord], upstream: str, salt: str) -> PagePlan:
     """`plan` with `seed` restored into its slot after its save (a live seed's slot saved first)."""
     if seed.slot is None:
-        rec = pages[seed.source]
+        rec = seed.page if seed.page is not None else pages[seed.source]
         return replace(plan, seed=seed, restore_for=seed.source, restore_file=rec.file, restore_tokens=rec.n_tokens)
     file = page_file(upstream, seed.source, salt + ":seed")
     return replace(plan, seed=seed, seed_file=file, restore_for=seed.source, restore_file=file, restore_tokens=0)

@@ -70,7 +70,9 @@ class Seeds:
         """For another server of the pool placing `need` (its placement numbered `before`): the session of this
         server it would copy the most of (leading messages, or a part of its stable prefix), idle in its slot,
         running its request there, or placed there before `need` (the pool numbers its placements: of two, only
-        the later waits for the earlier); with whether that slot still runs (the other server waits for it)."""
+        the later waits for the earlier); with whether that slot still runs (the other server waits for it).
+        A session displaced from its slot here is a source too, by its page (`slot` None): restorable, or being
+        written by the placement that took its slot (the other server waits for it, `PoolSeeds.find`)."""
         key, mine, views = need.ticket.session.key, leads.of(need.body), [SlotView(i) for i in range(total)]
         shares = dict(self.p.learner.sharers(need.stable)) if need.stable is not None else {}
         best: tuple[paging.Seed, bool] | None = None
@@ -83,7 +85,16 @@ class Seeds:
             if live is not None:
                 seed = paging.Seed(other, chars, live, prefix=chars > lead, server=self.p.upstream)
                 best = (seed, live in self.p.table.running)
+            elif self.paged(other):
+                best = (paging.Seed(other, chars, prefix=chars > lead, server=self.p.upstream), False)
         return best
+
+    def paged(self, key: str) -> bool:
+        """`key`'s page here is restorable, or being written now (recorded, not saved yet; or its slot taken by a
+        placement that pages it out first)."""
+        rec = self.p.index.get(key)
+        return paging.restorable(rec, self.p.page_identity) or (rec is not None and rec.n_tokens == 0) \
+            or self.taken(key, -1)
 
     def _seed(self, slot: int, key: str, holder: str | None, view: SlotView, views: Sequence[SlotView],
               stable_chars: int, busy_too: bool = False) -> paging.Seed | None:

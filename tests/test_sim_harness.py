@@ -267,3 +267,42 @@ def test_a_sibling_queued_on_the_slot_its_sibling_was_placed_on_finds_the_family
         assert s1.error is None and s2.error is None
         assert proxy_prefill == 0, (gap, proxy_prefill)                       # no warm-up over the sibling
         assert s2.done.cache_n > s1.done.prompt_n - 20, (s2.done.cache_n, s2.done.prompt_n)
+
+
+def test_a_new_session_on_the_other_server_starts_from_the_page_of_a_session_displaced_there():
+    """Two servers of two slots, one save dir. A session shares its environment block with a session of server X
+    that another placement has just displaced (its page is being written there, after X's running prompt batch).
+    Placed on server Y, it took that session as no source at all (not idle in a slot) and prefilled the block
+    again; the copy of a slot taken so was refused the same way (bench subagents-2x2 seed 10: 426 tokens). Now
+    the page X writes is its seed, restored on Y: the pool's servers share the save dir."""
+    env = "environment : " + " ".join(f"file{i}.py" for i in range(150))
+
+    def body(task: str) -> dict:
+        return {"model": "sim", "max_tokens": 4, "messages": [
+            {"role": "system", "content": "You are a coding agent . " * 30},
+            {"role": "user", "content": env}, {"role": "user", "content": task}]}
+
+    def other(tag: str, n: int) -> dict:
+        return {"model": "sim", "max_tokens": 4, "messages": [
+            {"role": "system", "content": f"Prompt {tag} of its own . " * n}, {"role": "user", "content": "x"}]}
+
+    async def main(b_at: float) -> tuple[Outcome, Outcome, dict]:
+        async with Rig(Setup(servers=2, slots=2, paging=True, prefill_speed=500)) as rig:
+            async def at(t: float, tag: str, b: dict) -> Outcome:
+                await asyncio.sleep(t)
+                return await rig.send(tag, b)
+            a = await rig.send("a", body("fix the parser"))
+            # one long prompt beside a's slot, two short ones on the other server; c displaces a, b comes after
+            outs = await asyncio.gather(at(0, "f", other("f", 100)), at(0.01, "g", other("g", 300)),
+                                        at(0.02, "h", other("h", 100)), at(0.1, "c", other("c", 40)),
+                                        at(b_at, "b", body("write the docs")))
+            await rig.settle()
+            events = {url: [(e.kind, e.tag) for e in s.events] for url, s in rig.servers.items()}
+            return a, outs[-1], events
+    for b_at in (2.0, 3.0):
+        a, b, events = run(VirtualClock(), lambda t=b_at: main(t))
+        assert b.server != a.server and b.error is None, (b.server, b.meta)
+        pages = {name for kind, name in events[a.server] if kind == "save"}
+        assert any(kind == "restore" and name in pages for kind, name in events[b.server]), events
+        assert b.done.prompt_n < 20, (b.done.cache_n, b.done.prompt_n)   # its task and the template's tokens
+

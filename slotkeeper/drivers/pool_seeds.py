@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from slotkeeper.drivers.seed_pages import peer_page, worth_until
 from slotlogic import paging
 from slotlogic.decisions import NeedSlot
 from slotlogic.events import SourceAwaited
@@ -35,12 +36,13 @@ class PoolSeeds:
         self.mover = mover
         self.peers = peers  # the other servers' movers, as the pool has them now
 
-    def _peer(self, url: str) -> SlotMover | None:
+    def peer(self, url: str) -> SlotMover | None:
         return next((p for p in self.peers() if p.url == url), None)
 
-    async def find(self, need: NeedSlot, ask: PageAsk) -> PageAsk:
+    async def find(self, need: NeedSlot, ask: PageAsk, by: float | None = None) -> PageAsk:
         """`ask` with the best source on another server (`elsewhere`), once its slot there is idle; waited for
-        within what prefilling the copied part would take (`paging.source_wait`, `paging.keep_waiting`)."""
+        within what prefilling the copied part would take (`paging.source_wait`, `paging.keep_waiting`). A source
+        displaced from its slot there is its page, once written (`seed_pages.peer_page`, within `by`)."""
         me = self.mover.keeper
         best: tuple[Seed, bool, SlotMover] | None = None
         for peer in self.peers():
@@ -54,8 +56,11 @@ class PoolSeeds:
             return ask
         seed, busy, peer = best
         gain = seed.chars - (ask.base_chars if ask.cold is not None else ask.stable_chars)
-        if gain < SEED_MIN_CHARS or seed.slot is None:
+        if gain < SEED_MIN_CHARS:
             return ask
+        if seed.slot is None:
+            page = await peer_page(peer, seed.source, me.page_identity, worth_until(self.mover, gain, by))
+            return replace(ask, elsewhere=replace(seed, page=page)) if page is not None else ask
         if busy:
             wait = self.mover.keeper.pager.wait_worth(seed.slot, gain)
             if wait is None or not await self._wait(seed, peer, wait, ask.slot):
@@ -80,7 +85,7 @@ class PoolSeeds:
     async def copy(self, url: str, slot: int, file: str) -> tuple[int, int] | None:
         """Save `slot` of the pool's server at `url` into `file` (its tokens and bytes), under that server's lock
         for the slot and once every request it sent there reached it; None when it cannot."""
-        peer = self._peer(url)
+        peer = self.peer(url)
         if peer is None or peer.pages is None:
             return None
         return await peer.pages.copy_out(slot, file)

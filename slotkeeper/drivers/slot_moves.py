@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from slotkeeper.drivers import store_file
+from slotkeeper.drivers.bounds import left, within
 from slotkeeper.drivers.build_claims import BuildClaims
 from slotkeeper.drivers.checkpoint_runner import CheckpointRunner, PrefixRegistry
 from slotkeeper.drivers.handovers import Handovers
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.page_runner import PageOutcome, PageRunner
 from slotkeeper.drivers.pool_seeds import PoolSeeds
+from slotkeeper.drivers.seed_pages import save_begun, seed_from_its_page, seed_from_peer_page
 from slotkeeper.drivers.slot_gate import WAIT as QUIET_WAIT
 from slotkeeper.drivers.slot_gate import SlotGate
 from slotkeeper.drivers.source_wait import await_idle, await_source
@@ -51,7 +53,6 @@ from slotlogic.settings import CheckpointMode, Settings
 REPLACED_GRACE = 60.0  # seconds a page file replaced by a newer page of its session stays (a restore planned)
 REMOTE_SETTLE = 10.0   # seconds a pager waits for another proxy's page-out of its session (a shared store)
 SEED_SLOT_WAIT = 30.0  # seconds a placement waits for the slot its own conversation is being paged out of
-COMING_WAIT = 2.0      # seconds a placement waits for the page-out of a seed's source to start (`_save_begun`)
 
 
 class SlotMover:
@@ -157,7 +158,7 @@ class SlotMover:
                       base_chars=base or 0)
         ask = await await_source(self, ask, by)
         if self.elsewhere is not None and not self.store.remote:  # a shared store: only pages are seeds
-            ask = await self.elsewhere.find(need, ask)
+            ask = await self.elsewhere.find(need, ask, by)
         moved, fence = await self.page(ask, flow_id, fence=placement.fence, by=by)
         if moved is Moved.NOTHING:  # its turn: what was placed there before went out, so judge the slot now
             holds = self.keeper.pager.holds_prefix(need, placement.view)  # (subagents seed 15, docs/paging.md)
@@ -207,7 +208,7 @@ class SlotMover:
             return gave_up, fence
         # Its turn: every request sent to the slot before has reached the server (a save now writes what
         # they leave there). The moves are fenced by the slot's epoch as it is now.
-        if not await self.gate.quiet(slot, _within(QUIET_WAIT, by), warn=by is None):
+        if not await self.gate.quiet(slot, within(QUIET_WAIT, by), warn=by is None):
             return gave_up, fence
         if by is not None and not await await_idle(self, {slot}, by):
             return Moved.LATE, fence  # still running a request at the server when the bound passed: nothing sent
@@ -229,7 +230,7 @@ class SlotMover:
         # time it lets that slot go; wait for that, then plan again (the page is there then).
         if plan.seed is not None and plan.seed.source == key and plan.seed.local_slot is not None \
                 and not self.store.remote and self.pages.busy(plan.seed.local_slot) \
-                and await self.pages.wait_free(plan.seed.local_slot, slot, _within(SEED_SLOT_WAIT, by)):
+                and await self.pages.wait_free(plan.seed.local_slot, slot, within(SEED_SLOT_WAIT, by)):
             ask = replace(ask, sent=self.pages.last_sent.get(slot), ours=self.gate.last_started.get(slot))
             plan = self.keeper.pager.page_plan(ask)
         # The source is being paged out by the placement that took its slot: once its page is recorded the page
@@ -238,7 +239,7 @@ class SlotMover:
         seed = plan.seed
         source = seed.source if seed is not None and seed.local_slot is not None and seed.source != key \
             and self.pages.busy(seed.local_slot) else self.keeper.pager.page_coming(ask, seed)
-        if source is not None and not self.store.remote and await _save_begun(self, source, slot, by):
+        if source is not None and not self.store.remote and await save_begun(self, source, slot, by):
             await self.pages.settled(source, left(by))
             ask = replace(ask, sent=self.pages.last_sent.get(slot), ours=self.gate.last_started.get(slot))
             plan = self.keeper.pager.page_plan(ask)
@@ -271,9 +272,10 @@ class SlotMover:
             out = await self.pages.run(plan)
             if plan.copy_file is not None:  # another server's slot, copied: nobody's page
                 self.pages.delete([plan.copy_file])
-            await self._record_pages(plan, out)
-            if plan.seed is not None and plan.seed.local_slot is not None and out.seed_tokens is None:
-                plan, out = await _seed_from_its_page(self, ask, plan, out, fence, by)
+            await self.record_pages(plan, out)
+            if plan.seed is not None and plan.seed.slot is not None and out.seed_tokens is None:
+                plan, out = await (seed_from_its_page(self, ask, plan, out, fence, by) if plan.seed.server is None
+                                   else seed_from_peer_page(self, plan, out, fence, by))
         except Exception as e:
             self.emit(Failed(self.url, Stage.PAGING, type(e).__name__, slot=plan.slot))
             return Moved.NOTHING, fence
@@ -307,7 +309,7 @@ class SlotMover:
             state = await self.store.fresh()
         return state
 
-    async def _record_pages(self, plan: PagePlan, out: PageOutcome) -> None:
+    async def record_pages(self, plan: PagePlan, out: PageOutcome) -> None:
         """The page index after a paging step, in the state file; the files it drops deleted."""
         assert self.pages is not None
         files = None
@@ -351,60 +353,6 @@ class SlotMover:
                 fence = self.keeper.turns.slot_written(fence, Holds.PREFIX, key, tokens, over=Cause.PREFIX_OVER_OWNER) \
                     or fence
         return fence
-
-
-async def _save_begun(mover: SlotMover, source: str, slot: int, by: float | None) -> bool:
-    """Whether `source`'s page-out by this process is under way. When a placement of ours has claimed its slot
-    (`Pager.taken`), that placement pages it out first, so its save starts within moments: waited for at most
-    `COMING_WAIT` (within the request's bound), or until a page of it is there already."""
-    if source not in mover.pages.saving and not mover.keeper.pager.taken(source, slot):
-        return False
-
-    def recorded() -> bool:
-        page = mover.keeper.pager.page_of(source)
-        return page is not None and page.n_tokens > 0
-
-    return await mover.pages.save_begins(source, _within(COMING_WAIT, by), recorded)
-
-
-async def _seed_from_its_page(mover: SlotMover, ask: PageAsk, plan: PagePlan, out: PageOutcome, fence: Fence | None,
-                              by: float | None) -> tuple[PagePlan, PageOutcome]:
-    """A live seed that was not copied: another placement took its slot, to page its conversation out, between
-    this plan and the copy (the copy never writes a slot another placement holds). Once that page is recorded it
-    is the seed, restored without a save; else the plan stands as run (nothing restored). bench subagents seeds 5
-    and 6: the copy failed so, and the family's part of the prompt the seed held was prefilled again (167-181
-    tokens)."""
-    assert plan.seed is not None
-    source = plan.seed.source
-    if await _save_begun(mover, source, ask.slot, by):
-        await mover.pages.settled(source, left(by))
-    again = mover.keeper.pager.page_plan(replace(ask, sent=mover.pages.last_sent.get(ask.slot),
-                                                 ours=mover.gate.last_started.get(ask.slot)))
-    if again.seed is None or again.seed.source != source or again.seed.slot is not None \
-            or again.restore_file is None or not mover.keeper.turns.fence_holds(fence):
-        return plan, out
-    # The holder's page-out ran with the first plan: this step only restores (its outcome keeps that save).
-    more = await mover.pages.run(replace(again, save_for=None, save_file=None))
-    await mover._record_pages(replace(again, save_for=None, save_file=None), more)
-    more.saved_tokens, more.saved_bytes = out.saved_tokens, out.saved_bytes
-    return replace(again, save_for=plan.save_for, save_file=plan.save_file), more
-
-
-def deadline(bound: float) -> float | None:
-    """When a request whose placement starts now has waited its bound (`slots_wait_bound`, its placement's
-    waits included), on the monotonic clock; None: no bound (0)."""
-    return time.monotonic() + bound if bound > 0 else None
-
-
-def left(by: float | None) -> float | None:
-    """The seconds until `by` (monotonic), never below 0; None: no bound."""
-    return None if by is None else max(0.0, by - time.monotonic())
-
-
-def _within(wait: float, by: float | None) -> float:
-    """`wait` seconds, or fewer when the request's bound ends sooner (`by`, monotonic)."""
-    rest = left(by)
-    return wait if rest is None else min(wait, rest)
 
 
 def unrecorded_files(pages: PageRunner, state_dir: Path, own_state: str) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from slotkeeper.drivers.bounds import deadline, left
 from slotkeeper.drivers.build_claims import BuildClaims
 from slotkeeper.drivers.checkpoint_runner import CheckpointRunner
 from slotkeeper.drivers.handovers import Handovers
@@ -44,7 +45,7 @@ from slotkeeper.drivers.placings import Placings
 from slotkeeper.drivers.server_auth import ServerAuth
 from slotkeeper.drivers.server_probe import Facts, ServerProbe
 from slotkeeper.drivers.slot_gate import SlotGate
-from slotkeeper.drivers.slot_moves import SlotMover, deadline, left
+from slotkeeper.drivers.slot_moves import SlotMover
 from slotkeeper.drivers.slot_speeds import SlotSpeeds
 from slotkeeper.drivers.slot_wait import SlotWaits
 from slotkeeper.drivers.state_sync import StateSync
