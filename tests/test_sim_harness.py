@@ -306,3 +306,33 @@ def test_a_new_session_on_the_other_server_starts_from_the_page_of_a_session_dis
         assert any(kind == "restore" and name in pages for kind, name in events[b.server]), events
         assert b.done.prompt_n < 20, (b.done.cache_n, b.done.prompt_n)   # its task and the template's tokens
 
+
+def test_a_slot_handed_back_by_the_proxy_that_paged_the_session_out_pages_in_its_newest_page():
+    """Two proxies of one state, one slot. Proxy 1 takes the slot for its session and pages proxy 0's session out;
+    proxy 0's next turn of that session asks for the slot back a moment later. Proxy 0 read the page index before
+    proxy 1 recorded the new page, was handed the slot after it, and restored the page of two turns before
+    (simulator seed 986: 58 tokens lost, `stale-page`). The index is read again once the slot is handed over."""
+    def body(tag: str, turns: list[str]) -> dict:
+        msgs = [{"role": "system", "content": f"You are agent {tag} . " * 40}]
+        msgs += [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+        return {"model": "sim", "messages": msgs, "max_tokens": 4}
+
+    async def main(gap: float) -> list[Outcome]:
+        async with Rig(Setup(slots=1, paging=True, proxies=2, prefill_speed=300)) as rig:
+            a, b = ["task a"], ["task b"]
+
+            async def turn(tag: str, conv: list[str], proxy: int, at: float = 0.0) -> None:
+                await asyncio.sleep(at)
+                out = await rig.send(tag, body(tag, conv), proxy=proxy)
+                conv += [out.content, f"output of {tag} " * 15]
+            await turn("a", a, 0)
+            await turn("b", b, 1)
+            await turn("a", a, 0)
+            await asyncio.gather(turn("b", b, 1), turn("a", a, 0, gap))
+            await turn("a", a, 0)
+            await rig.settle()
+            return rig.outcomes
+    for gap in (0.01, 0.02, 0.03):
+        outcomes = run(VirtualClock(), lambda g=gap: main(g))
+        assert all(o.error is None and o.done.lost == 0 and o.done.cache_n >= o.done.expected for o in outcomes), \
+            [(o.tag, o.done.cache_n, o.done.expected) for o in outcomes]

@@ -217,6 +217,8 @@ class SlotMover:
         # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
         state = await self._fresh_pages(key)
         given, stale = await self.handovers.take(slot, key, fence, state)
+        if given is not None:  # the other proxy may have paged this session out before it answered (sim seed 986)
+            await self._fresh_pages(key)
         given = given or self.keeper.turns.handed_with(slot)  # handed over to an earlier plan that went stale
         if stale or not self.keeper.turns.fence_holds(fence):  # we handed the slot on since our claim: place it again
             assert fence is not None
