@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -387,6 +389,8 @@ class SimServer:
             self.files[name] = SimFile(list(slot.tokens), slot.writer, self.identity)
             with open(path, "wb") as f:
                 f.truncate(size)
+            wall = time.time()  # the virtual clock's: the pagers' orphan sweep compares file ages with it
+            os.utime(path, (wall, wall))
             self.events.append(SlotEvent(t, slot.id, "save", name, n, n))
             return 200, {"id_slot": slot.id, "filename": name, "n_saved": n, "n_written": size,
                          "timings": {"save_ms": 1.0}}
