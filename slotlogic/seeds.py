@@ -93,8 +93,10 @@ class Seeds:
         """`key`'s page here is restorable, or being written now (recorded, not saved yet; or its slot taken by a
         placement that pages it out first)."""
         rec = self.p.index.get(key)
-        return paging.restorable(rec, self.p.page_identity) or (rec is not None and rec.n_tokens == 0) \
-            or self.taken(key, -1)
+        if paging.restorable(rec, self.p.page_identity) or (rec is not None and rec.n_tokens == 0):
+            return True
+        # a session placed whose first request has not been answered has no conversation to page out yet
+        return self.p.ledger.conversations.get(key, 0) >= paging.MIN_TOKENS and self.taken(key, -1)
 
     def _seed(self, slot: int, key: str, holder: str | None, view: SlotView, views: Sequence[SlotView],
               stable_chars: int, busy_too: bool = False) -> paging.Seed | None:

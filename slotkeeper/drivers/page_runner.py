@@ -85,6 +85,11 @@ class PageRunner:
         lock = self.locks.get(slot)
         return lock is not None and lock.locked()
 
+    def placed(self, slot: int) -> bool:
+        """A placement holds `slot`'s lock (it is about to write the slot), not merely a copy of it (`copy_out`)."""
+        lock = self.locks.get(slot)
+        return lock is not None and any(held is lock for held in self.holding.values())
+
     async def hold(self, slot: int, flow_id: str, session: str | None = None, within: float | None = None) -> bool:
         """Take `slot`'s lock for `flow_id` (let go by `unlock` at its response headers or its end); with a
         shared store, the slot's lock there too, and `last_sent[slot]` says what the previous pager sent.
@@ -228,7 +233,7 @@ class PageRunner:
         every request sent there reached the server: the tokens and bytes written, or None (also while a
         placement holds the slot's lock: it is about to write the slot; another copy's save is waited for)."""
         lock = self.locks.setdefault(slot, asyncio.Lock())
-        if any(held is lock for held in self.holding.values()):
+        if self.placed(slot):
             return None
         async with lock:
             if not await self.gate.quiet(slot):

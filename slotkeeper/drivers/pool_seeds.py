@@ -39,10 +39,11 @@ class PoolSeeds:
     def peer(self, url: str) -> SlotMover | None:
         return next((p for p in self.peers() if p.url == url), None)
 
-    async def find(self, need: NeedSlot, ask: PageAsk, by: float | None = None) -> PageAsk:
+    async def find(self, need: NeedSlot, ask: PageAsk, by: float | None = None, wait: bool = True) -> PageAsk:
         """`ask` with the best source on another server (`elsewhere`), once its slot there is idle; waited for
         within what prefilling the copied part would take (`paging.source_wait`, `paging.keep_waiting`). A source
-        displaced from its slot there is its page, once written (`seed_pages.peer_page`, within `by`)."""
+        displaced from its slot there is its page, once written (`seed_pages.peer_page`, within `by`). Without
+        `wait`: only a source there now (an idle slot, a written page)."""
         me = self.mover.keeper
         best: tuple[Seed, bool, SlotMover] | None = None
         for peer in self.peers():
@@ -59,8 +60,11 @@ class PoolSeeds:
         if gain < SEED_MIN_CHARS:
             return ask
         if seed.slot is None:
-            page = await peer_page(peer, seed.source, me.page_identity, worth_until(self.mover, gain, by))
+            until = worth_until(self.mover, gain, by) if wait else time.monotonic()
+            page = await peer_page(peer, seed.source, me.page_identity, until)
             return replace(ask, elsewhere=replace(seed, page=page)) if page is not None else ask
+        if busy and not wait:
+            return ask
         if busy:
             wait = self.mover.keeper.pager.wait_worth(seed.slot, gain)
             if wait is None or not await self._wait(seed, peer, wait, ask.slot):

@@ -152,29 +152,17 @@ class SlotMover:
         if self.pages is None:
             return Moved.NOTHING, placement.fence, holds
         stable_chars = len(need.stable.text) if need.stable is not None and self.checkpoints is not None else 0
-        base = await self._unbuilt(need, info) if not holds else None
+        base = await unbuilt(self.checkpoints, need, info) if not holds else None
         cold = need.stable if base is not None else None
         ask = PageAsk(placement.slot, key, placement.view, views=placement.views, stable_chars=stable_chars, cold=cold,
                       base_chars=base or 0)
         ask = await await_source(self, ask, by)
         if self.elsewhere is not None and not self.store.remote:  # a shared store: only pages are seeds
             ask = await self.elsewhere.find(need, ask, by)
-        moved, fence = await self.page(ask, flow_id, fence=placement.fence, by=by)
+        moved, fence = await self.page(ask, flow_id, fence=placement.fence, by=by, need=need)
         if moved is Moved.NOTHING:  # its turn: what was placed there before went out, so judge the slot now
             holds = self.keeper.pager.holds_prefix(need, placement.view)  # (subagents seed 15, docs/paging.md)
         return moved, fence, holds
-
-    async def _unbuilt(self, need: NeedSlot, info: ServerInfo) -> int | None:
-        """No checkpoint file holds the session's stable prefix yet (so a warm-up would prefill it): how much of it
-        the longest shorter checkpoint gives (a family's base prompt; 0: none). None: it is built, or being built."""
-        cp = self.checkpoints
-        if cp is None or need.stable is None or not cp.persist:
-            return None
-        name = pfx.file_name(cp.fingerprint(need.stable, info))
-        if name in cp.building or await asyncio.to_thread(cp.file_known, name, info):
-            return None
-        base = await asyncio.to_thread(cp.longest_base, need.stable, info, name)
-        return base[0] if base is not None else 0
 
     async def side(self, placement: Placement, flow_id: str, by: float | None) -> Moved:
         """A side call's turn on the slot it is placed on: the slot's holder paged out (it may be a session's
@@ -192,8 +180,8 @@ class SlotMover:
         self.unsent(flow_id)
         return decision
 
-    async def page(self, ask: PageAsk, flow_id: str, fence: Fence | None = None,
-                   by: float | None = None) -> tuple[Moved, Fence | None]:
+    async def page(self, ask: PageAsk, flow_id: str, fence: Fence | None = None, by: float | None = None,
+                   need: NeedSlot | None = None) -> tuple[Moved, Fence | None]:
         """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
         shares the most with: a seed); what is in the slot for it now. Decided once the lock is held. Fails
         open: trouble only costs the prefill. `by`: when the request's wait bound ends (monotonic; None: none);
@@ -225,6 +213,11 @@ class SlotMover:
             self.emit(self.keeper.turns.stale_plan(fence, "page", key))
             return Moved.STALE, fence
         self.gate.moves(slot, flow_id)
+        if need is not None and ask.elsewhere is None and self.elsewhere is not None and not self.store.remote:
+            # Another server may hold the source by now: its session computed it while this one waited its turn
+            # (bench subagents-2x2 seed 1: a new subagent prompt, 899 tokens, warmed up cold 3.5 s after the other
+            # server's subagent had prefilled it). Only a source there now: this slot's lock is held.
+            ask = await self.elsewhere.find(need, ask, by, wait=False)
         ask = replace(ask, sent=self.pages.last_sent.get(slot), given=given, ours=self.gate.last_started.get(slot),
                       paging_out=frozenset(self.pages.saving))
         plan = self.keeper.pager.page_plan(ask)
@@ -246,9 +239,11 @@ class SlotMover:
             ask = replace(ask, sent=self.pages.last_sent.get(slot), ours=self.gate.last_started.get(slot))
             plan = self.keeper.pager.page_plan(ask)
         if plan.seed is not None and plan.seed.local_slot is not None and (
-                self.store.remote or self.pages.busy(plan.seed.local_slot)):
+                self.store.remote or self.pages.placed(plan.seed.local_slot)):
             # A live seed's slot is saved under its local lock only: never while another placement pages it,
-            # nor when other proxies (a shared store) may be paging it. Its own live conversation: its page then.
+            # nor when other proxies (a shared store) may be paging it (a copy of it in progress is waited for:
+            # subagents-2x2 seed 1, 732 tokens warmed cold while the other server copied the same slot).
+            # Its own live conversation: its page then.
             plan = plan.without_seed() if plan.seed.source != key else self.keeper.pager.page_plan(replace(
                 ask, sent=self.pages.last_sent.get(slot), copy_live=False, ours=self.gate.last_started.get(slot)))
         for choice in plan.choices:
@@ -355,6 +350,18 @@ class SlotMover:
                 fence = self.keeper.turns.slot_written(fence, Holds.PREFIX, key, tokens, over=Cause.PREFIX_OVER_OWNER) \
                     or fence
         return fence
+
+
+async def unbuilt(cp: CheckpointRunner | None, need: NeedSlot, info: ServerInfo) -> int | None:
+    """No checkpoint file holds the session's stable prefix yet (so a warm-up would prefill it): how much of it
+    the longest shorter checkpoint gives (a family's base prompt; 0: none). None: it is built, or being built."""
+    if cp is None or need.stable is None or not cp.persist:
+        return None
+    name = pfx.file_name(cp.fingerprint(need.stable, info))
+    if name in cp.building or await asyncio.to_thread(cp.file_known, name, info):
+        return None
+    base = await asyncio.to_thread(cp.longest_base, need.stable, info, name)
+    return base[0] if base is not None else 0
 
 
 def unrecorded_files(pages: PageRunner, state_dir: Path, own_state: str) -> dict[str, Any]:
