@@ -14,7 +14,14 @@ Rule 3: only a server that answers, with every slot idle and nothing changed sin
         change, any busy slot, any timed-out poll restarts that clock.
 Rule 4: the deadline ends a request `deadline` seconds after it left the proxy, first byte or not.
 Rule 5: 0 turns each off: `interval` the watch (no polls, no lines), `first_token_timeout` the 504, `deadline`
-        the deadline.
+        the deadline, `wedged_timeout` the wedge verdict.
+Rule 6: a request running on its own slot (pinned there, nothing of ours ahead) whose task shows no progress at
+        all (same task, same prompt tokens processed, same tokens decoded) for `wedged_timeout` seconds, or for
+        three prompt batches at the measured speed when that is longer (a slow server's batch is one step of its
+        counters), is WEDGED: ended like a stall, so llama-server cancels the task and frees the slot for the
+        requests queued behind it (mix-4 run K: an embedded llama-server spun on one slot for 20 minutes,
+        printing the same `prompt processing` line with its progress at 2.07, while every request pinned to
+        that slot waited behind it).
 
 Which slot is "ours": a pinned request names it (`slot`). Whether that slot is busy with our request or with
 an earlier one is told by `ahead` (requests this proxy sent to the same slot before ours, still open) and, for
@@ -43,6 +50,7 @@ class State(Enum):
 class End(Enum):
     STALLED = "stalled"          # slots_first_token_timeout
     DEADLINE = "deadline"        # slots_request_deadline
+    WEDGED = "wedged"            # slots_wedged_timeout
 
 
 class Poll(Enum):
@@ -55,6 +63,7 @@ class WatchSettings:
     poll_timeout: float = 3.0            # one poll's timeout
     first_token_timeout: float = 0.0     # seconds every slot may stay idle and unchanged before a 504 (0: off)
     deadline: float = 0.0                # seconds a request may run at all (0: off)
+    wedged_timeout: float = 0.0          # seconds its own slot's task may show no progress at all (0: off)
 
 
 @dataclass(frozen=True)
@@ -87,8 +96,13 @@ def _snapshot(live: Sequence[Mapping[str, Any]]) -> tuple[tuple[Any, ...], ...]:
 class Watch:
     """One request's watch: feed it the polls, it says what they mean and whether to end the request."""
 
-    def __init__(self, settings: WatchSettings, started: float, slot: int | None, *, stream: bool = True) -> None:
+    def __init__(self, settings: WatchSettings, started: float, slot: int | None, *, stream: bool = True,
+                 batch_seconds: float = 0.0) -> None:
         self.settings = settings
+        # Rule 6: a prompt batch at the measured speed (0: not measured) is one step of a slot's counters
+        self.wedge_limit = max(settings.wedged_timeout, 3 * batch_seconds) if settings.wedged_timeout > 0 else 0.0
+        self.stuck: tuple[Any, ...] | None = None  # our slot's task and counters, unchanged since `stuck_since`
+        self.stuck_since = 0.0
         self.started = started
         self.slot = slot
         self.stream = stream
@@ -151,12 +165,30 @@ class Watch:
         else:
             self.idle_since = None
         self.progress = progress
+        if self._wedged(live, progress, now):
+            self.ended = End.WEDGED
+            return progress, End.WEDGED
         limit = self.settings.first_token_timeout
         if (progress.state is State.STALLED and limit > 0 and progress.idle_for is not None
                 and progress.idle_for >= limit and not self.first_byte):
             self.ended = End.STALLED
             return progress, End.STALLED
         return progress, None
+
+    def _wedged(self, live: list[Mapping[str, Any]], progress: Progress, now: float) -> bool:
+        """Rule 6: our own slot runs our request (nothing of ours ahead) and its task has not moved for the
+        wedge limit."""
+        mine = next((e for e in live if e.get("id") == self.slot), None) if self.slot is not None else None
+        if (self.wedge_limit <= 0 or mine is None or self.ahead > 0 or progress.slot != self.slot
+                or progress.state not in (State.PREFILLING, State.GENERATING)):
+            self.stuck = None
+            return False
+        task = (mine.get("id_task"), mine.get("n_prompt_tokens"), mine.get("n_prompt_tokens_processed"),
+                _decoded(mine))
+        if task != self.stuck:
+            self.stuck, self.stuck_since = task, now
+            return False
+        return now - self.stuck_since >= self.wedge_limit and not self.first_byte
 
     def _read(self, live: list[Mapping[str, Any]], waited: float) -> Progress:
         busy = [e for e in live if e.get("is_processing")]

@@ -414,6 +414,8 @@ def _secs(s: float) -> str:
 def _limit(end: End, limit: float) -> str:
     if end is End.STALLED:
         return f"no first byte while every slot stayed idle for {limit:.0f} s (slots_first_token_timeout)"
+    if end is End.WEDGED:
+        return f"its slot's task made no progress for {limit:.0f} s (slots_wedged_timeout)"
     return f"deadline of {limit:.0f} s reached (slots_request_deadline)"
 
 

@@ -102,3 +102,31 @@ def test_any_poll_sequence_gives_a_reading_and_ends_only_a_long_stall(seq, slot_
         if end is not None:
             assert end is End.STALLED and quiet_since is not None and now - quiet_since >= 30
             break
+
+
+def test_our_own_slot_running_our_task_with_no_progress_for_the_wedge_limit_is_wedged():
+    """Rule 6 (mix-4 run K: a llama-server spun on one slot, its counters frozen, for 20 minutes)."""
+    s = WatchSettings(interval=15, wedged_timeout=60)
+    w = Watch(s, 0.0, 1)
+    frozen = [slot(0), slot(1, busy=True, prompt=989, processed=2046, task=690)]
+    for t in (15.0, 30.0, 45.0, 60.0):
+        assert w.polled(frozen, t)[1] is None, t
+    p, end = w.polled(frozen, 75.0)
+    assert (p.state, end, w.next_wake()) == (State.PREFILLING, End.WEDGED, None)
+
+
+def test_progress_a_request_ahead_or_a_slow_batch_is_no_wedge():
+    s = WatchSettings(interval=15, wedged_timeout=60)
+    moving = Watch(s, 0.0, 1)
+    for i, t in enumerate((15.0, 30.0, 45.0, 60.0, 75.0, 90.0)):
+        assert moving.polled([slot(1, busy=True, prompt=9000, processed=2048 * (i // 2 + 1))], t)[1] is None
+    behind = Watch(s, 0.0, 1)   # the frozen task is an earlier request of ours: ending this one frees nothing
+    assert all(behind.polled([slot(1, busy=True, prompt=900, processed=512)], t, ahead=1)[1] is None
+               for t in (15.0, 45.0, 90.0, 150.0))
+    slow = Watch(s, 0.0, 1, batch_seconds=40.0)  # 2048 tokens at 51 tok/s: counters move every 40 s
+    assert slow.wedge_limit == 120.0
+    frozen = [slot(1, busy=True, prompt=9000, processed=2048)]
+    assert all(slow.polled(frozen, t)[1] is None for t in (15.0, 60.0, 120.0))
+    assert slow.polled(frozen, 135.0)[1] is End.WEDGED
+    off = Watch(WatchSettings(interval=15), 0.0, 1)
+    assert all(off.polled(frozen, float(t))[1] is None for t in range(15, 1000, 15))

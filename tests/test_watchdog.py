@@ -97,6 +97,39 @@ async def test_a_stall_gets_a_504_and_the_report_says_why(proxy, llama, ended, c
     assert proxy.rt.reports[f.id].obs.error_type == "first-token-timeout"
 
 
+async def test_a_request_whose_own_slot_runs_without_progress_gets_a_504_so_the_server_frees_it(proxy, llama, ended,
+                                                                                                   caplog):
+    """mix-4 run K: llama-server spun on one slot, its counters frozen, while the requests pinned there waited."""
+    proxy.configure(slots_watch_interval_ms=100, slots_wedged_timeout=1)
+    with caplog.at_level(logging.INFO):
+        f = await proxy.request(flow(chat()))
+        slot = proxy.rt.open[f.id].ticket.slot
+        proxy.rt.open[f.id].upstream.keeper.outcomes.probed(20_000.0)  # a batch: 0.1 s (unmeasured: 100 s)
+        llama.poll = [{"id": i, "is_processing": i == slot, "id_task": 690, "n_prompt_tokens": 989,
+                       "n_prompt_tokens_processed": 2046, "next_token": [{"n_decoded": 0}]} for i in range(4)]
+        await wait_for(lambda: ended, timeout=4)
+    (fid, status, message, event, _body), = ended
+    assert (fid, status, event) == (f.id, 504, None)
+    assert message.startswith("slotkeeper: its slot's task made no progress for 1 s (slots_wedged_timeout)")
+    assert "answered 504 and closed the upstream" in caplog.text
+    f.error = Error("slotkeeper: …")
+    await proxy.hook("error", f)
+    assert proxy.rt.reports[f.id].obs.error_type == "wedged"
+
+
+async def test_a_slot_that_moves_is_never_wedged(proxy, llama, ended):
+    proxy.configure(slots_watch_interval_ms=100, slots_wedged_timeout=1)
+    f = await proxy.request(flow(chat()))
+    slot = proxy.rt.open[f.id].ticket.slot
+    proxy.rt.open[f.id].upstream.keeper.outcomes.probed(20_000.0)  # the limit is 1 s: only the moves keep it alive
+    llama.poll = [{"id": i, "is_processing": i == slot, "id_task": 5, "n_prompt_tokens": 90_000,
+                   "n_prompt_tokens_processed": 0, "next_token": [{"n_decoded": 0}]} for i in range(4)]
+    for _ in range(25):  # 2.5 s: its counters move at every poll
+        llama.poll[slot]["n_prompt_tokens_processed"] += 512
+        await asyncio.sleep(0.1)
+    assert not ended
+
+
 @pytest.mark.parametrize("mode", ["native", "translate"])
 async def test_a_stalled_messages_request_gets_anthropics_error_body(proxy, llama, ended, mode):
     """The 504's body on /v1/messages is Anthropic's error body, translated (sent upstream as a chat completion)

@@ -54,7 +54,7 @@ class Open:
     started: float
     path: str                          # as the client sent it (a translated request goes elsewhere)
     stream: StreamObserver | None = None
-    ended: str | None = None   # the proxy ended it: "deadline", "first-token-timeout" (watchdog), "too-large"
+    ended: str | None = None   # the proxy ended it: "deadline", "first-token-timeout", "wedged" (watchdog), "too-large"
     flow: Any = None           # the live flow (slotkeeper/mitm/watchdog.py ends or annotates it while it waits)
     original: tuple[bytes | None, Any, str] | None = None  # body, headers, path as sent (a pool may re-route it)
 

@@ -51,10 +51,16 @@ OPTIONS = (
     Option("slots_first_token_timeout", int, 0,
            "Seconds every slot may stay idle, with nothing moving, while a request waits for its first byte; then "
            "it gets a 504 and its upstream request is closed. 0 = off."),
+    Option("slots_wedged_timeout", int, 60,
+           "Seconds a request's own slot may show no progress at all (same task, same prompt tokens processed, "
+           "none decoded) while it waits for its first byte, or three prompt batches at the measured speed if "
+           "longer; then it is ended like a stall, so llama-server cancels the task and frees the slot. 0 = off."),
     Option("slots_request_deadline", int, 0,
            "Seconds a request may run at all; then it is ended with an error and its upstream request is closed "
            "(llama-server cancels it). 0 = off."),
 )
+PROMPT_BATCH = 2048  # llama-server's default n_batch: the prompt tokens one step of its loop evaluates at most
+UNMEASURED_BATCH = 100.0  # seconds one batch may take before any prefill speed is measured (a wedge: 300 s)
 MINIMUMS = {**{o.name: (0, "≥ 0 (0 = off)") for o in OPTIONS}, "slots_watch_timeout_ms": (1, "≥ 1")}
 
 
@@ -76,7 +82,8 @@ class Watchdog:
         self.settings = WatchSettings(interval=o.slots_watch_interval_ms / 1000,
                                       poll_timeout=o.slots_watch_timeout_ms / 1000,
                                       first_token_timeout=float(o.slots_first_token_timeout),
-                                      deadline=float(o.slots_request_deadline))
+                                      deadline=float(o.slots_request_deadline),
+                                      wedged_timeout=float(o.slots_wedged_timeout))
 
     # ------------------------------------------------------------------------------------------- hooks
 
@@ -128,8 +135,10 @@ class Watchdog:
         """A request is still going after its first interval: build its watch and run the first wake."""
         try:
             raw = flow.request.raw_content or b""
+            rate = req.upstream.keeper.prefill_estimate()
             watch = Watch(self.settings, req.started, req.ticket.slot,
-                          stream=b'"stream":true' in raw or b'"stream": true' in raw)
+                          stream=b'"stream":true' in raw or b'"stream": true' in raw,
+                          batch_seconds=PROMPT_BATCH / rate if rate else UNMEASURED_BATCH)
             rw = RequestWatch(watch, req.upstream.client, _FlowWatch(self, flow, req))
             self.watches[flow.id] = rw
             rw.wake_now()
@@ -161,11 +170,13 @@ class Watchdog:
 
     def _end(self, flow: http.HTTPFlow, req: Open, end: End) -> None:
         s = self.settings
-        limit = s.first_token_timeout if end is End.STALLED else s.deadline
+        watch = self.watches.get(flow.id)
+        limit = {End.STALLED: s.first_token_timeout, End.DEADLINE: s.deadline,
+                 End.WEDGED: watch.watch.wedge_limit if watch is not None else s.wedged_timeout}[end]
         streaming = flow.response is not None and callable(flow.response.stream)
         # a native Anthropic stream gets Anthropic's error event, and so does a translated one (its tap's)
         anthropic = req.ticket.route is Route.ANTHROPIC and not req.ticket.translated
-        req.ended = "first-token-timeout" if end is End.STALLED else "deadline"
+        req.ended = {End.STALLED: "first-token-timeout", End.DEADLINE: "deadline", End.WEDGED: "wedged"}[end]
         message = wording.client_message(end, limit)
         event = wording.stream_error_event(end, limit, anthropic=anthropic) if streaming else None
         tap = flow.response.stream if streaming and flow.response is not None else None
