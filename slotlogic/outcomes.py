@@ -83,6 +83,8 @@ class Outcomes:
         if obs.error_type is None:
             if ticket.slot is None and obs.id_slot is not None and self.ledger.entry(obs.id_slot).owner != key:
                 self.ledger.ran_unpinned(obs.id_slot, key)  # the server chose the slot (affinity, or unpinned)
+            if ticket.slot is None and obs.id_slot is not None:
+                self._follow(ticket, obs.id_slot, now)
             loss = self.ledger.settle(key, ticket.promise, slot, obs.cache_n, obs.prompt_n, ticket.extends)
         self.table.answered(key, slot, now)
         stats = self.stats.pop(key, None) or SessionStats()
@@ -144,9 +146,25 @@ class Outcomes:
         self.table.use(key, now)  # counts the request and marks the claim for the next flush of the state file
         return SlotLearned(self.upstream, ticket.session.short, slot, ticket.learn)
 
-    def ran_unpinned(self, slot: int, ticket: Ticket) -> None:
-        """Where a request the wait sent with `id_slot: -1` ran (`slotlogic.wait.ran`)."""
+    def ran_unpinned(self, slot: int, ticket: Ticket, now: float) -> None:
+        """Where a request the wait sent with `id_slot: -1` ran (`slotlogic.wait.ran`), read from `/slots`."""
         wait.ran(self.ledger, slot, ticket)
+        self._follow(ticket, slot, now)
+
+    def _follow(self, ticket: Ticket, slot: int, now: float) -> None:
+        """A session's turn that the wait sent with `id_slot: -1` (Rule 3) ran on `slot`: its conversation is
+        there now, and its old slot holds it as it was a turn before, so its next turn is pinned there (mix-4 run
+        K: the next turn went back to the old slot and found part of it). A side call's home stays where it is."""
+        known = self.table.sessions.get(ticket.session.key)
+        if ticket.side or ticket.unpinned not in wait.UNPINNED or known is None or known.slot == slot \
+                or not affinity.valid(slot, self.host.total_slots):
+            return
+        key, old = ticket.session.key, known.slot
+        self.table.assign(key, slot, now, prefix=known.prefix, requests=known.requests)
+        self.table.dispatch(key, slot)
+        self.table.answered(key, slot, now)
+        if self.table.running.get(old) == key:  # placed there, sent unpinned: nothing of it runs there
+            del self.table.running[old]
 
     def learn_from_slots(self, ticket: Ticket, obs: Observation, live: Sequence[dict[str, Any]] | None,
                          now: float) -> SlotLearned | None:

@@ -303,3 +303,28 @@ def test_the_protocol_is_closed_a_call_out_of_order_raises():
         k.pin(again, 0.0)                                      # pinned once
     with pytest.raises(dataclasses.FrozenInstanceError):
         pin.ticket.slot = 3  # type: ignore[misc]
+
+
+def test_a_turn_sent_unpinned_after_its_wait_moves_its_session_to_the_slot_that_ran_it():
+    """mix-4 run K: a turn that waited past its bound went out with id_slot -1 and ran on another slot; the next
+    turn was pinned back to the old slot, which holds the conversation as it was a turn before. Where it ran
+    (from /slots after the answer) is now the session's slot: its next turn is `known` there."""
+    from slotlogic import wait
+
+    k = make()
+    first = place(k, k.request(facts()))
+    k.outcomes.answered(first.ticket, Observation(cache_n=0, prompt_n=40), path=CHAT, seconds=0.5, now=1.0)
+    old = first.ticket.slot
+    turn = k.request(facts(chat("hi", extra="x"), now=2.0))
+    assert isinstance(turn, Pin) and turn.ticket.slot == old
+    held = k.turns.unpin(turn.ticket, wait.WaitWhy.BOUND, None)
+    assert held.slot is None
+    k.outcomes.answered(held, Observation(cache_n=30, prompt_n=20), path=CHAT, seconds=0.5, now=3.0)
+    elsewhere = (old + 1) % 4
+    k.outcomes.ran_unpinned(elsewhere, held, 3.0)
+    again = k.request(facts(now=4.0))
+    assert isinstance(again, Pin) and again.ticket.slot == elsewhere and again.ticket.why is Why.KNOWN
+    assert k.ledger.conversation_on(elsewhere) == held.session.key
+    side = replace(held, side=True)
+    k.outcomes.ran_unpinned(old, side, 5.0)  # a side call's home never follows where one of its calls ran
+    assert k.request(facts(now=6.0)).ticket.slot == elsewhere

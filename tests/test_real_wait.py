@@ -88,3 +88,70 @@ def test_a_client_that_gives_up_while_the_proxy_holds_its_request_is_logged_as_g
         t.join(60)
         records = [x for x in jsonl(tmp_path / "req.jsonl") if x.get("reason") == "wait-bound"]
     assert len(records) == 1 and records[0]["error"] == "client-gone" and records[0]["seconds"] >= 3.5, records
+
+
+AGENT = "You are a coding agent. Answer in one short sentence. " * 8
+
+
+def test_a_turn_sent_unpinned_after_its_wait_is_followed_to_the_slot_that_ran_it(tmp_path):
+    """A session's turn waits behind a long request of its own on its slot while the other slot runs another
+    session's long answer: held past its bound while every slot runs ours, it goes out with `id_slot: -1` once
+    the other slot's answer ends, and runs there (`slotlogic.wait`, Rule 8).
+    Its next turn is pinned where it ran (`known`, all of it cached), not back to the old slot, which holds the
+    conversation as it was a turn before (mix-4 run K)."""
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
+            "slots_wait_bound": 2}
+
+    def turns(*texts: str, **extra: Any) -> dict[str, Any]:
+        msgs = [{"role": "system", "content": AGENT}]
+        msgs += [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
+        return {"messages": msgs, "temperature": 0, "max_tokens": 8, **extra}
+
+    with LlamaServer(slots=2, ctx_per_slot=4096, threads=THREADS, log_path=str(tmp_path / "s.log")) as srv, \
+            MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
+        first = httpx.post(px.url + "/v1/chat/completions", json=turns("Fix the parser."), timeout=120).json()
+        a1 = first["choices"][0]["message"]["content"]
+        home = jsonl(tmp_path / "req.jsonl")[-1]["slot"]
+        started, stop = threading.Event(), threading.Event()
+
+        def long_call() -> None:  # the same session, generating far longer than the bound
+            body = turns("Fix the parser.", a1, "Count from one to one thousand.", max_tokens=2000, ignore_eos=True,
+                         stream=True)
+            with httpx.stream("POST", px.url + "/v1/chat/completions", json=body, timeout=300) as r:
+                for _ in r.iter_raw():
+                    started.set()
+                    if stop.is_set():
+                        return
+
+        t = threading.Thread(target=long_call)
+        t.start()
+        assert started.wait(120)
+        out_started, out_stop = threading.Event(), threading.Event()
+
+        def outside_call() -> None:  # another session's long answer holds the other slot
+            body = {"messages": [{"role": "system", "content": "You count."}, {"role": "user", "content": "Count."}],
+                    "max_tokens": 4000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", px.url + "/v1/chat/completions", json=body, timeout=300) as r:
+                for _ in r.iter_raw():
+                    out_started.set()
+                    if out_stop.is_set():
+                        return
+
+        outside = threading.Thread(target=outside_call)
+        outside.start()
+        assert out_started.wait(120)
+        threading.Timer(6.0, out_stop.set).start()  # past the turn's bound (2 s): the other slot frees first
+        second = turns("Fix the parser.", a1, "Now add a test.")
+        a2 = httpx.post(px.url + "/v1/chat/completions", json=second, timeout=300).json()["choices"][0]["message"]
+        outside.join(300)
+        time.sleep(1.0)  # where it ran is read from /slots after its answer
+        third = httpx.post(px.url + "/v1/chat/completions",
+                           json=turns("Fix the parser.", a1, "Now add a test.", a2["content"], "Thanks."), timeout=300)
+        assert third.status_code == 200
+        stop.set()
+        t.join(60)
+        records = [x for x in jsonl(tmp_path / "req.jsonl") if "reason" in x]
+    held = next(x for x in records if x["reason"] == "wait-bound")
+    last = [x for x in records if x.get("error") is None][-1]  # the third turn (the long ones were cut)
+    assert held["error"] is None and last["reason"] == "known" and last["slot"] == 1 - home, records
+    assert last["cache_n"] >= held["cache_n"] + held["prompt_n"] - 8, (held, last)

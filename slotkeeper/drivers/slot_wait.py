@@ -194,4 +194,4 @@ class SlotWaits:
             return
         slot = slot_from_slots(await self.slots() or [], obs.tokens_total, self.keeper.total_slots)
         if slot is not None:
-            self.keeper.outcomes.ran_unpinned(slot, ticket)
+            self.keeper.outcomes.ran_unpinned(slot, ticket, time.time())
