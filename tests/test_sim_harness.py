@@ -336,3 +336,24 @@ def test_a_slot_handed_back_by_the_proxy_that_paged_the_session_out_pages_in_its
         outcomes = run(VirtualClock(), lambda g=gap: main(g))
         assert all(o.error is None and o.done.lost == 0 and o.done.cache_n >= o.done.expected for o in outcomes), \
             [(o.tag, o.done.cache_n, o.done.expected) for o in outcomes]
+
+
+def test_a_seed_copy_is_fenced_by_its_source_still_holding_the_slot():
+    """bench subagents-2x2 seed 1: a copy was taken of a slot its source had left (another family's session ran
+    there since), and the family's prompt was warmed up cold over those 894 tokens. A copy goes ahead only while
+    the ledger says the slot holds its source's conversation."""
+    async def main() -> tuple[object, object]:
+        async with Rig(Setup(slots=1, paging=True)) as rig:
+            await rig.send("a", convo("a", "task a"))
+            await rig.send("b", convo("b", "task b"))   # the only slot: b's conversation there now
+            pages = rig.proxies[0].upstream("http://127.0.0.1:8080").mover.pages
+            gone = await pages.copy_out(0, "page-0000000000000000000a.bin", source=_key(rig, "a"))
+            here = await pages.copy_out(0, "page-0000000000000000000b.bin", source=_key(rig, "b"))
+            return gone, here
+    gone, here = run(VirtualClock(), main)
+    assert gone is None and here is not None and here[0] > 0
+
+
+def _key(rig: Rig, tag: str) -> str:
+    """The session key the proxy gave the session tagged `tag`."""
+    return next(o.report.ticket.session.key for o in rig.outcomes if o.tag == tag)

@@ -79,7 +79,9 @@ class PageRunner:
         # time is no sample of the call's fixed cost (`slotlogic.costs`, the move overhead).
         self.server_busy: Callable[[], bool] = lambda: False
         # a seed's slot on another server of the pool saved there (`pool_seeds.PoolSeeds.copy`)
-        self.copy_from: Callable[[str, int, str], Awaitable[tuple[int, int] | None]] = _no_copy
+        self.copy_from: Callable[[str, int, str, str], Awaitable[tuple[int, int] | None]] = _no_copy
+        # whether `slot` holds `session`'s current conversation, as the ledger has it (a copy's fence)
+        self.holds: Callable[[int, str], bool] = lambda slot, session: True
 
     def busy(self, slot: int) -> bool:
         lock = self.locks.get(slot)
@@ -197,9 +199,9 @@ class PageRunner:
             # A live seed: its slot is saved first (its lock held meanwhile: the caller saw it free, so this
             # takes it at once), then that file goes into ours. On another server of the pool: saved there.
             if plan.seed.server is not None:
-                saved = await self.copy_from(plan.seed.server, plan.seed.slot, plan.seed_file)
+                saved = await self.copy_from(plan.seed.server, plan.seed.slot, plan.seed_file, plan.seed.source)
             else:
-                saved = await self.copy_out(plan.seed.slot, plan.seed_file, out)
+                saved = await self.copy_out(plan.seed.slot, plan.seed_file, out, plan.seed.source)
             if saved is None:
                 out.seconds = time.monotonic() - started
                 return out
@@ -228,15 +230,21 @@ class PageRunner:
         out.seconds = time.monotonic() - started
         return out
 
-    async def copy_out(self, slot: int, filename: str, out: PageOutcome | None = None) -> tuple[int, int] | None:
+    async def copy_out(self, slot: int, filename: str, out: PageOutcome | None = None,
+                       source: str | None = None) -> tuple[int, int] | None:
         """Save `slot` for a seed (of this server, or of another of the pool: `pool_seeds`) under its lock, once
         every request sent there reached the server: the tokens and bytes written, or None (also while a
-        placement holds the slot's lock: it is about to write the slot; another copy's save is waited for)."""
+        placement holds the slot's lock: it is about to write the slot; another copy's save is waited for).
+        Fenced by `source`: once every request sent there reached the server, the ledger must still say the
+        slot holds that session's conversation (bench subagents-2x2 seed 1: a slot the source had left was
+        copied, holding another family's 894 tokens, and the family prompt was warmed up cold over it)."""
         lock = self.locks.setdefault(slot, asyncio.Lock())
         if self.placed(slot):
             return None
         async with lock:
             if not await self.gate.quiet(slot):
+                return None
+            if source is not None and not self.holds(slot, source):
                 return None
             return await self._save(slot, filename, out if out is not None else PageOutcome())
 
@@ -336,5 +344,5 @@ def _ms(data: dict[str, Any], key: str) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
-async def _no_copy(url: str, slot: int, file: str) -> tuple[int, int] | None:
+async def _no_copy(url: str, slot: int, file: str, source: str) -> tuple[int, int] | None:
     return None  # one server: no other server's slot to copy

@@ -86,10 +86,11 @@ class PoolSeeds:
         self.mover.emit(SourceAwaited(self.mover.url, slot, seed.slot, time.monotonic() - started, idle, peer.url))
         return idle
 
-    async def copy(self, url: str, slot: int, file: str) -> tuple[int, int] | None:
+    async def copy(self, url: str, slot: int, file: str, source: str) -> tuple[int, int] | None:
         """Save `slot` of the pool's server at `url` into `file` (its tokens and bytes), under that server's lock
-        for the slot and once every request it sent there reached it; None when it cannot."""
+        for the slot and once every request it sent there reached it, if it still holds `source`'s conversation
+        there; None when it cannot."""
         peer = self.peer(url)
         if peer is None or peer.pages is None:
             return None
-        return await peer.pages.copy_out(slot, file)
+        return await peer.pages.copy_out(slot, file, source=source)
