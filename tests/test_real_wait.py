@@ -26,32 +26,41 @@ def side(text: str, **extra: Any) -> dict[str, Any]:
             "temperature": 0, **extra}
 
 
+class LongAnswer:
+    """A streamed answer generating far longer than any wait bound, read in a thread; `stop` hangs up
+    (llama-server cancels the rest). Started once its first bytes came."""
+
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
+        self.started, self.stopping, self.ended = threading.Event(), threading.Event(), False
+        self.thread = threading.Thread(target=self._read, args=(url, body))
+        self.thread.start()
+        assert self.started.wait(120)
+
+    def _read(self, url: str, body: dict[str, Any]) -> None:
+        with httpx.stream("POST", url, json=body, timeout=300) as r:
+            for _ in r.iter_raw():
+                self.started.set()
+                if self.stopping.is_set():
+                    return
+        self.ended = True
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(60)
+
+
 def test_a_side_call_behind_a_long_one_runs_on_the_idle_slot_after_its_bound(tmp_path):
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
             "slots_wait_bound": 2}
     with LlamaServer(slots=2, ctx_per_slot=4096, threads=THREADS, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
-        started, stop = threading.Event(), threading.Event()
-        long_done: dict[str, float] = {}
-
-        def long_call() -> None:
-            body = side("Count from one to one thousand.", max_tokens=2000, ignore_eos=True, stream=True)
-            with httpx.stream("POST", px.url + "/v1/chat/completions", json=body, timeout=300) as r:
-                for _ in r.iter_raw():
-                    started.set()
-                    if stop.is_set():
-                        return  # the client hangs up: llama-server cancels the rest
-            long_done["ended"] = 1.0
-
-        t = threading.Thread(target=long_call)
-        t.start()
-        assert started.wait(120)
+        long = LongAnswer(px.url + "/v1/chat/completions",
+                          side("Count from one to one thousand.", max_tokens=2000, ignore_eos=True, stream=True))
         r = httpx.post(px.url + "/v1/chat/completions", json=side("Title for: fixing a flaky test.", max_tokens=4),
                        timeout=120)
         assert r.status_code == 200
-        assert t.is_alive() and not long_done  # answered while the long one still generates: not queued behind it
-        stop.set()
-        t.join(60)
+        assert long.thread.is_alive() and not long.ended  # answered while the long one still generates
+        long.stop()
         records = [x for x in jsonl(tmp_path / "req.jsonl") if "reason" in x]
     reasons = [x["reason"] for x in records]
     assert reasons.count("side-call") == 1 and reasons.count("wait-bound") == 1, reasons
@@ -67,25 +76,13 @@ def test_a_client_that_gives_up_while_the_proxy_holds_its_request_is_logged_as_g
             "slots_wait_bound": 4}
     with LlamaServer(slots=2, ctx_per_slot=4096, threads=THREADS, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
-        started, stop = threading.Event(), threading.Event()
-
-        def long_call() -> None:
-            body = side("Count from one to one thousand.", max_tokens=2000, ignore_eos=True, stream=True)
-            with httpx.stream("POST", px.url + "/v1/chat/completions", json=body, timeout=300) as r:
-                for _ in r.iter_raw():
-                    started.set()
-                    if stop.is_set():
-                        return
-
-        t = threading.Thread(target=long_call)
-        t.start()
-        assert started.wait(120)
+        long = LongAnswer(px.url + "/v1/chat/completions",
+                          side("Count from one to one thousand.", max_tokens=2000, ignore_eos=True, stream=True))
         with pytest.raises(httpx.ReadTimeout):  # the client's own timeout, shorter than the proxy's hold
             httpx.post(px.url + "/v1/chat/completions", json=side("Title for: a flaky test.", max_tokens=4),
                        timeout=httpx.Timeout(60, read=1.0))
         time.sleep(4)
-        stop.set()
-        t.join(60)
+        long.stop()
         records = [x for x in jsonl(tmp_path / "req.jsonl") if x.get("reason") == "wait-bound"]
     assert len(records) == 1 and records[0]["error"] == "client-gone" and records[0]["seconds"] >= 3.5, records
 
@@ -112,44 +109,21 @@ def test_a_turn_sent_unpinned_after_its_wait_is_followed_to_the_slot_that_ran_it
         first = httpx.post(px.url + "/v1/chat/completions", json=turns("Fix the parser."), timeout=120).json()
         a1 = first["choices"][0]["message"]["content"]
         home = jsonl(tmp_path / "req.jsonl")[-1]["slot"]
-        started, stop = threading.Event(), threading.Event()
-
-        def long_call() -> None:  # the same session, generating far longer than the bound
-            body = turns("Fix the parser.", a1, "Count from one to one thousand.", max_tokens=2000, ignore_eos=True,
-                         stream=True)
-            with httpx.stream("POST", px.url + "/v1/chat/completions", json=body, timeout=300) as r:
-                for _ in r.iter_raw():
-                    started.set()
-                    if stop.is_set():
-                        return
-
-        t = threading.Thread(target=long_call)
-        t.start()
-        assert started.wait(120)
-        out_started, out_stop = threading.Event(), threading.Event()
-
-        def outside_call() -> None:  # another session's long answer holds the other slot
-            body = {"messages": [{"role": "system", "content": "You count."}, {"role": "user", "content": "Count."}],
-                    "max_tokens": 4000, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", px.url + "/v1/chat/completions", json=body, timeout=300) as r:
-                for _ in r.iter_raw():
-                    out_started.set()
-                    if out_stop.is_set():
-                        return
-
-        outside = threading.Thread(target=outside_call)
-        outside.start()
-        assert out_started.wait(120)
-        threading.Timer(6.0, out_stop.set).start()  # past the turn's bound (2 s): the other slot frees first
+        # the same session generating far longer than the bound; another session's long answer on the other slot
+        long = LongAnswer(px.url + "/v1/chat/completions", turns(
+            "Fix the parser.", a1, "Count from one to one thousand.", max_tokens=2000, ignore_eos=True, stream=True))
+        other = LongAnswer(px.url + "/v1/chat/completions", {
+            "messages": [{"role": "system", "content": "You count."}, {"role": "user", "content": "Count."}],
+            "max_tokens": 4000, "ignore_eos": True, "stream": True})
+        threading.Timer(6.0, other.stopping.set).start()  # past the turn's bound (2 s): the other slot frees first
         second = turns("Fix the parser.", a1, "Now add a test.")
         a2 = httpx.post(px.url + "/v1/chat/completions", json=second, timeout=300).json()["choices"][0]["message"]
-        outside.join(300)
+        other.thread.join(300)
         time.sleep(1.0)  # where it ran is read from /slots after its answer
         third = httpx.post(px.url + "/v1/chat/completions",
                            json=turns("Fix the parser.", a1, "Now add a test.", a2["content"], "Thanks."), timeout=300)
         assert third.status_code == 200
-        stop.set()
-        t.join(60)
+        long.stop()
         records = [x for x in jsonl(tmp_path / "req.jsonl") if "reason" in x]
     held = next(x for x in records if x["reason"] == "wait-bound")
     last = [x for x in records if x.get("error") is None][-1]  # the third turn (the long ones were cut)
