@@ -48,7 +48,11 @@ Rule 9: at `HOLD_CAP` bounds with every slot still running or awaiting our work,
         nothing, over a conversation promised to someone. So it goes pinned (GO) while the work ahead still to
         run is no longer than its own prefill (as Rule 3 weighs it), else with `id_slot: -1`. bench mix-4 (stop
         36): three Claude Code turns and an OpenCode turn held to the cap went unpinned and prefilled 2,275-3,199
-        tokens each that their own slots still held.
+        tokens each that their own slots still held. A placement at the cap (with session paging) is placed
+        again for one more cap, its moves waiting for the slot the ranking finds soonest to be idle (no slot
+        action is sent to a running slot), and its page comes back in; only past that it goes with
+        `id_slot: -1` (`slotkeeper/drivers/upstream.py`, `_late`; mix-4 run L: five turns sent unpinned at the
+        cap prefilled 24,692 tokens that pages or slots of theirs held).
 """
 
 from __future__ import annotations

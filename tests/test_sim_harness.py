@@ -357,3 +357,31 @@ def test_a_seed_copy_is_fenced_by_its_source_still_holding_the_slot():
 def _key(rig: Rig, tag: str) -> str:
     """The session key the proxy gave the session tagged `tag`."""
     return next(o.report.ticket.session.key for o in rig.outcomes if o.tag == tag)
+
+
+def test_a_placement_held_to_the_cap_is_placed_again_pinned_and_pages_its_conversation_back_in():
+    """`slotlogic.wait` Rule 9 for a placement: a displaced session's turn whose slot stays another placement's
+    past the hold's cap waits in the server's queue whichever way it goes. Sent with `id_slot: -1` it prefilled
+    from nothing (mix-4 run L: five turns, 24,692 tokens); placed again with no bound, its page comes back in
+    once its turn on the slot comes."""
+    def body(tag: str, turns: list[str]) -> dict:
+        msgs = [{"role": "system", "content": f"You are agent {tag} . " * 40}]
+        msgs += [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+        return {"model": "sim", "messages": msgs, "max_tokens": 4}
+
+    async def main(hold_for: float) -> Outcome:
+        async with Rig(Setup(slots=1, paging=True, options=(("slots_wait_bound", 5),))) as rig:
+            c = ["task c"]
+            out = await rig.send("c", body("c", c))
+            c += [out.content, "output " * 30]
+            await rig.send("d", body("d", ["task d"]))   # the only slot: c paged out
+            pages = rig.proxies[0].upstream("http://127.0.0.1:8080").mover.pages
+            assert await pages.hold(0, "blocker", None)   # another placement holds the slot that long
+            asyncio.get_running_loop().call_later(hold_for, pages.unlock, "blocker")
+            turn = await rig.send("c", body("c", c))
+            await rig.settle()
+            return turn
+    for hold_for in (20.0, 150.0):  # within the cap (90 s), and past it
+        turn = run(VirtualClock(), lambda h=hold_for: main(h))
+        assert turn.error is None and turn.meta["reason"].endswith("+paged-in"), (hold_for, turn.meta)
+        assert turn.done.cache_n >= turn.done.expected > 200, (turn.done.cache_n, turn.done.expected)

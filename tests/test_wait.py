@@ -417,7 +417,7 @@ async def test_a_side_call_whose_slot_another_placement_holds_past_its_bound_goe
         assert await up.pages.hold(slot, f"another-placement-{slot}")  # long prefills' placements hold both
     started = time.monotonic()
     late = await asyncio.wait_for(up.decide(facts(chat("task c")), "f-c"), 5)
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 3.0  # two caps of 0.9 s: placed again once at the first (Rule 9)
     assert isinstance(late, Observe) and late.ticket.slot is None and late.body is None  # the client's bytes
     assert late.ticket.unpinned is Unpinned.WAIT_BOUND and late.ticket.reason == "wait-bound"
     for pin in firsts.values():  # nothing of c's written anywhere: each holder keeps its slot
@@ -496,8 +496,8 @@ async def test_a_placement_sends_no_save_to_a_slot_the_server_still_runs_past_it
     client.slots_data = [{**e, "is_processing": True} for e in client.slots_data]  # another client's long prompts
     started = time.monotonic()
     other = chat("task c", system="You are a reviewer of pull requests. " * 20)  # nothing of a's or b's to copy
-    late = await asyncio.wait_for(up.decide(facts(other), "f-c"), 5)
-    assert time.monotonic() - started < 2.0
+    late = await asyncio.wait_for(up.decide(facts(other), "f-c"), 8)
+    assert time.monotonic() - started < 4.5  # two caps of 1.5 s: placed again once at the first (Rule 9)
     assert isinstance(late, Observe) and late.ticket.unpinned is Unpinned.WAIT_BOUND
     assert actions.calls == calls_before, (calls_before, actions.calls)
     client.slots_data = [{**e, "is_processing": False} for e in client.slots_data]

@@ -85,6 +85,7 @@ class Tries:
     retries: int = 2
     cap: float | None = None
     claimed: bool = False
+    last: bool = False  # placed again past the hold's cap (`_late`): past this try's bound it goes unpinned
 
     def again(self) -> Tries:
         return replace(self, retries=self.retries - 1, claimed=True)
@@ -284,7 +285,7 @@ class Upstream:
         # out first, once its request reached the server).
         moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id, by)
         if moved is Moved.LATE:  # its bound passed before its slot was ours to write: nothing moved
-            return await _late(self, need, facts, flow_id, accept, by, tries.cap)
+            return await _late(self, need, facts, flow_id, accept, by, tries)
         if moved is Moved.STALE and tries.retries > 0:  # another claim of the slot came first: place it again
             self.mover.stopped(flow_id)
             return await self._place(need, facts, flow_id, accept=accept, by=by, tries=tries.again())
@@ -410,18 +411,29 @@ def _refused(up: Upstream, state: shared.ServerState, need: NeedSlot, flow_id: s
 
 
 async def _late(up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str, accept: Accept | None,
-                by: float | None, cap: float | None) -> Any:
+                by: float | None, tries: Tries) -> Any:
     """A placement whose bound passed before its slot was ours to write, nothing moved: it lets go of its slot
     (two waiting placements never keep the one slot that could run either from each other) and is placed again
     once a slot runs nothing of ours, within the hold's cap (`hold_cap` from its arrival); else it goes as the
     client sent it (`slotlogic.wait`, Rules 7 and 8)."""
-    bound, key = up.settings.wait_bound, need.ticket.session.key
+    bound, key, cap = up.settings.wait_bound, need.ticket.session.key, tries.cap
     cap = cap if cap is not None or by is None else by - bound + wait.hold_cap(bound)
     if by is not None and cap is not None and by < cap:
         up.mover.stopped(flow_id)  # its slot's lock and claim let go while it waits
         up.keeper.withdraw(key)
         if await up.waits.until_idle(cap, mine=key):
             return await up._place(need, facts, flow_id, accept=accept, by=cap, tries=Tries(cap=cap, claimed=True))
+    if up.pages is not None and by is not None and not tries.last and not need.ticket.side:
+        # Rule 9 for a placement: at the cap every slot still runs or awaits our work, so it waits in the server's
+        # queue whichever way it goes. Sent with `id_slot: -1` it prefilled from nothing (mix-4 run L: five
+        # turns, 24,692 tokens, on slots llama-server chose, each of 3,000-9,000 tokens that a page or a slot of
+        # theirs held). Placed again for one more cap, its moves wait their turn on the slot the ranking finds
+        # soonest (never sent to a slot still running: mix-4 run E) and its page comes back in.
+        up.mover.stopped(flow_id)
+        up.keeper.withdraw(key)
+        last = time.monotonic() + wait.hold_cap(bound)
+        return await up._place(need, facts, flow_id, accept=accept, by=last,
+                               tries=Tries(cap=last, claimed=True, last=True))
     up.waits.sent_unplaced(flow_id)
     return up.mover.give_up(need, flow_id)
 
