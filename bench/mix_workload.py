@@ -8,7 +8,9 @@ second apart. Each client has its own HOME and project folder. The server is the
 (`slotkeeper/launch/long_context.py`), 32K a slot, `-n 16`, with a slot save path; every configuration runs through
 mitmdump with the addon and `-w` flows (`stock` is the proxy observing only, as in `client-<name>`).
 
-Numbers, per configuration, from the saved flows: prefill (Σ prompt_n), wall time of the turns, requests
+Numbers, per configuration, from the saved flows: prefill (Σ prompt_n, plus what the proxy's own checkpoint
+warm-ups and probes made the server prefill: the proxy's JSON-lines log; the clients never see those requests,
+so the flows do not hold them), wall time of the turns, requests
 whose answer failed (`error=` lines: no prompt_n, a status ≥ 400 or a cut stream), side calls and their
 prefill, the side calls' whole-request time p95 (they answer ≤ 16 tokens, so it is their time to first token
 plus a few tokens), turns whose client exited with an error, and the proxy's own loss meter (side-call
@@ -118,7 +120,7 @@ def run_config(name: str, mix: Mix, cfg: BenchConfig, log_dir: Path, threads: in
         requests = read_flows(flows)
         render(server.url, requests)  # each request's rendered length, for the mismatch check
         own = render(server.url, requests, strip_billing=True)
-    return summary(cfg.name, requests, done, wall, lost, own)
+    return summary(cfg.name, requests, done, wall, lost, own, warmup=stack.proxy_prefill())
 
 
 def _p95(values: Sequence[float]) -> float | None:
@@ -133,13 +135,15 @@ def failed(r: Request) -> bool:
 
 
 def summary(config: str, requests: Sequence[Request], done: Sequence[TurnDone], wall: float,
-            lost: Any, tokens: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
+            lost: Any, tokens: Sequence[Sequence[int]] = (), *, warmup: int = 0) -> dict[str, Any]:
     """One configuration's row; `tokens`: its requests' rendered prompts in start order (empty where one could
-    not be rendered: then no limit, as a limit over part of the requests would flatter the ratio)."""
+    not be rendered: then no limit, as a limit over part of the requests would flatter the ratio); `warmup`: the
+    tokens the proxy's own checkpoint warm-ups and probes prefilled (counted in `prefill`: no configuration
+    hides work)."""
     side = [r for r in requests if r.side]
-    prefill = sum(r.prompt_n or 0 for r in requests)
+    prefill = sum(r.prompt_n or 0 for r in requests) + warmup
     lim = sum(limit.new_tokens(tokens)) if tokens and all(tokens) and len(tokens) == len(requests) else None
-    return {"config": config, "requests": len(requests), "prefill": prefill,
+    return {"config": config, "requests": len(requests), "prefill": prefill, "warmup": warmup,
             "limit": lim, "x_limit": round(prefill / lim, 3) if lim else None,
             "unrendered": sum(1 for t in tokens if not t), "mismatches": len(mismatches(requests)),
             "cached": sum(r.cache_n or 0 for r in requests), "wall_s": round(wall, 1),
@@ -171,9 +175,9 @@ def run_workload(name: str, config_names: Sequence[str], configs: dict[str, Benc
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The mix rows; `lost` is the proxy's loss meter (every session's and side-call home's tokens it had and
     lost, `unlabelled` its cause-unknown part; `-` without a proxy)."""
-    head = ("| workload | config | requests | prefill | limit | x limit | wall s | error lines | side calls | "
-            "side prefill | side p95 s | turns failed | lost | lost unlabelled |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| workload | config | requests | prefill | of which warm-up | limit | x limit | wall s | error lines | "
+            "side calls | side prefill | side p95 s | turns failed | lost | lost unlabelled |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         p95 = f"{r['side_p95_s']:.1f}" if r["side_p95_s"] is not None else "-"
@@ -181,7 +185,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         total, unknown = (f"{lost['total']:,}", f"{lost['unknown']:,}") if lost else ("-", "-")
         lim, ratio = r.get("limit"), r.get("x_limit")
         lines.append(f"| {r['workload']} | {r['config']} | {r['requests']} | {r['prefill']:,} | "
-                     f"{f'{lim:,}' if lim else '-'} | {f'{ratio:.2f}' if ratio else '-'} | {r['wall_s']:.0f} | "
+                     f"{r.get('warmup', 0):,} | {f'{lim:,}' if lim else '-'} | {f'{ratio:.2f}' if ratio else '-'} | "
+                     f"{r['wall_s']:.0f} | "
                      f"{r['errors']} | {r['side_calls']} | {r['side_prefill']:,} | {p95} | "
                      f"{r['turns_failed']}/{r['turns']} | {total} | {unknown} |")
     return "\n".join(lines)

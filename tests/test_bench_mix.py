@@ -20,7 +20,10 @@ def test_the_summary_counts_prefill_errors_and_side_calls():
         1030, 600, 2, 2, 120)
     assert row["side_p95_s"] == 6 and row["turns_failed"] == 1 and row["error_kinds"] == ["client-gone", "http-500"]
     unmetered = table([{"workload": "mix-3", **row}])
-    assert "| mix-3 | auto | 5 | 1,030 | - | - | 42 | 2 | 2 | 120 | 6.0 | 1/2 | - | - |" in unmetered
+    assert "| mix-3 | auto | 5 | 1,030 | 0 | - | - | 42 | 2 | 2 | 120 | 6.0 | 1/2 | - | - |" in unmetered
+    warmed = summary("auto", requests, turns, 42.0, None, warmup=8_826)  # the proxy's own warm-ups count too
+    assert (warmed["prefill"], warmed["warmup"]) == (1030 + 8_826, 8_826)
+    assert "| 9,856 | 8,826 |" in table([{"workload": "mix-3", **warmed}])
     metered = {**row, "proxy_lost": {"total": 1200, "unknown": 7, "by_cause": {}}}
     assert table([{"workload": "mix-3", **metered}]).endswith("| 1/2 | 1,200 | 7 |")
 
@@ -40,6 +43,6 @@ def test_each_run_has_its_own_limit_from_its_rendered_prompts_and_none_when_one_
               system + [1000 + i for i in range(20)] + [3000, 3001]]
     row = summary("auto", requests, [], 10.0, None, tokens)
     assert (row["limit"], row["x_limit"], row["unrendered"]) == (100 + 20 + 2, round(220 / 122, 3), 0)
-    assert "| 220 | 122 | 1.80 | 10 |" in table([{"workload": "mix-4", **row}])
+    assert "| 220 | 0 | 122 | 1.80 | 10 |" in table([{"workload": "mix-4", **row}])
     partial = summary("auto", requests, [], 10.0, None, [tokens[0], [], tokens[2]])
     assert (partial["limit"], partial["x_limit"], partial["unrendered"]) == (None, None, 1)
