@@ -205,6 +205,10 @@ class Turns:
         """The handover of `h.slot` is over, answered or not: nothing of it keeps our sessions off the slot."""
         self.ledger.unclaim(h.slot, OTHER_PROXY)
 
+    def holds_conversation_of(self, slot: int, key: str) -> bool:
+        """`slot` holds `key`'s current conversation, as the ledger has it (a seed copy's fence)."""
+        return self.ledger.conversation_on(slot) == key
+
     def holds_conversations(self) -> bool:
         """A slot holds a conversation of ours, live or expired (a proxy that takes it must ask us first, so that
         what we believe stays true: the other proxies must hear we are alive)."""

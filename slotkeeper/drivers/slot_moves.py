@@ -103,7 +103,7 @@ class SlotMover:
                 self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
                 self.pages.gate = self.gate
             self.pages.on_answer, self.pages.server_busy = self.on_answer, self.server_busy
-            self.pages.holds = lambda slot, key: self.keeper.ledger.conversation_on(slot) == key
+            self.pages.holds = lambda slot, key: self.keeper.turns.holds_conversation_of(slot, key)
             if self.elsewhere is not None:
                 self.pages.copy_from = self.elsewhere.copy
             self.pages.max_bytes = s.page_max_bytes
