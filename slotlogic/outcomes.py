@@ -159,12 +159,10 @@ class Outcomes:
         if ticket.side or ticket.unpinned not in wait.UNPINNED or known is None or known.slot == slot \
                 or not affinity.valid(slot, self.host.total_slots):
             return
-        key, old = ticket.session.key, known.slot
+        key = ticket.session.key
         self.table.assign(key, slot, now, prefix=known.prefix, requests=known.requests)
         self.table.dispatch(key, slot)
         self.table.answered(key, slot, now)
-        if self.table.running.get(old) == key:  # placed there, sent unpinned: nothing of it runs there
-            del self.table.running[old]
 
     def learn_from_slots(self, ticket: Ticket, obs: Observation, live: Sequence[dict[str, Any]] | None,
                          now: float) -> SlotLearned | None:

@@ -243,14 +243,17 @@ def move(ticket: Ticket, slot: int, why: WaitWhy, holder: str | None, ledger: Le
 
 
 def _leave(ticket: Ticket, holder: str | None, table: SessionTable) -> None:
-    """A held request leaves the slot it was pinned to: the slot's last dispatch is its `holder`'s again (the
-    request ahead, None unknown)."""
+    """A held request leaves the slot it was pinned to: the slot's last dispatch, and what runs there, are its
+    `holder`'s again (the request ahead, None unknown)."""
     slot, key = ticket.slot, ticket.session.key
-    if slot is not None and table.dispatched.get(slot) in (key, ""):
-        if holder is None:
-            del table.dispatched[slot]
-        else:
-            table.dispatched[slot] = holder
+    if slot is None:
+        return
+    for marks, mine in ((table.dispatched, (key, "")), (table.running, (key,))):
+        if marks.get(slot) in mine:
+            if holder is None:
+                del marks[slot]
+            else:
+                marks[slot] = holder
 
 
 def ran(ledger: Ledger, slot: int, ticket: Ticket) -> None:

@@ -319,6 +319,7 @@ def test_a_turn_sent_unpinned_after_its_wait_moves_its_session_to_the_slot_that_
     assert isinstance(turn, Pin) and turn.ticket.slot == old
     held = k.turns.unpin(turn.ticket, wait.WaitWhy.BOUND, None)
     assert held.slot is None
+    assert k.table.running.get(old) is None  # it runs wherever the server puts it: not on its old slot
     k.outcomes.answered(held, Observation(cache_n=30, prompt_n=20), path=CHAT, seconds=0.5, now=3.0)
     elsewhere = (old + 1) % 4
     k.outcomes.ran_unpinned(elsewhere, held, 3.0)
