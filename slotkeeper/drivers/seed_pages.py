@@ -53,11 +53,7 @@ async def seed_from_its_page(mover: SlotMover, ask: PageAsk, plan: PagePlan, out
     if again.seed is None or again.seed.source != source or again.seed.slot is not None \
             or again.restore_file is None or not mover.keeper.turns.fence_holds(fence):
         return plan, out
-    # The holder's page-out ran with the first plan: this step only restores (its outcome keeps that save).
-    more = await mover.pages.run(replace(again, save_for=None, save_file=None))
-    await mover.record_pages(replace(again, save_for=None, save_file=None), more)
-    more.saved_tokens, more.saved_bytes = out.saved_tokens, out.saved_bytes
-    return replace(again, save_for=plan.save_for, save_file=plan.save_file), more
+    return await _restore_only(mover, plan, again, out, record=True)
 
 
 async def seed_from_peer_page(mover: SlotMover, plan: PagePlan, out: PageOutcome, fence: Fence | None,
@@ -72,10 +68,20 @@ async def seed_from_peer_page(mover: SlotMover, plan: PagePlan, out: PageOutcome
     rec = await peer_page(peer, seed.source, mover.keeper.page_identity, until) if peer is not None else None
     if rec is None or not mover.keeper.turns.fence_holds(fence):
         return plan, out
-    again = replace(plan, save_for=None, save_file=None, seed=replace(seed, slot=None, page=rec), seed_file=None,
-                    restore_for=seed.source, restore_file=rec.file, restore_tokens=rec.n_tokens)
-    more = await mover.pages.run(again)
-    more.saved_tokens, more.saved_bytes = out.saved_tokens, out.saved_bytes  # the holder's page-out of the first run
+    again = replace(plan, seed=replace(seed, slot=None, page=rec), seed_file=None, restore_for=seed.source,
+                    restore_file=rec.file, restore_tokens=rec.n_tokens)
+    return await _restore_only(mover, plan, again, out, record=False)  # another server's page: nothing to record
+
+
+async def _restore_only(mover: SlotMover, plan: PagePlan, again: PagePlan, out: PageOutcome, *,
+                        record: bool) -> tuple[PagePlan, PageOutcome]:
+    """Run `again`'s restore alone: the holder's page-out ran with the first `plan`, and the outcome keeps that
+    save. Returns the plan as it ran (its holder's save and the new restore) and the outcome."""
+    restore = replace(again, save_for=None, save_file=None)
+    more = await mover.pages.run(restore)
+    if record:
+        await mover.record_pages(restore, more)
+    more.saved_tokens, more.saved_bytes = out.saved_tokens, out.saved_bytes
     return replace(again, save_for=plan.save_for, save_file=plan.save_file), more
 
 
