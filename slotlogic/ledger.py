@@ -76,6 +76,7 @@ class Cause(Enum):
 
 _EXPECTED = frozenset({Cause.RESTART, Cause.MODEL_CHANGE, Cause.EVICTED, Cause.IDLE_CLEAR})
 _EMPTIED = frozenset({Cause.RESTART, Cause.MODEL_CHANGE})  # every slot (and maybe every page) of the server
+_KEPT = _EMPTIED | {Cause.IDLE_CLEAR}  # gone before any write of ours: a later write cannot lose it again
 
 
 @dataclass(frozen=True)
@@ -287,7 +288,7 @@ class Ledger:
             return Fence(slot, 0)
         old = self.entry(slot)
         if old.owner and old.owner != owner and old.holds is Holds.SESSION \
-                and self.gone.get(old.owner) not in _EMPTIED:  # what a restart emptied, later writes cannot lose
+                and self.gone.get(old.owner) not in _KEPT:  # what a restart emptied, later writes cannot lose
             self.gone[old.owner] = cause
         if owner and holds is Holds.PAGE and tokens > 0 \
                 and tokens + tolerance(had := self.conversations.get(owner, 0)) >= had:
@@ -374,6 +375,26 @@ class Ledger:
         without its slot learned, a conversation found short with nothing else to blame is its doing
         (`slotlogic.server_placed`)."""
         return self.placed.send()
+
+    def found_empty(self, slot: int, key: str, saved: int) -> bool | None:
+        """A page-out of `key` from `slot` saved `saved` tokens. True: this ledger says the slot held `key`'s
+        conversation and the save found it (next to) empty; nothing of ours wrote it (the save ran under its
+        fence), so the server emptied it (a restart, idle clearing: the driver asks it which). None: nothing was
+        found but this ledger does not know what the slot held for `key` (another proxy's session: the shared
+        state may know). False otherwise."""
+        e = self.entry(slot)
+        if e.owner == key and e.holds is Holds.SESSION and e.tokens > 0:
+            return e.tokens > tolerance(e.tokens) and saved <= tolerance(e.tokens)
+        if e.owner in (None, key) and e.holds in (Holds.UNKNOWN, Holds.SESSION) and saved <= TOLERANCE_TOKENS:
+            return None
+        return False
+
+    def emptied(self, key: str, cause: Cause) -> None:
+        """`key`'s conversation was gone before a move of ours (`found_empty`), for `cause`: whatever
+        writes the slot next loses nothing of it (sim seed 6: a prefix restore over a slot idle clearing had
+        emptied was called `prefix-over-owner`)."""
+        if self.gone.get(key) not in _EMPTIED:
+            self.gone[key] = cause
 
     def claimed_elsewhere(self, slot: int, claimant: str, cause: Cause = Cause.OTHER_PROCESS) -> None:
         self._from_outside(slot)

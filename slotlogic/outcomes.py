@@ -90,6 +90,7 @@ class Outcomes:
         stats = self.stats.pop(key, None) or SessionStats()
         self.stats[key] = stats  # most recently answered last
         stats.add(obs, slot, ticket.session.source, fallback_pps=self.prefill_speed)
+        stats.answered = now
         settled = True
         if loss is not None and loss.cause is Cause.UNKNOWN:
             if self.idle_clearing and obs.cache_n is not None and obs.cache_n <= tolerance(loss.tokens):
@@ -107,6 +108,31 @@ class Outcomes:
         while len(self.stats) > MAX_STATS:
             self.stats.popitem(last=False)
         return Report(ticket, obs, slot, path, self.upstream, seconds, loss, settled)
+
+    def found_empty(self, slot: int, key: str, saved: int, state: shared.ServerState | None = None,
+                    now: float = 0.0) -> bool | None:
+        """Our page-out of `key` found its slot (next to) empty where its conversation was (`Ledger.found_empty`;
+        with `state`, a fresh read of the shared state, also where another proxy's session ran last): the
+        server emptied it, and the driver asks it why and tells `emptied`. None: ask again with `state`."""
+        found = self.ledger.found_empty(slot, key, saved)
+        if found is None and state is not None:
+            return shared.ran_there(state, slot, key, now, self.table.ttl)
+        return found
+
+    def emptied(self, key: str, cause: Cause) -> None:
+        """What emptied `key`'s slot before our page-out, as the server showed (a restart, idle clearing): its
+        loss is labelled that, whatever wrote the slot next."""
+        if cause is Cause.IDLE_CLEAR:
+            self.idle_clearing = True
+        self.ledger.emptied(key, cause)
+
+    def emptied_elsewhere(self, state: shared.ServerState, key: str) -> None:
+        """A fresh read of the shared state before `key`'s placement moves anything: another proxy's page-out of
+        it found its slot emptied after its last answer here (`shared.note_emptied`): its loss is labelled so,
+        not after that proxy's write (sim seed 364: `other-process` for idle clearing)."""
+        gone, stats = state.emptied.get(key), self.stats.get(key)
+        if gone is not None and stats is not None and stats.answered <= gone.at:
+            self.emptied(key, Cause(gone.cause))
 
     def settle_loss(self, report: Report, found: Cause | None) -> TokensLost | None:
         """The cause of an unsettled loss, once the server was asked (`found`: a restart, idle clearing; None:

@@ -228,9 +228,11 @@ class Pager:
             done = seed_saved if not holder else (saved_tokens, saved_bytes) if saved_tokens is not None else None
             rec = state.pages.get(key)
             ours = rec is not None and rec.file == file  # else another process saved it since
-            if done is not None and ours:
+            if done is not None and done[0] >= paging.MIN_TOKENS and ours:
                 paging.saved(state.pages, key, file, done[0], done[1], now, self.page_identity)
-            else:  # a failed save (its file may be half written), or one superseded: its file goes
+            else:  # a failed save (its file may be half written), one superseded, or one that found the slot
+                # (next to) empty (idle clearing: recorded with 0 tokens it read as a page still being written,
+                # and a placement of its session waited for it): its file goes
                 if ours:
                     state.pages.pop(key)
                 doomed.append(file)

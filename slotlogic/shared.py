@@ -50,6 +50,19 @@ class SlotRecord:
     proxy: str | None = None  # the process whose session made the claim (a handover is asked of it)
 
 
+@dataclass(frozen=True)
+class Emptied:
+    """A session's slot found emptied by a proxy's page-out of it (`cause`: "restart" or "idle-clear"), at `at`:
+    the proxy whose session it is labels the loss so, not after what that page-out's placement wrote there."""
+
+    cause: str
+    at: float
+
+
+MAX_EMPTIED = 256  # sessions whose emptied slot the state remembers (the oldest forgotten first)
+EMPTIED_CAUSES = frozenset({"restart", "idle-clear"})
+MAX_KEY = 128      # a session key longer than this read from the store is not one
+
 MAX_EPOCH = 1 << 62  # an epoch read from the store past this is not ours: reset (never a value that sizes memory)
 
 
@@ -76,6 +89,7 @@ class ServerState:
     beats: dict[str, float] = field(default_factory=dict)        # proxy -> when it last said it is alive
     writers: dict[int, str] = field(default_factory=dict)        # slot -> the proxy that may write it
     idle_clearing: str | None = None  # media_marker of the server process a proxy saw emptying idle slots
+    emptied: dict[str, Emptied] = field(default_factory=dict)  # session key -> its slot found emptied
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -156,6 +170,12 @@ def from_dict(data: Any, upstream: str) -> ServerState:
         for k, v in list(beats.items())[:handover.MAX_PROXIES]:
             if handover.valid_id(k) and _num(v) is not None:
                 st.beats[k] = _num(v) or 0.0
+    emptied = data.get("emptied")
+    if isinstance(emptied, dict):
+        for k, v in list(emptied.items())[:MAX_EMPTIED]:
+            at = _num(v.get("at")) if isinstance(v, dict) else None
+            if isinstance(k, str) and len(k) <= MAX_KEY and at is not None and v.get("cause") in EMPTIED_CAUSES:
+                st.emptied[k] = Emptied(v["cause"], at)
     prefixes = data.get("prefixes")
     if isinstance(prefixes, list):
         for v in prefixes:
@@ -188,7 +208,18 @@ def to_dict(st: ServerState) -> dict[str, Any]:
         "beats": dict(st.beats),
         "writers": {str(k): v for k, v in sorted(st.writers.items())},
         "idle_clearing": st.idle_clearing,
+        "emptied": {k: {"cause": v.cause, "at": v.at} for k, v in st.emptied.items()},
     }
+
+
+def note_emptied(st: ServerState, key: str, cause: str, now: float) -> None:
+    """A page-out of `key` found its slot emptied (`Emptied`): kept for its own proxy, the newest `MAX_EMPTIED`."""
+    if cause not in EMPTIED_CAUSES or len(key) > MAX_KEY:
+        return
+    st.emptied.pop(key, None)
+    st.emptied[key] = Emptied(cause, now)
+    while len(st.emptied) > MAX_EMPTIED:
+        del st.emptied[min(st.emptied, key=lambda k: st.emptied[k].at)]
 
 
 def saw_idle_clearing(st: ServerState, marker: str | None) -> bool:
@@ -251,6 +282,13 @@ def note_server(st: ServerState, info: ServerInfo) -> ServerChange:
 def held_slots(st: ServerState, now: float, ttl: float) -> set[int]:
     """Slots whose newest claim is a session (of any proxy) that ran a request there within `ttl` seconds."""
     return {sid for sid, rec in st.slots.items() if rec.owner and rec.requests > 0 and now - rec.last_used < ttl}
+
+
+def ran_there(st: ServerState, slot: int, session: str, now: float, ttl: float) -> bool:
+    """`session` (of any proxy) was given `slot` and ran a request there within `ttl` seconds (the slot's own
+    newest claim may be a placement's that came since)."""
+    rec = st.sessions.get(session)
+    return rec is not None and rec.slot == slot and rec.requests > 0 and now - rec.last_used < ttl
 
 
 def owned_slot(st: ServerState, session: str) -> int | None:

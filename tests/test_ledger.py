@@ -512,3 +512,23 @@ def test_a_parents_conversation_on_a_slot_another_placement_claimed_is_a_page_to
     k.ledger.claim(where, first.ticket.session.key)  # the first subagent's placement took the parent's slot
     assert k.pager.taken(parent, free) and k.pager.page_coming(ask, None) == parent
     assert not k.pager.taken(parent, where)  # the placement on the parent's own slot pages it out itself
+
+
+def test_a_page_out_that_finds_the_owner_s_slot_empty_keeps_the_cause_whatever_writes_it_next():
+    """Sim seed 6: idle clearing emptied a's slot; our page-out of a saved 0 tokens and a prefix restore wrote
+    the slot next: the meter called a's loss `prefix-over-owner`. The save's count is the evidence, and the
+    cause the server gives for it stands until a's conversation is back (answered, or paged in whole)."""
+    ledger = Ledger()
+    ledger.resize(2)
+    ledger.settle("a", ledger.pin(0, "a"), 0, 0, 233, None)
+    assert ledger.found_empty(0, "a", 240) is False and ledger.found_empty(0, "a", 0) is True
+    assert ledger.found_empty(0, "b", 0) is False                       # the slot holds a's, not b's
+    assert ledger.found_empty(1, "x", 0) is None                        # not ours to know: the state may
+    assert ledger.found_empty(1, "x", 200) is False
+    ledger.emptied("a", Cause.IDLE_CLEAR)
+    ledger.write(0, Holds.PREFIX, "b", 196, Cause.PREFIX_OVER_OWNER)
+    loss = ledger.settle("a", ledger.pin(1, "a"), 1, 185, 130, True)
+    assert loss is not None and loss.cause is Cause.IDLE_CLEAR and loss.expected
+    ledger.write(1, Holds.PREFIX, "b", 196, Cause.PREFIX_OVER_OWNER)  # answered since: a new loss is its own
+    loss = ledger.settle("a", ledger.pin(1, "a"), 1, 185, 200, True)
+    assert loss is not None and loss.cause is Cause.PREFIX_OVER_OWNER

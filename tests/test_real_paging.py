@@ -59,3 +59,40 @@ def test_an_evicted_session_is_paged_back_in_instead_of_prefilled(tmp_path):
     assert len(recorded) == 3 and set(recorded) <= set(files) and len(files) <= 3 + len(pages), (recorded, files)
     assert all(paging.FILE_RE.match(f) for f in files)
     assert all((save / f).stat().st_mode & 0o777 == 0o600 for f in files)  # a page holds a conversation
+
+
+def test_a_page_out_that_finds_its_slot_emptied_labels_the_loss_idle_clearing(tmp_path):
+    """Unified KV with idle clearing, two slots, a save dir. B's launch empties A's idle slot; C, a new session,
+    then takes the coldest slot, A's, and our page-out of A saves nothing. That save is the evidence: the server
+    is asked (no restart), A's loss is labelled idle clearing, not after C's write (`evicted`), and no page of
+    0 tokens is recorded (it read as a page still being written, and A's placement waited for it)."""
+    save = tmp_path / "slots"
+    save.mkdir()
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
+            "slots_save_dir": str(save), "slots_prefix_cache": "off", "slots_probe_interval": 0}
+    log = tmp_path / "p.log"
+    # each its own system prompt: no session starts from a copy of another's (a seed would hide A's loss)
+    convs = {c: [{"role": "system", "content": f"Agent {c}. " + msgs[0]["content"]}, *msgs[1:]]
+             for c, msgs in ((c, conversation(f"Task {c}: idle clearing under paging.")) for c in "ABC")}
+    with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=2048, kv_unified=True, slot_save_path=str(save),
+                     cache_ram_mib=8,  # room for one conversation: A's is pushed out of the RAM cache by B's
+                     log_path=str(tmp_path / "s.log")) as srv, \
+            MitmProxy(srv.url, opts, log_path=str(log)) as px:
+        first_a = ask(px.url, convs["A"])
+        ask(px.url, convs["B"])  # its launch empties A's idle slot
+        time.sleep(3.5)  # A is the coldest owner
+        c = ask(px.url, convs["C"])
+        extend(convs["A"], 1)
+        back_a = ask(px.url, convs["A"])
+        deadline = time.monotonic() + 15
+        while " lost " not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    records = jsonl(tmp_path / "req.jsonl")
+    a_key = next(r["session"] for r in records if r["kind"] == "request")
+    out_a = [r for r in records if r["kind"] == "page" and r["out"] == a_key[:8]]
+    assert c.slot == first_a.slot and out_a and out_a[0]["out_tokens"] == 0, (records, c, first_a)
+    assert back_a.cache_n < first_a.cache_n + first_a.prompt_n - 16, back_a
+    line = next(x for x in log.read_text().splitlines() if " lost " in x)
+    assert f"session={a_key[:8]}" in line and "the server emptied its idle slot (expected" in line, line
+    state = json.loads(next((tmp_path / "state").glob("state-*.json")).read_text())
+    assert all(p["n_tokens"] > 0 for p in state["pages"].values()), state["pages"]

@@ -116,3 +116,26 @@ def test_the_slots_live_sessions_hold_are_those_claimed_and_used_within_the_ttl(
                    1: st.SlotRecord(last_used=10.0, owner="b", requests=2),     # expired
                    2: st.SlotRecord(last_used=100.0, owner=None, requests=0)}   # nobody's
     assert st.held_slots(state, 110.0, 60.0) == {0}
+
+
+def test_a_slot_found_emptied_is_kept_for_its_session_bounded_and_read_tolerantly():
+    state = st.ServerState(upstream="u")
+    st.note_emptied(state, "a", "idle-clear", 10.0)
+    st.note_emptied(state, "b", "made-up", 11.0)          # not a cause the state carries
+    assert st.from_dict(st.to_dict(state), "u").emptied == {"a": st.Emptied("idle-clear", 10.0)}
+    for i in range(st.MAX_EMPTIED + 5):
+        st.note_emptied(state, f"s{i}", "restart", 20.0 + i)
+    assert len(state.emptied) == st.MAX_EMPTIED and "a" not in state.emptied  # the oldest go first
+    junk = {"emptied": {"a": {"cause": "idle-clear"}, "b": {"cause": 3, "at": 1.0}, "c": [], "x" * 500: {
+        "cause": "restart", "at": 1.0}, "d": {"cause": "restart", "at": 2.0}}}
+    assert st.from_dict(junk, "u").emptied == {"d": st.Emptied("restart", 2.0)}
+    assert st.from_dict({"emptied": "no"}, "u").emptied == {}
+
+
+def test_a_session_ran_on_the_slot_it_was_given_within_the_ttl():
+    state = st.ServerState(upstream="u")
+    state.sessions = {"a": st.SessionRecord(slot=1, last_used=100.0, requests=2),
+                      "b": st.SessionRecord(slot=0, last_used=100.0)}
+    assert st.ran_there(state, 1, "a", 110.0, 30.0)
+    assert not st.ran_there(state, 0, "a", 110.0, 30.0) and not st.ran_there(state, 1, "a", 140.0, 30.0)
+    assert not st.ran_there(state, 0, "b", 110.0, 30.0)   # given, never ran there

@@ -174,3 +174,22 @@ def test_idle_clearing_seen_through_the_other_proxy_is_labelled_expected_by_both
     off the shared state now: the slots another proxy's live sessions hold, and that proxy's finding."""
     result = run_seed(seed)
     assert result.miscalled == 0 and any(x.cause == "idle-clear" for x in result.losses)
+
+
+@pytest.mark.parametrize("seed", [6, 685])
+def test_a_slot_our_page_out_finds_emptied_is_labelled_idle_clearing_not_the_write_after(seed):
+    """Unified KV with idle clearing: the slot was emptied while idle; our page-out of its session then saved
+    0 tokens, a prefix restore or seed copy wrote the slot, and the meter named that write
+    (`prefix-over-owner`, `seed-over-owner`, `unknown`: 317 and 255 tokens). The page-out's own count is the
+    evidence: the server is asked why (a restart? else idle clearing) and the loss carries that cause."""
+    result = run_seed(seed)
+    assert result.miscalled == 0 and any(x.cause == "idle-clear" for x in result.losses)
+
+
+@pytest.mark.parametrize("seed", [250, 364])
+def test_a_slot_the_other_proxys_page_out_finds_emptied_is_labelled_idle_clearing_by_its_owner(seed):
+    """Two proxies: the other proxy paged our session out of a slot idle clearing had emptied, and our meter
+    called the loss `other-process` (331 and 105 tokens). That proxy writes what it found into the shared
+    state (`emptied`), and our placement of the session reads it before moving anything."""
+    result = run_seed(seed)
+    assert result.miscalled == 0 and any(x.cause == "idle-clear" for x in result.losses)

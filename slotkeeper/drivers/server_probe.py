@@ -225,6 +225,23 @@ class ServerProbe:
             cleared = self.keeper.outcomes.idle_cleared(live, slot, time.time(), held - {slot})
         if cleared is None:
             return Cause.IDLE_CLEAR if state is not None and cold and shared.clears_idle_slots(state, marker) else None
+        await self._clearing_seen(cleared)
+        return Cause.IDLE_CLEAR
+
+    async def explain_emptied(self, slot: int) -> Cause:
+        """Our page-out found `slot` idle and empty where our session's conversation was (`Outcomes.found_empty`):
+        the server restarted, or it empties idle slots (unified KV + `--cache-idle-slots`), as an idle slot
+        found empty on `/slots` shows in `explain_cache_loss`."""
+        before = self.keeper.server.media_marker if self.keeper.server else None
+        await self.probe()
+        if (self.keeper.server.media_marker if self.keeper.server else None) != before:
+            return Cause.RESTART
+        await self._clearing_seen(slot)
+        return Cause.IDLE_CLEAR
+
+    async def _clearing_seen(self, cleared: int) -> None:
+        """This server empties idle slots: said once, and told to the other proxies of a shared state."""
+        marker = self.keeper.server.media_marker if self.keeper.server else None
         if not self._unified_told:
             self._unified_told = True
             self.emit(IdleSlotsCleared(self.url, cleared))
@@ -235,4 +252,3 @@ class ServerProbe:
                     shared.saw_idle_clearing(state, marker)
             except Exception as e:
                 self.emit(Failed(self.url, Stage.STATE_WRITE, type(e).__name__))
-        return Cause.IDLE_CLEAR

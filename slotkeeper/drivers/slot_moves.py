@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -78,6 +78,7 @@ class SlotMover:
         self._told_no_save_path = False
         self._swept = False
         self.elsewhere: PoolSeeds | None = None  # in a pool: seeds from its other servers' slots (`join`)
+        self.explain_emptied: Callable[[int], Awaitable[Cause]] | None = None  # the probe's: what emptied a slot
 
     def join(self, peers: Callable[[], Sequence[SlotMover]]) -> None:
         """The server is one of a pool's: a new session here may start from a copy of another server's slot."""
@@ -271,6 +272,7 @@ class SlotMover:
             if plan.copy_file is not None:  # another server's slot, copied: nobody's page
                 self.pages.delete([plan.copy_file])
             await self.record_pages(plan, out)
+            await found_empty(self, plan, out)
             if plan.seed is not None and plan.seed.slot is not None and out.seed_tokens is None:
                 plan, out = await (seed_from_its_page(self, ask, plan, out, fence, by) if plan.seed.server is None
                                    else seed_from_peer_page(self, plan, out, fence, by))
@@ -305,6 +307,7 @@ class SlotMover:
         while self.keeper.pager.pages_seen(state, key, time.time(), REMOTE_SETTLE) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
             state = await self.store.fresh()
+        self.keeper.outcomes.emptied_elsewhere(state, key)
         return state
 
     async def record_pages(self, plan: PagePlan, out: PageOutcome) -> None:
@@ -351,6 +354,26 @@ class SlotMover:
                 fence = self.keeper.turns.slot_written(fence, Holds.PREFIX, key, tokens, over=Cause.PREFIX_OVER_OWNER) \
                     or fence
         return fence
+
+
+async def found_empty(mover: SlotMover, plan: PagePlan, out: PageOutcome) -> None:
+    """The page-out found the slot empty where our session's conversation was: the server is asked why
+    (`ServerProbe.explain_emptied`), so that loss is labelled so and not after the write that followed."""
+    key, outcomes, saved = plan.save_for, mover.keeper.outcomes, out.saved_tokens
+    if key is None or saved is None or mover.explain_emptied is None:
+        return
+    try:
+        found = outcomes.found_empty(plan.slot, key, saved)
+        if found is None:  # another proxy's session, as far as this ledger knows: the shared state says
+            found = outcomes.found_empty(plan.slot, key, saved, await mover.store.fresh(), time.time())
+        if not found:
+            return
+        cause = await mover.explain_emptied(plan.slot)
+        outcomes.emptied(key, cause)
+        async with mover.store.transaction() as state:  # for the proxy whose session it may be (sim seed 364)
+            shared.note_emptied(state, key, cause.value, time.time())
+    except Exception as e:  # not asked: the loss keeps the cause the later writes give it
+        mover.emit(Failed(mover.url, Stage.PAGING, type(e).__name__, slot=plan.slot))
 
 
 async def unbuilt(cp: CheckpointRunner | None, need: NeedSlot, info: ServerInfo) -> int | None:

@@ -134,6 +134,7 @@ class Upstream:
         self.prober = ServerProbe(url, self.client, self.keeper, emit, self.model, self.tasks, loaded=loaded,
                                  on_checked=lambda: self._runners(self.settings))
         self.prober.store = self.store
+        self.mover.explain_emptied = self.prober.explain_emptied
         self.sync = StateSync(url, self.keeper, self.store, emit, self.tasks, delete_pages=self.mover.delete_pages,
                               poke=self.handovers.poke, settings=lambda: self.settings)
         if not offline:  # another proxy's claim notices (pushed through the store)
