@@ -376,19 +376,6 @@ class Ledger:
         (`slotlogic.server_placed`)."""
         return self.placed.send()
 
-    def found_empty(self, slot: int, key: str, saved: int) -> bool | None:
-        """A page-out of `key` from `slot` saved `saved` tokens. True: this ledger says the slot held `key`'s
-        conversation and the save found it (next to) empty; nothing of ours wrote it (the save ran under its
-        fence), so the server emptied it (a restart, idle clearing: the driver asks it which). None: nothing was
-        found but this ledger does not know what the slot held for `key` (another proxy's session: the shared
-        state may know). False otherwise."""
-        e = self.entry(slot)
-        if e.owner == key and e.holds is Holds.SESSION and e.tokens > 0:
-            return e.tokens > tolerance(e.tokens) and saved <= tolerance(e.tokens)
-        if e.owner in (None, key) and e.holds in (Holds.UNKNOWN, Holds.SESSION) and saved <= TOLERANCE_TOKENS:
-            return None
-        return False
-
     def emptied(self, key: str, cause: Cause) -> None:
         """`key`'s conversation was gone before a move of ours (`found_empty`), for `cause`: whatever
         writes the slot next loses nothing of it (sim seed 6: a prefix restore over a slot idle clearing had
@@ -433,3 +420,17 @@ class Ledger:
         self._slots[slot] = e
         if slot >= self.total:
             self.total = min(slot + 1, MAX_SLOTS)
+
+
+def found_empty(ledger: Ledger, slot: int, key: str, saved: int) -> bool | None:
+    """A page-out of `key` from `slot` saved `saved` tokens. True: this ledger says the slot held `key`'s
+    conversation and the save found it (next to) empty; nothing of ours wrote it (the save ran under its
+    fence), so the server emptied it (a restart, idle clearing: the driver asks it which). None: nothing was
+    found but this ledger does not know what the slot held for `key` (another proxy's session: the shared
+    state may know). False otherwise."""
+    e = ledger.entry(slot)
+    if e.owner == key and e.holds is Holds.SESSION and e.tokens > 0:
+        return e.tokens > tolerance(e.tokens) and saved <= tolerance(e.tokens)
+    if e.owner in (None, key) and e.holds in (Holds.UNKNOWN, Holds.SESSION) and saved <= TOLERANCE_TOKENS:
+        return None
+    return False

@@ -18,7 +18,7 @@ from slotlogic.answers import Observation
 from slotlogic.board import client_kind
 from slotlogic.decisions import Report, Ticket
 from slotlogic.events import ContextOverflow, Event, SlotLearned, TokensLost
-from slotlogic.ledger import Cause, Ledger, Loss, tolerance
+from slotlogic.ledger import Cause, Ledger, Loss, found_empty, tolerance
 from slotlogic.reasons import Why
 from slotlogic.server import ServerInfo
 from slotlogic.stats import SessionStats
@@ -111,10 +111,10 @@ class Outcomes:
 
     def found_empty(self, slot: int, key: str, saved: int, state: shared.ServerState | None = None,
                     now: float = 0.0) -> bool | None:
-        """Our page-out of `key` found its slot (next to) empty where its conversation was (`Ledger.found_empty`;
+        """Our page-out of `key` found its slot (next to) empty where its conversation was (`ledger.found_empty`;
         with `state`, a fresh read of the shared state, also where another proxy's session ran last): the
         server emptied it, and the driver asks it why and tells `emptied`. None: ask again with `state`."""
-        found = self.ledger.found_empty(slot, key, saved)
+        found = found_empty(self.ledger, slot, key, saved)
         if found is None and state is not None:
             return shared.ran_there(state, slot, key, now, self.table.ttl)
         return found

@@ -6,7 +6,7 @@ from slotlogic import shared
 from slotlogic.answers import Observation
 from slotlogic.decisions import NeedSlot, Pin
 from slotlogic.events import TokensLost
-from slotlogic.ledger import MAX_SLOTS, Cause, Holds, Ledger, tolerance
+from slotlogic.ledger import MAX_SLOTS, Cause, Holds, Ledger, found_empty, tolerance
 from slotlogic.paging import PageAsk
 from slotlogic.reasons import Why
 from slotlogic.server_placed import ServerPlaced
@@ -521,10 +521,10 @@ def test_a_page_out_that_finds_the_owner_s_slot_empty_keeps_the_cause_whatever_w
     ledger = Ledger()
     ledger.resize(2)
     ledger.settle("a", ledger.pin(0, "a"), 0, 0, 233, None)
-    assert ledger.found_empty(0, "a", 240) is False and ledger.found_empty(0, "a", 0) is True
-    assert ledger.found_empty(0, "b", 0) is False                       # the slot holds a's, not b's
-    assert ledger.found_empty(1, "x", 0) is None                        # not ours to know: the state may
-    assert ledger.found_empty(1, "x", 200) is False
+    assert found_empty(ledger, 0, "a", 240) is False and found_empty(ledger, 0, "a", 0) is True
+    assert found_empty(ledger, 0, "b", 0) is False                       # the slot holds a's, not b's
+    assert found_empty(ledger, 1, "x", 0) is None                        # not ours to know: the state may
+    assert found_empty(ledger, 1, "x", 200) is False
     ledger.emptied("a", Cause.IDLE_CLEAR)
     ledger.write(0, Holds.PREFIX, "b", 196, Cause.PREFIX_OVER_OWNER)
     loss = ledger.settle("a", ledger.pin(1, "a"), 1, 185, 130, True)
