@@ -33,6 +33,8 @@ Rule 6: a free slot (`free_slot`) is one the ledger says holds nobody's current 
 Rule 7: the bound counts from the request's arrival in the proxy, its placement included: a placement (a new
         session's, a displaced one's, a side call's) whose slot's paging lock, earlier requests or seed source
         are not free within the bound moves nothing and the request goes as the client sent it (`past_bound`).
+        A placement whose turn has come but whose slot still runs our earlier request keeps its turn past the
+        bound while Rule 3 says staying is sooner (`stay_past`).
 Rule 8: `id_slot: -1` only when it can run sooner. Past its bound, while every slot runs or awaits a request
         of ours (or a placement), a request sent with `id_slot: -1` would queue in the server behind the same
         work and then run wherever llama-server's own choice puts it, over a conversation promised to someone
@@ -162,6 +164,18 @@ def queued_sooner(wait: float | None, own: float | None, waited: float) -> bool:
 def stay_limit(own: float | None, bound: float) -> float:
     """The longest a request stays past its bound (Rule 3): its own prefill's time, at most twice the bound."""
     return bound + min(own or 0.0, 2 * bound)
+
+
+def stay_past(ahead: Ahead, own_chars: int, rate: float | None, bound: float) -> float:
+    """Rule 3 for a placement (Rule 7) whose slot still runs our earlier request when its bound passes: the
+    seconds past the bound it keeps its turn on the slot (its lock and claim), while that request is expected
+    to end no later than the placement's own prompt would take to prefill elsewhere; 0: it goes at the bound.
+    (bench mix-4 run N: an OpenCode title call let go of its home's slot 0.6 s before the title call ahead of it
+    ended; a placement that came later took the slot for 70 s, and OpenCode gave up on the call.)"""
+    if ahead.count <= 0 or bound <= 0:
+        return 0.0
+    left, own = estimate(ahead.chars, rate), estimate(own_chars, rate)
+    return stay_limit(own, bound) - bound if stays_sooner(left, own, bound, bound) else 0.0
 
 
 def stays_sooner(wait: float | None, own: float | None, waited: float, bound: float) -> bool:

@@ -55,6 +55,19 @@ def test_past_its_bound_a_request_stays_while_its_own_slot_runs_it_no_later_than
     assert wait.plan(ahead, 5.0, 30.0, side=True, own_chars=own, rate=100.0).until == 30.0
 
 
+def test_a_placement_keeps_its_turn_past_its_bound_while_our_request_ahead_ends_sooner_than_its_own_prompt():
+    """Rule 3 for a placement: its slot's last request of ours (a 590-token title call, 35 s on a busy server)
+    ends about when the bound passes; prefilling its own prompt elsewhere would take longer than what is left
+    there, so it keeps the slot's lock up to its own prefill's time past the bound (at most two bounds)."""
+    own = 590 * 4  # 5.9 s at 100 tok/s
+    assert wait.stay_past(Ahead(1, 3_000 * 4), own, 100.0, 30.0) == pytest.approx(5.9)  # 30 s of work ahead
+    assert wait.stay_past(Ahead(1, 20_000 * 4), own, 100.0, 30.0) == 0.0  # 170 s of it left: go at the bound
+    assert wait.stay_past(Ahead(1, 9_000 * 4), 9_000 * 4, 100.0, 30.0) == 60.0  # two bounds at most
+    assert wait.stay_past(Ahead(), own, 100.0, 30.0) == 0.0  # nothing of ours ahead (another client's work)
+    assert wait.stay_past(Ahead(1, 3_000 * 4), own, None, 30.0) == 0.0  # no speed measured: the bound
+    assert wait.stay_past(Ahead(1, 3_000 * 4), own, 100.0, 0.0) == 0.0  # the hold off
+
+
 def test_past_its_bound_a_request_is_held_while_every_slot_runs_ours_and_goes_unpinned_once_one_does_not():
     """bench mix-4 (stop 36): seven requests went out with `id_slot: -1` at their 30 s bound while all three
     slots ran long prefills of ours, then queued 150 s more in the server and ran where llama-server put them,
@@ -460,6 +473,49 @@ async def test_a_new_session_past_its_bound_with_every_slot_running_ours_is_plac
     assert "save" in slots.calls  # b's conversation paged out before c was sent there
     b_key = firsts["b"].ticket.session.key
     assert up.keeper.pager.page_of(b_key) is not None
+
+
+async def test_a_placement_past_its_bound_keeps_its_slot_from_a_later_one_while_the_request_there_ends_soon(
+        tmp_path, monkeypatch):
+    """bench mix-4 run N: an OpenCode title call's placement let go of its home's slot at its bound, 0.6 s before
+    the title call running there ended; a placement that arrived after it took the slot (a page-out, a 7 s
+    warm-up, a 71 s turn), and the title call, held while every slot ran ours, reached the 90 s cap after
+    OpenCode had given up on it. Now it keeps its turn while that request is expected to end before its own
+    prompt would prefill elsewhere (Rule 3), so it goes first, pinned, and the later placement waits."""
+    from slotlogic.decisions import Pin
+
+    monkeypatch.setattr(wait, "HOLD_FLOOR", 0.0)
+    bound = 0.5
+    up, client, _, firsts = await _two_sessions_on_two_slots(tmp_path, bound)
+    up.keeper.outcomes.probed(100.0)  # 100 prompt tokens a second: c's own prompt (~600 chars) 1.5 s
+    a_slot, b_slot = firsts["a"].ticket.slot, firsts["b"].ticket.slot
+    for name, chars in (("a", 800), ("b", 40_000)):  # a's short turn (2 s) and b's long one (100 s) run
+        pin = firsts[name]
+        up.sent(f"f-{name}-2", pin.ticket.slot, pin.ticket.session.key, chars)
+        up.unlock(f"f-{name}-2")
+        client.slots_data[pin.ticket.slot]["is_processing"] = True
+    done: list[str] = []
+
+    async def decide(name: str) -> object:  # nothing of a's or b's to copy (no seed source to wait for)
+        out = await up.decide(_chat_facts(chat(f"task {name}", system=f"You review pull requests, {name}. " * 20)),
+                              f"f-{name}")
+        done.append(name)
+        return out
+
+    c_task = asyncio.create_task(decide("c"))
+    await asyncio.sleep(0.45)
+    d_task = asyncio.create_task(decide("d"))  # its bound ends after a's turn does
+    await asyncio.sleep(0.2)
+    assert up.keeper.ledger.claims_on(a_slot) and not up.keeper.ledger.claims_on(b_slot)  # d queues on a's
+    client.slots_data[a_slot]["is_processing"] = False  # a's turn ends, past c's bound, before d's
+    up.ended("f-a-2")
+    c = await asyncio.wait_for(c_task, 5)
+    assert isinstance(c, Pin) and c.ticket.slot == a_slot and c.ticket.unpinned is None
+    assert done == ["c"]  # d still waits its turn behind c
+    client.slots_data[b_slot]["is_processing"] = False
+    up.ended("f-b-2")
+    await asyncio.wait_for(d_task, 10)
+    assert done == ["c", "d"]
 
 
 async def test_a_placement_sends_no_save_to_a_slot_the_server_still_runs_past_its_bound(tmp_path, monkeypatch):

@@ -79,6 +79,7 @@ class SlotMover:
         self._swept = False
         self.elsewhere: PoolSeeds | None = None  # in a pool: seeds from its other servers' slots (`join`)
         self.explain_emptied: Callable[[int], Awaitable[Cause]] | None = None  # the probe's: what emptied a slot
+        self.stay: Callable[[int, int, float], float] = lambda slot, chars, by: by  # Rule 3 past the bound (waits)
 
     def join(self, peers: Callable[[], Sequence[SlotMover]]) -> None:
         """The server is one of a pool's: a new session here may start from a copy of another server's slot."""
@@ -134,12 +135,6 @@ class SlotMover:
         if self.pages is not None:
             self.pages.delete(files)
 
-    async def drop_page(self, key: str, file: str) -> None:
-        """A page the answer showed to be wrong (`Pager.page_doubtful`): out of the index, its file deleted."""
-        async with self.store.transaction() as state:
-            doomed = self.keeper.pager.page_dropped(state, key, file)
-        self.delete_pages(doomed)
-
     async def moves_for(self, need: NeedSlot, placement: Placement, info: ServerInfo, flow_id: str,
                         by: float | None = None) -> tuple[Moved, Fence | None, bool]:
         """What the core planned around the new owner of `placement.slot`, performed: the holder paged out and
@@ -161,7 +156,7 @@ class SlotMover:
         ask = await await_source(self, ask, by)
         if self.elsewhere is not None and not self.store.remote:  # a shared store: only pages are seeds
             ask = await self.elsewhere.find(need, ask, by)
-        moved, fence = await self.page(ask, flow_id, fence=placement.fence, by=by, need=need)
+        moved, fence = await self.page(ask, flow_id, fence=placement.fence, by=by, need=need, own=len(need.content))
         if moved is Moved.NOTHING:  # its turn: what was placed there before went out, so judge the slot now
             holds = self.keeper.pager.holds_prefix(need, placement.view)  # (subagents seed 15, docs/paging.md)
         return moved, fence, holds
@@ -172,7 +167,7 @@ class SlotMover:
         for until `by` (monotonic; None: no bound) at most, else LATE with nothing moved."""
         assert placement.need is not None
         ask = PageAsk(placement.slot, placement.need.ticket.session.key, placement.view)
-        moved, _ = await self.page(ask, flow_id, fence=placement.fence, by=by)
+        moved, _ = await self.page(ask, flow_id, fence=placement.fence, by=by, own=len(placement.need.content))
         return moved
 
     def give_up(self, need: NeedSlot, flow_id: str) -> Observe:
@@ -183,11 +178,13 @@ class SlotMover:
         return decision
 
     async def page(self, ask: PageAsk, flow_id: str, fence: Fence | None = None, by: float | None = None,
-                   need: NeedSlot | None = None) -> tuple[Moved, Fence | None]:
+                   need: NeedSlot | None = None, own: int = 0) -> tuple[Moved, Fence | None]:
         """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
         shares the most with: a seed); what is in the slot for it now. Decided once the lock is held. Fails
         open: trouble only costs the prefill. `by`: when the request's wait bound ends (monotonic; None: none);
-        past it nothing is moved (LATE) and the request goes as the client sent it (`slotlogic.wait`, Rule 7)."""
+        past it nothing is moved (LATE) and the request goes as the client sent it (`slotlogic.wait`, Rule 7),
+        unless our request still running on the slot ends sooner than its own prompt (`own` characters) would
+        take elsewhere (Rule 3, `stay`)."""
         assert self.pages is not None
         slot, key = ask.slot, ask.session_key
         gave_up = Moved.NOTHING if by is None else Moved.LATE
@@ -200,7 +197,7 @@ class SlotMover:
         # they leave there). The moves are fenced by the slot's epoch as it is now.
         if not await self.gate.quiet(slot, within(QUIET_WAIT, by), warn=by is None):
             return gave_up, fence
-        if by is not None and not await await_idle(self, {slot}, by):
+        if by is not None and not await await_idle(self, {slot}, self.stay(slot, own, by)):
             return Moved.LATE, fence  # still running a request at the server when the bound passed: nothing sent
         fence = self.keeper.turns.turn(fence) if fence is not None else None
         # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
@@ -354,6 +351,13 @@ class SlotMover:
                 fence = self.keeper.turns.slot_written(fence, Holds.PREFIX, key, tokens, over=Cause.PREFIX_OVER_OWNER) \
                     or fence
         return fence
+
+
+async def drop_page(mover: SlotMover, key: str, file: str) -> None:
+    """A page the answer showed to be wrong (`Pager.page_doubtful`): out of the index, its file deleted."""
+    async with mover.store.transaction() as state:
+        doomed = mover.keeper.pager.page_dropped(state, key, file)
+    mover.delete_pages(doomed)
 
 
 async def found_empty(mover: SlotMover, plan: PagePlan, out: PageOutcome) -> None:

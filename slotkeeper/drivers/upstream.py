@@ -45,7 +45,7 @@ from slotkeeper.drivers.placings import Placings
 from slotkeeper.drivers.server_auth import ServerAuth
 from slotkeeper.drivers.server_probe import Facts, ServerProbe
 from slotkeeper.drivers.slot_gate import SlotGate
-from slotkeeper.drivers.slot_moves import SlotMover
+from slotkeeper.drivers.slot_moves import SlotMover, drop_page
 from slotkeeper.drivers.slot_speeds import SlotSpeeds
 from slotkeeper.drivers.slot_wait import SlotWaits
 from slotkeeper.drivers.state_sync import StateSync
@@ -135,6 +135,8 @@ class Upstream:
                                  on_checked=lambda: self._runners(self.settings))
         self.prober.store = self.store
         self.mover.explain_emptied = self.prober.explain_emptied
+        self.mover.stay = lambda slot, chars, by: by + wait.stay_past(
+            self.waits.ahead(slot), chars, self.keeper.prefill_estimate(), self.settings.wait_bound)
         self.sync = StateSync(url, self.keeper, self.store, emit, self.tasks, delete_pages=self.mover.delete_pages,
                               poke=self.handovers.poke, settings=lambda: self.settings)
         if not offline:  # another proxy's claim notices (pushed through the store)
@@ -345,7 +347,7 @@ class Upstream:
         page = self.keeper.pager.page_of(ticket.session.key)
         if check is not None and report.slot is not None and page is not None:
             self.emit(PageRejected(self.url, report.slot, check))
-            self.tasks.spawn(self.mover.drop_page(ticket.session.key, page.file))
+            self.tasks.spawn(drop_page(self.mover, ticket.session.key, page.file))
         return report
 
     async def _learn_from_slots(self, ticket: Ticket, obs: Observation) -> None:
