@@ -194,6 +194,9 @@ class Pager:
     def wait_worth(self, slot: int, gain: int) -> paging.SourceWait | None:
         return self.seeds.wait_worth(slot, gain)
 
+    def worth(self, gain: int) -> float:
+        return self.seeds.worth(gain)
+
     def share(self, need: NeedSlot) -> int:
         return self.seeds.share(need)
 

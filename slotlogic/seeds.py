@@ -42,11 +42,18 @@ class Seeds:
     def wait_worth(self, slot: int, gain: int) -> paging.SourceWait | None:
         """Waiting for a busy `slot` whose copy would spare `gain` characters: worth what prefilling them takes
         at the measured rate (`paging.source_wait`, `paging.keep_waiting`); None when not worth any."""
-        cap = self.p.settings.seed_wait
-        wait = paging.source_wait(gain, self.p.host.prefill_estimate(), cap)
-        if gain <= 0 or wait <= 0:
+        wait = self.worth(gain)
+        if wait <= 0:
             return None
-        return paging.SourceWait(slot, wait, gain // paging.CHARS_PER_TOKEN, cap, self.p.host.rates().decode_cost)
+        return paging.SourceWait(slot, wait, gain // paging.CHARS_PER_TOKEN, self.p.settings.seed_wait,
+                                 self.p.host.rates().decode_cost)
+
+    def worth(self, gain: int) -> float:
+        """Seconds worth waiting for a source (a slot, a page) whose copy spares `gain` characters: what
+        prefilling them takes at the measured rate, at most `seed_wait` (`paging.source_wait`); 0: none."""
+        if gain <= 0:
+            return 0.0
+        return max(0.0, paging.source_wait(gain, self.p.host.prefill_estimate(), self.p.settings.seed_wait))
 
     def source_idle(self, source: int, live: Sequence[object]) -> bool:
         """The slot waited for (`busy_source`) is idle now: `/slots` says so and no request this process sent

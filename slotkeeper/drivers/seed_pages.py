@@ -101,6 +101,5 @@ def worth_until(mover: SlotMover, gain: int, by: float | None) -> float:
     """Until when (monotonic) a page that would spare `gain` characters of prefill is worth waiting for: twice
     what prefilling them takes at the measured rate, as for a busy live source (`paging.keep_waiting`), never
     past the request's bound `by`. A save waits for the other slots' prompt batch, so a page may come late."""
-    wait = mover.keeper.pager.wait_worth(-1, gain)
-    until = time.monotonic() + (2 * wait.budget if wait is not None else 0.0)
+    until = time.monotonic() + 2 * mover.keeper.pager.worth(gain)
     return until if by is None else min(by, until)

@@ -422,8 +422,7 @@ async def _late(up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str,
     bound, key, cap = up.settings.wait_bound, need.ticket.session.key, tries.cap
     cap = cap if cap is not None or by is None else by - bound + wait.hold_cap(bound)
     if by is not None and cap is not None and by < cap:
-        up.mover.stopped(flow_id)  # its slot's lock and claim let go while it waits
-        up.keeper.withdraw(key)
+        _let_go(up, flow_id, key)  # its slot's lock and claim let go while it waits
         if await up.waits.until_idle(cap, mine=key):
             return await up._place(need, facts, flow_id, accept=accept, by=cap, tries=Tries(cap=cap, claimed=True))
     if up.pages is not None and by is not None and not tries.last and not need.ticket.side:
@@ -432,13 +431,18 @@ async def _late(up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str,
         # turns, 24,692 tokens, on slots llama-server chose, each of 3,000-9,000 tokens that a page or a slot of
         # theirs held). Placed again for one more cap, its moves wait their turn on the slot the ranking finds
         # soonest (never sent to a slot still running: mix-4 run E) and its page comes back in.
-        up.mover.stopped(flow_id)
-        up.keeper.withdraw(key)
+        _let_go(up, flow_id, key)
         last = time.monotonic() + wait.hold_cap(bound)
         return await up._place(need, facts, flow_id, accept=accept, by=last,
                                tries=Tries(cap=last, claimed=True, last=True))
     up.waits.sent_unplaced(flow_id)
     return up.mover.give_up(need, flow_id)
+
+
+def _let_go(up: Upstream, flow_id: str, key: str) -> None:
+    """A placement to be placed again lets go of its slot: the lock, and its claim in the core."""
+    up.mover.stopped(flow_id)
+    up.keeper.withdraw(key)
 
 
 def status_view(keeper: Keeper, model: ModelCheck, settings: Settings, state: shared.ServerState) -> dict[str, Any]:
