@@ -290,6 +290,8 @@ class Ledger:
         if old.owner and old.owner != owner and old.holds is Holds.SESSION \
                 and self.gone.get(old.owner) not in _KEPT:  # what a restart emptied, later writes cannot lose
             self.gone[old.owner] = cause
+            if len(self.gone) > 2 * self.max_sessions:  # other proxies' sessions, never answered here: bounded
+                self.gone = {k: v for k, v in self.gone.items() if k in self.conversations}
         if owner and holds is Holds.PAGE and tokens > 0 \
                 and tokens + tolerance(had := self.conversations.get(owner, 0)) >= had:
             self.gone.pop(owner, None)  # paged back in whole: its conversation is here again, whatever took it
@@ -380,7 +382,7 @@ class Ledger:
         """`key`'s conversation was gone before a move of ours (`found_empty`), for `cause`: whatever
         writes the slot next loses nothing of it (sim seed 6: a prefix restore over a slot idle clearing had
         emptied was called `prefix-over-owner`)."""
-        if self.gone.get(key) not in _EMPTIED:
+        if key in self.conversations and self.gone.get(key) not in _EMPTIED:  # (another proxy's: its own says)
             self.gone[key] = cause
 
     def claimed_elsewhere(self, slot: int, claimant: str, cause: Cause = Cause.OTHER_PROCESS) -> None:

@@ -532,3 +532,16 @@ def test_a_page_out_that_finds_the_owner_s_slot_empty_keeps_the_cause_whatever_w
     ledger.write(1, Holds.PREFIX, "b", 196, Cause.PREFIX_OVER_OWNER)  # answered since: a new loss is its own
     loss = ledger.settle("a", ledger.pin(1, "a"), 1, 185, 200, True)
     assert loss is not None and loss.cause is Cause.PREFIX_OVER_OWNER
+
+
+def test_what_wrote_over_sessions_never_answered_here_is_bounded():
+    """Another proxy's claims name sessions this process never answers: what wrote over them is not kept for
+    ever (a long-lived proxy beside a busy one)."""
+    ledger = Ledger(max_sessions=2)
+    ledger.resize(1)
+    ledger.settle("mine", ledger.pin(0, "mine"), 0, 0, 300, None)
+    for i in range(50):
+        ledger.claimed_elsewhere(0, f"theirs-{i}")
+    assert len(ledger.gone) <= 2 * 2 + 1 and "mine" in ledger.gone
+    ledger.emptied("never-seen", Cause.IDLE_CLEAR)
+    assert "never-seen" not in ledger.gone
