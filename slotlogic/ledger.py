@@ -234,26 +234,6 @@ class Ledger:
             self._slots = {s: Entry(self.entry(s).epoch + 1) for s in range(total)}
         self.total = total
 
-    def written_since_restart(self, live: Sequence[Mapping[str, object]] | None,
-                              running: Mapping[int, str]) -> frozenset[int]:
-        """The slots whose conversation a request sent before the restart was noticed wrote on the new server
-        (which started with every slot empty): `/slots`, read after the restart, shows the slot holding at least
-        what our last request there left, or still running the request of the owner (`running`: slot -> the
-        session whose request this proxy sent there and has no answer for yet)."""
-        out = set()
-        for entry in live or ():
-            sid, n = entry.get("id"), entry.get("n_prompt_tokens")
-            if not isinstance(sid, int) or not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-                continue
-            e = self._slots.get(sid)
-            if e is None or not e.owner or e.holds is not Holds.SESSION:
-                continue
-            running_ours = entry.get("is_processing") is True and running.get(sid) == e.owner
-            left_there = not entry.get("is_processing") and 0 < e.tokens <= n + 1 and sid not in running
-            if running_ours or left_there:
-                out.add(sid)
-        return frozenset(out)
-
     def claim(self, slot: int, key: str) -> None:
         """A placement for `key` chose `slot` (Rule 4): queued behind the placements that chose it before."""
         if 0 <= slot < MAX_SLOTS:
@@ -359,18 +339,31 @@ class Ledger:
                 self._unpinned_at.pop(old, None)
         return loss
 
-    def ran_unpinned(self, slot: int, key: str, *, side: bool = False) -> None:
+    def ran_unpinned(self, slot: int, key: str, *, side: bool = False, queued: bool = False) -> None:
         """An unpinned request (the server chose) ran on `slot`: it holds `key`'s prompt now. A side call's home
         whose content another slot holds stays there (two calls of one home are independent: the one that ran
         elsewhere leaves a copy nobody is promised, and its home's slot is still paged out before another
-        writes it)."""
+        writes it). `queued`: the owner's own pinned request waits behind it there, so the slot stays the
+        owner's (what was there is gone all the same; `key`'s is too once that request runs: `overrun`)."""
         self._from_outside(slot)
+        if queued:
+            old = self.entry(slot)
+            if old.owner and old.owner != key and old.holds is Holds.SESSION and self.gone.get(old.owner) not in _KEPT:
+                self.gone[old.owner] = Cause.UNPINNED
+            self._put(slot, replace(old, epoch=old.epoch + 1))
+            return
         if side and self.where(key) not in (None, slot):
             self.write(slot, Holds.UNKNOWN, None, 0, Cause.UNPINNED)
             return
         self.write(slot, Holds.SESSION, key, 0, Cause.UNPINNED)
         if self.gone.get(key) is Cause.UNPINNED:
             del self.gone[key]  # where it ran is learned after all: its conversation is known to be here
+
+    def overrun(self, key: str) -> None:
+        """`key`'s request ran where the server put it, ahead of another session's request pinned there: what it
+        left is written over next (`ran_unpinned`'s `queued`)."""
+        if key in self.conversations:
+            self.gone[key] = Cause.UNPINNED
 
     def sent_unpinned(self) -> int:
         """A request goes out for the server to choose its slot (`slots_policy=affinity`): its number. Answered
@@ -436,3 +429,24 @@ def found_empty(ledger: Ledger, slot: int, key: str, saved: int) -> bool | None:
     if e.owner in (None, key) and e.holds in (Holds.UNKNOWN, Holds.SESSION) and saved <= TOLERANCE_TOKENS:
         return None
     return False
+
+
+def written_since_restart(ledger: Ledger, live: Sequence[Mapping[str, object]] | None,
+                          running: Mapping[int, str]) -> frozenset[int]:
+    """The slots whose conversation a request sent before the restart was noticed wrote on the new server
+    (which started with every slot empty): `/slots`, read after the restart, shows the slot holding at least
+    what our last request there left, or still running the request of the owner (`running`: slot -> the
+    session whose request this proxy sent there and has no answer for yet)."""
+    out = set()
+    for entry in live or ():
+        sid, n = entry.get("id"), entry.get("n_prompt_tokens")
+        if not isinstance(sid, int) or not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            continue
+        e = ledger.entry(sid)
+        if not e.owner or e.holds is not Holds.SESSION:
+            continue
+        running_ours = entry.get("is_processing") is True and running.get(sid) == e.owner
+        left_there = not entry.get("is_processing") and 0 < e.tokens <= n + 1 and sid not in running
+        if running_ours or left_there:
+            out.add(sid)
+    return frozenset(out)

@@ -81,11 +81,15 @@ class Outcomes:
         key = ticket.session.key
         loss = None
         if obs.error_type is None:
+            queued = ticket.slot is None and obs.id_slot is not None and self.queued_behind(obs.id_slot, key)
             if ticket.slot is None and obs.id_slot is not None and self.ledger.entry(obs.id_slot).owner != key:
-                self.ledger.ran_unpinned(obs.id_slot, key)  # the server chose the slot (affinity, or unpinned)
-            if ticket.slot is None and obs.id_slot is not None:
+                # the server chose the slot (affinity, or unpinned)
+                self.ledger.ran_unpinned(obs.id_slot, key, queued=queued)
+            if ticket.slot is None and obs.id_slot is not None and not queued:
                 self._follow(ticket, obs.id_slot, now)
             loss = self.ledger.settle(key, ticket.promise, slot, obs.cache_n, obs.prompt_n, ticket.extends)
+            if queued:
+                self.ledger.overrun(key)
         self.table.answered(key, slot, now)
         stats = self.stats.pop(key, None) or SessionStats()
         self.stats[key] = stats  # most recently answered last
@@ -161,6 +165,8 @@ class Outcomes:
         if ticket.learn is None or ticket.side or not affinity.valid(slot, self.host.total_slots):
             return None
         assert slot is not None
+        if self.queued_behind(slot, ticket.session.key):  # what it left there is not what the slot will hold
+            return None
         if ticket.placed is not None:
             self.ledger.placed.learned(ticket.placed)
         key = ticket.session.key
@@ -171,6 +177,15 @@ class Outcomes:
             self.ledger.ran_unpinned(slot, key)
         self.table.use(key, now)  # counts the request and marks the claim for the next flush of the state file
         return SlotLearned(self.upstream, ticket.session.short, slot, ticket.learn)
+
+    def queued_behind(self, slot: int, key: str) -> bool:
+        """A request the server placed on `slot` ran there while another session's request pinned there was
+        still open (it ran first: the server places a request only on an idle slot): that request runs after
+        it, so the slot holds the other session's conversation, not `key`'s (bench agents under `affinity`: a
+        session learned a slot a known session's turn was queued for, and its next turn lost 355 tokens there,
+        `unknown`)."""
+        running = self.table.running.get(slot)
+        return running is not None and running != key
 
     def ran_unpinned(self, slot: int, ticket: Ticket, now: float) -> None:
         """Where a request the wait sent with `id_slot: -1` ran (`slotlogic.wait.ran`), read from `/slots`."""

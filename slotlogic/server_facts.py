@@ -15,7 +15,7 @@ from typing import Any
 from slotlogic import kv_types, shared
 from slotlogic.events import Event, PoolResized, ServerRestarted
 from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
-from slotlogic.ledger import Cause, Ledger
+from slotlogic.ledger import Cause, Ledger, written_since_restart
 from slotlogic.server import ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
 from slotlogic.table import SessionTable
@@ -87,7 +87,7 @@ class ServerFacts:
         events: list[Event] = []
         if restarted:
             events.append(ServerRestarted(self.upstream))
-            kept = self.ledger.written_since_restart(live, self.table.running)
+            kept = written_since_restart(self.ledger, live, self.table.running)
             self.ledger.resize(info.total_slots, Cause.RESTART, keep=kept)
             self.messages_native = None  # another build may be running now
             if self.settings.checkpoints is not CheckpointMode.OFF or self.settings.paging:

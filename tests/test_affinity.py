@@ -146,6 +146,27 @@ def test_a_displaced_session_and_every_session_after_a_resize_go_out_pending_aga
     assert events and k.request(facts(chat("B"), now=4.0)).ticket.why is Why.PENDING
 
 
+def test_a_pending_request_the_server_ran_ahead_of_a_known_turn_queued_on_its_slot_learns_nothing():
+    """bench agents under `affinity`: B's pending request ran on slot 1 while A's known turn, pinned there, was
+    still open (the server puts a request only on an idle slot, so A's queued behind B's). B learned slot 1 and
+    its next turn, pinned there, found what A's turn left: 355 tokens lost, `unknown`. A's conversation is what
+    the slot holds: B goes out pending again, A stays known there, and B's loss, if any, is `unpinned`."""
+    from slotlogic.ledger import Cause
+
+    k = keeper()
+    a = k.request(facts(chat("A")))
+    answer(k, a, slot=1)
+    a2 = k.request(facts(chat("A"), now=2.0))
+    assert a2.ticket.why is Why.KNOWN and a2.ticket.slot == 1          # A's next turn, pinned to slot 1, open
+    b = k.request(facts(chat("B"), now=2.5))
+    report, events = answer(k, b, slot=1, now=3.0)                     # B ran there first
+    assert events == [] and k.ledger.entry(1).owner == a.ticket.session.key
+    answer(k, a2, slot=1, now=4.0)                                     # then A's turn, over B's
+    assert k.request(facts(chat("B"), now=5.0)).ticket.why is Why.PENDING
+    assert k.request(facts(chat("A"), now=5.0)).ticket.why is Why.KNOWN
+    assert k.ledger.gone.get(b.ticket.session.key) is Cause.UNPINNED
+
+
 def test_pending_needs_no_server_facts_and_no_slot_choice():
     k = keeper(total=0)
     first = k.request(facts(chat()))

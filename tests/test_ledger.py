@@ -6,7 +6,7 @@ from slotlogic import shared
 from slotlogic.answers import Observation
 from slotlogic.decisions import NeedSlot, Pin
 from slotlogic.events import TokensLost
-from slotlogic.ledger import MAX_SLOTS, Cause, Holds, Ledger, found_empty, tolerance
+from slotlogic.ledger import MAX_SLOTS, Cause, Holds, Ledger, found_empty, tolerance, written_since_restart
 from slotlogic.paging import PageAsk
 from slotlogic.reasons import Why
 from slotlogic.server_placed import ServerPlaced
@@ -322,13 +322,13 @@ def test_a_restart_noticed_late_keeps_what_ran_on_the_new_server():
     live = [{"id": 0, "n_prompt_tokens": 0, "is_processing": False},   # emptied by the restart
             {"id": 1, "n_prompt_tokens": 240, "is_processing": True},  # b's request, running on the new server
             {"id": 2, "n_prompt_tokens": 203, "is_processing": False}]  # c's answer came from the new server
-    kept = ledger.written_since_restart(live, {1: "b"})
+    kept = written_since_restart(ledger, live, {1: "b"})
     assert kept == {1, 2}
     ledger.resize(3, Cause.RESTART, keep=kept)
     assert ledger.entry(0).holds is Holds.EMPTY and ledger.conversation_on(0) is None
     assert ledger.conversation_on(1) == "b" and ledger.conversation_on(2) == "c"
     assert ledger.gone["b"] is Cause.RESTART  # its running request found the slot emptied all the same
-    assert ledger.written_since_restart(live, {}) == {2}  # a busy slot running nothing of ours: not ours
+    assert written_since_restart(ledger, live, {}) == {2}  # a busy slot running nothing of ours: not ours
 
 
 def test_an_expired_session_is_not_resumed_on_a_slot_written_since():
