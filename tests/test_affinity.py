@@ -159,7 +159,7 @@ def test_a_pending_request_the_server_ran_ahead_of_a_known_turn_queued_on_its_sl
     a2 = k.request(facts(chat("A"), now=2.0))
     assert a2.ticket.why is Why.KNOWN and a2.ticket.slot == 1          # A's next turn, pinned to slot 1, open
     b = k.request(facts(chat("B"), now=2.5))
-    report, events = answer(k, b, slot=1, now=3.0)                     # B ran there first
+    _, events = answer(k, b, slot=1, now=3.0)                          # B ran there first
     assert events == [] and k.ledger.entry(1).owner == a.ticket.session.key
     answer(k, a2, slot=1, now=4.0)                                     # then A's turn, over B's
     assert k.request(facts(chat("B"), now=5.0)).ticket.why is Why.PENDING
