@@ -18,7 +18,10 @@ claimed, oldest `last_used`, then fewest tokens, then lowest id.
      and deferred unpinned requests can starve behind it. When every slot is busy, the lowest expected time
      to first token first (`SlotView.wait_tokens`, `placement.waits`: the work `/slots` shows left there, in
      prefill tokens, less the shared prefix the slot would spare; a slot whose work nobody can size comes
-     last), the way cache-aware routers weigh a cache hit against the queue in front of it;
+     last), the way cache-aware routers weigh a cache hit against the queue in front of it; the reserved
+     side-call slot after every other busy slot: its short side calls made it the shortest wait, sessions
+     queued there, and the next side call of its home waited behind their prefills and page moves until its
+     client gave up (bench mix-4 runs N and R: an OpenCode title call, 90 s, `client-gone`);
   2. free before claimed: a live session's cache is worth more than an expired one's;
   3. the reserved side-call slot after every other free slot (sessions use it only when nothing else is
      free); with session paging, after the claimed slots too: evicting a live session then costs a save
@@ -121,11 +124,12 @@ def auto_key(view: SlotView, now: float, ttl: float, prefix: str | None,
     else:
         inner = (0 if spawn and _spawned_from(view, now) else 1, activity(view), view.owner_requests,
                  0 if same_prefix else 1, _tokens(view))
-    # busy last; when every slot is busy, the lowest expected time to first token first
+    # busy last; when every slot is busy, the lowest expected time to first token first, the side slot last
     wait = (float("inf") if view.wait_tokens is None else view.wait_tokens) if view.busy else 0.0
+    side_busy = side and view.busy
     if paging:
-        return (view.busy, wait, side, claimed, *inner, view.id)
-    return (view.busy, wait, claimed, side, *inner, view.id)
+        return (view.busy, side_busy, wait, side, claimed, *inner, view.id)
+    return (view.busy, side_busy, wait, claimed, side, *inner, view.id)
 
 
 def activity(view: SlotView) -> float:

@@ -78,6 +78,20 @@ def test_with_paging_a_session_is_paged_out_before_the_side_slot_is_taken():
     assert choose(Policy.AUTO, two, NOW, TTL, reserved=(2,), paging=True).slot == 1
 
 
+def test_with_every_slot_busy_sessions_queue_on_the_side_slot_last():
+    """bench mix-4 runs N and R: with every slot busy, the side slot running a 590-token title call was the
+    shortest wait, two OpenCode sessions queued there, and the home's next title call waited behind their
+    prefills until OpenCode gave up on it. Sessions queue behind other sessions' work; the side slot only when
+    it is the one slot there is to queue on."""
+    busy = [SlotView(0, 3000, busy=True, wait_tokens=3000), SlotView(1, 4600, busy=True, wait_tokens=4600),
+            SlotView(2, 590, busy=True, wait_tokens=590)]
+    for paging in (False, True):
+        chosen = choose(Policy.AUTO, busy, NOW, TTL, reserved=(2,), paging=paging)
+        assert chosen == Choice(0, Why("all-busy-shortest-wait"))
+        assert choose(Policy.AUTO, busy, NOW, TTL, paging=paging).slot == 2  # no side slot held back: the shortest
+    assert choose(Policy.AUTO, busy[2:], NOW, TTL, reserved=(2,)).slot == 2
+
+
 def test_auto_beats_seed_on_the_empty_slot_trap():
     """Seed picks the empty slot (fewest tokens); auto picks the free slot that already holds the prefix."""
     slots = [v(0, 0), v(1, 700, STALE, prefix="P")]
