@@ -176,12 +176,13 @@ def test_idle_clearing_seen_through_the_other_proxy_is_labelled_expected_by_both
     assert result.miscalled == 0 and any(x.cause == "idle-clear" for x in result.losses)
 
 
-@pytest.mark.parametrize("seed", [6, 685])
+@pytest.mark.parametrize("seed", [6])
 def test_a_slot_our_page_out_finds_emptied_is_labelled_idle_clearing_not_the_write_after(seed):
     """Unified KV with idle clearing: the slot was emptied while idle; our page-out of its session then saved
     0 tokens, a prefix restore or seed copy wrote the slot, and the meter named that write
-    (`prefix-over-owner`, `seed-over-owner`, `unknown`: 317 and 255 tokens). The page-out's own count is the
-    evidence: the server is asked why (a restart? else idle clearing) and the loss carries that cause."""
+    (`prefix-over-owner`, `seed-over-owner`: 317 tokens; seed 685's 255 `unknown` were the same until a later
+    change of placement moved its schedule). The page-out's own count is the evidence: the server is asked why
+    (a restart? else idle clearing) and the loss carries that cause."""
     result = run_seed(seed)
     assert result.miscalled == 0 and any(x.cause == "idle-clear" for x in result.losses)
 
