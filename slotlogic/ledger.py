@@ -267,11 +267,8 @@ class Ledger:
         if slot < 0 or slot >= MAX_SLOTS:
             return Fence(slot, 0)
         old = self.entry(slot)
-        if old.owner and old.owner != owner and old.holds is Holds.SESSION \
-                and self.gone.get(old.owner) not in _KEPT:  # what a restart emptied, later writes cannot lose
-            self.gone[old.owner] = cause
-            if len(self.gone) > 2 * self.max_sessions:  # other proxies' sessions, never answered here: bounded
-                self.gone = {k: v for k, v in self.gone.items() if k in self.conversations}
+        if old.owner and old.owner != owner and old.holds is Holds.SESSION:
+            self._gone(old.owner, cause)
         if owner and holds is Holds.PAGE and tokens > 0 \
                 and tokens + tolerance(had := self.conversations.get(owner, 0)) >= had:
             self.gone.pop(owner, None)  # paged back in whole: its conversation is here again, whatever took it
@@ -348,8 +345,8 @@ class Ledger:
         self._from_outside(slot)
         if queued:
             old = self.entry(slot)
-            if old.owner and old.owner != key and old.holds is Holds.SESSION and self.gone.get(old.owner) not in _KEPT:
-                self.gone[old.owner] = Cause.UNPINNED
+            if old.owner and old.owner != key and old.holds is Holds.SESSION:
+                self._gone(old.owner, Cause.UNPINNED)
             self._put(slot, replace(old, epoch=old.epoch + 1))
             return
         if side and self.where(key) not in (None, slot):
@@ -363,7 +360,7 @@ class Ledger:
         """`key`'s request ran where the server put it, ahead of another session's request pinned there: what it
         left is written over next (`ran_unpinned`'s `queued`)."""
         if key in self.conversations:
-            self.gone[key] = Cause.UNPINNED
+            self._gone(key, Cause.UNPINNED)
 
     def sent_unpinned(self) -> int:
         """A request goes out for the server to choose its slot (`slots_policy=affinity`): its number. Answered
@@ -375,8 +372,8 @@ class Ledger:
         """`key`'s conversation was gone before a move of ours (`found_empty`), for `cause`: whatever
         writes the slot next loses nothing of it (sim seed 6: a prefix restore over a slot idle clearing had
         emptied was called `prefix-over-owner`)."""
-        if key in self.conversations and self.gone.get(key) not in _EMPTIED:  # (another proxy's: its own says)
-            self.gone[key] = cause
+        if key in self.conversations:  # (another proxy's session: its own proxy says)
+            self._gone(key, cause, keep=_EMPTIED)
 
     def claimed_elsewhere(self, slot: int, claimant: str, cause: Cause = Cause.OTHER_PROCESS) -> None:
         self._from_outside(slot)
@@ -410,6 +407,16 @@ class Ledger:
             return cause
         since = self._unpinned_at.get(key, self.placed.answers)
         return Cause.UNPINNED if self.placed.blamed(since, promise.placed_before) else Cause.UNKNOWN
+
+    def _gone(self, key: str, cause: Cause, keep: frozenset[Cause] = _KEPT) -> None:
+        """What wrote over `key`'s conversation, unless a cause in `keep` came first (what a restart or idle
+        clearing emptied, later writes cannot lose). Bounded: other proxies' sessions, never answered here,
+        are dropped first."""
+        if self.gone.get(key) in keep:
+            return
+        self.gone[key] = cause
+        if len(self.gone) > 2 * self.max_sessions:
+            self.gone = {k: v for k, v in self.gone.items() if k in self.conversations}
 
     def _put(self, slot: int, e: Entry) -> None:
         self._slots[slot] = e

@@ -81,12 +81,12 @@ class Outcomes:
         key = ticket.session.key
         loss = None
         if obs.error_type is None:
-            queued = ticket.slot is None and obs.id_slot is not None and self.queued_behind(obs.id_slot, key)
-            if ticket.slot is None and obs.id_slot is not None and self.ledger.entry(obs.id_slot).owner != key:
-                # the server chose the slot (affinity, or unpinned)
-                self.ledger.ran_unpinned(obs.id_slot, key, queued=queued)
-            if ticket.slot is None and obs.id_slot is not None and not queued:
-                self._follow(ticket, obs.id_slot, now)
+            ran = obs.id_slot if ticket.slot is None else None  # the server chose the slot (affinity, or unpinned)
+            queued = ran is not None and self.queued_behind(ran, key)
+            if ran is not None and self.ledger.entry(ran).owner != key:
+                self.ledger.ran_unpinned(ran, key, queued=queued)
+            if ran is not None and not queued:
+                self._follow(ticket, ran, now)
             loss = self.ledger.settle(key, ticket.promise, slot, obs.cache_n, obs.prompt_n, ticket.extends)
             if queued:
                 self.ledger.overrun(key)

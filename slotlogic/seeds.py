@@ -51,9 +51,7 @@ class Seeds:
     def worth(self, gain: int) -> float:
         """Seconds worth waiting for a source (a slot, a page) whose copy spares `gain` characters: what
         prefilling them takes at the measured rate, at most `seed_wait` (`paging.source_wait`); 0: none."""
-        if gain <= 0:
-            return 0.0
-        return max(0.0, paging.source_wait(gain, self.p.host.prefill_estimate(), self.p.settings.seed_wait))
+        return paging.source_wait(gain, self.p.host.prefill_estimate(), self.p.settings.seed_wait)
 
     def source_idle(self, source: int, live: Sequence[object]) -> bool:
         """The slot waited for (`busy_source`) is idle now: `/slots` says so and no request this process sent

@@ -17,7 +17,7 @@ class SessionStats:
     source: str = ""
     lost: int = 0          # tokens the loss meter counted (slotlogic/ledger.py), every cause
     lost_unexpected: int = 0
-    answered: float = 0.0  # when its last answer came (wall clock)
+    answered: float = 0.0  # when its last answer came (wall clock; the table's `done` goes with a new placement)
 
     def count_loss(self, tokens: int, expected: bool) -> None:
         """A settled loss of this session (at its answer, or once its cause was asked of the server)."""
