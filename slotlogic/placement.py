@@ -109,13 +109,16 @@ def waits(views: Sequence[ranking.SlotView], slots: SlotsSeen, prefix: str | Non
     `/slots` entry shows left (`server.work_left`) plus the prompts of ours queued behind it on that slot, or
     without a size from `/slots` every prompt of ours open there, less the shared prefix it holds and would not
     prefill again. Unknown (None) when neither says. The queue counts: three new sessions placed on one busy
-    slot within seconds each saw only its running request's work, and the last waited 337 s (bench mix-4)."""
+    slot within seconds each saw only its running request's work, and the last waited 337 s (bench mix-4). A slot
+    with a request of ours open is busy even before `/slots` shows it running (a turn sent a moment ago)."""
     by_id = {e.get("id"): e for e in slots.live or () if isinstance(e, Mapping)}
     spared = prefix_chars / CHARS_PER_TOKEN
     out = []
     for v in views:
+        ours = list(slots.ahead.get(v.id, ()))
+        if ours and not v.busy:  # our request sent there has not started yet: it is the slot's next work
+            v = replace(v, busy=True)
         if v.busy:
-            ours = list(slots.ahead.get(v.id, ()))
             running = work_left(by_id.get(v.id), slots.decode_cost) if slots.live is not None else None
             if running is not None:
                 left: float | None = running + sum(ours[1:]) / CHARS_PER_TOKEN

@@ -276,6 +276,10 @@ class Turns:
         """Slots other than `avoid` that run nothing of ours and no placement but `mine`'s (`slotlogic.wait`)."""
         return wait.idle_slots(self.ledger, self.host.total_slots, avoid, busy, mine)
 
+    def idle_set(self, avoid: int | None, busy: Collection[int], mine: str = "") -> frozenset[int]:
+        """Which slots `idle_slots` counts (a waiting placement watches for one to free: `slotlogic.wait`)."""
+        return wait.idle_set(self.ledger, self.host.total_slots, avoid, busy, mine)
+
     def writes(self, slot: int) -> bool:
         """This process is the slot's writer, as it last knew (or the only proxy there can be)."""
         return not self.host.instance or slot in self.ledger.writing

@@ -80,6 +80,8 @@ class SlotMover:
         self.elsewhere: PoolSeeds | None = None  # in a pool: seeds from its other servers' slots (`join`)
         self.explain_emptied: Callable[[int], Awaitable[Cause]] | None = None  # the probe's: what emptied a slot
         self.stay: Callable[[int, int, float], float] = lambda slot, chars, by: by  # Rule 3 past the bound (waits)
+        # Rule 10 (`slotlogic.wait`): a slot that freed elsewhere while a placement waits for its own (waits)
+        self.freed: Callable[[int, str, str, float], Awaitable[int]] | None = None
 
     def join(self, peers: Callable[[], Sequence[SlotMover]]) -> None:
         """The server is one of a pool's: a new session here may start from a copy of another server's slot."""
@@ -136,12 +138,13 @@ class SlotMover:
             self.pages.delete(files)
 
     async def moves_for(self, need: NeedSlot, placement: Placement, info: ServerInfo, flow_id: str,
-                        by: float | None = None) -> tuple[Moved, Fence | None, bool]:
+                        by: float | None = None, arrived: float | None = None) -> tuple[Moved, Fence | None, bool]:
         """What the core planned around the new owner of `placement.slot`, performed: the holder paged out and
         this session (or a seed) paged in, waited for until `by` (monotonic; None: no bound) at most. Returns what
         the slot holds for it now (LATE: nothing moved, the bound passed first), the fence after the moves, and
-        whether the slot holds the session's stable prefix already. A side call: its slot's holder paged out and
-        its home's page in (`side`)."""
+        whether the slot holds the session's stable prefix already (FREED: nothing moved, another slot freed while
+        it waited for this one; `arrived`: when its request came, None: it never looks elsewhere). A side call:
+        its slot's holder paged out and its home's page in (`side`)."""
         if placement.side:
             return (await self.side(placement, flow_id, by) if self.pages is not None else Moved.NOTHING), None, False
         key = need.ticket.session.key
@@ -156,7 +159,8 @@ class SlotMover:
         ask = await await_source(self, ask, by)
         if self.elsewhere is not None and not self.store.remote:  # a shared store: only pages are seeds
             ask = await self.elsewhere.find(need, ask, by)
-        moved, fence = await self.page(ask, flow_id, fence=placement.fence, by=by, need=need, own=len(need.content))
+        moved, fence = await self.page(ask, flow_id, fence=placement.fence, by=by, need=need, own=len(need.content),
+                                       arrived=arrived)
         if moved is Moved.NOTHING:  # its turn: what was placed there before went out, so judge the slot now
             holds = self.keeper.pager.holds_prefix(need, placement.view)  # (subagents seed 15, docs/paging.md)
         return moved, fence, holds
@@ -178,27 +182,37 @@ class SlotMover:
         return decision
 
     async def page(self, ask: PageAsk, flow_id: str, fence: Fence | None = None, by: float | None = None,
-                   need: NeedSlot | None = None, own: int = 0) -> tuple[Moved, Fence | None]:
+                   need: NeedSlot | None = None, own: int = 0, arrived: float | None = None
+                   ) -> tuple[Moved, Fence | None]:
         """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
         shares the most with: a seed); what is in the slot for it now. Decided once the lock is held. Fails
         open: trouble only costs the prefill. `by`: when the request's wait bound ends (monotonic; None: none);
         past it nothing is moved (LATE) and the request goes as the client sent it (`slotlogic.wait`, Rule 7),
         unless our request still running on the slot ends sooner than its own prompt (`own` characters) would
-        take elsewhere (Rule 3, `stay`)."""
+        take elsewhere (Rule 3, `stay`). `arrived`: while it waits for the slot, another slot that frees first
+        ends the wait (FREED, nothing sent: Rule 10)."""
         assert self.pages is not None
         slot, key = ask.slot, ask.session_key
         gave_up = Moved.NOTHING if by is None else Moved.LATE
+        watch = None if by is None or arrived is None else (slot, flow_id, key, arrived)
         # The lock is taken even with nothing to page: a placement on this slot that is still warming its
         # prefix, or whose request has not reached the server, must finish first (a second new session would
         # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
-        if not await self.pages.hold(slot, flow_id, key, within=left(by)):
+        held = await self._unless_freed(self.pages.hold(slot, flow_id, key, within=left(by)), watch)
+        if held is None:
+            return Moved.FREED, fence
+        if not held:
             return gave_up, fence
         # Its turn: every request sent to the slot before has reached the server (a save now writes what
         # they leave there). The moves are fenced by the slot's epoch as it is now.
         if not await self.gate.quiet(slot, within(QUIET_WAIT, by), warn=by is None):
             return gave_up, fence
-        if by is not None and not await await_idle(self, {slot}, self.stay(slot, own, by)):
-            return Moved.LATE, fence  # still running a request at the server when the bound passed: nothing sent
+        if by is not None:
+            idle = await self._unless_freed(await_idle(self, {slot}, self.stay(slot, own, by)), watch)
+            if idle is None:
+                return Moved.FREED, fence
+            if not idle:
+                return Moved.LATE, fence  # still running a request at the server when the bound passed: nothing sent
         fence = self.keeper.turns.turn(fence) if fence is not None else None
         # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
         # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
@@ -293,6 +307,22 @@ class SlotMover:
             return Moved.OWN, self.keeper.turns.slot_written(fence, Holds.PAGE, key, out.restored_tokens)
         moved = Moved.PREFIX if plan.seed.prefix else Moved.SEED
         return moved, self.keeper.turns.slot_written(fence, Holds.SEED, key, 0, over=Cause.SEED_OVER_OWNER)
+
+    async def _unless_freed(self, waiting: Awaitable[bool], watch: tuple[int, str, str, float] | None) -> bool | None:
+        """`waiting`'s answer, unless another slot frees first (`freed`, Rule 10): None then, and `waiting` is
+        called off (a paging lock it took meanwhile is let go with the placement: `stopped`)."""
+        if watch is None or self.freed is None:
+            return await waiting
+        mine, other = asyncio.ensure_future(waiting), asyncio.ensure_future(self.freed(*watch))
+        try:
+            await asyncio.wait({mine, other}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            other.cancel()
+            if not mine.done():
+                mine.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await mine
+        return None if mine.cancelled() else mine.result()
 
     async def _fresh_pages(self, key: str) -> shared.ServerState:
         """With the slot's lock held: the page index as the store has it now (another proxy, of this machine's

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from slotlogic import wait
@@ -41,6 +41,7 @@ class SlotWaits:
         self.unplaced: dict[str, None] = {}  # flows of ours sent with `id_slot: -1`, open (a slot each, somewhere)
         self.keeper, self.bound, self.released, self.slots = keeper, bound, released, slots
         self.take = take  # makes a free slot this process's to write (the shared state); None: it always is
+        self.placing: dict[str, float] = {}  # flow -> arrival (this clock): placements waiting for a slot (Rule 10)
 
     def entered(self, slot: int, flow_id: str, chars: int, session: str = "") -> None:
         """A request pinned to `slot` leaves the proxy now."""
@@ -134,16 +135,60 @@ class SlotWaits:
         while len(self.unplaced) > MAX_UNPLACED:
             del self.unplaced[next(iter(self.unplaced))]
 
-    async def until_idle(self, until: float, mine: str = "") -> bool:
+    async def until_idle(self, until: float, mine: str = "", flow_id: str = "", arrived: float | None = None) -> bool:
         """Wait until some slot runs nothing of ours and no placement but `mine`'s, at most until `until` (this
-        clock): whether one does (a placement past its bound is then placed again, `slotlogic.wait` Rule 8)."""
-        while not self.idle(mine=mine):
-            left = until - self.clock()
-            if left < TICK:
-                return False
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._change().wait(), left)
+        clock): whether one does (a placement past its bound is then placed again, `slotlogic.wait` Rule 8).
+        `arrived`: when its request came (this clock); placements that came earlier and wait too go first
+        (Rule 10)."""
+        with self._waiting(flow_id, arrived):
+            while self._spare(self._idle_set(None, mine), flow_id) <= 0:
+                left = until - self.clock()
+                if left < TICK:
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._change().wait(), left)
         return True
+
+    async def freed(self, slot: int, flow_id: str, mine: str, arrived: float) -> int:
+        """While a placement waits for `slot` (its paging lock, or the slot still running): returns a slot that
+        freed elsewhere since this wait began (it runs nothing of ours and no placement but `mine`'s), once the
+        placements that came earlier and wait too have had theirs (Rule 10). Never returns without a keeper."""
+        with self._waiting(flow_id, arrived):
+            seen = self._idle_set(slot, mine)
+            while True:
+                await self._change().wait()
+                now = self._idle_set(slot, mine)
+                new = now - seen
+                if new and self._spare(new, flow_id) > 0:
+                    return min(new)
+                seen = now
+
+    @contextlib.contextmanager
+    def _waiting(self, flow_id: str, arrived: float | None) -> Iterator[None]:
+        """The placement is one of those waiting for a slot while the block runs (by arrival: Rule 10)."""
+        if not flow_id or arrived is None:
+            yield
+            return
+        self.placing[flow_id] = arrived
+        try:
+            yield
+        finally:
+            self.placing.pop(flow_id, None)
+
+    def _idle_set(self, avoid: int | None, mine: str) -> frozenset[int]:
+        if self.keeper is None:
+            return frozenset()
+        return self.keeper.turns.idle_set(avoid, [s for s, flows in self.open.items() if flows], mine)
+
+    def _spare(self, idle: frozenset[int], flow_id: str) -> int:
+        """How many of the `idle` slots are left for this placement: less those our requests sent with
+        `id_slot: -1` will take, and those of the placements that came before it and wait too. Without a keeper
+        (a replay): one; an unknown slot count counts as one idle slot (the server may well have one)."""
+        if self.keeper is None:
+            return 1
+        me = self.placing.get(flow_id)
+        older = 0 if me is None else sum(1 for f, t in self.placing.items() if f != flow_id and t < me)
+        return (len(idle) if self.keeper.total_slots else 1) - len(self.unplaced) - older
 
     def must_wait(self, decision: Pin) -> bool:
         """Our earlier requests run on the request's slot, and another slot could run it (one dict look-up)."""

@@ -86,9 +86,15 @@ class Tries:
     cap: float | None = None
     claimed: bool = False
     last: bool = False  # placed again past the hold's cap (`_late`): past this try's bound it goes unpinned
+    arrived: float | None = None  # when its request came (monotonic): placements held longer go first (Rule 10)
+    freed: int = 8  # how many more times a slot that freed elsewhere may place it again (`slotlogic.wait`, Rule 10)
 
     def again(self) -> Tries:
         return replace(self, retries=self.retries - 1, claimed=True)
+
+    def watch(self) -> float | None:
+        """Its arrival while another slot freeing may still place it again (None: it waits for its slot)."""
+        return self.arrived if self.freed > 0 else None
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,7 @@ class Upstream:
                                  on_checked=lambda: self._runners(self.settings))
         self.prober.store = self.store
         self.mover.explain_emptied = self.prober.explain_emptied
+        self.mover.freed = None if offline else self.waits.freed
         self.mover.stay = lambda slot, chars, by: by + wait.stay_past(
             self.waits.ahead(slot), chars, self.keeper.prefill_estimate(), self.settings.wait_bound)
         self.sync = StateSync(url, self.keeper, self.store, emit, self.tasks, delete_pages=self.mover.delete_pages,
@@ -237,10 +244,12 @@ class Upstream:
         the `/props` and `/slots` the router already has; `accept` may refuse the server under its state lock
         (None: no claim was made, route again)."""
         by = None if self.offline else deadline(self.settings.wait_bound)  # its placement's waits included
+        tries = Tries(arrived=time.monotonic())
         try:  # a session's second request at once waits for its first one's placement (drivers/placings.py)
             decision = await self.placings.one_at_a_time(
                 need, lambda again: self.keeper.resume(again, facts.now),
-                lambda n, waited: self._place(n, facts, flow_id, asked=None if waited else asked, accept=accept, by=by))
+                lambda n, waited: self._place(n, facts, flow_id, asked=None if waited else asked, accept=accept, by=by,
+                                              tries=tries))
         except BaseException:
             self.abandon(need.ticket, flow_id)
             raise
@@ -286,9 +295,13 @@ class Upstream:
         need = placement.need or need  # as placed: its stable prefix as the core knows it by now
         # A side call takes its turn on the slot too: a placement may be under way there (its holder is paged
         # out first, once its request reached the server).
-        moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id, by)
+        moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id, by, tries.watch())
         if moved is Moved.LATE:  # its bound passed before its slot was ours to write: nothing moved
             return await _late(self, need, facts, flow_id, accept, by, tries)
+        if moved is Moved.FREED:  # another slot freed while it waited for this one: ranked again (Rule 10)
+            _let_go(self, flow_id, key)
+            return await self._place(need, facts, flow_id, accept=accept, by=by,
+                                     tries=replace(tries, claimed=True, freed=tries.freed - 1))
         if moved is Moved.STALE and tries.retries > 0:  # another claim of the slot came first: place it again
             self.mover.stopped(flow_id)
             return await self._place(need, facts, flow_id, accept=accept, by=by, tries=tries.again())
@@ -423,8 +436,9 @@ async def _late(up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str,
     cap = cap if cap is not None or by is None else by - bound + wait.hold_cap(bound)
     if by is not None and cap is not None and by < cap:
         _let_go(up, flow_id, key)  # its slot's lock and claim let go while it waits
-        if await up.waits.until_idle(cap, mine=key):
-            return await up._place(need, facts, flow_id, accept=accept, by=cap, tries=Tries(cap=cap, claimed=True))
+        if await up.waits.until_idle(cap, mine=key, flow_id=flow_id, arrived=tries.arrived):
+            return await up._place(need, facts, flow_id, accept=accept, by=cap,
+                                   tries=Tries(cap=cap, claimed=True, arrived=tries.arrived, freed=tries.freed))
     if up.pages is not None and by is not None and not tries.last and not need.ticket.side:
         # Rule 9 for a placement: at the cap every slot still runs or awaits our work, so it waits in the server's
         # queue whichever way it goes. Sent with `id_slot: -1` it prefilled from nothing (mix-4 run L: five
@@ -434,7 +448,7 @@ async def _late(up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str,
         _let_go(up, flow_id, key)
         last = time.monotonic() + wait.hold_cap(bound)
         return await up._place(need, facts, flow_id, accept=accept, by=last,
-                               tries=Tries(cap=last, claimed=True, last=True))
+                               tries=Tries(cap=last, claimed=True, last=True, arrived=tries.arrived, freed=tries.freed))
     up.waits.sent_unplaced(flow_id)
     return up.mover.give_up(need, flow_id)
 
