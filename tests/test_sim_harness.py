@@ -385,3 +385,26 @@ def test_a_placement_held_to_the_cap_is_placed_again_pinned_and_pages_its_conver
         turn = run(VirtualClock(), lambda h=hold_for: main(h))
         assert turn.error is None and turn.meta["reason"].endswith("+paged-in"), (hold_for, turn.meta)
         assert turn.done.cache_n >= turn.done.expected > 200, (turn.done.cache_n, turn.done.expected)
+
+
+def test_a_placement_waiting_for_its_slot_takes_another_that_frees_first():
+    """`slotlogic.wait` Rule 10: a new session placed on a slot whose turn is another placement's (its paging lock
+    held 60 s) does not wait out its bound while the other slot frees after about a second (bench mix-4 runs M-T:
+    41-94 s a run with a slot idle while a request of ours waited for another). It is placed again when that slot
+    frees, and not back on the slot it let go of (still another placement's turn), and starts at once."""
+    async def main() -> tuple[Outcome, int, bool]:
+        async with Rig(Setup(slots=2, paging=True, prefill_speed=100.0, options=(("slots_wait_bound", 30),))) as rig:
+            await rig.send("a", convo("a", "task a"))   # answered: its slot idle, its claim live
+            pages = rig.proxies[0].upstream("http://127.0.0.1:8080").mover.pages
+            b = asyncio.ensure_future(rig.send("b", convo("b", "task b " * 40)))  # the empty slot, ~1 s of prefill
+            await asyncio.sleep(0.2)
+            held = next(o.done.slot for o in rig.outcomes if o.tag == "a")
+            assert await pages.hold(held, "blocker", None)  # another placement's turn on a's slot: 60 s
+            asyncio.get_running_loop().call_later(60.0, pages.unlock, "blocker")
+            c = await rig.send("c", convo("c", "task c"))  # a's slot ranks first (idle), b's is busy
+            await b
+            return c, held, "blocker" in pages.holding
+    c, held, still_held = run(VirtualClock(), main)
+    assert c.error is None and c.done is not None
+    assert c.done.started - c.started < 5.0, c.done.started - c.started  # not the 30 s bound, not the 60 s lock
+    assert still_held and c.done.slot != held

@@ -87,6 +87,10 @@ class PageRunner:
         lock = self.locks.get(slot)
         return lock is not None and lock.locked()
 
+    def locked(self) -> frozenset[int]:
+        """The slots whose lock a placement (or a copy) holds now: their next work is someone's already."""
+        return frozenset(slot for slot, lock in self.locks.items() if lock.locked())
+
     def placed(self, slot: int) -> bool:
         """A placement holds `slot`'s lock (it is about to write the slot), not merely a copy of it (`copy_out`)."""
         lock = self.locks.get(slot)

@@ -281,7 +281,8 @@ class Upstream:
         async with self.store.transaction() as state:
             if accept is not None and not accept(state, info, live):
                 return _refused(self, state, need, flow_id, claimed=tries.claimed)
-            placement = self.keeper.assign(need, state, info, live, now, self.waits.queued_chars())
+            placement = self.keeper.assign(need, state, info, live, now, self.waits.queued_chars(),
+                                           self.pages.locked() if self.pages is not None else ())
         for event in placement.events:
             self.emit(event)
         if self.pages is not None and placement.dropped_pages:
