@@ -280,9 +280,8 @@ class Keeper:
                live: Sequence[dict[str, Any]] | None, now: float, ahead: Mapping[int, Sequence[int]] | None = None,
                locked: Collection[int] = ()) -> Placement:
         """Claim a slot for `need` in `state` (the caller holds the state lock and writes it back; `ahead`: our
-        requests' prompt chars open per slot; `locked`: slots another placement's moves hold, ranked busy: a
-        placement placed again never resumes the slot it let go of while that slot is another's turn).
-        Placed again, only the new `Placement` may be pinned."""
+        requests' prompt chars open per slot; `locked`: slots other placements' moves hold, ranked busy). Placed
+        again, only the new `Placement` may be pinned (not back on a slot it let go of while that is locked)."""
         if not isinstance(need, NeedSlot):
             raise ProtocolError(f"assign takes a NeedSlot, not {type(need).__name__}")
         events = self._facts.note_server(state, info, live)
@@ -294,8 +293,7 @@ class Keeper:
         shared.keep_learned(state, self.learner.records(), now, self.settings.checkpoint_ttl_days * 86400)
         total = info.total_slots
         self._placements.drop(need.ticket.session.key)
-        pending = self.ledger.claimed_slots() | frozenset(locked)  # placements under way there: busy, as their
-        #                                                             requests soon are
+        pending = self.ledger.claimed_slots() | frozenset(locked)  # placements under way: busy, as they soon are
         before = shared.views(state, total, list(live) if live is not None else None, self._table, pending)
         ticket = replace(need.ticket, facts={"props": dict(info.raw or {}), "slots": slot_facts(live)})
         who = placement.Seeker(ticket.session.key, need.prefix, ticket.side, need.displaced_from,

@@ -198,7 +198,7 @@ class SlotMover:
         # The lock is taken even with nothing to page: a placement on this slot that is still warming its
         # prefix, or whose request has not reached the server, must finish first (a second new session would
         # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
-        held = await self._unless_freed(self.pages.hold(slot, flow_id, key, within=left(by)), watch)
+        held = await unless_freed(self, self.pages.hold(slot, flow_id, key, within=left(by)), watch)
         if held is None:
             return Moved.FREED, fence
         if not held:
@@ -208,7 +208,7 @@ class SlotMover:
         if not await self.gate.quiet(slot, within(QUIET_WAIT, by), warn=by is None):
             return gave_up, fence
         if by is not None:
-            idle = await self._unless_freed(await_idle(self, {slot}, self.stay(slot, own, by)), watch)
+            idle = await unless_freed(self, await_idle(self, {slot}, self.stay(slot, own, by)), watch)
             if idle is None:
                 return Moved.FREED, fence
             if not idle:
@@ -216,10 +216,10 @@ class SlotMover:
         fence = self.keeper.turns.turn(fence) if fence is not None else None
         # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
         # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
-        state = await self._fresh_pages(key)
+        state = await fresh_pages(self, key)
         given, stale = await self.handovers.take(slot, key, fence, state)
         if given is not None:  # the other proxy may have paged this session out before it answered (sim seed 986)
-            await self._fresh_pages(key)
+            await fresh_pages(self, key)
         given = given or self.keeper.turns.handed_with(slot)  # handed over to an earlier plan that went stale
         if stale or not self.keeper.turns.fence_holds(fence):  # we handed the slot on since our claim: place it again
             assert fence is not None
@@ -307,35 +307,6 @@ class SlotMover:
             return Moved.OWN, self.keeper.turns.slot_written(fence, Holds.PAGE, key, out.restored_tokens)
         moved = Moved.PREFIX if plan.seed.prefix else Moved.SEED
         return moved, self.keeper.turns.slot_written(fence, Holds.SEED, key, 0, over=Cause.SEED_OVER_OWNER)
-
-    async def _unless_freed(self, waiting: Awaitable[bool], watch: tuple[int, str, str, float] | None) -> bool | None:
-        """`waiting`'s answer, unless another slot frees first (`freed`, Rule 10): None then, and `waiting` is
-        called off (a paging lock it took meanwhile is let go with the placement: `stopped`)."""
-        if watch is None or self.freed is None:
-            return await waiting
-        mine, other = asyncio.ensure_future(waiting), asyncio.ensure_future(self.freed(*watch))
-        try:
-            await asyncio.wait({mine, other}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            other.cancel()
-            if not mine.done():
-                mine.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await mine
-        return None if mine.cancelled() else mine.result()
-
-    async def _fresh_pages(self, key: str) -> shared.ServerState:
-        """With the slot's lock held: the page index as the store has it now (another proxy, of this machine's
-        state dir or of a shared store, may have paged this session out since its placement was decided),
-        waiting a little while its page is being written (recorded, not saved yet: simulator seed 984, a page
-        saved by the other proxy in the same millisecond). Returns the state last read (its epochs fence moves)."""
-        deadline = time.monotonic() + REMOTE_SETTLE
-        state = await self.store.fresh()
-        while self.keeper.pager.pages_seen(state, key, time.time(), REMOTE_SETTLE) and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-            state = await self.store.fresh()
-        self.keeper.outcomes.emptied_elsewhere(state, key)
-        return state
 
     async def record_pages(self, plan: PagePlan, out: PageOutcome) -> None:
         """The page index after a paging step, in the state file; the files it drops deleted."""
@@ -435,3 +406,35 @@ def unrecorded_files(pages: PageRunner, state_dir: Path, own_state: str) -> dict
             for name in shared.from_dict(store_file.read_document(path), "").pages.values():
                 files.pop(name.file, None)
     return files
+
+
+async def fresh_pages(mover: SlotMover, key: str) -> shared.ServerState:
+    """With the slot's lock held: the page index as the store has it now (another proxy, of this machine's
+    state dir or of a shared store, may have paged this session out since its placement was decided),
+    waiting a little while its page is being written (recorded, not saved yet: simulator seed 984, a page
+    saved by the other proxy in the same millisecond). Returns the state last read (its epochs fence moves)."""
+    deadline = time.monotonic() + REMOTE_SETTLE
+    state = await mover.store.fresh()
+    while mover.keeper.pager.pages_seen(state, key, time.time(), REMOTE_SETTLE) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        state = await mover.store.fresh()
+    mover.keeper.outcomes.emptied_elsewhere(state, key)
+    return state
+
+
+async def unless_freed(mover: SlotMover, waiting: Awaitable[bool], watch: tuple[int, str, str, float] | None
+                       ) -> bool | None:
+    """`waiting`'s answer, unless another slot frees first (`SlotMover.freed`, Rule 10): None then, and `waiting`
+    is called off (a paging lock it took meanwhile is let go with the placement: `SlotMover.stopped`)."""
+    if watch is None or mover.freed is None:
+        return await waiting
+    mine, other = asyncio.ensure_future(waiting), asyncio.ensure_future(mover.freed(*watch))
+    try:
+        await asyncio.wait({mine, other}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        other.cancel()
+        if not mine.done():
+            mine.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await mine
+    return None if mine.cancelled() else mine.result()

@@ -297,12 +297,8 @@ class Upstream:
         # A side call takes its turn on the slot too: a placement may be under way there (its holder is paged
         # out first, once its request reached the server).
         moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id, by, tries.watch())
-        if moved is Moved.LATE:  # its bound passed before its slot was ours to write: nothing moved
-            return await _late(self, need, facts, flow_id, accept, by, tries)
-        if moved is Moved.FREED:  # another slot freed while it waited for this one: ranked again (Rule 10)
-            _let_go(self, flow_id, key)
-            return await self._place(need, facts, flow_id, accept=accept, by=by,
-                                     tries=replace(tries, claimed=True, freed=tries.freed - 1))
+        if moved in (Moved.LATE, Moved.FREED):  # its bound passed, or another slot freed, before this one was ours
+            return await _late(self, need, facts, flow_id, accept, by, tries, freed=moved is Moved.FREED)
         if moved is Moved.STALE and tries.retries > 0:  # another claim of the slot came first: place it again
             self.mover.stopped(flow_id)
             return await self._place(need, facts, flow_id, accept=accept, by=by, tries=tries.again())
@@ -350,7 +346,7 @@ class Upstream:
             self.emit(event)
         if ticket.learn is not None:  # affinity: a learned slot is a new claim for the state file
             if ticket.learn is Learn.SLOTS and not self.offline and obs.error_type is None:
-                self.tasks.spawn(self._learn_from_slots(ticket, obs))
+                self.tasks.spawn(_learn_from_slots(self, ticket, obs))
             self.kick()
         if ticket.unpinned in wait.UNPINNED and not self.offline and obs.error_type is None:
             self.tasks.spawn(self.waits.ran_unpinned(ticket, obs))
@@ -363,10 +359,6 @@ class Upstream:
             self.emit(PageRejected(self.url, report.slot, check))
             self.tasks.spawn(drop_page(self.mover, ticket.session.key, page.file))
         return report
-
-    async def _learn_from_slots(self, ticket: Ticket, obs: Observation) -> None:
-        if await self.prober.learn_slot(ticket, obs):
-            self.kick()
 
     def start(self) -> None:
         """At proxy start, before clients come (or at the first request): in the background, once, what can only
@@ -417,6 +409,12 @@ class Upstream:
         await self.client.aclose()
 
 
+async def _learn_from_slots(up: Upstream, ticket: Ticket, obs: Observation) -> None:
+    """Affinity: the slot the server chose for a pending request, read from `/slots` after its answer."""
+    if await up.prober.learn_slot(ticket, obs):
+        up.kick()
+
+
 def _refused(up: Upstream, state: shared.ServerState, need: NeedSlot, flow_id: str, *, claimed: bool) -> None:
     """The pool's `accept` refused this server, and the request goes to another. A try made here before
     (placed again after its bound, or after a stale plan) claimed a slot and entered the session in the table:
@@ -428,12 +426,17 @@ def _refused(up: Upstream, state: shared.ServerState, need: NeedSlot, flow_id: s
 
 
 async def _late(up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str, accept: Accept | None,
-                by: float | None, tries: Tries) -> Any:
+                by: float | None, tries: Tries, *, freed: bool = False) -> Any:
     """A placement whose bound passed before its slot was ours to write, nothing moved: it lets go of its slot
     (two waiting placements never keep the one slot that could run either from each other) and is placed again
     once a slot runs nothing of ours, within the hold's cap (`hold_cap` from its arrival); else it goes as the
-    client sent it (`slotlogic.wait`, Rules 7 and 8)."""
+    client sent it (`slotlogic.wait`, Rules 7 and 8). `freed`: within its bound, another slot freed while it
+    waited for this one: it lets go and is placed again now (Rule 10)."""
     bound, key, cap = up.settings.wait_bound, need.ticket.session.key, tries.cap
+    if freed:
+        _let_go(up, flow_id, key)
+        return await up._place(need, facts, flow_id, accept=accept, by=by,
+                               tries=replace(tries, claimed=True, freed=tries.freed - 1))
     cap = cap if cap is not None or by is None else by - bound + wait.hold_cap(bound)
     if by is not None and cap is not None and by < cap:
         _let_go(up, flow_id, key)  # its slot's lock and claim let go while it waits
