@@ -592,3 +592,45 @@ async def _two_sessions_on_two_slots(tmp_path, bound: float):
         up.answered(pin.ticket, Observation(cache_n=0, prompt_n=300), path="/v1/chat/completions", seconds=1.0)
         firsts[name] = pin
     return up, client, slots, firsts
+
+
+def _waits_on(total: int) -> SlotWaits:
+    from slotlogic import shared
+    from slotlogic.keeper import Keeper
+    from slotlogic.server import ServerInfo
+    from slotlogic.settings import Settings
+    keeper = Keeper(Settings(), "http://up")
+    keeper.facts.note_server(shared.ServerState("http://up"), ServerInfo(total_slots=total, media_marker="m1"))
+    return SlotWaits(keeper=keeper, bound=lambda: 30.0)
+
+
+async def test_a_slot_that_frees_goes_to_the_placement_waiting_longest():
+    """Rule 10: two placements wait for slots of their own (0 and 1) while slot 2 runs a request of ours; when
+    slot 2 frees, the one that came first is told, the other keeps waiting; a slot already idle when a wait
+    begins does not end it (the ranking saw it then)."""
+    waits = _waits_on(4)
+    waits.entered(2, "running", 100, "s")
+    old = asyncio.create_task(waits.freed(0, "old", "a", arrived=1.0))
+    young = asyncio.create_task(waits.freed(1, "young", "b", arrived=2.0))
+    await asyncio.sleep(0.01)
+    assert waits.placing == {"old": 1.0, "young": 2.0}  # slot 3 is idle already: neither is told of it
+    waits.left("running")
+    assert await asyncio.wait_for(old, 1.0) == 2
+    await asyncio.sleep(0.01)
+    assert not young.done() and waits.placing == {"young": 2.0}
+    young.cancel()
+
+
+async def test_a_placement_past_its_bound_waits_for_the_slot_an_older_one_is_not_placed_on():
+    """Rule 8 under Rule 10's order: with one slot idle and an older placement waiting too, a younger one past
+    its bound is not placed again on that slot; it is once a second slot runs nothing of ours."""
+    waits = _waits_on(2)
+    waits.entered(0, "running", 100, "s")
+    older = asyncio.create_task(waits.freed(0, "older", "a", arrived=1.0))
+    await asyncio.sleep(0.01)
+    assert not await waits.until_idle(waits.clock() + 0.05, mine="b", flow_id="younger", arrived=2.0)
+    assert await waits.until_idle(waits.clock() + 0.05, mine="b")  # not ordered (no arrival): slot 1 is idle
+    waits.left("running")
+    assert await asyncio.wait_for(waits.until_idle(waits.clock() + 1.0, mine="b", flow_id="younger", arrived=2.0),
+                                  1.0)
+    older.cancel()

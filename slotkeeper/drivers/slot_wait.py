@@ -20,6 +20,7 @@ from slotlogic.decisions import Pin, Ticket
 from slotlogic.keeper import Keeper
 
 Clock = Callable[[], float]
+TOLD_FOR = 5.0  # seconds a slot a waiting placement was told of is left to it (it claims it within moments)
 MAX_UNPLACED = 4096  # open flows of ours sent with `id_slot: -1` that are remembered (each ends with `left`)
 TICK = 0.001  # seconds: a hold never waits less. A remainder under the clock's resolution (a virtual clock's float,
 #               a coarse monotonic clock) leaves the clock where it was, and the hold would decide again for ever
@@ -42,6 +43,7 @@ class SlotWaits:
         self.keeper, self.bound, self.released, self.slots = keeper, bound, released, slots
         self.take = take  # makes a free slot this process's to write (the shared state); None: it always is
         self.placing: dict[str, float] = {}  # flow -> arrival (this clock): placements waiting for a slot (Rule 10)
+        self.told: dict[int, float] = {}  # slot -> when a waiting placement was told it freed (it claims it next)
 
     def entered(self, slot: int, flow_id: str, chars: int, session: str = "") -> None:
         """A request pinned to `slot` leaves the proxy now."""
@@ -160,6 +162,7 @@ class SlotWaits:
                 now = self._idle_set(slot, mine)
                 new = now - seen
                 if new and self._spare(new, flow_id) > 0:
+                    self.told[min(new)] = self.clock()
                     return min(new)
                 seen = now
 
@@ -176,9 +179,14 @@ class SlotWaits:
             self.placing.pop(flow_id, None)
 
     def _idle_set(self, avoid: int | None, mine: str) -> frozenset[int]:
+        """Idle slots (`Turns.idle_set`) less those a placement was told of a moment ago: it is placed again
+        there (its claim comes after a `/slots` look), and the next waiter must not be told of it too."""
         if self.keeper is None:
             return frozenset()
-        return self.keeper.turns.idle_set(avoid, [s for s, flows in self.open.items() if flows], mine)
+        now = self.clock()
+        self.told = {s: t for s, t in self.told.items() if now - t < TOLD_FOR}
+        idle = self.keeper.turns.idle_set(avoid, [s for s, flows in self.open.items() if flows], mine)
+        return idle - self.told.keys()
 
     def _spare(self, idle: frozenset[int], flow_id: str) -> int:
         """How many of the `idle` slots are left for this placement: less those our requests sent with
