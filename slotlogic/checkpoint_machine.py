@@ -24,7 +24,9 @@ VERIFY_DIVERGENT: the prefix plus a non-empty user message must show `cache_n > 
           loudly and keep the restore (a rebuild would produce the same state).
           Both gates run once per file and server process: a file that passed them on this process, unchanged
           since, restored to the same token count again (`verified_tokens`), is DONE at RESTORING (each gate
-          prefills a few tokens: about 12 per restore, a few % of an agent workload's limit).
+          prefills a few tokens: about 12 per restore, a few % of an agent workload's limit, and waits its turn in
+          the server's batch loop). A file the driver saved itself on that process, from the slot it had just
+          warmed, counts as passed (`slotkeeper.drivers.checkpoint_runner`).
 WARMING → SAVING when persistence is on, else DONE. SAVING failure (501: no --slot-save-path) → DONE with
           a warning; the slot is warm anyway.
 """

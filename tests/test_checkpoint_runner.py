@@ -140,8 +140,10 @@ class FilingServer(ScriptedServer):
 
 
 async def test_a_file_verified_on_this_server_process_is_restored_again_without_the_gates(tmp_path):
-    """The restore gates (the warm-up re-sent, then a divergent probe) prefill about 12 tokens a restore: once
-    per file and server process is enough, until the server restarts (a new media_marker) or the file changes."""
+    """The restore gates (the warm-up re-sent, then a divergent probe) prefill about 12 tokens a restore, and
+    each waits its turn in the server's batch loop (behind another slot's long prefill, 10-15 s a turn): once per
+    file and server process is enough, until the server restarts (a new media_marker) or the file changes. A file
+    the runner saved itself on this server process, from the slot it had just warmed, needs none."""
     save = tmp_path / "slots"
     save.mkdir()
     server = FilingServer(save)
@@ -155,13 +157,12 @@ async def test_a_file_verified_on_this_server_process_is_restored_again_without_
         return len([c for c in server.calls if c == ("chat", slot)])
 
     assert (await m.prepare(0, PREFIX, info, holds_prefix=False)).outcome is Outcome.WARMED_SAVED
-    verified = await m.prepare(1, PREFIX, info, holds_prefix=False)
-    assert verified.outcome is Outcome.RESTORED and gates(1) == 2 and verified.verified
-    again = await m.prepare(2, PREFIX, info, holds_prefix=False)
-    assert again.outcome is Outcome.RESTORED and gates(2) == 0 and again.spent_prefill == 0
-    assert ("restore", 2) in server.calls and not again.verified
+    own = await m.prepare(1, PREFIX, info, holds_prefix=False)
+    assert own.outcome is Outcome.RESTORED and gates(1) == 0 and own.spent_prefill == 0
+    assert ("restore", 1) in server.calls and not own.verified
     restarted = ServerInfo.parse(props | {"media_marker": "two"})  # same file, a new server process
-    assert (await m.prepare(3, PREFIX, restarted, holds_prefix=False)).outcome is Outcome.RESTORED and gates(3) == 2
+    verified = await m.prepare(3, PREFIX, restarted, holds_prefix=False)
+    assert verified.outcome is Outcome.RESTORED and gates(3) == 2 and verified.verified
     assert (await m.prepare(4, PREFIX, restarted, holds_prefix=False)).outcome is Outcome.RESTORED and gates(4) == 0
     (name,) = [p.name for p in save.iterdir()]
     (save / name).write_bytes(b"kv" * 101)  # rewritten since it was verified

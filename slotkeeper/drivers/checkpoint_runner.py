@@ -187,9 +187,15 @@ class CheckpointRunner:
         return tokens if marker == info.media_marker and stamp == self._stamp(name) else None
 
     def _remember_verified(self, name: str, info: ServerInfo, orch: Orchestrator) -> None:
+        """A file that passed both gates on this server process, or that this runner saved there itself from
+        the slot it had just warmed, is restored without them until it or the process changes: each gate is a
+        request that waits its turn in the server's batch loop, and behind another slot's long prefill each
+        turn took 10-15 s (bench mix-4: a prefix restore took 47 s behind an 8,826-token warm-up)."""
         stamp = self._stamp(name)
-        if orch.verified and info.media_marker and orch.restored_tokens is not None and stamp is not None:
-            self.verified[name] = (info.media_marker, stamp, orch.restored_tokens)
+        tokens = orch.restored_tokens if orch.verified else \
+            orch.saved_tokens if orch.outcome is Outcome.WARMED_SAVED else None
+        if info.media_marker and tokens is not None and stamp is not None:
+            self.verified[name] = (info.media_marker, stamp, tokens)
             self.verified.move_to_end(name)
             while len(self.verified) > KNOWN_PREFIXES:
                 self.verified.popitem(last=False)
