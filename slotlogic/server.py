@@ -115,6 +115,12 @@ def probe_slot(live: Sequence[Mapping[str, Any]]) -> int | None:
     return 0
 
 
+def ended_on(live: Sequence[dict[str, Any]], slot: int) -> list[dict[str, Any]]:
+    """`/slots` with `slot` idle: the request that ran there has ended (its answer came, or its client left), and
+    the server frees the slot at its next step, which `/slots` read a moment earlier may not show yet."""
+    return [{**e, "is_processing": False} if isinstance(e, dict) and e.get("id") == slot else e for e in live]
+
+
 def running(live: Sequence[object], slot: int) -> bool:
     """`/slots` says `slot` runs a request now: a slot action sent there would wait in the server's queue."""
     return any(isinstance(e, Mapping) and e.get("id") == slot and e.get("is_processing") is True for e in live)

@@ -81,3 +81,62 @@ def test_with_every_slot_busy_a_new_session_waits_for_the_slot_that_frees_first(
     reasons = [x["reason"] for x in records]
     assert len(records) == 4 and reasons[2] == "all-busy-shortest-wait", reasons
     assert records[2]["slot"] == records[1]["slot"] != records[3]["slot"]  # behind Bravo's 120, not Alpha's 1500
+
+
+def test_a_new_session_waiting_for_one_slot_takes_the_other_when_that_frees_first(tmp_path):
+    """`slotlogic.wait` Rule 10 on a real server: by `/slots`, Alpha's slot frees first (under 2,000 tokens left
+    against Bravo's 3,000), but Bravo's client gives up after a few seconds and the server drops its task.
+    Charlie, placed on Alpha's slot and waiting for it to go idle (with a save dir no slot action is sent to a
+    running slot), is placed again on Bravo's slot as soon as that one frees, and is answered while Alpha still
+    runs (before Rule 10 it waited for Alpha's whole generation)."""
+    save = tmp_path / "save"
+    save.mkdir()
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
+            "slots_wait_bound": 300, "slots_save_dir": str(save), "slots_prefix_cache": "off"}
+    with LlamaServer(slots=2, ctx_per_slot=4096, threads=1, slot_save_path=str(save),
+                     log_path=str(tmp_path / "s.log")) as srv, \
+            MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
+        warm = "You are a warm-up. " + " ".join(f"Rule {i}: answer briefly and stay on topic." for i in range(30))
+        assert httpx.post(px.url + "/v1/chat/completions", timeout=120,
+                          json=chat(warm, "Say hi.", max_tokens=8)).status_code == 200
+        done: dict[str, float] = {}
+
+        def run(name: str, system: str, tokens: int, give_up: float | None = None) -> None:
+            body = chat(system, "Count from one to one thousand.", max_tokens=tokens, ignore_eos=True)
+            if give_up is None:
+                r = httpx.post(px.url + "/v1/chat/completions", json=body, timeout=600)
+                done[name] = time.monotonic() if r.status_code == 200 else -1.0
+                return
+            # streamed, so the server notices at its next chunk when the client has gone, and drops the task (a
+            # request that is not streamed runs to its end)
+            until = time.monotonic() + give_up
+            with httpx.stream("POST", px.url + "/v1/chat/completions", json=body | {"stream": True},
+                              timeout=60) as r:
+                for _ in r.iter_lines():
+                    if time.monotonic() > until:
+                        break
+            done[name] = -time.monotonic()
+
+        long = threading.Thread(target=run, args=("long", "You are agent Alpha, a careful counter.", 2000))
+        long.start()
+        deadline = time.monotonic() + 120
+        while not decoding(srv.url) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        short = threading.Thread(target=run, args=("short", "You are agent Bravo, a quick counter.", 3000, 8.0))
+        short.start()
+        while len(decoding(srv.url)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(decoding(srv.url)) == 2, "both slots should be generating"
+        r = httpx.post(px.url + "/v1/chat/completions", timeout=300,
+                       json=chat("You are agent Charlie, new here.", "Name one colour.", max_tokens=4))
+        charlie = time.monotonic()
+        assert r.status_code == 200
+        short.join(60)
+        alpha_running = "long" not in done
+        long.join(600)
+        records = [x for x in jsonl(tmp_path / "req.jsonl") if "reason" in x]
+    assert done["short"] < 0 and -done["short"] <= charlie  # Bravo's client gave up before Charlie's answer
+    assert alpha_running, "Charlie was answered only after Alpha's generation: it waited for Alpha's slot"
+    answered = [x for x in records if x.get("error") is None]  # the warm-up, Charlie, Alpha, in the order they ended
+    assert len(answered) == 3 and answered[1]["slot"] != answered[2]["slot"], \
+        [(x["reason"], x["slot"], x.get("error")) for x in records]

@@ -1,6 +1,6 @@
 """`/props` and `/slots` parsed in one place, tolerant of anything."""
 
-from slotlogic.server import ServerInfo, parse_slots, slot_facts
+from slotlogic.server import ServerInfo, ended_on, parse_slots, running, slot_facts
 
 PROPS = {"total_slots": 4, "media_marker": "<m>", "build_info": "b1", "model_path": "/m.gguf",
          "default_generation_settings": {"n_ctx": 8192, "params": {"temperature": 0.8}}, "chat_template": "x" * 99}
@@ -25,3 +25,12 @@ def test_slots():
     assert parse_slots([{"id": 0}]) == [{"id": 0}]
     assert parse_slots({"error": "501"}) is None and parse_slots([1]) is None and slot_facts(None) is None
     assert slot_facts([{"id": 0, "n_prompt_tokens": 5, "params": {}}]) == [{"id": 0, "n_prompt_tokens": 5}]
+
+
+def test_a_slot_whose_request_just_ended_reads_idle_whatever_slots_said_a_moment_before():
+    """`slotlogic.wait` Rule 10: a placement told that a slot freed (our request there ended) is ranked again with
+    that slot idle; `/slots` read a moment later may still show the task the server is about to drop."""
+    live = [{"id": 0, "is_processing": True, "n_prompt_tokens": 40}, {"id": 1, "is_processing": True}]
+    after = ended_on(live, 0)
+    assert not running(after, 0) and running(after, 1) and after[0]["n_prompt_tokens"] == 40
+    assert running(live, 0)  # the answer read is left as it was

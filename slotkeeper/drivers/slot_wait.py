@@ -43,7 +43,7 @@ class SlotWaits:
         self.keeper, self.bound, self.released, self.slots = keeper, bound, released, slots
         self.take = take  # makes a free slot this process's to write (the shared state); None: it always is
         self.placing: dict[str, float] = {}  # flow -> arrival (this clock): placements waiting for a slot (Rule 10)
-        self.told: dict[int, float] = {}  # slot -> when a waiting placement was told it freed (it claims it next)
+        self.told: dict[int, tuple[float, str]] = {}  # slot -> when, and which waiting placement, was told it freed
 
     def entered(self, slot: int, flow_id: str, chars: int, session: str = "") -> None:
         """A request pinned to `slot` leaves the proxy now."""
@@ -162,7 +162,7 @@ class SlotWaits:
                 now = self._idle_set(slot, mine)
                 new = now - seen
                 if new and self._spare(new, flow_id) > 0:
-                    self.told[min(new)] = self.clock()
+                    self.told[min(new)] = (self.clock(), flow_id)
                     return min(new)
                 seen = now
 
@@ -184,9 +184,15 @@ class SlotWaits:
         if self.keeper is None:
             return frozenset()
         now = self.clock()
-        self.told = {s: t for s, t in self.told.items() if now - t < TOLD_FOR}
+        self.told = {s: (t, f) for s, (t, f) in self.told.items() if now - t < TOLD_FOR}
         idle = self.keeper.turns.idle_set(avoid, [s for s, flows in self.open.items() if flows], mine)
         return idle - self.told.keys()
+
+    def told_to(self, flow_id: str) -> int | None:
+        """The slot this waiting placement was just told freed (Rule 10), if any: our request there ended, so
+        the server frees it at its next step even if `/slots` still shows it running a moment longer."""
+        now = self.clock()
+        return next((s for s, (t, f) in self.told.items() if f == flow_id and now - t < TOLD_FOR), None)
 
     def _spare(self, idle: frozenset[int], flow_id: str) -> int:
         """How many of the `idle` slots are left for this placement: less those our requests sent with

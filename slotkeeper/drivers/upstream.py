@@ -52,7 +52,7 @@ from slotkeeper.drivers.state_sync import StateSync
 from slotkeeper.drivers.store import StateStore
 from slotkeeper.drivers.store_file import StateFile
 from slotkeeper.drivers.tasks import Tasks
-from slotlogic import shared, wait
+from slotlogic import server, shared, wait
 from slotlogic.affinity import Learn
 from slotlogic.answers import Observation
 from slotlogic.decisions import Decision, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
@@ -268,6 +268,8 @@ class Upstream:
         else:
             self.auth.learn(facts.fields)
             props, live = asked if asked is not None else await self.prober.ask()
+            if live is not None and (told := self.waits.told_to(flow_id)) is not None:  # Rule 10
+                live = server.ended_on(live, told)
         info = self.prober.server_info(props)
         if info is not None and not self.offline:
             self.prober.seen(info)
@@ -379,14 +381,11 @@ class Upstream:
 
     async def status(self) -> dict[str, Any]:
         """The status view, from a fresh read of the state file (in a worker thread)."""
-        return self._status(await self.store.aread())
+        return status_view(self.keeper, self.model, self.settings, await self.store.aread())
 
     def status_now(self) -> dict[str, Any]:
         """The status view from memory (the state as of the last transaction): for sync callers."""
-        return self._status(self.store.last)
-
-    def _status(self, state: shared.ServerState) -> dict[str, Any]:
-        return status_view(self.keeper, self.model, self.settings, state)
+        return status_view(self.keeper, self.model, self.settings, self.store.last)
 
     async def settle(self) -> None:
         """Wait for the background work a command or an answer started (tests, shutdown)."""
