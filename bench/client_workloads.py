@@ -171,7 +171,11 @@ def read_flows(path: Path) -> list[Request]:
         except ValueError:
             body = None
         resp = fl.response
-        end = (resp.timestamp_end if resp is not None and resp.timestamp_end else None) or fl.request.timestamp_start
+        # a failed request (its client gone, a cut stream) lasted until its error: counted from its start to 0 s, the
+        # side-call p95 left out a title call OpenCode gave up on after 92 s (bench mix-4, stock)
+        failed_at = fl.error.timestamp if fl.error is not None and fl.error.timestamp else None
+        end = (resp.timestamp_end if resp is not None and resp.timestamp_end else None) or failed_at \
+            or fl.request.timestamp_start
         error = None
         if fl.error is not None:
             error = "transport"

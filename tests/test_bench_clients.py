@@ -197,3 +197,18 @@ def test_checkpoint_steps_and_warm_up_come_from_the_proxy_log(tmp_path: Path):
     stack = Stack("http://p", "http://s", log)
     assert stack.checkpoint_steps() == {"warmed-saved": 2, "hit": 1} and stack.proxy_prefill() == 3828
     assert Stack("http://p", "http://s").checkpoint_steps() == {}
+
+
+def test_a_request_whose_client_gave_up_lasted_until_its_error(tmp_path: Path):
+    """A side call the client gave up on after 92 s (bench mix-4, stock) counted 0 s in the side-call p95."""
+    from mitmproxy.flow import Error
+
+    path = tmp_path / "f.mitm"
+    with path.open("wb") as fp:
+        fl = tflow.tflow(req=http.Request.make("POST", "http://127.0.0.1:8080/v1/chat/completions", b"{}"))
+        fl.request.timestamp_start = 100.0
+        fl.error = Error("Client disconnected.", timestamp=191.8)
+        fl.metadata["slotkeeper"] = {"session": "s", "side": True, "cache_n": None, "prompt_n": None}
+        io.FlowWriter(fp).add(fl)
+    (got,) = cw.read_flows(path)
+    assert got.error == "transport" and got.end - got.start == pytest.approx(91.8)
