@@ -35,6 +35,26 @@ def decoding(url: str) -> set[int]:
     return out
 
 
+def both_generating(url: str, long: threading.Thread, short: threading.Thread) -> None:
+    """Alpha is started, then Bravo once Alpha generates: both slots generate when this returns."""
+    long.start()
+    deadline = time.monotonic() + 120
+    while not decoding(url) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    short.start()
+    while len(decoding(url)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(decoding(url)) == 2, "both slots should be generating"
+
+
+def ask_charlie(proxy_url: str) -> float:
+    """A new session's short request through the proxy; when its answer came."""
+    r = httpx.post(proxy_url + "/v1/chat/completions", timeout=300,
+                   json=chat("You are agent Charlie, new here.", "Name one colour.", max_tokens=4))
+    assert r.status_code == 200
+    return time.monotonic()
+
+
 def test_with_every_slot_busy_a_new_session_waits_for_the_slot_that_frees_first(tmp_path):
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
             "slots_wait_bound": 60}
@@ -59,19 +79,9 @@ def test_with_every_slot_busy_a_new_session_waits_for_the_slot_that_frees_first(
         # at one speed, so Alpha runs ~150-200 tokens past its start by then (500: a margin of 2.5x whatever
         # the machine's speed; 1,500 only made the test wait ~15 s longer for Alpha's end)
         long = threading.Thread(target=run, args=("long", "You are agent Alpha, a careful counter.", 500))
-        long.start()
-        deadline = time.monotonic() + 120
-        while not decoding(srv.url) and time.monotonic() < deadline:
-            time.sleep(0.2)
         short = threading.Thread(target=run, args=("short", "You are agent Bravo, a quick counter.", 120))
-        short.start()
-        while len(decoding(srv.url)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(decoding(srv.url)) == 2, "both slots should be generating"
-        r = httpx.post(px.url + "/v1/chat/completions", timeout=300,
-                       json=chat("You are agent Charlie, new here.", "Name one colour.", max_tokens=4))
-        charlie = time.monotonic()
-        assert r.status_code == 200
+        both_generating(srv.url, long, short)
+        charlie = ask_charlie(px.url)
         assert "long" not in done, "answered only after the long generation: queued behind it"
         long.join(600)
         short.join(60)
@@ -118,19 +128,9 @@ def test_a_new_session_waiting_for_one_slot_takes_the_other_when_that_frees_firs
             done[name] = -time.monotonic()
 
         long = threading.Thread(target=run, args=("long", "You are agent Alpha, a careful counter.", 2000))
-        long.start()
-        deadline = time.monotonic() + 120
-        while not decoding(srv.url) and time.monotonic() < deadline:
-            time.sleep(0.2)
         short = threading.Thread(target=run, args=("short", "You are agent Bravo, a quick counter.", 3000, 8.0))
-        short.start()
-        while len(decoding(srv.url)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(decoding(srv.url)) == 2, "both slots should be generating"
-        r = httpx.post(px.url + "/v1/chat/completions", timeout=300,
-                       json=chat("You are agent Charlie, new here.", "Name one colour.", max_tokens=4))
-        charlie = time.monotonic()
-        assert r.status_code == 200
+        both_generating(srv.url, long, short)
+        charlie = ask_charlie(px.url)
         short.join(60)
         alpha_running = "long" not in done
         long.join(600)
