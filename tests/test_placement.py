@@ -163,3 +163,19 @@ def test_work_left_reads_a_busy_slot_s_entry():
     assert work_left({"id": 0, "is_processing": True, "n_prompt_tokens": True, "n_prompt_tokens_processed": 0},
                      1.0) is None
     assert work_left(None, 1.0) is None
+
+
+def test_a_slot_with_a_request_of_ours_open_ranks_busy_before_slots_shows_it_running():
+    """A known session's turn sent to slot 1 a moment ago (not yet `is_processing`): a new session placed now does
+    not take that slot as an idle one (its owner is the colder) and page the session out under its own request;
+    it takes slot 0."""
+    state = st.ServerState("u", total_slots=2)
+    st.claim(state, "a", 0, 10.0)
+    st.claim(state, "b", 1, 5.0)  # the colder owner: ranked first among claimed idle slots without the rule
+    live = [{"id": 0, "is_processing": False, "n_prompt_tokens": 900}, {"id": 1, "is_processing": False,
+                                                                          "n_prompt_tokens": 900}]
+    seen = placement.SlotsSeen(live, 2, ahead={1: (4000,)})
+    choice = placement.assign(Settings(), state, placement.Seeker("new", None), seen, 20.0)
+    assert choice.slot == 0
+    views = placement.waits(st.views(state, 2, live), seen, None, 0)
+    assert views[1].busy and views[1].wait_tokens == 1000 and not views[0].busy
