@@ -194,3 +194,16 @@ def test_a_slot_the_other_proxys_page_out_finds_emptied_is_labelled_idle_clearin
     state (`emptied`), and our placement of the session reads it before moving anything."""
     result = run_seed(seed)
     assert result.miscalled == 0 and any(x.cause == "idle-clear" for x in result.losses)
+
+
+@pytest.mark.parametrize("seed", [1369, 2689, 2918])
+def test_seeds_a_placement_placed_again_found_lose_nothing(seed):
+    """Found by a 3,000-seed sweep once a waiting placement is placed again when another slot frees
+    (`slotlogic.wait` Rule 10), each losing 40-67 tokens without a label. Seeds 1369 and 2689: a displaced
+    session's live copy of its own conversation was refused because another placement was paging that slot out;
+    its page, recorded a moment later, was then dropped as "not a seed" and the turn ran without it
+    (`seed_pages.seed_from_its_page`). Seed 2918 (two proxies): a placement past its bound was placed again on a
+    slot the other proxy writes, which looked idle here, and paged a session in over that proxy's turn queued on
+    it; a slot only counts as idle for Rules 8 and 10 when this proxy writes it."""
+    result = run_seed(seed)
+    assert result.error is None and result.lost == 0, [(x.tag, x.tokens, x.cause) for x in result.losses]

@@ -50,7 +50,10 @@ async def seed_from_its_page(mover: SlotMover, ask: PageAsk, plan: PagePlan, out
         await mover.pages.settled(source, left(by))
     again = mover.keeper.pager.page_plan(replace(ask, sent=mover.pages.last_sent.get(ask.slot),
                                                  ours=mover.gate.last_started.get(ask.slot)))
-    if again.seed is None or again.seed.source != source or again.seed.slot is not None \
+    # the seed was the session's own live conversation: its page is then planned as its own, not as a seed
+    # (simulator seed 1369: dropped, and the turn ran without 40 tokens of its conversation)
+    own = source == ask.session_key and again.seed is None and again.restore_for == source
+    if (not own and (again.seed is None or again.seed.source != source or again.seed.slot is not None)) \
             or again.restore_file is None or not mover.keeper.turns.fence_holds(fence):
         return plan, out
     return await _restore_only(mover, plan, again, out, record=True)

@@ -179,14 +179,17 @@ class SlotWaits:
             self.placing.pop(flow_id, None)
 
     def _idle_set(self, avoid: int | None, mine: str) -> frozenset[int]:
-        """Idle slots (`Turns.idle_set`) less those a placement was told of a moment ago: it is placed again
-        there (its claim comes after a `/slots` look), and the next waiter must not be told of it too."""
+        """Idle slots (`Turns.idle_set`) that this process writes, less those a placement was told of a moment
+        ago: it is placed again there (its claim comes after a `/slots` look), and the next waiter must not be
+        told of it too. A slot another live proxy writes runs requests this one does not see, so its looking
+        idle here is no sign that it is (simulator seed 2918, two proxies: a placement past its bound placed
+        again there paged a session in over the other proxy's turn queued on it)."""
         if self.keeper is None:
             return frozenset()
         now = self.clock()
         self.told = {s: (t, f) for s, (t, f) in self.told.items() if now - t < TOLD_FOR}
         idle = self.keeper.turns.idle_set(avoid, [s for s, flows in self.open.items() if flows], mine)
-        return idle - self.told.keys()
+        return frozenset(s for s in idle if s not in self.told and self.keeper.turns.writes(s))
 
     def told_to(self, flow_id: str) -> int | None:
         """The slot this waiting placement was just told freed (Rule 10), if any: our request there ended, so
