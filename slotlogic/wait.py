@@ -59,7 +59,10 @@ Rule 10: a placement's slot is a forecast, and a slot it did not expect may free
         its slot (its paging lock, or its slot still running, within its bound) is placed again when another
         slot frees that was not free when its wait began (`idle_set` grows), and the placement held longest
         goes first: while it is placed again it is the oldest, and a younger one's turn waits. A placement past
-        its bound (Rule 8) is placed again under the same order. Only a slot this proxy writes counts as freed
+        its bound (Rule 8) is placed again under the same order. It moves only once it has waited as long as
+        prefilling its own prompt would take: until then what its slot holds or will hold for it may be worth the
+        wait (bench subagents seed 9: moved at once, a subagent warmed 393 tokens of its family's prefix up cold,
+        1.07x its limit against 1.01-1.02x). Only a slot this proxy writes counts as freed
         (or, for Rule 8, idle): one another live proxy writes runs requests this proxy does not see. (bench
         mix-4 runs M-T: for 41-94 s of each run a slot was idle while a request of ours waited for another;
         stock: 12-16 s.)

@@ -151,20 +151,24 @@ class SlotWaits:
                     await asyncio.wait_for(self._change().wait(), left)
         return True
 
-    async def freed(self, slot: int, flow_id: str, mine: str, arrived: float) -> int:
+    async def freed(self, slot: int, flow_id: str, mine: str, arrived: float, after: float = 0.0) -> int:
         """While a placement waits for `slot` (its paging lock, or the slot still running): returns a slot that
         freed elsewhere since this wait began (it runs nothing of ours and no placement but `mine`'s), once the
-        placements that came earlier and wait too have had theirs (Rule 10). Never returns without a keeper."""
+        placements that came earlier and wait too have had theirs, and not before `after` seconds from its
+        arrival (Rule 10). Never returns without a keeper."""
         with self._waiting(flow_id, arrived):
             seen = self._idle_set(slot, mine)
+            early = arrived + after - self.clock()
+            if early > 0:
+                await asyncio.sleep(early)
             while True:
-                await self._change().wait()
                 now = self._idle_set(slot, mine)
                 new = now - seen
                 if new and self._spare(new, flow_id) > 0:
                     self.told[min(new)] = (self.clock(), flow_id)
                     return min(new)
                 seen = now
+                await self._change().wait()
 
     @contextlib.contextmanager
     def _waiting(self, flow_id: str, arrived: float | None) -> Iterator[None]:
