@@ -172,6 +172,16 @@ class SourceAwaited(Event):
 
 
 @dataclass(frozen=True)
+class FreedFirst(Event):
+    """A placement waiting for its slot is placed again because another slot freed first (`slotlogic.wait`,
+    Rule 10): the JSON-lines log's record of it (the request's own line shows where it ran)."""
+
+    session: str    # a short digest
+    slot: int | None  # the slot that freed (None: not known any more)
+    waited: float     # seconds since the request arrived
+
+
+@dataclass(frozen=True)
 class HandedOver(Event):
     """A slot changed hands between two proxies sharing the state (`slotlogic.handover`): as the taker, how long
     its placement waited for the giver's answer (`answered`: it came; else it moved in without); as the giver,

@@ -474,6 +474,9 @@ def event_record(event: ev.Event) -> dict[str, Any] | None:
     if isinstance(event, ev.HandedOver):
         return {"kind": "handover", "upstream": event.upstream, "slot": event.slot, "seconds": round(event.seconds, 3),
                 "answered": event.answered, "role": "giver" if event.giver else "taker", "session": event.session}
+    if isinstance(event, ev.FreedFirst):
+        return {"kind": "freed-first", "upstream": event.upstream, "session": event.session, "slot": event.slot,
+                "waited": round(event.waited, 3)}
     if isinstance(event, ev.SourceAwaited):
         return {"kind": "source-wait", "upstream": event.upstream, "slot": event.slot, "source": event.source,
                 "seconds": round(event.seconds, 3), "idle": event.idle, "server": event.server}

@@ -137,6 +137,8 @@ def test_a_new_session_waiting_for_one_slot_takes_the_other_when_that_frees_firs
         records = [x for x in jsonl(tmp_path / "req.jsonl") if "reason" in x]
     assert done["short"] < 0 and -done["short"] <= charlie  # Bravo's client gave up before Charlie's answer
     assert alpha_running, "Charlie was answered only after Alpha's generation: it waited for Alpha's slot"
+    freed = [x for x in jsonl(tmp_path / "req.jsonl") if x.get("kind") == "freed-first"]
+    assert [x["slot"] for x in freed] == [1 - records[-1]["slot"]]  # placed again once, on the slot that freed
     answered = [x for x in records if x.get("error") is None]  # the warm-up, Charlie, Alpha, in the order they ended
     assert len(answered) == 3 and answered[1]["slot"] != answered[2]["slot"], \
         [(x["reason"], x["slot"], x.get("error")) for x in records]

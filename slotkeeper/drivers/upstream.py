@@ -58,6 +58,7 @@ from slotlogic.answers import Observation
 from slotlogic.decisions import Decision, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
 from slotlogic.events import (
     Event,
+    FreedFirst,
     NoPrefixMarker,
     NoSlotsEndpoint,
     PageRejected,
@@ -433,6 +434,8 @@ async def _late(up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str,
     waited for this one: it lets go and is placed again now (Rule 10)."""
     bound, key, cap = up.settings.wait_bound, need.ticket.session.key, tries.cap
     if freed:
+        up.emit(FreedFirst(up.url, need.ticket.session.short, up.waits.told_to(flow_id),
+                           time.monotonic() - (tries.arrived or time.monotonic())))
         _let_go(up, flow_id, key)
         return await up._place(need, facts, flow_id, accept=accept, by=by,
                                tries=replace(tries, claimed=True, freed=tries.freed - 1))
