@@ -272,12 +272,9 @@ class Turns:
         return wait.free_slot(self.ledger, self.table, self.host.total_slots, avoid, busy,
                               writable=lambda s: not self.handing_over(s))
 
-    def idle_slots(self, avoid: int | None, busy: Collection[int], mine: str = "") -> int:
-        """Slots other than `avoid` that run nothing of ours and no placement but `mine`'s (`slotlogic.wait`)."""
-        return wait.idle_slots(self.ledger, self.host.total_slots, avoid, busy, mine)
-
     def idle_set(self, avoid: int | None, busy: Collection[int], mine: str = "") -> frozenset[int]:
-        """Which slots `idle_slots` counts (a waiting placement watches for one to free: `slotlogic.wait`)."""
+        """Slots other than `avoid` that run nothing of ours and no placement but `mine`'s (`slotlogic.wait`,
+        Rules 8 and 10)."""
         return wait.idle_set(self.ledger, self.host.total_slots, avoid, busy, mine)
 
     def writes(self, slot: int) -> bool:

@@ -125,11 +125,9 @@ class SlotWaits:
 
     def idle(self, avoid: int | None = None, mine: str = "") -> bool:
         """Some slot other than `avoid` runs nothing of ours and no placement but `mine`'s, beyond those our
-        requests sent with `id_slot: -1` will take (`slotlogic.wait`, Rule 8)."""
-        if self.keeper is None:
-            return True
-        busy = [s for s, flows in self.open.items() if flows]
-        return self.keeper.turns.idle_slots(avoid, busy, mine) > len(self.unplaced)
+        requests sent with `id_slot: -1` will take (`slotlogic.wait`, Rule 8), counted as a waiting placement
+        counts them (`_idle_set`, `_spare`)."""
+        return self._spare(self._idle_set(avoid, mine), "") > 0
 
     def sent_unplaced(self, flow_id: str) -> None:
         """A request of ours goes out with `id_slot: -1`: it takes the first slot that frees (until `left`)."""
