@@ -301,7 +301,7 @@ class Upstream:
         # out first, once its request reached the server).
         moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id, by, tries.watch())
         if moved in (Moved.LATE, Moved.FREED):  # its bound passed, or another slot freed, before this one was ours
-            return await _late(self, need, facts, flow_id, accept, by, tries, freed=moved is Moved.FREED)
+            return await (_freed if moved is Moved.FREED else _late)(self, need, facts, flow_id, accept, by, tries)
         if moved is Moved.STALE and tries.retries > 0:  # another claim of the slot came first: place it again
             self.mover.stopped(flow_id)
             return await self._place(need, facts, flow_id, accept=accept, by=by, tries=tries.again())
@@ -425,20 +425,24 @@ def _refused(up: Upstream, state: shared.ServerState, need: NeedSlot, flow_id: s
         up.abandon(need.ticket, flow_id)
 
 
+async def _freed(up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str, accept: Accept | None,
+                 by: float | None, tries: Tries) -> Any:
+    """Another slot freed while the placement waited for its own, nothing moved: it lets go of its slot and is
+    placed again now, within the same bound (`slotlogic.wait`, Rule 10)."""
+    up.emit(FreedFirst(up.url, need.ticket.session.short, up.waits.told_to(flow_id),
+                       time.monotonic() - (tries.arrived or time.monotonic())))
+    _let_go(up, flow_id, need.ticket.session.key)
+    return await up._place(need, facts, flow_id, accept=accept, by=by,
+                           tries=replace(tries, claimed=True, freed=tries.freed - 1))
+
+
 async def _late(up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str, accept: Accept | None,
-                by: float | None, tries: Tries, *, freed: bool = False) -> Any:
+                by: float | None, tries: Tries) -> Any:
     """A placement whose bound passed before its slot was ours to write, nothing moved: it lets go of its slot
     (two waiting placements never keep the one slot that could run either from each other) and is placed again
     once a slot runs nothing of ours, within the hold's cap (`hold_cap` from its arrival); else it goes as the
-    client sent it (`slotlogic.wait`, Rules 7 and 8). `freed`: within its bound, another slot freed while it
-    waited for this one: it lets go and is placed again now (Rule 10)."""
+    client sent it (`slotlogic.wait`, Rules 7 and 8)."""
     bound, key, cap = up.settings.wait_bound, need.ticket.session.key, tries.cap
-    if freed:
-        up.emit(FreedFirst(up.url, need.ticket.session.short, up.waits.told_to(flow_id),
-                           time.monotonic() - (tries.arrived or time.monotonic())))
-        _let_go(up, flow_id, key)
-        return await up._place(need, facts, flow_id, accept=accept, by=by,
-                               tries=replace(tries, claimed=True, freed=tries.freed - 1))
     cap = cap if cap is not None or by is None else by - bound + wait.hold_cap(bound)
     if by is not None and cap is not None and by < cap:
         _let_go(up, flow_id, key)  # its slot's lock and claim let go while it waits
