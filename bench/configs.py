@@ -131,9 +131,13 @@ class Stack:
         records = (json.loads(line) for line in self.proxy_log.read_text().splitlines())
         return [rec for rec in records if rec.get("kind") == kind]
 
+    def proxy_prefills(self) -> list[int]:
+        """Tokens the proxy itself made the server prefill, per call (checkpoint warm-ups and verification
+        probes; each prefills a prefix from the start of an erased slot)."""
+        return [rec.get("prompt_n") or 0 for rec in self._proxy_events("checkpoint")]
+
     def proxy_prefill(self) -> int:
-        """Tokens the proxy itself made the server prefill (checkpoint warm-ups and verification probes)."""
-        return sum(rec.get("prompt_n") or 0 for rec in self._proxy_events("checkpoint"))
+        return sum(self.proxy_prefills())
 
     def checkpoint_steps(self) -> dict[str, int]:
         """The proxy's prefix-checkpoint steps by outcome (warmed-saved, restored, hit, ...)."""

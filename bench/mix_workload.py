@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import limit, loss
+from bench import limit, loss, work
 from bench.client_workloads import (
     MAX_TOKENS,
     N_PREDICT,
@@ -120,7 +120,7 @@ def run_config(name: str, mix: Mix, cfg: BenchConfig, log_dir: Path, threads: in
         requests = read_flows(flows)
         render(server.url, requests)  # each request's rendered length, for the mismatch check
         own = render(server.url, requests, strip_billing=True)
-    return summary(cfg.name, requests, done, wall, lost, own, warmup=stack.proxy_prefill())
+    return summary(cfg.name, requests, done, wall, lost, own, warmup=stack.proxy_prefills())
 
 
 def _p95(values: Sequence[float]) -> float | None:
@@ -135,16 +135,24 @@ def failed(r: Request) -> bool:
 
 
 def summary(config: str, requests: Sequence[Request], done: Sequence[TurnDone], wall: float,
-            lost: Any, tokens: Sequence[Sequence[int]] = (), *, warmup: int = 0) -> dict[str, Any]:
+            lost: Any, tokens: Sequence[Sequence[int]] = (), *, warmup: Sequence[int] = (),
+            depth: float = work.DEPTH_TOKENS) -> dict[str, Any]:
     """One configuration's row; `tokens`: its requests' rendered prompts in start order (empty where one could
     not be rendered: then no limit, as a limit over part of the requests would flatter the ratio); `warmup`: the
-    tokens the proxy's own checkpoint warm-ups and probes prefilled (counted in `prefill`: no configuration
-    hides work)."""
+    tokens of each of the proxy's own checkpoint warm-ups and probes (counted in `prefill`: no configuration
+    hides work). `work` weighs every prefilled token by its depth (bench/work.py), the limit's too: the ratio
+    a wall time can reach at most when prefill is what the server spends its time on."""
     side = [r for r in requests if r.side]
-    prefill = sum(r.prompt_n or 0 for r in requests) + warmup
-    lim = sum(limit.new_tokens(tokens)) if tokens and all(tokens) and len(tokens) == len(requests) else None
-    return {"config": config, "requests": len(requests), "prefill": prefill, "warmup": warmup,
+    prefill = sum(r.prompt_n or 0 for r in requests) + sum(warmup)
+    done_work = work.served_work([(r.cache_n or 0, r.prompt_n) for r in requests if r.prompt_n], depth) + \
+        sum(work.span(0, n, depth) for n in warmup)
+    new = limit.new_tokens(tokens) if tokens and all(tokens) and len(tokens) == len(requests) else None
+    lim = sum(new) if new else None
+    lim_work = work.limit_work(tokens, new, depth) if new else None
+    return {"config": config, "requests": len(requests), "prefill": prefill, "warmup": sum(warmup),
             "limit": lim, "x_limit": round(prefill / lim, 3) if lim else None,
+            "work": round(done_work), "limit_work": round(lim_work) if lim_work else None,
+            "x_limit_work": round(done_work / lim_work, 3) if lim_work else None, "depth": depth,
             "unrendered": sum(1 for t in tokens if not t), "mismatches": len(mismatches(requests)),
             "cached": sum(r.cache_n or 0 for r in requests), "wall_s": round(wall, 1),
             "errors": sum(1 for r in requests if failed(r)),
@@ -172,12 +180,20 @@ def run_workload(name: str, config_names: Sequence[str], configs: dict[str, Benc
     return rows
 
 
+def _k(v: float | None) -> str:
+    return f"{v / 1000:,.0f}" if v else "-"
+
+
+def _x(v: float | None) -> str:
+    return f"{v:.2f}" if v else "-"
+
+
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The mix rows; `lost` is the proxy's loss meter (every session's and side-call home's tokens it had and
     lost, `unlabelled` its cause-unknown part; `-` without a proxy)."""
-    head = ("| workload | config | requests | prefill | of which warm-up | limit | x limit | wall s | error lines | "
-            "side calls | side prefill | side p95 s | turns failed | lost | lost unlabelled |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| workload | config | requests | prefill | of which warm-up | limit | x limit | work k | limit work k | "
+            "x limit work | wall s | error lines | side calls | side prefill | side p95 s | turns failed | lost | "
+            "lost unlabelled |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         p95 = f"{r['side_p95_s']:.1f}" if r["side_p95_s"] is not None else "-"
@@ -186,6 +202,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         lim, ratio = r.get("limit"), r.get("x_limit")
         lines.append(f"| {r['workload']} | {r['config']} | {r['requests']} | {r['prefill']:,} | "
                      f"{r.get('warmup', 0):,} | {f'{lim:,}' if lim else '-'} | {f'{ratio:.2f}' if ratio else '-'} | "
+                     f"{_k(r.get('work'))} | {_k(r.get('limit_work'))} | {_x(r.get('x_limit_work'))} | "
                      f"{r['wall_s']:.0f} | "
                      f"{r['errors']} | {r['side_calls']} | {r['side_prefill']:,} | {p95} | "
                      f"{r['turns_failed']}/{r['turns']} | {total} | {unknown} |")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bench import work
 from bench.client_workloads import Request
 from bench.mix_workload import MIXES, TurnDone, summary, table
 
@@ -20,8 +21,8 @@ def test_the_summary_counts_prefill_errors_and_side_calls():
         1030, 600, 2, 2, 120)
     assert row["side_p95_s"] == 6 and row["turns_failed"] == 1 and row["error_kinds"] == ["client-gone", "http-500"]
     unmetered = table([{"workload": "mix-3", **row}])
-    assert "| mix-3 | auto | 5 | 1,030 | 0 | - | - | 42 | 2 | 2 | 120 | 6.0 | 1/2 | - | - |" in unmetered
-    warmed = summary("auto", requests, turns, 42.0, None, warmup=8_826)  # the proxy's own warm-ups count too
+    assert "| mix-3 | auto | 5 | 1,030 | 0 | - | - | 1 | - | - | 42 | 2 | 2 | 120 | 6.0 | 1/2 | - | - |" in unmetered
+    warmed = summary("auto", requests, turns, 42.0, None, warmup=[8_000, 826])  # the proxy's own warm-ups count too
     assert (warmed["prefill"], warmed["warmup"]) == (1030 + 8_826, 8_826)
     assert "| 9,856 | 8,826 |" in table([{"workload": "mix-3", **warmed}])
     metered = {**row, "proxy_lost": {"total": 1200, "unknown": 7, "by_cause": {}}}
@@ -43,6 +44,24 @@ def test_each_run_has_its_own_limit_from_its_rendered_prompts_and_none_when_one_
               system + [1000 + i for i in range(20)] + [3000, 3001]]
     row = summary("auto", requests, [], 10.0, None, tokens)
     assert (row["limit"], row["x_limit"], row["unrendered"]) == (100 + 20 + 2, round(220 / 122, 3), 0)
-    assert "| 220 | 0 | 122 | 1.80 | 10 |" in table([{"workload": "mix-4", **row}])
+    assert "| 220 | 0 | 122 | 1.80 |" in table([{"workload": "mix-4", **row}])
     partial = summary("auto", requests, [], 10.0, None, [tokens[0], [], tokens[2]])
     assert (partial["limit"], partial["x_limit"], partial["unrendered"]) == (None, None, 1)
+
+
+def test_work_weighs_each_prefilled_token_by_its_depth_and_so_does_the_limit():
+    """A token deep in a context costs more than one at its start. Re-prefilling a displaced conversation
+    repeats its cheap start, while its deep new tail costs the same with or without a hit: so the work a
+    stock run wastes is a smaller share than its tokens say. A run at its token limit is at its work limit."""
+    depth = 1000.0
+    assert work.span(0, 1000, depth) == 1000 + 500 and work.span(500, 500, depth) == 0
+    assert work.span(9000, 10_000, depth) == 1000 + (10_000**2 - 9000**2) / 2000  # 10.5x a token at the start
+    turn1, turn2 = list(range(4000)), list(range(8000))  # one conversation: its second turn extends its first
+    tokens = [turn1, turn2]
+    at_limit = summary("auto", [req(0, 1, 4000, 0), req(1, 2, 4000, 4000)], [], 10.0, None, tokens, depth=depth)
+    stock = summary("stock", [req(0, 1, 4000, 0), req(1, 2, 8000, 0)], [], 10.0, None, tokens, depth=depth)
+    assert at_limit["x_limit_work"] == 1.0 and at_limit["work"] == at_limit["limit_work"] == 40_000
+    assert (stock["x_limit"], stock["work"], stock["x_limit_work"]) == (1.5, 52_000, 1.3)
+    warm = summary("auto", [req(0, 1, 4000, 0), req(1, 2, 4000, 4000)], [], 10.0, None, tokens, warmup=[2000],
+                   depth=depth)
+    assert warm["work"] == 40_000 + work.span(0, 2000, depth)  # the proxy's warm-ups from an erased slot
