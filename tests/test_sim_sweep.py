@@ -207,3 +207,19 @@ def test_seeds_a_placement_placed_again_found_lose_nothing(seed):
     it; a slot only counts as idle for Rules 8 and 10 when this proxy writes it."""
     result = run_seed(seed)
     assert result.error is None and result.lost == 0, [(x.tag, x.tokens, x.cause) for x in result.losses]
+
+
+@pytest.mark.parametrize("seed", [2, 3, 140, 264, 1333])
+def test_a_server_whose_props_and_slots_time_out_loses_nothing(seed):
+    """On a loaded machine llama-server answered `/props` past the proxy's 3 s time-out (bench mix-4 on 2
+    cores: a new session was then pinned by hash onto a slot in the middle of another
+    placement's prefix warm-up, and the prefix file saved that session's conversation). The sweep's stalls
+    (`Rig.stall`) found three causes: seeds 2 and 3, the hash fallback writing over a live session of a server
+    this process knew (now placed with its last `/props`); 140 and 264, a server never heard from sent requests
+    unpinned onto other sessions' slots (now asked again up to the hold's cap); 1333, a slot read as empty
+    while `/slots` hung, a prefix restored over the conversation it held (now the ledger says what it holds)."""
+    from bench.sim.traffic import shape_for
+
+    assert shape_for(seed).stalls
+    result = run_seed(seed)
+    assert result.error is None and result.lost == 0, [(x.tag, x.tokens, x.cause, x.why) for x in result.losses]

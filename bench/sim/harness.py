@@ -229,6 +229,11 @@ class Rig:
         s = self.servers[server_url(server)]
         s.restart(build=f"b{s.generation + 2}-sim" if new_build else None)
 
+    def stall(self, server: int, seconds: float) -> None:
+        """`/props` and `/slots` of `server` time out for `seconds` from now (a loaded machine's server)."""
+        s = self.servers[server_url(server)]
+        s.meta_stalled_until = max(s.meta_stalled_until, s.now() + seconds)
+
     async def settle(self) -> None:
         for p in self.proxies:
             for up in list(p.rt.upstreams.values()):

@@ -179,6 +179,7 @@ class SimServer:
         self.left: dict[str, list[int]] = {}   # tag -> what its last completed request left in its slot
         self.left_before: dict[int, list[int]] = {}  # task -> its tag's left-over when it started
         self.restarts: list[float] = []
+        self.meta_stalled_until = 0.0  # loop time until which `/props` and `/slots` time out (Rig.stall)
 
     # ------------------------------------------------------------------------------------------- clock
 

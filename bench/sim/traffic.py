@@ -46,13 +46,16 @@ class Shape:
     system_words: int = 120
     output_words: tuple[int, int] = (20, 90)
     restarts: tuple[tuple[float, int, bool], ...] = ()  # (at, server, new build)
+    # (at, seconds, server): its `/props` and `/slots` answer only after the proxy's time-out, as a
+    # llama-server on a loaded machine did (bench mix-4 on 2 cores)
+    stalls: tuple[tuple[float, float, int], ...] = ()
 
     def describe(self) -> str:
         s = self.setup
         return (f"seed={self.seed} servers={s.servers} slots={s.slots} paging={s.paging} proxies={s.proxies} "
                 f"prefill={s.prefill_speed:.0f}tok/s {''.join(f'{k}={v} ' for k, v in s.options)}"
                 f"unified={s.unified} ttl={s.ttl} sessions={len(self.sessions)} "
-                f"requests={self.requests} restarts={len(self.restarts)}")
+                f"requests={self.requests} restarts={len(self.restarts)} stalls={len(self.stalls)}")
 
     @property
     def requests(self) -> int:
@@ -89,7 +92,11 @@ def shape_from_seed(seed: int, *, max_sessions: int = 6, load: bool = True) -> S
     if rng.random() < 0.15 and load:  # a loaded server: prefills outlast the bound (held requests, Rules 3-9)
         setup = replace(setup, prefill_speed=rng.uniform(60, 300),
                         options=(("slots_wait_bound", rng.choice((1, 2, 5))),))
-    return Shape(seed, setup, tuple(sessions), system_words=system_words, restarts=restarts)
+    # From a generator of their own, so the shapes drawn before stalls existed stay as they were.
+    srng = random.Random(seed * 7 + 0x5A17)
+    stalls = tuple((srng.uniform(0, 10), srng.uniform(3, 40), srng.randrange(servers))
+                   for _ in range(srng.randint(1, 2))) if srng.random() < 0.25 else ()
+    return Shape(seed, setup, tuple(sessions), system_words=system_words, restarts=restarts, stalls=stalls)
 
 
 def issue_shape(seed: int, servers: int = 1, slots: int = 4, prefill_speed: float = 150.0) -> Shape:
@@ -192,7 +199,12 @@ async def play(rig: Rig, shape: Shape) -> None:
         rig.restart(server, new_build=new_build)
 
     jobs = [_session(rig, shape, texts, i, x, side) for i, x in enumerate(shape.sessions)]
+    async def stall(at: float, seconds: float, server: int) -> None:
+        await asyncio.sleep(at)
+        rig.stall(server, seconds)
+
     jobs += [restart(*r) for r in shape.restarts]
+    jobs += [stall(*x) for x in shape.stalls]
     await asyncio.gather(*jobs)
     await asyncio.gather(*side)
     await rig.settle()

@@ -2,16 +2,20 @@
 drivers' calls (`slotkeeper.drivers.llama_http.LlamaClient(url, transport=...)`) from a `SimServer`, as llama-server's
 HTTP routes would: `/health`, `/props`, `/slots`, `POST /slots/{id}?action=save|restore|erase` and the
 completion routes (non-streamed: the drivers never stream). A restart while a call waits is a dropped
-connection (`httpx.ReadError`)."""
+connection (`httpx.ReadError`); a stall (`Rig.stall`) makes `/props` and `/slots` time out, as a
+llama-server's did on a loaded machine (bench mix-4 on 2 cores)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import httpx
 
 from bench.sim.llama import Down, SimServer, answer_body
+
+META_TIMEOUT = 3.0  # slotkeeper.drivers.llama_http's time-out for `/props` and `/slots`
 
 
 def _error(status: int, message: str) -> httpx.Response:
@@ -26,6 +30,9 @@ def transport(server: SimServer) -> httpx.MockTransport:
     async def handle(request: httpx.Request) -> httpx.Response:
         path, method = request.url.path, request.method
         if method == "GET":
+            if path in ("/props", "/slots") and server.now() < server.meta_stalled_until:
+                await asyncio.sleep(META_TIMEOUT)  # the proxy's own time-out for these, then the timeout itself
+                raise httpx.ReadTimeout("the server answers past the time-out", request=request)
             if path == "/health":
                 return _json(200, {"status": "ok"})
             if path == "/props":
