@@ -274,7 +274,10 @@ class Pager:
         session's conversation with the same prefix, or this session's own (it comes back to a slot nobody
         took since, its memory entry expired): a restore would replace that conversation with the prefix."""
         key = need.ticket.session.key
-        if (view.n_tokens or 0) <= 0:
+        # `/slots` did not answer (a loaded machine answers it past its time-out): what the ledger says the slot
+        # holds. Read as empty, the slot got a prefix restored over the conversation it still held (sim seed 1333).
+        held = view.n_tokens if view.n_tokens is not None else self.ledger.entry(view.id).tokens
+        if (held or 0) <= 0:
             return False
         holder = self.table.dispatched.get(view.id) or view.owner
         prefix = view.prefix

@@ -155,6 +155,9 @@ def note(n: Note) -> str:
         return f"warm-up done: prompt_n={n.tokens} cache_n={n.cached}"
     if k is NoteKind.SAVED:
         return f"SAVED {n.filename}: n_saved={n.tokens}"
+    if k is NoteKind.SAVE_MISMATCH:
+        return (f"SAVED {n.filename} held n_saved={n.tokens}, not the {n.cached} tokens the warm-up left (another "
+                "request ran on the slot in between): file deleted")
     return f"save failed ({failure(n.failure)}); the slot is warm, nothing persisted"
 
 
@@ -185,7 +188,7 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
     ev.SlotShared: lambda e: (Level.INFO, f"session {e.session} shares slot {e.slot} with an earlier session of "
                                           "another proxy while a slot is free: its next request is placed again"),
     ev.SlotsSlow: lambda e: (Level.WARNING, f"{e.upstream} {e.endpoint} did not answer in time: new sessions "
-                                            f"decide without it for {e.seconds:.0f} s"),
+                                            f"are placed with its last answer for {e.seconds:.0f} s"),
     ev.PagingLockTimeout: lambda e: (Level.WARNING, f"paging lock of slot {e.slot} not released within "
                                                     f"{e.seconds:.0f} s; going ahead without paging"),
     ev.SourceAwaited: lambda e: (Level.INFO, f"slot {e.slot} waited {_secs(e.seconds)} for slot {e.source}"

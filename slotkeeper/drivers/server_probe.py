@@ -10,6 +10,7 @@ change means is the core's (`Keeper.props_seen`, `Keeper.note_server`).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from slotlogic.settings import AnthropicMode, Settings
 PROBE_TIMEOUT = 30.0
 SLOW = 1.0          # seconds: a /props or /slots that failed after this long hung (the timeout is 3 s)
 BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the background probe may clear it)
+ASK_AGAIN = 1.0     # seconds between look-ups of a patient `ask` (a server with no facts yet)
 Facts = tuple[dict[str, Any] | None, list[dict[str, Any]] | None]   # `/props` and `/slots` as asked
 
 
@@ -52,25 +54,34 @@ class ServerProbe:
         self.unloaded = False
         self.last_probe = 0.0
         self._hung: dict[str, float] = {}          # endpoint -> monotonic time until which it is not asked
+        self._slow: dict[str, bool] = {}           # endpoint -> its last look-up hung (rather than was refused)
         self._last_live: list[dict[str, Any]] | None = None  # the last /slots answer (counts for a hung /slots)
         self._messages_probing = False   # the /v1/messages probe is running or has answered
         self._unified_told = False       # idle-slot clearing explained once
         self._clearing_shared: str | None = None  # the server process whose idle clearing the state was told of
 
-    async def ask(self) -> Facts:
-        """`/props` and, when it answered, `/slots` (an endpoint that hung lately is not asked)."""
+    async def ask(self, until: float | None = None) -> Facts:
+        """`/props` and, when it answered, `/slots` (an endpoint that hung lately is not asked). `until`: a
+        monotonic time up to which a `/props` that hangs is asked again, for a server this process has no facts
+        of yet (without them a request cannot be placed through a slot's plan); one that refuses is not."""
         props = await self._ask("/props", self.client.props)
+        while props is None and until is not None and self._slow.get("/props") and time.monotonic() < until:
+            await asyncio.sleep(ASK_AGAIN)
+            props = await self._ask("/props", self.client.props, again=True)
         return props, (await self.live_slots() if props is not None else None)
 
-    async def _ask(self, endpoint: str, call: Callable[[], Any]) -> Any:
-        """One look-up, unless the endpoint hung lately: then None at once (the caller falls back)."""
+    async def _ask(self, endpoint: str, call: Callable[[], Any], *, again: bool = False) -> Any:
+        """One look-up, unless the endpoint hung lately (and this is not a patient `ask`): then None at once
+        (the caller falls back)."""
         now = time.monotonic()
-        if self._hung.get(endpoint, 0.0) > now:
+        if self._hung.get(endpoint, 0.0) > now and not again:
             return None
         answer = await call()
-        if answer is None and time.monotonic() - now >= SLOW:
-            self._hung[endpoint] = time.monotonic() + BACKOFF
+        self._slow[endpoint] = answer is None and time.monotonic() - now >= SLOW
+        if self._slow[endpoint] and self._hung.get(endpoint, 0.0) <= now:  # not told within this back-off
             self.emit(SlotsSlow(self.url, endpoint, BACKOFF))
+        if self._slow[endpoint]:
+            self._hung[endpoint] = time.monotonic() + BACKOFF
         elif answer is not None:
             self._hung.pop(endpoint, None)
         return answer
