@@ -41,6 +41,7 @@ from typing import Any
 from slotlogic.prefix import StablePrefix
 
 PROBE_USER = "Reply with OK."
+SAVE_SLACK = 2  # tokens a save may hold beyond what the warm-up left (the server's own bookkeeping)
 
 
 class Phase(Enum):
@@ -88,6 +89,7 @@ class NoteKind(Enum):
     WARMED = "warmed"
     SAVED = "saved"
     SAVE_FAILED = "save-failed"
+    SAVE_MISMATCH = "save-mismatch"  # the file holds another count than the warm-up left: another request ran
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,8 @@ class Orchestrator:
     divergent: tuple[int, int] | None = None
     missing_save_path: bool = False
     file_bad: bool = False
+    warmed_to: int | None = None                      # tokens the slot held after the warm-up (cache_n + prompt_n)
+    save_mismatch: bool = False                       # the save held something else: the file must go
 
     def __post_init__(self) -> None:
         if self.holds_prefix:
@@ -345,12 +349,23 @@ class Orchestrator:
             self.outcome = Outcome.FAILED
             return Verdict.FAIL
         self.spent_prefill += t[1]
+        self.warmed_to = t[0] + t[1]
         self._note(NoteKind.WARMED, tokens=t[1], cached=t[0])
         return Verdict.OK
 
     def _on_saving(self, r: Result) -> Verdict:
+        saved = _int(r.data, "n_saved") if r.ok else None
+        if saved is not None and self.warmed_to is not None and not \
+                self.warmed_to <= saved <= self.warmed_to + SAVE_SLACK:
+            # Another request ran on the slot between the warm-up and the save (bench mix-4: a session pinned
+            # outside the slot's plan; the file named for one client's prefix held another client's
+            # conversation, and was then restored without its gates as a file this runner had saved itself).
+            self.file_bad = self.save_mismatch = True
+            self._note(NoteKind.SAVE_MISMATCH, filename=self.filename, tokens=saved, cached=self.warmed_to)
+            self.outcome = Outcome.WARMED
+            return Verdict.FAIL
         if r.ok:
-            self.saved_tokens = _int(r.data, "n_saved")
+            self.saved_tokens = saved
             self._note(NoteKind.SAVED, filename=self.filename, tokens=self.saved_tokens)
             self.outcome = Outcome.WARMED_SAVED
             return Verdict.OK

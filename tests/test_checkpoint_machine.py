@@ -18,6 +18,10 @@ SAVED = Result(200, {"id_slot": 1, "filename": "f.bin", "n_saved": 291, "n_writt
 ERASED = Result(200, {"id_slot": 1, "n_erased": 291})
 
 
+def saved(n):
+    return Result(200, {"id_slot": 1, "filename": "f.bin", "n_saved": n, "n_written": n * 23_056})
+
+
 def chat(cache_n, prompt_n):
     return Result(200, {"choices": [], "timings": {"cache_n": cache_n, "prompt_n": prompt_n}})
 
@@ -67,6 +71,18 @@ def test_restore_400_falls_back_to_cold_build_and_save():
     assert any(line.startswith("no checkpoint (restore HTTP 400") for line in lines(o))
 
 
+def test_a_save_holding_other_than_the_warm_up_left_is_not_kept():
+    """Another request ran on the slot between the warm-up and the save: the file holds its conversation under
+    the prefix's name, so it is not a checkpoint (the runner deletes it) and nothing trusts it later."""
+    o = Orchestrator(1, P, "f.bin", persist=True)
+    other = Result(200, {"id_slot": 1, "filename": "f.bin", "n_saved": 3049, "n_written": 70_298_524})
+    assert run(o, [chat(5, 7835), other]) == ["warm", "save"]
+    assert o.outcome is Outcome.WARMED and o.save_mismatch and o.file_bad and o.saved_tokens is None
+    assert lines(o)[-1].startswith("SAVED f.bin held n_saved=3049, not the 7840 tokens the warm-up left")
+    same = Orchestrator(1, P, "f.bin", persist=True)
+    assert run(same, [chat(0, 291), SAVED]) == ["warm", "save"] and same.outcome is Outcome.WARMED_SAVED
+
+
 def test_no_save_path_is_reported_and_warm_slot_kept():
     o = Orchestrator(1, P, "f.bin", persist=True, file_known=True)
     assert run(o, [NO_SAVE_PATH, chat(0, 291), NO_SAVE_PATH]) == ["restore", "warm", "save"]
@@ -114,11 +130,11 @@ def test_a_cold_prefix_is_built_on_the_shorter_one_it_starts_with():
     difference (subagents of two families, 2 servers: 925 of 930 tokens prefilled before); a failed restore of
     the base only costs the warm-up it would have paid anyway."""
     o = Orchestrator(1, P, "f.bin", persist=True, base="base.bin")
-    kinds = run(o, [RESTORED, chat(774, 156), SAVED])
+    kinds = run(o, [RESTORED, chat(774, 156), saved(930)])
     assert kinds == ["restore", "warm", "save"] and o.outcome is Outcome.WARMED_SAVED and o.spent_prefill == 156
     assert any(line.startswith("RESTORE base.bin first") for line in lines(o))
     failed = Orchestrator(1, P, "f.bin", persist=True, base="base.bin")
-    assert run(failed, [RESTORE_400, chat(0, 930), SAVED]) == ["restore", "warm", "save"]
+    assert run(failed, [RESTORE_400, chat(0, 930), saved(930)]) == ["restore", "warm", "save"]
     assert run(Orchestrator(1, P, "f.bin", persist=False, base="base.bin"), [chat(0, 930)]) == ["warm"]
 
 
@@ -127,7 +143,7 @@ def test_a_cold_prefix_on_a_copy_of_a_conversation_that_starts_with_it_is_warmed
     more), then the shared base was restored over that copy and the family's 262 environment tokens prefilled
     again; on the copy the warm-up reuses all of it."""
     o = Orchestrator(1, P, "f.bin", persist=True, base="base.bin", copied=True)
-    kinds = run(o, [chat(923, 1), SAVED])
+    kinds = run(o, [chat(923, 1), saved(924)])
     assert kinds == ["warm", "save"] and o.outcome is Outcome.WARMED_SAVED and o.spent_prefill == 1
 
 

@@ -167,3 +167,30 @@ async def test_a_file_verified_on_this_server_process_is_restored_again_without_
     (name,) = [p.name for p in save.iterdir()]
     (save / name).write_bytes(b"kv" * 101)  # rewritten since it was verified
     assert (await m.prepare(5, PREFIX, restarted, holds_prefix=False)).outcome is Outcome.RESTORED and gates(5) == 2
+
+
+async def test_a_save_that_holds_another_conversation_is_deleted_and_never_restored(tmp_path):
+    """Another request ran on the slot between the warm-up and the save (its count is not the warm-up's): the
+    file under the prefix's name holds that conversation, so it leaves the save dir and the index, and the next
+    session of the prefix warms it up again instead of restoring it."""
+
+    class Overwritten(ScriptedServer):
+        async def post_json(self, path: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
+            status, data = await super().post_json(path, body, timeout)
+            if path.endswith("action=save"):
+                (save_dir / body["filename"]).write_bytes(b"another conversation")
+                self.saves = getattr(self, "saves", 0) + 1
+                return status, {"n_saved": 3049} if self.saves == 1 else data
+            return status, data
+
+    save_dir = tmp_path / "slots"
+    save_dir.mkdir()
+    server = Overwritten()
+    m = CheckpointRunner(server, tmp_path, Settings(checkpoints=CheckpointMode.DISK, save_dir=str(save_dir)),
+                         [].append)  # type: ignore[arg-type]
+    first = await m.prepare(0, PREFIX, PROPS, holds_prefix=False)
+    assert first.outcome is Outcome.WARMED and first.save_mismatch
+    assert list(save_dir.iterdir()) == [] and m.read_index() in ({}, None)
+    server.calls.clear()
+    again = await m.prepare(1, PREFIX, PROPS, holds_prefix=False)
+    assert "restore" not in [c[0] for c in server.calls] and again.outcome is Outcome.WARMED_SAVED

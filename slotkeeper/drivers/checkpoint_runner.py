@@ -271,6 +271,12 @@ class CheckpointRunner:
                 data = self.read_index()
                 if data is None:
                     return  # corrupt index: leave it for the operator (cleanup is disabled too)
+                if orch.save_mismatch:  # the file holds another conversation: neither it nor its entry stays
+                    if data.pop(name, None) is not None:
+                        self.index.save(data)
+                    if self.settings.save_dir:
+                        (Path(self.settings.save_dir) / name).unlink(missing_ok=True)
+                    return
                 entry = data.get(name) if isinstance(data.get(name), dict) else None
                 restored = orch.outcome is not None and orch.outcome.restored
                 if orch.outcome is Outcome.WARMED_SAVED or (entry is None and restored):
