@@ -286,7 +286,10 @@ class Pager:
             # (bench subagents seed 7: a sibling's claim named the family prefix over another family's
             # conversation, and 177 tokens were prefilled beside the sibling that was computing them)
             prefix = self.table.sessions[holder].prefix if holder in self.table.sessions else None
-        if prefix == need.prefix or view.owner == key:
+        # Two unknown prefixes are no match (bench mix-4 run AC: an OpenCode session displaced from its slot had
+        # no signature, nor had the Codex conversation left there; "holding its prefix", it skipped the prefix
+        # restore and prefilled 2,234 tokens, lost with cause unknown).
+        if (prefix is not None and prefix == need.prefix) or view.owner == key:
             return True
         # The conversation left there (its holder was paged out, not erased) starts with all of our prefix:
         # a warm-up would cut it back to the prefix, losing the messages we share beyond it.

@@ -407,7 +407,8 @@ def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
             same = rec is not None and rec.owner == holder
             rec = SlotRecord(last_used=max(mine.last_used, rec.last_used if same and rec else 0.0), owner=holder,
                              requests=max(mine.requests, rec.requests if same and rec else 0),
-                             prefix=mine.prefix if mine.prefix is not None else (rec.prefix if rec else None))
+                             # another owner's signature says nothing of what the holder left there
+                             prefix=mine.prefix if mine.prefix is not None else (rec.prefix if same and rec else None))
         else:  # the file's owner, with what this process knows about it (fresher last use, answer time)
             mine = sessions.get(rec.owner) if rec is not None and rec.owner else None
             if mine is not None and mine.slot == sid and rec is not None:

@@ -329,3 +329,17 @@ def test_a_turn_sent_unpinned_after_its_wait_moves_its_session_to_the_slot_that_
     side = replace(held, side=True)
     k.outcomes.ran_unpinned(old, side, 5.0)  # a side call's home never follows where one of its calls ran
     assert k.request(facts(now=6.0)).ticket.slot == elsewhere
+
+
+def test_a_slot_whose_prefix_is_unknown_does_not_hold_a_session_whose_prefix_is_unknown():
+    """Bench mix-4 run AC: an OpenCode session came back to a slot a Codex conversation had taken; neither had a
+    prefix signature, None matched None, the prefix restore was skipped as a hit, and 2,234 tokens were
+    prefilled again (lost, cause unknown). Unknown is not the same prefix."""
+    k = make(ttl=120.0)
+    state = shared.ServerState("http://up")
+    need = replace(k.request(facts(body=chat("opencode"), now=0.0)), prefix=None)
+    placed = k.assign(need, state, server(), FREE, 0.0)
+    other = replace(k.request(facts(body=chat("codex"), now=1.0)), prefix=None)
+    view = replace(placed.view, n_tokens=4689, owner=other.ticket.session.key, prefix=None)
+    assert not k.pager.holds_prefix(need, view)
+    assert k.pager.holds_prefix(replace(need, prefix="sig"), replace(view, prefix="sig"))

@@ -67,6 +67,22 @@ def test_views_merge_live_numbers_and_claims():
     assert all(v.n_tokens is None for v in st.views(s, 3, None))
 
 
+def test_a_holder_without_a_prefix_does_not_borrow_another_owners_from_the_file():
+    """The file's newest claim is another session's, older than our holder's answer: the view is our holder's,
+    and its prefix is its own (unknown), not the other session's signature."""
+    from slotlogic.table import SessionTable
+
+    s = st.ServerState("u", total_slots=2)
+    st.claim(s, "opencode", 1, 10.0, prefix="P")
+    local = SessionTable(ttl=120.0)
+    local.assign("codex", 1, 20.0, prefix=None)
+    (view,) = [v for v in st.views(s, 2, None, local) if v.id == 1]
+    assert view.owner == "codex" and view.prefix is None
+    local.assign("opencode", 1, 30.0, prefix=None)  # the file's owner itself: its own signature stands
+    (view,) = [v for v in st.views(s, 2, None, local) if v.id == 1]
+    assert view.owner == "opencode" and view.prefix == "P"
+
+
 def test_prune_keeps_recent_sessions():
     s = st.ServerState("u")
     st.claim(s, "old", 0, 0.0)
