@@ -169,6 +169,24 @@ async def test_while_slots_hangs_new_sessions_do_not_each_wait_for_it(tmp_path):
     assert slot_a != slot_b  # decided from the state file: A's claim is there
 
 
+async def test_a_props_that_times_out_places_new_sessions_with_its_last_answer(tmp_path):
+    """On a loaded machine `/props` answered past the 3 s time-out (bench mix-4 on 2 cores), and the hash
+    fallback then pinned a new session outside its slot's plan, over another placement's prefix warm-up. The
+    last answer stands now: the session is placed as any other (a free slot, not A's), without the fallback."""
+    stub = StubLlama()
+    async with stub_proxy(tmp_path, stub) as p:
+        seen = events_of(p)
+        a = await p.request(to(stub, chat("A")))
+        stub.props_delay = 10.0  # longer than the proxy's 3 s time-out
+        t0 = time.monotonic()
+        b = await p.request(to(stub, chat("B")))
+        took = time.monotonic() - t0
+    slot_a, slot_b = (json.loads(f.request.content)["id_slot"] for f in (a, b))
+    assert slot_b in range(4) and slot_b != slot_a and 2.5 <= took < 6.0, (slot_a, slot_b, took)
+    assert not [e for e in seen if isinstance(e, ev.Unreachable)]
+    assert ev.SlotsSlow(stub.url, "/props", 30.0) in seen
+
+
 # ------------------------------------------------------------------------------------------- --api-key
 
 

@@ -21,7 +21,7 @@ from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.model_check import ModelCheck
 from slotkeeper.drivers.store import StateStore
 from slotkeeper.drivers.tasks import Tasks
-from slotlogic import shared
+from slotlogic import shared, wait
 from slotlogic.answers import Observation
 from slotlogic.decisions import Report, Ticket
 from slotlogic.events import Event, Failed, IdleSlotsCleared, MessagesProbed, ModelUnloaded, SlotsSlow, Stage
@@ -59,6 +59,26 @@ class ServerProbe:
         self._messages_probing = False   # the /v1/messages probe is running or has answered
         self._unified_told = False       # idle-slot clearing explained once
         self._clearing_shared: str | None = None  # the server process whose idle clearing the state was told of
+
+    async def facts_for(self, asked: Facts | None, arrived: float | None, bound: float
+                        ) -> tuple[ServerInfo | None, dict[str, Any] | None, list[dict[str, Any]] | None]:
+        """What a new placement decides with: the parsed `/props`, `/props` and `/slots` (`asked`: the router's,
+        else asked now; `arrived`: when its request came, monotonic; `bound`: its wait bound). A `/props` that
+        does not answer leaves this process's last answer standing: it answered past its 3 s time-out on a
+        loaded machine (bench mix-4 on 2 cores: eight client processes, the proxy and the server's two threads),
+        and the hash fallback used then pinned a new session outside the slot's plan, onto a slot in the middle
+        of another placement's warm-up, whose prefix file then saved that session's conversation under the other
+        prefix's name. A restart or resize is the background probe's to notice. A server never heard from is
+        asked again up to the hold's cap; only then the caller falls back. A server that refuses is down: the
+        caller falls back at once (a pool sends the request to another server)."""
+        known = self.keeper.server
+        patient = None if known is not None else (arrived or time.monotonic()) + wait.hold_cap(bound)
+        props, live = asked if asked is not None else await self.ask(patient)
+        info = self.server_info(props)
+        if info is None:
+            return (known if asked is None and self._slow.get("/props") else None), props, live
+        self.seen(info)
+        return info, props, live
 
     async def ask(self, until: float | None = None) -> Facts:
         """`/props` and, when it answered, `/slots` (an endpoint that hung lately is not asked). `until`: a

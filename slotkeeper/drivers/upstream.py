@@ -267,24 +267,12 @@ class Upstream:
             recorded = (facts.replay.facts if facts.replay else None) or {}
             props = recorded.get("props") or {"total_slots": self.keeper.total_slots or 4}
             live = recorded.get("slots")
+            info = self.prober.server_info(props)
         else:
             self.auth.learn(facts.fields)
-            patient = None if self.keeper.facts.server is not None else \
-                (tries.arrived or time.monotonic()) + wait.hold_cap(self.settings.wait_bound)
-            props, live = asked if asked is not None else await self.prober.ask(patient)
+            info, props, live = await self.prober.facts_for(asked, tries.arrived, self.settings.wait_bound)
             if live is not None and (told := self.waits.told_to(flow_id)) is not None:  # Rule 10
                 live = server.ended_on(live, told)
-        info = self.prober.server_info(props)
-        if info is not None and not self.offline:
-            self.prober.seen(info)
-        elif info is None and not self.offline:
-            # `/props` answered past its 3 s time-out on a loaded machine (bench mix-4 on 2 cores: eight client
-            # processes, the proxy and the server's two threads). This process's last answer stands (a restart or
-            # resize is the background probe's to notice): the request is placed like any other, through the
-            # slot's plan and its fence. The hash fallback pinned it outside them, onto a slot in the middle of
-            # another placement's warm-up, whose prefix file then saved this session's conversation under the
-            # other prefix's name.
-            info = self.keeper.facts.server
         if info is None:
             decision, event = self.keeper.fallback(need, now, await self.sync.last_known_total())
             self.emit(event)
