@@ -18,7 +18,8 @@ losses included). Each configuration's physical limit is its own: the clients de
 go, so two runs never send the same prompts. It is rendered as the client workloads render theirs (the
 server's `/apply-template` and `/tokenize`, Claude Code's billing block stripped, bench/client_workloads.py),
 from that run's requests in start order, with every rendered length checked against the server's
-`cache_n + prompt_n`.
+`cache_n + prompt_n`. Beside the tokens, `work` weighs each prefilled token by its depth in its context
+(bench/work.py), the limit's too: a wall-time ratio to stock cannot pass stock's `x limit work`.
 """
 
 from __future__ import annotations
