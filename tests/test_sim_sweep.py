@@ -172,7 +172,7 @@ def test_idle_clearing_seen_through_the_other_proxy_is_labelled_expected_by_both
     """Two proxies, unified KV: a slot emptied while idle was called `unknown` by the proxy whose own slots
     showed no evidence (the emptied ones were the other proxy's), 121-209 tokens a loss. Both read the evidence
     off the shared state now: the slots another proxy's live sessions hold, and that proxy's finding."""
-    result = run_seed(seed)
+    result = run_seed(seed, stalls=False)  # the shape it was found on (before stalls)
     assert result.miscalled == 0 and any(x.cause == "idle-clear" for x in result.losses)
 
 
@@ -183,7 +183,7 @@ def test_a_slot_our_page_out_finds_emptied_is_labelled_idle_clearing_not_the_wri
     (`prefix-over-owner`, `seed-over-owner`: 317 tokens; seed 685's 255 `unknown` were the same until a later
     change of placement moved its schedule). The page-out's own count is the evidence: the server is asked why
     (a restart? else idle clearing) and the loss carries that cause."""
-    result = run_seed(seed)
+    result = run_seed(seed, stalls=False)  # the shape it was found on (before stalls)
     assert result.miscalled == 0 and any(x.cause == "idle-clear" for x in result.losses)
 
 
@@ -192,7 +192,7 @@ def test_a_slot_the_other_proxys_page_out_finds_emptied_is_labelled_idle_clearin
     """Two proxies: the other proxy paged our session out of a slot idle clearing had emptied, and our meter
     called the loss `other-process` (331 and 105 tokens). That proxy writes what it found into the shared
     state (`emptied`), and our placement of the session reads it before moving anything."""
-    result = run_seed(seed)
+    result = run_seed(seed, stalls=False)  # the shape it was found on (before stalls)
     assert result.miscalled == 0 and any(x.cause == "idle-clear" for x in result.losses)
 
 
@@ -205,7 +205,7 @@ def test_seeds_a_placement_placed_again_found_lose_nothing(seed):
     (`seed_pages.seed_from_its_page`). Seed 2918 (two proxies): a placement past its bound was placed again on a
     slot the other proxy writes, which looked idle here, and paged a session in over that proxy's turn queued on
     it; a slot only counts as idle for Rules 8 and 10 when this proxy writes it."""
-    result = run_seed(seed)
+    result = run_seed(seed, stalls=False)  # the shape it was found on (before stalls)
     assert result.error is None and result.lost == 0, [(x.tag, x.tokens, x.cause) for x in result.losses]
 
 

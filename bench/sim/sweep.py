@@ -85,8 +85,8 @@ def miscalled(rig: Rig, losses: list[Loss]) -> int:
     return out
 
 
-def run_seed(seed: int, *, load: bool = True) -> SeedResult:
-    return run_shape(shape_for(seed, load=load))[0]
+def run_seed(seed: int, *, load: bool = True, stalls: bool = True) -> SeedResult:
+    return run_shape(shape_for(seed, load=load, stalls=stalls))[0]
 
 
 def _quiet() -> None:

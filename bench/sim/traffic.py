@@ -63,9 +63,10 @@ class Shape:
                    for x in self.sessions)
 
 
-def shape_from_seed(seed: int, *, max_sessions: int = 6, load: bool = True) -> Shape:
+def shape_from_seed(seed: int, *, max_sessions: int = 6, load: bool = True, stalls: bool = True) -> Shape:
     """A workload's shape, drawn from `seed` alone (the sweep's seeds; a failing one is its reproduction).
-    `load=False`: never a loaded server (the shapes as drawn before that draw existed, for older regressions)."""
+    `load=False`: never a loaded server, `stalls=False`: no stall (the shapes as drawn before those draws
+    existed, for older regressions)."""
     rng = random.Random(seed)
     servers = 2 if rng.random() < 0.2 else 1
     slots = rng.randint(1, 4 if servers == 2 else 8)
@@ -94,9 +95,10 @@ def shape_from_seed(seed: int, *, max_sessions: int = 6, load: bool = True) -> S
                         options=(("slots_wait_bound", rng.choice((1, 2, 5))),))
     # From a generator of their own, so the shapes drawn before stalls existed stay as they were.
     srng = random.Random(seed * 7 + 0x5A17)
-    stalls = tuple((srng.uniform(0, 10), srng.uniform(3, 40), srng.randrange(servers))
-                   for _ in range(srng.randint(1, 2))) if srng.random() < 0.25 else ()
-    return Shape(seed, setup, tuple(sessions), system_words=system_words, restarts=restarts, stalls=stalls)
+    drawn = tuple((srng.uniform(0, 10), srng.uniform(3, 40), srng.randrange(servers))
+                  for _ in range(srng.randint(1, 2))) if srng.random() < 0.25 else ()
+    return Shape(seed, setup, tuple(sessions), system_words=system_words, restarts=restarts,
+                 stalls=drawn if stalls else ())
 
 
 def issue_shape(seed: int, servers: int = 1, slots: int = 4, prefill_speed: float = 150.0) -> Shape:
@@ -111,12 +113,12 @@ def issue_shape(seed: int, servers: int = 1, slots: int = 4, prefill_speed: floa
                  system_words=500, output_words=(60, 200))
 
 
-def shape_for(seed: int, *, load: bool = True) -> Shape:
+def shape_for(seed: int, *, load: bool = True, stalls: bool = True) -> Shape:
     """The sweep's workload for `seed`: every tenth (seed % 10 == 9) the issue-19 traffic on 1 x 4 or 2 x 2
     slots, the others drawn by `shape_from_seed`."""
     if seed % 10 == 9:
         return issue_shape(seed, *((1, 4) if seed % 20 == 9 else (2, 2)))
-    return shape_from_seed(seed, load=load)
+    return shape_from_seed(seed, load=load, stalls=stalls)
 
 
 # ----------------------------------------------------------------------------------------------- content
