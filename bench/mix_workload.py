@@ -202,7 +202,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         total, unknown = (f"{lost['total']:,}", f"{lost['unknown']:,}") if lost else ("-", "-")
         lim, ratio = r.get("limit"), r.get("x_limit")
         lines.append(f"| {r['workload']} | {r['config']} | {r['requests']} | {r['prefill']:,} | "
-                     f"{r.get('warmup', 0):,} | {f'{lim:,}' if lim else '-'} | {f'{ratio:.2f}' if ratio else '-'} | "
+                     f"{r.get('warmup', 0):,} | {f'{lim:,}' if lim else '-'} | {_x(ratio)} | "
                      f"{_k(r.get('work'))} | {_k(r.get('limit_work'))} | {_x(r.get('x_limit_work'))} | "
                      f"{r['wall_s']:.0f} | "
                      f"{r['errors']} | {r['side_calls']} | {r['side_prefill']:,} | {p95} | "

@@ -11,8 +11,9 @@ them) and work in *token-equivalents at depth 0*, where prefilling positions `[a
 
 with `D` the depth at which one token costs twice a token at the start (a per-token cost `c0 + c1·p`,
 `D = c0 / c1`; the same model as `slotlogic.costs.PrefillFit`). `D` is measured by `measure_depth` (one
-slot, 2,048-token chunks at increasing depth: `python -m bench.work`); the default is this machine's
-measurement of the long-context SmolLM2 copy on 2 CPU threads (docs/performance.md has the curve).
+slot, 15 chunks of 2,048 tokens at increasing depth, to 30K: `python -m bench.work`); the default is this
+machine's measurement of the long-context SmolLM2 copy on 2 CPU threads (docs/performance.md has the curve).
+The line is not exact: the first chunks are faster than it, so a fit over 0-16K alone gives D ≈ 3,150.
 """
 
 from __future__ import annotations
@@ -43,9 +44,11 @@ def limit_work(token_lists: Sequence[Sequence[int]], new: Sequence[int], depth: 
     return sum(span(len(t) - n, len(t), depth) for t, n in zip(token_lists, new, strict=True))
 
 
-def measure_depth(threads: int = 2, chunk: int = 2048, chunks: int = 8) -> dict[str, Any]:
+def measure_depth(threads: int = 2, chunk: int = 2048, chunks: int = 15) -> dict[str, Any]:
     """Prefill `chunks` chunks of `chunk` tokens one after another into one slot of the long-context model
-    and fit `ms per token = c0 + c1·depth` by least squares: `D = c0 / c1`."""
+    and fit `ms per token = c0 + c1·depth` by plain least squares: `D = c0 / c1`. Not the proxy's
+    `slotlogic.costs.PrefillFit`: that one forgets older answers on purpose (a server's speed drifts), which
+    here would weigh the deep chunks over the shallow ones."""
     import httpx
 
     from slotkeeper.launch.llama_server import LlamaServer
@@ -73,7 +76,7 @@ def measure_depth(threads: int = 2, chunk: int = 2048, chunks: int = 8) -> dict[
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.work", description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--chunks", type=int, default=15)
     a = ap.parse_args(argv)
     print(json.dumps(measure_depth(a.threads, chunks=a.chunks)))
 

@@ -200,11 +200,11 @@ async def play(rig: Rig, shape: Shape) -> None:
         await asyncio.sleep(at)
         rig.restart(server, new_build=new_build)
 
-    jobs = [_session(rig, shape, texts, i, x, side) for i, x in enumerate(shape.sessions)]
     async def stall(at: float, seconds: float, server: int) -> None:
         await asyncio.sleep(at)
         rig.stall(server, seconds)
 
+    jobs = [_session(rig, shape, texts, i, x, side) for i, x in enumerate(shape.sessions)]
     jobs += [restart(*r) for r in shape.restarts]
     jobs += [stall(*x) for x in shape.stalls]
     await asyncio.gather(*jobs)
