@@ -18,6 +18,7 @@ from slotlogic.ledger import Cause
 from slotlogic.model_facts import ModelFacts
 from slotlogic.paging import PageCheck
 from slotlogic.reasons import Passed
+from slotlogic.scheduler import Pick
 from slotlogic.watch import End, State
 
 
@@ -179,6 +180,17 @@ class FreedFirst(Event):
     session: str    # a short digest
     slot: int | None  # the slot that freed (None: not known any more)
     waited: float     # seconds since the request arrived
+
+
+@dataclass(frozen=True)
+class Scheduled(Event):
+    """A request held behind our own work on its slot was decided (`slotlogic.scheduler`): the action chosen,
+    its expected seconds, the runner-up's, and what the filters removed."""
+
+    session: str    # a short digest
+    slot: int       # the slot it was held on
+    pick: Pick
+    waited: float   # seconds since the request arrived
 
 
 @dataclass(frozen=True)

@@ -277,6 +277,25 @@ class Turns:
         Rules 8 and 10)."""
         return wait.idle_set(self.ledger, self.host.total_slots, avoid, busy, mine)
 
+    def exposed(self, avoid: int, busy: Collection[int]) -> int:
+        """The promised tokens a request sent with `id_slot: -1` instead of to `avoid` could write over (0: it
+        can only land where nothing is promised). The server runs it on an idle slot of its choosing, or with
+        none idle on the first that frees, one that runs our work now. A slot whose content this process cannot
+        vouch for (another placement's, another proxy's, never written here) counts as promised. Unknown slot
+        count: 0 (nothing is known to be promised)."""
+        total = self.host.total_slots
+        if not total:
+            return 0
+        idle = self.idle_set(avoid, busy)
+        where = idle if idle else frozenset(s for s in busy if s != avoid)
+        free = wait.free_slots(self.ledger, self.table, total, avoid, busy, writable=lambda s: not self.handing_over(s))
+        worst = 0
+        for s in where:
+            if s in free and self.writes(s):
+                continue
+            worst = max(worst, self.ledger.entry(s).tokens or 1)
+        return worst
+
     def writes(self, slot: int) -> bool:
         """This process is the slot's writer, as it last knew (or the only proxy there can be)."""
         return not self.host.instance or slot in self.ledger.writing

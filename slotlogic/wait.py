@@ -75,18 +75,17 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from slotlogic import rewrite
+from slotlogic import rewrite, scheduler
 from slotlogic.decisions import Observe, Ticket
 from slotlogic.ledger import MAX_SLOTS, Holds, Ledger
 from slotlogic.reasons import Unpinned, Why
+from slotlogic.scheduler import Action
 from slotlogic.table import SessionTable
 
 CHARS_PER_TOKEN = 4  # a body's bytes per prompt token, roughly (JSON and English text)
 
 
 UNPINNED = (Unpinned.WAIT_BOUND, Unpinned.SIDE_BUSY)  # the requests this module sent with id_slot -1
-HOLD_CAP = 3.0  # bounds a request may be held in all while every slot runs or awaits our requests (Rule 8)
-HOLD_FLOOR = 90.0  # seconds: the cap is never shorter (a short bound asks for moves, not for the server's queue)
 
 
 class Verdict(Enum):
@@ -119,42 +118,38 @@ class Plan:
     wait: float | None = None  # seconds the work ahead is estimated to take (None: no rate known)
     slot: int | None = None    # MOVE: the free slot it goes to
     until: float = 0.0         # WAIT: the waited seconds at which to decide again (a slot freeing comes first)
+    pick: scheduler.Pick | None = None  # the scheduler's pick it comes from (the decision record)
 
 
 def estimate(chars: int, rate: float | None) -> float | None:
     """Seconds to prefill `chars` of body at `rate` prompt tokens a second (None: no rate measured yet)."""
-    if not rate or rate <= 0:
-        return None
-    return chars / CHARS_PER_TOKEN / rate
+    return scheduler.seconds(chars, rate)
 
 
 def plan(ahead: Ahead, waited: float, bound: float, *, side: bool, own_chars: int, rate: float | None,
-         free: int | None = None, idle: bool = True) -> Plan:
-    """What to do with a request pinned to a slot with `ahead` in front of it, after `waited` seconds; `free`
-    is a slot that could run it without writing over anyone's conversation (`free_slot`), if there is one;
-    `idle`: some other slot runs nothing of ours and no placement is under way there (`idle_elsewhere`)."""
-    if bound <= 0 or ahead.count <= 0:
-        return Plan(Verdict.GO)
+         free: int | None = None, idle: bool = True, exposed: int = 0, soonest: int | None = None) -> Plan:
+    """What to do with a request pinned to a slot with `ahead` in front of it, after `waited` seconds: the
+    scheduler's pick (`slotlogic.scheduler.decide_held`) as the hold's verdict. `free` is a slot that could run
+    it without writing over anyone's conversation (`free_slot`), if there is one; `idle`: some other slot runs
+    nothing of ours and no placement is under way there (`idle_elsewhere`), else `soonest`: our work on the
+    other slot that frees first; `exposed`: the promised tokens the server's own choice could write over."""
+    chosen = scheduler.decide_held(scheduler.Held(ahead.count, ahead.chars, waited, bound, own_chars, rate, free,
+                                                  idle, exposed, soonest))
+    c = chosen.chosen
     wait = estimate(ahead.chars, rate)
-    own = estimate(own_chars, rate)
-    if waited >= bound:
-        if stays_sooner(wait, own, waited, bound):
-            return Plan(Verdict.WAIT, None, wait, until=stay_limit(own, bound))
-        if free is not None:
-            return Plan(Verdict.MOVE, WaitWhy.BOUND, wait, free)
-        if not idle and waited < hold_cap(bound):  # Rule 8: the server's queue would not run it sooner
-            return Plan(Verdict.WAIT, None, wait, until=hold_cap(bound))
-        if not idle and queued_sooner(wait, own, waited):  # Rule 9: queued either way, here with its cache
-            return Plan(Verdict.GO, None, wait)
-        return Plan(Verdict.UNPIN, WaitWhy.BOUND, wait)
-    if free is not None and wait is not None and own is not None and wait > own:
-        return Plan(Verdict.MOVE, WaitWhy.SIDE_BUSY if side else WaitWhy.SLOT_BUSY, wait, free)
-    return Plan(Verdict.WAIT, None, wait, until=bound)
+    if c.action is Action.HOLD:
+        return Plan(Verdict.WAIT, None, wait, until=c.until, pick=chosen)
+    if c.action is Action.MOVE_FREE:
+        why = WaitWhy.BOUND if waited >= bound else WaitWhy.SIDE_BUSY if side else WaitWhy.SLOT_BUSY
+        return Plan(Verdict.MOVE, why, wait, c.slot, pick=chosen)
+    if c.action is Action.SERVER_CHOOSES:
+        return Plan(Verdict.UNPIN, WaitWhy.BOUND, wait, pick=chosen)
+    return Plan(Verdict.GO, None, wait, pick=chosen)
 
 
 def hold_cap(bound: float) -> float:
-    """The longest any request is held in the proxy (Rule 8): `HOLD_CAP` bounds, at least `HOLD_FLOOR`."""
-    return max(HOLD_CAP * bound, HOLD_FLOOR)
+    """The longest any request is held in the proxy: the client's patience (`scheduler.patience`)."""
+    return scheduler.patience(bound)
 
 
 def idle_slots(ledger: Ledger, total: int | None, avoid: int | None, busy: Collection[int], mine: str = "") -> int:
@@ -176,11 +171,6 @@ def queued_sooner(wait: float | None, own: float | None, waited: float) -> bool:
     return wait is not None and own is not None and max(0.0, wait - waited) <= own
 
 
-def stay_limit(own: float | None, bound: float) -> float:
-    """The longest a request stays past its bound (Rule 3): its own prefill's time, at most twice the bound."""
-    return bound + min(own or 0.0, 2 * bound)
-
-
 def stay_past(ahead: Ahead, own_chars: int, rate: float | None, bound: float) -> float:
     """Rule 3 for a placement (Rule 7) whose slot still runs our earlier request when its bound passes: the
     seconds past the bound it keeps its turn on the slot (its lock and claim), while that request is expected
@@ -190,14 +180,14 @@ def stay_past(ahead: Ahead, own_chars: int, rate: float | None, bound: float) ->
     if ahead.count <= 0 or bound <= 0:
         return 0.0
     left, own = estimate(ahead.chars, rate), estimate(own_chars, rate)
-    return stay_limit(own, bound) - bound if stays_sooner(left, own, bound, bound) else 0.0
+    return scheduler.stay_limit(own, bound) - bound if stays_sooner(left, own, bound, bound) else 0.0
 
 
 def stays_sooner(wait: float | None, own: float | None, waited: float, bound: float) -> bool:
     """Past its bound, a request stays while its own slot is expected to reach its first token no later than
     any other (Rule 3): the work ahead still to run (its estimate less the time waited; it started no later
     than this request arrived) is no longer than the request's own prefill. Unknown speeds: it goes."""
-    return waited < stay_limit(own or 0.0, bound) and queued_sooner(wait, own, waited)
+    return waited < scheduler.stay_limit(own or 0.0, bound) and queued_sooner(wait, own, waited)
 
 
 _FREE_RANK = {Holds.EMPTY: 0, Holds.UNKNOWN: 2, Holds.PREFIX: 3, Holds.SEED: 3, Holds.SESSION: 4, Holds.PAGE: 4}
@@ -208,20 +198,24 @@ def free_slot(ledger: Ledger, table: SessionTable, total: int | None, avoid: int
     """A slot other than `avoid` that runs a request without writing over anything promised (Rule 6): the
     emptiest first (empty, never written, a prefix or a copy its session moved on from);
     None when there is none. A scan of the ledger's slots: a held request's path only."""
+    free = free_slots(ledger, table, total, avoid, busy, writable=writable)
+    return min(free, key=lambda s: (_FREE_RANK[ledger.entry(s).holds], s)) if free else None
+
+
+def free_slots(ledger: Ledger, table: SessionTable, total: int | None, avoid: int, busy: Collection[int], *,
+               writable: Callable[[int], bool]) -> frozenset[int]:
+    """Every slot `free_slot` may choose from."""
     if not total or total < 2:
-        return None
+        return frozenset()
     homes = {a.slot for a in table.sessions.values()}
-    best: tuple[int, int] | None = None
-    for s in range(total):
+    out = set()
+    for s in range(min(total, MAX_SLOTS)):
         if s == avoid or s in busy or ledger.claimed(s) or not writable(s) or ledger.conversation_on(s):
             continue
-        e = ledger.entry(s)
-        if e.holds is Holds.UNKNOWN and s in homes:
+        if ledger.entry(s).holds is Holds.UNKNOWN and s in homes:
             continue  # never written in this ledger: the table's session may still be there
-        rank = (_FREE_RANK[e.holds], s)
-        if best is None or rank < best:
-            best = rank
-    return None if best is None else best[1]
+        out.add(s)
+    return frozenset(out)
 
 
 def body_with_slot(raw: bytes, slot: int = -1) -> bytes | None:

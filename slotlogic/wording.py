@@ -23,6 +23,7 @@ from slotlogic.model_facts import (
     ModelFacts,
     ReuseKind,
 )
+from slotlogic.scheduler import Candidate
 from slotlogic.stats import SessionStats
 from slotlogic.watch import End, State
 
@@ -229,6 +230,7 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
     ev.Probed: lambda e: (Level.INFO, _probed(e)),
     ev.SpeedsMeasured: lambda e: (Level.INFO, _speeds(e)),
     ev.CostWeighed: lambda e: (Level.INFO, _weighed(e)),
+    ev.Scheduled: lambda e: (Level.INFO, _scheduled(e)),
     ev.KvCacheLearned: lambda e: (Level.WARNING, f"{e.upstream} runs with KV cache {e.kv_cache} (a slot save's size "
                                                 f"says so), not {e.configured} as slots_cache_type says: pages and "
                                                 "checkpoints follow the server; set slots_cache_type to match"),
@@ -355,6 +357,20 @@ def _rate(bps: float) -> str:
     return f"{bps / 1e9:.2f} GB/s" if bps >= 1e9 else f"{bps / 1e6:.0f} MB/s"
 
 
+def _candidate(c: Candidate | None) -> str:
+    if c is None:
+        return "none"
+    where = f" slot {c.slot}" if c.slot is not None else ""
+    cost = "unknown" if c.ttft is None else f"~{_est(c.cost)}"
+    return f"{c.action.value}{where} {cost}" + (" (given away)" if c.given_away else "")
+
+
+def _scheduled(e: ev.Scheduled) -> str:
+    removed = ", ".join(f"{a.value} by {why}" for a, why in e.pick.removed)
+    return (f"session {e.session} held {_secs(e.waited)} on slot {e.slot}: {_candidate(e.pick.chosen)}; runner-up "
+            f"{_candidate(e.pick.runner_up)}" + (f"; removed {removed}" if removed else ""))
+
+
 def _weighed(e: ev.CostWeighed) -> str:
     c = e.choice
     who = f"session {e.session} " if e.session else ""
@@ -463,6 +479,14 @@ def event_line(event: ev.Event) -> tuple[Level, str]:
     return level, PREFIX + (text if multi else printable(text))
 
 
+def _candidate_record(c: Candidate | None) -> dict[str, Any] | None:
+    if c is None:
+        return None
+    return {"action": c.action.value, "slot": c.slot, "seconds": None if c.ttft is None else round(c.cost, 3),
+            "ttft": None if c.ttft is None else round(c.ttft, 3), "others": round(c.others, 3),
+            "given_away": c.given_away}
+
+
 def event_record(event: ev.Event) -> dict[str, Any] | None:
     """The JSONL log's record of an event, for the ones it keeps (paging and checkpoint steps)."""
     if isinstance(event, ev.Paged):
@@ -477,6 +501,11 @@ def event_record(event: ev.Event) -> dict[str, Any] | None:
     if isinstance(event, ev.HandedOver):
         return {"kind": "handover", "upstream": event.upstream, "slot": event.slot, "seconds": round(event.seconds, 3),
                 "answered": event.answered, "role": "giver" if event.giver else "taker", "session": event.session}
+    if isinstance(event, ev.Scheduled):
+        return {"kind": "scheduled", "upstream": event.upstream, "session": event.session, "slot": event.slot,
+                "waited": round(event.waited, 3), "chosen": _candidate_record(event.pick.chosen),
+                "runner_up": _candidate_record(event.pick.runner_up),
+                "removed": [{"action": a.value, "filter": why} for a, why in event.pick.removed]}
     if isinstance(event, ev.FreedFirst):
         return {"kind": "freed-first", "upstream": event.upstream, "session": event.session, "slot": event.slot,
                 "waited": round(event.waited, 3)}

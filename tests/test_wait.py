@@ -15,7 +15,8 @@ from mitmproxy.connection import ConnectionState
 from mitmproxy.flow import Error as flow_error
 
 from slotkeeper.drivers.slot_wait import SlotWaits
-from slotlogic import wait
+from slotlogic import scheduler, wait
+from slotlogic.scheduler import Action
 from slotlogic.wait import Ahead, Verdict, WaitWhy
 from tests.conftest import chat, flow, sent
 
@@ -69,38 +70,62 @@ def test_a_placement_keeps_its_turn_past_its_bound_while_our_request_ahead_ends_
 
 
 def test_past_its_bound_a_request_is_held_while_every_slot_runs_ours_and_goes_unpinned_once_one_does_not():
-    """bench mix-4 (stop 36): seven requests went out with `id_slot: -1` at their 30 s bound while all three
-    slots ran long prefills of ours, then queued 150 s more in the server and ran where llama-server put them,
-    over conversations promised to others. With no slot free of our work the server would not run it sooner:
-    it is held (decided again as our requests end), to `HOLD_CAP` bounds at most."""
+    """Seven requests went out with `id_slot: -1` at their 30 s bound while all three slots ran long prefills of
+    ours, then queued 150 s more in the server and ran where llama-server put them, over conversations promised to
+    others (docs/performance.md). With no slot free of our work the server would not run it sooner, and its
+    choice would land on a promised conversation: it is held (decided again as our requests end), until its
+    client's patience is spent."""
     ahead = Ahead(1, 400_000)
-    held = wait.plan(ahead, 30.0, 30.0, side=False, own_chars=100, rate=100.0, idle=False)
+    held = wait.plan(ahead, 30.0, 30.0, side=False, own_chars=100, rate=100.0, idle=False, exposed=500,
+                     soonest=400_000)
     assert (held.verdict, held.until) == (Verdict.WAIT, wait.hold_cap(30.0)) and wait.hold_cap(30.0) == 90.0
-    # a slot with nothing of ours: sent with id_slot -1 it runs now
+    # a slot with nothing of ours and nothing promised on it: sent with id_slot -1 it runs now
     idle = wait.plan(ahead, 31.0, 30.0, side=False, own_chars=100, rate=100.0, idle=True)
     assert (idle.verdict, idle.why) == (Verdict.UNPIN, WaitWhy.BOUND)
     # a free slot (nobody's conversation) still comes first
-    assert wait.plan(ahead, 31.0, 30.0, side=False, own_chars=100, rate=100.0, free=2, idle=False).verdict \
-        is Verdict.MOVE
-    # never held past the cap: the work ahead outlasts its own prefill, so it goes where it may start sooner
-    capped = wait.plan(ahead, 90.0, 30.0, side=False, own_chars=100, rate=100.0, idle=False)
-    assert (capped.verdict, capped.why) == (Verdict.UNPIN, WaitWhy.BOUND)
+    assert wait.plan(ahead, 31.0, 30.0, side=False, own_chars=100, rate=100.0, free=2, idle=False, exposed=500
+                     ).verdict is Verdict.MOVE
+    # at the client's patience the promise is given up where that is sooner: the other slot's work ends first
+    capped = wait.plan(ahead, 90.0, 30.0, side=False, own_chars=100, rate=100.0, idle=False, exposed=500,
+                       soonest=20_000)
+    assert (capped.verdict, capped.why) == (Verdict.UNPIN, WaitWhy.BOUND) and capped.pick.chosen.given_away
+
+
+def test_past_its_bound_the_server_never_chooses_while_an_idle_slot_holds_a_promised_conversation():
+    """Four real clients at once: a request sent with `id_slot: -1` at its bound landed on an idle slot that held
+    another session's conversation (3,275 tokens lost, docs/performance.md). The promise filter removes the
+    server's choice while it could land on one; the request is held for its own slot, and at its client's
+    patience it goes where it starts first, its cost to the other session counted."""
+    ahead = Ahead(1, 40 * 100 * 4)  # 40 s of work ahead on its own slot
+    at_bound = wait.plan(ahead, 30.0, 30.0, side=False, own_chars=20 * 100 * 4, rate=100.0, idle=True,
+                         exposed=3_275)
+    assert at_bound.verdict is Verdict.WAIT and at_bound.until == wait.hold_cap(30.0)
+    assert (Action.SERVER_CHOOSES, "promise") in at_bound.pick.removed
+    # its own slot frees before its patience ends: it runs there, nothing of anyone's written over
+    freed = wait.plan(Ahead(), 45.0, 30.0, side=False, own_chars=20 * 100 * 4, rate=100.0, idle=True, exposed=3_275)
+    assert freed.verdict is Verdict.GO
+    # with nothing promised on the idle slot and 50 s still to run ahead, it goes now (20 s of prefill there)
+    open_slot = wait.plan(Ahead(1, 80 * 100 * 4), 30.0, 30.0, side=False, own_chars=20 * 100 * 4, rate=100.0, idle=True)
+    assert open_slot.verdict is Verdict.UNPIN
 
 
 def test_at_the_cap_with_every_slot_running_ours_a_turn_queues_on_its_own_slot_when_that_is_no_later():
-    """bench mix-4 (stop 36): Claude Code and OpenCode turns held to the cap while all three slots prefilled
-    went out with `id_slot: -1`, queued in the server all the same, and prefilled 2,275-3,199 tokens their own
-    slots still held. Queued either way, pinned it starts once the work ahead ends and finds its cache."""
+    """Claude Code and OpenCode turns held to the cap while all three slots prefilled went out with
+    `id_slot: -1`, queued in the server all the same, and prefilled 2,275-3,199 tokens their own slots still held
+    (docs/performance.md). Queued either way, pinned it starts once the work ahead ends and finds its cache."""
     ahead, own = Ahead(1, 100 * 100 * 4), 30 * 100 * 4  # 100 s of work ahead (90 s of it run), 30 s of its own
-    queued = wait.plan(ahead, 90.0, 30.0, side=False, own_chars=own, rate=100.0, idle=False)
+    queued = wait.plan(ahead, 90.0, 30.0, side=False, own_chars=own, rate=100.0, idle=False, exposed=2_275,
+                       soonest=100 * 100 * 4)
     assert queued.verdict is Verdict.GO
-    # the same at the cap with a slot that runs nothing of ours: id_slot -1 starts it now
+    # the same at the cap with a slot that runs nothing of ours nor holds anything promised: it starts now
     assert wait.plan(ahead, 90.0, 30.0, side=False, own_chars=own, rate=100.0, idle=True).verdict is Verdict.UNPIN
-    # the work ahead still to run outlasts its own prefill: the first slot that frees is sooner
-    long_ahead = wait.plan(Ahead(1, 200 * 100 * 4), 90.0, 30.0, side=False, own_chars=own, rate=100.0, idle=False)
+    # the work ahead still to run outlasts the other slot's and its own prefill there: it goes there
+    long_ahead = wait.plan(Ahead(1, 200 * 100 * 4), 90.0, 30.0, side=False, own_chars=own, rate=100.0, idle=False,
+                           exposed=100, soonest=100 * 100 * 4)
     assert (long_ahead.verdict, long_ahead.why) == (Verdict.UNPIN, WaitWhy.BOUND)
-    # no speed measured: no estimate says stay
-    assert wait.plan(ahead, 90.0, 30.0, side=False, own_chars=own, rate=None, idle=False).verdict is Verdict.UNPIN
+    # no speed measured: no estimate says go, so it stays with its cache
+    assert wait.plan(ahead, 90.0, 30.0, side=False, own_chars=own, rate=None, idle=False, exposed=100
+                     ).verdict is Verdict.GO
 
 
 def test_a_slot_counts_as_idle_only_with_nothing_of_ours_on_it_and_no_placement_but_the_askers():
@@ -421,7 +446,7 @@ async def test_a_side_call_whose_slot_another_placement_holds_past_its_bound_goe
     from slotlogic.decisions import Observe, Pin
     from slotlogic.reasons import Unpinned, Why
 
-    monkeypatch.setattr(wait, "HOLD_FLOOR", 0.0)  # the cap at three bounds of 0.3 s, not the 90 s floor
+    monkeypatch.setattr(scheduler, "PATIENCE_FLOOR", 0.0)  # the cap at three bounds of 0.3 s, not the 90 s floor
     up, _, _, firsts = await _two_sessions_on_two_slots(tmp_path, 0.3)
     facts = _chat_facts
     assert {p.ticket.slot for p in firsts.values()} == {0, 1}
@@ -468,7 +493,7 @@ async def test_a_new_session_past_its_bound_with_every_slot_running_ours_is_plac
     client.slots_data[freed]["is_processing"] = False
     up.ended("f-b-2")
     placed = await asyncio.wait_for(task, 5)
-    assert time.monotonic() - started < wait.HOLD_CAP * bound
+    assert time.monotonic() - started < scheduler.PATIENCE_BOUNDS * bound
     assert isinstance(placed, Pin) and placed.ticket.slot == freed and placed.ticket.unpinned is None
     assert "save" in slots.calls  # b's conversation paged out before c was sent there
     b_key = firsts["b"].ticket.session.key
@@ -484,7 +509,7 @@ async def test_a_placement_past_its_bound_keeps_its_slot_from_a_later_one_while_
     prompt would prefill elsewhere (Rule 3), so it goes first, pinned, and the later placement waits."""
     from slotlogic.decisions import Pin
 
-    monkeypatch.setattr(wait, "HOLD_FLOOR", 0.0)
+    monkeypatch.setattr(scheduler, "PATIENCE_FLOOR", 0.0)
     bound = 0.5
     up, client, _, firsts = await _two_sessions_on_two_slots(tmp_path, bound)
     up.keeper.outcomes.probed(100.0)  # 100 prompt tokens a second: c's own prompt (~600 chars) 1.5 s
@@ -531,7 +556,7 @@ async def test_a_placement_sends_no_save_to_a_slot_the_server_still_runs_past_it
     from tests.conftest import UP
     from tests.test_page_safety import PagingLlama, Slots
 
-    monkeypatch.setattr(wait, "HOLD_FLOOR", 0.0)  # the cap at three bounds of 0.5 s, not the 90 s floor
+    monkeypatch.setattr(scheduler, "PATIENCE_FLOOR", 0.0)  # the cap at three bounds of 0.5 s, not the 90 s floor
     (tmp_path / "slots").mkdir()
     settings = Settings(probe_interval=0, paging=True, save_dir=str(tmp_path / "slots"), wait_bound=0.5)
     actions = Slots()
@@ -634,3 +659,30 @@ async def test_a_placement_past_its_bound_waits_for_the_slot_an_older_one_is_not
     assert await asyncio.wait_for(waits.until_idle(waits.clock() + 1.0, mine="b", flow_id="younger", arrived=2.0),
                                   1.0)
     older.cancel()
+
+
+async def test_a_turn_held_past_its_bound_is_not_sent_to_the_server_s_choice_over_promised_conversations(proxy,
+                                                                                                       caplog):
+    """Four real clients at once: a turn sent with `id_slot: -1` at its bound landed on an idle slot holding
+    another session's conversation (3,275 tokens, docs/performance.md). Here every other slot holds a promised
+    conversation: the turn is held for its own slot instead, and runs there once the work ahead ends; the
+    decision line names the filter that removed the server's choice."""
+    proxy.configure(slots_wait_bound=1)
+    homes = []
+    for task in ("task A", "task B", "task C"):
+        f = await proxy.request(flow(chat(task)))
+        homes.append(sent(f)["id_slot"])
+        await proxy.answer(f, http.Response.make(200, b'{"timings":{"cache_n":0,"prompt_n":5}}', {}))
+    side = await proxy.request(flow(_side("a title")))
+    await proxy.answer(side, http.Response.make(200, b'{"timings":{"cache_n":0,"prompt_n":5}}', {}))
+    up = next(iter(proxy.rt.upstreams.values()))
+    assert sorted([*homes, sent(side)["id_slot"]]) == [0, 1, 2, 3]  # every slot holds someone's conversation
+    up.waits.entered(homes[0], "b-flow", 8_000, "b-session")  # another session's request of ours ahead on A's slot
+    with caplog.at_level(logging.INFO):
+        turn = asyncio.ensure_future(proxy.request(flow(chat("task A"))))
+        await asyncio.sleep(1.6)
+        assert not turn.done()  # past its bound, and not sent for the server to place over a promise
+        up.waits.left("b-flow")
+        done = await asyncio.wait_for(turn, 1.0)
+    assert sent(done)["id_slot"] == homes[0]
+    assert "removed server-chooses by promise" in caplog.text and "run-own" in caplog.text

@@ -44,6 +44,7 @@ from slotlogic.events import (
     Paged,
     Stage,
 )
+from slotlogic.handover import Handover
 from slotlogic.keeper import Keeper, Placement
 from slotlogic.ledger import Cause, Fence, Holds
 from slotlogic.paging import Moved, PageAsk, PageDone, PagePlan
@@ -187,78 +188,24 @@ class SlotMover:
         """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
         shares the most with: a seed); what is in the slot for it now. Decided once the lock is held. Fails
         open: trouble only costs the prefill. `by`: when the request's wait bound ends (monotonic; None: none);
-        past it nothing is moved (LATE) and the request goes as the client sent it (`slotlogic.wait`, Rule 7),
-        unless our request still running on the slot ends sooner than its own prompt (`own` characters) would
-        take elsewhere (Rule 3, `stay`). `arrived`: while it waits for the slot, another slot that frees first
-        ends the wait (FREED, nothing sent: Rule 10)."""
+        past it nothing is moved (LATE) and the request goes as the client sent it, unless our request still
+        running on the slot ends sooner than its own prompt (`own` characters) would take elsewhere (`stay`).
+        `arrived`: while it waits for the slot, another slot that frees first ends the wait (FREED, nothing
+        sent). The order: the slot's turn (`_turn`), one plan from the core once what it waits on has settled
+        (`_settled_plan`), that plan carried out (`_carry_out`)."""
         assert self.pages is not None
         slot, key = ask.slot, ask.session_key
-        gave_up = Moved.NOTHING if by is None else Moved.LATE
-        watch = None if by is None or arrived is None else (slot, flow_id, key, arrived, own)
-        # The lock is taken even with nothing to page: a placement on this slot that is still warming its
-        # prefix, or whose request has not reached the server, must finish first (a second new session would
-        # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
-        held = await unless_freed(self, self.pages.hold(slot, flow_id, key, within=left(by)), watch)
-        if held is None:
-            return Moved.FREED, fence
-        if not held:
-            return gave_up, fence
-        # Its turn: every request sent to the slot before has reached the server (a save now writes what
-        # they leave there). The moves are fenced by the slot's epoch as it is now.
-        if not await self.gate.quiet(slot, within(QUIET_WAIT, by), warn=by is None):
-            return gave_up, fence
-        if by is not None:
-            idle = await unless_freed(self, await_idle(self, {slot}, self.stay(slot, own, by)), watch)
-            if idle is None:
-                return Moved.FREED, fence
-            if not idle:
-                return Moved.LATE, fence  # still running a request at the server when the bound passed: nothing sent
-        fence = self.keeper.turns.turn(fence) if fence is not None else None
-        # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
-        # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
-        state = await fresh_pages(self, key)
-        given, stale = await self.handovers.take(slot, key, fence, state)
-        if given is not None:  # the other proxy may have paged this session out before it answered (sim seed 986)
-            await fresh_pages(self, key)
-        given = given or self.keeper.turns.handed_with(slot)  # handed over to an earlier plan that went stale
-        if stale or not self.keeper.turns.fence_holds(fence):  # we handed the slot on since our claim: place it again
-            assert fence is not None
-            self.emit(self.keeper.turns.stale_plan(fence, "page", key))
-            return Moved.STALE, fence
+        turn = await self._turn(slot, flow_id, key, fence, by, (slot, flow_id, key, arrived, own))
+        if isinstance(turn, Moved):
+            return turn, fence
+        fence, given = turn
         self.gate.moves(slot, flow_id)
         if need is not None and ask.elsewhere is None and self.elsewhere is not None and not self.store.remote:
-            # Another server may hold the source by now: its session computed it while this one waited its turn
-            # (bench subagents-2x2 seed 1: a new subagent prompt, 899 tokens, warmed up cold 3.5 s after the other
-            # server's subagent had prefilled it). Only a source there now: this slot's lock is held.
+            # Another server may hold the source by now: its session computed it while this one waited its turn.
+            # Only a source there now: this slot's lock is held.
             ask = await self.elsewhere.find(need, ask, by, wait=False)
-        ask = replace(ask, sent=self.pages.last_sent.get(slot), given=given, ours=self.gate.last_started.get(slot),
-                      paging_out=frozenset(self.pages.saving))
-        plan = self.keeper.pager.page_plan(ask)
-        # Our own conversation is on a slot another placement is paging now: its page of us is recorded by the
-        # time it lets that slot go; wait for that, then plan again (the page is there then).
-        if plan.seed is not None and plan.seed.source == key and plan.seed.local_slot is not None \
-                and not self.store.remote and self.pages.busy(plan.seed.local_slot) \
-                and await self.pages.wait_free(plan.seed.local_slot, slot, within(SEED_SLOT_WAIT, by)):
-            ask = replace(ask, sent=self.pages.last_sent.get(slot), ours=self.gate.last_started.get(slot))
-            plan = self.keeper.pager.page_plan(ask)
-        # The source is being paged out by the placement that took its slot: once its page is recorded the page
-        # is the seed (no save needed), instead of prefilling it all (bench subagents seed 1 under load: three
-        # sessions waited for one source, whose slot was then taken; one of them warmed 737 tokens cold)
-        seed = plan.seed
-        source = seed.source if seed is not None and seed.local_slot is not None and seed.source != key \
-            and self.pages.busy(seed.local_slot) else self.keeper.pager.page_coming(ask, seed)
-        if source is not None and not self.store.remote and await save_begun(self, source, slot, by):
-            await self.pages.settled(source, left(by))
-            ask = replace(ask, sent=self.pages.last_sent.get(slot), ours=self.gate.last_started.get(slot))
-            plan = self.keeper.pager.page_plan(ask)
-        if plan.seed is not None and plan.seed.local_slot is not None and (
-                self.store.remote or self.pages.placed(plan.seed.local_slot)):
-            # A live seed's slot is saved under its local lock only: never while another placement pages it,
-            # nor when other proxies (a shared store) may be paging it (a copy of it in progress is waited for:
-            # subagents-2x2 seed 1, 732 tokens warmed cold while the other server copied the same slot).
-            # Its own live conversation: its page then.
-            plan = plan.without_seed() if plan.seed.source != key else self.keeper.pager.page_plan(replace(
-                ask, sent=self.pages.last_sent.get(slot), copy_live=False, ours=self.gate.last_started.get(slot)))
+        ask = replace(ask, given=given, paging_out=frozenset(self.pages.saving))
+        plan, ask = await self._settled_plan(ask, by)
         for choice in plan.choices:
             self.emit(CostWeighed(self.url, slot, choice.session[:8] or None, choice))
         if plan.empty:
@@ -267,8 +214,103 @@ class SlotMover:
             assert fence is not None
             self.emit(self.keeper.turns.stale_plan(fence, "page", key))  # the slot moved on while the lock was awaited
             return Moved.STALE, fence
+        return await self._carry_out(plan, ask, fence, by)
+
+    async def _turn(self, slot: int, flow_id: str, key: str, fence: Fence | None, by: float | None,
+                    watch: tuple[int, str, str, float | None, int]) -> Moved | tuple[Fence | None, Handover | None]:
+        """The slot's turn for this placement: its paging lock, every request sent to it before at the server,
+        the slot idle (with a bound), and the slot this process's to write. The fence after the turn and the
+        hand-over it came with; or what ended the wait (LATE, FREED, STALE)."""
+        assert self.pages is not None
+        gave_up = Moved.NOTHING if by is None else Moved.LATE
+        looking = None if by is None or watch[3] is None else watch
+        # The lock is taken even with nothing to page: a placement on this slot that is still warming its
+        # prefix, or whose request has not reached the server, must finish first (a second new session would
+        # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
+        held = await unless_freed(self, self.pages.hold(slot, flow_id, key, within=left(by)), looking)
+        if held is None:
+            return Moved.FREED
+        if not held:
+            return gave_up
+        # Its turn: every request sent to the slot before has reached the server (a save now writes what they
+        # leave there). The moves are fenced by the slot's epoch as it is now.
+        if not await self.gate.quiet(slot, within(QUIET_WAIT, by), warn=by is None):
+            return gave_up
+        if by is not None:
+            idle = await unless_freed(self, await_idle(self, {slot}, self.stay(slot, watch[4], by)), looking)
+            if idle is None:
+                return Moved.FREED
+            if not idle:
+                return Moved.LATE  # still running a request at the server when the bound passed: nothing sent
+        fence = self.keeper.turns.turn(fence) if fence is not None else None
+        # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
+        # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
+        state = await fresh_pages(self, key)
+        given, stale = await self.handovers.take(slot, key, fence, state)
+        if given is not None:  # the other proxy may have paged this session out before it answered
+            await fresh_pages(self, key)
+        given = given or self.keeper.turns.handed_with(slot)  # handed over to an earlier plan that went stale
+        if stale or not self.keeper.turns.fence_holds(fence):  # we handed the slot on since our claim: place it again
+            assert fence is not None
+            self.emit(self.keeper.turns.stale_plan(fence, "page", key))
+            return Moved.STALE
+        return fence, given
+
+    async def _settled_plan(self, ask: PageAsk, by: float | None) -> tuple[PagePlan, PageAsk]:
+        """The core's page plan, once what it would copy has settled. A plan may name a source that is about to
+        become a page: the session's own conversation on a slot another placement is paging out, or a seed's
+        source that a placement pages out. Each is waited for at most once, in that order, and the core plans
+        again with the world as it is then; a live seed this slot's lock cannot make safe is dropped last."""
+        assert self.pages is not None
+        ask = self._now(ask)
+        plan = self.keeper.pager.page_plan(ask)
+        for settles in (self._own_page_settles, self._source_page_settles):
+            if await settles(plan, ask, by):
+                ask = self._now(ask)
+                plan = self.keeper.pager.page_plan(ask)
+        seed = plan.seed
+        if seed is not None and seed.local_slot is not None and (
+                self.store.remote or self.pages.placed(seed.local_slot)):
+            # A live seed's slot is saved under its local lock only: never while another placement pages it, nor
+            # when other proxies (a shared store) may be paging it. Its own live conversation: its page then.
+            if seed.source != ask.session_key:
+                return plan.without_seed(), ask
+            plan = self.keeper.pager.page_plan(replace(self._now(ask), copy_live=False))
+        return plan, ask
+
+    def _now(self, ask: PageAsk) -> PageAsk:
+        """The ask with what was last sent to and started on its slot, as of now."""
+        assert self.pages is not None
+        return replace(ask, sent=self.pages.last_sent.get(ask.slot), ours=self.gate.last_started.get(ask.slot))
+
+    async def _own_page_settles(self, plan: PagePlan, ask: PageAsk, by: float | None) -> bool:
+        """The session's own conversation is on a slot another placement is paging now: its page is recorded by
+        the time that placement lets the slot go. Whether it was waited for."""
+        assert self.pages is not None
+        seed = plan.seed
+        return (seed is not None and seed.source == ask.session_key and seed.local_slot is not None
+                and not self.store.remote and self.pages.busy(seed.local_slot)
+                and await self.pages.wait_free(seed.local_slot, ask.slot, within(SEED_SLOT_WAIT, by)))
+
+    async def _source_page_settles(self, plan: PagePlan, ask: PageAsk, by: float | None) -> bool:
+        """The seed's source is being paged out by the placement that took its slot: once its page is recorded
+        the page is the seed (no save needed), instead of prefilling it all. Whether it was waited for."""
+        assert self.pages is not None
+        seed = plan.seed
+        source = seed.source if seed is not None and seed.local_slot is not None and seed.source != ask.session_key \
+            and self.pages.busy(seed.local_slot) else self.keeper.pager.page_coming(ask, seed)
+        if source is None or self.store.remote or not await save_begun(self, source, ask.slot, by):
+            return False
+        await self.pages.settled(source, left(by))
+        return True
+
+    async def _carry_out(self, plan: PagePlan, ask: PageAsk, fence: Fence | None, by: float | None
+                         ) -> tuple[Moved, Fence | None]:
+        """The plan's saves recorded, then run; the page index after it; what the slot holds for the session."""
+        assert self.pages is not None
+        key = ask.session_key
         saving = self.pages.save_starts(plan.save_for) if plan.save_for is not None else None
-        # A live seed's save is its source's new page: others copying that source wait for it (subagents seed 17)
+        # A live seed's save is its source's new page: others copying that source wait for it
         copy_source = plan.seed.source if plan.seed is not None and plan.seed.local_slot is not None \
             and plan.seed_file is not None and plan.seed.source not in (key, plan.save_for) else None
         copying = self.pages.save_starts(copy_source) if copy_source is not None else None
@@ -295,6 +337,10 @@ class SlotMover:
                 self.pages.save_ends(plan.save_for or "", saving)
             if copying is not None:
                 self.pages.save_ends(copy_source or "", copying)
+        return self._moved(plan, out, fence, key)
+
+    def _moved(self, plan: PagePlan, out: PageOutcome, fence: Fence | None, key: str) -> tuple[Moved, Fence | None]:
+        """What the run put in the slot for the session, reported, and the fence after it."""
         if out.missing_save_path and not self._told_no_save_path:
             self._told_no_save_path = True
             self.emit(NoSavePath(self.url, paging=True))

@@ -11,12 +11,14 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from slotlogic import wait
 from slotlogic.affinity import slot_from_slots
 from slotlogic.answers import Observation
 from slotlogic.decisions import Pin, Ticket
+from slotlogic.events import Event, Scheduled
 from slotlogic.keeper import Keeper
 
 Clock = Callable[[], float]
@@ -34,7 +36,8 @@ class SlotWaits:
     def __init__(self, clock: Clock | None = None, *, keeper: Keeper | None = None,
                  bound: Callable[[], float] = lambda: 0.0, released: Callable[[str], None] = lambda flow_id: None,
                  slots: Callable[[], Awaitable[list[dict[str, Any]] | None]] | None = None,
-                 take: Callable[[int], Awaitable[bool]] | None = None) -> None:
+                 take: Callable[[int], Awaitable[bool]] | None = None,
+                 emit: Callable[[Event], None] = lambda e: None, url: str = "") -> None:
         self.clock: Clock = clock or (lambda: time.monotonic())  # read at each call: the simulator patches it
         self.open: dict[int, dict[str, tuple[int, str]]] = {}  # slot -> flow -> (body chars, session; "" side)
         self._slot_of: dict[str, int] = {}
@@ -42,6 +45,7 @@ class SlotWaits:
         self.unplaced: dict[str, None] = {}  # flows of ours sent with `id_slot: -1`, open (a slot each, somewhere)
         self.keeper, self.bound, self.released, self.slots = keeper, bound, released, slots
         self.take = take  # makes a free slot this process's to write (the shared state); None: it always is
+        self.emit, self.url = emit, url  # the decision record of each request the hold decided
         self.placing: dict[str, float] = {}  # flow -> arrival (this clock): placements waiting for a slot (Rule 10)
         self.told: dict[int, tuple[float, str]] = {}  # slot -> when, and which waiting placement, was told it freed
 
@@ -107,11 +111,15 @@ class SlotWaits:
         """Wait while our earlier requests occupy `slot`: GO once it is free, UNPIN when the rules say so.
         `waited`: the seconds the request spent in the proxy before (its placement), counted in the bound."""
         started = self.clock() - max(0.0, waited)
+        removed: dict[tuple[Any, str], None] = {}  # what the filters removed while it was held, in order
         while True:
             p = wait.plan(self.ahead(slot, flow_id, session), self.clock() - started, bound, side=side,
-                          own_chars=own_chars, rate=rate(), free=self.free(slot), idle=self.idle(slot))
+                          own_chars=own_chars, rate=rate(), free=self.free(slot), idle=self.idle(slot),
+                          exposed=self.exposed(slot), soonest=self.soonest(slot, flow_id))
+            if p.pick is not None:
+                removed.update(dict.fromkeys(p.pick.removed))
             if p.verdict is not wait.Verdict.WAIT:
-                return p
+                return p if p.pick is None else replace(p, pick=replace(p.pick, removed=tuple(removed)))
             event = self._change()  # any request of ours ending may free this slot or another (Rule 8)
             left = p.until - (self.clock() - started)
             with contextlib.suppress(TimeoutError):
@@ -122,6 +130,19 @@ class SlotWaits:
         if self.keeper is None:
             return None
         return self.keeper.turns.free_slot(slot, [s for s, flows in self.open.items() if flows])
+
+    def exposed(self, slot: int) -> int:
+        """The promised tokens a request held on `slot` could write over if the server chose its slot (the
+        core's count; 0 without a keeper)."""
+        if self.keeper is None:
+            return 0
+        return self.keeper.turns.exposed(slot, [s for s, flows in self.open.items() if flows])
+
+    def soonest(self, slot: int, flow_id: str) -> int | None:
+        """Our work on the other slot expected to free first, in prompt characters (None: no other runs ours)."""
+        loads = [sum(chars for fid, (chars, _) in flows.items() if fid != flow_id)
+                 for s, flows in self.open.items() if s != slot and flows]
+        return min(loads) if loads else None
 
     def idle(self, avoid: int | None = None, mine: str = "") -> bool:
         """Some slot other than `avoid` runs nothing of ours and no placement but `mine`'s, beyond those our
@@ -228,9 +249,12 @@ class SlotWaits:
             return decision
         assert self.keeper is not None
         raw = decision.body if decision.body is not None else content
+        held_from = self.clock() - max(0.0, waited)
         plan = await self.hold(t.slot, flow_id, bound=self.bound(), side=t.side, own_chars=len(raw or b""),
                                rate=self.keeper.prefill_estimate, session="" if t.side else t.session.key,
                                waited=waited)
+        if plan.pick is not None:
+            self.emit(Scheduled(self.url, t.session.short, t.slot, plan.pick, self.clock() - held_from))
         if plan.verdict not in (wait.Verdict.UNPIN, wait.Verdict.MOVE) or not raw:
             return decision
         moved = plan.slot if plan.verdict is wait.Verdict.MOVE else None

@@ -65,7 +65,8 @@ from slotlogic.events import (
     PageRejected,
 )
 from slotlogic.intake import Recognition
-from slotlogic.keeper import Keeper
+from slotlogic.keeper import Keeper, Placement
+from slotlogic.ledger import Fence
 from slotlogic.paging import Moved
 from slotlogic.server import ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
@@ -100,6 +101,15 @@ class Tries:
 
 
 @dataclass(frozen=True)
+class Again:
+    """A placement's plan that the world overtook, back for a new plan: the request as placed, its bound, and
+    where its tries stand."""
+    need: NeedSlot
+    by: float | None
+    tries: Tries
+
+
+@dataclass(frozen=True)
 class Shared:
     """What one server's driver shares with the rest of the proxy: the state store (None: this machine's file)
     with the build claims of a store several proxies share, and the recognition of the pool's sessions."""
@@ -131,7 +141,7 @@ class Upstream:
         # our requests open on each slot: a request behind them waits a bounded time (not in a replay)
         self.waits = SlotWaits(keeper=None if offline else self.keeper, bound=lambda: self.settings.wait_bound,
                                released=self.mover.unsent, slots=self.client.slots,
-                               take=lambda slot: self.sync.take_free(slot))
+                               take=lambda slot: self.sync.take_free(slot), emit=emit, url=url)
         self.model = ModelCheck(self.client, emit, url, on_speed=self.keeper.outcomes.probed,
                                 turns=self.keeper.turns)
         self.speeds = SlotSpeeds(url, self.keeper, self.model, emit, lambda: self.settings)  # every save/restore
@@ -260,19 +270,23 @@ class Upstream:
 
     async def _place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
                      accept: Accept | None = None, by: float | None = None, tries: Tries = Tries()) -> Any:
+        """The one loop where a placement is planned again: each turn asks the core for a plan and carries it
+        out (`_try`); a turn whose plan the world overtook (a fence that moved, its bound passed before its slot
+        was ours, another slot freed first) comes back as `Again`, with what it learned, for a new plan."""
+        while True:
+            out = await self._try(need, facts, flow_id, asked=asked, accept=accept, by=by, tries=tries)
+            if not isinstance(out, Again):
+                return out
+            need, by, tries, asked = out.need, out.by, out.tries, None
+
+    async def _try(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None,
+                   accept: Accept | None, by: float | None, tries: Tries) -> Any:
+        """One plan for the placement, carried out: the slot claimed in the core, the moves the core planned for
+        it, the prefix warmed; the decision, or `Again`."""
         key, now = need.ticket.session.key, facts.now
         if self.pages is not None:
             await self.pages.settled(key, left(by))  # its page-out is in flight: page it back in after
-        if self.offline:
-            recorded = (facts.replay.facts if facts.replay else None) or {}
-            props = recorded.get("props") or {"total_slots": self.keeper.total_slots or 4}
-            live = recorded.get("slots")
-            info = self.prober.server_info(props)
-        else:
-            self.auth.learn(facts.fields)
-            info, props, live = await self.prober.facts_for(asked, tries.arrived, self.settings.wait_bound)
-            if live is not None and (told := self.waits.told_to(flow_id)) is not None:  # Rule 10
-                live = server.ended_on(live, told)
+        info, props, live = await self._facts(facts, flow_id, asked, tries)
         if info is None:
             decision, event = self.keeper.fallback(need, now, await self.sync.last_known_total())
             self.emit(event)
@@ -290,36 +304,53 @@ class Upstream:
         if self.pages is not None and placement.dropped_pages:
             self.pages.delete(placement.dropped_pages)
         if self.pages is None and not self.offline:  # no moves, but another proxy may write the slot: asked first
-            state = await self.store.fresh()
-            _, stale = await self.handovers.take(placement.slot, key, placement.fence, state)
+            _, stale = await self.handovers.take(placement.slot, key, placement.fence, await self.store.fresh())
             if stale and tries.retries > 0:
-                return await self._place(placement.need or need, facts, flow_id, accept=accept, by=by,
-                                         tries=tries.again())
+                return Again(placement.need or need, by, tries.again())
         need = placement.need or need  # as placed: its stable prefix as the core knows it by now
         # A side call takes its turn on the slot too: a placement may be under way there (its holder is paged
         # out first, once its request reached the server).
         moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id, by, tries.watch())
         if moved in (Moved.LATE, Moved.FREED):  # its bound passed, or another slot freed, before this one was ours
-            return await (_freed if moved is Moved.FREED else _late)(self, need, facts, flow_id, accept, by, tries)
+            return await (_freed if moved is Moved.FREED else _late)(self, need, flow_id, by, tries)
         if moved is Moved.STALE and tries.retries > 0:  # another claim of the slot came first: place it again
             self.mover.stopped(flow_id)
-            return await self._place(need, facts, flow_id, accept=accept, by=by, tries=tries.again())
+            return Again(need, by, tries.again())
         if moved is Moved.STALE:  # twice: it goes where it was placed, with nothing moved (fail open)
             moved = Moved.NOTHING
         if placement.side:  # no prefix of its own to warm (a side call whose page step went stale: placed again)
             return self.keeper.pin(placement, now)
-        if self.checkpoints is not None and need.stable is not None and moved in (Moved.NOTHING, Moved.PREFIX):
-            fence = await self.mover.warm(placement.slot, need, info, holds and moved is Moved.NOTHING, fence=fence,
-                                          copied=moved is Moved.PREFIX)
-        elif self.checkpoints is not None and need.stable is None and "no-marker" not in self.warned:
-            self.warned.add("no-marker")
-            self.emit(NoPrefixMarker(self.url, need.ticket.session.short, self.settings.markers))
+        fence = await self._warm(need, placement, info, moved, fence, holds)
         if fence is not None and not self.keeper.turns.fence_holds(fence) and tries.retries > 0:
             # Another placement claimed the slot while this one's moves ran: plan this request again.
             self.emit(self.keeper.turns.stale_plan(fence, "pin", key))
             self.mover.stopped(flow_id)
-            return await self._place(need, facts, flow_id, accept=accept, by=by, tries=tries.again())
+            return Again(need, by, tries.again())
         return self.keeper.pin(placement, now, paged_in=moved is Moved.OWN, seeded=moved in (Moved.SEED, Moved.PREFIX))
+
+    async def _facts(self, facts: RequestFacts, flow_id: str, asked: Facts | None, tries: Tries
+                     ) -> tuple[ServerInfo | None, dict[str, Any] | None, list[dict[str, Any]] | None]:
+        """The server's `/props` and `/slots` for a placement (a replay: as recorded with the flow)."""
+        if self.offline:
+            recorded = (facts.replay.facts if facts.replay else None) or {}
+            props = recorded.get("props") or {"total_slots": self.keeper.total_slots or 4}
+            return self.prober.server_info(props), props, recorded.get("slots")
+        self.auth.learn(facts.fields)
+        info, props, live = await self.prober.facts_for(asked, tries.arrived, self.settings.wait_bound)
+        if live is not None and (told := self.waits.told_to(flow_id)) is not None:  # a slot it was told freed
+            live = server.ended_on(live, told)
+        return info, props, live
+
+    async def _warm(self, need: NeedSlot, placement: Placement, info: ServerInfo, moved: Moved, fence: Fence | None,
+                    holds: bool) -> Fence | None:
+        """The shared prefix into the slot when nothing was paged in (or a prefix was copied); the fence after."""
+        if self.checkpoints is not None and need.stable is not None and moved in (Moved.NOTHING, Moved.PREFIX):
+            return await self.mover.warm(placement.slot, need, info, holds and moved is Moved.NOTHING, fence=fence,
+                                         copied=moved is Moved.PREFIX)
+        if self.checkpoints is not None and need.stable is None and "no-marker" not in self.warned:
+            self.warned.add("no-marker")
+            self.emit(NoPrefixMarker(self.url, need.ticket.session.short, self.settings.markers))
+        return fence
 
     def unlock(self, flow_id: str) -> None:
         """The flow's request reached the server (its response headers came), or never will: the next pager
@@ -424,40 +455,34 @@ def _refused(up: Upstream, state: shared.ServerState, need: NeedSlot, flow_id: s
         up.abandon(need.ticket, flow_id)
 
 
-async def _freed(up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str, accept: Accept | None,
-                 by: float | None, tries: Tries) -> Any:
+async def _freed(up: Upstream, need: NeedSlot, flow_id: str, by: float | None, tries: Tries) -> Again:
     """Another slot freed while the placement waited for its own, nothing moved: it lets go of its slot and is
-    placed again now, within the same bound (`slotlogic.wait`, Rule 10)."""
+    placed again now, within the same bound."""
     up.emit(FreedFirst(up.url, need.ticket.session.short, up.waits.told_to(flow_id),
                        time.monotonic() - (tries.arrived or time.monotonic())))
     _let_go(up, flow_id, need.ticket.session.key)
-    return await up._place(need, facts, flow_id, accept=accept, by=by,
-                           tries=replace(tries, claimed=True, freed=tries.freed - 1))
+    return Again(need, by, replace(tries, claimed=True, freed=tries.freed - 1))
 
 
-async def _late(up: Upstream, need: NeedSlot, facts: RequestFacts, flow_id: str, accept: Accept | None,
-                by: float | None, tries: Tries) -> Any:
+async def _late(up: Upstream, need: NeedSlot, flow_id: str, by: float | None, tries: Tries) -> Again | Observe:
     """A placement whose bound passed before its slot was ours to write, nothing moved: it lets go of its slot
     (two waiting placements never keep the one slot that could run either from each other) and is placed again
-    once a slot runs nothing of ours, within the hold's cap (`hold_cap` from its arrival); else it goes as the
-    client sent it (`slotlogic.wait`, Rules 7 and 8)."""
+    once a slot runs nothing of ours, within its client's patience (from its arrival); else it goes as the
+    client sent it."""
     bound, key, cap = up.settings.wait_bound, need.ticket.session.key, tries.cap
     cap = cap if cap is not None or by is None else by - bound + wait.hold_cap(bound)
     if by is not None and cap is not None and by < cap:
         _let_go(up, flow_id, key)  # its slot's lock and claim let go while it waits
         if await up.waits.until_idle(cap, mine=key, flow_id=flow_id, arrived=tries.arrived):
-            return await up._place(need, facts, flow_id, accept=accept, by=cap,
-                                   tries=Tries(cap=cap, claimed=True, arrived=tries.arrived, freed=tries.freed))
+            return Again(need, cap, Tries(cap=cap, claimed=True, arrived=tries.arrived, freed=tries.freed))
     if up.pages is not None and by is not None and not tries.last and not need.ticket.side:
-        # Rule 9 for a placement: at the cap every slot still runs or awaits our work, so it waits in the server's
-        # queue whichever way it goes. Sent with `id_slot: -1` it prefilled from nothing (mix-4 run L: five
-        # turns, 24,692 tokens, on slots llama-server chose, each of 3,000-9,000 tokens that a page or a slot of
-        # theirs held). Placed again for one more cap, its moves wait their turn on the slot the ranking finds
-        # soonest (never sent to a slot still running: mix-4 run E) and its page comes back in.
+        # At its patience every slot still runs or awaits our work, so it waits in the server's queue whichever
+        # way it goes. Sent with `id_slot: -1` it would prefill from nothing on a slot the server chooses, over
+        # a promised conversation; placed again for one more patience, its moves wait their turn on the slot
+        # the ranking finds soonest (never sent to a slot still running) and its page comes back in.
         _let_go(up, flow_id, key)
         last = time.monotonic() + wait.hold_cap(bound)
-        return await up._place(need, facts, flow_id, accept=accept, by=last,
-                               tries=Tries(cap=last, claimed=True, last=True, arrived=tries.arrived, freed=tries.freed))
+        return Again(need, last, Tries(cap=last, claimed=True, last=True, arrived=tries.arrived, freed=tries.freed))
     up.waits.sent_unplaced(flow_id)
     return up.mover.give_up(need, flow_id)
 
