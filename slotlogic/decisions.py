@@ -140,6 +140,8 @@ class Report:
                "outcome": self.obs.outcome, "client": t.client, "facts": t.facts}
         if self.loss is not None and self.settled:
             out["loss"] = {"tokens": self.loss.tokens, "cause": self.loss.cause.value, "expected": self.loss.expected}
+        if t.unpinned is not None:
+            out["unpinned"] = t.unpinned.value  # sent with `id_slot: -1` by the proxy's own decision
         if t.translated:
             out["path"] = self.path  # the request went upstream as a chat completion; this is what was asked
         return out

@@ -37,8 +37,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 CHARS_PER_TOKEN = 4  # a body's bytes per prompt token, roughly (JSON and English text)
-PATIENCE_BOUNDS = 3.0  # a request is held at most this many wait bounds in all ...
-PATIENCE_FLOOR = 90.0  # ... and never less than this many seconds (a short bound asks for moves, not the queue)
+PATIENCE_BOUNDS = 3.0  # a client's patience is this many wait bounds: holding, staying, then going
 
 
 class Action(Enum):
@@ -88,8 +87,8 @@ def seconds(chars: int, rate: float | None) -> float | None:
 
 
 def patience(bound: float) -> float:
-    """How long a request may be held in all: the client's patience, as the wait bound derives it."""
-    return max(PATIENCE_BOUNDS * bound, PATIENCE_FLOOR)
+    """How long a request may be held in all: the client's patience, of which the bound is a third."""
+    return PATIENCE_BOUNDS * bound
 
 
 def stay_limit(own: float | None, bound: float) -> float:

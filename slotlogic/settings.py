@@ -16,8 +16,8 @@ from enum import Enum
 from functools import cached_property
 
 from slotlogic import prefix as pfx
+from slotlogic import scheduler, sidecalls
 from slotlogic import session as sess
-from slotlogic import sidecalls
 from slotlogic.ranking import Policy
 
 
@@ -47,7 +47,7 @@ class Settings:
     side_slot: int = -1
     markers: tuple[str, ...] = pfx.DEFAULT_MARKERS
     prefix_min_chars: int = 512        # the shortest stable prefix worth learning from traffic
-    wait_bound: float = 30.0           # seconds a request may wait behind our own requests on its slot (slotlogic.wait)
+    patience: float = 90.0             # seconds a request may be held in all (slotlogic.scheduler)
     seed_wait: float = 30.0            # seconds a new session may wait for the slot it would copy (paging.source_wait)
     checkpoints: CheckpointMode = CheckpointMode.OFF
     save_dir: str | None = None        # llama-server's --slot-save-path, as this machine sees it
@@ -70,6 +70,12 @@ class Settings:
     cache_type_v: str = "f16"
     throughput_probe: bool = False     # one short completion at start measures prefill and decode speed
     cost_model: bool = True            # weigh page and prefix moves by their measured cost (False: always move)
+
+    @property
+    def wait_bound(self) -> float:
+        """Seconds after which a held request may leave its own slot: a third of its client's patience (the
+        rest goes to holding it for its own slot or a free one, then to sending it where it starts soonest)."""
+        return self.patience / scheduler.PATIENCE_BOUNDS
 
     @cached_property
     def header_bytes(self) -> frozenset[bytes]:

@@ -57,7 +57,7 @@ def ask_charlie(proxy_url: str) -> float:
 
 def test_with_every_slot_busy_a_new_session_waits_for_the_slot_that_frees_first(tmp_path):
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
-            "slots_wait_bound": 60}
+            "slots_client_patience": 180}
     # One compute thread: with two, llama.cpp's spinning thread barrier stalls whenever anything else on the
     # machine runs (the proxy's start-up model read, a loaded CI runner), and two decoding slots then made ~1.5
     # tokens/s each: Bravo's 120 took 66 s, past the 60 s wait bound (seen twice on a loaded 2-core machine).
@@ -102,7 +102,7 @@ def test_a_new_session_waiting_for_one_slot_takes_the_other_when_that_frees_firs
     save = tmp_path / "save"
     save.mkdir()
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
-            "slots_wait_bound": 300, "slots_save_dir": str(save), "slots_prefix_cache": "off"}
+            "slots_client_patience": 900, "slots_save_dir": str(save), "slots_prefix_cache": "off"}
     with LlamaServer(slots=2, ctx_per_slot=4096, threads=1, slot_save_path=str(save),
                      log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:

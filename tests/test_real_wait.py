@@ -1,5 +1,5 @@
 """A side call behind a long request on its slot, on a real llama-server behind a real mitmdump: it waits in
-the proxy at most `slots_wait_bound` seconds, then goes out with `id_slot: -1` and runs on the idle slot
+the proxy at most `slots_client_patience` seconds, then goes out with `id_slot: -1` and runs on the idle slot
 (`why=wait-bound`), answered while the long request still generates, where pinned it would have queued
 behind that whole generation (slotlogic/wait.py)."""
 
@@ -51,7 +51,7 @@ class LongAnswer:
 
 def test_a_side_call_behind_a_long_one_runs_on_the_idle_slot_after_its_bound(tmp_path):
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
-            "slots_wait_bound": 2}
+            "slots_client_patience": 6}
     with LlamaServer(slots=2, ctx_per_slot=4096, threads=THREADS, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
         long = LongAnswer(px.url + "/v1/chat/completions",
@@ -73,7 +73,7 @@ def test_a_client_that_gives_up_while_the_proxy_holds_its_request_is_logged_as_g
     held its request (mitmproxy ends such a flow right after the request hook), and the line's clock only
     started when the request left. Now it says who hung up and how long the proxy had it."""
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
-            "slots_wait_bound": 4}
+            "slots_client_patience": 12}
     with LlamaServer(slots=2, ctx_per_slot=4096, threads=THREADS, log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
         long = LongAnswer(px.url + "/v1/chat/completions",
@@ -97,7 +97,7 @@ def test_a_turn_sent_unpinned_after_its_wait_is_followed_to_the_slot_that_ran_it
     Its next turn is pinned where it ran (`known`, all of it cached), not back to the old slot, which holds the
     conversation as it was a turn before (mix-4 run K)."""
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
-            "slots_wait_bound": 2}
+            "slots_client_patience": 6}
 
     def turns(*texts: str, **extra: Any) -> dict[str, Any]:
         msgs = [{"role": "system", "content": AGENT}]

@@ -370,7 +370,7 @@ def test_a_placement_held_to_the_cap_is_placed_again_pinned_and_pages_its_conver
         return {"model": "sim", "messages": msgs, "max_tokens": 4}
 
     async def main(hold_for: float) -> Outcome:
-        async with Rig(Setup(slots=1, paging=True, options=(("slots_wait_bound", 5),))) as rig:
+        async with Rig(Setup(slots=1, paging=True, options=(("slots_client_patience", 90),))) as rig:
             c = ["task c"]
             out = await rig.send("c", body("c", c))
             c += [out.content, "output " * 30]
@@ -381,7 +381,7 @@ def test_a_placement_held_to_the_cap_is_placed_again_pinned_and_pages_its_conver
             turn = await rig.send("c", body("c", c))
             await rig.settle()
             return turn
-    for hold_for in (20.0, 150.0):  # within the cap (90 s), and past it
+    for hold_for in (50.0, 150.0):  # past the bound (30 s) within the patience (90 s), and past it
         turn = run(VirtualClock(), lambda h=hold_for: main(h))
         assert turn.error is None and turn.meta["reason"].endswith("+paged-in"), (hold_for, turn.meta)
         assert turn.done.cache_n >= turn.done.expected > 200, (turn.done.cache_n, turn.done.expected)
@@ -393,7 +393,8 @@ def test_a_placement_waiting_for_its_slot_takes_another_that_frees_first():
     41-94 s a run with a slot idle while a request of ours waited for another). It is placed again when that slot
     frees, and not back on the slot it let go of (still another placement's turn), and starts at once."""
     async def main() -> tuple[Outcome, int, bool]:
-        async with Rig(Setup(slots=2, paging=True, prefill_speed=100.0, options=(("slots_wait_bound", 30),))) as rig:
+        options = (("slots_client_patience", 90),)
+        async with Rig(Setup(slots=2, paging=True, prefill_speed=100.0, options=options)) as rig:
             await rig.send("a", convo("a", "task a"))   # answered: its slot idle, its claim live
             pages = rig.proxies[0].upstream("http://127.0.0.1:8080").mover.pages
             b = asyncio.ensure_future(rig.send("b", convo("b", "task b " * 40)))  # the empty slot, ~1 s of prefill

@@ -101,8 +101,8 @@ CAUSES = [
     (590, "not-paged-in: a loaded server (183 tok/s, bound 1 s), two one-slot servers; two placements past their "
           "bound both claimed the one slot and each waited for a slot with no claim but its own until the 3 s cap, "
           "then went with id_slot -1 over the sessions the slot held (fixed: a waiting placement lets go of its "
-          "claim; the hold's cap is never under 90 s, so a short bound moves requests and never queues them "
-          "unpinned in the server sooner)"),
+          "claim; since the wait bound is a third of the client's patience, the title call sent with id_slot -1 at "
+          "its patience is a give-away the proxy labels, not an unlabelled loss)"),
 ]
 
 

@@ -276,7 +276,7 @@ def _side(text: str, system: str = SIDE_SYSTEM) -> dict:
 
 
 async def test_a_request_behind_another_on_its_slot_goes_to_a_free_slot_after_the_bound(proxy, caplog):
-    proxy.configure(slots_wait_bound=1)
+    proxy.configure(slots_client_patience=3)
     first = await proxy.request(flow(_side("the first title")))
     assert sent(first)["id_slot"] == 3
     with caplog.at_level(logging.INFO):  # no prefill rate measured yet: it waits the whole bound
@@ -293,7 +293,7 @@ async def test_a_side_call_behind_one_of_its_own_kind_waits_for_it_in_the_proxy_
     """Two title calls at once share their kind's home (`sidecalls.home`) but not a conversation: the second is
     held in the proxy like any request behind another (its bound still applies: a long generation ahead of it
     is not its own work), and runs at home, where the prompt is, once the first has ended."""
-    proxy.configure(slots_wait_bound=30)
+    proxy.configure(slots_client_patience=90)
     first = await proxy.request(flow(_side("the first title")))
     second = asyncio.ensure_future(proxy.request(flow(_side("the second title"))))
     await asyncio.sleep(0.3)
@@ -304,7 +304,7 @@ async def test_a_side_call_behind_one_of_its_own_kind_waits_for_it_in_the_proxy_
 
 
 async def test_a_sessions_own_open_request_holds_nothing(proxy):
-    proxy.configure(slots_wait_bound=1)
+    proxy.configure(slots_client_patience=3)
     first = await proxy.request(flow(chat("task A")))
     again = await asyncio.wait_for(proxy.request(flow(chat("task A"))), 0.5)  # its own work: its cache is there
     assert sent(again)["id_slot"] == sent(first)["id_slot"]
@@ -357,7 +357,7 @@ async def test_a_side_call_behind_longer_work_waits_when_every_other_slot_is_ano
     done = await asyncio.wait_for(proxy.request(flow(_side("short one", OTHER_SIDE))), 1.0)  # queued on its slot
     assert sent(done)["id_slot"] == 3 and up.keeper.ledger.writing.isdisjoint({0, 1, 2})
     up.keeper.outcomes.prefill_rate = None  # no speed known: a request waits its bound, then goes unpinned
-    proxy.configure(slots_wait_bound=1)
+    proxy.configure(slots_client_patience=3)
     late = await asyncio.wait_for(proxy.request(flow(_side("short two", OTHER_SIDE))), 5.0)
     assert sent(late)["id_slot"] == -1
     await proxy.answer(long, http.Response.make(200, b'{"timings":{"cache_n":0,"prompt_n":5}}', {}))
@@ -373,7 +373,7 @@ async def test_a_known_session_on_a_free_slot_is_not_held(proxy):
 
 
 async def test_a_client_that_hangs_up_while_held_is_logged_as_gone_with_the_time_it_waited(proxy, caplog):
-    proxy.configure(slots_wait_bound=1)
+    proxy.configure(slots_client_patience=3)
     await proxy.request(flow(_side("the first title")))
     second = await proxy.request(flow(_side("a summary", OTHER_SIDE)))  # held 1 s, then sent unpinned
     second.error = flow_error("Client disconnected.")
@@ -445,8 +445,6 @@ async def test_a_side_call_whose_slot_another_placement_holds_past_its_bound_goe
     slot that frees, and nothing of ours is written to the held slot."""
     from slotlogic.decisions import Observe, Pin
     from slotlogic.reasons import Unpinned, Why
-
-    monkeypatch.setattr(scheduler, "PATIENCE_FLOOR", 0.0)  # the cap at three bounds of 0.3 s, not the 90 s floor
     up, _, _, firsts = await _two_sessions_on_two_slots(tmp_path, 0.3)
     facts = _chat_facts
     assert {p.ticket.slot for p in firsts.values()} == {0, 1}
@@ -508,8 +506,6 @@ async def test_a_placement_past_its_bound_keeps_its_slot_from_a_later_one_while_
     OpenCode had given up on it. Now it keeps its turn while that request is expected to end before its own
     prompt would prefill elsewhere (Rule 3), so it goes first, pinned, and the later placement waits."""
     from slotlogic.decisions import Pin
-
-    monkeypatch.setattr(scheduler, "PATIENCE_FLOOR", 0.0)
     bound = 0.5
     up, client, _, firsts = await _two_sessions_on_two_slots(tmp_path, bound)
     up.keeper.outcomes.probed(100.0)  # 100 prompt tokens a second: c's own prompt (~600 chars) 1.5 s
@@ -555,10 +551,8 @@ async def test_a_placement_sends_no_save_to_a_slot_the_server_still_runs_past_it
     from slotlogic.settings import Settings
     from tests.conftest import UP
     from tests.test_page_safety import PagingLlama, Slots
-
-    monkeypatch.setattr(scheduler, "PATIENCE_FLOOR", 0.0)  # the cap at three bounds of 0.5 s, not the 90 s floor
     (tmp_path / "slots").mkdir()
-    settings = Settings(probe_interval=0, paging=True, save_dir=str(tmp_path / "slots"), wait_bound=0.5)
+    settings = Settings(probe_interval=0, paging=True, save_dir=str(tmp_path / "slots"), patience=1.5)
     actions = Slots()
     client = PagingLlama(actions)
     client.props_data = {**(client.props_data or {}), "total_slots": 2}
@@ -603,7 +597,7 @@ async def _two_sessions_on_two_slots(tmp_path, bound: float):
     from tests.test_page_safety import PagingLlama, Slots
 
     (tmp_path / "slots").mkdir()
-    settings = Settings(probe_interval=0, paging=True, save_dir=str(tmp_path / "slots"), wait_bound=bound)
+    settings = Settings(probe_interval=0, paging=True, save_dir=str(tmp_path / "slots"), patience=3 * bound)
     slots = Slots()
     client = PagingLlama(slots)
     client.props_data = {**(client.props_data or {}), "total_slots": 2}
@@ -667,7 +661,7 @@ async def test_a_turn_held_past_its_bound_is_not_sent_to_the_server_s_choice_ove
     another session's conversation (3,275 tokens, docs/performance.md). Here every other slot holds a promised
     conversation: the turn is held for its own slot instead, and runs there once the work ahead ends; the
     decision line names the filter that removed the server's choice."""
-    proxy.configure(slots_wait_bound=1)
+    proxy.configure(slots_client_patience=3)
     homes = []
     for task in ("task A", "task B", "task C"):
         f = await proxy.request(flow(chat(task)))

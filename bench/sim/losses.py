@@ -88,6 +88,8 @@ def _explain(rig: Rig, o: Outcome, prev: Outcome) -> Loss:
         loss.cause = "restart"
     elif any(e.kind == "idle-clear" for e in on_prev):
         loss.cause = "idle-clear"
+    elif _given_away(rig, on_prev, o.tag):
+        loss.cause = "given-away"
     elif o.server != prev.server:
         # paging off, its slot written by another session since, placed anew: an eviction the proxy chose
         taken = any(e.kind == "request" and e.tag != o.tag for e in on_prev)
@@ -113,6 +115,20 @@ def _explain(rig: Rig, o: Outcome, prev: Outcome) -> Loss:
     else:
         loss.cause = _overwritten(rig, on_prev, o.tag)
     return loss
+
+
+def _given_away(rig: Rig, events: list[SlotEvent], tag: str) -> bool:
+    """The first write over `tag`'s slot was a request the proxy itself sent with `id_slot: -1` (its record says
+    `unpinned`): held to its client's patience, it went where it could start, over a conversation the proxy
+    gave up knowingly and labelled so (docs/scheduler.md)."""
+    for e in events:
+        if e.kind == "save" or (e.kind == "request" and e.tag == tag):
+            continue
+        if e.kind != "request":
+            return False
+        return any(o.tag == e.tag and o.done is not None and o.done.started == e.t and o.meta.get("unpinned")
+                   for o in rig.outcomes)
+    return False
 
 
 def _overwritten(rig: Rig, events: list[SlotEvent], tag: str) -> str:

@@ -92,7 +92,7 @@ def shape_from_seed(seed: int, *, max_sessions: int = 6, load: bool = True, stal
     system_words = rng.randint(60, 200)
     if rng.random() < 0.15 and load:  # a loaded server: prefills outlast the bound (held requests, Rules 3-9)
         setup = replace(setup, prefill_speed=rng.uniform(60, 300),
-                        options=(("slots_wait_bound", rng.choice((1, 2, 5))),))
+                        options=(("slots_client_patience", 3 * rng.choice((1, 2, 5))),))
     # From a generator of their own, so the shapes drawn before stalls existed stay as they were.
     srng = random.Random(seed * 7 + 0x5A17)
     drawn = tuple((srng.uniform(0, 10), srng.uniform(3, 40), srng.randrange(servers))

@@ -97,10 +97,11 @@ OPTIONS: tuple[Option, ...] = (
            "their system prompt's cache."),
     Option("slots_prefix_min_chars", int, 512,
            "The shortest stable prefix learned from traffic (for clients without a marker)."),
-    Option("slots_wait_bound", int, 30,
-           "Seconds a request may wait for its slot while earlier requests of this proxy run there; then it "
-           "goes out with id_slot -1 (the first free slot runs it). Well under the clients' own timeouts "
-           "(docs/clients.md); 0 = hand it to the server's queue however long that takes."),
+    Option("slots_client_patience", int, 90,
+           "Seconds the proxy may hold a request in all while its slot is busy with this proxy's earlier "
+           "requests; keep it under your clients' own timeouts (docs/clients.md). After a third of it a held "
+           "request may leave its slot for a free one; at the end it is sent where it starts soonest. "
+           "0 = never hold (the server queues it)."),
     Option("slots_seed_wait", int, 30,
            "Seconds a new session may wait for another session's slot to finish its request, when it "
            "would start from a copy of that conversation (two sessions that start together): at most "
@@ -158,7 +159,7 @@ MINIMUMS: dict[str, tuple[int, str]] = {
     "slots_probe_interval": (0, "≥ 0"),
     "slots_prefix_min_chars": (1, "≥ 1"),
     "slots_seed_wait": (0, "≥ 0 (0 = never wait)"),
-    "slots_wait_bound": (0, "≥ 0 (0 = no bound)"),
+    "slots_client_patience": (0, "≥ 0 (0 = never hold)"),
     "slots_page_max_mb": (1, "≥ 1 (turn paging off with slots_paging)"),
     "slots_checkpoint_ttl_days": (0, "≥ 0"),
     "slots_checkpoint_keep": (0, "≥ 0"),
@@ -207,7 +208,7 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
         checkpoint_max_bytes=o.slots_checkpoint_max_mb << 20, probe_interval=float(o.slots_probe_interval),
         keep_streams=o.slots_keep_streams, anthropic=_choice(o, "slots_anthropic", AnthropicMode, o.slots_anthropic),
         strip_billing=o.slots_strip_billing, prefix_min_chars=o.slots_prefix_min_chars,
-        seed_wait=float(o.slots_seed_wait), wait_bound=float(o.slots_wait_bound),
+        seed_wait=float(o.slots_seed_wait), patience=float(o.slots_client_patience),
         state_max_sessions=o.slots_state_max_sessions, max_body_bytes=o.slots_max_body_mb << 20,
         api_key=o.slots_api_key.strip(), swa_full=o.slots_swa_full, cache_type_k=cache_k, cache_type_v=cache_v,
         throughput_probe=o.slots_throughput_probe, cost_model=o.slots_cost_model)
