@@ -1,8 +1,8 @@
 """The real-client workloads (`client-<name>`): three sessions of one real agent client (Claude Code,
-OpenCode, Codex CLI, Qwen Code, aider; `slotkeeper/launch/clients.py`) in one project folder, on a server with fewer
+OpenCode, Codex CLI, Qwen Code, aider; `bench/real/clients.py`) in one project folder, on a server with fewer
 slots than sessions, so eviction, paging and prefix checkpoints all matter.
 
-Shape: a fresh llama-server per configuration on the long-context SmolLM2 copy (`slotkeeper/launch/long_context.py`:
+Shape: a fresh llama-server per configuration on the long-context SmolLM2 copy (`bench/real/long_context.py`:
 client prompts need more than SmolLM2's 8K), 2 slots of 24,576 tokens, `-n 16` (Codex sends no answer cap),
 a slot save path; a fresh HOME and project folder per configuration; turns run one after another,
 interleaved s1t1, s2t1, s3t1, s1t2, s2t2, s3t2, with fixed prompts (SmolLM2 decodes greedily, so every
@@ -43,9 +43,9 @@ import httpx
 from bench import limit, loss
 from bench.client import RequestRecord
 from bench.configs import BenchConfig, Stack
+from bench.real.clients import CLIENTS, ClientSession, ClientUnavailable, node_available
 from bench.responses import ResponsesError
 from bench.responses import to_chat as responses_to_chat
-from slotkeeper.launch.clients import CLIENTS, ClientSession, ClientUnavailable, node_available
 from slotkeeper.launch.llama_server import LlamaServer
 from slotkeeper.launch.mitmdump import MitmProxy
 from slotlogic import anthropic
@@ -295,7 +295,7 @@ def server_and_proxy(cfg: BenchConfig, log_dir: Path, tag: str, threads: int, fl
                      ctx_per_slot: int = CTX_PER_SLOT) -> Iterator[Any]:
     """A fresh long-context llama-server and a fresh proxy with `-w flows` (every configuration is proxied);
     yields the proxy's `stop` too, so the flows can be read while the server still renders."""
-    from slotkeeper.launch.long_context import long_context_model
+    from bench.real.long_context import long_context_model
 
     with tempfile.TemporaryDirectory(prefix=f"slotkeeper-bench-{tag}-") as tmp:
         root = Path(tmp)

@@ -258,8 +258,8 @@ def redis_attack(soak: Any, sizes: Sizes) -> Attack | None:
         return None
     import redis
 
+    from bench.real.redis_server import RedisServer
     from slotkeeper.drivers.store_redis import state_key
-    from slotkeeper.launch.redis_server import RedisServer
 
     row = Attack("redis-deep", "6", "parse: corrupt, lock released")
     upstream = start_stub(soak)

@@ -1,11 +1,11 @@
-"""Several real clients at once (`mix-<name>`): sessions of several agent clients (slotkeeper/launch/clients.py) running
+"""Several real clients at once (`mix-<name>`): sessions of several agent clients (bench/real/clients.py) running
 their turns concurrently against one llama-server with fewer slots than sessions, so side calls of one
 client meet another client's prefills and sessions share slots.
 
 Shape, per mix (`MIXES`): the clients, sessions per client, turns per session and slots. Every session is a
 thread that runs its turns one after another (fixed prompts, as `client-<name>`); all start together, a
 second apart. Each client has its own HOME and project folder. The server is the long-context SmolLM2 copy
-(`slotkeeper/launch/long_context.py`), 32K a slot, `-n 16`, with a slot save path; every configuration runs through
+(`bench/real/long_context.py`), 32K a slot, `-n 16`, with a slot save path; every configuration runs through
 mitmdump with the addon and `-w` flows (`stock` is the proxy observing only, as in `client-<name>`).
 
 Numbers, per configuration, from the saved flows: prefill (Σ prompt_n, plus what the proxy's own checkpoint
@@ -48,7 +48,7 @@ from bench.client_workloads import (
     unavailable,
 )
 from bench.configs import BenchConfig
-from slotkeeper.launch.clients import CLIENTS
+from bench.real.clients import CLIENTS
 
 PREFIX = "mix-"
 CTX_PER_SLOT = 32768

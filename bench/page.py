@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from slotkeeper.launch.browser import Browser
+from bench.real.browser import Browser
 from slotkeeper.launch.llama_server import free_port
 from slotkeeper.launch.mitmdump import ROOT, MitmProxy
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.client import RequestRecord
-from slotkeeper.launch.pi import PiSession, node_available, run_sessions_concurrently
+from bench.real.pi import PiSession, node_available, run_sessions_concurrently
 
 TOPICS = ["a hash map", "a linked list", "a binary heap", "a trie", "a bloom filter", "a skip list"]
 FOLLOW_UPS = ["Reply with one short sentence: when is it a bad choice?",

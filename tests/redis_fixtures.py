@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from slotkeeper.launch.redis_server import RedisServer
+from bench.real.redis_server import RedisServer
 
 
 def new_redis() -> RedisServer:

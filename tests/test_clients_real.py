@@ -2,10 +2,10 @@
 
 Why: docs/clients.md and slotkeeper's session rules rest on what the pinned clients really send. One turn per
 client through a plain capturing mitmdump (no slotkeeper) in front of the embedded llama-server proves the
-slotkeeper/launch/clients.py configuration works offline and pins down the facts a client upgrade could change: the
+bench/real/clients.py configuration works offline and pins down the facts a client upgrade could change: the
 route, the session header/body field (or its absence), and that a continued turn keeps the same id.
 
-The server runs the long-context SmolLM2 copy (slotkeeper/launch/long_context.py) with one 32K slot. A turn of the
+The server runs the long-context SmolLM2 copy (bench/real/long_context.py) with one 32K slot. A turn of the
 four npm clients takes minutes on 2 shared cores (measured: Claude Code 140 s, OpenCode 2 turns 125 s,
 Codex 151 s, Qwen Code 376 s with its memory-extraction call), so those tests run only with
 SLOTKEEPER_SLOW_CLIENTS=1; aider's (about 17 s) always runs.
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from slotkeeper.launch.clients import (
+from bench.real.clients import (
     AiderSession,
     ClaudeCodeSession,
     ClientSession,
@@ -31,8 +31,8 @@ from slotkeeper.launch.clients import (
     QwenCodeSession,
     node_available,
 )
+from bench.real.long_context import long_context_model
 from slotkeeper.launch.llama_server import LlamaServer
-from slotkeeper.launch.long_context import long_context_model
 from slotkeeper.launch.mitmdump import MitmProxy
 from tests.real_helpers import THREADS
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from bench.real.pi import PiSession, PiUnavailable, ensure_pi_installed, node_available
 from slotkeeper.launch.llama_server import LlamaServer
-from slotkeeper.launch.pi import PiSession, PiUnavailable, ensure_pi_installed, node_available
 from tests.real_helpers import THREADS
 
 pytestmark = [

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from slotkeeper.launch.redis_server import MISSING, RedisServer, redis_binary
+from bench.real.redis_server import MISSING, RedisServer, redis_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "test_services.sh"

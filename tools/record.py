@@ -17,7 +17,7 @@ Recordings:
 - agents_subagent:  bench.workload's synthetic agents, 3 concurrent sessions, s0 runs a 2-turn subagent;
 - server_restart:   2 synthetic sessions, llama-server restarted in the middle (the proxy's /props probe
                     logs "restarted"), then both continue and a third session starts;
-- client_<name>:    a real agent client (Claude Code, OpenCode, Codex, Qwen Code, aider; slotkeeper/launch/clients.py),
+- client_<name>:    a real agent client (Claude Code, OpenCode, Codex, Qwen Code, aider; bench/real/clients.py),
                     headless and offline: sessions 1 and 2 in one project (turn 1 each, then turn 2 each),
                     then session 3's first turn; long-context SmolLM2, 3 slots, a save dir (the shipped
                     defaults of `make run`: paging and prefix checkpoints, learned prefixes included).
@@ -49,8 +49,7 @@ import mitmproxy  # noqa: E402
 from mitmproxy import http, io  # noqa: E402
 
 from bench.client import run_workload  # noqa: E402
-from bench.workload import SessionScript, Workload, generate  # noqa: E402
-from slotkeeper.launch.clients import (  # noqa: E402
+from bench.real.clients import (  # noqa: E402
     AiderSession,
     ClaudeCodeSession,
     ClientSession,
@@ -58,10 +57,11 @@ from slotkeeper.launch.clients import (  # noqa: E402
     OpenCodeSession,
     QwenCodeSession,
 )
+from bench.real.long_context import long_context_model  # noqa: E402
+from bench.real.pi import PI_VERSION, PiSession, ensure_pi_installed, run_sessions_concurrently  # noqa: E402
+from bench.workload import SessionScript, Workload, generate  # noqa: E402
 from slotkeeper.launch.llama_server import LlamaServer  # noqa: E402
-from slotkeeper.launch.long_context import long_context_model  # noqa: E402
 from slotkeeper.launch.mitmdump import MitmProxy, mitm_argv  # noqa: E402
-from slotkeeper.launch.pi import PI_VERSION, PiSession, ensure_pi_installed, run_sessions_concurrently  # noqa: E402
 
 OUT = ROOT / "recordings"
 PREFERRED_PORT = 8080
@@ -195,7 +195,7 @@ def record_pi(server: LlamaServer, rec: Recording, work: Path) -> dict[str, Any]
     failed = [(name, r.returncode, r.stderr[-300:]) for name, rs in results.items() for r in rs if r.returncode]
     if failed:
         raise RuntimeError(f"pi turns failed: {failed}")
-    return {"client": f"pi {PI_VERSION} (tools/pi, slotkeeper/launch/pi.py), 2 windows x 2 turns, one project",
+    return {"client": f"pi {PI_VERSION} (tools/pi, bench/real/pi.py), 2 windows x 2 turns, one project",
             "argv": [arg.replace(str(work), "<work>") for arg in windows[0].history[-1].argv]}
 
 
@@ -249,7 +249,7 @@ def record_client(server: LlamaServer, rec: Recording, work: Path) -> dict[str, 
                 raise RuntimeError(f"{cls.name} session {who} turn {turn} failed ({done.returncode}): "
                                    f"{done.stderr_tail[-600:]}")
     return {"client": f"{cls.name} {cls.version} ({cls.package}, tools/{cls.name}, "
-                      "slotkeeper/launch/clients.py): sessions "
+                      "bench/real/clients.py): sessions "
                       "1 and 2 in one project, turns 1 then 2, then session 3 turn 1, each session its own prompts; "
                       "max 16 tokens",
             "argv": [arg.replace(str(work), "<work>").replace(str(ROOT), ".") for arg in sessions[0].history[-1].argv]}

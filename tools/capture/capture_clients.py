@@ -1,7 +1,7 @@
 """Capture what the real agent clients send: 2 sessions x 2 turns in one project, plus 1 session in another.
 
 Why: slotkeeper's session, prefix and side-call rules must match real traffic. For each client this starts a
-fresh embedded llama-server on the long-context SmolLM2 copy (slotkeeper/launch/long_context.py), a plain mitmdump in
+fresh embedded llama-server on the long-context SmolLM2 copy (bench/real/long_context.py), a plain mitmdump in
 front of it (`-w` flows + tools/capture/capture_addon.py, no slotkeeper), and runs, one after another:
 session 1 turn 1, session 1 turn 2, session 2 turn 1, session 2 turn 2 (both in project A, a git repo),
 then session 3 turn 1 in project B (not a git repo). All sessions share one throw-away HOME, like one user.
@@ -27,9 +27,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from slotkeeper.launch.clients import CLIENTS, ClientSession  # noqa: E402
+from bench.real.clients import CLIENTS, ClientSession  # noqa: E402
+from bench.real.long_context import long_context_model  # noqa: E402
 from slotkeeper.launch.llama_server import LlamaServer  # noqa: E402
-from slotkeeper.launch.long_context import long_context_model  # noqa: E402
 from slotkeeper.launch.mitmdump import MitmProxy  # noqa: E402
 
 ADDON = Path(__file__).resolve().parent / "capture_addon.py"

@@ -10,8 +10,8 @@ captures look at (routes, headers, prompt layout, `cache_n`/`prompt_n`).
 The copy lives in `run/models/` (git-ignored; never commit a model) and is edited in place through the
 `gguf` package's memory-mapped reader, the same way llama.cpp's `gguf_set_metadata.py` changes a scalar.
 
-    python -m slotkeeper.launch.long_context --context-length 32768          # print the cached copy's path
-    python -m slotkeeper.launch.long_context --bench --threads 1 2 --tokens 10000   # prefill tokens/s per thread count
+    python -m bench.real.long_context --context-length 32768          # print the cached copy's path
+    python -m bench.real.long_context --bench --threads 1 2 --tokens 10000   # prefill tokens/s per thread count
 """
 
 from __future__ import annotations
