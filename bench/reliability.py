@@ -731,7 +731,7 @@ def security(soak: Soak) -> Row:
     with timed(row):
         key = f"sk-soak-{random.randrange(16**10):010x}"
         with soak.server(slots=2, ctx_per_slot=1024, extra=["--api-key", key]) as srv:
-            px = soak.proxy(srv.url, {"slots_state_dir": str(soak.dir("e-state")),
+            px = soak.proxy(srv.url, {"slots_state_dir": str(soak.dir("e-state")), "slots_api_key": key,
                                       "slots_log_file": str(soak.root / "e.jsonl")}, "e-apikey")
             r = chat(px.url, soak.messages("api-key"), headers={"authorization": f"Bearer {key}"})
             row.requests += 1

@@ -414,6 +414,12 @@ class StoreBack(Event):
 
 
 @dataclass(frozen=True)
+class ApiKeyNotBorrowed(Event):
+    """A client sent an API key to a server while `slots_api_key` is unset: the proxy's own calls to it go
+    without one (a client's key serves that client's requests only)."""
+
+
+@dataclass(frozen=True)
 class StoreValueRefused(Event):
     """A value in the shared store is not one a proxy wrote (too large, not a string, not JSON; or one this
     proxy would write is too large to share): this proxy decides from its last good copy of the state, and
