@@ -20,6 +20,10 @@ Classes (each also has fast cases in `make test`; docs/reliability.md says which
   llama-swap models, 8 MB system prompts, SSE without line or event ends, one huge line in a translated stream,
   deeply nested and huge state, 1 GB answers that are not streams), each against its own proxy: peak RSS
   growth next to its cap, alive, health answered within 1 s throughout; its per-attack table is printed too;
+- store & doors (`bench/reliability_store.py`): hostile values in the shared Redis store (200 MB, 600k fake
+  sessions, stamps from the future, a negative page size, a squatted lock), a rebinding `Host` on the local API,
+  clients' keys in front of an `--api-key` server, an IPv6 server, the console script's arguments; one row per
+  attack, measured as the memory bounds are;
 - security: an `--api-key` llama-server; the local API from a non-loopback address; file modes; hostile
   symlinks in the save dir; and every output of the run (proxy logs, JSONL files, state files) scanned for
   the prompts' sentinel string.
@@ -57,7 +61,7 @@ import brotli
 import httpx
 from mitmproxy.net import encoding
 
-from bench import memory_bounds
+from bench import memory_bounds, reliability_store
 from slotkeeper.launch.llama_server import LlamaServer, free_port
 from slotkeeper.launch.mitmdump import ROOT, MitmProxy, mitm_argv
 from slotlogic import paging
@@ -731,7 +735,7 @@ def security(soak: Soak) -> Row:
     with timed(row):
         key = f"sk-soak-{random.randrange(16**10):010x}"
         with soak.server(slots=2, ctx_per_slot=1024, extra=["--api-key", key]) as srv:
-            px = soak.proxy(srv.url, {"slots_state_dir": str(soak.dir("e-state")),
+            px = soak.proxy(srv.url, {"slots_state_dir": str(soak.dir("e-state")), "slots_api_key": key,
                                       "slots_log_file": str(soak.root / "e.jsonl")}, "e-apikey")
             r = chat(px.url, soak.messages("api-key"), headers={"authorization": f"Bearer {key}"})
             row.requests += 1
@@ -819,14 +823,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=32)
     ap.add_argument("--fuzz-examples", type=int, default=2500)
     ap.add_argument("--threads", type=int, default=1, help="llama-server threads")
-    ap.add_argument("--only", nargs="*", default=[], help="upstream kills load bad security memory")
+    ap.add_argument("--only", nargs="*", default=[], help="upstream kills load bad security memory store")
     ap.add_argument("--keep", action="store_true", help="keep the scratch dir")
     a = ap.parse_args(argv)
     soak = Soak(a.threads)
     classes: list[tuple[str, Callable[[], Row]]] = [
         ("upstream", lambda: upstream_faults(soak)), ("kills", lambda: kills(soak, a.kills)),
         ("load", lambda: load(soak, a.sessions)), ("bad", lambda: bad_input(soak, a.fuzz_examples)),
-        ("memory", lambda: memory_bounds.run(soak)),
+        ("memory", lambda: memory_bounds.run(soak)), ("store", lambda: reliability_store.run(soak)),
         ("security", lambda: security(soak))]
     rows: list[Row] = []
     try:
@@ -843,8 +847,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(soak.root, ignore_errors=True)
     print(table(rows))
     for r in rows:
-        if r.name == "memory bounds" and r.notes.get("table"):
-            print(f"\nmemory bounds, one row per attack:\n{r.notes['table']}")
+        if r.name in ("memory bounds", "store & doors") and r.notes.get("table"):
+            print(f"\n{r.name}, one row per attack:\n{r.notes['table']}")
     failed = [f"{r.name}: {f}" for r in rows for f in r.failed]
     for f in failed:
         print("FAILED", f)

@@ -43,18 +43,19 @@ class StubLlama:
     marker: str = "<__media_stub__>"
     seen: list[Seen] = field(default_factory=list)
     port: int = 0
+    host: str = "127.0.0.1"        # "::1": an IPv6 server (its URL in brackets)
     _server: asyncio.AbstractServer | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://[{self.host}]:{self.port}" if ":" in self.host else f"http://{self.host}:{self.port}"
 
     def props(self) -> dict[str, Any]:
         return {"total_slots": self.slots, "media_marker": self.marker, "build_info": "b0-stub",
                 "model_path": "/stub.gguf", "default_generation_settings": {"n_ctx": self.n_ctx}}
 
     async def start(self) -> StubLlama:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self._server = await asyncio.start_server(self._handle, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -186,10 +187,11 @@ def main() -> None:
     ap.add_argument("--no-save-path", action="store_true")
     ap.add_argument("--save-dir")
     ap.add_argument("--chat-delay", type=float, default=0.0)
+    ap.add_argument("--host", default="127.0.0.1")
     a = ap.parse_args()
     asyncio.run(serve(StubLlama(slots=a.slots, api_key=a.api_key, slots_delay=a.slots_delay, no_slots=a.no_slots,
                                 no_save_path=a.no_save_path, save_dir=a.save_dir, chat_delay=a.chat_delay,
-                                port=a.port)))
+                                port=a.port, host=a.host)))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ on stderr for a malformed `--upstream` or `--listen`, 1 when no mitmdump is foun
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import re
+import shlex
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -26,6 +29,12 @@ NOT_FOUND = 1
 
 class UsageError(ValueError):
     """A malformed argument: its one-line message goes to stderr, the exit status is 2."""
+
+
+# A host name as DNS spells it (letters, digits, hyphens, dots): anything else in `--listen` would reach
+# mitmproxy's mode spec, where `@` or `:` change what the spec means.
+HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                      r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
 
 
 def parse_upstream(url: str) -> str:
@@ -62,7 +71,27 @@ def parse_listen(spec: str) -> tuple[str, int]:
     if not host:
         raise UsageError(f"--listen {spec!r} names no host (write 127.0.0.1:{port}, or 0.0.0.0:{port} for every "
                          "interface)")
-    return host.removeprefix("[").removesuffix("]"), port
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not valid_host(bare, bracketed=bare != host):
+        raise UsageError(f"--listen {spec!r}: {host!r} is not an IP address or host name "
+                         "(write [::1]:PORT for IPv6)")
+    return bare, port
+
+
+def valid_host(host: str, *, bracketed: bool) -> bool:
+    """An IPv4 address or host name, or an IPv6 address (which `HOST:PORT` must bracket)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return not bracketed and HOSTNAME.match(host) is not None
+    return bracketed == (ip.version == 6)
+
+
+def parse_port(flag: str, port: int) -> int:
+    """A TCP port the process can listen on and print as it is (0 would be any port, not the one printed)."""
+    if not 1 <= port <= 65535:
+        raise UsageError(f"{flag} {port} is not a port in 1..65535")
+    return port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,17 +119,18 @@ def command(argv: list[str]) -> tuple[list[str], list[str]]:
         raise UsageError("--upstream URL is required (e.g. --upstream http://127.0.0.1:8080)")
     upstream = parse_upstream(a.upstream)
     host, port = parse_listen(a.listen)
+    web_port = parse_port("--web-port", a.web_port)
     options: dict[str, object] = {}
     if a.save_dir:
         options["slots_save_dir"] = str(Path(a.save_dir).expanduser().resolve())
     from slotkeeper.launch.mitmdump import mitm_argv  # after the arguments are checked: it imports httpx
 
-    mitm = mitm_argv(upstream, port, options, web=a.web, web_port=a.web_port, extra=extra, host=host)
+    mitm = mitm_argv(upstream, port, options, web=a.web, web_port=web_port, extra=extra, host=host)
     shown = f"[{host}]" if ":" in host else host
-    ui = f", mitmweb UI on http://127.0.0.1:{a.web_port}" if a.web else ""
+    ui = f", mitmweb UI on http://127.0.0.1:{web_port}" if a.web else ""
     lines = [f"slotkeeper proxy on http://{shown}:{port} -> {upstream}{ui}",
              f"  live slot page: http://{shown}:{port}/_slots/",
-             "  " + " ".join(mitm)]
+             "  " + shlex.join(mitm)]
     return mitm, lines
 
 
@@ -119,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slotkeeper: {e} (pip install 'mitmproxy>=11.0.2,<13' next to slotkeeper)", file=sys.stderr)
         return NOT_FOUND
     if "--dry-run" in own:
-        print(" ".join(mitm))
+        print(shlex.join(mitm))  # quoted: what a shell runs as these exact arguments
         return 0
     print("\n".join(lines), flush=True)
     sys.stderr.flush()

@@ -425,6 +425,31 @@ class StoreBack(Event):
     store: str
 
 
+@dataclass(frozen=True)
+class ApiKeyNotBorrowed(Event):
+    """A client sent an API key to a server while `slots_api_key` is unset: the proxy's own calls to it go
+    without one (a client's key serves that client's requests only)."""
+
+
+@dataclass(frozen=True)
+class StoreValueRefused(Event):
+    """A value in the shared store is not one a proxy wrote (too large, not a string, not JSON; or one this
+    proxy would write is too large to share): this proxy decides from its last good copy of the state, and
+    its next write replaces the value."""
+
+    store: str                     # the URL without credentials
+    why: str                       # what is wrong, in a few words (sizes only: never the value)
+
+
+@dataclass(frozen=True)
+class StoreLockBusy(Event):
+    """The server's state lock stayed held past the wait (another proxy stuck, or a key squatted): this
+    transaction ran on this proxy's last copy and wrote nothing; the store is reachable."""
+
+    store: str
+    seconds: float
+
+
 class Via(Enum):
     """How a proxy learned that another proxy's session took one of its sessions' slots."""
 

@@ -31,6 +31,7 @@ from typing import Any
 from slotlogic.shared import ServerState
 
 VERSION = 1
+MAX_NOTICE = 1024  # a notice is a few hundred bytes: a longer message on the channel is a stranger's, never parsed
 _KEY = re.compile(r"^[0-9A-Za-z_.:-]{1,128}$")  # a session key or a process id: digests, never text
 
 
@@ -67,6 +68,8 @@ def encode(notice: ClaimNotice) -> str:
 
 def decode(raw: Any) -> ClaimNotice | None:
     """A notice from the wire, or None for anything else (another version, damage, a stranger's message)."""
+    if not isinstance(raw, str | bytes) or len(raw) > MAX_NOTICE:
+        return None
     try:
         data = json.loads(raw)
     except (ValueError, TypeError, UnicodeDecodeError, RecursionError):

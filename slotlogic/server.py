@@ -8,18 +8,25 @@ Rule 2: only what slot keeping needs is kept, and the parts recorded with a new 
 
 Facts used (docs/llama-server.md): `media_marker` is new in every server process, so a changed value means
 a restart (every slot is empty); `total_slots` is the slot count (`id_slot` must stay below it);
-`default_generation_settings.n_ctx` is the per-slot context; `build_info` and `model_path` name what wrote a
-slot file.
+`default_generation_settings.n_ctx` is the per-slot context; `build_info`, `model_path` and what the server
+reports of the model's content (`CONTENT_FACTS`: its quantization, chat template, special tokens) name what wrote
+a slot file.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-PROPS_FACTS = ("total_slots", "media_marker", "build_info", "model_path", "default_generation_settings")
+PROPS_FACTS = ("total_slots", "media_marker", "build_info", "model_path", "default_generation_settings",
+               "model_content")
+# What `/props` reports about the model file's content, read from its header by the server: a model replaced at
+# the same path (another quantization, size or family) changes some of them. The file itself may be on another
+# machine, where the proxy cannot look at its size or time.
+CONTENT_FACTS = ("model_ftype", "chat_template", "chat_template_caps", "bos_token", "eos_token", "modalities")
 DEFAULT_KV = "f16/f16"  # llama-server's default -ctk/-ctv
 SLOT_FACTS = ("id", "n_ctx", "is_processing", "n_prompt_tokens")
 
@@ -43,6 +50,7 @@ class ServerInfo:
     model_size: int | None = None     # the model file as this machine sees it (the driver stats it)
     model_mtime: float | None = None
     kv_cache: str | None = None       # the KV cache types "K/V" (`slotlogic.kv_types`): not in /props, the driver's
+    model_content: str | None = None  # a digest of what `/props` says of the model's content (CONTENT_FACTS)
 
     @classmethod
     def parse(cls, props: Any) -> ServerInfo | None:
@@ -52,10 +60,14 @@ class ServerInfo:
         if total is None or total <= 0:
             return None
         dgs = props.get("default_generation_settings")
+        content = model_content(props)
+        raw = {k: props[k] for k in PROPS_FACTS if k in props}
+        if content is not None:
+            raw["model_content"] = content  # recorded with a decision: a replay reaches the same identity
         return cls(total_slots=total, media_marker=_str(props.get("media_marker")),
                    n_ctx=_int(dgs.get("n_ctx")) if isinstance(dgs, Mapping) else None,
                    build_info=_str(props.get("build_info")), model_path=_str(props.get("model_path")),
-                   raw={k: props[k] for k in PROPS_FACTS if k in props})
+                   raw=raw, model_content=content)
 
     @property
     def model_id(self) -> str:
@@ -71,6 +83,8 @@ class ServerInfo:
                                      self.total_slots, server_id)
         if self.kv_cache not in (None, DEFAULT_KV):  # the default leaves older pages' identity as it was
             parts += (self.kv_cache,)
+        if self.model_content is not None:  # a server that reports none leaves older pages' identity as it was
+            parts += (self.model_content,)
         return "p1:" + hashlib.sha256(repr(parts).encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
     @property
@@ -80,7 +94,21 @@ class ServerInfo:
                                "total_slots": self.total_slots, "n_ctx": self.n_ctx}
         if self.kv_cache not in (None, DEFAULT_KV):
             out["kv_cache"] = self.kv_cache
+        if self.model_content is not None:
+            out["model_content"] = self.model_content
         return out
+
+
+def model_content(props: Mapping[str, Any]) -> str | None:
+    """A digest of CONTENT_FACTS in `/props` (None when it reports none of them): with the path, the build and the
+    file's size and time where this machine can see it, what tells a replaced model from the one a page was
+    written by. A digest recorded before (a replayed decision) stands for itself."""
+    facts = {k: props[k] for k in CONTENT_FACTS if k in props}
+    if not facts:
+        recorded = props.get("model_content")
+        return recorded if isinstance(recorded, str) and len(recorded) <= 64 else None
+    wire = json.dumps(facts, sort_keys=True, default=str, ensure_ascii=False)
+    return hashlib.sha256(wire.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def slot_facts(live: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:

@@ -18,6 +18,7 @@ The in-memory side of the same facts is `slotlogic.table.SessionTable`: the hot 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -64,6 +65,15 @@ EMPTIED_CAUSES = frozenset({"restart", "idle-clear"})
 MAX_KEY = 128      # a session key longer than this read from the store is not one
 
 MAX_EPOCH = 1 << 62  # an epoch read from the store past this is not ours: reset (never a value that sizes memory)
+# Ranges of what the state may say (a file or Redis key another process or tenant can write): a value outside
+# is not one a proxy wrote, and its record is dropped, never clamped into something that outranks real ones.
+MAX_TIME = 1e11                   # a stamp past the year 5000, whatever the reader's clock
+FUTURE_SKEW = 600.0               # how far ahead of the reader's clock another machine's stamp may be
+MAX_TOKENS = 1 << 31
+MAX_REQUESTS = 1 << 40
+MAX_PAGE_BYTES = 1 << 44          # 16 TiB: no KV page is larger
+MAX_READ_SESSIONS = 4096          # sessions read from a state (`slots_state_max_sessions` keeps 256 by default)
+MAX_MODEL = 8192                  # a page's model identity (path, build and content)
 
 
 @dataclass(frozen=True)
@@ -97,62 +107,107 @@ class ServerState:
 
 
 def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+    """A finite number (JSON from outside may say NaN or Infinity, which no comparison orders)."""
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    return float(v) if ok else None
 
 
 def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def _str(v: Any) -> str | None:
-    return v if isinstance(v, str) else None
+def _count(v: Any, top: int) -> int | None:
+    """An integer in 0..top (a size, a count): anything else read from the store is not one of ours."""
+    n = _int(v)
+    return n if n is not None and 0 <= n <= top else None
 
 
-def from_dict(data: Any, upstream: str) -> ServerState:
+def _str(v: Any, longest: int = MAX_KEY) -> str | None:
+    return v if isinstance(v, str) and len(v) <= longest else None
+
+
+@dataclass(frozen=True)
+class Clock:
+    """What a time read from the state may be: a proxy wrote it, so it is past, give or take clock skew. A
+    stamp from the future would outrank every real one (the most recent session kept, a slot held forever)."""
+
+    latest: float = MAX_TIME
+
+    def time(self, v: Any) -> float | None:
+        t = _num(v)
+        return t if t is not None and 0.0 <= t <= self.latest else None
+
+
+def from_dict(data: Any, upstream: str, now: float | None = None) -> ServerState:
+    """The state in `data`; every value of the wrong type or out of its range is dropped with its record (`now`:
+    the reader's clock, when it has one, bounds the stamps)."""
     st = ServerState(upstream=upstream)
     if not isinstance(data, dict):
         return st
-    st.media_marker = _str(data.get("media_marker"))
-    marker = _str(data.get("idle_clearing"))
-    st.idle_clearing = marker if marker and len(marker) <= MAX_MARKER else None
+    clock = Clock(now + FUTURE_SKEW if now is not None else MAX_TIME)
+    st.media_marker = _str(data.get("media_marker"), MAX_MARKER)
+    marker = _str(data.get("idle_clearing"), MAX_MARKER)
+    st.idle_clearing = marker or None
     total = _int(data.get("total_slots"))
     st.total_slots = total if total and 0 < total <= MAX_SLOTS else None
-    st.n_ctx = _int(data.get("n_ctx"))
-    slots = data.get("slots")
-    if isinstance(slots, dict):
-        for k, v in slots.items():
-            try:
-                sid = int(k)
-            except (TypeError, ValueError):
-                continue
-            if not isinstance(v, dict) or not 0 <= sid < MAX_SLOTS or _num(v.get("last_used")) is None:
-                continue
-            epoch = _int(v.get("epoch")) or 0
-            proxy = v.get("proxy")
-            st.slots[sid] = SlotRecord(last_used=_num(v["last_used"]) or 0.0, owner=_str(v.get("owner")),
-                                       requests=_int(v.get("requests")) or 0, prefix=_str(v.get("prefix")),
-                                       epoch=epoch if 0 <= epoch < MAX_EPOCH else 0,
-                                       proxy=proxy if handover.valid_id(proxy) else None)
-    sessions = data.get("sessions")
-    if isinstance(sessions, dict):
-        for k, v in sessions.items():
-            if not isinstance(k, str) or not isinstance(v, dict):
-                continue
-            slot, used = _int(v.get("slot")), _num(v.get("last_used"))
-            if slot is None or not 0 <= slot < MAX_SLOTS or used is None:
-                continue
-            st.sessions[k] = SessionRecord(slot=slot, last_used=used, requests=_int(v.get("requests")) or 0,
-                                           prefix=_str(v.get("prefix")), claimed=_num(v.get("claimed")))
-    pages = data.get("pages")
-    if isinstance(pages, dict):
-        for k, v in pages.items():
-            if not isinstance(k, str) or not isinstance(v, dict):
-                continue
-            file, n, saved = _str(v.get("file")), _int(v.get("n_tokens")), _num(v.get("saved"))
-            if file is None or not PAGE_FILE_RE.match(file) or n is None or saved is None:
-                continue
-            st.pages[k] = PageRecord(file=file, n_tokens=n, saved=saved, bytes=_int(v.get("bytes")) or 0,
-                                     model=_str(v.get("model")) or "")
+    st.n_ctx = _count(data.get("n_ctx"), MAX_TOKENS) or None
+    _read_slots(st, data.get("slots"), clock)
+    _read_sessions(st, data.get("sessions"), clock)
+    _read_pages(st, data.get("pages"), clock)
+    _read_others(st, data, clock)
+    return st
+
+
+def _read_slots(st: ServerState, slots: Any, clock: Clock) -> None:
+    if not isinstance(slots, dict):
+        return
+    for k, v in list(slots.items())[:MAX_SLOTS]:
+        sid = _int(int(k)) if isinstance(k, str) and k.isdigit() and len(k) < 6 else None
+        if not isinstance(v, dict) or sid is None or not 0 <= sid < MAX_SLOTS:
+            continue
+        used = clock.time(v.get("last_used"))
+        if used is None:
+            continue
+        proxy = v.get("proxy")
+        st.slots[sid] = SlotRecord(last_used=used, owner=_str(v.get("owner")),
+                                   requests=_count(v.get("requests"), MAX_REQUESTS) or 0, prefix=_str(v.get("prefix")),
+                                   epoch=_count(v.get("epoch"), MAX_EPOCH - 1) or 0,
+                                   proxy=proxy if handover.valid_id(proxy) else None)
+
+
+def _read_sessions(st: ServerState, sessions: Any, clock: Clock) -> None:
+    if not isinstance(sessions, dict):
+        return
+    for k, v in sessions.items():
+        if not isinstance(k, str) or len(k) > MAX_KEY or not isinstance(v, dict):
+            continue
+        slot, used = _int(v.get("slot")), clock.time(v.get("last_used"))
+        if slot is None or not 0 <= slot < MAX_SLOTS or used is None:
+            continue
+        st.sessions[k] = SessionRecord(slot=slot, last_used=used, requests=_count(v.get("requests"), MAX_REQUESTS) or 0,
+                                       prefix=_str(v.get("prefix")), claimed=clock.time(v.get("claimed")))
+    if len(st.sessions) > MAX_READ_SESSIONS:  # more than any proxy keeps: the most recent, the rest is not ours
+        newest = sorted(st.sessions.items(), key=lambda kv: kv[1].last_used, reverse=True)[:MAX_READ_SESSIONS]
+        st.sessions = dict(newest)
+
+
+def _read_pages(st: ServerState, pages: Any, clock: Clock) -> None:
+    """A page's size counts against the disk budget and its name is deleted: a size that is not a file's
+    (negative, past `MAX_PAGE_BYTES`) would switch the budget off, so the record is not one of ours."""
+    if not isinstance(pages, dict):
+        return
+    for k, v in pages.items():
+        if not isinstance(k, str) or len(k) > MAX_KEY or not isinstance(v, dict):
+            continue
+        file, n, saved = _str(v.get("file")), _count(v.get("n_tokens"), MAX_TOKENS), clock.time(v.get("saved"))
+        size = _count(v.get("bytes", 0), MAX_PAGE_BYTES)
+        if file is None or not PAGE_FILE_RE.match(file) or n is None or saved is None or size is None:
+            continue
+        st.pages[k] = PageRecord(file=file, n_tokens=n, saved=saved, bytes=size,
+                                 model=_str(v.get("model"), MAX_MODEL) or "")
+
+
+def _read_others(st: ServerState, data: dict[str, Any], clock: Clock) -> None:
     handovers = data.get("handovers")
     if isinstance(handovers, list):
         for v in handovers[:handover.MAX_HANDOVERS]:
@@ -168,24 +223,24 @@ def from_dict(data: Any, upstream: str) -> ServerState:
     beats = data.get("beats")
     if isinstance(beats, dict):
         for k, v in list(beats.items())[:handover.MAX_PROXIES]:
-            if handover.valid_id(k) and _num(v) is not None:
-                st.beats[k] = _num(v) or 0.0
+            beat = clock.time(v)
+            if handover.valid_id(k) and beat is not None:
+                st.beats[k] = beat
     emptied = data.get("emptied")
     if isinstance(emptied, dict):
         for k, v in list(emptied.items())[:MAX_EMPTIED]:
-            at = _num(v.get("at")) if isinstance(v, dict) else None
+            at = clock.time(v.get("at")) if isinstance(v, dict) else None
             if isinstance(k, str) and len(k) <= MAX_KEY and at is not None and v.get("cause") in EMPTIED_CAUSES:
                 st.emptied[k] = Emptied(v["cause"], at)
     prefixes = data.get("prefixes")
     if isinstance(prefixes, list):
-        for v in prefixes:
+        for v in prefixes[:MAX_LEARNED]:
             if not isinstance(v, dict):
                 continue
-            ctx, n, dig, seen = _str(v.get("context")), _int(v.get("length")), _str(v.get("digest")), _num(
-                v.get("last_seen"))
-            if ctx and n and n > 0 and dig and len(dig) == 64 and seen is not None:
+            ctx, n, dig, seen = (_str(v.get("context")), _count(v.get("length"), MAX_TOKENS), _str(v.get("digest")),
+                                 clock.time(v.get("last_seen")))
+            if ctx and n and dig and len(dig) == 64 and seen is not None:
                 st.prefixes.append(Learned(ctx, n, dig, seen))
-    return st
 
 
 def to_dict(st: ServerState) -> dict[str, Any]:
@@ -370,13 +425,20 @@ def prune(st: ServerState, now: float, keep_seconds: float) -> list[str]:
 
 def compact(st: ServerState, now: float, keep_seconds: float, max_sessions: int) -> list[str]:
     """`prune`, then at most `max_sessions` sessions: the most recently used, plus every slot's owner (a
-    restarted proxy resumes those). Every new session's transaction reads and writes the whole file, so its
-    size, not the number of sessions ever seen, sets the cost. Returns the page files of the sessions forgotten."""
+    restarted proxy resumes those). A stamp from the future (no proxy wrote it) ranks last, not first. Every new
+    session's transaction reads and writes the whole file, so its size, not the number of sessions ever seen,
+    sets the cost. Returns the page files of the sessions forgotten."""
     doomed = prune(st, now, keep_seconds)
     if len(st.sessions) <= max_sessions:
         return doomed
     owners = {rec.owner for rec in st.slots.values() if rec.owner}
-    recent = sorted(st.sessions, key=lambda k: st.sessions[k].last_used, reverse=True)[:max_sessions]
+    latest = now + FUTURE_SKEW
+
+    def used(k: str) -> float:
+        t = st.sessions[k].last_used
+        return t if t <= latest else -1.0
+
+    recent = sorted(st.sessions, key=used, reverse=True)[:max_sessions]
     keep = owners.union(recent)
     st.sessions = {k: v for k, v in st.sessions.items() if k in keep}
     gone = [k for k in st.pages if k not in st.sessions]

@@ -247,6 +247,13 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
     ev.StoreUnavailable: lambda e: (Level.WARNING, f"shared state {e.store} unreachable ({e.kind}): deciding from "
                                                    "this proxy's memory until it is back"),
     ev.StoreBack: lambda e: (Level.WARNING, f"shared state {e.store} reachable again"),
+    ev.ApiKeyNotBorrowed: lambda e: (Level.WARNING, f"clients send an API key to {e.upstream}: the proxy's own calls "
+                                                    "(/props, /slots, slot files) carry slots_api_key only, never a "
+                                                    "client's; set it if the server asks for a key"),
+    ev.StoreValueRefused: lambda e: (Level.WARNING, f"shared state {e.store}: a value no proxy wrote was refused "
+                                                    f"({e.why}): deciding from this proxy's last copy"),
+    ev.StoreLockBusy: lambda e: (Level.WARNING, f"shared state {e.store}: its lock was held for {e.seconds:.0f} s "
+                                                "by another: this step decided from this proxy's last copy"),
     ev.NoticesLost: lambda e: (Level.WARNING, f"claim notices from {e.store} lost ({e.kind}): other proxies' use "
                                               "of our slots is learned at the background flush until they are "
                                               "back"),

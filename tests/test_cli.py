@@ -5,6 +5,7 @@ itself, answering a request, is tests/test_wheel_install.py.)"""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -60,10 +61,36 @@ def test_a_malformed_upstream_is_one_line_and_exit_status_2(capsys, upstream, sa
     assert err.count("\n") == 1 and err.startswith("slotkeeper: --upstream ") and says in err, err
 
 
-@pytest.mark.parametrize("listen", ["127.0.0.1:0", "127.0.0.1:x", ":8081", "127.0.0.1:70000"])
+@pytest.mark.parametrize("listen", ["127.0.0.1:0", "127.0.0.1:x", ":8081", "127.0.0.1:70000",
+                                    # a second address smuggled into mitmproxy's mode spec; an unbracketed IPv6;
+                                    # a bracketed IPv4; a host that is not a name
+                                    "127.0.0.1:8081@0.0.0.0:9999", "::1:8081", "[127.0.0.1]:8081", "a b:8081",
+                                    "host/x:8081"])
 def test_a_malformed_listen_address_is_one_line_and_exit_status_2(capsys, listen):
-    code, out, err = run(capsys, "--upstream", "http://127.0.0.1:8080", "--listen", listen)
+    code, out, err = run(capsys, "--upstream", "http://127.0.0.1:8080", "--listen", listen, "--dry-run")
     assert (code, out) == (2, "") and err.count("\n") == 1 and err.startswith("slotkeeper: --listen "), err
+
+
+def test_listen_accepts_ipv6_in_brackets_and_host_names(capsys):
+    for listen, mode in (("[::1]:9001", "@::1:9001"), ("localhost:9002", "@localhost:9002"),
+                         ("9003", "@127.0.0.1:9003")):
+        code, out, err = run(capsys, "--upstream", "http://[::1]:8080", "--listen", listen, "--dry-run")
+        assert (code, err) == (0, "") and f"reverse:http://[::1]:8080{mode}" in out, out
+
+
+@pytest.mark.parametrize("port", ["0", "70000", "-1"])
+def test_a_web_port_the_ui_would_not_listen_on_as_printed_is_one_line_and_exit_status_2(capsys, port):
+    code, out, err = run(capsys, "--upstream", "http://127.0.0.1:8080", "--web", "--web-port", port, "--dry-run")
+    assert (code, out) == (2, "") and err == f"slotkeeper: --web-port {port} is not a port in 1..65535\n", err
+
+
+def test_dry_run_prints_arguments_a_shell_splits_back_into_the_same_argv(capsys, tmp_path):
+    save = tmp_path / "save dir; touch $HOME/x"
+    code, out, err = run(capsys, "--upstream", "http://127.0.0.1:8080", "--save-dir", str(save), "--dry-run",
+                         "--", "--set", "slots_api_key=a b'c")
+    assert (code, err) == (0, "")
+    argv = shlex.split(out)
+    assert f"slots_save_dir={save.resolve()}" in argv and argv[-1] == "slots_api_key=a b'c"
 
 
 def test_no_upstream_is_one_line_and_exit_status_2(capsys):

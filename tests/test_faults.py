@@ -191,19 +191,26 @@ async def test_a_props_that_times_out_places_new_sessions_with_its_last_answer(t
 
 
 @pytest.mark.parametrize("header", ["authorization", "x-api-key"])
-async def test_the_proxys_own_calls_carry_the_clients_key(tmp_path, caplog, header):
+async def test_a_clients_key_is_never_used_for_the_proxys_own_calls(tmp_path, caplog, header):
+    """With `--api-key` on the server and no `slots_api_key`, the latest client's key went with every call the
+    proxy made for any client (a wrong one failed them all): now a client's key goes with its own request only,
+    and one line says to set `slots_api_key`."""
     key = "sk-test-KEY-123"
     stub = StubLlama(api_key=key)
-    value = f"Bearer {key}" if header == "authorization" else key
+    keys = {"A": key, "B": "sk-wrong-KEY-999", "C": key}
     async with stub_proxy(tmp_path, stub) as p:
+        seen = events_of(p)
         with caplog.at_level(logging.DEBUG):
-            f = await p.request(to(stub, chat("A"), headers={header: value}))
-            await p.answer(f, http.Response.make(200, b'{"timings":{"cache_n":0,"prompt_n":9}}', {}))
-    assert json.loads(f.request.content)["id_slot"] in range(4)  # /props answered: the key went with it
+            for who, k in keys.items():
+                value = f"Bearer {k}" if header == "authorization" else k
+                f = await p.request(to(stub, chat(who), headers={header: value}))
+                assert f.request.headers[header] == value  # the client's own request keeps its own key
+                await p.answer(f, http.Response.make(200, b'{"timings":{"cache_n":0,"prompt_n":9}}', {}))
     own = [s for s in stub.seen if s.path in ("/props", "/slots")]
-    assert own and all(s.headers.get(header) == value for s in own)
-    files = b"".join(q.read_bytes() for q in (tmp_path / "state").iterdir() if q.is_file())
-    assert key not in caplog.text and key.encode() not in files
+    assert own and not any(h in s.headers for s in own for h in ("authorization", "x-api-key"))
+    assert [type(e) for e in seen if isinstance(e, ev.ApiKeyNotBorrowed)] == [ev.ApiKeyNotBorrowed]
+    files = b"".join(q.read_bytes() for q in tmp_path.rglob("*") if q.is_file())
+    assert key not in caplog.text and key.encode() not in files and "slots_api_key" in caplog.text
 
 
 async def test_the_option_key_wins_and_is_never_shown(tmp_path, caplog):

@@ -68,3 +68,27 @@ async def test_status_and_new_sessions_with_a_state_file_nested_too_deep(proxy, 
     f = await proxy.request(flow(chat("a new session")))
     assert json.loads(f.request.content)["id_slot"] in range(4)
     assert any(".corrupt-" in p.name for p in state.iterdir())
+
+
+@pytest.mark.parametrize(("host", "status"), [
+    ("attacker.example", 403), ("attacker.example:8081", 403), ("127.0.0.1.nip.io:8081", 403),
+    ("localhost:8081", 200), ("app.localhost", 200), ("127.0.0.1:8081", 200), ("[::1]:8081", 200),
+    ("10.0.0.7", 200), ("slots.lan:8081", 200),  # a name slots_api_hosts lists
+])
+async def test_the_api_answers_its_own_host_names_only(proxy, host, status):
+    """A loopback client naming another host is a page re-pointed at 127.0.0.1 (DNS rebinding): it reads nothing."""
+    proxy.configure(slots_api_hosts=["slots.lan"])
+    for path in ("/_slots/", "/_slots/status", "/_slots/metrics"):
+        f = api(path)
+        f.request.headers["host"] = host
+        assert (await proxy.request(f)).response.status_code == status, (path, host)
+
+
+async def test_every_answer_carries_the_security_headers(proxy):
+    for path, method in (("/_slots/", "GET"), ("/_slots/status", "GET"), ("/_slots/nope", "GET"),
+                         ("/_slots/status", "POST")):
+        headers = (await proxy.request(api(path, method))).response.headers
+        csp = headers["content-security-policy"]
+        assert "frame-ancestors 'none'" in csp and "default-src 'none'" in csp and "'unsafe-inline'" not in \
+            csp.split("script-src", 1)[1].split(";", 1)[0]
+        assert headers["x-content-type-options"] == "nosniff" and headers["x-frame-options"] == "DENY"

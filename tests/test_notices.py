@@ -37,6 +37,13 @@ def test_a_notice_round_trips_and_carries_no_text():
     assert notices.decode(notices.encode(sent)) == sent
 
 
+def test_a_message_longer_than_any_notice_is_not_parsed():
+    """Anyone who can publish on the channel can send megabytes: a notice is a few hundred bytes."""
+    wire = json.loads(notices.encode(ClaimNotice(3, A, B, "0123456789abcdef", 1.0)))
+    wire["pad"] = "x" * (1 << 20)
+    assert notices.decode(json.dumps(wire)) is None and notices.decode(json.dumps(wire).encode()) is None
+
+
 @given(st.one_of(st.binary(max_size=200), st.text(max_size=200),
                  st.dictionaries(st.sampled_from(["v", "slot", "claimant", "displaced", "instance", "at", "sent"]),
                                  st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=40)))

@@ -31,10 +31,11 @@ import json
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 from slotkeeper.drivers.checkpoint_runner import PrefixRegistry
 from slotkeeper.drivers.llama_http import LlamaClient
+from slotkeeper.drivers.origins import base_of
 from slotkeeper.drivers.pool_health import Member, PoolHealth
 from slotkeeper.drivers.upstream import Upstream
 from slotlogic import prefix as pfx
@@ -48,13 +49,6 @@ from slotlogic.routing import RouteWhy, ServerView
 from slotlogic.server import ServerInfo
 
 Emit = Callable[[Event], None]
-
-
-def base_of(url: str) -> str:
-    """`scheme://host:port` of a URL (a llama-swap model's server URL included)."""
-    p = urlsplit(url)
-    port = p.port or (443 if p.scheme == "https" else 80)
-    return f"{p.scheme}://{p.hostname}:{port}"
 
 
 class Pool:

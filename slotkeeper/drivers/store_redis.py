@@ -18,6 +18,15 @@ server's identity), one JSON document per server under `slotkeeper:v1:<sha256(ur
   again after a back-off, and one line says when it is back. Requests keep flowing on local decisions.
 - No network on the hot path: a known session is decided from memory; only a new session's placement, a
   paging step and the background flush (every 0.5 s, coalesced) talk to Redis.
+- Its contents are another writer's until checked (any client of the server can write the keys): the state is
+  read by a script that answers its size instead when it is over `MAX_STATE_BYTES` (no megabytes read) or
+  nothing when the key is not a string; it is parsed in a worker thread and every value range-checked
+  (`shared.from_dict`, with this machine's clock: no stamp from the future). A refused value is one line;
+  the transaction runs on this process's last good copy and its write replaces the value.
+- The lock is ours or expires: a lock key with no expiry, a longer one than a proxy sets, or another type is
+  taken over at once, and a holder seen for longer than `LOCK_SECONDS` (a proxy's lock lives that long at
+  most) is one that renews it: taken over too. A transaction waits `LOCK_WAIT` for it at most, then runs on
+  the last copy; the store stays "reachable" (it answered).
 - Claim notices: a transaction that gives a slot to another session publishes one notice per change on the
   server's channel (`slotkeeper:v1:<sha256(url)[:16]>:claims`, in the same round trip as the write), and
   `slotkeeper.drivers.notice_listener` hands the notices of other proxies to `watch`'s callback at once, so a proxy
@@ -34,6 +43,7 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -43,22 +53,55 @@ from redis.exceptions import LockError, RedisError
 from slotkeeper.drivers.notice_listener import NoticeListener, OnClaim
 from slotkeeper.drivers.store import BUILT, redacted
 from slotlogic import notices, shared
-from slotlogic.events import Event, StoreBack, StoreUnavailable
+from slotlogic.events import Event, StoreBack, StoreLockBusy, StoreUnavailable, StoreValueRefused
 from slotlogic.routing import backoff
 from slotlogic.settings import SESSION_KEEP_SECONDS
 
 LOCK_SECONDS = 10.0       # a lock whose holder died expires after this
-WAIT_SECONDS = 10.0       # how long a transaction waits for the lock
+LOCK_WAIT = 2.0           # how long a transaction waits for the lock (a proxy holds it for milliseconds)
+MAX_STATE_BYTES = 1 << 20  # a state larger than this is not a proxy's (1,024 slot owners and 256 pages: 0.4 MB)
+MAX_SHORT = 512           # a marker or a slot's last send: a longer value is not one of ours
 IO_TIMEOUT = 2.0          # connect and per-command time-out
 KEEP_MS = int(SESSION_KEEP_SECONDS * 1000)
 BUILD_KEY = "slotkeeper:v1:build:"
 BUILD_MS = 120_000        # a build marker whose proxy died expires after this (the checkpoint time-out)
+# The state, unless it is too large (its size instead) or not a string (-1): never megabytes on the wire.
+READ_LUA = ("local t = redis.call('type', KEYS[1])['ok'] "
+            "if t == 'none' then return false end "
+            "if t ~= 'string' then return -1 end "
+            "local n = redis.call('strlen', KEYS[1]) "
+            "if n > tonumber(ARGV[1]) then return n end "
+            "return redis.call('get', KEYS[1])")
+# Take the lock (1), taking over one that is not a proxy's (no expiry, a longer one, another type) or the holder
+# ARGV[4] asks to break; else the holder's first 64 bytes.
+ACQUIRE_LUA = ("if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end "
+               "local t = redis.call('type', KEYS[1])['ok'] "
+               "local ttl = redis.call('pttl', KEYS[1]) "
+               "local held = '' "
+               "if t == 'string' then held = redis.call('getrange', KEYS[1], 0, 63) end "
+               "if t ~= 'string' or ttl == -1 or ttl > tonumber(ARGV[2]) or (ARGV[4] == '1' and held == ARGV[3]) "
+               "then redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end "
+               "return held")
+# A short string key's value, or nothing (another type, or longer than ARGV[1]: not ours).
+SHORT_LUA = ("if redis.call('type', KEYS[1])['ok'] ~= 'string' "
+             "or redis.call('strlen', KEYS[1]) > tonumber(ARGV[1]) then return false end "
+             "return redis.call('get', KEYS[1])")
 RELEASE_LUA = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 FINISH_LUA = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
               "return redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3]) end return 0")
 # A slot's paging lock: taken with the slot's last send in one round trip; let go with the send it covered.
-HOLD_LUA = ("if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then "
-            "return {1, redis.call('get', KEYS[2]) or ''} end return {0, ''}")
+# A lock key with no expiry, a longer one, or another type is no proxy's: taken over; the last send is read only
+# when it is a short string.
+HOLD_LUA = ("local took = redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) "
+            "if not took then "
+            "local ttl = redis.call('pttl', KEYS[1]) "
+            "if redis.call('type', KEYS[1])['ok'] ~= 'string' or ttl == -1 or ttl > tonumber(ARGV[2]) then "
+            "redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2]) took = true end end "
+            "if not took then return {0, ''} end "
+            "local sent = '' "
+            "if redis.call('type', KEYS[2])['ok'] == 'string' and redis.call('strlen', KEYS[2]) <= 512 then "
+            "sent = redis.call('get', KEYS[2]) end "
+            "return {1, sent}")
 LET_GO_LUA = ("if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) "
               "if ARGV[2] ~= '' then redis.call('set', KEYS[2], ARGV[2], 'PX', ARGV[3]) "
               "redis.call('publish', KEYS[3], ARGV[4]) end return 1 end return 0")
@@ -145,7 +188,7 @@ class RedisConnection:
         or the store is down)."""
         try:
             self.calls += 1
-            value = await self.client().get(BUILD_KEY + name)
+            value = await self.client().eval(SHORT_LUA, 1, BUILD_KEY + name, MAX_SHORT)
         except ERRORS as e:
             self.failed(e)
             return None
@@ -225,6 +268,75 @@ def _sent(raw: Any) -> tuple[str, float] | None:
     return session, float(at)
 
 
+class Squat:
+    """The lock's holder as this process last saw it, and since when. A proxy's lock lives `LOCK_SECONDS` at
+    most (set once, never renewed), so a holder seen for longer is one that renews it: no proxy's, taken over."""
+
+    def __init__(self) -> None:
+        self.holder: bytes | None = None
+        self.since = 0.0
+
+    def args(self) -> tuple[bytes, str]:
+        """ACQUIRE_LUA's last two arguments: the holder to break, and whether to."""
+        if self.holder is not None and time.monotonic() - self.since > LOCK_SECONDS:
+            return self.holder, "1"
+        return b"", "0"
+
+    def saw(self, got: Any) -> bool:
+        """ACQUIRE_LUA's answer: taken (True), or who holds it (remembered)."""
+        if isinstance(got, int) and got == 1:
+            self.holder = None
+            return True
+        held = got if isinstance(got, bytes) else str(got).encode()
+        if held != self.holder:
+            self.holder, self.since = held, time.monotonic()
+        return False
+
+
+class StateLock(aredis.lock.Lock):
+    """redis-py's lock (token, Lua release) taken by ACQUIRE_LUA: a squatted key does not hold it up."""
+
+    def __init__(self, client: aredis.Redis, name: str, squat: Squat) -> None:
+        super().__init__(client, name, timeout=LOCK_SECONDS, sleep=0.05, blocking_timeout=LOCK_WAIT)
+        self.squat = squat
+
+    async def do_acquire(self, token: str | bytes) -> bool:
+        held, breaks = self.squat.args()
+        return self.squat.saw(await self.redis.eval(ACQUIRE_LUA, 1, self.name, token, int(LOCK_SECONDS * 1000),
+                                                    held, breaks))
+
+
+class StateLockSync(redis.lock.Lock):
+    """`StateLock` for the blocking client of the shutdown flush."""
+
+    def __init__(self, client: redis.Redis, name: str, squat: Squat) -> None:
+        super().__init__(client, name, timeout=LOCK_SECONDS, sleep=0.05, blocking_timeout=LOCK_WAIT)
+        self.squat = squat
+
+    def do_acquire(self, token: str | bytes) -> bool:
+        held, breaks = self.squat.args()
+        return self.squat.saw(self.redis.eval(ACQUIRE_LUA, 1, self.name, token, int(LOCK_SECONDS * 1000),
+                                              held, breaks))
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A state value no proxy wrote: what kind of wrong (one line per kind), and why in words (its size at
+    most, never its content)."""
+
+    kind: str
+    why: str
+
+
+def _raw(got: Any) -> Any:
+    """READ_LUA's answer: the value (None: no key), or `Refused` (its size, or -1: not a string)."""
+    if not isinstance(got, int):
+        return got
+    if got < 0:
+        return Refused("type", "not a string")
+    return Refused("size", f"{got / (1 << 20):.1f} MB, over {MAX_STATE_BYTES >> 20} MB")
+
+
 class RedisState:
     """The `slotkeeper.drivers.store.StateStore` of one server, in Redis."""
 
@@ -237,21 +349,36 @@ class RedisState:
         self.channel = claims_channel(upstream)
         self.last = shared.ServerState(upstream=upstream)
         self.slot_locks: RedisSlotLocks | None = RedisSlotLocks(conn, upstream)
+        self.squat = Squat()
         self._held: Any = None  # the lock of a transaction suspended on the event loop (shutdown takes it over)
         self._superseded = False  # the shutdown flush wrote under that lock: the suspended one must not
+        self._refusing: str | None = None  # what kind of value is being refused (one line per episode)
+        self._busy = False                 # the lock was found held past the wait (one line per episode)
 
     def watch(self, on_claim: OnClaim) -> None:
         """Call `on_claim` with every claim another proxy makes on this server, as it is made."""
         self.conn.notices.watch(self.channel, on_claim)
 
-    def _parse(self, raw: Any) -> shared.ServerState:
-        """The state in the key; a damaged document (not JSON, nested too deep to parse) is an empty state
-        that the next transaction overwrites."""
+    def _decode(self, raw: Any) -> shared.ServerState | Refused:
+        """The state in the key (a worker thread's work: megabytes of JSON must not stall the loop); a value no
+        proxy wrote (not JSON, nested too deep) is refused."""
+        if isinstance(raw, Refused):
+            return raw
         try:
             data = json.loads(raw) if raw else None
         except (ValueError, UnicodeDecodeError, RecursionError):
-            data = None
-        return shared.from_dict(data, self.upstream)
+            return Refused("json", "not JSON")
+        return shared.from_dict(data, self.upstream, time.time())
+
+    def _state(self, decoded: shared.ServerState | Refused) -> shared.ServerState:
+        """The decoded state, or for a refused value this process's last good copy (one line per episode)."""
+        if not isinstance(decoded, Refused):
+            self._refusing = None
+            return decoded
+        if decoded.kind != self._refusing:
+            self._refusing = decoded.kind
+            self.conn.emit(StoreValueRefused("", self.conn.shown, decoded.why))
+        return copy.deepcopy(self.last)
 
     def read(self) -> shared.ServerState:
         """The last state seen (sync callers never wait for the network)."""
@@ -266,12 +393,12 @@ class RedisState:
             return self.last
         try:
             self.conn.calls += 1
-            raw = await self.conn.client().get(self.key)
+            raw = _raw(await self.conn.client().eval(READ_LUA, 1, self.key, MAX_STATE_BYTES))
         except ERRORS as e:
             self.conn.failed(e)
             return self.last
         self.conn.ok()
-        return self._parse(raw)
+        return self._state(await asyncio.to_thread(self._decode, raw))
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[shared.ServerState]:
@@ -290,9 +417,11 @@ class RedisState:
             if self._superseded:  # the shutdown flush wrote a newer state under this lock meanwhile
                 return
             changed = notices.changes(before, state, self.conn.instance, time.time())
+            doc = self._document(state)
             try:
                 pipe = self.conn.client().pipeline(transaction=False)  # one round trip: the write and the notices
-                pipe.set(self.key, json.dumps(shared.to_dict(state), separators=(",", ":")), px=KEEP_MS)
+                if doc is not None:
+                    pipe.set(self.key, doc, px=KEEP_MS)
                 for notice in changed:
                     pipe.publish(self.channel, notices.encode(notice))
                 self.conn.calls += 1 + len(changed)
@@ -306,28 +435,47 @@ class RedisState:
             with contextlib.suppress(*ERRORS, LockError):
                 await lock.release()
 
+    def _document(self, state: shared.ServerState) -> str | None:
+        """The JSON to write; None when it is larger than any reader takes (kept local, one line)."""
+        doc = json.dumps(shared.to_dict(state), separators=(",", ":"))
+        if len(doc) <= MAX_STATE_BYTES:
+            return doc
+        why = (f"this proxy's own state is {len(doc) / (1 << 20):.1f} MB, over {MAX_STATE_BYTES >> 20} MB: not shared "
+               "(lower slots_state_max_sessions)")
+        self.conn.emit(StoreValueRefused("", self.conn.shown, why))
+        return None
+
     async def _begin(self) -> tuple[Any, shared.ServerState]:
         if not self.conn.usable():
             return None, self.last
         client = self.conn.client()
-        lock = client.lock(self.key + ":lock", timeout=LOCK_SECONDS, blocking_timeout=WAIT_SECONDS)
+        lock = StateLock(client, self.key + ":lock", self.squat)
         try:
             self.conn.calls += 2
             if not await lock.acquire():
-                raise LockError("lock wait timed out")
-            raw = await client.get(self.key)
+                self._lock_busy()
+                return None, self.last
+            raw = _raw(await client.eval(READ_LUA, 1, self.key, MAX_STATE_BYTES))
         except (*ERRORS, LockError) as e:
             with contextlib.suppress(*ERRORS, LockError):
                 await lock.release()
             self.conn.failed(e)
             return None, self.last
         self.conn.ok()
+        self._busy = False
         try:
-            return lock, self._parse(raw)
+            return lock, self._state(await asyncio.to_thread(self._decode, raw))
         except BaseException:  # never leave the lock held (every other proxy would wait for it)
             with contextlib.suppress(*ERRORS, LockError):
                 await lock.release()
             raise
+
+    def _lock_busy(self) -> None:
+        """The store answered, its lock stayed held: not "unreachable" (no back-off); one line per episode."""
+        self.conn.ok()
+        if not self._busy:
+            self._busy = True
+            self.conn.emit(StoreLockBusy("", self.conn.shown, LOCK_WAIT))
 
     def _take_over(self, client: redis.Redis, lock: Any) -> bool:
         """True when a transaction of this process holds the lock, suspended on the event loop that `done`
@@ -350,10 +498,12 @@ class RedisState:
             try:
                 client = redis.Redis.from_url(self.conn.url, socket_timeout=IO_TIMEOUT,
                                               socket_connect_timeout=IO_TIMEOUT)
-                lock = client.lock(self.key + ":lock", timeout=LOCK_SECONDS, blocking_timeout=WAIT_SECONDS)
-                if not self._take_over(client, lock) and not lock.acquire():
-                    raise LockError("lock wait timed out")
-                state = self._parse(client.get(self.key))
+                lock = StateLockSync(client, self.key + ":lock", self.squat)
+                if self._take_over(client, lock) or lock.acquire():
+                    state = self._state(self._decode(_raw(client.eval(READ_LUA, 1, self.key, MAX_STATE_BYTES))))
+                else:
+                    self._lock_busy()
+                    lock = None
             except (RedisError, OSError, LockError) as e:
                 self.conn.failed(e)
                 if lock is not None:
@@ -362,9 +512,10 @@ class RedisState:
                 lock = None
         try:
             yield state
-            if lock is not None and client is not None:
+            doc = self._document(state) if lock is not None and client is not None else None
+            if doc is not None and client is not None:
                 with contextlib.suppress(RedisError, OSError):
-                    client.set(self.key, json.dumps(shared.to_dict(state), separators=(",", ":")), px=KEEP_MS)
+                    client.set(self.key, doc, px=KEEP_MS)
                     self._superseded = self._held is not None
             self.last = state
         finally:

@@ -20,7 +20,7 @@ The order of one request that the core cannot answer from memory (`NeedSlot`):
 Anything that fails after step 3 rolls the bookkeeping back (`Keeper.abandon`): the request goes out as the
 client sent it and nothing says it was pinned.
 
-The proxy's own calls carry llama-server's API key when it needs one (`slotkeeper.drivers.server_auth`).
+The proxy's own calls carry `slots_api_key`, never a client's (`slotkeeper.drivers.server_auth`).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ class Upstream:
             self.store.watch(self.sync.claimed_elsewhere)
         self._runners(settings)
         self.warned: set[str] = set()  # one-time notices given: "no-slots", "no-marker", "page-save-path"
-        self.auth = ServerAuth(self.client, settings.api_key)  # the key the proxy's own calls carry
+        self.auth = ServerAuth(self.client, settings.api_key, url, emit)  # the key the proxy's own calls carry
         self._started = False
 
     @classmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from slotkeeper.drivers import origins
 from slotkeeper.mitm import body_decode
 from slotlogic.decisions import Decision, Fields, Observe, Pin, Replay, RequestFacts
 
@@ -74,16 +75,15 @@ def is_sse(message: Any) -> bool:
 
 def upstream_url(flow: Any) -> str:
     req = flow.request
-    return f"{req.scheme}://{req.host}:{req.port}"
+    return origins.origin(req.scheme, req.host, req.port)
 
 
 def set_destination(flow: Any, base: str) -> None:
     """Send the request to `base` (`scheme://host:port`): the pool's choice of server. Path and body stay."""
-    scheme, rest = base.split("://", 1)
-    host, port = rest.rsplit(":", 1)
+    scheme, host, port = origins.parts(base)
     req = flow.request
-    if (req.scheme, req.host, req.port) != (scheme, host, int(port)):
-        req.scheme, req.host, req.port = scheme, host, int(port)
+    if (req.scheme, req.host, req.port) != (scheme, host, port):
+        req.scheme, req.host, req.port = scheme, host, port
 
 
 _DECODE: Any = object()

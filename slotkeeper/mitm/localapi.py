@@ -4,14 +4,25 @@
 Any request whose path starts with `/_slots/` is ours and never reaches llama-server. Only GET is served
 (anything else: 405), only to the clients `slots_api_allow` admits (loopback by default: the status names
 sessions and servers), and every error is answered as JSON here, never forwarded.
+
+Only for its own host, too: a web page whose name an attacker re-points at 127.0.0.1 (DNS rebinding) reaches
+the proxy from a loopback address, with its own name in `Host`. The API answers a `Host` that is an IP address,
+`localhost` (or a `*.localhost` name), the listen host, or a name in `slots_api_hosts`; any other: 403. In
+reverse mode mitmproxy replaces `Host` with the server's before any request hook, so the client's own is read
+from the first request head of its connection (`next_layer`; a browser keeps one connection per host name).
+Every answer carries a content security policy (the page's one script by its hash, fetches to itself only, no
+framing), `nosniff` and `no-store`.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
 import importlib.resources
 import ipaddress
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,13 +40,20 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 OPTIONS = (
     Option("slots_api_allow", Sequence[str], list(LOOPBACK),
            "Client networks (CIDR) that may use the /_slots/ API; repeat --set to add. Default: loopback only."),
+    Option("slots_api_hosts", Sequence[str], [],
+           "Host names the /_slots/ API answers besides IP addresses, localhost and the listen host (e.g. this "
+           "machine's DNS name when slots_api_allow admits other machines); repeat --set to add."),
 )
+HOST_LINE = re.compile(rb"\r\nhost:[ \t]*([^\r\n]{0,300})", re.IGNORECASE)
+MAX_CONNECTIONS = 4096  # client connections whose Host is remembered (each forgotten when it closes)
 
 
 class LocalApi:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.allowed: tuple[Network, ...] = tuple(ipaddress.ip_network(n) for n in LOOPBACK)
+        self.names: frozenset[str] = frozenset()
+        self.hosts: dict[str, str] = {}  # client connection id -> the Host of its first request (lower case)
 
     def load(self, loader: Any) -> None:
         options.add_options(loader, OPTIONS)
@@ -47,6 +65,24 @@ class LocalApi:
                                      for n in ctx.options.slots_api_allow if n.strip())
             except ValueError as e:
                 raise exceptions.OptionsError(f"slots_api_allow: {e}") from None
+        if "slots_api_hosts" in updated or "listen_host" in updated:
+            self.names = frozenset(n.strip().lower().rstrip(".") for n in
+                                   [*ctx.options.slots_api_hosts, ctx.options.listen_host] if n.strip())
+
+    def next_layer(self, nextlayer: Any) -> None:
+        """Remember the `Host` the client sent on its connection's first request (before mitmproxy's reverse
+        mode rewrites it)."""
+        client = nextlayer.context.client
+        if client.id in self.hosts or len(self.hosts) >= MAX_CONNECTIONS:
+            return
+        data = nextlayer.data_client()
+        head = data[:data.find(b"\r\n\r\n")] if b"\r\n\r\n" in data else b""
+        found = HOST_LINE.search(head) if head else None
+        if found:  # no Host at all (HTTP/1.0): not a browser's, the rewritten header stands
+            self.hosts[client.id] = found.group(1).decode("latin-1").strip().lower()
+
+    def client_disconnected(self, client: Any) -> None:
+        self.hosts.pop(client.id, None)
 
     async def request(self, flow: http.HTTPFlow) -> None:
         if not flow.request.path.startswith(PREFIX) or flow.response is not None:
@@ -55,10 +91,13 @@ class LocalApi:
             flow.response = await self._answer(flow)
         except Exception as e:  # never forwarded, never a traceback
             flow.response = reply(500, {"error": f"status unavailable ({type(e).__name__})"})
+        flow.response.headers.update(SECURITY_HEADERS)
 
     async def _answer(self, flow: http.HTTPFlow) -> http.Response:
         if not self._admitted(flow):
             return reply(403, {"error": "the /_slots/ API answers loopback clients only (see slots_api_allow)"})
+        if not self._own_host(flow):
+            return reply(403, {"error": "the /_slots/ API answers its own host names only (see slots_api_hosts)"})
         if flow.request.method != "GET":
             return reply(405, {"error": "the /_slots/ API answers GET only"})
         path = flow.request.path.split("?", 1)[0]
@@ -74,6 +113,11 @@ class LocalApi:
             return reply(200, self.rt.status(servers))
         return reply(404, {"error": "unknown slotkeeper endpoint"})
 
+    def _own_host(self, flow: http.HTTPFlow) -> bool:
+        """The `Host` the client sent names this proxy: an IP address, localhost, or a configured name."""
+        host = self.hosts.get(flow.client_conn.id)
+        return own_host(flow.request.host_header or "" if host is None else host, self.names)
+
     def _admitted(self, flow: http.HTTPFlow) -> bool:
         peer = flow.client_conn.peername
         if not peer:
@@ -87,10 +131,46 @@ class LocalApi:
         return any(addr in net for net in self.allowed)
 
 
+def own_host(header: str, names: frozenset[str]) -> bool:
+    """`host[:port]` is an IP address (no name a page could re-point), a loopback name, or one of `names`; no
+    `Host` at all is no browser's (a browser always names the host it thinks it talks to)."""
+    host = header.strip().lower()
+    if not host:
+        return True
+    if host.startswith("["):
+        host = host[1:host.find("]")] if "]" in host else ""
+    elif host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    host = host.rstrip(".")
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    return host == "localhost" or host.endswith(".localhost") or host in names
+
+
 @functools.cache
 def page() -> bytes:
     """The slot page (`slotkeeper/mitm/page/slots.html`, package data), read once: later loads cost no disk access."""
     return importlib.resources.files("slotkeeper.mitm").joinpath("page/slots.html").read_bytes()
+
+
+def script_hashes(html: bytes) -> str:
+    """The CSP sources of the page's inline scripts: each by its SHA-256 (no other script can run)."""
+    found = re.findall(rb"<script>(.*?)</script>", html, re.DOTALL)
+    return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(s).digest()).decode()}'" for s in found)
+
+
+SECURITY_HEADERS = {
+    "content-security-policy": (f"default-src 'none'; script-src {script_hashes(page())}; style-src 'unsafe-inline'; "
+                                "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+                                "frame-ancestors 'none'"),
+    "x-content-type-options": "nosniff",
+    "x-frame-options": "DENY",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-store",
+}
 
 
 def reply(status: int, body: Any) -> http.Response:

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from mitmproxy import exceptions
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
-from slotkeeper.drivers import private_dir
+from slotkeeper.drivers import origins, private_dir
 from slotkeeper.drivers.store_file import default_state_dir
 from slotlogic import prefix as pfx
 from slotlogic import session as sess
@@ -247,7 +247,7 @@ def server_list(modes: Sequence[str], extra: Sequence[str]) -> list[str]:
         p = urlsplit(url)
         if p.scheme not in ("http", "https") or not p.hostname:
             raise exceptions.OptionsError(f"slots_upstreams: {url!r} is not an http(s):// URL")
-        base = f"{p.scheme}://{p.hostname}:{p.port or (443 if p.scheme == 'https' else 80)}"
+        base = origins.base_of(url)
         if base not in out:
             out.append(base)
     return out if extra else []
@@ -263,5 +263,5 @@ def fronted_upstreams(modes: Sequence[str]) -> frozenset[str]:
             continue
         if isinstance(m, ReverseMode):
             host, port = m.address
-            out.add(f"{m.scheme}://{host}:{port}")
+            out.add(origins.origin(m.scheme, host, port))
     return frozenset(out)
