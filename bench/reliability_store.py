@@ -75,8 +75,8 @@ def _redis_attack(soak: Any, name: str, keeps: str, plant: Any, real: int, opts:
         return None
     import redis
 
+    from bench.real.redis_server import RedisServer
     from slotkeeper.drivers.store_redis import state_key
-    from slotkeeper.launch.redis_server import RedisServer
 
     row = Attack(name, "5", keeps, cap_mb=REDIS_CAP_MB)
     upstream = StandIn()
