@@ -175,7 +175,7 @@ class Speeds:
         bps = answer.bytes / (answer.ms / 1000)
         if answer.wall_ms is not None and answer.direction is Direction.RESTORE:  # a save may wait for the slot
             # A call's time beyond the server's own is its fixed cost plus its wait in the server's queue behind
-            # the batch running then (bench mix-4 run E: 19 s for a 0.5 s restore, behind a long prefill). A
+            # the batch running then (a long prefill can make a half-second restore take many seconds). A
             # prefill started at that moment would wait for the same batch, so only the fixed part weighs a
             # move against a prefill: the smallest of the last few.
             self._overheads.append(max(0.0, answer.wall_ms - answer.ms) / 1000)

@@ -174,8 +174,8 @@ class SourceAwaited(Event):
 
 @dataclass(frozen=True)
 class FreedFirst(Event):
-    """A placement waiting for its slot is placed again because another slot freed first (`slotlogic.wait`,
-    Rule 10): the JSON-lines log's record of it (the request's own line shows where it ran)."""
+    """A placement waiting for its slot is placed again because another slot freed first
+    (`SlotWaits.freed`): the JSON-lines log's record of it (the request's own line shows where it ran)."""
 
     session: str    # a short digest
     slot: int | None  # the slot that freed (None: not known any more)

@@ -361,7 +361,8 @@ class Keeper:
     # ------------------------------------------------------------------------------------------- answers
 
     def withdraw(self, key: str) -> None:
-        """A placement waiting to be placed again (`slotlogic.wait`, Rule 8) lets go of its slot meanwhile."""
+        """A placement waiting to be placed again (past its bound, every slot running our work) lets go of its
+        slot meanwhile."""
         self._placements.drop(key)
 
     def abandon(self, ticket: Ticket) -> Ticket:

@@ -23,7 +23,7 @@ Rule 5: a text is kept once, with the sessions that sent it (`MAX_SENDERS` at mo
         sends a text seen before (a subagent started with its parent's system prompt) keeps that text, and so
         its first sender, among the samples. Kept per session, a burst of subagents pushed their parent's
         text out, and `sharers` no longer knew the one live conversation that held their family's part of the
-        prompt (bench subagents seed 6: 211 tokens warmed up from the base checkpoint instead of copied).
+        prompt (its part was warmed up from the base checkpoint instead of copied).
 """
 
 from __future__ import annotations

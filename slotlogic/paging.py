@@ -192,7 +192,7 @@ class Moved(Enum):
     PREFIX = "prefix"    # another session's conversation that starts with its stable prefix (a cheap build)
     STALE = "stale"      # nothing was moved: the slot moved on since the placement (place the request again)
     LATE = "late"        # nothing was moved: the slot stayed another placement's past the request's wait bound
-    FREED = "freed"      # nothing was moved: another slot freed first (place the request again: `wait`, Rule 10)
+    FREED = "freed"      # nothing was moved: another slot freed first (place the request again)
 
 
 class PageCheck(Enum):

@@ -109,7 +109,7 @@ def waits(views: Sequence[ranking.SlotView], slots: SlotsSeen, prefix: str | Non
     `/slots` entry shows left (`server.work_left`) plus the prompts of ours queued behind it on that slot, or
     without a size from `/slots` every prompt of ours open there, less the shared prefix it holds and would not
     prefill again. Unknown (None) when neither says. The queue counts: three new sessions placed on one busy
-    slot within seconds each saw only its running request's work, and the last waited 337 s (bench mix-4). A slot
+    slot within seconds would each see only its running request's work, and the last would wait longest. A slot
     with a request of ours open is busy even before `/slots` shows it running (a turn sent a moment ago)."""
     by_id = {e.get("id"): e for e in slots.live or () if isinstance(e, Mapping)}
     spared = prefix_chars / CHARS_PER_TOKEN
@@ -131,7 +131,7 @@ def waits(views: Sequence[ranking.SlotView], slots: SlotsSeen, prefix: str | Non
 
 
 def fallback(session_key: str, total_slots: int | None) -> Choice | None:
-    """No server facts: seed 000's stable hash over the last known slot count; None if never known."""
+    """No server facts: the stable hash over the last known slot count; None if never known."""
     if not total_slots:
         return None
     return Choice(ranking.hash_slot(session_key, total_slots), Why.HASH_FALLBACK)

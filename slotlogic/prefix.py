@@ -1,6 +1,6 @@
 """The stable prefix every session of one agent shares, and the fingerprint that names its checkpoint.
 
-Stable prefix (seed 001; docs/checkpoints.md): the first `system`/`developer` message up to the
+Stable prefix (docs/checkpoints.md): the first `system`/`developer` message up to the
 earliest marker that starts the per-window part — newer pi puts `\\n<cwd>` there, pi 0.58 puts
 `\\nCurrent date: …` then `\\nCurrent working directory: …` — with trailing whitespace stripped; together
 with `tools` and `chat_template_kwargs`, which the chat template renders into the same prefix. No marker:

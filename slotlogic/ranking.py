@@ -10,8 +10,8 @@ Theory of operation
 A slot is *claimed* when some session (of any proxy process sharing the state file) used it within the
 TTL; otherwise it is *free*, whatever it still holds. Policies:
 
-`seed` (seed 000, verbatim): free before claimed; among free, fewest cached tokens, then lowest id; among
-claimed, oldest `last_used`, then fewest tokens, then lowest id.
+`seed` (the design's first ranking, verbatim): free before claimed; among free, fewest cached tokens, then
+lowest id; among claimed, oldest `last_used`, then fewest tokens, then lowest id.
 
 `auto` (default) ranks by a tuple, smallest first, each element a reason llama-server gives us:
   1. busy slots last: a request pinned to a busy slot is *deferred* until that slot frees (docs/llama-server.md),
@@ -21,7 +21,7 @@ claimed, oldest `last_used`, then fewest tokens, then lowest id.
      last), the way cache-aware routers weigh a cache hit against the queue in front of it; the reserved
      side-call slot after every other busy slot: its short side calls made it the shortest wait, sessions
      queued there, and the next side call of its home waited behind their prefills and page moves until its
-     client gave up (bench mix-4 runs N and R: an OpenCode title call, 90 s, `client-gone`);
+     client gave up;
   2. free before claimed: a live session's cache is worth more than an expired one's;
   3. the reserved side-call slot after every other free slot (sessions use it only when nothing else is
      free); with session paging, after the claimed slots too: evicting a live session then costs a save
@@ -46,8 +46,8 @@ but leaves its slot only when `worth_moving` says the target costs little (see t
 `affinity` ranks nothing here: a new session's first request goes out with `id_slot: -1` and llama-server
 chooses (prompt similarity, then LRU); the slot it chose is pinned from then on (`slotlogic.affinity`).
 
-`hash_slot` is the fallback when the server cannot be asked (seed 000): a stable digest of the session
-key modulo the last known slot count, so every proxy process agrees without coordination.
+`hash_slot` is the fallback when the server cannot be asked: a stable digest of the session key modulo the
+last known slot count, so every proxy process agrees without coordination.
 """
 
 from __future__ import annotations

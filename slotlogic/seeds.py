@@ -132,8 +132,7 @@ class Seeds:
         else its live slot when idle (another of ours). A subagent's family prefix is its parent's, paged out or
         waiting on its slot: copying it in spares prefilling the part a base checkpoint does not hold; a part
         copied spares that part, the warm-up prefills the rest. None unless it shares more than the slot's holder
-        (`held`): a restore takes milliseconds, the part only it shares (bench subagents seed 17: a family's 73
-        tokens, 192 characters) a prefill."""
+        (`held`): a restore takes milliseconds, the part only it shares a prefill."""
         best: paging.Seed | None = None
         for other, chars in self.p.learner.sharers(cold):
             if other in (key, holder) or chars <= held or (best is not None and chars <= best.chars):
@@ -209,6 +208,6 @@ class Seeds:
         """`other`'s current conversation is on a slot (not `slot`) that another placement has claimed: that
         placement pages it out before it writes the slot, so its page is coming. Two subagents of one parent
         placed at once: one takes the parent's slot, the other would copy whatever else shares the base prompt
-        (bench subagents seed 6: the family's part of the prefix, 170-211 tokens, prefilled three times)."""
+        (and the family's part of the prefix would be prefilled once for each)."""
         where = self.p.ledger.where(other)
         return where is not None and where != slot and any(c != other for c in self.p.ledger.claims_on(where))

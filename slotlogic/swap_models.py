@@ -2,7 +2,7 @@
 
 Why: behind llama-swap each model is its own llama-server (`/upstream/<model>/`), named by the request body's
 `model`, a value any client chooses. One upstream per name would let a client grow the proxy without bound
-(issue 20: 1,000 names, 1,000 upstreams, 937 MB, 2,002 state files, a quarter of a core busy while idle).
+(unbounded, a thousand model names made a thousand upstreams and state files, and kept a core busy while idle).
 
 Rule 1: pure. The driver (`slotkeeper/drivers/pool.py`) asks llama-swap's `GET /v1/models` (the models its config lists;
         llama-swap's own handler leaves out `unlisted` ones, and lists aliases only with `includeAliasesInList`)

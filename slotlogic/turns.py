@@ -267,7 +267,7 @@ class Turns:
         return wait.unpin(ticket, why, holder, self.table)
 
     def free_slot(self, avoid: int, busy: Collection[int]) -> int | None:
-        """A slot a held request may move to without writing over anything promised (`slotlogic.wait`, Rule 6);
+        """A slot a held request may move to without writing over anything promised (`slotlogic.wait.free_slot`);
         not one this process is handing to another proxy. Whether it may write it: `take_free`."""
         return wait.free_slot(self.ledger, self.table, self.host.total_slots, avoid, busy,
                               writable=lambda s: not self.handing_over(s))

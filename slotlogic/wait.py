@@ -1,71 +1,16 @@
-"""How long a pinned request may wait for its slot while our own earlier requests run there, and what then.
+"""A request held in the proxy while our own earlier requests run on its slot: the facts the scheduler decides
+it by, and the bookkeeping of what it decides.
 
-Why: llama-server queues a request pinned to a busy slot (`id_slot`) until that slot is free, however long
-the work ahead of it takes and however many other slots are idle. A client gives up after its own timeout
-(docs/clients.md: Qwen Code after 120 s, the others after 300-600 s) and the request fails, where without the
-proxy (`id_slot: -1`) it would have run on the first free slot. So the proxy holds such a request itself,
-where it can still change its mind, instead of handing it to the server's queue.
-
-Rule 1: pure; the waited time and the measured prefill rate are passed in.
-Rule 2: only our own open requests on the slot count as ahead (what `/slots` says is not asked on this
-        path: no I/O). A slot with nothing of ours ahead is sent to at once (GO).
-Rule 3: a request that has waited `bound` seconds goes elsewhere (`wait-bound`): pinned to a free slot when
-        one is (MOVE, below), else with `id_slot: -1` (UNPIN): the server runs it on the first slot that frees.
-        Unless staying is sooner (`stays_sooner`): prefills on one server share its compute, so a prompt
-        started elsewhere now reaches its first token after about `own + min(left, own)` seconds, where
-        staying takes at most `left + own` (`left`: the work ahead still to run). While `left <= own` the
-        request stays, until `bound + min(own, 2 * bound)` at most (then going at the bound would have been
-        sooner whatever the estimate said). Two memory calls of one Qwen Code home at once: the second went
-        out at its bound beside the first and both prefilled 6,300 tokens (bench mix-4), where waiting would
-        have found 5,700 of them in the home's slot. The hold stays well under every client's timeout.
-Rule 4: a request goes elsewhere at once when the prompt work ahead of it on its slot (another session's:
-        its own session's requests never count) would take longer than prefilling its own prompt from nothing,
-        and a free slot is there to run it (MOVE): a side call (`side-busy`), or a session's turn whose own
-        slot runs another session's longer work (`slot-busy`: its cache there saves less time than the queue
-        costs; the lowest expected time to first token, as for a new session's placement). Without a free
-        slot it waits (sent with `id_slot: -1` it would land on whichever idle slot the server picks, over a
-        conversation this proxy still promises to its owner). Otherwise a session's turn waits up to the
-        bound (its cache is there).
-Rule 5: `bound` 0 turns the hold off (the request goes to the server's queue, as before).
-Rule 6: a free slot (`free_slot`) is one the ledger says holds nobody's current conversation, with nothing of
-        ours running and no placement, hand-over or other writer on it: a request moved there overwrites only
-        what nobody is promised. Every move is the core's, written in the ledger before it is sent.
-Rule 7: the bound counts from the request's arrival in the proxy, its placement included: a placement (a new
-        session's, a displaced one's, a side call's) whose slot's paging lock, earlier requests or seed source
-        are not free within the bound moves nothing and the request goes as the client sent it (`past_bound`).
-        A placement whose turn has come but whose slot still runs our earlier request keeps its turn past the
-        bound while Rule 3 says staying is sooner (`stay_past`).
-Rule 8: `id_slot: -1` only when it can run sooner. Past its bound, while every slot runs or awaits a request
-        of ours (or a placement), a request sent with `id_slot: -1` would queue in the server behind the same
-        work and then run wherever llama-server's own choice puts it, over a conversation promised to someone
-        (bench mix-4: seven placements went out so at 30 s, then queued 150 s more in the server; the two
-        memory calls of one Qwen Code home prefilled 6,335 tokens each on slots llama-server chose). So it is
-        held on and decided again each time one of our requests ends: its own slot free (GO), a free slot
-        (MOVE), or some slot with nothing of ours (`id_slot: -1`, it runs now). A placement past its bound is
-        placed again the same way, once a slot runs nothing of ours (`slotkeeper/drivers/upstream.py`). Never
-        held past `HOLD_CAP` bounds in all (Rule 9 says how it goes then).
-Rule 9: at `HOLD_CAP` bounds with every slot still running or awaiting our work, the request waits in the
-        server's queue whichever way it goes. Pinned to its own slot it starts once the work ahead there ends
-        and finds its cache; with `id_slot: -1` it starts on the first slot that frees and prefills from
-        nothing, over a conversation promised to someone. So it goes pinned (GO) while the work ahead still to
-        run is no longer than its own prefill (as Rule 3 weighs it), else with `id_slot: -1`. bench mix-4 (stop
-        36): three Claude Code turns and an OpenCode turn held to the cap went unpinned and prefilled 2,275-3,199
-        tokens each that their own slots still held. A placement at the cap (with session paging) is placed
-        again for one more cap, its moves waiting for the slot the ranking finds soonest to be idle (no slot
-        action is sent to a running slot), and its page comes back in; only past that it goes with
-        `id_slot: -1` (`slotkeeper/drivers/upstream.py`, `_late`; mix-4 run L: five turns sent unpinned at the
-        cap prefilled 24,692 tokens that pages or slots of theirs held).
-Rule 10: a placement's slot is a forecast, and a slot it did not expect may free first. A placement waiting for
-        its slot (its paging lock, or its slot still running, within its bound) is placed again when another
-        slot frees that was not free when its wait began (`idle_set` grows), and the placement held longest
-        goes first: while it is placed again it is the oldest, and a younger one's turn waits. A placement past
-        its bound (Rule 8) is placed again under the same order. It moves only once it has waited as long as
-        prefilling its own prompt would take: until then what its slot holds or will hold for it may be worth the
-        wait (bench subagents seed 9: moved at once, a subagent warmed 393 tokens of its family's prefix up cold,
-        1.07x its limit against 1.01-1.02x). Only a slot this proxy writes counts as freed
-        (or, for Rule 8, idle): one another live proxy writes runs requests this proxy does not see. (bench
-        mix-4 runs M-T: for 41-94 s of each run a slot was idle while a request of ours waited for another;
-        stock: 12-16 s.)
+Why hold at all: llama-server queues a request pinned to a busy slot until that slot is free, however long the
+work ahead takes and however many other slots are idle, and a client gives up after its own timeout
+(docs/clients.md). Held here, the request can still go elsewhere. What it does, and when, is one pick of
+`slotlogic.scheduler` (`plan`); this module says which slots are free of promises (`free_slot`), which run
+nothing of ours (`idle_set`), and writes a move or an unpinned send into the ledger and the table before the
+request goes (`move`, `unpin`). Only our own open requests count as ahead: this path asks the server nothing.
+The times: the bound counts from the request's arrival, its placement included; a placement whose slot's turn
+has come while our earlier request still runs there keeps its turn while that request is expected to end
+sooner than its own prompt would take elsewhere (`stay_past`); a placement past its bound with every slot
+running our work waits for one that runs none (the driver places it again then), oldest first.
 """
 
 from __future__ import annotations
@@ -154,29 +99,30 @@ def hold_cap(bound: float) -> float:
 
 def idle_slots(ledger: Ledger, total: int | None, avoid: int | None, busy: Collection[int], mine: str = "") -> int:
     """How many slots other than `avoid` run nothing of ours (`busy`: the slots with requests of ours open) and
-    have no placement under way but `mine`'s (Rule 8). Unknown slot count: 1 (the server may well have one)."""
+    have no placement under way but `mine`'s (a held request's idle check). Unknown slot count: 1 (the server
+    may well have one)."""
     return 1 if not total else len(idle_set(ledger, total, avoid, busy, mine))
 
 
 def idle_set(ledger: Ledger, total: int | None, avoid: int | None, busy: Collection[int], mine: str = ""
              ) -> frozenset[int]:
-    """The slots `idle_slots` counts (Rule 10 watches it grow); unknown slot count: none."""
+    """The slots `idle_slots` counts (a waiting placement watches it grow); unknown slot count: none."""
     return frozenset(s for s in range(min(total or 0, MAX_SLOTS)) if s != avoid and s not in busy
                      and all(claimant == mine for claimant in ledger.claims_on(s)))
 
 
 def queued_sooner(wait: float | None, own: float | None, waited: float) -> bool:
-    """At the hold's cap with no slot idle (Rule 9): the work ahead on its own slot still to run is no longer
+    """At the hold's cap with no slot idle: the work ahead on its own slot still to run is no longer
     than prefilling the request from nothing elsewhere would take. Unknown speeds: no."""
     return wait is not None and own is not None and max(0.0, wait - waited) <= own
 
 
 def stay_past(ahead: Ahead, own_chars: int, rate: float | None, bound: float) -> float:
-    """Rule 3 for a placement (Rule 7) whose slot still runs our earlier request when its bound passes: the
+    """For a placement whose slot still runs our earlier request when its bound passes: the
     seconds past the bound it keeps its turn on the slot (its lock and claim), while that request is expected
     to end no later than the placement's own prompt would take to prefill elsewhere; 0: it goes at the bound.
-    (bench mix-4 run N: an OpenCode title call let go of its home's slot 0.6 s before the title call ahead of it
-    ended; a placement that came later took the slot for 70 s, and OpenCode gave up on the call.)"""
+    Letting go a moment before the request ahead ends hands the slot to whichever placement comes next, for as
+    long as its moves and its turn take."""
     if ahead.count <= 0 or bound <= 0:
         return 0.0
     left, own = estimate(ahead.chars, rate), estimate(own_chars, rate)
@@ -185,7 +131,7 @@ def stay_past(ahead: Ahead, own_chars: int, rate: float | None, bound: float) ->
 
 def stays_sooner(wait: float | None, own: float | None, waited: float, bound: float) -> bool:
     """Past its bound, a request stays while its own slot is expected to reach its first token no later than
-    any other (Rule 3): the work ahead still to run (its estimate less the time waited; it started no later
+    any other: the work ahead still to run (its estimate less the time waited; it started no later
     than this request arrived) is no longer than the request's own prefill. Unknown speeds: it goes."""
     return waited < scheduler.stay_limit(own or 0.0, bound) and queued_sooner(wait, own, waited)
 
@@ -195,7 +141,7 @@ _FREE_RANK = {Holds.EMPTY: 0, Holds.UNKNOWN: 2, Holds.PREFIX: 3, Holds.SEED: 3, 
 
 def free_slot(ledger: Ledger, table: SessionTable, total: int | None, avoid: int, busy: Collection[int], *,
               writable: Callable[[int], bool]) -> int | None:
-    """A slot other than `avoid` that runs a request without writing over anything promised (Rule 6): the
+    """A slot other than `avoid` that runs a request without writing over anything promised: the
     emptiest first (empty, never written, a prefix or a copy its session moved on from);
     None when there is none. A scan of the ledger's slots: a held request's path only."""
     free = free_slots(ledger, table, total, avoid, busy, writable=writable)
@@ -242,7 +188,7 @@ def unpin(ticket: Ticket, why: WaitWhy, holder: str | None, table: SessionTable)
 
 
 def past_bound(abandoned: Ticket) -> Observe:
-    """A request whose placement waited out its bound before anything was moved for it (Rule 7), given up by
+    """A request whose placement waited out its bound before anything was moved for it, given up by
     `Keeper.abandon`: it goes as the client sent it (its own path and bytes, no slot), and its answer says
     which slot ran it (`ran`)."""
     return Observe(replace(abandoned, unpinned=Unpinned.WAIT_BOUND, translated=False))
@@ -250,7 +196,7 @@ def past_bound(abandoned: Ticket) -> Observe:
 
 def move(ticket: Ticket, slot: int, why: WaitWhy, holder: str | None, ledger: Ledger, table: SessionTable,
          now: float, *, paging: bool) -> Ticket:
-    """The bookkeeping of a held request pinned to the free `slot` instead of its own (Rule 3, Rule 4), and
+    """The bookkeeping of a held request pinned to the free `slot` instead of its own (the scheduler's move), and
     the ticket it goes with: the slot it leaves is its holder's again, as for `unpin`; the ledger and the
     table say where it runs now, so nothing promised to anyone else is on `slot` and its session (not a side
     call) is at home there."""

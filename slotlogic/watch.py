@@ -19,9 +19,8 @@ Rule 6: a request running on its own slot (pinned there, nothing of ours ahead) 
         all (same task, same prompt tokens processed, same tokens decoded) for `wedged_timeout` seconds, or for
         three prompt batches at the measured speed when that is longer (a slow server's batch is one step of its
         counters), is WEDGED: ended like a stall, so llama-server cancels the task and frees the slot for the
-        requests queued behind it (mix-4 run K: an embedded llama-server spun on one slot for 20 minutes,
-        printing the same `prompt processing` line with its progress at 2.07, while every request pinned to
-        that slot waited behind it).
+        requests queued behind it (a server can spin on one slot for many minutes with its progress stuck,
+        while every request pinned to that slot waits behind it).
 
 Which slot is "ours": a pinned request names it (`slot`). Whether that slot is busy with our request or with
 an earlier one is told by `ahead` (requests this proxy sent to the same slot before ours, still open) and, for

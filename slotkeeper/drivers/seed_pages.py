@@ -41,9 +41,8 @@ async def seed_from_its_page(mover: SlotMover, ask: PageAsk, plan: PagePlan, out
                               by: float | None) -> tuple[PagePlan, PageOutcome]:
     """A live seed that was not copied: another placement took its slot, to page its conversation out, between
     this plan and the copy (the copy never writes a slot another placement holds). Once that page is recorded it
-    is the seed, restored without a save; else the plan stands as run (nothing restored). bench subagents seeds 5
-    and 6: the copy failed so, and the family's part of the prompt the seed held was prefilled again (167-181
-    tokens)."""
+    is the seed, restored without a save; else the plan stands as run (nothing restored). Without it the part of
+    the prompt the seed held is prefilled again."""
     assert plan.seed is not None
     source = plan.seed.source
     if await save_begun(mover, source, ask.slot, by):
@@ -51,7 +50,6 @@ async def seed_from_its_page(mover: SlotMover, ask: PageAsk, plan: PagePlan, out
     again = mover.keeper.pager.page_plan(replace(ask, sent=mover.pages.last_sent.get(ask.slot),
                                                  ours=mover.gate.last_started.get(ask.slot)))
     # the seed was the session's own live conversation: its page is then planned as its own, not as a seed
-    # (simulator seed 1369: dropped, and the turn ran without 40 tokens of its conversation)
     own = source == ask.session_key and again.seed is None and again.restore_for == source
     if (not own and (again.seed is None or again.seed.source != source or again.seed.slot is not None)) \
             or again.restore_file is None or not mover.keeper.turns.fence_holds(fence):
@@ -63,8 +61,8 @@ async def seed_from_peer_page(mover: SlotMover, plan: PagePlan, out: PageOutcome
                               by: float | None) -> tuple[PagePlan, PageOutcome]:
     """A copy of another server's slot that was refused: a placement there holds the slot, to page its
     conversation out first. Once that page is recorded it is the seed, restored here as it is (`peer_page`).
-    bench subagents-2x2 seed 10: a subagent's copy of its parent's slot was refused so, and its family's 426
-    tokens were prefilled cold while the parent's page was written 1.7 s later."""
+    Without it the family's part of the prompt is prefilled cold while the parent's page is written moments
+    later."""
     assert plan.seed is not None and plan.seed.server is not None
     seed, peer = plan.seed, mover.elsewhere.peer(plan.seed.server) if mover.elsewhere is not None else None
     until = worth_until(mover, seed.chars, by)

@@ -80,8 +80,9 @@ class SlotMover:
         self._swept = False
         self.elsewhere: PoolSeeds | None = None  # in a pool: seeds from its other servers' slots (`join`)
         self.explain_emptied: Callable[[int], Awaitable[Cause]] | None = None  # the probe's: what emptied a slot
-        self.stay: Callable[[int, int, float], float] = lambda slot, chars, by: by  # Rule 3 past the bound (waits)
-        # Rule 10 (`slotlogic.wait`): a slot that freed elsewhere while a placement waits for its own (waits)
+        # how long past its bound a placement keeps its turn while our request ahead ends soon (`wait.stay_past`)
+        self.stay: Callable[[int, int, float], float] = lambda slot, chars, by: by
+        # a slot that freed elsewhere while a placement waits for its own (`SlotWaits.freed`)
         self.freed: Callable[[int, str, str, float, float], Awaitable[int]] | None = None
 
     def join(self, peers: Callable[[], Sequence[SlotMover]]) -> None:
@@ -163,7 +164,7 @@ class SlotMover:
         moved, fence = await self.page(ask, flow_id, fence=placement.fence, by=by, need=need, own=len(need.content),
                                        arrived=arrived)
         if moved is Moved.NOTHING:  # its turn: what was placed there before went out, so judge the slot now
-            holds = self.keeper.pager.holds_prefix(need, placement.view)  # (subagents seed 15, docs/paging.md)
+            holds = self.keeper.pager.holds_prefix(need, placement.view)  # (docs/paging.md)
         return moved, fence, holds
 
     async def side(self, placement: Placement, flow_id: str, by: float | None) -> Moved:
@@ -176,7 +177,7 @@ class SlotMover:
         return moved
 
     def give_up(self, need: NeedSlot, flow_id: str) -> Observe:
-        """The placement waited out the request's bound with nothing moved (`slotlogic.wait`, Rule 7): the core
+        """The placement waited out the request's bound with nothing moved (its client's patience spent): the core
         gives it up and the request goes as the client sent it; its slot lock is let go."""
         decision = wait.past_bound(self.keeper.abandon(need.ticket))
         self.unsent(flow_id)
@@ -421,7 +422,7 @@ async def found_empty(mover: SlotMover, plan: PagePlan, out: PageOutcome) -> Non
             return
         cause = await mover.explain_emptied(plan.slot)
         outcomes.emptied(key, cause)
-        async with mover.store.transaction() as state:  # for the proxy whose session it may be (sim seed 364)
+        async with mover.store.transaction() as state:  # for the proxy whose session it may be
             shared.note_emptied(state, key, cause.value, time.time())
     except Exception as e:  # not asked: the loss keeps the cause the later writes give it
         mover.emit(Failed(mover.url, Stage.PAGING, type(e).__name__, slot=plan.slot))
@@ -457,8 +458,8 @@ def unrecorded_files(pages: PageRunner, state_dir: Path, own_state: str) -> dict
 async def fresh_pages(mover: SlotMover, key: str) -> shared.ServerState:
     """With the slot's lock held: the page index as the store has it now (another proxy, of this machine's
     state dir or of a shared store, may have paged this session out since its placement was decided),
-    waiting a little while its page is being written (recorded, not saved yet: simulator seed 984, a page
-    saved by the other proxy in the same millisecond). Returns the state last read (its epochs fence moves)."""
+    waiting a little while its page is being written (recorded, not saved yet: the other proxy may be saving
+    it in the same moment). Returns the state last read (its epochs fence moves)."""
     deadline = time.monotonic() + REMOTE_SETTLE
     state = await mover.store.fresh()
     while mover.keeper.pager.pages_seen(state, key, time.time(), REMOTE_SETTLE) and time.monotonic() < deadline:
@@ -470,12 +471,11 @@ async def fresh_pages(mover: SlotMover, key: str) -> shared.ServerState:
 
 async def unless_freed(mover: SlotMover, waiting: Awaitable[bool],
                        watch: tuple[int, str, str, float, int] | None) -> bool | None:
-    """`waiting`'s answer, unless another slot frees first (`SlotMover.freed`, Rule 10): None then, and `waiting`
+    """`waiting`'s answer, unless another slot frees first (`SlotMover.freed`): None then, and `waiting`
     is called off (a paging lock it took meanwhile is let go with the placement: `SlotMover.stopped`). `watch`:
     the slot, flow, session, arrival and prompt characters of the placement. It moves once it has waited as long
     as prefilling its own prompt would take: before that, what its slot holds or will hold for it (a copy of a
-    conversation it starts with) may still be worth the wait (bench subagents seed 9: moved at once, a subagent
-    warmed 393 tokens of its family's prefix up cold, 1.07x its limit against 1.01-1.02x)."""
+    conversation it starts with) may still be worth the wait: moved at once, it warms that part up cold."""
     if watch is None or mover.freed is None:
         return await waiting
     slot, flow_id, key, arrived, own = watch

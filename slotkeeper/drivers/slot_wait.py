@@ -46,7 +46,7 @@ class SlotWaits:
         self.keeper, self.bound, self.released, self.slots = keeper, bound, released, slots
         self.take = take  # makes a free slot this process's to write (the shared state); None: it always is
         self.emit, self.url = emit, url  # the decision record of each request the hold decided
-        self.placing: dict[str, float] = {}  # flow -> arrival (this clock): placements waiting for a slot (Rule 10)
+        self.placing: dict[str, float] = {}  # flow -> arrival (this clock): placements waiting for a slot
         self.told: dict[int, tuple[float, str]] = {}  # slot -> when, and which waiting placement, was told it freed
 
     def entered(self, slot: int, flow_id: str, chars: int, session: str = "") -> None:
@@ -85,7 +85,7 @@ class SlotWaits:
             self._changed = None
 
     def _change(self) -> asyncio.Event:
-        """What a waiter awaits: set when one of our requests next ends, anywhere (Rule 8)."""
+        """What a waiter awaits: set when one of our requests next ends, anywhere."""
         if self._changed is None:
             self._changed = asyncio.Event()
         return self._changed
@@ -120,7 +120,7 @@ class SlotWaits:
                 removed.update(dict.fromkeys(p.pick.removed))
             if p.verdict is not wait.Verdict.WAIT:
                 return p if p.pick is None else replace(p, pick=replace(p.pick, removed=tuple(removed)))
-            event = self._change()  # any request of ours ending may free this slot or another (Rule 8)
+            event = self._change()  # any request of ours ending may free this slot or another
             left = p.until - (self.clock() - started)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), max(TICK, left))
@@ -146,7 +146,7 @@ class SlotWaits:
 
     def idle(self, avoid: int | None = None, mine: str = "") -> bool:
         """Some slot other than `avoid` runs nothing of ours and no placement but `mine`'s, beyond those our
-        requests sent with `id_slot: -1` will take (`slotlogic.wait`, Rule 8), counted as a waiting placement
+        requests sent with `id_slot: -1` will take (the scheduler's idle check), counted as a waiting placement
         counts them (`_idle_set`, `_spare`)."""
         return self._spare(self._idle_set(avoid, mine), "") > 0
 
@@ -158,9 +158,9 @@ class SlotWaits:
 
     async def until_idle(self, until: float, mine: str = "", flow_id: str = "", arrived: float | None = None) -> bool:
         """Wait until some slot runs nothing of ours and no placement but `mine`'s, at most until `until` (this
-        clock): whether one does (a placement past its bound is then placed again, `slotlogic.wait` Rule 8).
+        clock): whether one does (a placement past its bound is then placed again, by the driver's one loop).
         `arrived`: when its request came (this clock); placements that came earlier and wait too go first
-        (Rule 10)."""
+        (oldest first)."""
         with self._waiting(flow_id, arrived):
             while self._spare(self._idle_set(None, mine), flow_id) <= 0:
                 left = until - self.clock()
@@ -174,7 +174,7 @@ class SlotWaits:
         """While a placement waits for `slot` (its paging lock, or the slot still running): returns a slot that
         freed elsewhere since this wait began (it runs nothing of ours and no placement but `mine`'s), once the
         placements that came earlier and wait too have had theirs, and not before `after` seconds from its
-        arrival (Rule 10). Never returns without a keeper."""
+        arrival (oldest first). Never returns without a keeper."""
         with self._waiting(flow_id, arrived):
             seen = self._idle_set(slot, mine)
             early = arrived + after - self.clock()
@@ -191,7 +191,7 @@ class SlotWaits:
 
     @contextlib.contextmanager
     def _waiting(self, flow_id: str, arrived: float | None) -> Iterator[None]:
-        """The placement is one of those waiting for a slot while the block runs (by arrival: Rule 10)."""
+        """The placement is one of those waiting for a slot while the block runs (by arrival)."""
         if not flow_id or arrived is None:
             yield
             return
@@ -205,8 +205,8 @@ class SlotWaits:
         """Idle slots (`Turns.idle_set`) that this process writes, less those a placement was told of a moment
         ago: it is placed again there (its claim comes after a `/slots` look), and the next waiter must not be
         told of it too. A slot another live proxy writes runs requests this one does not see, so its looking
-        idle here is no sign that it is (simulator seed 2918, two proxies: a placement past its bound placed
-        again there paged a session in over the other proxy's turn queued on it)."""
+        idle here is no sign that it is: a placement placed again there could page a session in over that
+        proxy's turn queued on it."""
         if self.keeper is None:
             return frozenset()
         now = self.clock()
@@ -215,7 +215,7 @@ class SlotWaits:
         return frozenset(s for s in idle if s not in self.told and self.keeper.turns.writes(s))
 
     def told_to(self, flow_id: str) -> int | None:
-        """The slot this waiting placement was just told freed (Rule 10), if any: our request there ended, so
+        """The slot this waiting placement was just told freed (oldest first), if any: our request there ended, so
         the server frees it at its next step even if `/slots` still shows it running a moment longer."""
         now = self.clock()
         return next((s for s, (t, f) in self.told.items() if f == flow_id and now - t < TOLD_FOR), None)

@@ -51,8 +51,8 @@ async def await_source(mover: SlotMover, ask: PageAsk, by: float | None = None) 
         poll = min(SOURCE_POLL, left) if left >= MIN_SLEEP else SOURCE_POLL
         await asyncio.sleep(poll if by is None else max(0.0, min(poll, by - time.monotonic())))
         if pages.busy(source) and found.session in pages.saving:
-            # the placement that took the source's slot pages it out: its page is the seed (bench subagents
-            # seed 6: two waits gave up while the slot's new owner paged the source out, and prefilled)
+            # the placement that took the source's slot pages it out: its page is the seed (giving up here
+            # would prefill what the page is about to hold)
             await pages.settled(found.session, None if by is None else max(0.0, by - time.monotonic()))
             paged = True
             break
@@ -69,10 +69,10 @@ async def await_idle(mover: SlotMover, slots: Collection[int], by: float) -> boo
     """With the slot's paging lock held and its requests of ours started, before a bounded placement plans its
     moves: whether `slots` are all idle at the server by `by` (monotonic). A slot action on a slot still running a
     request waits in the server's queue until that request ends, and cannot be called back then (the server
-    writes the file whenever the slot frees), so none is sent before (bench mix-4 run E: page-outs timed out
-    behind minutes-long prefills). The moves are planned after this wait, from the slot as it is then (planned
-    before it, the simulator found pages recorded for a holder the slot no longer held). False: still busy at
-    `by`, nothing sent. No `/slots` answer: it goes on as before."""
+    writes the file whenever the slot frees), so none is sent before (it would wait out a long prefill there).
+    The moves are planned after this wait, from the slot as it is then (planned before it, a page could be
+    recorded for a holder the slot no longer held). False: still busy at `by`, nothing sent. No `/slots`
+    answer: it goes on as before."""
     while slots:
         live = await mover.client.slots()
         if live is None or not any(server.running(live, slot) for slot in slots):

@@ -89,8 +89,8 @@ class Tries:
     cap: float | None = None
     claimed: bool = False
     last: bool = False  # placed again past the hold's cap (`_late`): past this try's bound it goes unpinned
-    arrived: float | None = None  # when its request came (monotonic): placements held longer go first (Rule 10)
-    freed: int = 8  # how many more times a slot that freed elsewhere may place it again (`slotlogic.wait`, Rule 10)
+    arrived: float | None = None  # when its request came (monotonic): placements held longer go first
+    freed: int = 8  # how many more times a slot that freed elsewhere may place it again (`SlotWaits.freed`)
 
     def again(self) -> Tries:
         return replace(self, retries=self.retries - 1, claimed=True)
@@ -449,7 +449,7 @@ def _refused(up: Upstream, state: shared.ServerState, need: NeedSlot, flow_id: s
     """The pool's `accept` refused this server, and the request goes to another. A try made here before
     (placed again after its bound, or after a stale plan) claimed a slot and entered the session in the table:
     both go, or the session's next turn comes back here to an old copy instead of to its current conversation
-    on the other server (sim seed 1224, loaded)."""
+    on the other server."""
     if claimed:
         shared.forget_session(state, need.ticket.session.key)
         up.abandon(need.ticket, flow_id)
