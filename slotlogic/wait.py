@@ -71,13 +71,24 @@ def estimate(chars: int, rate: float | None) -> float | None:
     return scheduler.seconds(chars, rate)
 
 
+@dataclass(frozen=True)
+class Elsewhere:
+    """What the rest of the server offers a held request: `free`, a slot that could run it without writing over
+    anyone's conversation (`free_slot`), if there is one; `idle`: some other slot runs nothing of ours and no
+    placement is under way there, else `soonest`: our work on the other slot that frees first (characters);
+    `exposed`: the promised tokens the server's own choice could write over."""
+
+    free: int | None = None
+    idle: bool = True
+    exposed: int = 0
+    soonest: int | None = None
+
+
 def plan(ahead: Ahead, waited: float, bound: float, *, side: bool, own_chars: int, rate: float | None,
-         free: int | None = None, idle: bool = True, exposed: int = 0, soonest: int | None = None) -> Plan:
+         where: Elsewhere = Elsewhere()) -> Plan:
     """What to do with a request pinned to a slot with `ahead` in front of it, after `waited` seconds: the
-    scheduler's pick (`slotlogic.scheduler.decide_held`) as the hold's verdict. `free` is a slot that could run
-    it without writing over anyone's conversation (`free_slot`), if there is one; `idle`: some other slot runs
-    nothing of ours and no placement is under way there (`idle_elsewhere`), else `soonest`: our work on the
-    other slot that frees first; `exposed`: the promised tokens the server's own choice could write over."""
+    scheduler's pick (`slotlogic.scheduler.decide_held`) as the hold's verdict."""
+    free, idle, exposed, soonest = where.free, where.idle, where.exposed, where.soonest
     chosen = scheduler.decide_held(scheduler.Held(ahead.count, ahead.chars, waited, bound, own_chars, rate, free,
                                                   idle, exposed, soonest))
     c = chosen.chosen

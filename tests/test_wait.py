@@ -17,7 +17,7 @@ from mitmproxy.flow import Error as flow_error
 from slotkeeper.drivers.slot_wait import SlotWaits
 from slotlogic import scheduler, wait
 from slotlogic.scheduler import Action
-from slotlogic.wait import Ahead, Verdict, WaitWhy
+from slotlogic.wait import Ahead, Elsewhere, Verdict, WaitWhy
 from tests.conftest import chat, flow, sent
 
 SIDE_SYSTEM = "You are a title generator. Reply with a short title."
@@ -30,10 +30,11 @@ def test_a_slot_with_nothing_of_ours_ahead_is_sent_to_at_once():
 def test_a_session_waits_until_its_bound_then_goes_to_a_free_slot_or_unpinned():
     ahead = Ahead(1, 400_000)  # 100,000 tokens ahead: far longer than the bound
     # no speed measured yet: only the bound moves it (with one, it would move at once: `slot-busy`, below)
-    assert wait.plan(ahead, 29.9, 30.0, side=False, own_chars=100, rate=None, free=2).verdict is Verdict.WAIT
+    assert wait.plan(ahead, 29.9, 30.0, side=False, own_chars=100, rate=None,
+                     where=Elsewhere(free=2)).verdict is Verdict.WAIT
     p = wait.plan(ahead, 30.0, 30.0, side=False, own_chars=100, rate=100.0)
     assert (p.verdict, p.why) == (Verdict.UNPIN, WaitWhy.BOUND) and p.wait == 1000.0
-    p = wait.plan(ahead, 30.0, 30.0, side=False, own_chars=100, rate=100.0, free=2)
+    p = wait.plan(ahead, 30.0, 30.0, side=False, own_chars=100, rate=100.0, where=Elsewhere(free=2))
     assert (p.verdict, p.why, p.slot) == (Verdict.MOVE, WaitWhy.BOUND, 2)
 
 
@@ -43,12 +44,13 @@ def test_past_its_bound_a_request_stays_while_its_own_slot_runs_it_no_later_than
     (bench mix-4: two memory calls of one home, the second sent out at its bound, both prefilled from 5 tokens).
     It stays at most its own prefill's time past the bound (at most twice the bound), then goes."""
     ahead, own = Ahead(1, 6_300 * 4), 6_300 * 4  # 63 s each at 100 tok/s
-    at_bound = wait.plan(ahead, 30.0, 30.0, side=True, own_chars=own, rate=100.0, free=2)
+    at_bound = wait.plan(ahead, 30.0, 30.0, side=True, own_chars=own, rate=100.0, where=Elsewhere(free=2))
     assert (at_bound.verdict, at_bound.until) == (Verdict.WAIT, 90.0)
     late = wait.plan(ahead, 90.0, 30.0, side=True, own_chars=own, rate=100.0)
     assert (late.verdict, late.why) == (Verdict.UNPIN, WaitWhy.BOUND)
     # the work ahead still outlasts its own prefill at the bound: it goes, as before
-    long_ahead = wait.plan(Ahead(1, 20_000 * 4), 30.0, 30.0, side=True, own_chars=own, rate=100.0, free=2)
+    long_ahead = wait.plan(Ahead(1, 20_000 * 4), 30.0, 30.0, side=True, own_chars=own, rate=100.0,
+                           where=Elsewhere(free=2))
     assert (long_ahead.verdict, long_ahead.why, long_ahead.slot) == (Verdict.MOVE, WaitWhy.BOUND, 2)
     # no speed measured: only the bound
     assert wait.plan(ahead, 30.0, 30.0, side=True, own_chars=own, rate=None).verdict is Verdict.UNPIN
@@ -76,18 +78,18 @@ def test_past_its_bound_a_request_is_held_while_every_slot_runs_ours_and_goes_un
     choice would land on a promised conversation: it is held (decided again as our requests end), until its
     client's patience is spent."""
     ahead = Ahead(1, 400_000)
-    held = wait.plan(ahead, 30.0, 30.0, side=False, own_chars=100, rate=100.0, idle=False, exposed=500,
-                     soonest=400_000)
+    held = wait.plan(ahead, 30.0, 30.0, side=False, own_chars=100, rate=100.0,
+                     where=Elsewhere(idle=False, exposed=500, soonest=400_000))
     assert (held.verdict, held.until) == (Verdict.WAIT, wait.hold_cap(30.0)) and wait.hold_cap(30.0) == 90.0
     # a slot with nothing of ours and nothing promised on it: sent with id_slot -1 it runs now
-    idle = wait.plan(ahead, 31.0, 30.0, side=False, own_chars=100, rate=100.0, idle=True)
+    idle = wait.plan(ahead, 31.0, 30.0, side=False, own_chars=100, rate=100.0, where=Elsewhere(idle=True))
     assert (idle.verdict, idle.why) == (Verdict.UNPIN, WaitWhy.BOUND)
     # a free slot (nobody's conversation) still comes first
-    assert wait.plan(ahead, 31.0, 30.0, side=False, own_chars=100, rate=100.0, free=2, idle=False, exposed=500
-                     ).verdict is Verdict.MOVE
+    assert wait.plan(ahead, 31.0, 30.0, side=False, own_chars=100, rate=100.0,
+                     where=Elsewhere(free=2, idle=False, exposed=500)).verdict is Verdict.MOVE
     # at the client's patience the promise is given up where that is sooner: the other slot's work ends first
-    capped = wait.plan(ahead, 90.0, 30.0, side=False, own_chars=100, rate=100.0, idle=False, exposed=500,
-                       soonest=20_000)
+    capped = wait.plan(ahead, 90.0, 30.0, side=False, own_chars=100, rate=100.0,
+                       where=Elsewhere(idle=False, exposed=500, soonest=20_000))
     assert (capped.verdict, capped.why) == (Verdict.UNPIN, WaitWhy.BOUND) and capped.pick.chosen.given_away
 
 
@@ -97,15 +99,17 @@ def test_past_its_bound_the_server_never_chooses_while_an_idle_slot_holds_a_prom
     server's choice while it could land on one; the request is held for its own slot, and at its client's
     patience it goes where it starts first, its cost to the other session counted."""
     ahead = Ahead(1, 40 * 100 * 4)  # 40 s of work ahead on its own slot
-    at_bound = wait.plan(ahead, 30.0, 30.0, side=False, own_chars=20 * 100 * 4, rate=100.0, idle=True,
-                         exposed=3_275)
+    at_bound = wait.plan(ahead, 30.0, 30.0, side=False, own_chars=20 * 100 * 4, rate=100.0,
+                         where=Elsewhere(idle=True, exposed=3_275))
     assert at_bound.verdict is Verdict.WAIT and at_bound.until == wait.hold_cap(30.0)
     assert (Action.SERVER_CHOOSES, "promise") in at_bound.pick.removed
     # its own slot frees before its patience ends: it runs there, nothing of anyone's written over
-    freed = wait.plan(Ahead(), 45.0, 30.0, side=False, own_chars=20 * 100 * 4, rate=100.0, idle=True, exposed=3_275)
+    freed = wait.plan(Ahead(), 45.0, 30.0, side=False, own_chars=20 * 100 * 4, rate=100.0,
+                      where=Elsewhere(idle=True, exposed=3_275))
     assert freed.verdict is Verdict.GO
     # with nothing promised on the idle slot and 50 s still to run ahead, it goes now (20 s of prefill there)
-    open_slot = wait.plan(Ahead(1, 80 * 100 * 4), 30.0, 30.0, side=False, own_chars=20 * 100 * 4, rate=100.0, idle=True)
+    open_slot = wait.plan(Ahead(1, 80 * 100 * 4), 30.0, 30.0, side=False, own_chars=20 * 100 * 4, rate=100.0,
+                          where=Elsewhere(idle=True))
     assert open_slot.verdict is Verdict.UNPIN
 
 
@@ -114,18 +118,19 @@ def test_at_the_cap_with_every_slot_running_ours_a_turn_queues_on_its_own_slot_w
     `id_slot: -1`, queued in the server all the same, and prefilled 2,275-3,199 tokens their own slots still held
     (docs/performance.md). Queued either way, pinned it starts once the work ahead ends and finds its cache."""
     ahead, own = Ahead(1, 100 * 100 * 4), 30 * 100 * 4  # 100 s of work ahead (90 s of it run), 30 s of its own
-    queued = wait.plan(ahead, 90.0, 30.0, side=False, own_chars=own, rate=100.0, idle=False, exposed=2_275,
-                       soonest=100 * 100 * 4)
+    queued = wait.plan(ahead, 90.0, 30.0, side=False, own_chars=own, rate=100.0,
+                       where=Elsewhere(idle=False, exposed=2_275, soonest=100 * 100 * 4))
     assert queued.verdict is Verdict.GO
     # the same at the cap with a slot that runs nothing of ours nor holds anything promised: it starts now
-    assert wait.plan(ahead, 90.0, 30.0, side=False, own_chars=own, rate=100.0, idle=True).verdict is Verdict.UNPIN
+    assert wait.plan(ahead, 90.0, 30.0, side=False, own_chars=own, rate=100.0,
+                     where=Elsewhere(idle=True)).verdict is Verdict.UNPIN
     # the work ahead still to run outlasts the other slot's and its own prefill there: it goes there
-    long_ahead = wait.plan(Ahead(1, 200 * 100 * 4), 90.0, 30.0, side=False, own_chars=own, rate=100.0, idle=False,
-                           exposed=100, soonest=100 * 100 * 4)
+    long_ahead = wait.plan(Ahead(1, 200 * 100 * 4), 90.0, 30.0, side=False, own_chars=own, rate=100.0,
+                           where=Elsewhere(idle=False, exposed=100, soonest=100 * 100 * 4))
     assert (long_ahead.verdict, long_ahead.why) == (Verdict.UNPIN, WaitWhy.BOUND)
     # no speed measured: no estimate says go, so it stays with its cache
-    assert wait.plan(ahead, 90.0, 30.0, side=False, own_chars=own, rate=None, idle=False, exposed=100
-                     ).verdict is Verdict.GO
+    assert wait.plan(ahead, 90.0, 30.0, side=False, own_chars=own, rate=None,
+                     where=Elsewhere(idle=False, exposed=100)).verdict is Verdict.GO
 
 
 def test_a_slot_counts_as_idle_only_with_nothing_of_ours_on_it_and_no_placement_but_the_askers():
@@ -142,11 +147,13 @@ def test_a_slot_counts_as_idle_only_with_nothing_of_ours_on_it_and_no_placement_
 
 
 def test_a_side_call_never_waits_behind_longer_work_than_its_own_prefill_when_a_free_slot_can_run_it():
-    behind_long = wait.plan(Ahead(1, 4592 * 4), 0.0, 30.0, side=True, own_chars=591 * 4, rate=50.0, free=0)
+    behind_long = wait.plan(Ahead(1, 4592 * 4), 0.0, 30.0, side=True, own_chars=591 * 4, rate=50.0,
+                            where=Elsewhere(free=0))
     assert (behind_long.verdict, behind_long.why, behind_long.slot) == (Verdict.MOVE, WaitWhy.SIDE_BUSY, 0)
-    behind_short = wait.plan(Ahead(1, 100 * 4), 0.0, 30.0, side=True, own_chars=591 * 4, rate=50.0, free=0)
+    behind_short = wait.plan(Ahead(1, 100 * 4), 0.0, 30.0, side=True, own_chars=591 * 4, rate=50.0,
+                             where=Elsewhere(free=0))
     assert behind_short.verdict is Verdict.WAIT
-    no_rate = wait.plan(Ahead(1, 4592 * 4), 0.0, 30.0, side=True, own_chars=591 * 4, rate=None, free=0)
+    no_rate = wait.plan(Ahead(1, 4592 * 4), 0.0, 30.0, side=True, own_chars=591 * 4, rate=None, where=Elsewhere(free=0))
     assert no_rate.verdict is Verdict.WAIT  # nothing measured yet: only the bound
     # no free slot: sent with id_slot -1 it would land on an idle slot over a conversation still promised to
     # its owner (simulator seed 352: 193 tokens of a known session lost), so it waits for its own slot
@@ -158,9 +165,11 @@ def test_a_sessions_turn_behind_another_sessions_longer_work_runs_on_a_free_slot
     """The known-session case of the issue's placement by expected time to first token: 4,592 tokens of another
     session's prefill ahead outlast prefilling its own 591 from nothing, so it moves now (`slot-busy`); a short
     queue ahead costs less than its cache saves, so it waits for its own slot."""
-    behind_long = wait.plan(Ahead(1, 4592 * 4), 0.0, 30.0, side=False, own_chars=591 * 4, rate=50.0, free=0)
+    behind_long = wait.plan(Ahead(1, 4592 * 4), 0.0, 30.0, side=False, own_chars=591 * 4, rate=50.0,
+                            where=Elsewhere(free=0))
     assert (behind_long.verdict, behind_long.why, behind_long.slot) == (Verdict.MOVE, WaitWhy.SLOT_BUSY, 0)
-    behind_short = wait.plan(Ahead(1, 100 * 4), 0.0, 30.0, side=False, own_chars=591 * 4, rate=50.0, free=0)
+    behind_short = wait.plan(Ahead(1, 100 * 4), 0.0, 30.0, side=False, own_chars=591 * 4, rate=50.0,
+                             where=Elsewhere(free=0))
     assert behind_short.verdict is Verdict.WAIT
     nowhere = wait.plan(Ahead(1, 4592 * 4), 0.0, 30.0, side=False, own_chars=591 * 4, rate=50.0)
     assert nowhere.verdict is Verdict.WAIT

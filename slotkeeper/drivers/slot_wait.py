@@ -114,8 +114,9 @@ class SlotWaits:
         removed: dict[tuple[Any, str], None] = {}  # what the filters removed while it was held, in order
         while True:
             p = wait.plan(self.ahead(slot, flow_id, session), self.clock() - started, bound, side=side,
-                          own_chars=own_chars, rate=rate(), free=self.free(slot), idle=self.idle(slot),
-                          exposed=self.exposed(slot), soonest=self.soonest(slot, flow_id))
+                          own_chars=own_chars, rate=rate(),
+                          where=wait.Elsewhere(self.free(slot), self.idle(slot), self.exposed(slot),
+                                               self.soonest(slot, flow_id)))
             if p.pick is not None:
                 removed.update(dict.fromkeys(p.pick.removed))
             if p.verdict is not wait.Verdict.WAIT:

@@ -35,14 +35,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from slotkeeper.drivers.bounds import deadline, left
+from slotkeeper.drivers.bounds import deadline
 from slotkeeper.drivers.build_claims import BuildClaims
 from slotkeeper.drivers.checkpoint_runner import CheckpointRunner
 from slotkeeper.drivers.handovers import Handovers
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.model_check import ModelCheck
 from slotkeeper.drivers.page_runner import PageRunner
-from slotkeeper.drivers.placings import Placings
+from slotkeeper.drivers.placings import Placing, Placings, Tries
 from slotkeeper.drivers.server_auth import ServerAuth
 from slotkeeper.drivers.server_probe import Facts, ServerProbe
 from slotkeeper.drivers.slot_gate import SlotGate
@@ -53,21 +53,16 @@ from slotkeeper.drivers.state_sync import StateSync
 from slotkeeper.drivers.store import StateStore
 from slotkeeper.drivers.store_file import StateFile
 from slotkeeper.drivers.tasks import Tasks
-from slotlogic import server, shared, wait
+from slotlogic import shared, wait
 from slotlogic.affinity import Learn
 from slotlogic.answers import Observation
 from slotlogic.decisions import Decision, NeedSlot, Observe, Pin, Report, RequestFacts, Ticket
 from slotlogic.events import (
     Event,
-    FreedFirst,
-    NoPrefixMarker,
-    NoSlotsEndpoint,
     PageRejected,
 )
 from slotlogic.intake import Recognition
-from slotlogic.keeper import Keeper, Placement
-from slotlogic.ledger import Fence
-from slotlogic.paging import Moved
+from slotlogic.keeper import Keeper
 from slotlogic.server import ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
 
@@ -79,34 +74,6 @@ RECONCILE_EVERY = 5.0  # seconds between looks for a slot shared with another pr
 # the settings the model check's verdict depends on: a change checks the server again
 MODEL_INPUTS = ("swa_full", "cache_type_k", "cache_type_v", "paging", "checkpoints", "save_dir", "throughput_probe")
 Accept = Callable[[shared.ServerState, ServerInfo, list[dict[str, Any]] | None], bool]
-
-
-@dataclass(frozen=True)
-class Tries:
-    """Where a request's placement on one server stands: stale plans it may still place again, its hold's cap
-    (`wait.hold_cap`), and whether an earlier try here claimed a slot (a refusal then lets that claim go)."""
-    retries: int = 2
-    cap: float | None = None
-    claimed: bool = False
-    last: bool = False  # placed again past the hold's cap (`_late`): past this try's bound it goes unpinned
-    arrived: float | None = None  # when its request came (monotonic): placements held longer go first
-    freed: int = 8  # how many more times a slot that freed elsewhere may place it again (`SlotWaits.freed`)
-
-    def again(self) -> Tries:
-        return replace(self, retries=self.retries - 1, claimed=True)
-
-    def watch(self) -> float | None:
-        """Its arrival while another slot freeing may still place it again (None: it waits for its slot)."""
-        return self.arrived if self.freed > 0 else None
-
-
-@dataclass(frozen=True)
-class Again:
-    """A placement's plan that the world overtook, back for a new plan: the request as placed, its bound, and
-    where its tries stand."""
-    need: NeedSlot
-    by: float | None
-    tries: Tries
 
 
 @dataclass(frozen=True)
@@ -260,97 +227,12 @@ class Upstream:
         try:  # a session's second request at once waits for its first one's placement (drivers/placings.py)
             decision = await self.placings.one_at_a_time(
                 need, lambda again: self.keeper.resume(again, facts.now),
-                lambda n, waited: self._place(n, facts, flow_id, asked=None if waited else asked, accept=accept, by=by,
-                                              tries=tries))
+                lambda n, waited: Placing(self, facts, flow_id, accept).run(n, None if waited else asked, by, tries))
         except BaseException:
             self.abandon(need.ticket, flow_id)
             raise
         self.kick()
         return decision
-
-    async def _place(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None = None,
-                     accept: Accept | None = None, by: float | None = None, tries: Tries = Tries()) -> Any:
-        """The one loop where a placement is planned again: each turn asks the core for a plan and carries it
-        out (`_try`); a turn whose plan the world overtook (a fence that moved, its bound passed before its slot
-        was ours, another slot freed first) comes back as `Again`, with what it learned, for a new plan."""
-        while True:
-            out = await self._try(need, facts, flow_id, asked=asked, accept=accept, by=by, tries=tries)
-            if not isinstance(out, Again):
-                return out
-            need, by, tries, asked = out.need, out.by, out.tries, None
-
-    async def _try(self, need: NeedSlot, facts: RequestFacts, flow_id: str, *, asked: Facts | None,
-                   accept: Accept | None, by: float | None, tries: Tries) -> Any:
-        """One plan for the placement, carried out: the slot claimed in the core, the moves the core planned for
-        it, the prefix warmed; the decision, or `Again`."""
-        key, now = need.ticket.session.key, facts.now
-        if self.pages is not None:
-            await self.pages.settled(key, left(by))  # its page-out is in flight: page it back in after
-        info, props, live = await self._facts(facts, flow_id, asked, tries)
-        if info is None:
-            decision, event = self.keeper.fallback(need, now, await self.sync.last_known_total())
-            self.emit(event)
-            return decision
-        if live is None and props is not None and not self.offline and "no-slots" not in self.warned:
-            self.warned.add("no-slots")
-            self.emit(NoSlotsEndpoint(self.url))
-        async with self.store.transaction() as state:
-            if accept is not None and not accept(state, info, live):
-                return _refused(self, state, need, flow_id, claimed=tries.claimed)
-            placement = self.keeper.assign(need, state, info, live, now, self.waits.queued_chars(),
-                                           self.pages.locked() if self.pages is not None else ())
-        for event in placement.events:
-            self.emit(event)
-        if self.pages is not None and placement.dropped_pages:
-            self.pages.delete(placement.dropped_pages)
-        if self.pages is None and not self.offline:  # no moves, but another proxy may write the slot: asked first
-            _, stale = await self.handovers.take(placement.slot, key, placement.fence, await self.store.fresh())
-            if stale and tries.retries > 0:
-                return Again(placement.need or need, by, tries.again())
-        need = placement.need or need  # as placed: its stable prefix as the core knows it by now
-        # A side call takes its turn on the slot too: a placement may be under way there (its holder is paged
-        # out first, once its request reached the server).
-        moved, fence, holds = await self.mover.moves_for(need, placement, info, flow_id, by, tries.watch())
-        if moved in (Moved.LATE, Moved.FREED):  # its bound passed, or another slot freed, before this one was ours
-            return await (_freed if moved is Moved.FREED else _late)(self, need, flow_id, by, tries)
-        if moved is Moved.STALE and tries.retries > 0:  # another claim of the slot came first: place it again
-            self.mover.stopped(flow_id)
-            return Again(need, by, tries.again())
-        if moved is Moved.STALE:  # twice: it goes where it was placed, with nothing moved (fail open)
-            moved = Moved.NOTHING
-        if placement.side:  # no prefix of its own to warm (a side call whose page step went stale: placed again)
-            return self.keeper.pin(placement, now)
-        fence = await self._warm(need, placement, info, moved, fence, holds)
-        if fence is not None and not self.keeper.turns.fence_holds(fence) and tries.retries > 0:
-            # Another placement claimed the slot while this one's moves ran: plan this request again.
-            self.emit(self.keeper.turns.stale_plan(fence, "pin", key))
-            self.mover.stopped(flow_id)
-            return Again(need, by, tries.again())
-        return self.keeper.pin(placement, now, paged_in=moved is Moved.OWN, seeded=moved in (Moved.SEED, Moved.PREFIX))
-
-    async def _facts(self, facts: RequestFacts, flow_id: str, asked: Facts | None, tries: Tries
-                     ) -> tuple[ServerInfo | None, dict[str, Any] | None, list[dict[str, Any]] | None]:
-        """The server's `/props` and `/slots` for a placement (a replay: as recorded with the flow)."""
-        if self.offline:
-            recorded = (facts.replay.facts if facts.replay else None) or {}
-            props = recorded.get("props") or {"total_slots": self.keeper.total_slots or 4}
-            return self.prober.server_info(props), props, recorded.get("slots")
-        self.auth.learn(facts.fields)
-        info, props, live = await self.prober.facts_for(asked, tries.arrived, self.settings.wait_bound)
-        if live is not None and (told := self.waits.told_to(flow_id)) is not None:  # a slot it was told freed
-            live = server.ended_on(live, told)
-        return info, props, live
-
-    async def _warm(self, need: NeedSlot, placement: Placement, info: ServerInfo, moved: Moved, fence: Fence | None,
-                    holds: bool) -> Fence | None:
-        """The shared prefix into the slot when nothing was paged in (or a prefix was copied); the fence after."""
-        if self.checkpoints is not None and need.stable is not None and moved in (Moved.NOTHING, Moved.PREFIX):
-            return await self.mover.warm(placement.slot, need, info, holds and moved is Moved.NOTHING, fence=fence,
-                                         copied=moved is Moved.PREFIX)
-        if self.checkpoints is not None and need.stable is None and "no-marker" not in self.warned:
-            self.warned.add("no-marker")
-            self.emit(NoPrefixMarker(self.url, need.ticket.session.short, self.settings.markers))
-        return fence
 
     def unlock(self, flow_id: str) -> None:
         """The flow's request reached the server (its response headers came), or never will: the next pager
@@ -443,54 +325,6 @@ async def _learn_from_slots(up: Upstream, ticket: Ticket, obs: Observation) -> N
     """Affinity: the slot the server chose for a pending request, read from `/slots` after its answer."""
     if await up.prober.learn_slot(ticket, obs):
         up.kick()
-
-
-def _refused(up: Upstream, state: shared.ServerState, need: NeedSlot, flow_id: str, *, claimed: bool) -> None:
-    """The pool's `accept` refused this server, and the request goes to another. A try made here before
-    (placed again after its bound, or after a stale plan) claimed a slot and entered the session in the table:
-    both go, or the session's next turn comes back here to an old copy instead of to its current conversation
-    on the other server."""
-    if claimed:
-        shared.forget_session(state, need.ticket.session.key)
-        up.abandon(need.ticket, flow_id)
-
-
-async def _freed(up: Upstream, need: NeedSlot, flow_id: str, by: float | None, tries: Tries) -> Again:
-    """Another slot freed while the placement waited for its own, nothing moved: it lets go of its slot and is
-    placed again now, within the same bound."""
-    up.emit(FreedFirst(up.url, need.ticket.session.short, up.waits.told_to(flow_id),
-                       time.monotonic() - (tries.arrived or time.monotonic())))
-    _let_go(up, flow_id, need.ticket.session.key)
-    return Again(need, by, replace(tries, claimed=True, freed=tries.freed - 1))
-
-
-async def _late(up: Upstream, need: NeedSlot, flow_id: str, by: float | None, tries: Tries) -> Again | Observe:
-    """A placement whose bound passed before its slot was ours to write, nothing moved: it lets go of its slot
-    (two waiting placements never keep the one slot that could run either from each other) and is placed again
-    once a slot runs nothing of ours, within its client's patience (from its arrival); else it goes as the
-    client sent it."""
-    bound, key, cap = up.settings.wait_bound, need.ticket.session.key, tries.cap
-    cap = cap if cap is not None or by is None else by - bound + wait.hold_cap(bound)
-    if by is not None and cap is not None and by < cap:
-        _let_go(up, flow_id, key)  # its slot's lock and claim let go while it waits
-        if await up.waits.until_idle(cap, mine=key, flow_id=flow_id, arrived=tries.arrived):
-            return Again(need, cap, Tries(cap=cap, claimed=True, arrived=tries.arrived, freed=tries.freed))
-    if up.pages is not None and by is not None and not tries.last and not need.ticket.side:
-        # At its patience every slot still runs or awaits our work, so it waits in the server's queue whichever
-        # way it goes. Sent with `id_slot: -1` it would prefill from nothing on a slot the server chooses, over
-        # a promised conversation; placed again for one more patience, its moves wait their turn on the slot
-        # the ranking finds soonest (never sent to a slot still running) and its page comes back in.
-        _let_go(up, flow_id, key)
-        last = time.monotonic() + wait.hold_cap(bound)
-        return Again(need, last, Tries(cap=last, claimed=True, last=True, arrived=tries.arrived, freed=tries.freed))
-    up.waits.sent_unplaced(flow_id)
-    return up.mover.give_up(need, flow_id)
-
-
-def _let_go(up: Upstream, flow_id: str, key: str) -> None:
-    """A placement to be placed again lets go of its slot: the lock, and its claim in the core."""
-    up.mover.stopped(flow_id)
-    up.keeper.withdraw(key)
 
 
 def status_view(keeper: Keeper, model: ModelCheck, settings: Settings, state: shared.ServerState) -> dict[str, Any]:
