@@ -94,6 +94,7 @@ class SlotMover:
         self.registry = registry
         if self.checkpoints is not None:
             self.checkpoints.building, self.checkpoints.known = registry.building, registry.known
+            self.checkpoints.registry = registry
 
     def configure(self, s: Settings, *, files_blocked: bool) -> None:
         """Paging and checkpoint runners for these settings (a runner whose settings stay is kept: its slot
