@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-from slotkeeper.drivers import store_file
 from slotkeeper.drivers.bounds import left, within
 from slotkeeper.drivers.build_claims import BuildClaims
 from slotkeeper.drivers.checkpoint_runner import CheckpointRunner, PrefixRegistry
@@ -76,7 +73,6 @@ class SlotMover:
         self.on_answer: Callable[[SlotFileAnswer], None] = lambda a: None  # each save/restore (slot_speeds.py)
         self.server_busy: Callable[[], bool] = lambda: False  # a request of ours runs at the server (PageRunner)
         self._told_no_save_path = False
-        self._swept = False
         self.elsewhere: PoolSeeds | None = None  # in a pool: seeds from its other servers' slots (`join`)
         self.explain_emptied: Callable[[int], Awaitable[Cause]] | None = None  # the probe's: what emptied a slot
         self.stay: Callable[[int, int, float], float] = lambda slot, chars, by: by  # Rule 3 past the bound (waits)
@@ -275,10 +271,14 @@ class SlotMover:
         copying = self.pages.save_starts(copy_source) if copy_source is not None else None
         try:
             if plan.saves:  # the holder's page-out and a live seed's save: both recorded before they are written
+                files = await asyncio.to_thread(self.pages.files)
                 async with self.store.transaction() as state:
                     replaced = self.keeper.pager.page_intent(state, plan, time.time())
+                    room = self.keeper.pager.page_room(state, plan, time.time(), self.pages.max_bytes, files)
+                self.pages.delete(room)  # the budget holds while the saves are written
                 # Another placement (of any proxy) may have planned its restore from the record just replaced:
-                # a seed from this session's page, on a slot whose lock it holds, not this one.
+                # a seed from this session's page, on a slot whose lock it holds, not this one. (Its file counts
+                # against the budget meanwhile.)
                 self.pages.delete_later(replaced, REPLACED_GRACE)
             out = await self.pages.run(plan)
             if plan.copy_file is not None:  # another server's slot, copied: nobody's page
@@ -312,10 +312,7 @@ class SlotMover:
     async def record_pages(self, plan: PagePlan, out: PageOutcome) -> None:
         """The page index after a paging step, in the state file; the files it drops deleted."""
         assert self.pages is not None
-        files = None
-        if not self._swept:  # once per process: page files no state refers to
-            self._swept = True
-            files = await asyncio.to_thread(unrecorded_files, self.pages, self.state_dir, str(self.store.path))
+        files = await asyncio.to_thread(self.pages.files)  # every step: the budget bounds the save dir's page files
         async with self.store.transaction() as state:
             seed = (out.seed_tokens, out.seed_bytes) if out.seed_tokens is not None else None
             done = PageDone(out.saved_tokens, out.saved_bytes, out.restore_failed, seed)
@@ -392,21 +389,6 @@ async def unbuilt(cp: CheckpointRunner | None, need: NeedSlot, info: ServerInfo)
         return None
     base = await asyncio.to_thread(cp.longest_base, need.stable, info, name)
     return base[0] if base is not None else 0
-
-
-def unrecorded_files(pages: PageRunner, state_dir: Path, own_state: str) -> dict[str, Any]:
-    """The save dir's page files, less those the state files of other servers in our state dir record
-    (a save dir may be shared by several servers; their pages are not our orphans). Worker thread."""
-    files = pages.files()
-    others: list[str] = []
-    with contextlib.suppress(OSError), os.scandir(state_dir) as entries:
-        others = [e.path for e in entries if e.name.startswith("state-") and e.name.endswith(".json")
-                  and e.path != own_state]
-    for path in others:
-        with contextlib.suppress(OSError, ValueError):
-            for name in shared.from_dict(store_file.read_document(path), "").pages.values():
-                files.pop(name.file, None)
-    return files
 
 
 async def fresh_pages(mover: SlotMover, key: str) -> shared.ServerState:
