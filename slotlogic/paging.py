@@ -161,6 +161,10 @@ class PagePlan:
         """The file a copy of another server's slot is saved to and restored from, deleted after."""
         return self.seed_file if self.seed is not None and self.seed.server is not None else None
 
+    def without_saves(self) -> PagePlan:
+        """The plan with no save: nothing written (what it would write does not fit the budget)."""
+        return replace(self.without_seed(), save_for=None, save_file=None)
+
     def without_seed(self) -> PagePlan:
         if self.seed is None:
             return self
@@ -350,13 +354,14 @@ def over_budget(pages: Mapping[str, PageRecord], max_bytes: int, *, keep: frozen
 
 def disk_room(files: Mapping[str, PageFile], pages: Mapping[str, PageRecord], max_bytes: int, now: float, *,
               keep_seconds: float, incoming: int = 0, keep: frozenset[str] = frozenset(),
-              keep_files: frozenset[str] = frozenset()) -> tuple[list[str], list[str]]:
+              keep_files: frozenset[str] = frozenset()) -> tuple[list[str], list[str], bool]:
     """What goes so that every page file in the save dir (`files`: ours, other servers' and proxies', orphans,
     replaced pages waiting for their deletion), plus `incoming` bytes about to be saved, fit `max_bytes`: (our
-    session keys whose records to drop, files to delete). The least recently saved go first (a record's `saved`,
-    else the file's mtime), never our pages of `keep` nor `keep_files` (about to be restored). A recorded page
-    whose file is not there counts its recorded bytes; one being written (0 tokens) counts in `incoming`. An
-    unrecorded file older than `keep_seconds` goes anyway (its session is forgotten everywhere by then)."""
+    session keys whose records to drop, files to delete, whether the rest and `incoming` then fit). The least
+    recently saved go first (a record's `saved`, else the file's mtime), never our pages of `keep` nor
+    `keep_files` (about to be restored). A recorded page whose file is not there counts its recorded bytes; one
+    being written (0 tokens) counts in `incoming`. An unrecorded file older than `keep_seconds` goes anyway (its
+    session is forgotten everywhere by then)."""
     by_file = {rec.file: key for key, rec in pages.items()}
     total = incoming
     doomed: list[str] = []
@@ -384,7 +389,7 @@ def disk_room(files: Mapping[str, PageFile], pages: Mapping[str, PageRecord], ma
             drop.append(key)
         doomed.append(name)
         total -= size
-    return drop, doomed
+    return drop, doomed, total <= max_bytes
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,9 @@ def test_every_page_file_in_the_save_dir_counts_and_the_least_recently_saved_go_
              young: PageFile(990.0, 300), "prefix-0123456789abcdef.bin": PageFile(0.0, 10_000)}
 
     def room(budget: int, **kw: Any) -> tuple[list[str], list[str]]:
-        return paging.disk_room(files, pages, budget, 1000.0, keep_seconds=kw.pop("keep_seconds", 1e6), **kw)
+        drop, doomed, fits = paging.disk_room(files, pages, budget, 1000.0, keep_seconds=1e6, **kw)
+        assert fits
+        return drop, doomed
 
     # b's file is not there (another process deleted it): its recorded 200 bytes count until it goes
     assert room(1500) == ([], [])
@@ -90,8 +92,9 @@ def test_every_page_file_in_the_save_dir_counts_and_the_least_recently_saved_go_
     assert room(900, keep_files=frozenset({o2})) == (["b", "a"], [o1, pages["b"].file, pages["a"].file])
     assert room(1500, incoming=300) == ([], [o1])
     assert room(10) == (["b", "a"], [o1, pages["b"].file, o2, pages["a"].file, young])
+    assert paging.disk_room(files, pages, 300, 1000.0, keep_seconds=1e6, keep=frozenset({"a"}))[2] is False
     with_old = {**files, ancient: PageFile(0.0, 1)}
-    assert paging.disk_room(with_old, pages, 1 << 40, 1000.0, keep_seconds=500.0) == ([], [o1, o2, ancient])
+    assert paging.disk_room(with_old, pages, 1 << 40, 1000.0, keep_seconds=500.0) == ([], [o1, o2, ancient], True)
 
 
 class Slots:

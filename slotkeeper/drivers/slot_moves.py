@@ -264,7 +264,8 @@ class SlotMover:
             assert fence is not None
             self.emit(self.keeper.turns.stale_plan(fence, "page", key))  # the slot moved on while the lock was awaited
             return Moved.STALE, fence
-        saving = self.pages.save_starts(plan.save_for) if plan.save_for is not None else None
+        holder = plan.save_for
+        saving = self.pages.save_starts(holder) if holder is not None else None
         # A live seed's save is its source's new page: others copying that source wait for it (subagents seed 17)
         copy_source = plan.seed.source if plan.seed is not None and plan.seed.local_slot is not None \
             and plan.seed_file is not None and plan.seed.source not in (key, plan.save_for) else None
@@ -273,8 +274,9 @@ class SlotMover:
             if plan.saves:  # the holder's page-out and a live seed's save: both recorded before they are written
                 files = await asyncio.to_thread(self.pages.files)
                 async with self.store.transaction() as state:
+                    room, fits = self.keeper.pager.page_room(state, plan, time.time(), self.pages.max_bytes, files)
+                    plan = plan if fits else plan.without_saves()  # what it would write cannot fit the budget
                     replaced = self.keeper.pager.page_intent(state, plan, time.time())
-                    room = self.keeper.pager.page_room(state, plan, time.time(), self.pages.max_bytes, files)
                 self.pages.delete(room)  # the budget holds while the saves are written
                 # Another placement (of any proxy) may have planned its restore from the record just replaced:
                 # a seed from this session's page, on a slot whose lock it holds, not this one. (Its file counts
@@ -293,7 +295,7 @@ class SlotMover:
             return Moved.NOTHING, fence
         finally:
             if saving is not None:
-                self.pages.save_ends(plan.save_for or "", saving)
+                self.pages.save_ends(holder or "", saving)
             if copying is not None:
                 self.pages.save_ends(copy_source or "", copying)
         if out.missing_save_path and not self._told_no_save_path:
