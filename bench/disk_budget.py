@@ -125,7 +125,7 @@ def blocking_model(soak: Soak, row: Row) -> None:
     """A FIFO as the model file, a new media_marker every probe: sessions served in time, SIGINT obeyed."""
     from bench.reliability import chat
 
-    fifo = soak.root / "model.gguf"
+    fifo = soak.dir("outside-disk") / "model.gguf"  # "outside": the output scan must not open it either
     os.mkfifo(fifo)
     row.faults += 1
     stub = soak.stub(model_path=str(fifo), new_marker=True)
@@ -161,7 +161,7 @@ def log_symlink(soak: Soak, row: Row) -> None:
     """A symlink planted as `slots_log_file`: its target gets nothing."""
     from bench.reliability import chat
 
-    target = soak.root / "victim.txt"
+    target = soak.dir("outside-disk") / "victim.txt"
     target.write_text("KEEP\n")
     link = soak.root / "i-planted.jsonl"
     link.symlink_to(target)
