@@ -24,6 +24,8 @@ Classes (each also has fast cases in `make test`; docs/reliability.md says which
   sessions, stamps from the future, a negative page size, a squatted lock), a rebinding `Host` on the local API,
   clients' keys in front of an `--api-key` server, an IPv6 server, the console script's arguments; one row per
   attack, measured as the memory bounds are;
+- disk (`bench/disk_budget.py`): pages and prefix checkpoints of two proxies sharing a save dir, sampled every
+  0.25 s through a soak, never over their budgets; a FIFO as the model file; a symlink as `slots_log_file`;
 - security: an `--api-key` llama-server; the local API from a non-loopback address; file modes; hostile
   symlinks in the save dir; and every output of the run (proxy logs, JSONL files, state files) scanned for
   the prompts' sentinel string.
@@ -61,7 +63,7 @@ import brotli
 import httpx
 from mitmproxy.net import encoding
 
-from bench import memory_bounds, reliability_store
+from bench import disk_budget, memory_bounds, reliability_store
 from slotkeeper.launch.llama_server import LlamaServer, free_port
 from slotkeeper.launch.mitmdump import ROOT, MitmProxy, mitm_argv
 from slotlogic import paging
@@ -823,7 +825,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=32)
     ap.add_argument("--fuzz-examples", type=int, default=2500)
     ap.add_argument("--threads", type=int, default=1, help="llama-server threads")
-    ap.add_argument("--only", nargs="*", default=[], help="upstream kills load bad security memory store")
+    ap.add_argument("--disk-seconds", type=float, default=60.0, help="the disk budgets' soak")
+    ap.add_argument("--only", nargs="*", default=[], help="upstream kills load bad security memory store disk")
     ap.add_argument("--keep", action="store_true", help="keep the scratch dir")
     a = ap.parse_args(argv)
     soak = Soak(a.threads)
@@ -831,6 +834,7 @@ def main(argv: list[str] | None = None) -> int:
         ("upstream", lambda: upstream_faults(soak)), ("kills", lambda: kills(soak, a.kills)),
         ("load", lambda: load(soak, a.sessions)), ("bad", lambda: bad_input(soak, a.fuzz_examples)),
         ("memory", lambda: memory_bounds.run(soak)), ("store", lambda: reliability_store.run(soak)),
+        ("disk", lambda: disk_budget.run(soak, a.disk_seconds)),
         ("security", lambda: security(soak))]
     rows: list[Row] = []
     try:

@@ -41,6 +41,8 @@ class StubLlama:
     chat_delay: float = 0.0        # seconds a completion "prefills"
     tokens: dict[int, int] = field(default_factory=dict)  # per slot: what a save would write
     marker: str = "<__media_stub__>"
+    model_path: str = "/stub.gguf"  # what /props names (a FIFO there: the proxy's model check must not hang on it)
+    new_marker: bool = False        # a new media_marker on every /props: the server "restarted" each probe
     seen: list[Seen] = field(default_factory=list)
     port: int = 0
     host: str = "127.0.0.1"        # "::1": an IPv6 server (its URL in brackets)
@@ -51,8 +53,10 @@ class StubLlama:
         return f"http://[{self.host}]:{self.port}" if ":" in self.host else f"http://{self.host}:{self.port}"
 
     def props(self) -> dict[str, Any]:
+        if self.new_marker:
+            self.marker = f"<__media_{os.urandom(4).hex()}__>"
         return {"total_slots": self.slots, "media_marker": self.marker, "build_info": "b0-stub",
-                "model_path": "/stub.gguf", "default_generation_settings": {"n_ctx": self.n_ctx}}
+                "model_path": self.model_path, "default_generation_settings": {"n_ctx": self.n_ctx}}
 
     async def start(self) -> StubLlama:
         self._server = await asyncio.start_server(self._handle, self.host, self.port)
@@ -188,10 +192,12 @@ def main() -> None:
     ap.add_argument("--save-dir")
     ap.add_argument("--chat-delay", type=float, default=0.0)
     ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--model-path", default="/stub.gguf")
+    ap.add_argument("--new-marker", action="store_true")
     a = ap.parse_args()
     asyncio.run(serve(StubLlama(slots=a.slots, api_key=a.api_key, slots_delay=a.slots_delay, no_slots=a.no_slots,
                                 no_save_path=a.no_save_path, save_dir=a.save_dir, chat_delay=a.chat_delay,
-                                port=a.port, host=a.host)))
+                                port=a.port, host=a.host, model_path=a.model_path, new_marker=a.new_marker)))
 
 
 if __name__ == "__main__":

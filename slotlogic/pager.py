@@ -22,8 +22,6 @@ from slotlogic.seeds import Seeds
 from slotlogic.settings import SESSION_KEEP_SECONDS, Settings
 from slotlogic.table import SessionTable
 
-ORPHAN_GRACE = 600.0  # seconds an unrecorded page file is left alone before the budget may take it
-
 
 class PagerHost(Protocol):
     """What the pager reads of its keeper: the server as last seen, this process's name, the prefill speed."""
@@ -246,12 +244,37 @@ class Pager:
                 state.pages.pop(plan.restore_for)
             doomed.append(plan.restore_file)
         keep = frozenset(k for k in (plan.save_for, plan.restore_for) if k)
-        if files is not None:  # orphans first: they count against the same budget
-            doomed += paging.sweep(files, state.pages, budget, now, keep_seconds=SESSION_KEEP_SECONDS,
-                                   grace=ORPHAN_GRACE)
-        doomed += [state.pages.pop(gone).file for gone in paging.over_budget(state.pages, budget, keep=keep)]
+        if files is None:  # the save dir not read: our records alone
+            doomed += [state.pages.pop(gone).file for gone in paging.over_budget(state.pages, budget, keep=keep)]
+        else:  # the page just saved is the newest: it goes only when it alone is over the budget
+            doomed += self._room(state, {n: f for n, f in files.items() if n not in doomed}, budget, now, 0,
+                                 keep - {plan.save_for})[0]
         self.index = dict(state.pages)
         return doomed
+
+    def page_room(self, state: shared.ServerState, plan: paging.PagePlan, now: float, budget: int,
+                  files: Mapping[str, paging.PageFile]) -> tuple[list[str], bool]:
+        """Before the plan's saves are recorded and sent: room in the save dir for what they will write
+        (`paging.disk_room`), so the budget holds while they are written. Returns the files to delete, and whether
+        the saves fit (if not, they are not made: `PagePlan.without_saves`)."""
+        rates = self.host.rates()
+        tokens = sum(self.ledger.conversations.get(key, 0) for key, _ in plan.saves)
+        known = [(r.bytes, r.n_tokens) for r in state.pages.values() if r.bytes > 0 and r.n_tokens > 0]
+        per_token = rates.kv_bytes_per_token or max((b / n for b, n in known), default=0.0)
+        incoming = int(tokens * per_token) if per_token and tokens else max((f.size for f in files.values()), default=0)
+        keep = frozenset(k for k in (plan.restore_for,) if k)
+        doomed, fits = self._room(state, files, budget, now, incoming, keep,
+                                  frozenset(f for f in (plan.restore_file,) if f))
+        self.index = dict(state.pages)
+        return doomed, fits
+
+    def _room(self, state: shared.ServerState, files: Mapping[str, paging.PageFile], budget: int, now: float,
+              incoming: int, keep: frozenset[str], keep_files: frozenset[str] = frozenset()) -> tuple[list[str], bool]:
+        drop, doomed, fits = paging.disk_room(files, state.pages, budget, now, keep_seconds=SESSION_KEEP_SECONDS,
+                                              incoming=incoming, keep=keep, keep_files=keep_files)
+        for key in drop:
+            state.pages.pop(key, None)
+        return doomed, fits
 
     def page_doubtful(self, report: Report) -> paging.PageCheck | None:
         """The request that followed a page-in reused less than half of the page: drop the page."""

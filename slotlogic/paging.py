@@ -17,9 +17,10 @@ Rule 2: never a wrong answer. A restored file only sets what the slot holds: lla
         configuration could mislead, so a page is restored only when its identity (`ServerInfo.page_identity`:
         model path, file size and mtime, build, per-slot n_ctx, slot count, `slots_server_id`) matches the
         running server, and the restore is checked afterwards (`restore_checked`, `doubtful`).
-Rule 3: bounded. Pages count against `max_bytes`; the least recently saved go first (`over_budget`), and
-        pages of sessions the state forgets are deleted with them. Page files no state refers to (orphans)
-        count against the same budget and go first (`sweep`).
+Rule 3: bounded, at every moment. `max_bytes` bounds every page file in the save dir: ours, other servers'
+        and proxies' sharing it, orphans, replaced pages waiting for their deletion (`disk_room`). Room is made
+        before a save is sent (its size estimated) and again once it is written; the least recently saved go
+        first, whoever wrote them. Pages of sessions the state forgets are deleted with them.
 Rule 4: recorded before written. A page is entered in the index (`intent`, not restorable yet) before its
         save is sent, so a process killed between the save and its record leaves no file the state does
         not know; the record becomes restorable only with the save's answer (`saved`).
@@ -159,6 +160,10 @@ class PagePlan:
     def copy_file(self) -> str | None:
         """The file a copy of another server's slot is saved to and restored from, deleted after."""
         return self.seed_file if self.seed is not None and self.seed.server is not None else None
+
+    def without_saves(self) -> PagePlan:
+        """The plan with no save: nothing written (what it would write does not fit the budget)."""
+        return replace(self.without_seed(), save_for=None, save_file=None)
 
     def without_seed(self) -> PagePlan:
         if self.seed is None:
@@ -347,13 +352,44 @@ def over_budget(pages: Mapping[str, PageRecord], max_bytes: int, *, keep: frozen
     return out
 
 
-def orphans(files: Mapping[str, float], pages: Mapping[str, PageRecord], now: float, min_age: float
-            ) -> list[str]:
-    """Page files (name → mtime) no state refers to and older than `min_age`: left by a lost state file
-    or by another proxy's sessions long gone."""
-    known = {p.file for p in pages.values()}
-    return sorted(n for n, mtime in files.items()
-                  if FILE_RE.match(n) and n not in known and now - mtime >= min_age)
+def disk_room(files: Mapping[str, PageFile], pages: Mapping[str, PageRecord], max_bytes: int, now: float, *,
+              keep_seconds: float, incoming: int = 0, keep: frozenset[str] = frozenset(),
+              keep_files: frozenset[str] = frozenset()) -> tuple[list[str], list[str], bool]:
+    """What goes so that every page file in the save dir (`files`: ours, other servers' and proxies', orphans,
+    replaced pages waiting for their deletion), plus `incoming` bytes about to be saved, fit `max_bytes`: (our
+    session keys whose records to drop, files to delete, whether the rest and `incoming` then fit). The least
+    recently saved go first (a record's `saved`, else the file's mtime), never our pages of `keep` nor
+    `keep_files` (about to be restored). A recorded page whose file is not there counts its recorded bytes; one
+    being written (0 tokens) counts in `incoming`. An unrecorded file older than `keep_seconds` goes anyway (its
+    session is forgotten everywhere by then)."""
+    by_file = {rec.file: key for key, rec in pages.items()}
+    total = incoming
+    doomed: list[str] = []
+    candidates: list[tuple[float, str, str | None, int]] = []  # (last saved, file, our session key, bytes)
+    for name, f in files.items():
+        key = by_file.get(name)
+        if not FILE_RE.match(name):
+            continue
+        if key is None and now - f.mtime >= keep_seconds:
+            doomed.append(name)
+            continue
+        total += f.size
+        if key not in keep and name not in keep_files:
+            candidates.append((pages[key].saved if key is not None else f.mtime, name, key, f.size))
+    for key, rec in pages.items():
+        if rec.file not in files and rec.n_tokens > 0:
+            total += rec.bytes
+            if key not in keep:
+                candidates.append((rec.saved, rec.file, key, rec.bytes))
+    drop: list[str] = []
+    for _, name, key, size in sorted(candidates):
+        if total <= max_bytes:
+            break
+        if key is not None:
+            drop.append(key)
+        doomed.append(name)
+        total -= size
+    return drop, doomed, total <= max_bytes
 
 
 @dataclass(frozen=True)
@@ -362,22 +398,3 @@ class PageFile:
 
     mtime: float
     size: int
-
-
-def sweep(files: Mapping[str, PageFile], pages: Mapping[str, PageRecord], max_bytes: int, now: float, *,
-          keep_seconds: float, grace: float) -> list[str]:
-    """Orphan page files to delete: every one older than `keep_seconds`, and, while recorded pages and
-    orphans together exceed `max_bytes`, the oldest orphans older than `grace` (a save in flight is recorded
-    before it is sent, so an unrecorded file that old is nobody's). `files` excludes files other servers'
-    states refer to."""
-    known = {p.file for p in pages.values()}
-    lost = sorted(((n, f) for n, f in files.items() if FILE_RE.match(n) and n not in known),
-                  key=lambda nf: (nf[1].mtime, nf[0]))
-    total = sum(p.bytes or (files[p.file].size if p.file in files else 0) for p in pages.values())
-    total += sum(f.size for _, f in lost)
-    doomed = []
-    for name, f in lost:
-        if now - f.mtime >= keep_seconds or (total > max_bytes and now - f.mtime >= grace):
-            doomed.append(name)
-            total -= f.size
-    return doomed

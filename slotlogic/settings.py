@@ -56,7 +56,7 @@ class Settings:
     server_id: str = ""
     checkpoint_ttl_days: float = 30.0
     checkpoint_keep: int = 3
-    checkpoint_max_bytes: int = 0
+    checkpoint_max_bytes: int = 2048 << 20  # a quarter of the page budget (`checkpoint_cleanup.default_cap`)
     probe_interval: float = 15.0
     flush_interval: float = 2.0
     keep_streams: bool = False

@@ -8,6 +8,7 @@ from typing import Any
 
 from slotkeeper.drivers.checkpoint_runner import CheckpointRunner
 from slotlogic.checkpoint_machine import Outcome
+from slotlogic.costs import Rates
 from slotlogic.prefix import StablePrefix, file_name
 from slotlogic.server import ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
@@ -194,3 +195,58 @@ async def test_a_save_that_holds_another_conversation_is_deleted_and_never_resto
     server.calls.clear()
     again = await m.prepare(1, PREFIX, PROPS, holds_prefix=False)
     assert "restore" not in [c[0] for c in server.calls] and again.outcome is Outcome.WARMED_SAVED
+
+
+class FileWritingServer(ScriptedServer):
+    """Saves write real files (`per_token` bytes a token, as llama-server's slot files: KV bytes × tokens) into the
+    save dir; each save's moment is sampled: the save dir's prefix bytes right after the file is written."""
+
+    def __init__(self, save_dir, per_token: int) -> None:
+        super().__init__()
+        self.save_dir, self.per_token, self.peaks = save_dir, per_token, []
+
+    async def post_json(self, path: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
+        status, data = await super().post_json(path, body, timeout)
+        if path.endswith("action=save"):
+            (self.save_dir / body["filename"]).write_bytes(b"\0" * (data["n_saved"] * self.per_token))
+            self.peaks.append(sum(p.stat().st_size for p in self.save_dir.glob("prefix-*.bin")))
+            return status, {**data, "n_written": data["n_saved"] * self.per_token}
+        return status, data
+
+
+async def test_prefix_checkpoints_stay_under_their_cap_at_every_save(tmp_path):
+    """40 sessions, each with its own text before the marker (any client can do it), filled the save dir with 40
+    prefix files: no cap by default, cleanup once per process and only past 30 days. Now the cap holds at every
+    save: the least recently used files go first to make room, the first save included (its size from the
+    measured KV bytes per token, else the files already indexed)."""
+    save_dir = tmp_path / "slots"
+    save_dir.mkdir()
+    server = FileWritingServer(save_dir, per_token=1000)  # 301 tokens: ~301 KB a file
+    cap = 1 << 20
+    m = CheckpointRunner(server, tmp_path, Settings(checkpoints=CheckpointMode.DISK, save_dir=str(save_dir),
+                                                    checkpoint_max_bytes=cap), [].append)  # type: ignore[arg-type]
+    prefixes = [StablePrefix(f"You are agent {i}.", "system", None, None) for i in range(40)]
+    for i in range(0, 40, 4):  # four at a time, as sessions arrive together
+        await asyncio.gather(*(m.prepare(j % 4, prefixes[j], PROPS, holds_prefix=False) for j in range(i, i + 4)))
+    files = list(save_dir.glob("prefix-*.bin"))
+    assert max(server.peaks) <= cap and sum(p.stat().st_size for p in files) <= cap and 2 <= len(files) <= 3
+    last = [p for p in prefixes[-4:] if file_name(m.fingerprint(p, PROPS)) in {f.name for f in files}]
+    assert last  # the most recently used stay (saves that found no room in time only warmed their slot)
+    server.calls.clear()
+    again = await m.prepare(0, last[0], PROPS, holds_prefix=False)
+    assert again.outcome is Outcome.RESTORED and ("restore", 0) in server.calls
+
+
+async def test_a_prefix_larger_than_the_whole_cap_is_never_saved(tmp_path):
+    save_dir = tmp_path / "slots"
+    save_dir.mkdir()
+    server = FileWritingServer(save_dir, per_token=10_000)  # ~3 MB a file against a 1 MB cap
+    m = CheckpointRunner(server, tmp_path, Settings(checkpoints=CheckpointMode.DISK, save_dir=str(save_dir),
+                                                    checkpoint_max_bytes=1 << 20), [].append)  # type: ignore[arg-type]
+    first = await m.prepare(0, PREFIX, PROPS, holds_prefix=False)  # size unknown yet: saved, then deleted
+    assert first.outcome is Outcome.WARMED_SAVED and list(save_dir.iterdir()) == []
+    m.rates = lambda: Rates(kv_bytes_per_token=10_000.0)  # measured from that save's answer
+    server.calls.clear()
+    second = await m.prepare(1, StablePrefix("You are other.", "system", None, None), PROPS, holds_prefix=False)
+    assert second.outcome is Outcome.WARMED and "save" not in [c[0] for c in server.calls]
+    assert list(save_dir.iterdir()) == []

@@ -4,7 +4,9 @@ and one real llama-server save that checks the slot-file size estimate to the by
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -319,6 +321,33 @@ def test_a_file_is_read_once_until_it_changes(tmp_path):
     os.utime(path, ns=(1, 1))                                 # a replaced file (new mtime) is read again
     again = gguf_io.read_header(path)
     assert again is not first and again.metadata == first.metadata
+
+
+def test_a_model_path_that_blocks_holds_no_thread_and_no_lock(tmp_path):
+    """A FIFO at the model path (a new media_marker each probe asks again): opening it for reading waits for a
+    writer, for good. Before, the reader held its lock across that open: every worker thread hung behind it,
+    new sessions timed out at 45 s and mitmdump ignored SIGINT. Now each read ends at once, and a real file is
+    read meanwhile."""
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    answers: list[gguf_io.HeaderRead] = []
+    threads = [threading.Thread(target=lambda: answers.append(gguf_io.read_header(fifo)), daemon=True)
+               for _ in range(6)]
+    for t in threads:
+        t.start()
+    real = write_gguf(tmp_path / "real.gguf", "llama", lambda w: common(w, 2))
+    try:
+        for t in threads:
+            t.join(5)
+        other = threading.Thread(target=lambda: answers.append(gguf_io.read_header(real)), daemon=True)
+        other.start()
+        other.join(5)
+        assert [t.is_alive() for t in (*threads, other)] == [False] * 7
+        assert [a.status for a in answers[:6]] == [gguf_io.ReadStatus.UNREADABLE] * 6
+        assert answers[6].status is gguf_io.ReadStatus.OK
+    finally:  # a writer lets any reader still blocked in open() go
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
 
 
 async def test_the_reader_runs_off_the_event_loop():

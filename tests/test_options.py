@@ -52,3 +52,15 @@ def test_every_option_of_every_addon_is_in_docs_options_md():
     with taddons.context(*addons) as tctx:
         ours = {name for name in tctx.options._options if name.startswith("slots_")}
     assert ours and ours <= documented, sorted(ours - documented)
+
+
+def test_prefix_checkpoints_have_a_cap_by_default_derived_from_the_page_budget(tmp_path):
+    """No cap was the default: any client filled the disk with one prefix file per distinct system prompt."""
+    addons = addon_module.make_addons()
+    with taddons.context(*addons) as tctx:
+        tctx.configure(addons[1], slots_state_dir=str(tmp_path / "state"))
+        assert addons[1].rt.settings.checkpoint_max_bytes == 2048 << 20
+        tctx.configure(addons[1], slots_page_max_mb=100)
+        assert addons[1].rt.settings.checkpoint_max_bytes == 25 << 20
+        tctx.configure(addons[1], slots_checkpoint_max_mb=0)
+        assert addons[1].rt.settings.checkpoint_max_bytes == 0  # the operator's explicit choice

@@ -68,16 +68,33 @@ def test_the_checks_after_a_restore():
     assert paging.doubtful(900, 300) is PageCheck.LOW_CACHE
 
 
-def test_orphans_count_against_the_budget_and_go_first_oldest_first():
-    pages = {"a": PageRecord(paging.page_file(UP, "a"), 900, 50.0, 400)}
-    o1, o2, young = (paging.page_file(UP, n) for n in ("o1", "o2", "young"))
-    files = {pages["a"].file: PageFile(50.0, 400), o1: PageFile(10.0, 300), o2: PageFile(20.0, 300),
+def test_every_page_file_in_the_save_dir_counts_and_the_least_recently_saved_go_first():
+    """Ours (by their record's time), orphans and other servers' pages (by mtime) in one order; never a page in
+    use (`keep`, `keep_files`), nor one that is not a page file; an unrecorded file older than `keep_seconds` goes
+    anyway; `incoming` (a save about to be written) counts."""
+    pages = {"a": PageRecord(paging.page_file(UP, "a"), 900, 50.0, 400), "b": PageRecord("page-" + "b" * 20 + ".bin",
+                                                                                     900, 30.0, 200)}
+    o1, o2, young, ancient = (paging.page_file(UP, n) for n in ("o1", "o2", "young", "ancient"))
+    files = {pages["a"].file: PageFile(50.0, 400), o1: PageFile(10.0, 300), o2: PageFile(40.0, 300),
              young: PageFile(990.0, 300), "prefix-0123456789abcdef.bin": PageFile(0.0, 10_000)}
-    assert paging.sweep(files, pages, 2000, 1000.0, keep_seconds=1e6, grace=100.0) == []  # within budget
-    assert paging.sweep(files, pages, 1000, 1000.0, keep_seconds=1e6, grace=100.0) == [o1]
-    assert paging.sweep(files, pages, 900, 1000.0, keep_seconds=1e6, grace=100.0) == [o1, o2]
-    assert paging.sweep(files, pages, 10, 1000.0, keep_seconds=1e6, grace=100.0) == [o1, o2]  # never a young one
-    assert paging.sweep(files, pages, 1 << 40, 1000.0, keep_seconds=500.0, grace=100.0) == [o1, o2]  # too old
+
+    def room(budget: int, **kw: Any) -> tuple[list[str], list[str]]:
+        drop, doomed, fits = paging.disk_room(files, pages, budget, 1000.0, keep_seconds=1e6, **kw)
+        assert fits
+        return drop, doomed
+
+    # b's file is not there (another process deleted it): its recorded 200 bytes count until it goes
+    assert room(1500) == ([], [])
+    assert room(1400) == room(1200) == ([], [o1])
+    assert room(1100) == room(1000) == (["b"], [o1, pages["b"].file])
+    assert room(900) == (["b"], [o1, pages["b"].file, o2])
+    assert room(1000, keep=frozenset({"b"})) == ([], [o1, o2])
+    assert room(900, keep_files=frozenset({o2})) == (["b", "a"], [o1, pages["b"].file, pages["a"].file])
+    assert room(1500, incoming=300) == ([], [o1])
+    assert room(10) == (["b", "a"], [o1, pages["b"].file, o2, pages["a"].file, young])
+    assert paging.disk_room(files, pages, 300, 1000.0, keep_seconds=1e6, keep=frozenset({"a"}))[2] is False
+    with_old = {**files, ancient: PageFile(0.0, 1)}
+    assert paging.disk_room(with_old, pages, 1 << 40, 1000.0, keep_seconds=500.0) == ([], [o1, o2, ancient], True)
 
 
 class Slots:
@@ -225,3 +242,50 @@ def test_a_page_being_written_by_another_pager_is_worth_waiting_for():
     assert not k.pager.pages_seen(s, "a", 120.0, 10.0)                       # its writer gave up long ago
     paging.saved(s.pages, "a", k.pager.index["a"].file, 900, 4096, 101.0, "m")
     assert not k.pager.pages_seen(s, "a", 102.0, 10.0) and k.pager.index["a"].n_tokens == 900
+
+
+class FileSlots(Slots):
+    """Saves write `tokens × per_token` bytes into the save dir (as llama-server's slot files), and each save's
+    moment is sampled: the save dir's page bytes right after the file is written, before the proxy sees it."""
+
+    def __init__(self, save_dir, per_token: int, tokens: int = 900) -> None:
+        super().__init__(restored=tokens)
+        self.save_dir, self.per_token, self.tokens, self.peaks = save_dir, per_token, tokens, []
+
+    def page_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.save_dir.glob("page-*.bin"))
+
+    async def post_json(self, path: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
+        if path.endswith("action=save"):
+            assert body is not None
+            (self.save_dir / body["filename"]).write_bytes(b"\0" * (self.tokens * self.per_token))
+            self.peaks.append(self.page_bytes())
+            return 200, {"n_saved": self.tokens, "n_written": self.tokens * self.per_token}
+        return await super().post_json(path, body, timeout)
+
+
+async def test_the_page_budget_holds_on_disk_at_every_moment(tmp_path):
+    """Six sessions taking turns on one slot with a budget of two pages: replaced pages waited 60 s outside the
+    budget and the orphan sweep ran once per process (reliability round 4: 7.4 times the budget on disk at the
+    peak). Now every page file in the save dir counts, orphans and another server's included, and room is made
+    before each save: the save dir never holds more than the budget, sampled at every save and every step."""
+    slots = FileSlots(tmp_path / "slots", per_token=100)  # 900 tokens: 90 KB a page
+    up = paging_upstream(tmp_path, PagingLlama(slots))
+    budget = 200_000
+    up.pages.max_bytes = budget  # type: ignore[union-attr]
+    slots.save_dir.mkdir(exist_ok=True)
+    theirs = slots.save_dir / paging.page_file("http://other:8080", "theirs")  # another server's page, 2 h old
+    theirs.write_bytes(b"\0" * 90_000)
+    os.utime(theirs, (time.time() - 7200, time.time() - 7200))
+    steps: list[int] = []
+    now = time.time()
+    for turn in range(18):  # three rounds of six sessions, each paging out the one before
+        d = await up.decide(facts("ABCDEF"[turn % 6], now + turn * 10), f"f{turn}")
+        up.unlock(f"f{turn}")
+        up.answered(d.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions", seconds=1.0)
+        await up.settle()
+        steps.append(slots.page_bytes())
+    assert len(slots.peaks) >= 15 and max(slots.peaks) <= budget and max(steps) <= budget
+    assert not theirs.exists()  # the oldest file went first, whoever wrote it
+    pages = state_of(tmp_path)["pages"]
+    assert pages and all((slots.save_dir / p["file"]).exists() for p in pages.values() if p["n_tokens"])

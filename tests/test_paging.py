@@ -68,13 +68,6 @@ def test_budget_drops_the_least_recently_saved_but_keeps_the_ones_in_use():
     assert paging.over_budget(pages, 100, keep=frozenset({"old"})) == ["mid", "new"]
 
 
-def test_orphans_are_old_unreferenced_page_files_only():
-    pages = {"a": rec("a")}
-    files = {pages["a"].file: 0.0, paging.page_file(U, "gone"): 0.0, paging.page_file(U, "young"): 95.0,
-             "prefix-0123.bin": 0.0, "notes.txt": 0.0}
-    assert paging.orphans(files, pages, 100.0, 10.0) == [paging.page_file(U, "gone")]
-
-
 def test_pages_survive_the_state_file_and_go_with_forgotten_sessions():
     s = st.ServerState(U, total_slots=4)
     st.claim(s, "a", 0, 100.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 
 from mitmproxy import http
 
@@ -56,3 +57,21 @@ def test_the_jsonl_file_rotates_at_its_cap(tmp_path):
     bad.write({"kind": "request"})
     bad.write({"kind": "request"})
     assert errors == ["FileNotFoundError"]  # one line per outage, not one per record
+
+
+def test_a_symlink_planted_as_the_jsonl_file_gets_nothing_appended_to_its_target(tmp_path):
+    """A link planted under the log's name (the file in a directory others can write) must not get the records
+    appended to its target; a FIFO there must not hang the writer (reliability round 4: records were appended)."""
+    target = tmp_path / "victim"
+    target.write_text("KEEP\n")
+    (tmp_path / "log.jsonl").symlink_to(target)
+    errors: list[str] = []
+    log = JsonlLog(str(tmp_path / "log.jsonl"), 1 << 20, errors.append)
+    log.write({"kind": "request", "path": "/home/someone/project"})
+    log.flush()
+    assert target.read_text() == "KEEP\n" and errors == ["OSError"]
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    fifo = JsonlLog(str(tmp_path / "fifo.jsonl"), 1 << 20, errors.append)
+    fifo.write({"kind": "request"})
+    fifo.flush()  # returns: opened without blocking, refused as no regular file
+    assert errors == ["OSError", "OSError"]

@@ -152,3 +152,22 @@ async def test_the_shutdown_flush_does_not_wait_out_a_transaction_of_its_own_sus
     assert store.read().slots[0].owner == "d" * 16  # the suspended flush did not write its older state over it
     async with store.transaction() as s:  # the lock was let go
         assert s.slots[0].owner == "d" * 16
+
+
+async def test_a_fifo_or_a_symlink_as_the_state_file_is_moved_aside_never_read_through(tmp_path):
+    """Opening a FIFO for reading blocks until a writer comes (the transaction's worker thread hung for good), and a
+    link planted under the state file's name must not be read through: both are damaged files, moved aside."""
+    store = StateFile(tmp_path, "u")
+    store.dir.mkdir(exist_ok=True)
+    os.mkfifo(store.path)
+    async with asyncio.timeout(5):
+        async with store.transaction() as s:
+            st.claim(s, "a", 0, 1.0)
+    assert "a" in store.read().sessions and stat.S_ISREG(os.lstat(store.path).st_mode)
+    target = tmp_path / "elsewhere.json"
+    target.write_text(json.dumps({"sessions": {}}))
+    store.path.unlink()
+    store.path.symlink_to(target)
+    async with store.transaction() as s:
+        assert "a" not in s.sessions  # the target was not read as our state
+    assert json.loads(target.read_text()) == {"sessions": {}} and not store.path.is_symlink()

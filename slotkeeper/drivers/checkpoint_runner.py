@@ -4,7 +4,10 @@ It performs the actions the pure state machine asks for (`POST /slots/{id}?actio
 pinned warm-up and verification requests, each with a 120 s timeout), keeps the checkpoint index (one
 private JSON file in the state dir: per file the fingerprint, `build_info`, `model_path`, `total_slots`,
 per-slot `n_ctx`, created and last-used times), refuses files whose sidecar does not match the running
-server, and runs the stale-file cleanup once per process and on command.
+server, and runs the stale-file cleanup once per process, after each new file and on command. The cap on the
+save dir's prefix files (`slots_checkpoint_max_mb`) holds at every moment: before a save, the least recently
+used files go to make room for it (its size: the warmed tokens at the measured KV bytes per token), and a
+file that cannot fit is not saved (the prefix stays warm in its slot only).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -19,22 +23,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slotkeeper.drivers import checkpoint_files
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.store_file import CorruptFile, JsonFile, file_stamp
-from slotlogic import __version__, checkpoint_cleanup, costs
+from slotlogic import __version__, costs
 from slotlogic import prefix as pfx
-from slotlogic.checkpoint_machine import Action, Orchestrator, Outcome, Result
+from slotlogic.checkpoint_machine import Action, ActionKind, Orchestrator, Outcome, Result
 from slotlogic.costs import SlotFileAnswer
 from slotlogic.events import (
     CheckpointForeign,
-    CheckpointIndexCorrupt,
     CheckpointStarted,
     CheckpointStep,
     CheckpointWaiting,
     CostWeighed,
     Event,
     Failed,
-    FilesDeleted,
     NoSavePath,
     Stage,
 )
@@ -46,6 +49,7 @@ INDEX_FILE = "checkpoints.json"
 KNOWN_PREFIXES = 64  # prefixes remembered to build longer ones on (their text stays in memory only)
 
 
+
 @dataclass
 class PrefixRegistry:
     """Prefix checkpoints being built and prefixes restored or built, shared by the servers of one pool (they
@@ -54,6 +58,10 @@ class PrefixRegistry:
 
     building: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # cold builds in flight
     known: OrderedDict[str, pfx.StablePrefix] = field(default_factory=OrderedDict)
+    # Saves in flight, by file: the bytes each made room for under the cap (0: size unknown, the only one then).
+    reserved: dict[str, int] = field(default_factory=dict)
+    # Held (by worker threads only, `ROOM_WAIT` at most) while the save dir is counted and room made for a save.
+    room: threading.Lock = field(default_factory=threading.Lock)
 
 
 class CheckpointRunner:
@@ -65,7 +73,7 @@ class CheckpointRunner:
         self.upstream = upstream
         self.index = JsonFile(Path(state_dir) / INDEX_FILE, emit)
         self.current: set[str] = set()
-        registry = registry or PrefixRegistry()
+        registry = self.registry = registry or PrefixRegistry()
         self.building = registry.building  # cold builds in flight (every server of the pool)
         self.elsewhere: set[str] = set()  # files another proxy built and saved (the shared store says so)
         # prefixes this process (every server of its pool) restored or built: a longer one is built on the longest
@@ -137,6 +145,7 @@ class CheckpointRunner:
             return await self._prepare(slot, prefix, info, fp, name, holds_prefix, waited or name in self.elsewhere,
                                        copied)
         finally:
+            self.registry.reserved.pop(name, None)
             if own is not None:
                 if self.building.get(name) is own:
                     del self.building[name]
@@ -156,7 +165,7 @@ class CheckpointRunner:
                             else None)
         self.emit(CheckpointStarted(self.upstream, fp, slot))
         while (action := orch.next_action()) is not None:
-            orch.feed(await self.perform(action))
+            orch.feed(await self._perform_within_cap(orch, action))
         self._remember_verified(name, info, orch)
         for note in orch.notes:
             self.emit(CheckpointStep(self.upstream, note))
@@ -172,9 +181,9 @@ class CheckpointRunner:
             self.emit(NoSavePath(self.upstream, paging=False))
         if self.persist:
             await self.record(name, fp, info, orch)
-            if not self.cleaned:
+            if not self.cleaned or orch.outcome is Outcome.WARMED_SAVED:  # the new file's real size, under the cap
                 self.cleaned = True
-                await self.cleanup()
+                await self.cleanup(name if orch.outcome is Outcome.WARMED_SAVED else None)
         return orch
 
     def _verified_tokens(self, name: str, info: ServerInfo) -> int | None:
@@ -249,6 +258,14 @@ class CheckpointRunner:
                 best = (covered, file)
         return best
 
+    async def _perform_within_cap(self, orch: Orchestrator, action: Action) -> Result:
+        """`action`, a save only when its file fits the checkpoint cap once the least recently used files are
+        gone (else a 507 for the machine: the prefix stays warm in its slot, nothing is written)."""
+        if action.kind is ActionKind.SAVE and action.filename and self.settings.checkpoint_max_bytes > 0 \
+                and not await asyncio.to_thread(self.room_sync, orch.warmed_to or 0, action.filename):
+            return Result(507, {"error": {"type": "over_checkpoint_cap"}})
+        return await self.perform(action)
+
     async def perform(self, action: Action) -> Result:
         if action.kind.slot_action:
             body = {"filename": action.filename} if action.filename else None
@@ -289,36 +306,14 @@ class CheckpointRunner:
         except Exception as e:  # the index is a convenience: never fail the request for it
             self.emit(Failed(self.upstream, Stage.CHECKPOINT_INDEX, type(e).__name__))
 
-    async def cleanup(self) -> list[str]:
-        return await asyncio.to_thread(self.cleanup_sync)
+    async def cleanup(self, saved: str | None = None) -> list[str]:
+        return await asyncio.to_thread(self.cleanup_sync, saved)
 
-    def cleanup_sync(self) -> list[str]:
-        """Delete stale `prefix-*.bin` files from the save dir (see slotlogic.checkpoint_cleanup)."""
-        s = self.settings
-        if not s.save_dir or not os.path.isdir(s.save_dir):
-            return []
-        index = self.read_index()
-        if index is None:
-            self.emit(CheckpointIndexCorrupt(self.upstream, str(self.index.path)))
-            return []
-        files = []
-        for entry in os.scandir(s.save_dir):
-            if entry.is_file() and pfx.FILE_RE.match(entry.name):
-                st = entry.stat()
-                files.append(checkpoint_cleanup.FileInfo(entry.name, st.st_size, st.st_mtime))
-        doomed = checkpoint_cleanup.plan_cleanup(files, index, current=self.current, now=time.time(),
-                                                 ttl_days=s.checkpoint_ttl_days, keep_recent=s.checkpoint_keep,
-                                                 max_bytes=s.checkpoint_max_bytes)
-        for name in doomed:
-            try:
-                os.unlink(os.path.join(s.save_dir, name))
-            except OSError as e:
-                self.emit(Failed(self.upstream, Stage.DELETE, type(e).__name__))
-        if doomed:
-            self.emit(FilesDeleted(self.upstream, "prefix-cache cleanup", tuple(doomed)))
-            with self.index.locked_sync():
-                data = self.read_index() or {}
-                for name in doomed:
-                    data.pop(name, None)
-                self.index.save(data)
-        return doomed
+    def cleanup_sync(self, saved: str | None = None) -> list[str]:
+        """Delete stale `prefix-*.bin` files from the save dir, and the least recently used beyond the cap
+        (`checkpoint_files.cleanup`); `saved`, a file just written, too when it alone is over the cap."""
+        return checkpoint_files.cleanup(self, saved)
+
+    def room_sync(self, tokens: int, name: str) -> bool:
+        """Room under the cap for `tokens` about to be saved as `name` (`checkpoint_files.make_room`)."""
+        return checkpoint_files.make_room(self, tokens, name)

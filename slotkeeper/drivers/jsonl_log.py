@@ -3,7 +3,8 @@
 Records are buffered in memory and written together by a worker thread a moment later, so a request never
 waits for the disk. When the file passes its cap it is renamed to `<file>.1` (replacing an older one) and a
 new file starts, so the log never grows without bound. The file is created 0600: it holds session hashes,
-slot numbers and counts, which are nobody else's business.
+slot numbers and counts, which are nobody else's business; and it is opened without following a symlink, and
+only when it is a regular file (`private_dir.open_regular`): a link planted under its name gets nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from slotkeeper.drivers import private_dir
 
 FLUSH_DELAY = 0.2
 
@@ -58,9 +61,9 @@ class JsonlLog:
         with self._lock:
             try:
                 with contextlib.suppress(FileNotFoundError):
-                    if os.path.getsize(self.path) + len(data) > self.max_bytes:
+                    if os.lstat(self.path).st_size + len(data) > self.max_bytes:
                         os.replace(self.path, self.path + ".1")
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                fd = private_dir.open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
                 with os.fdopen(fd, "ab") as f:
                     f.write(data)
                 self._failed = False

@@ -11,12 +11,16 @@ Rules:
 - an existing directory is never chmod-ed: it must be ours (same uid) and not writable by group or others,
   otherwise it is refused with `UnsafeDir` (the options layer turns that into a clear OptionsError);
 - stale temporary files of an atomic write (left by a `kill -9` between the temp file and the rename) are
-  removed once per process, only ours by name and only when older than `STALE_TMP_SECONDS`.
+  removed once per process, only ours by name and only when older than `STALE_TMP_SECONDS`;
+- a file we open by name (`open_regular`: the JSONL log, a state document) is opened without following a
+  symlink and without blocking, and used only when it is a regular file: a link planted under its name must not
+  get our records appended to its target, and a FIFO there must not hang the thread that opens it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import stat
@@ -48,6 +52,19 @@ def check(path: str | Path) -> None:
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise UnsafeDir(f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); use a private "
                         f"directory, or chmod go-w it yourself")
+
+
+def open_regular(path: str | Path, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
+    """A file descriptor of the regular file at `path` (`flags`: e.g. O_WRONLY | O_APPEND | O_CREAT), opened with
+    O_NOFOLLOW and O_NONBLOCK: OSError(ELOOP) for a symlink, OSError(EINVAL) for anything not a regular file."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def ensure(path: str | Path) -> bool:

@@ -9,42 +9,33 @@ between slots and files, on the slow path only (new, displaced and paged session
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-from slotkeeper.drivers import store_file
-from slotkeeper.drivers.bounds import left, within
 from slotkeeper.drivers.build_claims import BuildClaims
 from slotkeeper.drivers.checkpoint_runner import CheckpointRunner, PrefixRegistry
 from slotkeeper.drivers.handovers import Handovers
 from slotkeeper.drivers.llama_http import LlamaClient
+from slotkeeper.drivers.page_move import PageMove
 from slotkeeper.drivers.page_runner import PageOutcome, PageRunner
 from slotkeeper.drivers.pool_seeds import PoolSeeds
-from slotkeeper.drivers.seed_pages import save_begun, seed_from_its_page, seed_from_peer_page
-from slotkeeper.drivers.slot_gate import WAIT as QUIET_WAIT
 from slotkeeper.drivers.slot_gate import SlotGate
-from slotkeeper.drivers.source_wait import await_idle, await_source
+from slotkeeper.drivers.source_wait import await_source
 from slotkeeper.drivers.store import StateStore
 from slotlogic import prefix as pfx
-from slotlogic import shared, wait
+from slotlogic import wait
 from slotlogic.checkpoint_machine import Outcome
 from slotlogic.costs import SlotFileAnswer
 from slotlogic.decisions import NeedSlot, Observe
 from slotlogic.events import (
     CheckpointDone,
-    CostWeighed,
     Event,
     Failed,
     NoSavePath,
-    Paged,
     Stage,
 )
-from slotlogic.handover import Handover
 from slotlogic.keeper import Keeper, Placement
 from slotlogic.ledger import Cause, Fence, Holds
 from slotlogic.paging import Moved, PageAsk, PageDone, PagePlan
@@ -77,7 +68,6 @@ class SlotMover:
         self.on_answer: Callable[[SlotFileAnswer], None] = lambda a: None  # each save/restore (slot_speeds.py)
         self.server_busy: Callable[[], bool] = lambda: False  # a request of ours runs at the server (PageRunner)
         self._told_no_save_path = False
-        self._swept = False
         self.elsewhere: PoolSeeds | None = None  # in a pool: seeds from its other servers' slots (`join`)
         self.explain_emptied: Callable[[int], Awaitable[Cause]] | None = None  # the probe's: what emptied a slot
         # how long past its bound a placement keeps its turn while our request ahead ends soon (`wait.stay_past`)
@@ -96,6 +86,7 @@ class SlotMover:
         self.registry = registry
         if self.checkpoints is not None:
             self.checkpoints.building, self.checkpoints.known = registry.building, registry.known
+            self.checkpoints.registry = registry
 
     def configure(self, s: Settings, *, files_blocked: bool) -> None:
         """Paging and checkpoint runners for these settings (a runner whose settings stay is kept: its slot
@@ -187,181 +178,19 @@ class SlotMover:
                    need: NeedSlot | None = None, own: int = 0, arrived: float | None = None
                    ) -> tuple[Moved, Fence | None]:
         """Page the slot's holder out and this session in (or, with no page of its own, the conversation it
-        shares the most with: a seed); what is in the slot for it now. Decided once the lock is held. Fails
-        open: trouble only costs the prefill. `by`: when the request's wait bound ends (monotonic; None: none);
-        past it nothing is moved (LATE) and the request goes as the client sent it, unless our request still
-        running on the slot ends sooner than its own prompt (`own` characters) would take elsewhere (`stay`).
-        `arrived`: while it waits for the slot, another slot that frees first ends the wait (FREED, nothing
-        sent). The order: the slot's turn (`_turn`), one plan from the core once what it waits on has settled
-        (`_settled_plan`), that plan carried out (`_carry_out`)."""
-        assert self.pages is not None
-        slot, key = ask.slot, ask.session_key
-        turn = await self._turn(slot, flow_id, key, fence, by, (slot, flow_id, key, arrived, own))
-        if isinstance(turn, Moved):
-            return turn, fence
-        fence, given = turn
-        self.gate.moves(slot, flow_id)
-        if need is not None and ask.elsewhere is None and self.elsewhere is not None and not self.store.remote:
-            # Another server may hold the source by now: its session computed it while this one waited its turn.
-            # Only a source there now: this slot's lock is held.
-            ask = await self.elsewhere.find(need, ask, by, wait=False)
-        ask = replace(ask, given=given, paging_out=frozenset(self.pages.saving))
-        plan, ask = await self._settled_plan(ask, by)
-        for choice in plan.choices:
-            self.emit(CostWeighed(self.url, slot, choice.session[:8] or None, choice))
-        if plan.empty:
-            return Moved.NOTHING, fence  # nothing to move, but our request must still go after the page-in before it
-        if plan.restore_file is not None and not self.keeper.turns.fence_holds(fence):
-            assert fence is not None
-            self.emit(self.keeper.turns.stale_plan(fence, "page", key))  # the slot moved on while the lock was awaited
-            return Moved.STALE, fence
-        return await self._carry_out(plan, ask, fence, by)
+        shares the most with: a seed): one `PageMove`. What is in the slot for it now, and the fence after."""
+        return await PageMove(self, flow_id, by).run(ask, fence, need, own, arrived)
 
-    async def _turn(self, slot: int, flow_id: str, key: str, fence: Fence | None, by: float | None,
-                    watch: tuple[int, str, str, float | None, int]) -> Moved | tuple[Fence | None, Handover | None]:
-        """The slot's turn for this placement: its paging lock, every request sent to it before at the server,
-        the slot idle (with a bound), and the slot this process's to write. The fence after the turn and the
-        hand-over it came with; or what ended the wait (LATE, FREED, STALE)."""
-        assert self.pages is not None
-        gave_up = Moved.NOTHING if by is None else Moved.LATE
-        looking = None if by is None or watch[3] is None else watch
-        # The lock is taken even with nothing to page: a placement on this slot that is still warming its
-        # prefix, or whose request has not reached the server, must finish first (a second new session would
-        # otherwise find the slot's prefix "there" before it is, and prefill its whole prompt).
-        held = await unless_freed(self, self.pages.hold(slot, flow_id, key, within=left(by)), looking)
-        if held is None:
-            return Moved.FREED
-        if not held:
-            return gave_up
-        # Its turn: every request sent to the slot before has reached the server (a save now writes what they
-        # leave there). The moves are fenced by the slot's epoch as it is now.
-        if not await self.gate.quiet(slot, within(QUIET_WAIT, by), warn=by is None):
-            return gave_up
-        if by is not None:
-            idle = await unless_freed(self, await_idle(self, {slot}, self.stay(slot, watch[4], by)), looking)
-            if idle is None:
-                return Moved.FREED
-            if not idle:
-                return Moved.LATE  # still running a request at the server when the bound passed: nothing sent
-        fence = self.keeper.turns.turn(fence) if fence is not None else None
-        # The shared state as it is now (a file or Redis): the slot may be another proxy's to write (it is then
-        # asked for it, `slotlogic.handover`), or that proxy may have paged this session out meanwhile.
-        state = await fresh_pages(self, key)
-        given, stale = await self.handovers.take(slot, key, fence, state)
-        if given is not None:  # the other proxy may have paged this session out before it answered
-            await fresh_pages(self, key)
-        given = given or self.keeper.turns.handed_with(slot)  # handed over to an earlier plan that went stale
-        if stale or not self.keeper.turns.fence_holds(fence):  # we handed the slot on since our claim: place it again
-            assert fence is not None
-            self.emit(self.keeper.turns.stale_plan(fence, "page", key))
-            return Moved.STALE
-        return fence, given
-
-    async def _settled_plan(self, ask: PageAsk, by: float | None) -> tuple[PagePlan, PageAsk]:
-        """The core's page plan, once what it would copy has settled. A plan may name a source that is about to
-        become a page: the session's own conversation on a slot another placement is paging out, or a seed's
-        source that a placement pages out. Each is waited for at most once, in that order, and the core plans
-        again with the world as it is then; a live seed this slot's lock cannot make safe is dropped last."""
-        assert self.pages is not None
-        ask = self._now(ask)
-        plan = self.keeper.pager.page_plan(ask)
-        for settles in (self._own_page_settles, self._source_page_settles):
-            if await settles(plan, ask, by):
-                ask = self._now(ask)
-                plan = self.keeper.pager.page_plan(ask)
-        seed = plan.seed
-        if seed is not None and seed.local_slot is not None and (
-                self.store.remote or self.pages.placed(seed.local_slot)):
-            # A live seed's slot is saved under its local lock only: never while another placement pages it, nor
-            # when other proxies (a shared store) may be paging it. Its own live conversation: its page then.
-            if seed.source != ask.session_key:
-                return plan.without_seed(), ask
-            plan = self.keeper.pager.page_plan(replace(self._now(ask), copy_live=False))
-        return plan, ask
-
-    def _now(self, ask: PageAsk) -> PageAsk:
-        """The ask with what was last sent to and started on its slot, as of now."""
-        assert self.pages is not None
-        return replace(ask, sent=self.pages.last_sent.get(ask.slot), ours=self.gate.last_started.get(ask.slot))
-
-    async def _own_page_settles(self, plan: PagePlan, ask: PageAsk, by: float | None) -> bool:
-        """The session's own conversation is on a slot another placement is paging now: its page is recorded by
-        the time that placement lets the slot go. Whether it was waited for."""
-        assert self.pages is not None
-        seed = plan.seed
-        return (seed is not None and seed.source == ask.session_key and seed.local_slot is not None
-                and not self.store.remote and self.pages.busy(seed.local_slot)
-                and await self.pages.wait_free(seed.local_slot, ask.slot, within(SEED_SLOT_WAIT, by)))
-
-    async def _source_page_settles(self, plan: PagePlan, ask: PageAsk, by: float | None) -> bool:
-        """The seed's source is being paged out by the placement that took its slot: once its page is recorded
-        the page is the seed (no save needed), instead of prefilling it all. Whether it was waited for."""
-        assert self.pages is not None
-        seed = plan.seed
-        source = seed.source if seed is not None and seed.local_slot is not None and seed.source != ask.session_key \
-            and self.pages.busy(seed.local_slot) else self.keeper.pager.page_coming(ask, seed)
-        if source is None or self.store.remote or not await save_begun(self, source, ask.slot, by):
-            return False
-        await self.pages.settled(source, left(by))
-        return True
-
-    async def _carry_out(self, plan: PagePlan, ask: PageAsk, fence: Fence | None, by: float | None
-                         ) -> tuple[Moved, Fence | None]:
-        """The plan's saves recorded, then run; the page index after it; what the slot holds for the session."""
-        assert self.pages is not None
-        key = ask.session_key
-        saving = self.pages.save_starts(plan.save_for) if plan.save_for is not None else None
-        # A live seed's save is its source's new page: others copying that source wait for it
-        copy_source = plan.seed.source if plan.seed is not None and plan.seed.local_slot is not None \
-            and plan.seed_file is not None and plan.seed.source not in (key, plan.save_for) else None
-        copying = self.pages.save_starts(copy_source) if copy_source is not None else None
-        try:
-            if plan.saves:  # the holder's page-out and a live seed's save: both recorded before they are written
-                async with self.store.transaction() as state:
-                    replaced = self.keeper.pager.page_intent(state, plan, time.time())
-                # Another placement (of any proxy) may have planned its restore from the record just replaced:
-                # a seed from this session's page, on a slot whose lock it holds, not this one.
-                self.pages.delete_later(replaced, REPLACED_GRACE)
-            out = await self.pages.run(plan)
-            if plan.copy_file is not None:  # another server's slot, copied: nobody's page
-                self.pages.delete([plan.copy_file])
-            await self.record_pages(plan, out)
-            await found_empty(self, plan, out)
-            if plan.seed is not None and plan.seed.slot is not None and out.seed_tokens is None:
-                plan, out = await (seed_from_its_page(self, ask, plan, out, fence, by) if plan.seed.server is None
-                                   else seed_from_peer_page(self, plan, out, fence, by))
-        except Exception as e:
-            self.emit(Failed(self.url, Stage.PAGING, type(e).__name__, slot=plan.slot))
-            return Moved.NOTHING, fence
-        finally:
-            if saving is not None:
-                self.pages.save_ends(plan.save_for or "", saving)
-            if copying is not None:
-                self.pages.save_ends(copy_source or "", copying)
-        return self._moved(plan, out, fence, key)
-
-    def _moved(self, plan: PagePlan, out: PageOutcome, fence: Fence | None, key: str) -> tuple[Moved, Fence | None]:
-        """What the run put in the slot for the session, reported, and the fence after it."""
-        if out.missing_save_path and not self._told_no_save_path:
+    def no_save_path(self) -> None:
+        """The server has no `--slot-save-path`: said once."""
+        if not self._told_no_save_path:
             self._told_no_save_path = True
             self.emit(NoSavePath(self.url, paging=True))
-        self.emit(Paged(self.url, plan.slot, plan.save_for[:8] if plan.save_for else None, out.saved_tokens,
-                        plan.restore_for[:8] if plan.restore_for else None, out.restored_tokens, out.seconds,
-                        out.server_ms, seed=plan.seed is not None))
-        if out.restored_tokens is None:
-            return Moved.NOTHING, fence
-        if plan.seed is None or plan.seed.source == key:  # its own page (a fresh one, saved from its live slot)
-            return Moved.OWN, self.keeper.turns.slot_written(fence, Holds.PAGE, key, out.restored_tokens)
-        moved = Moved.PREFIX if plan.seed.prefix else Moved.SEED
-        return moved, self.keeper.turns.slot_written(fence, Holds.SEED, key, 0, over=Cause.SEED_OVER_OWNER)
 
     async def record_pages(self, plan: PagePlan, out: PageOutcome) -> None:
         """The page index after a paging step, in the state file; the files it drops deleted."""
         assert self.pages is not None
-        files = None
-        if not self._swept:  # once per process: page files no state refers to
-            self._swept = True
-            files = await asyncio.to_thread(unrecorded_files, self.pages, self.state_dir, str(self.store.path))
+        files = await asyncio.to_thread(self.pages.files)  # every step: the budget bounds the save dir's page files
         async with self.store.transaction() as state:
             seed = (out.seed_tokens, out.seed_bytes) if out.seed_tokens is not None else None
             done = PageDone(out.saved_tokens, out.saved_bytes, out.restore_failed, seed)
@@ -408,26 +237,6 @@ async def drop_page(mover: SlotMover, key: str, file: str) -> None:
     mover.delete_pages(doomed)
 
 
-async def found_empty(mover: SlotMover, plan: PagePlan, out: PageOutcome) -> None:
-    """The page-out found the slot empty where our session's conversation was: the server is asked why
-    (`ServerProbe.explain_emptied`), so that loss is labelled so and not after the write that followed."""
-    key, outcomes, saved = plan.save_for, mover.keeper.outcomes, out.saved_tokens
-    if key is None or saved is None or mover.explain_emptied is None:
-        return
-    try:
-        found = outcomes.found_empty(plan.slot, key, saved)
-        if found is None:  # another proxy's session, as far as this ledger knows: the shared state says
-            found = outcomes.found_empty(plan.slot, key, saved, await mover.store.fresh(), time.time())
-        if not found:
-            return
-        cause = await mover.explain_emptied(plan.slot)
-        outcomes.emptied(key, cause)
-        async with mover.store.transaction() as state:  # for the proxy whose session it may be
-            shared.note_emptied(state, key, cause.value, time.time())
-    except Exception as e:  # not asked: the loss keeps the cause the later writes give it
-        mover.emit(Failed(mover.url, Stage.PAGING, type(e).__name__, slot=plan.slot))
-
-
 async def unbuilt(cp: CheckpointRunner | None, need: NeedSlot, info: ServerInfo) -> int | None:
     """No checkpoint file holds the session's stable prefix yet (so a warm-up would prefill it): how much of it
     the longest shorter checkpoint gives (a family's base prompt; 0: none). None: it is built, or being built."""
@@ -438,55 +247,3 @@ async def unbuilt(cp: CheckpointRunner | None, need: NeedSlot, info: ServerInfo)
         return None
     base = await asyncio.to_thread(cp.longest_base, need.stable, info, name)
     return base[0] if base is not None else 0
-
-
-def unrecorded_files(pages: PageRunner, state_dir: Path, own_state: str) -> dict[str, Any]:
-    """The save dir's page files, less those the state files of other servers in our state dir record
-    (a save dir may be shared by several servers; their pages are not our orphans). Worker thread."""
-    files = pages.files()
-    others: list[str] = []
-    with contextlib.suppress(OSError), os.scandir(state_dir) as entries:
-        others = [e.path for e in entries if e.name.startswith("state-") and e.name.endswith(".json")
-                  and e.path != own_state]
-    for path in others:
-        with contextlib.suppress(OSError, ValueError):
-            for name in shared.from_dict(store_file.read_document(path), "").pages.values():
-                files.pop(name.file, None)
-    return files
-
-
-async def fresh_pages(mover: SlotMover, key: str) -> shared.ServerState:
-    """With the slot's lock held: the page index as the store has it now (another proxy, of this machine's
-    state dir or of a shared store, may have paged this session out since its placement was decided),
-    waiting a little while its page is being written (recorded, not saved yet: the other proxy may be saving
-    it in the same moment). Returns the state last read (its epochs fence moves)."""
-    deadline = time.monotonic() + REMOTE_SETTLE
-    state = await mover.store.fresh()
-    while mover.keeper.pager.pages_seen(state, key, time.time(), REMOTE_SETTLE) and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-        state = await mover.store.fresh()
-    mover.keeper.outcomes.emptied_elsewhere(state, key)
-    return state
-
-
-async def unless_freed(mover: SlotMover, waiting: Awaitable[bool],
-                       watch: tuple[int, str, str, float, int] | None) -> bool | None:
-    """`waiting`'s answer, unless another slot frees first (`SlotMover.freed`): None then, and `waiting`
-    is called off (a paging lock it took meanwhile is let go with the placement: `SlotMover.stopped`). `watch`:
-    the slot, flow, session, arrival and prompt characters of the placement. It moves once it has waited as long
-    as prefilling its own prompt would take: before that, what its slot holds or will hold for it (a copy of a
-    conversation it starts with) may still be worth the wait: moved at once, it warms that part up cold."""
-    if watch is None or mover.freed is None:
-        return await waiting
-    slot, flow_id, key, arrived, own = watch
-    after = wait.estimate(own, mover.keeper.prefill_estimate()) or 0.0
-    mine, other = asyncio.ensure_future(waiting), asyncio.ensure_future(mover.freed(slot, flow_id, key, arrived, after))
-    try:
-        await asyncio.wait({mine, other}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        other.cancel()
-        if not mine.done():
-            mine.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await mine
-    return None if mine.cancelled() else mine.result()

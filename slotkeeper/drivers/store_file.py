@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -71,8 +72,15 @@ def parse(raw: bytes) -> Any:
 
 def read_document(path: str | Path) -> Any:
     """The JSON document in `path` (FileNotFoundError when missing); CorruptFile when it does not parse or is
-    larger than MAX_BYTES, which is never read (a 1 GB sparse file cost 1.28 GB of memory before)."""
-    with open(path, "rb") as f:
+    larger than MAX_BYTES, which is never read (a 1 GB sparse file cost 1.28 GB of memory before). Never through
+    a symlink, and only a regular file (a FIFO would block the reading thread: `private_dir.open_regular`)."""
+    try:
+        fd = private_dir.open_regular(path)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.EINVAL):
+            raise
+        raise CorruptFile("a symlink, or not a regular file") from None
+    with os.fdopen(fd, "rb") as f:
         raw = f.read(MAX_BYTES + 1) if os.fstat(f.fileno()).st_size <= MAX_BYTES else b""
     if not raw or len(raw) > MAX_BYTES:
         raise CorruptFile("empty, or larger than MAX_BYTES")

@@ -19,9 +19,9 @@ from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from slotkeeper.drivers import origins, private_dir
 from slotkeeper.drivers.store_file import default_state_dir
+from slotlogic import checkpoint_cleanup, sidecalls
 from slotlogic import prefix as pfx
 from slotlogic import session as sess
-from slotlogic import sidecalls
 from slotlogic.model_facts import CACHE_TYPES
 from slotlogic.ranking import Policy
 from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
@@ -84,8 +84,10 @@ OPTIONS: tuple[Option, ...] = (
            "Cleanup keeps checkpoint files used within this many days."),
     Option("slots_checkpoint_keep", int, 3,
            "Cleanup always keeps this many most recently used checkpoint files."),
-    Option("slots_checkpoint_max_mb", int, 0,
-           "Cap on checkpoint files in slots_save_dir (0 = no cap); the oldest go first."),
+    Option("slots_checkpoint_max_mb", int, -1,
+           "Cap on prefix checkpoint files in slots_save_dir, held at every moment: the least "
+           "recently used go first, a file that cannot fit is not saved. -1 = a quarter of "
+           "slots_page_max_mb; 0 = no cap."),
     Option("slots_anthropic", str, "translate",
            "Anthropic /v1/messages requests (Claude Code): translate (send as a pinned chat "
            "completion and convert the answer back; switches to native by itself when the server "
@@ -163,7 +165,7 @@ MINIMUMS: dict[str, tuple[int, str]] = {
     "slots_page_max_mb": (1, "≥ 1 (turn paging off with slots_paging)"),
     "slots_checkpoint_ttl_days": (0, "≥ 0"),
     "slots_checkpoint_keep": (0, "≥ 0"),
-    "slots_checkpoint_max_mb": (0, "≥ 0"),
+    "slots_checkpoint_max_mb": (-1, "-1 (a quarter of slots_page_max_mb), 0 (no cap) or a size in MB"),
     "slots_state_max_sessions": (16, "≥ 16"),
     "slots_max_body_mb": (1, "≥ 1"),
     "slots_health_interval": (1, "≥ 1"),
@@ -205,7 +207,9 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
         checkpoints=mode, save_dir=save_dir, paging=bool(o.slots_paging and save_dir),
         page_max_bytes=o.slots_page_max_mb << 20, server_id=o.slots_server_id,
         checkpoint_ttl_days=float(o.slots_checkpoint_ttl_days), checkpoint_keep=o.slots_checkpoint_keep,
-        checkpoint_max_bytes=o.slots_checkpoint_max_mb << 20, probe_interval=float(o.slots_probe_interval),
+        checkpoint_max_bytes=checkpoint_cleanup.default_cap(o.slots_page_max_mb << 20)
+        if o.slots_checkpoint_max_mb < 0 else o.slots_checkpoint_max_mb << 20,
+        probe_interval=float(o.slots_probe_interval),
         keep_streams=o.slots_keep_streams, anthropic=_choice(o, "slots_anthropic", AnthropicMode, o.slots_anthropic),
         strip_billing=o.slots_strip_billing, prefix_min_chars=o.slots_prefix_min_chars,
         seed_wait=float(o.slots_seed_wait), patience=float(o.slots_client_patience),
