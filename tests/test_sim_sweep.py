@@ -35,7 +35,7 @@ def causes(seed: int, load: bool = False) -> set[str]:
     return {x.cause for x in run_seed(seed, load=load).losses if not x.labelled}
 
 
-LOADED = {590}  # seeds found on the loaded draw (LOADED_AGAIN: a seed found on both draws, each its own cause)
+LOADED = {590, 77}  # seeds found on the loaded draw (LOADED_AGAIN: a seed found on both draws, each its own cause)
 
 
 # Each: the smallest seed of 0..299 with the cause (seeds 59 and 79: the issue-19 traffic, seed % 10 == 9).
@@ -98,6 +98,10 @@ CAUSES = [
            "placements: their moves are planned once the slot is idle at the server)"),
     (352, "side-call-over-owner: paging off, every slot a session's; a title call behind a long prefill on the side "
           "slot went out with id_slot -1 and the server ran it on a `known` session's idle slot: 3 of 196"),
+    (77, "not-paged-in: a loaded server (262 tok/s, patience 6 s), two proxies, a restart noticed while `/slots` "
+         "timed out (a stall): a turn sent before the restart was noticed ran on the new server, and with no "
+         "`/slots` answer the restart's bookkeeping forgot what it left there; the session's next turn was placed "
+         "anew and wrote over it unsaved: 40 of 254 (found when the loaded draws became client patiences)"),
     (590, "not-paged-in: a loaded server (183 tok/s, bound 1 s), two one-slot servers; two placements past their "
           "bound both claimed the one slot and each waited for a slot with no claim but its own until the 3 s cap, "
           "then went with id_slot -1 over the sessions the slot held (fixed: a waiting placement lets go of its "

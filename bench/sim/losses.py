@@ -108,6 +108,10 @@ def _explain(rig: Rig, o: Outcome, prev: Outcome) -> Loss:
                               f"{d.left_before} tokens {o.tag} had left")
         else:
             loss.cause = "page-in-overwritten"
+    elif not why.startswith(KNOWN) and prev.meta.get("unpinned"):
+        # its previous request went out with id_slot -1 by the proxy's own choice: where it ran is the server's
+        # to say, and when the proxy could not learn it the conversation was given up with that request
+        loss.cause = "given-away"
     elif not why.startswith(KNOWN):  # the proxy placed it anew or knew it was displaced
         loss.cause = "not-paged-in" if rig.setup.paging else "given-away"
     elif d.slot != p.slot:
