@@ -64,3 +64,16 @@ def test_prefix_checkpoints_have_a_cap_by_default_derived_from_the_page_budget(t
         assert addons[1].rt.settings.checkpoint_max_bytes == 25 << 20
         tctx.configure(addons[1], slots_checkpoint_max_mb=0)
         assert addons[1].rt.settings.checkpoint_max_bytes == 0  # the operator's explicit choice
+
+
+def test_every_option_is_described_in_under_80_words():
+    """A user can predict an option from its description: its row in docs/options.md and its help text each say
+    it in under 80 words (the details live in the docs the row points to)."""
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(slots_[a-z_]+)` \|[^|]*\|(.*)\|\s*$",
+                                                         DOCS.read_text(), re.M)}
+    with taddons.context(*addon_module.make_addons()) as tctx:
+        names = [n for n in tctx.options.keys() if n.startswith("slots_")]
+        helps = {n: tctx.options._options[n].help for n in names}
+    assert len(names) > 30 and set(rows) >= set(names)
+    wordy = {n: len(t.split()) for n, t in [*rows.items(), *helps.items()] if len(t.split()) >= 80}
+    assert wordy == {}
