@@ -72,7 +72,7 @@ def test_every_option_is_described_in_under_80_words():
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(slots_[a-z_]+)` \|[^|]*\|(.*)\|\s*$",
                                                          DOCS.read_text(), re.M)}
     with taddons.context(*addon_module.make_addons()) as tctx:
-        names = [n for n in tctx.options.keys() if n.startswith("slots_")]
+        names = [n for n in tctx.options._options if n.startswith("slots_")]
         helps = {n: tctx.options._options[n].help for n in names}
     assert len(names) > 30 and set(rows) >= set(names)
     wordy = {n: len(t.split()) for n, t in [*rows.items(), *helps.items()] if len(t.split()) >= 80}
