@@ -49,8 +49,7 @@ class Tally:
         out.update(self.client_lost)
         return out
 
-    def report(self, r: Report, fallback_pps: float | None = None) -> None:
-        """`fallback_pps`: the server's measured prefill speed, for answers without their own timings."""
+    def report(self, r: Report) -> None:
         key = (r.upstream, "-" if r.slot is None else str(r.slot))
         self.requests[key] += 1
         self.servers.add(r.upstream)
@@ -58,9 +57,7 @@ class Tally:
         self.client_requests[client] += 1
         if r.obs.cache_n:
             self.reused[client] += r.obs.cache_n
-            speed = r.obs.prompt_per_second or fallback_pps
-            if speed:
-                self.saved_s[client] += r.obs.cache_n / speed
+        self.saved_s[client] += r.saved_s
         if r.obs.prompt_n:
             self.prefill[key] += r.obs.prompt_n
         if r.obs.cache_n:

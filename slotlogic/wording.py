@@ -99,8 +99,8 @@ def summary(upstream: str, stats: dict[str, SessionStats]) -> list[str]:
         lost = f"{s.lost}" + ("!" if s.lost_unexpected else "")
         lines.append(f"  {key[:8]:8} {fmt(s.slot):>4} {s.requests:>5} {s.prefill:>8} {s.cached:>8} {reuse:>6} "
                      f"{s.saved_s:>8.1f} {lost:>6}")
-    lines.append(f"  prefill seconds saved: {sum(s.saved_s for s in stats.values()):.1f} (cached tokens at the "
-                 "server's own prefill speed, or the start-up probe's where an answer has none)")
+    lines.append(f"  prefill seconds saved: {sum(s.saved_s for s in stats.values()):.1f} (what prefilling the "
+                 "cached tokens would have cost at the server's fitted prefill rate for their depth)")
     lost, unexpected = sum(s.lost for s in stats.values()), sum(s.lost_unexpected for s in stats.values())
     lines.append(f"  tokens lost: {lost} ({unexpected} of unexpected cause, marked !; see the `lost` log lines)")
     return [printable(line) for line in lines]

@@ -45,7 +45,10 @@ async def test_the_status_carries_what_the_page_draws_and_the_metrics_the_saving
     got = samples((await proxy.request(api("/_slots/metrics"))).response.get_text())
     on = (("client", "chat/content:root"), ("server", UP))
     assert got[("slotkeeper_reused_tokens_total", on)] == 2700
-    assert got[("slotkeeper_prefill_seconds_saved_total", on)] == pytest.approx(6.0)
+    # 900 cached tokens at 450 tok/s would be 2 s each, but the stand-in answered at once: what is counted is
+    # bounded by the time the requests took, and the metric adds up what the sessions' counters say
+    saved = got[("slotkeeper_prefill_seconds_saved_total", on)]
+    assert saved == pytest.approx(sum(s["saved_s"] for s in srv["sessions"].values()), abs=0.02) and saved < 1.0
     assert got[("slotkeeper_client_requests_total", on)] == 3
     lost = {k[1]: v for k, v in got.items() if k[0] == "slotkeeper_tokens_lost_total"}
     by_client = {k[1]: v for k, v in got.items() if k[0] == "slotkeeper_client_tokens_lost_total"}

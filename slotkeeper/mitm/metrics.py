@@ -55,7 +55,7 @@ class _Collector(Collector):
                 ("reused_tokens", "Prompt tokens the server reused from the slot (timings.cache_n), by client kind.",
                  t.reused),
                 ("prefill_seconds_saved", "Prefill seconds the reused tokens would have cost at the server's "
-                 "measured prefill speed, by client kind.", t.saved_s)):
+                 "fitted prefill rate for their depth, by client kind.", t.saved_s)):
             fam = CounterMetricFamily(f"slotkeeper_{name}", doc, labels=["server", "client"])
             for labels, v in sorted(data.items()):
                 fam.add_metric(list(labels), v)
