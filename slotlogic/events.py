@@ -261,6 +261,20 @@ class IdleSlotsCleared(Event):
 
 
 @dataclass(frozen=True)
+class WebUi(Event):
+    """mitmweb's user interface is at `url`; `moved_from`: the port it was set to, the proxy's own, which it
+    would have failed to listen on."""
+
+    url: str
+    moved_from: int | None = None
+
+
+@dataclass(frozen=True)
+class PagingOff(Event):
+    """No slot save directory: a conversation evicted from its slot is prefilled again when it returns."""
+
+
+@dataclass(frozen=True)
 class MessagesProbed(Event):
     """Whether the server honours id_slot on /v1/messages (then Anthropic requests go natively)."""
 

@@ -213,6 +213,13 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
                                                   f"per-slot context n_ctx={fmt(e.n_ctx)} on {e.upstream}. Without "
                                                   "unified KV each slot gets -c / -np tokens: raise -c, lower -np, "
                                                   "or use --kv-unified-per-slot N."),
+    ev.WebUi: lambda e: (Level.INFO, f"mitmweb UI: {e.url}" + (
+        f" (web_port {e.moved_from} is the proxy's own port: moved)" if e.moved_from is not None else "")),
+    ev.PagingOff: lambda e: (Level.INFO, "no slots_save_dir: a conversation evicted from its slot is prefilled "
+                             "again when its session returns. Start llama-server with --slot-save-path DIR and the "
+                             "proxy with --set slots_save_dir=DIR to page it out to a file and back in instead "
+                             "(milliseconds, where prefilling a long conversation takes seconds), and to keep "
+                             "shared prefixes as checkpoints (docs/paging.md)"),
     ev.MessagesProbed: lambda e: (Level.INFO, f"{e.upstream} " + (
         "honours id_slot on /v1/messages: Anthropic requests go natively" if e.honoured else
         "ignores id_slot on /v1/messages: Anthropic requests are sent as chat completions")),
