@@ -470,6 +470,9 @@ class TokensLost(Event):
     client: str = ""               # the client kind (`slotlogic.board.client_kind`)
 
 
+STALE_MOVES = ("page", "prefix", "pin")  # the moves a `StalePlan` names
+
+
 @dataclass(frozen=True)
 class StalePlan(Event):
     """A slot move planned against an epoch the slot no longer has: dropped, planned again."""

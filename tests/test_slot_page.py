@@ -54,8 +54,9 @@ async def test_the_status_carries_what_the_page_draws_and_the_metrics_the_saving
     by_client = {k[1]: v for k, v in got.items() if k[0] == "slotkeeper_client_tokens_lost_total"}
     assert len(by_client) == len(lost) == 11  # every cause present, 0 when none
     for cause in ("unknown", "evicted"):  # one client: its losses are the server's
-        assert by_client[(("cause", cause), *on)] == lost[(("cause", cause), ("expected", "true" if cause == "evicted"
-                                                                              else "false"), ("server", UP))]
+        expected = ("expected", "true" if cause == "evicted" else "false")
+        assert by_client[(("cause", cause), ("client", on[0][1]), expected, on[1])] == lost[(("cause", cause),
+                                                                                              expected, ("server", UP))]
     assert "task A" not in json.dumps(status)
 
 
@@ -95,3 +96,15 @@ def test_several_servers_get_a_card_each_with_their_own_sessions():
     assert set(page) == {one["upstream"], two["upstream"]}
     assert page[two["upstream"]]["slots"] == 2 and set(page[two["upstream"]]["sessions"]) == set(two["sessions"])
     assert len(page[one["upstream"]]["sessions"]) == 6
+
+
+@needs_browser
+def test_a_speed_not_measured_yet_says_so():
+    """A fresh proxy knows no prefill speed: the page says so rather than "prefill – tok/s", which reads as broken."""
+    status = synthetic_status(slots=2, sessions=0)
+    (srv,) = status["servers"]
+    srv["prefill_tok_s"], srv["throughput"] = None, None
+    with serve_page(lambda: status) as base, browser.Browser() as b:
+        b.open(base + "/_slots/")
+        text = b.js("return document.querySelector('.facts').innerText")
+    assert "prefill not measured yet" in text and "tok/s" not in text, text
