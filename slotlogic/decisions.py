@@ -130,6 +130,7 @@ class Report:
     seconds: float
     loss: Loss | None = None   # tokens the session had that its slot did not hold for this request
     settled: bool = True       # False: its loss's cause is still being asked of the server (`Outcomes.settle_loss`)
+    saved_s: float = 0.0       # prefill seconds its cached tokens would have cost (`Outcomes.saved_seconds`)
 
     @property
     def metadata(self) -> dict[str, Any]:

@@ -273,6 +273,20 @@ class IdleSlotsCleared(Event):
 
 
 @dataclass(frozen=True)
+class WebUi(Event):
+    """mitmweb's user interface is at `url`; `moved_from`: the port it was set to, the proxy's own, which it
+    would have failed to listen on."""
+
+    url: str
+    moved_from: int | None = None
+
+
+@dataclass(frozen=True)
+class PagingOff(Event):
+    """No slot save directory: a conversation evicted from its slot is prefilled again when it returns."""
+
+
+@dataclass(frozen=True)
 class MessagesProbed(Event):
     """Whether the server honours id_slot on /v1/messages (then Anthropic requests go natively)."""
 
@@ -491,6 +505,9 @@ class TokensLost(Event):
     cause: Cause
     expected: bool
     client: str = ""               # the client kind (`slotlogic.board.client_kind`)
+
+
+STALE_MOVES = ("page", "prefix", "pin")  # the moves a `StalePlan` names
 
 
 @dataclass(frozen=True)

@@ -284,7 +284,7 @@ class Keeper:
         again, only the new `Placement` may be pinned (not back on a slot it let go of while that is locked)."""
         if not isinstance(need, NeedSlot):
             raise ProtocolError(f"assign takes a NeedSlot, not {type(need).__name__}")
-        events = self._facts.note_server(state, info, live)
+        events = self._facts.note_server(state, info, live, me=self._instance, now=now)
         self.learner.load(state.prefixes)
         if not need.ticket.side and need.displaced_from is None:
             found = self.learner.find(need.body, now)  # learned elsewhere, before a restart, or since it came

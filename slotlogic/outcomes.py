@@ -57,10 +57,6 @@ class Outcomes:
         """The measured speeds a slot move's cost is weighed with (`slotlogic.costs`)."""
         return self.speeds.rates(self.prefill_estimate())
 
-    def probed_speed(self) -> float | None:
-        """The start-up probe's prefill tok/s (what answers without timings are counted at)."""
-        return self.prefill_speed
-
     def probed(self, prefill_tok_s: float | None) -> None:
         """The start-up probe's measured prefill speed (for answers that carry no timings)."""
         self.prefill_speed = prefill_tok_s
@@ -91,9 +87,11 @@ class Outcomes:
             if queued:
                 self.ledger.overrun(key)
         self.table.answered(key, slot, now)
+        self._measure(obs)
         stats = self.stats.pop(key, None) or SessionStats()
         self.stats[key] = stats  # most recently answered last
-        stats.add(obs, slot, ticket.session.source, fallback_pps=self.prefill_speed)
+        saved_s = min(self.saved_seconds(obs.cache_n), stats.unclaimed(seconds))
+        stats.add(obs, slot, ticket.session.source, saved_s, seconds)
         stats.answered = now
         settled = True
         if loss is not None and loss.cause is Cause.UNKNOWN:
@@ -103,15 +101,27 @@ class Outcomes:
                 settled = not ask
         if loss is not None and settled:
             stats.count_loss(loss.tokens, loss.expected)
+        while len(self.stats) > MAX_STATS:
+            self.stats.popitem(last=False)
+        return Report(ticket, obs, slot, path, self.upstream, seconds, loss, settled, saved_s)
+
+    def _measure(self, obs: Observation) -> None:
+        """The answer's prompt and generation speeds into the server's rate and the prefill fit."""
         pps = obs.prompt_per_second
         if pps and obs.prompt_n and obs.prompt_n >= RATE_MIN_TOKENS:
             old = self.prefill_rate
             self.prefill_rate = pps if old is None else old + RATE_WEIGHT * (pps - old)
             self.speeds.prefill(obs.prompt_n, obs.cache_n, pps)
         self.speeds.decode(obs.decode_per_second)
-        while len(self.stats) > MAX_STATS:
-            self.stats.popitem(last=False)
-        return Report(ticket, obs, slot, path, self.upstream, seconds, loss, settled)
+
+    def saved_seconds(self, cache_n: int | None) -> float:
+        """What prefilling `cache_n` cached tokens from an empty slot would have cost this server: its fitted
+        per-token cost and growth with depth (`costs.Rates.prefill_s`), else its measured rate. Never the answer's
+        own prompt speed: a short prompt's speed is mostly the request's fixed cost, and at a fraction of the
+        server's real rate it would price the cached tokens several times over. 0 while no rate is known. (The
+        session's counters bound what is counted by the time its requests took: `SessionStats.unclaimed`.)"""
+        rates = self.rates()
+        return rates.prefill_s(cache_n) if cache_n and rates.prefill_tps else 0.0
 
     def found_empty(self, slot: int, key: str, saved: int, state: shared.ServerState | None = None,
                     now: float = 0.0) -> bool | None:

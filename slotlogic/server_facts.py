@@ -73,12 +73,14 @@ class ServerFacts:
         return changed
 
     def note_server(self, state: shared.ServerState, info: ServerInfo,
-                    live: Sequence[Mapping[str, Any]] | None = None) -> list[Event]:
+                    live: Sequence[Mapping[str, Any]] | None = None, *, me: str | None = None,
+                    now: float | None = None) -> list[Event]:
         """Fold a `/props` answer into the shared state and this process's memory. `live`: `/slots` as read with
         it; after a restart, a slot it shows holding what our last request there left was written since the
-        restart (a request that went out before the restart was noticed) and is kept."""
+        restart (a request that went out before the restart was noticed) and is kept. `me`, `now`: this process
+        and the time (a restart voids the claims of processes gone, `shared.note_server`)."""
         known = self.server.media_marker if self.server is not None else None
-        change = shared.note_server(state, info)
+        change = shared.note_server(state, info, me, now)
         # Restarted for this process too when the shared state had the new marker already: another proxy of
         # this state saw the restart first (sim seed 861: this proxy's ledger kept promising the emptied slot,
         # and the meter called the restart's 331 tokens `unknown`).

@@ -19,7 +19,7 @@ The in-memory side of the same facts is `slotlogic.table.SessionTable`: the hot 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -315,14 +315,18 @@ class ServerChange:
     resized: bool = False    # a new slot count: claims out of range are void
 
 
-def note_server(st: ServerState, info: ServerInfo) -> ServerChange:
-    """Fold in the server's identity from `/props`."""
+def note_server(st: ServerState, info: ServerInfo, me: str | None = None, now: float | None = None) -> ServerChange:
+    """Fold in the server's identity from `/props`. `me`, `now`: the process reading it, and when (a restart
+    voids the claims of processes no longer alive)."""
     marker, total = info.media_marker, info.total_slots
     restarted = bool(marker and st.media_marker and marker != st.media_marker)
     if restarted:
-        # Every slot is empty after a restart: what we knew of their content is void. Claims stay, so
-        # sessions keep their slots (and their spread) and simply re-prefill once.
+        # Every slot is empty after a restart: what we knew of their content is void. Claims of live proxies
+        # stay, so their sessions keep their slots (and their spread) and simply re-prefill once; claims of
+        # processes that are gone protect nothing (an empty slot of a session no process serves) and go.
         st.slots = {k: replace(v, prefix=None) for k, v in st.slots.items()}
+        if now is not None:
+            release_claims(st, lambda p: p != me and not handover.alive(st.beats, p, now))
     if marker:
         st.media_marker = marker
     resized = bool(st.total_slots and total != st.total_slots)
@@ -379,6 +383,23 @@ def touch(st: ServerState, session: str, slot: int, when: float, *, requests: in
     before = st.sessions.get(session)
     claimed = before.claimed if before is not None and before.slot == slot and before.claimed else when
     st.sessions[session] = SessionRecord(slot=slot, last_used=last, requests=requests, prefix=prefix, claimed=claimed)
+
+
+def release_claims(st: ServerState, gone: Callable[[str | None], bool]) -> list[int]:
+    """Void the slot claims made by processes `gone` says are gone (a claim names its proxy): their slots are
+    free for the next new session at once, not after the TTL. The sessions keep their records, so one that
+    comes back to a proxy of this state resumes its slot while nobody else has taken it; the epoch stays (the
+    fence of moves planned for the slot). Returns the slots released."""
+    released = [sid for sid, rec in st.slots.items() if rec.owner is not None and gone(rec.proxy)]
+    for sid in released:
+        st.slots[sid] = replace(st.slots[sid], owner=None, last_used=0.0, requests=0, proxy=None)
+    return released
+
+
+def leave(st: ServerState, proxy: str) -> list[int]:
+    """A proxy exits: its claims are released (`release_claims`) and it beats no more."""
+    st.beats.pop(proxy, None)
+    return release_claims(st, lambda p: p == proxy)
 
 
 def forget_session(st: ServerState, session: str) -> int | None:

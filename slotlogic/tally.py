@@ -6,10 +6,12 @@ Keyed by (server URL, slot id): never a session, never prompt text. `slotkeeper/
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 
 from slotlogic.board import client_kind
+from slotlogic.checkpoint_machine import Outcome
 from slotlogic.decisions import Report
-from slotlogic.events import CheckpointDone, Event, Paged, StalePlan, TokensLost
+from slotlogic.events import STALE_MOVES, CheckpointDone, Event, Paged, StalePlan, TokensLost
 from slotlogic.ledger import Cause
 
 Key = tuple[str, str]   # (server, slot)
@@ -36,21 +38,42 @@ class Tally:
         self.saved_s: defaultdict[tuple[str, str], float] = defaultdict(float)
         self.client_lost: defaultdict[tuple[str, str, str], int] = defaultdict(int)   # + cause
 
-    def lost_by_cause(self) -> dict[tuple[str, str, str], int]:
-        """Tokens lost per (server, cause, expected), every cause of every server present (0 when none): a
-        dashboard's `unknown` line reads 0, not "no data"."""
-        out = {(srv, c.value, "true" if c.expected else "false"): 0 for srv in self.servers for c in Cause}
+    # Every labelled counter lists each of its labels' known values at 0 until it counts one (the servers
+    # fronted and their slots from the start, the causes, directions, outcomes and moves from their enums): a
+    # dashboard's panel of a fresh proxy reads 0, not "no data". `slots`: server URL -> its slot count.
+
+    def lost_by_cause(self, slots: Mapping[str, int] | None = None) -> dict[tuple[str, str, str], int]:
+        """Tokens lost per (server, cause, expected)."""
+        out = {(srv, c.value, _expected(c)): 0 for srv in self.servers | set(slots or {}) for c in Cause}
         out.update(self.lost)
         return out
 
-    def client_lost_by_cause(self) -> dict[tuple[str, str, str], int]:
-        """Tokens lost per (server, client kind, cause), every cause of every client seen present (0 when none)."""
-        out = {(srv, client, c.value): 0 for srv, client in self.client_requests for c in Cause}
-        out.update(self.client_lost)
+    def client_lost_by_cause(self) -> dict[tuple[str, str, str, str], int]:
+        """Tokens lost per (server, client kind, cause, expected), every cause of every client seen."""
+        out = {(srv, client, c.value, _expected(c)): 0 for srv, client in self.client_requests for c in Cause}
+        for (srv, client, cause), v in self.client_lost.items():
+            out[(srv, client, cause, _expected(Cause(cause)))] = v
         return out
 
-    def report(self, r: Report, fallback_pps: float | None = None) -> None:
-        """`fallback_pps`: the server's measured prefill speed, for answers without their own timings."""
+    def page_ops_all(self, slots: Mapping[str, int]) -> dict[tuple[str, str, str], int]:
+        """Pages written (out) and read (in) per (server, slot, direction)."""
+        out = {(srv, str(s), d): 0 for srv, n in slots.items() for s in range(n) for d in ("out", "in")}
+        out.update(self.page_ops)
+        return out
+
+    def checkpoints_all(self, slots: Mapping[str, int]) -> dict[tuple[str, str, str], int]:
+        """Prefix checkpoint preparations per (server, slot, outcome)."""
+        out = {(srv, str(s), o.value): 0 for srv, n in slots.items() for s in range(n) for o in Outcome}
+        out.update(self.checkpoints)
+        return out
+
+    def stale_plans_all(self, slots: Mapping[str, int]) -> dict[tuple[str, str], int]:
+        """Slot moves dropped as stale per (server, move)."""
+        out = {(srv, m): 0 for srv in self.servers | set(slots) for m in STALE_MOVES}
+        out.update(self.stale_plans)
+        return out
+
+    def report(self, r: Report) -> None:
         key = (r.upstream, "-" if r.slot is None else str(r.slot))
         self.requests[key] += 1
         self.servers.add(r.upstream)
@@ -58,9 +81,7 @@ class Tally:
         self.client_requests[client] += 1
         if r.obs.cache_n:
             self.reused[client] += r.obs.cache_n
-            speed = r.obs.prompt_per_second or fallback_pps
-            if speed:
-                self.saved_s[client] += r.obs.cache_n / speed
+        self.saved_s[client] += r.saved_s
         if r.obs.prompt_n:
             self.prefill[key] += r.obs.prompt_n
         if r.obs.cache_n:
@@ -85,3 +106,7 @@ class Tally:
             key = (e.upstream, str(e.slot))
             self.checkpoints[(*key, e.outcome.value)] += 1
             self.checkpoint_seconds[key] += e.seconds
+
+
+def _expected(cause: Cause) -> str:
+    return "true" if cause.expected else "false"

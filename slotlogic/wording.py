@@ -100,8 +100,8 @@ def summary(upstream: str, stats: dict[str, SessionStats]) -> list[str]:
         lost = f"{s.lost}" + ("!" if s.lost_unexpected else "")
         lines.append(f"  {key[:8]:8} {fmt(s.slot):>4} {s.requests:>5} {s.prefill:>8} {s.cached:>8} {reuse:>6} "
                      f"{s.saved_s:>8.1f} {lost:>6}")
-    lines.append(f"  prefill seconds saved: {sum(s.saved_s for s in stats.values()):.1f} (cached tokens at the "
-                 "server's own prefill speed, or the start-up probe's where an answer has none)")
+    lines.append(f"  prefill seconds saved: {sum(s.saved_s for s in stats.values()):.1f} (what prefilling the "
+                 "cached tokens would have cost at the server's fitted prefill rate for their depth)")
     lost, unexpected = sum(s.lost for s in stats.values()), sum(s.lost_unexpected for s in stats.values())
     lines.append(f"  tokens lost: {lost} ({unexpected} of unexpected cause, marked !; see the `lost` log lines)")
     return [printable(line) for line in lines]
@@ -214,6 +214,13 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
                                                   f"per-slot context n_ctx={fmt(e.n_ctx)} on {e.upstream}. Without "
                                                   "unified KV each slot gets -c / -np tokens: raise -c, lower -np, "
                                                   "or use --kv-unified-per-slot N."),
+    ev.WebUi: lambda e: (Level.INFO, f"mitmweb UI: {e.url}" + (
+        f" (web_port {e.moved_from} is the proxy's own port: moved)" if e.moved_from is not None else "")),
+    ev.PagingOff: lambda e: (Level.INFO, "no slots_save_dir: a conversation evicted from its slot is prefilled "
+                             "again when its session returns. Start llama-server with --slot-save-path DIR and the "
+                             "proxy with --set slots_save_dir=DIR to page it out to a file and back in instead "
+                             "(milliseconds, where prefilling a long conversation takes seconds), and to keep "
+                             "shared prefixes as checkpoints (docs/paging.md)"),
     ev.MessagesProbed: lambda e: (Level.INFO, f"{e.upstream} " + (
         "honours id_slot on /v1/messages: Anthropic requests go natively" if e.honoured else
         "ignores id_slot on /v1/messages: Anthropic requests are sent as chat completions")),

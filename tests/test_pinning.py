@@ -357,3 +357,19 @@ async def test_an_answer_announcing_more_than_the_body_cap_is_not_buffered(proxy
     g.response.headers["content-length"] = str(1 << 20)
     await proxy.hook("responseheaders", g)
     assert not g.response.stream  # within the cap: buffered and read as ever
+
+
+async def test_without_a_save_dir_one_line_at_start_says_how_to_turn_paging_on(proxy, caplog, tmp_path):
+    proxy.configure(mode=["reverse:http://127.0.0.1:8080@127.0.0.1:8081"])
+    with caplog.at_level(logging.INFO):
+        proxy.addons[1].running()
+    line = "no slots_save_dir: a conversation evicted from its slot is prefilled again when its session returns"
+    assert caplog.text.count(line) == 1 and "--slot-save-path DIR" in caplog.text
+    assert "mitmweb UI" not in caplog.text  # mitmdump: no UI
+    caplog.clear()
+    (tmp_path / "slots").mkdir()
+    proxy.configure(slots_save_dir=str(tmp_path / "slots"))
+    with caplog.at_level(logging.INFO):
+        proxy.addons[1].running()
+    assert "no slots_save_dir" not in caplog.text
+    await proxy.settle()

@@ -26,6 +26,32 @@ def test_restart_forgets_content_but_keeps_claims():
     assert s.slots[1].prefix is None and s.slots[1].owner == "a" and st.owned_slot(s, "a") == 1
 
 
+def test_a_restart_releases_the_claims_of_processes_that_are_gone_and_keeps_the_live_ones():
+    """A fresh server after a proxy that exited: its sessions' empty slots protect nothing. A live proxy's
+    sessions keep theirs (their spread), and every session keeps its record (it resumes its slot if still free)."""
+    s = st.ServerState("u", media_marker="m1", total_slots=3)
+    for session, slot, proxy in (("a", 0, "aa"), ("b", 1, "bb"), ("c", 2, None)):
+        st.claim(s, session, slot, 100.0)
+        st.touch(s, session, slot, 100.0, requests=2, prefix=None, proxy=proxy)
+    s.beats.update({"aa": 199.0, "bb": 100.0})       # aa beat a second ago; bb has not for 99 s
+    epochs = {k: v.epoch for k, v in s.slots.items()}
+    st.note_server(s, ServerInfo(3, "m2"), me="me", now=200.0)
+    assert [s.slots[i].owner for i in range(3)] == ["a", None, None]
+    assert {k: v.epoch for k, v in s.slots.items()} == epochs and set(s.sessions) == {"a", "b", "c"}
+    assert st.held_slots(s, 200.0, 120.0) == {0} and st.owned_slot(s, "b") == 1
+
+
+def test_a_proxy_that_exits_releases_its_claims():
+    s = st.ServerState("u", media_marker="m", total_slots=2)
+    for session, slot, proxy in (("a", 0, "aa"), ("b", 1, "bb")):
+        st.claim(s, session, slot, 100.0)
+        st.touch(s, session, slot, 100.0, requests=1, prefix=None, proxy=proxy)
+    s.beats.update({"aa": 100.0, "bb": 100.0})
+    assert st.leave(s, "aa") == [0]
+    assert s.slots[0].owner is None and s.slots[1].owner == "b" and "aa" not in s.beats
+    assert st.held_slots(s, 101.0, 120.0) == {1} and st.owned_slot(s, "a") == 0   # a resumes it while free
+
+
 def test_resize_drops_out_of_range():
     s = st.ServerState("u", media_marker="m", total_slots=4)
     st.claim(s, "a", 3, 10.0)

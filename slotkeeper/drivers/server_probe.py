@@ -34,6 +34,7 @@ PROBE_TIMEOUT = 30.0
 SLOW = 1.0          # seconds: a /props or /slots that failed after this long hung (the timeout is 3 s)
 BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the background probe may clear it)
 ASK_AGAIN = 1.0     # seconds between look-ups of a patient `ask` (a server with no facts yet)
+START_QUIET = 0.5   # seconds the start-up's /v1/messages probe leaves a client that starts with the proxy
 Facts = tuple[dict[str, Any] | None, list[dict[str, Any]] | None]   # `/props` and `/slots` as asked
 
 
@@ -57,6 +58,7 @@ class ServerProbe:
         self._slow: dict[str, bool] = {}           # endpoint -> its last look-up hung (rather than was refused)
         self._last_live: list[dict[str, Any]] | None = None  # the last /slots answer (counts for a hung /slots)
         self._messages_probing = False   # the /v1/messages probe is running or has answered
+        self.client_came = False  # a client's request reached this server (the start-up probe steps aside)
         self._unified_told = False       # idle-slot clearing explained once
         self._clearing_shared: str | None = None  # the server process whose idle clearing the state was told of
 
@@ -158,43 +160,50 @@ class ServerProbe:
         live = await self.live_slots()  # what ran on the new server before this look is kept
         assert self.store is not None
         async with self.store.transaction() as state:
-            events = self.keeper.facts.note_server(state, info, live)
+            events = self.keeper.facts.note_server(state, info, live, me=self.keeper.instance, now=time.time())
         for event in events:
             self.emit(event)
         self.seen(info)  # after the core noted the server: the model probe's fence is planned against its slots
         if self.keeper.messages_native is None:  # a restarted server may be another build; its slots are empty
             self._messages_probing = False
-            self.probe_messages_once()
+            self.probe_messages_once(step_aside=True)
 
-    def probe_messages_once(self) -> None:
+    def probe_messages_once(self, *, step_aside: bool = False) -> None:
         if self.keeper.messages_native is None and not self._messages_probing:
             self._messages_probing = True
-            self.tasks.spawn(self.probe_messages())
+            self.tasks.spawn(self.probe_messages(step_aside=step_aside))
 
     async def start(self) -> None:
         """What can only be learned while the slots are empty (whether `/v1/messages` honours id_slot), then
         the server itself (`/props`, which starts the model check and its start-up probe)."""
         if self.keeper.messages_native is None and not self._messages_probing:
             self._messages_probing = True
-            await self.probe_messages()  # first: it needs every slot empty, the model probe takes one
+            # First: it needs every slot empty, the model probe takes one. A client's first request, sent as the
+            # proxy starts, goes first: batched with the probe's two completions on a small server, it took
+            # ~1 s instead of ~0.2 s. The probe is tried again with the first translated request.
+            await asyncio.sleep(START_QUIET)
+            await self.probe_messages(step_aside=True)
         if self.keeper.server is None:
             await self.probe()
 
-    async def probe_messages(self) -> bool | None:
+    async def probe_messages(self, *, step_aside: bool = False) -> bool | None:
         """Whether the server honours `id_slot` on `/v1/messages` (upstream PR #26758): while every slot is
         empty (at start, after a restart), two one-token requests pinned to slot 0, and `/slots` says which slot
         ran each; a server that ignores the field puts them on its LRU choice, the highest empty slot. Unknown
         (slots in use, other traffic): tried again later; meanwhile requests are translated, which is always
-        correct."""
+        correct. `step_aside`: not while a client's request has come (the start-up's)."""
         if self.settings.anthropic is not AnthropicMode.TRANSLATE:
             return None
         honoured: bool | None = None
-        before = await self.client.slots()
+        before = None if step_aside and self.client_came else await self.client.slots()
         target = probe_slot(before) if before is not None else None
         if before is not None and target is not None:
             honoured = True
             body = {"max_tokens": 1, "messages": [{"role": "user", "content": "ok"}], "id_slot": target}
             for _ in range(2):
+                if step_aside and self.client_came:
+                    honoured = None
+                    break
                 status, _ = await self.client.post_json("/v1/messages", body, PROBE_TIMEOUT)
                 after = await self.client.slots()
                 ran = slot_that_ran(before, after) if status == 200 and after is not None else None

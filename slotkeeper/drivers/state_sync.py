@@ -137,14 +137,22 @@ class StateSync:
             self.emit(DisplacedElsewhere(self.url, notice.slot, key[:8], notice.claimant[:8], Via.NOTICE))
 
     def flush_sync(self) -> None:
-        """The last flush at shutdown (`done` must stay sync)."""
+        """The last flush at shutdown (`done` must stay sync): the last touches written, and this process's
+        claims released (`shared.leave`): a proxy started next finds the slots free, not held by sessions of a
+        process that is gone. The sessions' records stay: one that comes back to the next proxy resumes its slot
+        while nobody else has taken it."""
         touches = self.keeper.table.drain()
-        if not touches:
+        me = self.keeper.instance
+        last = self.store.last
+        claims = bool(me) and (me in last.beats or any(r.proxy == me for r in last.slots.values()))
+        if not touches and not claims:
             return
         try:
             with self.store.transaction_sync() as state:
                 for key, a in touches.items():
-                    shared.touch(state, key, a.slot, a.last_used, requests=a.requests, prefix=a.prefix)
+                    shared.touch(state, key, a.slot, a.last_used, requests=a.requests, prefix=a.prefix, proxy=me)
+                if me:
+                    shared.leave(state, me)
         except Exception as e:
             self.emit(Failed(self.url, Stage.FINAL_FLUSH, type(e).__name__))
 

@@ -196,6 +196,7 @@ class Upstream:
     def request(self, facts: RequestFacts) -> Decision:
         """The core's answer from memory (a `NeedSlot` when it needs a slot placed: `place`, by this server or,
         in a pool, by the server the router chooses)."""
+        self.prober.client_came = True
         decision = self.keeper.request(facts)
         if not isinstance(decision, NeedSlot) and self.keeper.table.has_touches():
             self.kick()

@@ -130,6 +130,14 @@ def _embedded_extra(p: object, extra: list[str]) -> None:
 
 def serve_embedded(cfg: ServerConfig) -> None:
     """Run xllamacpp's embedded server until SIGTERM/SIGINT."""
+    # Both blocked from here on, in this thread and in every thread the server starts (they inherit the mask):
+    # `sigwait` takes a signal only if it is blocked. Unblocked, SIGINT went to Python's handler, whose
+    # KeyboardInterrupt waits for the main thread to run Python again (it never does while it waits here), or
+    # to one of the server's threads: a Ctrl-C while the model loaded, or sent to the terminal's whole process
+    # group, was lost and the launcher ran on. Blocked, one that comes during start-up stays pending and ends
+    # the wait as soon as it begins.
+    stop = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
     import xllamacpp  # heavy import, only in the server process
 
     p = xllamacpp.CommonParams()
@@ -153,7 +161,7 @@ def serve_embedded(cfg: ServerConfig) -> None:
     _embedded_extra(p, cfg.extra)
     server = xllamacpp.Server(p)
     print(f"llama-server (xllamacpp) listening on {server.listening_address}", flush=True)
-    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    signal.sigwait(stop)
 
 
 class LlamaServer:

@@ -16,6 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from slotlogic.routing import RouteWhy
+
 if TYPE_CHECKING:
     from slotkeeper.mitm.runtime import Runtime
 
@@ -28,6 +30,7 @@ class _Collector(Collector):
 
     def collect(self) -> Iterator[Any]:
         t = self.rt.tally
+        known = {up.url: up.keeper.total_slots or 0 for up in self.rt.upstreams.values()}  # from the start
         slot = ["server", "slot"]
         for name, doc, extra, data in (
                 ("requests", "Completion requests answered, by the server and slot that served them.", [],
@@ -35,15 +38,16 @@ class _Collector(Collector):
                 ("prefill_tokens", "Prompt tokens the server had to compute (timings.prompt_n).", [], t.prefill),
                 ("cached_tokens", "Prompt tokens the server reused from the slot (timings.cache_n).", [], t.cached),
                 ("paged_in_tokens", "Tokens restored into a slot from a session page file.", [], t.paged_in),
-                ("page_operations", "Session page saves (out) and restores (in).", ["direction"], t.page_ops),
+                ("page_operations", "Session page saves (out) and restores (in).", ["direction"],
+                 t.page_ops_all(known)),
                 ("page_seconds", "Seconds spent paging sessions out and in.", [], t.page_seconds),
-                ("checkpoints", "Prefix checkpoint preparations, by outcome.", ["outcome"], t.checkpoints),
+                ("checkpoints", "Prefix checkpoint preparations, by outcome.", ["outcome"], t.checkpoints_all(known)),
                 ("checkpoint_seconds", "Seconds spent restoring, warming and saving prefix checkpoints.", [],
                  t.checkpoint_seconds),
                 ("tokens_lost", "Tokens a session had that its slot no longer held when it came back, by cause "
-                 "(expected: a restart, another model, an eviction with no page).", None, t.lost_by_cause()),
+                 "(expected: a restart, another model, an eviction with no page).", None, t.lost_by_cause(known)),
                 ("stale_plans", "Slot moves dropped because the slot moved on since they were planned.", None,
-                 t.stale_plans)):
+                 t.stale_plans_all(known))):
             labels = [*slot, *extra] if extra is not None else (
                 ["server", "cause", "expected"] if name == "tokens_lost" else ["server", "move"])
             fam = CounterMetricFamily(f"slotkeeper_{name}", doc, labels=labels)
@@ -55,13 +59,14 @@ class _Collector(Collector):
                 ("reused_tokens", "Prompt tokens the server reused from the slot (timings.cache_n), by client kind.",
                  t.reused),
                 ("prefill_seconds_saved", "Prefill seconds the reused tokens would have cost at the server's "
-                 "measured prefill speed, by client kind.", t.saved_s)):
+                 "fitted prefill rate for their depth, by client kind.", t.saved_s)):
             fam = CounterMetricFamily(f"slotkeeper_{name}", doc, labels=["server", "client"])
             for labels, v in sorted(data.items()):
                 fam.add_metric(list(labels), v)
             yield fam
         fam = CounterMetricFamily("slotkeeper_client_tokens_lost", "Tokens lost (the loss meter), by client kind "
-                                  "and cause.", labels=["server", "client", "cause"])
+                                  "and cause (expected: as slotkeeper_tokens_lost).",
+                                  labels=["server", "client", "cause", "expected"])
         for labels, v in sorted(t.client_lost_by_cause().items()):
             fam.add_metric(list(labels), v)
         yield fam
@@ -92,7 +97,8 @@ class _Collector(Collector):
         if pool is not None:
             for m in pool.members:
                 up_fam.add_metric([m.url], 1.0 if m.health.up else 0.0)
-            for (server, why), v in sorted(pool.routes.items()):
+            counted = {(m.url, why.value): 0 for m in pool.members for why in RouteWhy} | pool.routes
+            for (server, why), v in sorted(counted.items()):
                 routes.add_metric([server, why], v)
         else:
             for up in self.rt.upstreams.values():

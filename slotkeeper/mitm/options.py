@@ -269,3 +269,16 @@ def fronted_upstreams(modes: Sequence[str]) -> frozenset[str]:
             host, port = m.address
             out.add(origins.origin(m.scheme, host, port))
     return frozenset(out)
+
+
+def listen_ports(modes: Sequence[str], default: int | None) -> frozenset[int]:
+    """The ports the proxy's modes listen on (`default`: the `listen_port` option, for a mode that names none)."""
+    out = set()
+    for spec in modes:
+        try:
+            port = ProxyMode.parse(spec).listen_port(default)
+        except ValueError:
+            continue
+        if port is not None:
+            out.add(port)
+    return frozenset(out)

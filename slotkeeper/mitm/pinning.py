@@ -24,7 +24,7 @@ from slotlogic import anthropic_answer, verbose
 from slotlogic.affinity import Learn
 from slotlogic.answers import Observation, StreamObserver, observe_json
 from slotlogic.decisions import Forward, Observe, Pin
-from slotlogic.events import Failed, PassedThrough, RetriedElsewhere, Stage
+from slotlogic.events import Failed, PagingOff, PassedThrough, RetriedElsewhere, Stage, WebUi
 from slotlogic.reasons import Passed
 from slotlogic.verbose import VerboseStripper
 
@@ -34,11 +34,14 @@ log = logging.getLogger("slotkeeper")
 class Pinning:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
+        self._web_moved: int | None = None  # mitmweb's UI port, moved off the proxy's own
 
     def load(self, loader: Any) -> None:
         options.add_options(loader)
 
     def configure(self, updated: set[str]) -> None:
+        if "web_port" in updated or "mode" in updated:
+            self._web_port_clear()
         if not any(name.startswith("slots_") or name == "mode" for name in updated):
             return
         o = ctx.options
@@ -53,9 +56,36 @@ class Pinning:
 
     def running(self) -> None:
         """At start, each server this proxy fronts is probed before the first request comes (whether
-        /v1/messages honours id_slot; `/props` and the model check), in background tasks (a sync hook)."""
+        /v1/messages honours id_slot; `/props` and the model check), in background tasks (a sync hook). Under
+        mitmweb, where its UI is (mitmweb says so at INFO only, which `termlog_verbosity=alert` hides); without a
+        save directory, how to turn paging on."""
         for url in self.rt.fronted:
             self.rt.upstream(url).start()
+        port = getattr(ctx.options, "web_port", None)
+        if isinstance(port, int):
+            url = getattr(ctx.master, "web_url", None)  # mitmproxy 12: with its access token
+            if not isinstance(url, str):
+                url = f"http://{ctx.options.web_host}:{port}/"
+            self.rt.emit(WebUi("", url, self._web_moved))
+        if self.rt.fronted and not self.rt.settings.save_dir:
+            self.rt.emit(PagingOff(""))
+
+    def _web_port_clear(self) -> None:
+        """mitmweb's UI port defaults to 8081, the port a proxy in front of llama-server usually listens on: the
+        UI's listen then failed once the proxy's had succeeded, and mitmweb exited ("address already in use").
+        It moves to the next port no mode of this proxy listens on (said in the `WebUi` line)."""
+        o = ctx.options
+        port = getattr(o, "web_port", None)
+        if not isinstance(port, int):
+            return  # mitmdump: no UI
+        taken = options.listen_ports(o.mode, o.listen_port)
+        if port not in taken:
+            return
+        new = port + 1
+        while new in taken:
+            new += 1
+        self._web_moved = port
+        o.update(web_port=new)
 
     # ------------------------------------------------------------------------------------------- hooks
 

@@ -151,8 +151,7 @@ class Runtime:
         return [*self.upstreams.values(), *self.replays.values()]
 
     def finished(self, flow_id: str, report: Report) -> None:
-        up = self.upstreams.get(report.upstream)
-        self.tally.report(report, up.keeper.outcomes.probed_speed() if up is not None else None)
+        self.tally.report(report)
         self.board.report(report, time.time())
         if self.pool is not None:
             self.pool.ended_url(report.upstream)

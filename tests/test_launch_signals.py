@@ -1,0 +1,65 @@
+"""`python -m slotkeeper.launch.llama_server` stops on Ctrl-C in every case: a terminal sends SIGINT to its whole
+foreground process group, whether the server is still loading its model or already serving."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from slotkeeper.launch.llama_server import free_port
+from slotkeeper.launch.mitmdump import ROOT
+
+pytestmark = pytest.mark.real
+
+
+def launcher(port: int) -> subprocess.Popen[bytes]:
+    """The launcher as a terminal runs it: the leader of its own process group (the foreground group)."""
+    return subprocess.Popen([sys.executable, "-m", "slotkeeper.launch.llama_server", "--port", str(port),
+                             "--slots", "1", "--ctx-per-slot", "512", "--threads", "1"],
+                            cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def serving(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stops_within(proc: subprocess.Popen[bytes], seconds: float) -> float | None:
+    t0 = time.monotonic()
+    try:
+        proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        return None
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("when", ["starting", "serving"])
+@pytest.mark.parametrize("to", ["process", "group"])
+def test_sigint_stops_the_launcher_within_5_s(when, to):
+    port = free_port()
+    proc = launcher(port)
+    if when == "starting":
+        time.sleep(0.5)  # Python is up (its SIGINT handler installed), the model not loaded yet
+    else:
+        deadline = time.monotonic() + 120
+        while not serving(port):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+    if to == "group":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT)
+    took = stops_within(proc, 5.0)
+    assert took is not None, f"alive 5 s after SIGINT ({when}, sent to the {to})"
+    assert not serving(port)
