@@ -234,6 +234,19 @@ class Ledger:
             self._slots = {s: Entry(self.entry(s).epoch + 1) for s in range(total)}
         self.total = total
 
+    def kept_after_all(self, slot: int, before: Entry, reset_epoch: int, *, seen: bool) -> bool:
+        """A restart noticed while `/slots` could not be read emptied `slot` here, but its owner's last request
+        may have run on the new server: `before` holds again, unless anything was written to the slot since the
+        restart's reset (`reset_epoch`). `seen`: `/slots` shows it there; else its owner goes back to it on
+        trust, and a loss there is still the restart's."""
+        now = self.entry(slot)
+        if now.epoch != reset_epoch or not before.owner or before.holds is not Holds.SESSION:
+            return False
+        self._slots[slot] = replace(before, epoch=now.epoch + 1)
+        if seen:
+            self.gone.pop(before.owner, None)
+        return True
+
     def claim(self, slot: int, key: str) -> None:
         """A placement for `key` chose `slot` (Rule 4): queued behind the placements that chose it before."""
         if 0 <= slot < MAX_SLOTS:

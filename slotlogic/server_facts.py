@@ -15,10 +15,10 @@ from typing import Any
 from slotlogic import kv_types, shared
 from slotlogic.events import Event, PoolResized, ServerRestarted
 from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
-from slotlogic.ledger import Cause, Ledger, written_since_restart
+from slotlogic.ledger import Cause, Entry, Holds, Ledger, written_since_restart
 from slotlogic.server import ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
-from slotlogic.table import SessionTable
+from slotlogic.table import Assignment, SessionTable
 
 
 class ServerFacts:
@@ -32,6 +32,9 @@ class ServerFacts:
         self.messages_native: bool | None = None  # the server honours id_slot on /v1/messages (probed)
         # (media_marker, "K/V"): the KV cache types a save's size showed that server process (`slotlogic.kv_types`)
         self.kv_learned: tuple[str | None, str] | None = None
+        # A restart noticed without `/slots`: each emptied slot's entry before it, its epoch after the reset and
+        # its owner's table entry, until `/slots` can say which of them a request wrote on the new server.
+        self._unconfirmed: dict[int, tuple[Entry, int, Assignment | None]] = {}
 
     def with_kv(self, info: ServerInfo) -> ServerInfo:
         """`info` (a `/props` just parsed) with its KV cache types: what this server process's saves showed,
@@ -51,6 +54,47 @@ class ServerFacts:
         self.kv_learned = (info.media_marker, label)
         self.server = replace(info, kv_cache=label)
         return True
+
+    def _restarted(self, info: ServerInfo, live: Sequence[Mapping[str, Any]] | None) -> None:
+        """Every slot emptied, but those `/slots` shows a request of ours wrote since (sent before the restart was
+        noticed). Without `/slots` that is not known yet: what each slot held is kept aside until it is."""
+        kept = written_since_restart(self.ledger, live, self.table.running)
+        before = {s: self.ledger.entry(s) for s in range(self.ledger.total)} if live is None else {}
+        self.ledger.resize(info.total_slots, Cause.RESTART, keep=kept)
+        self.messages_native = None  # another build may be running now
+        self._unconfirmed = {s: (e, self.ledger.entry(s).epoch, self.table.sessions.get(e.owner or ""))
+                             for s, e in before.items() if e.owner and e.holds is Holds.SESSION and s not in kept}
+        if self.settings.checkpoints is not CheckpointMode.OFF or self.settings.paging:
+            # Route every session through the slow path once, so its page or prefix is restored first.
+            self.table.forget_all(keep={self.ledger.entry(s).owner or "" for s in kept})
+
+    def _confirm(self, live: Sequence[Mapping[str, Any]]) -> None:
+        """`/slots` answers again after a restart noticed without it: a slot that holds at least what its owner's
+        last request left there, idle, was written on the new server; its conversation is its owner's again."""
+        by_id = {e.get("id"): e for e in live if isinstance(e, Mapping)}
+        for slot, (before, epoch, seat) in self._unconfirmed.items():
+            entry = by_id.get(slot)
+            n = entry.get("n_prompt_tokens") if entry is not None else None
+            if entry is None or entry.get("is_processing") or not isinstance(n, int) or isinstance(n, bool):
+                continue
+            if 0 < before.tokens <= n + 1 and self.ledger.kept_after_all(slot, before, epoch, seen=True) \
+                    and seat is not None:
+                self.table.readmit(before.owner or "", seat)
+        self._unconfirmed = {}
+
+    def may_still_hold(self, slot: int, key: str) -> bool:
+        """After a restart noticed without `/slots`, `key`'s emptied slot may hold its conversation after all (its
+        last request may have run on the new server), as long as nothing was written there since: going back to
+        it loses nothing either way, where a slot chosen anew evicts someone."""
+        found = self._unconfirmed.get(slot)
+        return found is not None and found[0].owner == key and self.ledger.entry(slot).epoch == found[1]
+
+    def go_back(self, slot: int) -> None:
+        """Its owner goes back to a slot `may_still_hold` says may hold its conversation: the ledger holds it
+        there again on trust (a loss there is still the restart's), so no prefix is restored over it."""
+        found = self._unconfirmed.pop(slot, None)
+        if found is not None:
+            self.ledger.kept_after_all(slot, found[0], found[1], seen=False)
 
     def page_identity(self) -> str:
         """What a page written now must match to be restored later (`ServerInfo.page_identity`)."""
@@ -89,12 +133,9 @@ class ServerFacts:
         events: list[Event] = []
         if restarted:
             events.append(ServerRestarted(self.upstream))
-            kept = written_since_restart(self.ledger, live, self.table.running)
-            self.ledger.resize(info.total_slots, Cause.RESTART, keep=kept)
-            self.messages_native = None  # another build may be running now
-            if self.settings.checkpoints is not CheckpointMode.OFF or self.settings.paging:
-                # Route every session through the slow path once, so its page or prefix is restored first.
-                self.table.forget_all(keep={self.ledger.entry(s).owner or "" for s in kept})
+            self._restarted(info, live)
+        elif live is not None and self._unconfirmed:
+            self._confirm(live)
         if change.resized:
             events.append(PoolResized(self.upstream, info.total_slots))
             self.table.forget_all()

@@ -213,6 +213,13 @@ class SessionTable:
         self.running.clear()
         self.dispatched.clear()
 
+    def readmit(self, key: str, a: Assignment) -> None:
+        """A session the restart's bookkeeping forgot whose slot still holds its conversation after all: known
+        again, as it was (unless it was placed anew since)."""
+        if key not in self.sessions:
+            self.sessions[key] = a
+            self.holders[a.slot] = key
+
     def forget(self, key: str) -> bool:
         """Drop one session (a command, or the state file says another process took its slot)."""
         self.dirty.discard(key)

@@ -101,7 +101,9 @@ CAUSES = [
     (77, "not-paged-in: a loaded server (262 tok/s, patience 6 s), two proxies, a restart noticed while `/slots` "
          "timed out (a stall): a turn sent before the restart was noticed ran on the new server, and with no "
          "`/slots` answer the restart's bookkeeping forgot what it left there; the session's next turn was placed "
-         "anew and wrote over it unsaved: 40 of 254 (found when the loaded draws became client patiences)"),
+         "anew and wrote over it unsaved: 40 of 254 (found when the loaded draws became client patiences; fixed: "
+         "until `/slots` answers, an owner goes back to its emptied slot, which may hold its conversation, "
+         "and the ledger holds it there on trust)"),
     (590, "not-paged-in: a loaded server (183 tok/s, bound 1 s), two one-slot servers; two placements past their "
           "bound both claimed the one slot and each waited for a slot with no claim but its own until the 3 s cap, "
           "then went with id_slot -1 over the sessions the slot held (fixed: a waiting placement lets go of its "
@@ -115,7 +117,7 @@ CAUSES = [
 # paged, what ran on a restarted server kept, no resume over a slot written since; routing to the server that
 # keeps a session's conversation, and its page restored on another server of the pool when it must go there;
 # two proxies hand a slot over (slotlogic/handover.py): one writer per slot, the giver answers before the taker moves
-FIXED = {185, 62, 59, 79, 6, 9, 129, 389, 54, 37, 201, 993, 277, 261, 98, 153, 381, 633, 984, 1224, 2034,
+FIXED = {77, 185, 62, 59, 79, 6, 9, 129, 389, 54, 37, 201, 993, 277, 261, 98, 153, 381, 633, 984, 1224, 2034,
          352, 131, 627, 15, 2438, 590, 1000}
 
 
