@@ -33,10 +33,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from slotlogic.numbers import MAX_SLOTS  # slots of one server the ledger keeps (a larger count is capped)
 from slotlogic.paging import MIN_TOKENS as MIN_PAGE_TOKENS
 from slotlogic.server_placed import ServerPlaced
 
-MAX_SLOTS = 1024        # slots of one server the ledger keeps (a larger count is capped, never allocated)
 MAX_SESSIONS = 4096     # conversations whose length and history are remembered
 TOLERANCE_TOKENS = 16   # a turn's re-rendered tail (generation prompt, a re-evaluated last token) is no loss
 TOLERANCE_SHARE = 0.02
