@@ -114,12 +114,43 @@ def absorb(obs: Observation, obj: Any) -> None:
         obs.n_ctx = count(err.get("n_ctx"), numbers.MAX_CTX)
 
 
+MAX_PARSED = 1 << 20    # an answer longer than this is not parsed whole (`observe_json`)
+LARGE_MEMBERS = ("timings", "usage", "id_slot", "error")
+MEMBER_BYTES = 64 << 10  # how much of a large answer one member's value is read from
+
+
 def observe_json(raw: bytes) -> Observation:
+    """The numbers of a whole JSON answer. One longer than `MAX_PARSED` (an answer with `n_probs` runs to tens
+    of MB of small objects: parsed whole, 60 MB cost 517 MB and held the event loop 2.9 s) is not parsed: only
+    its last `timings`, `usage`, `id_slot` and `error` members are read, where llama-server writes them, after
+    the content (`_large_members`)."""
     obs = Observation()
     with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
-        absorb(obs, json.loads(raw))
+        absorb(obs, json.loads(raw) if len(raw) <= MAX_PARSED else _large_members(raw))
         obs.complete = True  # the whole body came
     return obs
+
+
+_decoder = json.JSONDecoder()
+
+
+def _large_members(raw: bytes) -> dict[str, Any]:
+    """The members `LARGE_MEMBERS` of a large answer, each from its last occurrence as a key (a quote inside a
+    string is escaped, so `"name":` unescaped is a key), its value read from at most `MEMBER_BYTES`."""
+    out: dict[str, Any] = {}
+    for name in LARGE_MEMBERS:
+        key = b'"' + name.encode() + b'"'
+        at = raw.rfind(key)
+        while at > 0 and raw[at - 1:at] == b"\\":
+            at = raw.rfind(key, 0, at)
+        if at < 0:
+            continue
+        text = raw[at + len(key):at + len(key) + MEMBER_BYTES].decode("utf-8", "replace").lstrip()
+        if not text.startswith(":"):
+            continue
+        with contextlib.suppress(ValueError, RecursionError):
+            out[name] = _decoder.raw_decode(text[1:].lstrip())[0]
+    return out
 
 
 _CR_LF = re.compile(rb"\r*\n")         # a blank line (CRs are stripped from a line's end)

@@ -123,13 +123,24 @@ def tolerance(tokens: int) -> int:
     return TOLERANCE_TOKENS + int(tokens * TOLERANCE_SHARE)
 
 
+class Marks(OrderedDict[str, tuple[int, str]]):
+    """Each session's last parsed request's conversation mark (`slotlogic.lead.extends`), the least recent
+    beyond a bound dropped: a request that never gets an answer (a 404) still leaves one."""
+
+    def put(self, key: str, mark: tuple[int, str], limit: int) -> None:
+        self[key] = mark
+        self.move_to_end(key)
+        while len(self) > limit:
+            self.popitem(last=False)
+
+
 class Ledger:
     def __init__(self, max_sessions: int = MAX_SESSIONS) -> None:
         self._slots: dict[int, Entry] = {}
         self.total = 0
         self.conversations: OrderedDict[str, int] = OrderedDict()  # session -> prompt tokens at its last answer
         self.gone: dict[str, Cause] = {}  # session -> what last wrote over its conversation
-        self.marks: dict[str, tuple[int, str]] = {}  # session -> (messages, digest) of its last parsed request
+        self.marks = Marks()  # session -> (messages, digest) of its last parsed request
         self.max_sessions = max_sessions
         self.stale = 0   # plans dropped because their slot moved on
         self._claims: dict[int, list[str]] = {}  # slot -> sessions whose placements chose it, in claim order
