@@ -131,3 +131,15 @@ def test_a_tool_input_nested_900_deep_is_translated():
     assert args == '{"k":' * 900 + '{"n":1e+15}' + "}" * 900
     assert anthropic.encode(chat_body)
     assert anthropic.nl_dump({"a": [1, 2.5, {"b": None}], "f": 1e15}) == '{"a":[1,2.5,{"b":null}],"f":1e+15}'
+
+
+def test_the_pools_model_lookup_parses_no_costly_body():
+    """A llama-swap pool reads the body's `model` before any server's intake: the same bound holds there (a
+    20 MB body of 7M `{}` was parsed whole), and a body nested too deep is no model (not a RecursionError)."""
+    from slotkeeper.drivers.pool import _model_of
+
+    assert _model_of(b'{"model":"m1","messages":[{}]}') == "m1"
+    t0 = time.process_time()
+    assert _model_of(b'{"model":"m1","messages":[' + b",".join([b"{}"] * 2_000_000) + b"]}") == ""
+    assert time.process_time() - t0 < 1.0
+    assert _model_of(b'{"model":"m1","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}") == ""
