@@ -52,7 +52,7 @@ class RequestStub(StubLlama):
     bodies over 1 MB are never parsed."""
 
     kind: str = ""
-    answered: int = 0
+    mb: int = 60     # the `nprobs` answer's size
 
     async def _answer(self, method: str, target: str, headers: dict[str, str], body: bytes
                       ) -> tuple[int, str, bytes]:
@@ -65,7 +65,7 @@ class RequestStub(StubLlama):
                                               b'"assistant","content":"ok"}}],"timings":{"cache_n":0,"prompt_n":500,'
                                               b'"prompt_per_second":1e400}}')
         if post and self.kind == "nprobs" and b"attack-nprobs" in body[:4096]:
-            n = (60 << 20) // len(NPROBS_ITEM)
+            n = (self.mb << 20) // len(NPROBS_ITEM)
             return 200, "application/json", (b'{"choices":[{"index":0,"finish_reason":"stop","message":{"content":'
                                               b'"ok"},"logprobs":{"content":[' + NPROBS_ITEM * n + b'{}]}}],'
                                               b'"timings":{"cache_n":0,"prompt_n":9,"prompt_per_second":1000.0}}')
@@ -79,12 +79,12 @@ def _full(sizes: Sizes) -> bool:
     return sizes.json_mb >= Sizes().json_mb
 
 
-def start_stub(soak: Any, kind: str = "", slots: int = 4, no_slots: bool = False) -> str:
+def start_stub(soak: Any, kind: str = "", slots: int = 4, no_slots: bool = False, mb: int = 60) -> str:
     import subprocess
 
     port = free_port()
     argv = [sys.executable, "-m", "bench.memory_bounds_requests", "--serve", str(port), "--kind", kind,
-            "--slots", str(slots)] + (["--no-slots"] if no_slots else [])
+            "--slots", str(slots), "--mb", str(mb)] + (["--no-slots"] if no_slots else [])
     proc = subprocess.Popen(argv, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     soak.procs.append(proc)
@@ -195,7 +195,7 @@ def body_items(soak: Any, sizes: Sizes) -> Attack:
 
 def answer_nprobs(soak: Any, sizes: Sizes) -> Attack:
     row = Attack("answer-nprobs", "r4-9", "an answer past 1 MB read, not parsed")
-    upstream = start_stub(soak, kind="nprobs")
+    upstream = start_stub(soak, kind="nprobs", mb=60 if _full(sizes) else 8)
 
     def sends(px: Any) -> list[tuple[int, float]]:
         return [_post(px.url, "/v1/chat/completions", _chat(soak, "attack-nprobs")),
@@ -227,7 +227,7 @@ def marks_404(soak: Any, sizes: Sizes) -> Attack:
 def prompts_1mb(soak: Any, sizes: Sizes) -> Attack:
     row = Attack("prompts-1mb", "r4-12", "a new prompt hashed once")
     upstream = start_stub(soak)
-    remembered = 512 if _full(sizes) else 64
+    remembered = 512 if _full(sizes) else 32
 
     def attack(px: Any, watch: Watch) -> str:
         text = "".join(f"line {i} of a long prompt\n" for i in range(40_000))[: 1 << 20]
@@ -284,11 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kind", default="")
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--no-slots", action="store_true")
+    ap.add_argument("--mb", type=int, default=60)
     ap.add_argument("--only", nargs="*", default=[])
     a = ap.parse_args(argv)
     if a.serve:
         async def serve() -> None:
-            stub = await RequestStub(port=a.serve, kind=a.kind, slots=a.slots, no_slots=a.no_slots).start()
+            stub = await RequestStub(port=a.serve, kind=a.kind, slots=a.slots, no_slots=a.no_slots,
+                                     mb=a.mb).start()
             print(f"request stub listening on {stub.url}", flush=True)
             await asyncio.Event().wait()
         asyncio.run(serve())
