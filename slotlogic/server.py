@@ -25,7 +25,7 @@ PROPS_FACTS = ("total_slots", "media_marker", "build_info", "model_path", "defau
 DEFAULT_KV = "f16/f16"  # llama-server's default -ctk/-ctv
 SLOT_FACTS = ("id", "n_ctx", "is_processing", "n_prompt_tokens")
 # The `/slots` counts slot choice reads: one out of range (or not a count) is dropped, as if not said.
-SLOT_COUNTS = ("n_ctx", "n_prompt_tokens", "n_prompt_tokens_processed", "n_prompt_tokens_cache", "id_task")
+SLOT_COUNTS = ("n_ctx", "n_prompt_tokens", "n_prompt_tokens_processed", "n_prompt_tokens_cache")
 
 
 def _str(v: Any) -> str | None:
