@@ -10,7 +10,10 @@ Attacks (one row each; `bench/memory_bounds_streams.py` has the stream and state
 - fastpath_heads (item 3): 60 new sessions with 8 MB system prompts each, two turns (the fast path counts
   heads, tails and middles against its byte cap; a system message past 4 MB is not learned from);
 - sse-no-blank, sse-long-line (item 4), anthropic-long-line (item 5), state-deep, redis-deep (item 6),
-  state-sparse (item 15), json-large-chat, json-large-anthropic (item 16).
+  state-sparse (item 15), json-large-chat, json-large-anthropic (item 16);
+- the reliability round 4 attacks on a server's numbers and a request's cost (`bench/memory_bounds_requests.py`:
+  props-slots, infinite-speed, responses-items, body-items, answer-nprobs, marks-404, prompts-1mb,
+  tool-input-deep).
 
 For each: the proxy's peak RSS growth over the attack (its VmHWM during the attack minus its VmRSS when the
 attack starts, after one warm-up request) next to the cap, 300 MB; `/_slots/health` asked every 100 ms, each
@@ -430,15 +433,17 @@ def fastpath_heads(soak: Any, sizes: Sizes) -> Attack:
 
 def attacks() -> list[Callable[[Any, Sizes], Attack | None]]:
     """Every attack of the class, in the issue's order."""
+    from bench import memory_bounds_requests as requests
     from bench import memory_bounds_streams as streams
 
-    return [total_slots, swap_models, fastpath_heads, *streams.ATTACKS]
+    return [total_slots, swap_models, fastpath_heads, *streams.ATTACKS, *requests.ATTACKS]
 
 
 def attack_names() -> list[str]:
+    from bench import memory_bounds_requests as requests
     from bench import memory_bounds_streams as streams
 
-    return ["total_slots", "swap_models", "fastpath_heads", *streams.NAMES]
+    return ["total_slots", "swap_models", "fastpath_heads", *streams.NAMES, *requests.NAMES]
 
 
 def table(rows: list[Attack]) -> str:

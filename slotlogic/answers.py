@@ -19,6 +19,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from slotlogic import numbers
+from slotlogic.numbers import count
+
 
 @dataclass
 class Observation:
@@ -56,41 +59,38 @@ class Observation:
         return "miss"
 
 
-def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
 def absorb(obs: Observation, obj: Any) -> None:
-    """Fold one JSON object (a whole body or one SSE event) into `obs`; later values win."""
+    """Fold one JSON object (a whole body or one SSE event) into `obs`; later values win. Every number is
+    checked where it enters (`slotlogic.numbers`): a count out of range, or a speed that is not finite, is not
+    said."""
     if not isinstance(obj, dict):
         return
     timings = obj.get("timings")
     if isinstance(timings, dict):
-        if _int(timings.get("cache_n")) is not None:
-            obs.cache_n = timings["cache_n"]
-        if _int(timings.get("prompt_n")) is not None:
-            obs.prompt_n = timings["prompt_n"]
-        pps = timings.get("prompt_per_second")
-        if isinstance(pps, int | float) and not isinstance(pps, bool) and pps > 0:
-            obs.prompt_per_second = float(pps)
-        dps = timings.get("predicted_per_second")
-        several = (_int(timings.get("predicted_n")) or 0) > 1  # one token's speed says little
-        if isinstance(dps, int | float) and not isinstance(dps, bool) and dps > 0 and several:
-            obs.decode_per_second = float(dps)
+        if (cache_n := count(timings.get("cache_n"))) is not None:
+            obs.cache_n = cache_n
+        if (prompt_n := count(timings.get("prompt_n"))) is not None:
+            obs.prompt_n = prompt_n
+        if (pps := numbers.rate(timings.get("prompt_per_second"))) is not None:
+            obs.prompt_per_second = pps
+        dps = numbers.rate(timings.get("predicted_per_second"))
+        several = (count(timings.get("predicted_n")) or 0) > 1  # one token's speed says little
+        if dps is not None and several:
+            obs.decode_per_second = dps
     usage = obj.get("usage")
-    if isinstance(usage, dict) and _int(usage.get("total_tokens")) is not None:
+    if isinstance(usage, dict) and count(usage.get("total_tokens")) is not None:
         obs.tokens_total = usage["total_tokens"]
     if isinstance(usage, dict) and obs.cache_n is None:
         for details in ("prompt_tokens_details", "input_tokens_details"):
             d = usage.get(details)
-            if isinstance(d, dict) and _int(d.get("cached_tokens")) is not None:
+            if isinstance(d, dict) and count(d.get("cached_tokens")) is not None:
                 obs.cache_n = d["cached_tokens"]
-        if _int(usage.get("cache_read_input_tokens")) is not None:
+        if count(usage.get("cache_read_input_tokens")) is not None:
             obs.cache_n = usage["cache_read_input_tokens"]
-            if _int(usage.get("input_tokens")) is not None:
+            if count(usage.get("input_tokens")) is not None:
                 obs.prompt_n = usage["input_tokens"]
-    slot = _int(obj.get("id_slot"))
-    if slot is not None and slot >= 0:
+    slot = numbers.slot_id(obj.get("id_slot"))
+    if slot is not None:
         obs.id_slot = slot
     verbose = obj.get("__verbose")
     if isinstance(verbose, dict):
@@ -110,16 +110,47 @@ def absorb(obs: Observation, obj: Any) -> None:
         obs.error_type = str(err.get("type") or err.get("code") or "error")
         msg = err.get("message")
         obs.error_message = msg[:300] if isinstance(msg, str) else None
-        obs.n_prompt_tokens = _int(err.get("n_prompt_tokens"))
-        obs.n_ctx = _int(err.get("n_ctx"))
+        obs.n_prompt_tokens = count(err.get("n_prompt_tokens"))
+        obs.n_ctx = count(err.get("n_ctx"), numbers.MAX_CTX)
+
+
+MAX_PARSED = 1 << 20    # an answer longer than this is not parsed whole (`observe_json`)
+LARGE_MEMBERS = ("timings", "usage", "id_slot", "error")
+MEMBER_BYTES = 64 << 10  # how much of a large answer one member's value is read from
 
 
 def observe_json(raw: bytes) -> Observation:
+    """The numbers of a whole JSON answer. One longer than `MAX_PARSED` (an answer with `n_probs` runs to tens
+    of MB of small objects: parsed whole, 60 MB cost 517 MB and held the event loop 2.9 s) is not parsed: only
+    its last `timings`, `usage`, `id_slot` and `error` members are read, where llama-server writes them, after
+    the content (`_large_members`)."""
     obs = Observation()
     with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
-        absorb(obs, json.loads(raw))
+        absorb(obs, json.loads(raw) if len(raw) <= MAX_PARSED else _large_members(raw))
         obs.complete = True  # the whole body came
     return obs
+
+
+_decoder = json.JSONDecoder()
+
+
+def _large_members(raw: bytes) -> dict[str, Any]:
+    """The members `LARGE_MEMBERS` of a large answer, each from its last occurrence as a key (a quote inside a
+    string is escaped, so `"name":` unescaped is a key), its value read from at most `MEMBER_BYTES`."""
+    out: dict[str, Any] = {}
+    for name in LARGE_MEMBERS:
+        key = b'"' + name.encode() + b'"'
+        at = raw.rfind(key)
+        while at > 0 and raw[at - 1:at] == b"\\":
+            at = raw.rfind(key, 0, at)
+        if at < 0:
+            continue
+        text = raw[at + len(key):at + len(key) + MEMBER_BYTES].decode("utf-8", "replace").lstrip()
+        if not text.startswith(":"):
+            continue
+        with contextlib.suppress(ValueError, RecursionError):
+            out[name] = _decoder.raw_decode(text[1:].lstrip())[0]
+    return out
 
 
 _CR_LF = re.compile(rb"\r*\n")         # a blank line (CRs are stripped from a line's end)

@@ -302,25 +302,53 @@ def _plain(v: Any) -> bool:
     return True
 
 
-def _nl_dump_slow(v: Any) -> str:
+class _Text(str):
+    """Output text already made (a bracket, a key), next to the values still to write on `_nl_dump_slow`'s stack."""
+
+
+def _nl_scalar(v: Any) -> str:
     if v is None or isinstance(v, (bool, str)):
         return json.dumps(v, ensure_ascii=False)
     if isinstance(v, int):
         return str(v) if _JSON_INT[0] <= v <= _JSON_INT[1] else _nl_float(float(v))
     if isinstance(v, float):
         return _nl_float(v)
-    if isinstance(v, dict):
-        return "{" + ",".join(json.dumps(k, ensure_ascii=False) + ":" + _nl_dump_slow(x) for k, x in v.items()) + "}"
-    if isinstance(v, list):
-        return "[" + ",".join(_nl_dump_slow(x) for x in v) + "]"
     raise TranslationError(f"unsupported JSON value {type(v).__name__}")
+
+
+def _nl_dump_slow(v: Any) -> str:
+    """nlohmann's dump without recursion: a tool input nested as deep as the client likes (900 levels raised
+    RecursionError) is written with a stack of its own."""
+    out: list[str] = []
+    stack: list[Any] = [v]
+    while stack:
+        x = stack.pop()
+        if type(x) is _Text:
+            out.append(x)
+        elif isinstance(x, dict):
+            stack.append(_Text("}"))
+            items = list(x.items())
+            for i in range(len(items) - 1, -1, -1):
+                stack += [items[i][1], _Text(("," if i else "") + json.dumps(items[i][0], ensure_ascii=False) + ":")]
+            stack.append(_Text("{"))
+        elif isinstance(x, list):
+            stack.append(_Text("]"))
+            for i in range(len(x) - 1, -1, -1):
+                stack += [x[i], _Text(",")] if i else [x[i]]
+            stack.append(_Text("["))
+        else:
+            out.append(_nl_scalar(x))
+    return "".join(out)
 
 
 def nl_dump(v: Any) -> str:
     """`json.dump()` of nlohmann::json (compact, UTF-8 as is, its own float format)."""
     try:
         if _plain(v):
-            return json.dumps(v, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            try:
+                return json.dumps(v, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            except RecursionError:  # deeper than the C encoder goes: the same text, without recursion
+                pass
         return _nl_dump_slow(v)
     except (ValueError, OverflowError) as e:
         raise TranslationError(f"tool input not representable ({type(e).__name__})") from None

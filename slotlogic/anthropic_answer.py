@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from slotlogic import numbers
 from slotlogic.anthropic import TranslationError
 
 
@@ -70,13 +71,22 @@ def _parse_input(arguments: Any) -> Any:
 
 def _usage(answer: dict[str, Any]) -> tuple[int, int, int]:
     """(prompt tokens, of which cached, output tokens) of a chat answer."""
-    usage = answer.get("usage") or {}
-    timings = answer.get("timings") or {}
-    details = usage.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens", timings.get("cache_n", 0))
-    prompt = usage.get("prompt_tokens", timings.get("cache_n", 0) + timings.get("prompt_n", 0))
-    output = usage.get("completion_tokens", timings.get("predicted_n", 0))
-    return int(prompt), int(cached), int(output)
+    usage, timings = _dict(answer.get("usage")), _dict(answer.get("timings"))
+    details = _dict(usage.get("prompt_tokens_details"))
+    cached = _n(details, "cached_tokens", _n(timings, "cache_n"))
+    prompt = _n(usage, "prompt_tokens", _n(timings, "cache_n") + _n(timings, "prompt_n"))
+    output = _n(usage, "completion_tokens", _n(timings, "predicted_n"))
+    return prompt, min(cached, prompt), output
+
+
+def _dict(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
+def _n(d: dict[str, Any], key: str, default: int = 0) -> int:
+    """A token count of the server's answer, in range (`numbers.count`); `default` when absent or not one."""
+    v = numbers.count(d.get(key))
+    return default if v is None else v
 
 
 def _stopping_word(obj: dict[str, Any]) -> str | None:
@@ -147,6 +157,8 @@ def counts(answer: dict[str, Any]) -> PromptCounts:
     return PromptCounts(cache_n=cached, prompt_n=prompt - cached)
 
 
+MAX_CALLS = 1 << 16  # a tool call's index in a chat stream: past this it is not one
+
 TOO_LARGE_ANSWER = "slotkeeper: the server's answer was larger than slots_max_body_mb; not converted"
 UNREADABLE = "slotkeeper: the server's answer could not be read as a chat completion"
 
@@ -210,7 +222,7 @@ def _diff(delta: dict[str, Any]) -> _Diff:
     if calls:
         call = calls[0]
         fn = call.get("function") or {}
-        d.index = int(call.get("index", 0))
+        d.index = numbers.count(call.get("index", 0), MAX_CALLS) or 0  # the server's, checked (`numbers`)
         d.call_id = call.get("id") or ""
         d.name = fn.get("name") or ""
         d.arguments = fn.get("arguments") or ""
@@ -355,9 +367,9 @@ class StreamConverter:
         group, self._pending = self._pending, []
         out: list[bytes] = []
         last = group[-1]
-        timings = last.get("timings") or {}
+        timings = _dict(last.get("timings"))
         if self.prompt is None and "cache_n" in timings:
-            self.prompt = PromptCounts(int(timings["cache_n"]), int(timings.get("prompt_n", 0)))
+            self.prompt = PromptCounts(_n(timings, "cache_n"), _n(timings, "prompt_n"))
         diffs: list[_Diff] = []
         first = False
         for obj in group:
@@ -437,9 +449,10 @@ class StreamConverter:
         self._awaiting_usage = True
         timings = finish_obj.get("timings")
         if timings is not None:  # no usage chunk follows (include_usage off): predicted_n is n_decoded
-            self.output_tokens = int(timings.get("predicted_n", 0))
+            timings = _dict(timings)
+            self.output_tokens = _n(timings, "predicted_n")
             if self.prompt is None and "cache_n" in timings:
-                self.prompt = PromptCounts(int(timings["cache_n"]), int(timings.get("prompt_n", 0)))
+                self.prompt = PromptCounts(_n(timings, "cache_n"), _n(timings, "prompt_n"))
             out.append(self._message_end())
         return b"".join(out)
 

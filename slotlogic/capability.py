@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from slotlogic import numbers
 from slotlogic.model_facts import ModelFacts, ReuseKind
 
 PROBE_WORDS = 260          # ~300 tokens: long enough for a stable prefill speed and for llama-server's
@@ -69,11 +70,11 @@ def throughput(answer: Any, slot: int) -> Throughput | None:
     t = answer.get("timings") if isinstance(answer, Mapping) else None
     if not isinstance(t, Mapping):
         return None
-    pps, dps = t.get("prompt_per_second"), t.get("predicted_per_second")
-    pn, dn = t.get("prompt_n"), t.get("predicted_n")
-    if not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in (pps, dps, pn, dn)):
+    pps, dps = numbers.rate(t.get("prompt_per_second")), numbers.rate(t.get("predicted_per_second"))
+    pn, dn = numbers.count(t.get("prompt_n")), numbers.count(t.get("predicted_n"))
+    if pps is None or dps is None or not pn or not dn:
         return None
-    return Throughput(float(pps), float(dps), int(pn), int(dn), slot)
+    return Throughput(pps, dps, pn, dn, slot)
 
 
 def needs_file_check(facts: ModelFacts, swa_full: bool, files_wanted: bool) -> bool:

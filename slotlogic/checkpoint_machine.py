@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from slotlogic import numbers
 from slotlogic.prefix import StablePrefix
 
 PROBE_USER = "Reply with OK."
@@ -163,13 +164,13 @@ class Result:
         has none: `input_tokens` in all, `input_tokens_details.cached_tokens` of them from the cache)."""
         data = self.data if isinstance(self.data, dict) else {}
         t = data.get("timings")
-        if isinstance(t, dict) and isinstance(t.get("cache_n"), int) and isinstance(t.get("prompt_n"), int):
+        if isinstance(t, dict) and _int(t, "cache_n") is not None and _int(t, "prompt_n") is not None:
             return t["cache_n"], t["prompt_n"]
         usage = data.get("usage")
         details = usage.get("input_tokens_details") if isinstance(usage, dict) else None
-        if isinstance(details, dict) and isinstance(usage.get("input_tokens"), int) and isinstance(  # type: ignore[union-attr]
-                details.get("cached_tokens"), int):
-            return details["cached_tokens"], usage["input_tokens"] - details["cached_tokens"]  # type: ignore[index]
+        total, cached = _int(usage, "input_tokens"), _int(details, "cached_tokens")
+        if total is not None and cached is not None and cached <= total:
+            return cached, total - cached
         return None
 
 
@@ -385,8 +386,8 @@ class Orchestrator:
 
 
 def _int(data: Any, key: str) -> int | None:
-    v = data.get(key) if isinstance(data, dict) else None
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+    """A count of a server's answer, in range (`numbers.count`); None otherwise."""
+    return numbers.count(data.get(key)) if isinstance(data, dict) else None
 
 
 # Each phase's handler of its action's answer: a table, not a method looked up by its name.

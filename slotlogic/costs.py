@@ -25,11 +25,13 @@ is 0 and `a` is the keeper's measured tokens a second.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
+from slotlogic import numbers
 from slotlogic.paging import PagePlan
 
 WEIGHT = 0.3         # of the newest answer in each moving average
@@ -71,12 +73,12 @@ class SlotFileAnswer:
             return None
         count, size, timing = ("n_saved", "n_written", "save_ms") if action == "save" else \
             ("n_restored", "n_read", "restore_ms")
-        tokens, n_bytes = data.get(count), data.get(size)
+        tokens, n_bytes = numbers.count(data.get(count)), numbers.count(data.get(size))
         timings = data.get("timings")
-        ms = timings.get(timing) if isinstance(timings, dict) else None
-        if not (_int(tokens) and _int(n_bytes)) or not isinstance(ms, int | float) or isinstance(ms, bool):
+        ms = numbers.millis(timings.get(timing)) if isinstance(timings, dict) else None
+        if not tokens or not n_bytes or ms is None:
             return None
-        return cls(Direction(action), tokens, n_bytes, float(ms), wall_ms)
+        return cls(Direction(action), tokens, n_bytes, ms, wall_ms)
 
 
 @dataclass(frozen=True)
@@ -125,12 +127,15 @@ class PrefillFit:
         self.n = 0
 
     def note(self, prompt_n: int, cache_n: int, tok_s: float) -> None:
-        if prompt_n <= 0 or tok_s <= 0:
+        if prompt_n <= 0 or numbers.rate(tok_s) is None or numbers.count(prompt_n) is None \
+                or numbers.count(cache_n) is None:
             return
         x1, x2, t = float(prompt_n), prompt_n * (cache_n + prompt_n / 2), prompt_n / tok_s
         new = (x1 * x1, x1 * x2, x2 * x2, x1 * t, x2 * t)
-        self.sums = [FORGET * old + v for old, v in zip(self.sums, new, strict=True)]
-        self.n += 1
+        sums = [FORGET * old + v for old, v in zip(self.sums, new, strict=True)]
+        if all(math.isfinite(v) for v in sums):   # an overflow would leave the fit NaN for good
+            self.sums = sums
+            self.n += 1
 
     def solve(self) -> tuple[float, float] | None:
         """(a, b) in seconds, b > 0; None when the answers do not tell depth apart (similar sizes) yet."""
@@ -253,12 +258,12 @@ def prefix_restore(tokens: int, n_bytes: int, rates: Rates) -> Choice | None:
     return page_in(tokens, n_bytes, rates, Move.PREFIX)
 
 
-def _avg(old: float | None, new: float) -> float:
+def _avg(old: float | None, new: float) -> float | None:
+    """The moving average with `new` in; a sample that is not a finite positive speed leaves it as it was (one
+    infinity would make it NaN for good)."""
+    if numbers.real(new, 0.0, numbers.MAX_RATE) is None:
+        return old
     return new if old is None else old + WEIGHT * (new - old)
-
-
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 def _round(v: float | None, digits: int) -> float | None:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from slotlogic import anthropic, rewrite, sidecalls
+from slotlogic import anthropic, json_scan, rewrite, sidecalls
 from slotlogic import lead as leads
 from slotlogic import prefix as pfx
 from slotlogic import session as sess
@@ -29,6 +29,9 @@ from slotlogic.reasons import Passed, Unpinned
 from slotlogic.settings import AnthropicMode, Settings
 
 MAX_MARKS = 512  # prompts remembered for the continuation rule of raw `/completion` bodies
+# Objects and arrays a request body may hold to be parsed: what a parse costs is theirs more than its bytes
+# (~200 bytes each: ~20 MB at most, ~0.1 s). A real agent's request holds a few thousand.
+MAX_ITEMS = 100_000
 
 
 @dataclass
@@ -142,7 +145,7 @@ class Intake:
         rec.remember(key.key, sess.prompt_mark(req.body))
         extends, mark = leads.extends(req.seen, self.ledger.marks.get(key.key))
         if mark is not None:
-            self.ledger.marks[key.key] = mark
+            self.ledger.marks.put(key.key, mark, self.ledger.max_sessions)
         refused = self._translate(req) if route is Route.ANTHROPIC else None
         if refused is not None:
             return Observe(Ticket(key, route, client=client, extends=extends, unpinned=refused), read.original)
@@ -204,6 +207,8 @@ class Intake:
 
 def _read(facts: RequestFacts) -> _Read | Forward:
     content = facts.content or b""
+    if json_scan.containers_over(content, MAX_ITEMS):  # passed untouched, as a body too large to read is
+        return Forward(Passed.TOO_MANY_ITEMS, completion_route=True)
     body = _parse(content)
     original = None
     if facts.replay is not None and isinstance(body, dict):

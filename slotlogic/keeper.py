@@ -276,10 +276,6 @@ class Keeper:
 
     # ------------------------------------------------------------------------------------------- new slots
 
-    def _written_over(self, slot: int, key: str) -> bool:
-        """`slot` no longer holds `key`'s conversation as far as this process knows (its claim is not resumed)."""
-        return self.ledger.moved_on(slot, key) and not self._facts.may_still_hold(slot, key)
-
     def assign(self, need: NeedSlot, state: shared.ServerState, info: ServerInfo,
                live: Sequence[dict[str, Any]] | None, now: float, ahead: Mapping[int, Sequence[int]] | None = None,
                locked: Collection[int] = ()) -> Placement:
@@ -305,7 +301,7 @@ class Keeper:
                                client_slot=rewrite.trusted_client_slot(need.body, total, self.settings.override_client),
                                prefix_chars=len(need.stable.text) if need.stable is not None else 0)
         choice = placement.assign(self.settings, state, who, placement.SlotsSeen(
-            live, total, self._table, pending, self._written_over, dict(ahead or {}), self.rates().decode_cost), now)
+            live, total, self._table, pending, self._facts.written_over, dict(ahead or {}), self.rates().decode_cost), now)
         if choice.why is Why.RESUMED and self._facts.may_still_hold(choice.slot, ticket.session.key):
             self._facts.go_back(choice.slot)
         dropped = shared.compact(state, now, SESSION_KEEP_SECONDS, self.settings.state_max_sessions)

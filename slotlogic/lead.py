@@ -16,7 +16,8 @@ Rule 1: digests only. A lead is a chain of digests over the leading messages (ea
 Rule 2: whole messages. Two leads share the messages up to the first that differs; llama-server reuses the
         exact common token prefix after a restore, so an estimate too high costs a save and a restore
         (milliseconds), never a wrong answer.
-Rule 3: bounded: `MAX_ITEMS` leading messages per session.
+Rule 3: bounded: `MAX_ITEMS` leading messages per session; a request's conversation mark only for at most
+        `MAX_MESSAGES` messages.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 from slotlogic.session import canonical, digest, message_text
 
 MAX_ITEMS = 32  # 4,096 remembered sessions x 32 digests: ~12 MB at most
+MAX_MESSAGES = 20_000  # a longer message list is not followed (no real conversation has it; each costs a digest)
 UNRENDERED = frozenset({"id"})  # Responses items carry per-session ids the template never renders
 
 
@@ -81,7 +83,7 @@ def extends(body: Mapping[str, Any], previous: Mark | None) -> tuple[bool | None
     items = body.get("messages")
     if not isinstance(items, list):
         items = body.get("input")
-    if not isinstance(items, list):
+    if not isinstance(items, list) or len(items) > MAX_MESSAGES:
         return None, None
     chain = digest("conversation", canonical(body.get("tools") or None))
     at_previous = None

@@ -33,10 +33,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from slotlogic.numbers import MAX_SLOTS  # slots of one server the ledger keeps (a larger count is capped)
 from slotlogic.paging import MIN_TOKENS as MIN_PAGE_TOKENS
 from slotlogic.server_placed import ServerPlaced
 
-MAX_SLOTS = 1024        # slots of one server the ledger keeps (a larger count is capped, never allocated)
 MAX_SESSIONS = 4096     # conversations whose length and history are remembered
 TOLERANCE_TOKENS = 16   # a turn's re-rendered tail (generation prompt, a re-evaluated last token) is no loss
 TOLERANCE_SHARE = 0.02
@@ -123,13 +123,24 @@ def tolerance(tokens: int) -> int:
     return TOLERANCE_TOKENS + int(tokens * TOLERANCE_SHARE)
 
 
+class Marks(OrderedDict[str, tuple[int, str]]):
+    """Each session's last parsed request's conversation mark (`slotlogic.lead.extends`), the least recent
+    beyond a bound dropped: a request that never gets an answer (a 404) still leaves one."""
+
+    def put(self, key: str, mark: tuple[int, str], limit: int) -> None:
+        self[key] = mark
+        self.move_to_end(key)
+        while len(self) > limit:
+            self.popitem(last=False)
+
+
 class Ledger:
     def __init__(self, max_sessions: int = MAX_SESSIONS) -> None:
         self._slots: dict[int, Entry] = {}
         self.total = 0
         self.conversations: OrderedDict[str, int] = OrderedDict()  # session -> prompt tokens at its last answer
         self.gone: dict[str, Cause] = {}  # session -> what last wrote over its conversation
-        self.marks: dict[str, tuple[int, str]] = {}  # session -> (messages, digest) of its last parsed request
+        self.marks = Marks()  # session -> (messages, digest) of its last parsed request
         self.max_sessions = max_sessions
         self.stale = 0   # plans dropped because their slot moved on
         self._claims: dict[int, list[str]] = {}  # slot -> sessions whose placements chose it, in claim order
@@ -233,19 +244,6 @@ class Ledger:
         else:
             self._slots = {s: Entry(self.entry(s).epoch + 1) for s in range(total)}
         self.total = total
-
-    def kept_after_all(self, slot: int, before: Entry, reset_epoch: int, *, seen: bool) -> bool:
-        """A restart noticed while `/slots` could not be read emptied `slot` here, but its owner's last request
-        may have run on the new server: `before` holds again, unless anything was written to the slot since the
-        restart's reset (`reset_epoch`). `seen`: `/slots` shows it there; else its owner goes back to it on
-        trust, and a loss there is still the restart's."""
-        now = self.entry(slot)
-        if now.epoch != reset_epoch or not before.owner or before.holds is not Holds.SESSION:
-            return False
-        self._slots[slot] = replace(before, epoch=now.epoch + 1)
-        if seen:
-            self.gone.pop(before.owner, None)
-        return True
 
     def claim(self, slot: int, key: str) -> None:
         """A placement for `key` chose `slot` (Rule 4): queued behind the placements that chose it before."""

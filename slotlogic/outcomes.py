@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
-from slotlogic import affinity, anthropic, anthropic_answer, costs, shared, wait
+from slotlogic import affinity, anthropic, anthropic_answer, costs, numbers, shared, wait
 from slotlogic.answers import Observation
 from slotlogic.board import client_kind
 from slotlogic.decisions import Report, Ticket
@@ -107,7 +107,7 @@ class Outcomes:
 
     def _measure(self, obs: Observation) -> None:
         """The answer's prompt and generation speeds into the server's rate and the prefill fit."""
-        pps = obs.prompt_per_second
+        pps = numbers.rate(obs.prompt_per_second)   # checked again: an infinity here stays NaN for good
         if pps and obs.prompt_n and obs.prompt_n >= RATE_MIN_TOKENS:
             old = self.prefill_rate
             self.prefill_rate = pps if old is None else old + RATE_WEIGHT * (pps - old)

@@ -53,6 +53,7 @@ class Passed(Enum):
     NOT_COMPLETION = "not a completion route"
     NOT_JSON_OBJECT = "body is not a JSON object"
     TOO_LARGE = "body too large to read (slots_max_body_mb)"
+    TOO_MANY_ITEMS = "body has too many JSON objects and arrays to read"
     UNLISTED_MODEL = "no server for its model (llama-swap does not list it, or slots_swap_max_models are busy)"
 
 

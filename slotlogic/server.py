@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from slotlogic import numbers
+
 PROPS_FACTS = ("total_slots", "media_marker", "build_info", "model_path", "default_generation_settings",
                "model_content")
 # What `/props` reports about the model file's content, read from its header by the server: a model replaced at
@@ -29,10 +31,8 @@ PROPS_FACTS = ("total_slots", "media_marker", "build_info", "model_path", "defau
 CONTENT_FACTS = ("model_ftype", "chat_template", "chat_template_caps", "bos_token", "eos_token", "modalities")
 DEFAULT_KV = "f16/f16"  # llama-server's default -ctk/-ctv
 SLOT_FACTS = ("id", "n_ctx", "is_processing", "n_prompt_tokens")
-
-
-def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+# The `/slots` counts slot choice reads: one out of range (or not a count) is dropped, as if not said.
+SLOT_COUNTS = ("n_ctx", "n_prompt_tokens", "n_prompt_tokens_processed", "n_prompt_tokens_cache")
 
 
 def _str(v: Any) -> str | None:
@@ -56,8 +56,8 @@ class ServerInfo:
     def parse(cls, props: Any) -> ServerInfo | None:
         if not isinstance(props, Mapping):
             return None
-        total = _int(props.get("total_slots"))
-        if total is None or total <= 0:
+        total = numbers.slots(props.get("total_slots"))  # capped: a count past any server's sizes nothing
+        if total is None:
             return None
         dgs = props.get("default_generation_settings")
         content = model_content(props)
@@ -65,7 +65,7 @@ class ServerInfo:
         if content is not None:
             raw["model_content"] = content  # recorded with a decision: a replay reaches the same identity
         return cls(total_slots=total, media_marker=_str(props.get("media_marker")),
-                   n_ctx=_int(dgs.get("n_ctx")) if isinstance(dgs, Mapping) else None,
+                   n_ctx=numbers.count(dgs.get("n_ctx"), numbers.MAX_CTX) if isinstance(dgs, Mapping) else None,
                    build_info=_str(props.get("build_info")), model_path=_str(props.get("model_path")),
                    raw=raw, model_content=content)
 
@@ -119,10 +119,23 @@ def slot_facts(live: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]
 
 
 def parse_slots(data: Any) -> list[dict[str, Any]] | None:
-    """A `/slots` answer as a list of per-slot objects; None for anything else (disabled, an error)."""
-    if isinstance(data, list) and all(isinstance(x, dict) for x in data):
-        return data
-    return None
+    """A `/slots` answer as a list of per-slot objects; None for anything else (disabled, an error). Only
+    entries with a slot id the proxy tracks (`numbers.slot_id`), at most one per id, and their counts in range
+    (`SLOT_COUNTS`; one out of range is left out, as if not said)."""
+    if not isinstance(data, list) or not all(isinstance(x, dict) for x in data):
+        return None
+    out: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    for e in data:
+        sid = numbers.slot_id(e.get("id"))
+        if sid is None or sid in seen:
+            continue
+        seen.add(sid)
+        bad = [k for k in SLOT_COUNTS if k in e and e[k] is not None and numbers.count(e[k]) is None]
+        out.append({k: v for k, v in e.items() if k not in bad} if bad else e)
+        if len(out) >= numbers.MAX_SLOTS:
+            break
+    return out
 
 
 def slot_that_ran(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]) -> int | None:
@@ -167,13 +180,12 @@ def work_left(entry: Mapping[str, Any] | None, decode_cost: float | None) -> flo
     first = nt[0] if isinstance(nt, list) and nt and isinstance(nt[0], Mapping) else nt
     decoded = first.get("n_decoded") if isinstance(first, Mapping) else None
     if decoded:
-        remain = first.get("n_remain") if isinstance(first, Mapping) else None
-        if decode_cost is None or not isinstance(remain, int) or isinstance(remain, bool) or remain < 0:
+        remain = numbers.count(first.get("n_remain")) if isinstance(first, Mapping) else None
+        if decode_cost is None or remain is None:
             return None
         return remain * decode_cost
-    total, done = entry.get("n_prompt_tokens"), entry.get("n_prompt_tokens_processed")
-    if not isinstance(total, int) or not isinstance(done, int) or isinstance(total, bool) or total < done:
+    total, done = numbers.count(entry.get("n_prompt_tokens")), numbers.count(entry.get("n_prompt_tokens_processed"))
+    if total is None or done is None or total < done:
         return None
-    cached = entry.get("n_prompt_tokens_cache")
-    reused = cached if isinstance(cached, int) and not isinstance(cached, bool) and cached > 0 else 0
+    reused = numbers.count(entry.get("n_prompt_tokens_cache")) or 0
     return float(max(0, total - done - reused))

@@ -77,8 +77,7 @@ class ServerFacts:
             n = entry.get("n_prompt_tokens") if entry is not None else None
             if entry is None or entry.get("is_processing") or not isinstance(n, int) or isinstance(n, bool):
                 continue
-            if 0 < before.tokens <= n + 1 and self.ledger.kept_after_all(slot, before, epoch, seen=True) \
-                    and seat is not None:
+            if 0 < before.tokens <= n + 1 and self._reinstate(slot, before, epoch, seen=True) and seat is not None:
                 self.table.readmit(before.owner or "", seat)
         self._unconfirmed = {}
 
@@ -94,7 +93,21 @@ class ServerFacts:
         there again on trust (a loss there is still the restart's), so no prefix is restored over it."""
         found = self._unconfirmed.pop(slot, None)
         if found is not None:
-            self.ledger.kept_after_all(slot, found[0], found[1], seen=False)
+            self._reinstate(slot, found[0], found[1], seen=False)
+
+    def _reinstate(self, slot: int, before: Entry, reset_epoch: int, *, seen: bool) -> bool:
+        """`before`'s owner holds `slot` again, unless anything was written there since the restart's reset.
+        `seen`: `/slots` shows it there; else it goes back on trust, and a loss there is still the restart's."""
+        if self.ledger.entry(slot).epoch != reset_epoch or not before.owner:
+            return False
+        self.ledger.write(slot, Holds.SESSION, before.owner, before.tokens)
+        if seen:
+            self.ledger.gone.pop(before.owner, None)
+        return True
+
+    def written_over(self, slot: int, key: str) -> bool:
+        """`slot` no longer holds `key`'s conversation as far as this process knows (its claim is not resumed)."""
+        return self.ledger.moved_on(slot, key) and not self.may_still_hold(slot, key)
 
     def page_identity(self) -> str:
         """What a page written now must match to be restored later (`ServerInfo.page_identity`)."""

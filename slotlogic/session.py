@@ -20,6 +20,7 @@ prefer a slot already holding the same shared prefix.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -222,24 +223,31 @@ def conversation_root(body: Mapping[str, Any], path: str) -> SessionId | None:
 
 
 def user_digests(body: Mapping[str, Any], path: str) -> tuple[str, ...]:
-    """Digests of the user messages' heads (first non-empty line, at most 200 characters), in order. The head,
-    not the whole text: aider sends the current prompt with a reminder appended and keeps only the bare prompt
-    in the history of the next turn."""
+    """Digests of the user messages' heads (first non-empty line, at most 200 characters), in order, each once.
+    The head, not the whole text: aider sends the current prompt with a reminder appended and keeps only the
+    bare prompt in the history of the next turn. Bounded in bytes, not only in conversations: the first
+    `MAX_USER_HEADS` distinct heads among the first `MAX_USER_SCAN` items (a body of 1.5M empty items kept
+    146 MB of digests per conversation root, and hashed them on the event loop). Two conversations that share
+    their root and all of those are one conversation here."""
     if normalise_path(path) in RESPONSES_PATHS:
         inp = body.get("input")
         items: Iterable[Any] = inp if isinstance(inp, list) else ([{"content": inp}] if isinstance(inp, str) else [])
-        texts = [message_text(i.get("content")) for i in items
-                 if isinstance(i, Mapping) and i.get("role", "user") == "user"]
+        default_role: str | None = "user"
     else:
-        texts = [message_text(m.get("content")) for m in _messages(body) if m.get("role") == "user"]
-    return tuple(digest("user", _head(t)) for t in texts)
+        msgs = body.get("messages")
+        items, default_role = (msgs if isinstance(msgs, list) else []), None
+    heads: dict[str, None] = {}
+    for item in itertools.islice(items, MAX_USER_SCAN):
+        if isinstance(item, Mapping) and item.get("role", default_role) == "user":
+            heads.setdefault(digest("user", _head(message_text(item.get("content")))))
+            if len(heads) >= MAX_USER_HEADS:
+                break
+    return tuple(heads)
 
 
 def _head(text: str) -> str:
-    for line in text.splitlines():
-        if line.strip():
-            return line.strip()[:200]
-    return ""
+    rest = text.lstrip()
+    return rest[:1024].splitlines()[0].strip()[:200] if rest else ""
 
 
 def _included(earlier: Sequence[str], now: Sequence[str]) -> bool:
@@ -247,6 +255,8 @@ def _included(earlier: Sequence[str], now: Sequence[str]) -> bool:
 
 
 MAX_ROOTS = 512            # conversation roots remembered (each with its conversations)
+MAX_USER_HEADS = 16        # user-message heads remembered per conversation (~1.2 KB; all roots: ~20 MB at most)
+MAX_USER_SCAN = 4096       # leading items of a request read for them
 MAX_THREADS_PER_ROOT = 32  # conversations remembered per root, the least recently seen go first
 
 
@@ -294,25 +304,29 @@ def tool_names(tools: Any) -> str:
 
 
 def continuation(body: Mapping[str, Any], known: Mapping[str, PromptMark]) -> SessionId | None:
-    """The known session whose last prompt this prompt extends (the longest such prompt wins)."""
+    """The known session whose last prompt this prompt extends (the longest such prompt wins). The prompt's
+    prefix digests are taken in one pass, shortest first, a running hash copied at each remembered length: the
+    prompt is hashed once, whatever the number of remembered prompts (hashing it again from its start for each
+    length cost 488 MB of hashing a request with 512 remembered 1 MB prompts)."""
     text = prompt_text(body)
     if text is None:
         return None
-    best: tuple[int, str] | None = None
-    by_length: dict[int, list[tuple[str, PromptMark]]] = {}
+    by_length: dict[int, list[str]] = {}
     for key, mark in known.items():
         if mark.length <= len(text):
-            by_length.setdefault(mark.length, []).append((key, mark))
-    for length in sorted(by_length, reverse=True):
-        head = digest("prompt", text[:length])
-        for key, mark in by_length[length]:
-            if mark.digest == head and (best is None or length > best[0]):
-                best = (length, key)
-        if best is not None:
-            break
-    if best is None:
+            by_length.setdefault(mark.length, []).append(key)
+    if not by_length:
         return None
-    return SessionId(best[1], "content:continuation")
+    best: str | None = None
+    running, at = hashlib.sha256(b"prompt\x00"), 0
+    for length in sorted(by_length):
+        running.update(text[at:length].encode("utf-8", "surrogatepass"))
+        at = length
+        head = running.copy()
+        head.update(b"\x00")
+        found = head.hexdigest()[:16]
+        best = next((k for k in by_length[length] if known[k].digest == found), best)
+    return None if best is None else SessionId(best, "content:continuation")
 
 
 def resolve(headers: Mapping[str, str], body: Mapping[str, Any], path: str, *,

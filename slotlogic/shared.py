@@ -26,6 +26,7 @@ from typing import Any
 from slotlogic import handover
 from slotlogic.handover import Handover
 from slotlogic.learned_prefix import MAX_LEARNED, Learned
+from slotlogic.numbers import MAX_SLOTS
 from slotlogic.paging import FILE_RE as PAGE_FILE_RE
 from slotlogic.paging import PageRecord
 from slotlogic.ranking import SlotView
@@ -36,8 +37,7 @@ FORMAT_VERSION = 1
 # The most slots a shared state may speak of. Only `/props` says how many slots a server has; a count or a slot
 # id in the state (a file or Redis key any local process can write) is a hint for the hash fallback at most,
 # never the size of anything built. Beyond this it is junk and dropped (llama-server's own slot counts are a
-# few dozen at most in practice: each slot is a KV cache of its own).
-MAX_SLOTS = 1024
+# few dozen at most in practice: each slot is a KV cache of its own). `MAX_SLOTS` is `slotlogic.numbers`'.
 MAX_MARKER = 128  # a media_marker longer than this read from the store is not one
 
 

@@ -170,3 +170,26 @@ async def test_a_slot_call_made_while_a_request_of_ours_runs_gives_no_overhead_s
     await pages.run(PLAN)  # type: ignore[arg-type]
     assert [(a.direction.value, a.wall_ms is None) for a in answers] == [
         ("save", True), ("restore", True), ("save", False), ("restore", False)]
+
+
+async def test_a_save_answer_out_of_range_sizes_no_page():
+    """A server's save answer with `n_written: -2**62` would switch the page budget off (it adds them up), and an
+    infinite `save_ms` would leave the server time NaN: each number is checked where it enters
+    (reliability round 4, item 1); the file's own size is used instead."""
+    import tempfile
+    from pathlib import Path
+
+    class Lying(Slots):
+        async def post_json(self, path: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
+            await super().post_json(path, body, timeout)
+            if "save" in path:
+                return 200, {"n_saved": 900, "n_written": -(2**62), "timings": {"save_ms": float("inf")}}
+            return 200, {"n_restored": 10**400, "timings": {"restore_ms": float("nan")}}
+
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        (tmp / PLAN.restore_file).write_bytes(b"x")
+        (tmp / PLAN.save_file).write_bytes(b"kv" * 10)
+        out = await runner(Lying(), tmp).run(PLAN)  # type: ignore[arg-type]
+    assert (out.saved_tokens, out.saved_bytes, out.server_ms) == (900, 20, 0.0)
+    assert out.restore_failed and not out.restored_tokens   # a restore whose count is no count is no page-in

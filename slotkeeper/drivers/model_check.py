@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from slotkeeper.drivers import gguf_io
 from slotkeeper.drivers.llama_http import LlamaClient
-from slotlogic import capability
+from slotlogic import capability, numbers
 from slotlogic.capability import Throughput, Verdict
 from slotlogic.costs import SlotFileAnswer
 from slotlogic.events import Event, Failed, ModelDescribed, ModelHeader, Probed, Stage
@@ -150,10 +150,10 @@ class ModelCheck:
                     back = SlotFileAnswer.parse("restore", restored) if code == 200 else None
                     if back is not None:
                         self.on_answer(back)
-                if facts is not None and isinstance(saved, dict) and isinstance(saved.get("n_saved"), int) \
-                        and isinstance(saved.get("n_written"), int):
-                    in_files = facts.file_has_checkpoints(saved["n_saved"], saved["n_written"],
-                                                          n_streams=info.total_slots)
+                n_saved, n_written = (numbers.count(saved.get("n_saved")), numbers.count(saved.get("n_written"))) \
+                    if isinstance(saved, dict) else (None, None)
+                if facts is not None and n_saved is not None and n_written is not None:
+                    in_files = facts.file_has_checkpoints(n_saved, n_written, n_streams=info.total_slots)
                 await asyncio.to_thread(_remove, Path(settings.save_dir) / name)
             if settings.save_dir and may_write():
                 await self.client.post_json(f"/slots/{slot}?action=erase", None, PROBE_TIMEOUT)

@@ -32,6 +32,7 @@ from typing import Any
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.slot_gate import SlotGate
 from slotkeeper.drivers.store import SlotLocks
+from slotlogic import numbers
 from slotlogic.checkpoint_machine import Failure
 from slotlogic.costs import SlotFileAnswer
 from slotlogic.events import Event, Failed, PageFailed, PageGone, PageRejected, PagingLockTimeout, Stage
@@ -218,12 +219,13 @@ class PageRunner:
             else:
                 asked = self._asked()
                 status, data = await self._action(plan.slot, "restore", plan.restore_file)
-                if status == 200 and isinstance(data, dict) and isinstance(data.get("n_restored"), int):
-                    check = restore_checked(expected, data["n_restored"])
+                restored = numbers.count(data.get("n_restored")) if isinstance(data, dict) else None
+                if status == 200 and isinstance(data, dict) and restored is not None:
+                    check = restore_checked(expected, restored)
                     out.server_ms += _ms(data, "restore_ms")
                     self._measured("restore", data, asked)
                     if check is None:
-                        out.restored_tokens = data["n_restored"]
+                        out.restored_tokens = restored
                     else:  # the slot holds something other than the page we recorded: not a page-in
                         out.restore_failed = True
                         self.emit(PageRejected(self.upstream, plan.slot, check))
@@ -256,12 +258,13 @@ class PageRunner:
         """Save `slot` into `filename`: (tokens, bytes) written, or None (logged once per failure)."""
         asked = self._asked()
         status, data = await self._action(slot, "save", filename)
-        if status == 200 and isinstance(data, dict) and isinstance(data.get("n_saved"), int):
+        saved = numbers.count(data.get("n_saved")) if isinstance(data, dict) else None
+        if status == 200 and isinstance(data, dict) and saved is not None:
             out.server_ms += _ms(data, "save_ms")
             self._measured("save", data, asked)
-            written = data.get("n_written")
+            written = numbers.count(data.get("n_written"))  # the page budget adds it up: never negative
             self._private(filename)
-            return data["n_saved"], written if isinstance(written, int) else self._size(filename)
+            return saved, written if written is not None else self._size(filename)
         out.missing_save_path |= status == 501
         self.emit(PageFailed(self.upstream, slot, "out", Failure.of(status, data)))
         return None
@@ -345,7 +348,7 @@ class PageRunner:
 def _ms(data: dict[str, Any], key: str) -> float:
     timings = data.get("timings")
     value = timings.get(key) if isinstance(timings, dict) else None
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+    return numbers.millis(value) or 0.0
 
 
 async def _no_copy(url: str, slot: int, file: str, source: str) -> tuple[int, int] | None:

@@ -38,11 +38,11 @@ from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.origins import base_of
 from slotkeeper.drivers.pool_health import Member, PoolHealth
 from slotkeeper.drivers.upstream import Upstream
+from slotlogic import json_scan, routing, shared, swap_models
 from slotlogic import prefix as pfx
-from slotlogic import routing, shared, swap_models
 from slotlogic.decisions import Decision, Forward, NeedSlot, Pin, RequestFacts
 from slotlogic.events import Event
-from slotlogic.intake import Recognition
+from slotlogic.intake import MAX_ITEMS, Recognition
 from slotlogic.ranking import SlotView
 from slotlogic.reasons import Passed
 from slotlogic.routing import RouteWhy, ServerView
@@ -365,7 +365,10 @@ def _model_of_body(body: Any) -> str:
 
 
 def _model_of(content: bytes | None) -> str:
+    """The body's `model`; "" for a body not parsed (not JSON, or too costly to parse: `intake.MAX_ITEMS`)."""
+    if content and json_scan.containers_over(content, MAX_ITEMS):
+        return ""
     try:
         return _model_of_body(json.loads(content or b""))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return ""

@@ -31,6 +31,7 @@ from mitmproxy import ctx, exceptions, http
 from slotkeeper.mitm import metrics, options
 from slotkeeper.mitm.options import Option
 from slotkeeper.mitm.runtime import Runtime
+from slotlogic import numbers
 
 PREFIX = "/_slots/"
 LOOPBACK = ("127.0.0.0/8", "::1/128")
@@ -174,4 +175,10 @@ SECURITY_HEADERS = {
 
 
 def reply(status: int, body: Any) -> http.Response:
-    return http.Response.make(status, json.dumps(body, indent=1), {"content-type": "application/json"})
+    """`body` as JSON. JSON has no NaN or infinity (Python would write them, and the slot page could not parse
+    the status then): one left in a figure is written as null."""
+    try:
+        text = json.dumps(body, indent=1, allow_nan=False)
+    except ValueError:
+        text = json.dumps(numbers.finite(body), indent=1, allow_nan=False)
+    return http.Response.make(status, text, {"content-type": "application/json"})
