@@ -300,8 +300,9 @@ class Keeper:
                                resume=ticket.session.key not in self._table.misplaced,
                                client_slot=rewrite.trusted_client_slot(need.body, total, self.settings.override_client),
                                prefix_chars=len(need.stable.text) if need.stable is not None else 0)
-        choice = placement.assign(self.settings, state, who, placement.SlotsSeen(
-            live, total, self._table, pending, self._facts.written_over, dict(ahead or {}), self.rates().decode_cost), now)
+        seen = placement.SlotsSeen(live, total, self._table, pending, self._facts.written_over, dict(ahead or {}),
+                                   self.rates().decode_cost)
+        choice = placement.assign(self.settings, state, who, seen, now)
         if choice.why is Why.RESUMED and self._facts.may_still_hold(choice.slot, ticket.session.key):
             self._facts.go_back(choice.slot)
         dropped = shared.compact(state, now, SESSION_KEEP_SECONDS, self.settings.state_max_sessions)
