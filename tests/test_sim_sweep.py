@@ -35,7 +35,7 @@ def causes(seed: int, load: bool = False) -> set[str]:
     return {x.cause for x in run_seed(seed, load=load).losses if not x.labelled}
 
 
-LOADED = {590, 77}  # seeds found on the loaded draw (LOADED_AGAIN: a seed found on both draws, each its own cause)
+LOADED = {590, 77, 1953, 2670}  # seeds found on the loaded draw (LOADED_AGAIN: a seed found on both draws, each its own cause)
 
 
 # Each: the smallest seed of 0..299 with the cause (seeds 59 and 79: the issue-19 traffic, seed % 10 == 9).
@@ -104,6 +104,12 @@ CAUSES = [
          "anew and wrote over it unsaved: 40 of 254 (found when the loaded draws became client patiences; fixed: "
          "until `/slots` answers, an owner goes back to its emptied slot, which may hold its conversation, "
          "and the ledger holds it there on trust)"),
+    (1953, "moved-slot: a loaded server (90 tok/s, patience 6 s), two stalls; a turn resumed on the slot the state "
+           "file gave it while its previous request, sent with id_slot -1 at its patience, had run on another "
+           "(found when the loaded draws became client patiences): 88 of 286"),
+    (2670, "not-paged-in: a loaded server (288 tok/s, patience 15 s), a restart and two stalls; a session kept on "
+           "its own slot (`displaced:shared`) got the prefix restored over the conversation still there (found "
+           "when the loaded draws became client patiences): 205 of 391"),
     (590, "not-paged-in: a loaded server (183 tok/s, bound 1 s), two one-slot servers; two placements past their "
           "bound both claimed the one slot and each waited for a slot with no claim but its own until the 3 s cap, "
           "then went with id_slot -1 over the sessions the slot held (fixed: a waiting placement lets go of its "

@@ -88,7 +88,9 @@ def _explain(rig: Rig, o: Outcome, prev: Outcome) -> Loss:
         loss.cause = "restart"
     elif any(e.kind == "idle-clear" for e in on_prev):
         loss.cause = "idle-clear"
-    elif _given_away(rig, on_prev, o.tag):
+    elif _given_away(rig, on_prev, o.tag) or o.meta.get("unpinned"):
+        # written over by a request the proxy itself sent with id_slot -1, or this request is one: held to its
+        # client's patience (or its server unknown), it went where it could start, its own page-in given up
         loss.cause = "given-away"
     elif o.server != prev.server:
         # paging off, its slot written by another session since, placed anew: an eviction the proxy chose
