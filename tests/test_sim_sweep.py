@@ -35,7 +35,8 @@ def causes(seed: int, load: bool = False) -> set[str]:
     return {x.cause for x in run_seed(seed, load=load).losses if not x.labelled}
 
 
-LOADED = {590, 77, 1953, 2670}  # seeds found on the loaded draw (LOADED_AGAIN: a seed found on both draws, each its own cause)
+# seeds found on the loaded draw (LOADED_AGAIN: a seed found on both draws, each its own cause)
+LOADED = {590, 77, 1953, 2670}
 
 
 # Each: the smallest seed of 0..299 with the cause (seeds 59 and 79: the issue-19 traffic, seed % 10 == 9).
