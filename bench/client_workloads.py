@@ -106,6 +106,7 @@ class Turn:
     end: float
     returncode: int | None
     stderr_tail: str
+    error: str | None = None  # the client's own error message (TurnResult.error)
 
 
 @dataclass
@@ -268,11 +269,12 @@ def run_config(client: str, cfg: BenchConfig, log_dir: Path, threads: int, sessi
             for i, w in enumerate(windows):
                 start = time.time()
                 res = w.run_turn(script[i][k], timeout=TURN_TIMEOUT_S)
-                done.append(Turn(i, k, start, time.time(), res.returncode, res.stderr_tail[-600:]))
+                done.append(Turn(i, k, start, time.time(), res.returncode, res.stderr_tail[-600:], res.error))
                 if progress:
-                    progress(f"{tag}: s{i + 1}t{k + 1} exit {res.returncode} in {res.seconds:.0f}s")
-                if res.returncode not in (0, 1) and failed is None:  # Claude Code exits 1 after its resumes
-                    failed = f"s{i + 1}t{k + 1} exited {res.returncode}: {res.stderr_tail[-400:]}"
+                    progress(f"{tag}: s{i + 1}t{k + 1} {res.outcome()} in {res.seconds:.0f}s")
+                # Claude Code exits 1 when its answers stay cut at the tiny cap after its resumes: not a failure
+                if res.returncode != 0 and not res.capped and failed is None:
+                    failed = f"s{i + 1}t{k + 1} {res.outcome()}; stderr: {res.stderr_tail[-400:]}"
         wall = time.perf_counter() - t0
         time.sleep(0.5)  # the last answer's counters are added once its stream has ended
         lost = loss.proxy_lost([stack.url])

@@ -81,6 +81,13 @@ class TurnDone:
     seconds: float
     returncode: int | None
     stderr_tail: str
+    error: str | None = None  # the client's own error message (bench/real/clients.py, TurnResult.error)
+    capped: bool = False  # that error is the client giving up on answers cut at the bench's tiny answer cap
+
+    @property
+    def failed(self) -> bool:
+        """A turn whose client exited non-zero for any reason but the answer cap (Claude Code exits 1 then)."""
+        return self.returncode != 0 and not self.capped
 
 
 def missing(mix: Mix) -> str | None:
@@ -104,8 +111,9 @@ def run_config(name: str, mix: Mix, cfg: BenchConfig, log_dir: Path, threads: in
                                 max_tokens=MAX_TOKENS, context_window=CTX_PER_SLOT)
             for k, prompt in enumerate(prompts(i, mix.turns)):
                 res = w.run_turn(prompt, timeout=TURN_TIMEOUT_S)
-                done.append(TurnDone(client, i, k, res.seconds, res.returncode, res.stderr_tail[-400:]))
-                log(f"{tag}: {client} s{i + 1}t{k + 1} exit {res.returncode} in {res.seconds:.0f}s")
+                done.append(TurnDone(client, i, k, res.seconds, res.returncode, res.stderr_tail[-400:], res.error,
+                                     res.capped))
+                log(f"{tag}: {client} s{i + 1}t{k + 1} {res.outcome()} in {res.seconds:.0f}s")
 
         threads_ = [threading.Thread(target=session, args=(c, i, STAGGER_S * n), daemon=True)
                     for n, (c, i) in enumerate((c, i) for i in range(mix.sessions) for c in mix.clients)]
@@ -161,7 +169,7 @@ def summary(config: str, requests: Sequence[Request], done: Sequence[TurnDone], 
             "side_calls": len(side), "side_prefill": sum(r.prompt_n or 0 for r in side),
             "side_cached": sum(r.cache_n or 0 for r in side),
             "side_p95_s": _p95([r.end - r.start for r in side]),
-            "turns_failed": sum(1 for d in done if d.returncode not in (0, 1)),
+            "turns_failed": sum(1 for d in done if d.failed), "turns_capped": sum(1 for d in done if d.capped),
             "turns": len(done), "proxy_lost": lost}
 
 
@@ -190,8 +198,10 @@ def _x(v: float | None) -> str:
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    """The mix rows; `lost` is the proxy's loss meter (every session's and side-call home's tokens it had and
-    lost, `unlabelled` its cause-unknown part; `-` without a proxy)."""
+    """The mix rows; `turns failed` counts a client's non-zero exit unless it gave up on answers cut at the
+    answer cap (`capped`, shown beside it: Claude Code exits 1 then, on stock as through the proxy); `lost` is
+    the proxy's loss meter (every session's and side-call home's tokens it had and lost, `unlabelled` its
+    cause-unknown part; `-` without a proxy)."""
     head = ("| workload | config | requests | prefill | of which warm-up | limit | x limit | work k | limit work k | "
             "x limit work | wall s | error lines | side calls | side prefill | side p95 s | turns failed | lost | "
             "lost unlabelled |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -200,13 +210,14 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         p95 = f"{r['side_p95_s']:.1f}" if r["side_p95_s"] is not None else "-"
         lost = r.get("proxy_lost")
         total, unknown = (f"{lost['total']:,}", f"{lost['unknown']:,}") if lost else ("-", "-")
+        capped = f" ({r['turns_capped']} capped)" if r.get("turns_capped") else ""
         lim, ratio = r.get("limit"), r.get("x_limit")
         lines.append(f"| {r['workload']} | {r['config']} | {r['requests']} | {r['prefill']:,} | "
                      f"{r.get('warmup', 0):,} | {f'{lim:,}' if lim else '-'} | {_x(ratio)} | "
                      f"{_k(r.get('work'))} | {_k(r.get('limit_work'))} | {_x(r.get('x_limit_work'))} | "
                      f"{r['wall_s']:.0f} | "
                      f"{r['errors']} | {r['side_calls']} | {r['side_prefill']:,} | {p95} | "
-                     f"{r['turns_failed']}/{r['turns']} | {total} | {unknown} |")
+                     f"{r['turns_failed']}/{r['turns']}{capped} | {total} | {unknown} |")
     return "\n".join(lines)
 
 

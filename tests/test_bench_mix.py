@@ -65,3 +65,16 @@ def test_work_weighs_each_prefilled_token_by_its_depth_and_so_does_the_limit():
     warm = summary("auto", [req(0, 1, 4000, 0), req(1, 2, 4000, 4000)], [], 10.0, None, tokens, warmup=[2000],
                    depth=depth)
     assert warm["work"] == 40_000 + work.span(0, 2000, depth)  # the proxy's warm-ups from an erased slot
+
+
+def test_a_turn_capped_at_the_answer_limit_is_not_a_failure_and_any_other_non_zero_exit_is():
+    """Claude Code exits 1 when its answers stay cut at the bench's 16-token cap after three resumes (bench mix-4:
+    2 of 4 turns on stock, 3 of 4 through the proxy, every answer a 200 with stop_reason max_tokens): counted
+    as capped, beside the failures. Another client's exit 1 is a failure (it was hidden with Claude Code's)."""
+    capped = "API Error: Claude's response exceeded the 16 output token maximum."
+    turns = [TurnDone("claude-code", 0, 0, 30.0, 1, "", capped, True), TurnDone("claude-code", 0, 1, 9.0, 0, ""),
+             TurnDone("claude-code", 1, 0, 30.0, 1, "", "API Error: 400 bad", False),
+             TurnDone("opencode", 0, 0, 10.0, 1, "")]
+    row = summary("stock", [req(0, 10, 900, 100)], turns, 42.0, None)
+    assert (row["turns_failed"], row["turns_capped"], row["turns"]) == (2, 1, 4)
+    assert "| 2/4 (1 capped) | - | - |" in table([{"workload": "mix-4", **row}])

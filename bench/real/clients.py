@@ -63,6 +63,9 @@ def openai_base(url: str) -> str:
     return base_root(url) + "/v1"
 
 
+ERROR_CHARS = 300  # of a client's own error message, kept for the bench's log lines
+
+
 def _tail(text: str, limit: int = 2000) -> str:
     return text[-limit:]
 
@@ -74,7 +77,11 @@ def _kill_group(pid: int) -> None:
 
 @dataclass
 class TurnResult:
-    """What one headless client invocation did."""
+    """What one headless client invocation did.
+
+    `error` is the error the client reported in its own output (Claude Code prints it on stdout, in its JSON
+    result, and nothing on stderr), in the client's words and cut to ERROR_CHARS; `capped` says that error is
+    the client giving up on answers cut at the answer cap, which a run with a tiny cap expects."""
 
     argv: list[str]
     returncode: int | None  # None: killed after the timeout
@@ -82,6 +89,13 @@ class TurnResult:
     stdout_tail: str
     stderr_tail: str
     stdout: str = field(repr=False, default="")
+    error: str | None = None
+    capped: bool = False
+
+    def outcome(self) -> str:
+        """`exit N` (`killed` after the timeout) and the client's error, for a log line (no prompt text)."""
+        head = "killed" if self.returncode is None else f"exit {self.returncode}"
+        return f"{head}: {self.error}" if self.error else head
 
 
 @dataclass
@@ -159,6 +173,14 @@ class ClientSession:
     def after_turn(self, result: TurnResult) -> None:
         """Learn the session id from the first turn's output when the client picks it itself."""
 
+    def reported_error(self, stdout: str) -> str | None:
+        """The error this client reported in its own output for a turn, or None (none, or not one it reports)."""
+        return None
+
+    def is_capped(self, error: str) -> bool:
+        """True when `error` is the client giving up because its answers stopped at the answer cap."""
+        return False
+
     # --- running -----------------------------------------------------------------------------------
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
@@ -195,7 +217,9 @@ class ClientSession:
         except BaseException:  # interrupted: never leave a client (or the tools it started) running
             _kill_group(proc.pid)
             raise
-        result = TurnResult(argv, rc, round(time.monotonic() - started, 2), _tail(out), _tail(err), out)
+        error = self.reported_error(out)
+        result = TurnResult(argv, rc, round(time.monotonic() - started, 2), _tail(out), _tail(err), out,
+                            error[:ERROR_CHARS] if error else None, bool(error) and self.is_capped(error))
         self.history.append(result)
         self.turns += 1
         self.after_turn(result)
@@ -235,7 +259,14 @@ class ClaudeCodeSession(ClientSession):
     Turns: `claude -p --output-format json --model smollm2 --session-id <uuid> PROMPT`, later turns
     `--resume <uuid>`. `attribution_header=False` sets `CLAUDE_CODE_ATTRIBUTION_HEADER=0`, which removes the
     per-session billing line from the system prompt (see docs/clients.md).
+
+    A failed turn exits 1 with an empty stderr: the error is the JSON result on stdout (`"is_error": true`,
+    its `result` the message). When an answer stops at `max_tokens`, Claude Code resumes it up to three times;
+    if the last one stops there too, the turn ends with "API Error: Claude's response exceeded the N output
+    token maximum" (`is_capped`), which a tiny cap makes common and says nothing about the server.
     """
+
+    CAP_ERROR: ClassVar[str] = "output token maximum"
 
     attribution_header: bool = True
     name: ClassVar[str] = "claude-code"
@@ -260,6 +291,21 @@ class ClaudeCodeSession(ClientSession):
     def argv(self, prompt: str) -> list[str]:
         argv = [str(self.ensure_installed()), "-p", "--output-format", "json", "--model", self.model]
         return [*argv, *self._new_or_resume(), *self.extra_args, prompt]
+
+    def reported_error(self, stdout: str) -> str | None:
+        """The last `result` event's error: its `result` text (an "API Error: ..." message) when the turn
+        completed with an error, else its `subtype` (`error_max_turns`, `error_during_execution`) and `errors`."""
+        results = [e for e in _json_events(stdout) if e.get("type") == "result"]
+        if not results:
+            return None
+        last = results[-1]
+        subtype = str(last.get("subtype") or "")
+        if subtype == "success":
+            return str(last.get("result") or "is_error") if last.get("is_error") else None
+        return " ".join([subtype or "error", *(str(e) for e in last.get("errors") or [])])
+
+    def is_capped(self, error: str) -> bool:
+        return self.CAP_ERROR in error
 
 
 @dataclass
@@ -387,6 +433,15 @@ class CodexSession(ClientSession):
                 if event.get("type") == "thread.started" and event.get("thread_id"):
                     self.session_id = event["thread_id"]
                     return
+
+    def reported_error(self, stdout: str) -> str | None:
+        """The last `turn.failed` event's `error.message`, else the last `error` event's `message`."""
+        events = _json_events(stdout)
+        failed = [e.get("error") for e in events if e.get("type") == "turn.failed"]
+        if failed:
+            return str(failed[-1].get("message") if isinstance(failed[-1], dict) else failed[-1] or "turn.failed")
+        errors = [e.get("message") for e in events if e.get("type") == "error"]
+        return str(errors[-1] or "error") if errors else None
 
 
 @dataclass
