@@ -35,9 +35,12 @@ def test_the_summary_row_has_every_field_of_the_soaks_rows_and_fails_with_its_at
 
 
 def test_every_attack_of_the_issue_has_a_row_with_its_item():
-    """Items 1-6, 15 and 16 of issue 20 each have at least one attack in the class."""
+    """Items 1-6, 15 and 16 of issue 20, and the eight of the server's numbers and a request's cost, each have
+    at least one attack in the class."""
     names = mb.attack_names()
-    assert len(names) == len(mb.attacks()) == len(set(names)) == 11
+    assert len(names) == len(mb.attacks()) == len(set(names)) == 19
+    assert {"props-slots", "infinite-speed", "responses-items", "body-items", "answer-nprobs", "marks-404",
+            "prompts-1mb", "tool-input-deep"} <= set(names)
     assert names[:3] == ["total_slots", "swap_models", "fastpath_heads"]
     small, full = mb.Sizes.small(), mb.Sizes()
     assert small.stream_mb > 4 and small.json_mb > 64 and small.fast_prompt > 4 << 20   # past every cap

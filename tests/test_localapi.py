@@ -45,11 +45,14 @@ async def test_the_allowed_networks_can_be_widened(proxy):
     assert (await proxy.request(api("/_slots/health", peer=("10.1.2.3", 1)))).response.status_code == 200
 
 
-async def test_an_unreadable_state_file_is_an_answer_not_a_forwarded_request(proxy, tmp_path):
+async def test_an_unreadable_state_file_is_an_answer_not_a_forwarded_request(proxy, tmp_path, monkeypatch):
     await proxy.request(flow(chat()))
-    (state_file,) = (tmp_path / "state").glob("state-*.json")
-    state_file.unlink()
-    state_file.mkdir()  # reading it now fails
+    up = next(iter(proxy.rt.upstreams.values()))
+
+    async def unreadable() -> None:
+        raise PermissionError(13, "Permission denied")  # a state dir the proxy can no longer read
+
+    monkeypatch.setattr(up.store, "aread", unreadable)
     f = await proxy.request(api("/_slots/status"))
     assert f.response.status_code == 500 and "status unavailable" in json.loads(f.response.content)["error"]
 

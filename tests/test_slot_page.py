@@ -9,7 +9,7 @@ import pytest
 from mitmproxy import http
 
 from bench.page import render_times, serve_page, synthetic_status
-from slotkeeper.launch import browser
+from bench.real import browser
 from tests.conftest import UP, chat, flow
 from tests.test_localapi import api
 from tests.test_metrics import samples

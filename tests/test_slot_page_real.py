@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from slotkeeper.launch import browser
+from bench.real import browser
 from slotkeeper.launch.llama_server import LlamaServer
 from slotkeeper.launch.mitmdump import MitmProxy
 from tests.real_helpers import THREADS, ask, conversation, extend

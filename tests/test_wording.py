@@ -17,6 +17,7 @@ from slotlogic.endpoints import Route
 from slotlogic.ledger import Cause
 from slotlogic.paging import PageCheck
 from slotlogic.reasons import Passed, Why
+from slotlogic.scheduler import Action, Candidate, Pick
 from slotlogic.session import SessionId
 
 EVENTS = [c for c in vars(ev).values() if isinstance(c, type) and issubclass(c, ev.Event) and c is not ev.Event]
@@ -34,6 +35,8 @@ def sample(cls: type) -> ev.Event:
                           else ev.Via.NOTICE if "Via" in hint else Cause.STALE_PAGE if "Cause" in hint
                           else Outcome.WARMED if "Outcome" in hint else PageCheck.LOW_CACHE if "PageCheck" in hint
                           else Choice(Move.PAGE_IN, 1342, 31_000_000, 0.2, 13.0, "c" * 16) if "Choice" in hint
+                          else Pick(Candidate(Action.MOVE_FREE, 2, 4.2), Candidate(Action.HOLD, None, 12.0),
+                                    ((Action.SERVER_CHOOSES, "promise"),)) if "Pick" in hint
                           else Failure(400, "invalid_request_error")
                           if "Failure" in hint else Note(NoteKind.COLD, 1) if "Note" in hint
                           else (1, 2) if "tuple[int" in hint else ("a",) if "tuple[str" in hint
@@ -85,3 +88,14 @@ def test_control_bytes_from_a_request_path_are_escaped_and_one_line_stays_one_li
     _, text = wording.event_line(ev.PassedThrough("u", "POST", path, Passed.NOT_JSON_OBJECT))
     assert text.isprintable() and text.startswith("slotkeeper: POST /v1/chat/completions?\\x1b[1A")
     assert wording.printable("plain é ✓") == "plain é ✓"
+
+
+def test_a_held_request_s_decision_names_the_winner_the_runner_up_and_the_filters():
+    pick = Pick(Candidate(Action.RUN_OWN, None, 0.0), Candidate(Action.MOVE_FREE, 2, 4.2),
+                ((Action.SERVER_CHOOSES, "promise"),))
+    event = ev.Scheduled("http://u:1", "3f2a9c1e", 0, pick, 31.0)
+    assert wording.event_line(event)[1] == ("slotkeeper: session 3f2a9c1e held 31 s on slot 0: run-own ~0 ms; "
+                                            "runner-up move-free slot 2 ~4.2 s; removed server-chooses by promise")
+    record = wording.event_record(event)
+    assert record is not None and record["chosen"]["action"] == "run-own" and record["runner_up"]["seconds"] == 4.2
+    assert record["removed"] == [{"action": "server-chooses", "filter": "promise"}]
