@@ -45,15 +45,16 @@ def synthetic_status(slots: int = 8, sessions: int = 200, now: float = 1.8e9) ->
                 "source": "content:root", "lost_tokens": 50 * (i % 5), "lost_unexpected": 0}
             for i, k in enumerate(keys)}
     spans = [{"start": now - 600 + i * 0.29, "end": now - 600 + i * 0.29 + 0.8, "slot": i % slots,
-              "session": keys[i % sessions]} for i in range(2048)]
+              "session": keys[i % sessions]} for i in range(2048 if sessions else 0)]
     marks = [{"t": now - 600 + i * 0.58, "slot": i % slots, "kind": KINDS[i % len(KINDS)],
-              "session": keys[i % sessions], "tokens": 1000 + i} for i in range(1024)]
+              "session": keys[i % sessions], "tokens": 1000 + i} for i in range(1024 if sessions else 0)]
     extras = {k: {"client": "chat/content:root" if i % 3 else "claude-code",
                   "lost_by_cause": {CAUSES[i % 4]: 50 * (i % 5)} if i % 5 else {},
                   "pages_out": i % 3, "pages_in": i % 2} for i, k in enumerate(keys)}
     server = {"upstream": "http://127.0.0.1:8080", "media_marker": None, "total_slots": slots,
               "n_ctx_per_slot": 8192, "prefill_s_saved": round(sum(s["saved_s"] for s in sess.values()), 2),
-              "slots": [{"id": i, "session": keys[i], "last_used_s_ago": 1.0, "claimed": True} for i in range(slots)],
+              "slots": [{"id": i, "session": keys[i] if i < sessions else None, "last_used_s_ago": 1.0,
+                         "claimed": i < sessions} for i in range(slots)],
               "sessions": sess, "model": {"architecture": "llama", "layers": 30}, "page_budget": {"mb": 4096,
               "tokens": 180000}, "throughput": {"prefill_tok_s": 1234.5, "decode_tok_s": 99.0},
               "pages": {k: {"bytes": (1 + i % 4) << 20, "tokens": 3000} for i, k in enumerate(keys[::2])},
