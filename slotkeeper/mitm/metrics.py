@@ -29,6 +29,13 @@ class _Collector(Collector):
         self.rt = rt
 
     def collect(self) -> Iterator[Any]:
+        yield from self._counters()
+        yield from self._by_client()
+        yield from self._gauges()
+        yield from self._pool()
+
+    def _counters(self) -> Iterator[Any]:
+        """The tallies by server and slot (or cause, or move), every known label at 0 from the start."""
         t = self.rt.tally
         known = {up.url: up.keeper.total_slots or 0 for up in self.rt.upstreams.values()}  # from the start
         slot = ["server", "slot"]
@@ -54,6 +61,10 @@ class _Collector(Collector):
             for labels, v in sorted(data.items()):
                 fam.add_metric(list(labels), v)
             yield fam
+
+    def _by_client(self) -> Iterator[Any]:
+        """The tallies by client kind."""
+        t = self.rt.tally
         for name, doc, data in (
                 ("client_requests", "Completion requests answered, by server and client kind.", t.client_requests),
                 ("reused_tokens", "Prompt tokens the server reused from the slot (timings.cache_n), by client kind.",
@@ -70,6 +81,9 @@ class _Collector(Collector):
         for labels, v in sorted(t.client_lost_by_cause().items()):
             fam.add_metric(list(labels), v)
         yield fam
+
+    def _gauges(self) -> Iterator[Any]:
+        """Live sessions and the measured speeds, per server (a speed not measured yet is absent)."""
         now = time.time()
         live = GaugeMetricFamily("slotkeeper_live_sessions", "Sessions used within slots_ttl, per server.",
                                  labels=["server"])
@@ -89,6 +103,9 @@ class _Collector(Collector):
                 if v is not None:
                     speeds[name].add_metric([up.url], v)
         yield from speeds.values()
+
+    def _pool(self) -> Iterator[Any]:
+        """Whether each server and the shared store answer, and the pool's routing choices."""
         pool = self.rt.pool
         up_fam = GaugeMetricFamily("slotkeeper_server_up", "1 while the server answers (slots_upstreams).",
                                    labels=["server"])
