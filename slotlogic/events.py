@@ -18,6 +18,7 @@ from slotlogic.ledger import Cause
 from slotlogic.model_facts import ModelFacts
 from slotlogic.paging import PageCheck
 from slotlogic.reasons import Passed
+from slotlogic.server import CacheMode
 from slotlogic.watch import End, State
 
 
@@ -258,6 +259,15 @@ class IdleSlotsCleared(Event):
     """The server empties idle slots (unified KV + --cache-idle-slots), which defeats pinning."""
 
     slot: int
+
+
+@dataclass(frozen=True)
+class CacheModeFound(Event):
+    """What the server does with idle slots (`slotlogic.server.CacheMode`), and so whether the proxy places
+    requests or passes them through; `seen`: "probe" (before the first request) or "loss" (a slot emptied)."""
+
+    mode: CacheMode
+    seen: str = "probe"
 
 
 @dataclass(frozen=True)

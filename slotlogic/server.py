@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 PROPS_FACTS = ("total_slots", "media_marker", "build_info", "model_path", "default_generation_settings")
@@ -81,6 +82,42 @@ class ServerInfo:
         if self.kv_cache not in (None, DEFAULT_KV):
             out["kv_cache"] = self.kv_cache
         return out
+
+
+class CacheMode(Enum):
+    """What the server does with an idle slot's KV cache when another task starts (docs/llama-server.md).
+
+    Neither `/props` nor `/slots` says it: llama-server started without `-np` picks 4 slots and unified KV, and
+    with `--cache-idle-slots` (on by default) it saves every idle slot to its RAM prompt cache and clears it
+    whenever a task starts. Pinning a session to a slot then keeps nothing (the slot is empty at its next turn,
+    and a request pinned to an empty slot never looks in the RAM cache), and every page-in or prefix restore is
+    cleared before it is used. The server's own choice (prompt similarity, then its RAM cache) does better."""
+
+    KEEPS = "keeps"          # an idle slot keeps its conversation: pinning, paging and prefix restores work
+    IDLE_CLEARED = "idle-cleared"  # idle slots are moved to the RAM cache when any task starts: pass through
+
+
+def cache_probe_slots(live: Sequence[Mapping[str, Any]]) -> tuple[int, int] | None:
+    """Two idle, empty slots (`witness`, `trigger`) for the cache-mode probe: a one-token request on the witness,
+    then one on the trigger, and the witness is looked at (`cache_mode_seen`). Empty slots only, so the probe
+    never overwrites a conversation whatever the mode. None: fewer than two."""
+    free = sorted(e["id"] for e in live if isinstance(e.get("id"), int) and not isinstance(e.get("id"), bool)
+                  and e.get("is_processing") is False and not e.get("n_prompt_tokens"))
+    return (free[0], free[1]) if len(free) >= 2 else None
+
+
+def cache_mode_seen(witness: int, before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]
+                    ) -> CacheMode | None:
+    """What the witness slot shows after a task started on another slot: `before` is `/slots` right after the
+    witness's own request, `after` right after the trigger's. Emptied: idle clearing; still holding its tokens:
+    slots keep. None (unknown, ask again later): the witness ran something else in between, or is busy."""
+    was = next((e for e in before if e.get("id") == witness), None)
+    now = next((e for e in after if e.get("id") == witness), None)
+    if was is None or now is None or not was.get("n_prompt_tokens") or now.get("is_processing") is not False:
+        return None
+    if now.get("id_task") != was.get("id_task"):
+        return None
+    return CacheMode.IDLE_CLEARED if not now.get("n_prompt_tokens") else CacheMode.KEEPS
 
 
 def slot_facts(live: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:

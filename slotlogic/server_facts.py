@@ -16,7 +16,7 @@ from slotlogic import kv_types, shared
 from slotlogic.events import Event, PoolResized, ServerRestarted
 from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
 from slotlogic.ledger import Cause, Ledger, written_since_restart
-from slotlogic.server import ServerInfo
+from slotlogic.server import CacheMode, ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
 from slotlogic.table import SessionTable
 
@@ -32,6 +32,19 @@ class ServerFacts:
         self.messages_native: bool | None = None  # the server honours id_slot on /v1/messages (probed)
         # (media_marker, "K/V"): the KV cache types a save's size showed that server process (`slotlogic.kv_types`)
         self.kv_learned: tuple[str | None, str] | None = None
+        self.cache_mode: CacheMode | None = None  # probed at start and after a restart, or seen in a loss
+
+    def passes_through(self) -> bool:
+        """The one gate of the server's cache mode: on a server that clears idle slots into its RAM prompt cache
+        (`CacheMode.IDLE_CLEARED`) requests go out as the client sent them, with no pinning, paging or prefix
+        restores: every one of those is emptied before it is used, and the server's own slot choice with its RAM
+        cache serves the same traffic with fewer prefilled tokens (docs/performance.md, "Server defaults")."""
+        return self.cache_mode is CacheMode.IDLE_CLEARED
+
+    def cache_mode_found(self, mode: CacheMode) -> bool:
+        """What the probe or a loss showed; True when it is news (worth one log line)."""
+        news, self.cache_mode = mode is not self.cache_mode, mode
+        return news
 
     def with_kv(self, info: ServerInfo) -> ServerInfo:
         """`info` (a `/props` just parsed) with its KV cache types: what this server process's saves showed,
@@ -90,6 +103,7 @@ class ServerFacts:
             kept = written_since_restart(self.ledger, live, self.table.running)
             self.ledger.resize(info.total_slots, Cause.RESTART, keep=kept)
             self.messages_native = None  # another build may be running now
+            self.cache_mode = None
             if self.settings.checkpoints is not CheckpointMode.OFF or self.settings.paging:
                 # Route every session through the slow path once, so its page or prefix is restored first.
                 self.table.forget_all(keep={self.ledger.entry(s).owner or "" for s in kept})

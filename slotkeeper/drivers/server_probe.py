@@ -24,10 +24,19 @@ from slotkeeper.drivers.tasks import Tasks
 from slotlogic import shared, wait
 from slotlogic.answers import Observation
 from slotlogic.decisions import Report, Ticket
-from slotlogic.events import Event, Failed, IdleSlotsCleared, MessagesProbed, ModelUnloaded, SlotsSlow, Stage
+from slotlogic.events import (
+    CacheModeFound,
+    Event,
+    Failed,
+    IdleSlotsCleared,
+    MessagesProbed,
+    ModelUnloaded,
+    SlotsSlow,
+    Stage,
+)
 from slotlogic.keeper import Keeper
 from slotlogic.ledger import Cause, tolerance
-from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
+from slotlogic.server import CacheMode, ServerInfo, cache_mode_seen, cache_probe_slots, probe_slot, slot_that_ran
 from slotlogic.settings import AnthropicMode, Settings
 
 PROBE_TIMEOUT = 30.0
@@ -165,6 +174,8 @@ class ServerProbe:
         if self.keeper.messages_native is None:  # a restarted server may be another build; its slots are empty
             self._messages_probing = False
             self.probe_messages_once()
+        if self.keeper.facts.cache_mode is None:  # and may run with other flags
+            self.tasks.spawn(self.probe_cache_mode())
 
     def probe_messages_once(self) -> None:
         if self.keeper.messages_native is None and not self._messages_probing:
@@ -177,6 +188,8 @@ class ServerProbe:
         if self.keeper.messages_native is None and not self._messages_probing:
             self._messages_probing = True
             await self.probe_messages()  # first: it needs every slot empty, the model probe takes one
+        if self.keeper.facts.cache_mode is None:
+            await self.probe_cache_mode()
         if self.keeper.server is None:
             await self.probe()
 
@@ -211,6 +224,35 @@ class ServerProbe:
             self.keeper.facts.messages_probed(honoured)
             self.emit(MessagesProbed(self.url, honoured))
         return honoured
+
+    async def probe_cache_mode(self, seen: str = "probe") -> CacheMode | None:
+        """Whether the server clears idle slots (`slotlogic.server.CacheMode`), which neither `/props` nor
+        `/slots` says: a slot holding tokens (the witness; an empty one is given a one-token request first) and
+        a one-token request on another, empty slot (the trigger); a server that clears idle slots has emptied
+        the witness when the trigger's task started. Only empty slots are written, so no conversation is
+        overwritten in either mode. Unknown (no `/slots`, under two free slots, other traffic on the witness):
+        the proxy places requests as before, and a slot found emptied later settles it (`_clearing_seen`)."""
+        live = await self.client.slots()
+        held = [e for e in live or [] if e.get("is_processing") is False and e.get("n_prompt_tokens")]
+        pair = cache_probe_slots(live or [])
+        witness = held[0].get("id") if held else pair[0] if pair else None
+        trigger = next((e.get("id") for e in live or [] if e.get("id") != witness and not e.get("n_prompt_tokens")
+                        and e.get("is_processing") is False), None)
+        if live is None or not isinstance(witness, int) or not isinstance(trigger, int):
+            return None
+        if not held and (await self._one_token(witness)) is None:
+            return None
+        before = await self.client.slots()
+        after = await self.client.slots() if before is not None and await self._one_token(trigger) else None
+        mode = cache_mode_seen(witness, before, after) if before is not None and after is not None else None
+        if mode is not None and self.keeper.facts.cache_mode_found(mode):
+            self.emit(CacheModeFound(self.url, mode, seen))
+        return mode
+
+    async def _one_token(self, slot: int) -> bool | None:
+        body = {"prompt": "ok", "n_predict": 1, "id_slot": slot, "cache_prompt": True}
+        status, _ = await self.client.post_json("/completion", body, PROBE_TIMEOUT)
+        return True if status == 200 else None
 
     async def learn_slot(self, ticket: Ticket, obs: Observation) -> bool:
         """Affinity on a route whose answer does not name the slot: read `/slots` once, right after it. True
@@ -276,6 +318,9 @@ class ServerProbe:
         if not self._unified_told:
             self._unified_told = True
             self.emit(IdleSlotsCleared(self.url, cleared))
+        if self.keeper.facts.cache_mode is not CacheMode.IDLE_CLEARED:
+            # Confirmed by the probe before requests pass through: a failed restore also leaves a slot empty.
+            self.tasks.spawn(self.probe_cache_mode(seen="loss"))
         if self.store is not None and marker and marker != self._clearing_shared:
             self._clearing_shared = marker
             try:  # telling the other proxies is a courtesy: the cause found here stands either way
