@@ -275,7 +275,8 @@ _CAUSES = {
 def _cache_mode(e: ev.CacheModeFound) -> tuple[Level, str]:
     if e.mode is CacheMode.KEEPS:
         return Level.INFO, f"{e.upstream} keeps idle slots' KV cache: sessions are pinned to slots"
-    how = "a slot emptied after a request" if e.seen == "loss" else "probed at start"
+    how = {"loss": "a slot emptied after a request", "state": "another proxy of the shared state found it"}.get(
+        e.seen, "probed at start")
     return (Level.WARNING, f"{e.upstream} clears idle slots into its RAM prompt cache when a task starts (unified KV "
                            f"with --cache-idle-slots, the default without -np; {how}): requests pass through "
                            "unpinned, with no paging or prefix restores, and the server's RAM cache keeps "

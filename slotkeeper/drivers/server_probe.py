@@ -247,6 +247,8 @@ class ServerProbe:
         mode = cache_mode_seen(witness, before, after) if before is not None and after is not None else None
         if mode is not None and self.keeper.facts.cache_mode_found(mode):
             self.emit(CacheModeFound(self.url, mode, seen))
+        if mode is CacheMode.IDLE_CLEARED:
+            await self._tell_clearing()
         return mode
 
     async def _one_token(self, slot: int) -> bool | None:
@@ -313,14 +315,18 @@ class ServerProbe:
         return Cause.IDLE_CLEAR
 
     async def _clearing_seen(self, cleared: int) -> None:
-        """This server empties idle slots: said once, and told to the other proxies of a shared state."""
-        marker = self.keeper.server.media_marker if self.keeper.server else None
+        """This server seems to empty idle slots: said once, and confirmed by the probe before requests pass
+        through (a failed restore also leaves a slot empty), which tells the other proxies of a shared state."""
         if not self._unified_told:
             self._unified_told = True
             self.emit(IdleSlotsCleared(self.url, cleared))
         if self.keeper.facts.cache_mode is not CacheMode.IDLE_CLEARED:
-            # Confirmed by the probe before requests pass through: a failed restore also leaves a slot empty.
             self.tasks.spawn(self.probe_cache_mode(seen="loss"))
+
+    async def _tell_clearing(self) -> None:
+        """Idle clearing confirmed: the other proxies of a shared state pass through too (`StateSync`), and
+        label their losses with it."""
+        marker = self.keeper.server.media_marker if self.keeper.server else None
         if self.store is not None and marker and marker != self._clearing_shared:
             self._clearing_shared = marker
             try:  # telling the other proxies is a courtesy: the cause found here stands either way
