@@ -97,13 +97,18 @@ class CacheMode(Enum):
     IDLE_CLEARED = "idle-cleared"  # idle slots are moved to the RAM cache when any task starts: pass through
 
 
-def cache_probe_slots(live: Sequence[Mapping[str, Any]]) -> tuple[int, int] | None:
-    """Two idle, empty slots (`witness`, `trigger`) for the cache-mode probe: a one-token request on the witness,
-    then one on the trigger, and the witness is looked at (`cache_mode_seen`). Empty slots only, so the probe
-    never overwrites a conversation whatever the mode. None: fewer than two."""
-    free = sorted(e["id"] for e in live if isinstance(e.get("id"), int) and not isinstance(e.get("id"), bool)
-                  and e.get("is_processing") is False and not e.get("n_prompt_tokens"))
-    return (free[0], free[1]) if len(free) >= 2 else None
+def cache_probe_slots(live: Sequence[Mapping[str, Any]]) -> tuple[int, int, bool] | None:
+    """The slots of the cache-mode probe: (`witness`, `trigger`, `fill`). The witness is an idle slot holding
+    tokens, else an idle empty one that gets a one-token request first (`fill`); the trigger an idle, empty other
+    slot, which gets a one-token request; then the witness is looked at (`cache_mode_seen`). Only empty slots
+    are written, so the probe never overwrites a conversation whatever the mode. None: no such pair."""
+    idle = [e for e in live if isinstance(e.get("id"), int) and not isinstance(e.get("id"), bool)
+            and e.get("is_processing") is False]
+    held = [e["id"] for e in idle if e.get("n_prompt_tokens")]
+    empty = sorted(e["id"] for e in idle if not e.get("n_prompt_tokens"))
+    if held and empty:
+        return held[0], empty[0], False
+    return (empty[0], empty[1], True) if len(empty) >= 2 else None
 
 
 def cache_mode_seen(witness: int, before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]

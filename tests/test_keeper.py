@@ -368,7 +368,9 @@ def test_the_cache_mode_probe_reads_an_emptied_witness_as_idle_clearing():
     trigger's task started, the witness emptied is idle clearing, still holding its tokens is a server whose
     slots keep; the witness running another task in between, or busy, proves nothing."""
     live = [{"id": 0, "is_processing": False, "n_prompt_tokens": 40}, *FREE[1:]]
-    assert cache_probe_slots(live) == (1, 2) and cache_probe_slots(live[:2]) is None
+    assert cache_probe_slots(live) == (0, 1, False)                          # a held slot is only read
+    assert cache_probe_slots(FREE) == (0, 1, True) and cache_probe_slots(FREE[:1]) is None
+    assert cache_probe_slots([live[0], {**FREE[1], "is_processing": True}]) is None
     before = [{"id": 1, "id_task": 7, "is_processing": False, "n_prompt_tokens": 2}]
     assert cache_mode_seen(1, before, [{**before[0], "n_prompt_tokens": 0}]) is CacheMode.IDLE_CLEARED
     assert cache_mode_seen(1, before, before) is CacheMode.KEEPS

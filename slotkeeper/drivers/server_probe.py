@@ -11,12 +11,14 @@ change means is the core's (`Keeper.props_seen`, `Keeper.note_server`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from slotkeeper.drivers import cache_mode
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.model_check import ModelCheck
 from slotkeeper.drivers.store import StateStore
@@ -36,10 +38,11 @@ from slotlogic.events import (
 )
 from slotlogic.keeper import Keeper
 from slotlogic.ledger import Cause, tolerance
-from slotlogic.server import CacheMode, ServerInfo, cache_mode_seen, cache_probe_slots, probe_slot, slot_that_ran
+from slotlogic.server import CacheMode, ServerInfo, probe_slot, slot_that_ran
 from slotlogic.settings import AnthropicMode, Settings
 
 PROBE_TIMEOUT = 30.0
+START_WAIT = 3.0    # seconds a request waits for the start-up cache-mode probe (two one-token requests)
 SLOW = 1.0          # seconds: a /props or /slots that failed after this long hung (the timeout is 3 s)
 BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the background probe may clear it)
 ASK_AGAIN = 1.0     # seconds between look-ups of a patient `ask` (a server with no facts yet)
@@ -68,6 +71,8 @@ class ServerProbe:
         self._messages_probing = False   # the /v1/messages probe is running or has answered
         self._unified_told = False       # idle-slot clearing explained once
         self._clearing_shared: str | None = None  # the server process whose idle clearing the state was told of
+        self.starting = False                 # `start` runs: new requests wait for the cache mode (`mode_probed`)
+        self._started = asyncio.Event()
 
     async def facts_for(self, asked: Facts | None, arrived: float | None, bound: float
                         ) -> tuple[ServerInfo | None, dict[str, Any] | None, list[dict[str, Any]] | None]:
@@ -184,14 +189,27 @@ class ServerProbe:
 
     async def start(self) -> None:
         """What can only be learned while the slots are empty (whether `/v1/messages` honours id_slot), then
-        the server itself (`/props`, which starts the model check and its start-up probe)."""
-        if self.keeper.messages_native is None and not self._messages_probing:
-            self._messages_probing = True
-            await self.probe_messages()  # first: it needs every slot empty, the model probe takes one
-        if self.keeper.facts.cache_mode is None:
-            await self.probe_cache_mode()
+        the server itself (`/props`, which starts the model check and its start-up probe). The server's cache
+        mode comes before `/props`: requests that arrive meanwhile wait for it (`mode_probed`)."""
+        self.starting = True
+        try:
+            if self.keeper.messages_native is None and not self._messages_probing:
+                self._messages_probing = True
+                await self.probe_messages()  # first: it needs every slot empty, the model probe takes one
+            if self.keeper.facts.cache_mode is None:
+                await self.probe_cache_mode()
+        finally:
+            self.starting = False
+            self._started.set()
         if self.keeper.server is None:
             await self.probe()
+
+    async def mode_probed(self) -> None:
+        """A request that comes while `start` runs waits for the cache mode, at most `START_WAIT` s: pinned
+        before it is known, on a server that clears idle slots, it would be placed into a slot soon emptied
+        (a proxy started together with its clients: the bench's first request raced the probe)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._started.wait(), START_WAIT)
 
     async def probe_messages(self) -> bool | None:
         """Whether the server honours `id_slot` on `/v1/messages` (upstream PR #26758): while every slot is
@@ -226,35 +244,14 @@ class ServerProbe:
         return honoured
 
     async def probe_cache_mode(self, seen: str = "probe") -> CacheMode | None:
-        """Whether the server clears idle slots (`slotlogic.server.CacheMode`), which neither `/props` nor
-        `/slots` says: a slot holding tokens (the witness; an empty one is given a one-token request first) and
-        a one-token request on another, empty slot (the trigger); a server that clears idle slots has emptied
-        the witness when the trigger's task started. Only empty slots are written, so no conversation is
-        overwritten in either mode. Unknown (no `/slots`, under two free slots, other traffic on the witness):
-        the proxy places requests as before, and a slot found emptied later settles it (`_clearing_seen`)."""
-        live = await self.client.slots()
-        held = [e for e in live or [] if e.get("is_processing") is False and e.get("n_prompt_tokens")]
-        pair = cache_probe_slots(live or [])
-        witness = held[0].get("id") if held else pair[0] if pair else None
-        trigger = next((e.get("id") for e in live or [] if e.get("id") != witness and not e.get("n_prompt_tokens")
-                        and e.get("is_processing") is False), None)
-        if live is None or not isinstance(witness, int) or not isinstance(trigger, int):
-            return None
-        if not held and (await self._one_token(witness)) is None:
-            return None
-        before = await self.client.slots()
-        after = await self.client.slots() if before is not None and await self._one_token(trigger) else None
-        mode = cache_mode_seen(witness, before, after) if before is not None and after is not None else None
+        """Whether the server clears idle slots (`slotkeeper.drivers.cache_mode`). Unknown: the proxy places
+        requests as before, and a slot of ours found emptied later asks again (`_clearing_seen`)."""
+        mode = await cache_mode.probe(self.client)
         if mode is not None and self.keeper.facts.cache_mode_found(mode):
             self.emit(CacheModeFound(self.url, mode, seen))
         if mode is CacheMode.IDLE_CLEARED:
             await self._tell_clearing()
         return mode
-
-    async def _one_token(self, slot: int) -> bool | None:
-        body = {"prompt": "ok", "n_predict": 1, "id_slot": slot, "cache_prompt": True}
-        status, _ = await self.client.post_json("/completion", body, PROBE_TIMEOUT)
-        return True if status == 200 else None
 
     async def learn_slot(self, ticket: Ticket, obs: Observation) -> bool:
         """Affinity on a route whose answer does not name the slot: read `/slots` once, right after it. True
