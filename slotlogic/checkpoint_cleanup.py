@@ -1,4 +1,4 @@
-"""Which checkpoint files to delete from the server's --slot-save-path (seed 001's cleanup, made pure).
+"""Which checkpoint files to delete from the server's --slot-save-path (the design's cleanup, made pure).
 
 Rules, in order:
 1. Only files named `prefix-<16 hex>.bin` are ever candidates: anything else in the directory is the

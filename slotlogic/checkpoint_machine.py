@@ -1,4 +1,4 @@
-"""Prefix-checkpoint orchestration as a sans-IO state machine (seed 001, wired into slot choice).
+"""Prefix-checkpoint orchestration as a sans-IO state machine (restore, verify, rebuild; wired into slot choice).
 
 Rule 1: everything that decides *what to do to a slot so a new session starts warm* lives here.
 Rule 2: no I/O. `Orchestrator.next_action()` returns an action (restore, verify, warm, save, erase) for
@@ -358,9 +358,9 @@ class Orchestrator:
         saved = _int(r.data, "n_saved") if r.ok else None
         if saved is not None and self.warmed_to is not None and not \
                 self.warmed_to <= saved <= self.warmed_to + SAVE_SLACK:
-            # Another request ran on the slot between the warm-up and the save (bench mix-4: a session pinned
-            # outside the slot's plan; the file named for one client's prefix held another client's
-            # conversation, and was then restored without its gates as a file this runner had saved itself).
+            # Another request ran on the slot between the warm-up and the save (a session pinned outside the
+            # slot's plan): the file named for one client's prefix would hold another client's conversation,
+            # and be restored without its gates as a file this runner had saved itself.
             self.file_bad = self.save_mismatch = True
             self._note(NoteKind.SAVE_MISMATCH, filename=self.filename, tokens=saved, cached=self.warmed_to)
             self.outcome = Outcome.WARMED

@@ -233,7 +233,7 @@ class Ledger:
             if e.owner and e.holds is Holds.SESSION and cause is not None:
                 self.gone[e.owner] = cause  # a kept slot's request still running found the slot emptied too
         if cause is not None:  # a paged-out conversation too, should its page not restore on the new server
-            kept = {self.entry(s).owner for s in keep}  # (sim seed 785: a new build, 103 tokens called `unknown`)
+            kept = {self.entry(s).owner for s in keep}  # (a new build's restart, else called `unknown`)
             for key in self.conversations:
                 if key not in kept:
                     self.gone[key] = cause
@@ -338,8 +338,8 @@ class Ledger:
             if not overtaken:
                 self.gone.pop(key, None)
             if slot is None:  # sent with id_slot -1 and the slot that ran it not learned: the server's choice
-                # (bench mix-4: a turn sent unpinned at its wait bound; its next one, placed anew, found none of
-                # its 8,977 tokens and the meter called them `unknown`)
+                # (a turn sent unpinned at its wait bound: its next one, placed anew, finds none of its tokens,
+                # which are then labelled, not `unknown`)
                 self.gone[key] = Cause.UNPINNED
             while len(self.conversations) > self.max_sessions:
                 old, _ = self.conversations.popitem(last=False)
@@ -405,7 +405,7 @@ class Ledger:
         cause = self._found_cause(key, promise)
         if not cause.expected and self.conversations.get(key, 0) < MIN_PAGE_TOKENS:
             # too short to be worth a page (`paging.MIN_TOKENS`): never saved nor restored, prefilled again by
-            # choice, as with no save dir (sim seed 62: a title call's 42-token home, 39 tokens called `unknown`)
+            # choice, as with no save dir (a title call's short home, else called `unknown`)
             return Cause.EVICTED
         return cause
 

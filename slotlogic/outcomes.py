@@ -143,7 +143,7 @@ class Outcomes:
     def emptied_elsewhere(self, state: shared.ServerState, key: str) -> None:
         """A fresh read of the shared state before `key`'s placement moves anything: another proxy's page-out of
         it found its slot emptied after its last answer here (`shared.note_emptied`): its loss is labelled so,
-        not after that proxy's write (sim seed 364: `other-process` for idle clearing)."""
+        not after that proxy's write (which would call idle clearing `other-process`)."""
         gone, stats = state.emptied.get(key), self.stats.get(key)
         if gone is not None and stats is not None and stats.answered <= gone.at:
             self.emptied(key, Cause(gone.cause))
@@ -203,9 +203,9 @@ class Outcomes:
         self._follow(ticket, slot, now)
 
     def _follow(self, ticket: Ticket, slot: int, now: float) -> None:
-        """A session's turn that the wait sent with `id_slot: -1` (Rule 3) ran on `slot`: its conversation is
-        there now, and its old slot holds it as it was a turn before, so its next turn is pinned there (mix-4 run
-        K: the next turn went back to the old slot and found part of it). A side call's home stays where it is."""
+        """A session's turn that the hold sent with `id_slot: -1` ran on `slot`: its conversation is there now,
+        and its old slot holds it as it was a turn before, so its next turn is pinned there (going back to the
+        old slot it would find only part of it). A side call's home stays where it is."""
         known = self.table.sessions.get(ticket.session.key)
         if ticket.side or ticket.unpinned not in wait.UNPINNED or known is None or known.slot == slot \
                 or not affinity.valid(slot, self.host.total_slots):

@@ -298,7 +298,7 @@ class Pager:
         took since, its memory entry expired): a restore would replace that conversation with the prefix."""
         key = need.ticket.session.key
         # `/slots` did not answer (a loaded machine answers it past its time-out): what the ledger says the slot
-        # holds. Read as empty, the slot got a prefix restored over the conversation it still held (sim seed 1333).
+        # holds. Read as empty, the slot would get a prefix restored over the conversation it still holds.
         held = view.n_tokens if view.n_tokens is not None else self.ledger.entry(view.id).tokens
         if (held or 0) <= 0:
             return False
@@ -309,9 +309,9 @@ class Pager:
             # (bench subagents seed 7: a sibling's claim named the family prefix over another family's
             # conversation, and 177 tokens were prefilled beside the sibling that was computing them)
             prefix = self.table.sessions[holder].prefix if holder in self.table.sessions else None
-        # Two unknown prefixes are no match (bench mix-4 run AC: an OpenCode session displaced from its slot had
-        # no signature, nor had the Codex conversation left there; "holding its prefix", it skipped the prefix
-        # restore and prefilled 2,234 tokens, lost with cause unknown).
+        # Two unknown prefixes are no match: a session displaced from its slot with no signature, finding
+        # another client's conversation with none either, would take it for "holding its prefix", skip the
+        # prefix restore and prefill all of it.
         if (prefix is not None and prefix == need.prefix) or view.owner == key:
             return True
         # The conversation left there (its holder was paged out, not erased) starts with all of our prefix:
@@ -319,8 +319,8 @@ class Pager:
         if need.stable is None or holder is None:
             return False
         # A sibling's first message differs in its last line, so no message is shared, but its text starts with
-        # all of our prefix (bench subagents seed 15: a subagent queued on its sibling's slot restored the base
-        # prefix over the sibling's conversation and prefilled their family's 100 tokens again, twice)
+        # all of our prefix (a subagent queued on its sibling's slot would restore the base prefix over the
+        # sibling's conversation and prefill their family's part again)
         if self.learner.share_of(need.stable, holder) >= len(need.stable.text):
             return True
         ours, theirs = self.table.sessions.get(key), self.table.sessions.get(holder)

@@ -162,8 +162,8 @@ class ServerFacts:
         known = self.server.media_marker if self.server is not None else None
         change = shared.note_server(state, info, me, now)
         # Restarted for this process too when the shared state had the new marker already: another proxy of
-        # this state saw the restart first (sim seed 861: this proxy's ledger kept promising the emptied slot,
-        # and the meter called the restart's 331 tokens `unknown`).
+        # this state saw the restart first (else this proxy's ledger keeps promising the emptied slot, and the
+        # meter calls the restart's loss `unknown`).
         restarted = change.restarted or bool(known and info.media_marker and info.media_marker != known
                                              and not change.resized)
         events: list[Event] = []

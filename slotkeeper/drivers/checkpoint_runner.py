@@ -199,7 +199,7 @@ class CheckpointRunner:
         """A file that passed both gates on this server process, or that this runner saved there itself from
         the slot it had just warmed, is restored without them until it or the process changes: each gate is a
         request that waits its turn in the server's batch loop, and behind another slot's long prefill each
-        turn took 10-15 s (bench mix-4: a prefix restore took 47 s behind an 8,826-token warm-up)."""
+        turn can take many seconds (a restore waits behind another slot's long warm-up)."""
         stamp = self._stamp(name)
         tokens = orch.restored_tokens if orch.verified else \
             orch.saved_tokens if orch.outcome is Outcome.WARMED_SAVED else None

@@ -242,8 +242,8 @@ class PageRunner:
         every request sent there reached the server: the tokens and bytes written, or None (also while a
         placement holds the slot's lock: it is about to write the slot; another copy's save is waited for).
         Fenced by `source`: once every request sent there reached the server, the ledger must still say the
-        slot holds that session's conversation (bench subagents-2x2 seed 1: a slot the source had left was
-        copied, holding another family's 894 tokens, and the family prompt was warmed up cold over it)."""
+        slot holds that session's conversation (else a slot the source has left is copied, holding another
+        family's conversation, and the family prompt is warmed up cold over it)."""
         lock = self.locks.setdefault(slot, asyncio.Lock())
         if self.placed(slot):
             return None

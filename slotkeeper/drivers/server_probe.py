@@ -81,7 +81,7 @@ class ServerProbe:
         """What a new placement decides with: the parsed `/props`, `/props` and `/slots` (`asked`: the router's,
         else asked now; `arrived`: when its request came, monotonic; `bound`: its wait bound). A `/props` that
         does not answer leaves this process's last answer standing: it answered past its 3 s time-out on a
-        loaded machine (bench mix-4 on 2 cores: eight client processes, the proxy and the server's two threads),
+        loaded machine (many client processes, the proxy and the server's threads on two cores),
         and the hash fallback used then pinned a new session outside the slot's plan, onto a slot in the middle
         of another placement's warm-up, whose prefix file then saved that session's conversation under the other
         prefix's name. A restart or resize is the background probe's to notice. A server never heard from is
@@ -298,8 +298,8 @@ class ServerProbe:
         marker = self.keeper.server.media_marker if self.keeper.server else None
         cleared, state = self.keeper.outcomes.idle_cleared(live, slot, time.time()), None
         if cleared is None and self.store is not None:
-            # The evidence may be on slots only another proxy of this state uses (sim seed 132), or that proxy
-            # may have seen it already (sim seeds 88, 105: the other proxy called the same clearing `unknown`).
+            # The evidence may be on slots only another proxy of this state uses, or that proxy may have seen it
+            # already (it would call the same clearing `unknown`).
             # The state is read only when this process's own slots show nothing.
             state = await self.store.fresh()
             held = shared.held_slots(state, time.time(), self.settings.ttl)
