@@ -486,22 +486,28 @@ def run(soak: Any, only: tuple[str, ...] = (), sizes: Sizes | None = None) -> Bo
                      notes={"attacks": [asdict(a) for a in rows], "skipped": skipped, "table": table(rows)})
 
 
-def main() -> int:
-    """`python -m bench.memory_bounds [attack ...]`: this class alone."""
+def run_alone(names: tuple[str, ...]) -> int:
+    """The attacks `names` of this class alone, on a soak of their own: 1 when a check failed (a module's main)."""
     import shutil
-    import sys
 
     from bench.reliability import Soak
 
     soak = Soak(1)
     try:
-        row = run(soak, tuple(sys.argv[1:]))
+        row = run(soak, names)
     finally:
         soak.close()
         shutil.rmtree(soak.root, ignore_errors=True)
     for f in row.failed:
         print("FAILED", f)
     return 1 if row.failed else 0
+
+
+def main() -> int:
+    """`python -m bench.memory_bounds [attack ...]`: this class alone."""
+    import sys
+
+    return run_alone(tuple(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -310,17 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve())
         return 0
     from bench import memory_bounds
-    from bench.reliability import Soak
 
-    soak = Soak(1)
-    try:
-        row = memory_bounds.run(soak, tuple(a.only or NAMES))
-    finally:
-        soak.close()
-        shutil.rmtree(soak.root, ignore_errors=True)
-    for f in row.failed:
-        print("FAILED", f)
-    return 1 if row.failed else 0
+    return memory_bounds.run_alone(tuple(a.only or NAMES))
 
 
 if __name__ == "__main__":
