@@ -39,12 +39,11 @@ class Unpinned(Enum):
     """Why a request on a completion route goes out without a slot of ours (its answer is still observed)."""
 
     POLICY_OFF = "policy off"
-    IDLE_CLEARED = "passed through: the server clears idle slots into its RAM cache"
     ROUTE = "not pinnable on this server (/v1/messages drops id_slot)"
     UNTRANSLATABLE = "passed natively: not translatable to a chat completion"
     SERVER_UNKNOWN = "unpinned: server unknown"
     FAILED = "unpinned: internal error"
-    WAIT_BOUND = "wait-bound"        # held past its wait bound behind our own requests on its slot (scheduler)
+    WAIT_BOUND = "wait-bound"        # waited slots_wait_bound behind our own requests on its slot (slotlogic.wait)
     SIDE_BUSY = "side-busy"          # a side call whose slot is busy with longer work than its own prefill
 
 

@@ -5,9 +5,8 @@ A request of session S lost `min(expected, n-1) - cache_n` tokens, where `expect
 S's previous request left in the slot it ran on (`bench.sim.llama.Done`). The cause is read from what happened
 between S's two requests (the simulated slots' event log) and from what the proxy said about the request
 (its `why`): a restart or unified-KV idle clearing are expected and labelled so; a session the proxy placed
-anew or called displaced without paging on (an eviction it chose) is given away knowingly; a request the proxy
-passed through on a server that clears idle slots was placed by the server (`server-placed`), as with no
-proxy. Anything else is a loss the product must not have:
+anew or called displaced without paging on (an eviction it chose) is given away knowingly. Anything else is a
+loss the product must not have:
 - the proxy said `known`/`resumed`, yet something wrote over the slot: `prefix-restore-over-owner`,
   `page-in-over-owner`, `side-call-over-owner`, `proxy-request-over-owner`,
   `other-proxy-request-over-owner`, `overwritten`, `erased`;
@@ -24,13 +23,8 @@ from dataclasses import dataclass, field
 from bench.sim.harness import Outcome, Rig
 from bench.sim.llama import SlotEvent, common_prefix
 
-EXPECTED = frozenset({"restart", "idle-clear", "given-away", "server-placed"})
-# What the proxy says when it passes a request through on a server that clears idle slots (Unpinned.IDLE_CLEARED)
-PASSED = "passed through"
+EXPECTED = frozenset({"restart", "idle-clear", "given-away"})
 KNOWN = ("known", "resumed")  # the proxy's word for "your slot still holds your conversation"
-# what the proxy itself decided to send with id_slot -1 (its record's `unpinned`): held to its client's patience,
-# or its server unknown
-GIVEN_UP = ("wait-bound", "side-busy", "unpinned: server unknown")
 
 
 @dataclass
@@ -94,11 +88,7 @@ def _explain(rig: Rig, o: Outcome, prev: Outcome) -> Loss:
         loss.cause = "restart"
     elif any(e.kind == "idle-clear" for e in on_prev):
         loss.cause = "idle-clear"
-    elif why.startswith(PASSED):
-        # sent as the client sent it, on a server that clears idle slots: the server chose the slot, as with no
-        # proxy (the simulated server has no RAM prompt cache, which is what serves these on a real one)
-        loss.cause = "server-placed"
-    elif _given_away(rig, on_prev, o.tag) or o.meta.get("unpinned") in GIVEN_UP:
+    elif _given_away(rig, on_prev, o.tag) or o.meta.get("unpinned"):
         # written over by a request the proxy itself sent with id_slot -1, or this request is one: held to its
         # client's patience (or its server unknown), it went where it could start, its own page-in given up
         loss.cause = "given-away"
@@ -120,7 +110,7 @@ def _explain(rig: Rig, o: Outcome, prev: Outcome) -> Loss:
                               f"{d.left_before} tokens {o.tag} had left")
         else:
             loss.cause = "page-in-overwritten"
-    elif not why.startswith(KNOWN) and prev.meta.get("unpinned") in GIVEN_UP:
+    elif not why.startswith(KNOWN) and prev.meta.get("unpinned"):
         # its previous request went out with id_slot -1 by the proxy's own choice: where it ran is the server's
         # to say, and when the proxy could not learn it the conversation was given up with that request
         loss.cause = "given-away"
@@ -142,8 +132,8 @@ def _given_away(rig: Rig, events: list[SlotEvent], tag: str) -> bool:
             continue
         if e.kind != "request":
             return False
-        return any(o.tag == e.tag and o.done is not None and o.done.started == e.t
-                   and o.meta.get("unpinned") in GIVEN_UP for o in rig.outcomes)
+        return any(o.tag == e.tag and o.done is not None and o.done.started == e.t and o.meta.get("unpinned")
+                   for o in rig.outcomes)
     return False
 
 
