@@ -43,7 +43,7 @@ class Unpinned(Enum):
     UNTRANSLATABLE = "passed natively: not translatable to a chat completion"
     SERVER_UNKNOWN = "unpinned: server unknown"
     FAILED = "unpinned: internal error"
-    WAIT_BOUND = "wait-bound"        # waited slots_wait_bound behind our own requests on its slot (slotlogic.wait)
+    WAIT_BOUND = "wait-bound"        # held past its wait bound behind our own requests on its slot (scheduler)
     SIDE_BUSY = "side-busy"          # a side call whose slot is busy with longer work than its own prefill
 
 

@@ -25,6 +25,9 @@ from bench.sim.llama import SlotEvent, common_prefix
 
 EXPECTED = frozenset({"restart", "idle-clear", "given-away"})
 KNOWN = ("known", "resumed")  # the proxy's word for "your slot still holds your conversation"
+# what the proxy itself decided to send with id_slot -1 (its record's `unpinned`): held to its client's patience,
+# or its server unknown
+GIVEN_UP = ("wait-bound", "side-busy", "unpinned: server unknown")
 
 
 @dataclass
@@ -88,7 +91,7 @@ def _explain(rig: Rig, o: Outcome, prev: Outcome) -> Loss:
         loss.cause = "restart"
     elif any(e.kind == "idle-clear" for e in on_prev):
         loss.cause = "idle-clear"
-    elif _given_away(rig, on_prev, o.tag) or o.meta.get("unpinned"):
+    elif _given_away(rig, on_prev, o.tag) or o.meta.get("unpinned") in GIVEN_UP:
         # written over by a request the proxy itself sent with id_slot -1, or this request is one: held to its
         # client's patience (or its server unknown), it went where it could start, its own page-in given up
         loss.cause = "given-away"
@@ -110,7 +113,7 @@ def _explain(rig: Rig, o: Outcome, prev: Outcome) -> Loss:
                               f"{d.left_before} tokens {o.tag} had left")
         else:
             loss.cause = "page-in-overwritten"
-    elif not why.startswith(KNOWN) and prev.meta.get("unpinned"):
+    elif not why.startswith(KNOWN) and prev.meta.get("unpinned") in GIVEN_UP:
         # its previous request went out with id_slot -1 by the proxy's own choice: where it ran is the server's
         # to say, and when the proxy could not learn it the conversation was given up with that request
         loss.cause = "given-away"
@@ -132,8 +135,8 @@ def _given_away(rig: Rig, events: list[SlotEvent], tag: str) -> bool:
             continue
         if e.kind != "request":
             return False
-        return any(o.tag == e.tag and o.done is not None and o.done.started == e.t and o.meta.get("unpinned")
-                   for o in rig.outcomes)
+        return any(o.tag == e.tag and o.done is not None and o.done.started == e.t
+                   and o.meta.get("unpinned") in GIVEN_UP for o in rig.outcomes)
     return False
 
 
