@@ -34,7 +34,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -459,31 +459,38 @@ def table(rows: list[Attack]) -> str:
 def run(soak: Any, only: tuple[str, ...] = (), sizes: Sizes | None = None) -> BoundsRow:
     """Every attack (or those named in `only`), each on its own proxy; one summary row."""
     sizes = sizes or Sizes()
+    named = [(name, lambda soak, a=attack: a(soak, sizes)) for name, attack in zip(attack_names(), attacks(),
+                                                                                   strict=True)
+             if not only or name in only]
+    return run_attacks(soak, named)
+
+
+def run_attacks(soak: Any, named: list[tuple[str, Callable[[Any], Attack | None]]], name: str | None = None
+                ) -> BoundsRow:
+    """Each attack of a class on the soak (None: skipped, redis-server missing; an exception: a failed check,
+    not a lost table); its table printed and kept in the row's notes."""
     t0 = time.monotonic()
     rows: list[Attack] = []
     skipped: list[str] = []
-    for name, attack in zip(attack_names(), attacks(), strict=True):
-        if only and name not in only:
-            continue
+    for attack_name, attack in named:
         try:
-            got = attack(soak, sizes)
+            got = attack(soak)
         except Exception as e:  # a crashed attack is a failed check, not a lost table
-            got = Attack(name, failed=[f"crashed: {type(e).__name__}: {e}"], outcome="crashed")
+            got = Attack(attack_name, failed=[f"crashed: {type(e).__name__}: {e}"], outcome="crashed")
         if got is None:
-            skipped.append(name)
+            skipped.append(attack_name)
             continue
         rows.append(got)
     print(table(rows), flush=True)
-    for name in skipped:
-        print(f"  {name}: skipped (redis-server not installed)", flush=True)
+    for skip in skipped:
+        print(f"  {skip}: skipped (redis-server not installed)", flush=True)
     for a in rows:
         print(f"  {a.name}: {json.dumps(a.notes)}", flush=True)
-    return BoundsRow(faults=len(rows), survived=sum(a.alive and not a.failed for a in rows),
-                     requests=sum(a.requests for a in rows),
-                     memory_mb=max((a.peak_mb for a in rows), default=0.0),
-                     seconds=round(time.monotonic() - t0, 1),
-                     failed=[f"{a.name}: {f}" for a in rows for f in a.failed],
-                     notes={"attacks": [asdict(a) for a in rows], "skipped": skipped, "table": table(rows)})
+    row = BoundsRow(faults=len(rows), survived=sum(a.alive and not a.failed for a in rows),
+                    requests=sum(a.requests for a in rows), memory_mb=max((a.peak_mb for a in rows), default=0.0),
+                    seconds=round(time.monotonic() - t0, 1), failed=[f"{a.name}: {f}" for a in rows for f in a.failed],
+                    notes={"attacks": [asdict(a) for a in rows], "skipped": skipped, "table": table(rows)})
+    return row if name is None else replace(row, name=name)
 
 
 def run_alone(names: tuple[str, ...]) -> int:

@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from bench.memory_bounds import Attack, BoundsRow, StandIn, Watch, measure, table
+from bench.memory_bounds import Attack, BoundsRow, StandIn, Watch, measure, run_attacks
 from bench.stub_llama import StubLlama
 from slotkeeper.launch.llama_server import free_port
 from slotkeeper.launch.mitmdump import ROOT
@@ -272,27 +272,7 @@ ATTACKS = [redis_200mb, redis_600k, redis_stamps, redis_lock, host_rebinding, cl
 
 def run(soak: Any) -> BoundsRow:
     """Every attack, each on its own proxy; one summary row (its table printed, and kept in its notes)."""
-    t0 = time.monotonic()
-    rows: list[Attack] = []
-    skipped: list[str] = []
-    for attack in ATTACKS:
-        try:
-            got = attack(soak)
-        except Exception as e:  # a crashed attack is a failed check, not a lost table
-            got = Attack(attack.__name__, failed=[f"crashed: {type(e).__name__}: {e}"], outcome="crashed")
-        if got is None:
-            skipped.append(attack.__name__)
-            continue
-        rows.append(got)
-    print(table(rows), flush=True)
-    for name in skipped:
-        print(f"  {name}: skipped (redis-server not installed)", flush=True)
-    for a in rows:
-        print(f"  {a.name}: {json.dumps(a.notes)}", flush=True)
-    return BoundsRow(name="store & doors", faults=len(rows), survived=sum(a.alive and not a.failed for a in rows),
-                     requests=sum(a.requests for a in rows), memory_mb=max((a.peak_mb for a in rows), default=0.0),
-                     seconds=round(time.monotonic() - t0, 1), failed=[f"{a.name}: {f}" for a in rows for f in a.failed],
-                     notes={"table": table(rows), "skipped": skipped})
+    return run_attacks(soak, [(attack.__name__, attack) for attack in ATTACKS], "store & doors")
 
 
 def main() -> int:
