@@ -151,12 +151,6 @@ def _from_chat(answer: dict[str, Any], model: str | None) -> dict[str, Any]:
     }
 
 
-def counts(answer: dict[str, Any]) -> PromptCounts:
-    """cache_n/prompt_n of a non-streamed chat answer, for the proxy's log."""
-    prompt, cached, _ = _usage(answer)
-    return PromptCounts(cache_n=cached, prompt_n=prompt - cached)
-
-
 MAX_CALLS = 1 << 16  # a tool call's index in a chat stream: past this it is not one
 
 TOO_LARGE_ANSWER = "slotkeeper: the server's answer was larger than slots_max_body_mb; not converted"

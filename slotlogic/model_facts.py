@@ -11,7 +11,7 @@ them off and says which llama-server flag would change that. Builds that append 
 file (PRs #20819/#26004 propose it; the Oct 2026 xllamacpp wheel does it) do resume:
 `file_has_checkpoints` recognises such a file from the size llama-server reports for it.
 
-Rule 1: pure and stdlib only. Input is the header's key/value mapping (`slotkeeper/drivers/gguf_io.read_metadata`
+Rule 1: pure and stdlib only. Input is the header's key/value mapping (`slotkeeper/drivers/gguf_io.read_header`
         produces it); output is typed facts (`ModelFacts`), a typed verdict (`Reuse`) and log lines that
         carry only names and numbers.
 Rule 2: mirror llama.cpp, not the model card. Which layers are SWA or recurrent is decided the way
@@ -133,8 +133,6 @@ class Reuse:
 
     kind: ReuseKind
     flags_for_restore: tuple[str, ...] = ()   # llama-server flags that make a restored slot file resume
-    flags_for_reuse: tuple[str, ...] = ()     # flags that widen in-process prefix reuse
-    issues: tuple[str, ...] = ()              # upstream references that explain the limit
     restore_fixable: bool = True              # False: no flag makes slot files resume (needs upstream)
 
 
@@ -145,9 +143,7 @@ class ModelFacts:
     architecture: str = ""
     name: str = ""
     context_length: int = 0          # trained context (`<arch>.context_length`)
-    embedding_length: int = 0
     n_vocab: int = 0
-    head_count: int = 0              # attention heads of layer 0 (derives head dims when key_length is absent)
     kv_heads: tuple[int, ...] = ()   # KV heads per layer (0: no attention in that layer)
     head_dim_k: int = 0
     head_dim_v: int = 0
@@ -276,14 +272,9 @@ class ModelFacts:
         if self.architecture in NO_MEMORY_ARCHS:
             return Reuse(ReuseKind.NO_MEMORY, restore_fixable=False)
         if self.n_recurrent_layers or self.architecture in RECURRENT_ARCHS | HYBRID_ARCHS:
-            return Reuse(ReuseKind.CHECKPOINTS_ONLY,
-                         flags_for_reuse=(f"--ctx-checkpoints N (default {DEFAULT_CTX_CHECKPOINTS}, never 0)",
-                                          f"--checkpoint-min-step N (default {DEFAULT_CHECKPOINT_MIN_STEP})"),
-                         issues=("llama.cpp #25913", "#27813", "PR #20819", "PR #26004"),
-                         restore_fixable=False)
+            return Reuse(ReuseKind.CHECKPOINTS_ONLY, restore_fixable=False)
         if self.n_swa_layers:
-            return Reuse(ReuseKind.NEEDS_SWA_FULL, flags_for_restore=("--swa-full",),
-                         flags_for_reuse=("--swa-full",), issues=("llama.cpp PR #13194", "#25913"))
+            return Reuse(ReuseKind.NEEDS_SWA_FULL, flags_for_restore=("--swa-full",))
         return Reuse(ReuseKind.FULL)
 
     def restore_helps(self, swa_full: bool | None = None, checkpoints_in_files: bool | None = None) -> bool:
@@ -386,10 +377,9 @@ def _from_metadata(meta: Mapping[str, Any]) -> ModelFacts:
 
     return ModelFacts(
         architecture=arch, name=meta.get("general.name") if isinstance(meta.get("general.name"), str) else "",
-        context_length=_int(key("context_length")), embedding_length=n_embd, n_vocab=n_vocab,
-        head_count=n_head0, kv_heads=tuple(kv), head_dim_k=dk, head_dim_v=dv, head_dim_k_swa=dk_swa,
-        head_dim_v_swa=dv_swa, mla=mla, window=window, chunked=chunked, swa=tuple(swa),
-        recurrent=tuple(recurrent), has_kv=tuple(has_kv),
+        context_length=_int(key("context_length")), n_vocab=n_vocab, kv_heads=tuple(kv), head_dim_k=dk,
+        head_dim_v=dv, head_dim_k_swa=dk_swa, head_dim_v_swa=dv_swa, mla=mla, window=window, chunked=chunked,
+        swa=tuple(swa), recurrent=tuple(recurrent), has_kv=tuple(has_kv),
         recurrent_state_floats=_recurrent_state_floats(arch, meta, n_embd, n_head0) if any(recurrent) else 0,
         mrope=arch in _MROPE_ARCHS, modelled=modelled and arch != "deepseek4")
 

@@ -173,7 +173,7 @@ class PagePlan:
 
 def restorable(rec: PageRecord | None, identity: str, min_tokens: int = MIN_TOKENS) -> bool:
     """A page that can stand for its conversation here: written under this model, build and KV layout
-    (`identity`, `model_id`), and long enough to be worth a restore (the one rule for pages, seeds and routing)."""
+    (`identity`), and long enough to be worth a restore (the one rule for pages, seeds and routing)."""
     return rec is not None and rec.model == identity and rec.n_tokens >= min_tokens
 
 
@@ -182,10 +182,6 @@ def page_file(upstream: str, session_key: str, salt: str = "") -> str:
     servers that share one save directory, and, with a salt unique to the save, never a file that two
     processes write at once (each save writes its own file, which only its own record names)."""
     return "page-" + hashlib.sha256(f"{upstream}\n{session_key}\n{salt}".encode()).hexdigest()[:20] + ".bin"
-
-
-def model_id(props: Mapping[str, object]) -> str:
-    return f"{props.get('model_path')}|{props.get('build_info')}"
 
 
 class Moved(Enum):

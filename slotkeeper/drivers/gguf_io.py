@@ -170,16 +170,6 @@ def read_header(path: str | os.PathLike[str] | None) -> HeaderRead:
             mine.set()
 
 
-async def read_header_async(path: str | os.PathLike[str] | None) -> HeaderRead:
-    """`read_header` in a worker thread (the reader holds the GIL in Python loops for ~1-2 s per 100 MB model)."""
-    return await asyncio.to_thread(read_header, path)
-
-
-def read_metadata(path: str | os.PathLike[str] | None) -> dict[str, Any] | None:
-    """The header's key/values, or None when the file is missing, unreadable or not a GGUF."""
-    return read_header(path).metadata
-
-
 def model_facts(model_path: str | None) -> tuple[ModelFacts | None, HeaderRead]:
     """Facts about the model at `/props` `model_path`, if that file is on this machine, plus how reading went."""
     read = read_header(model_path)

@@ -55,7 +55,6 @@ class NoticeListener:
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.connected = False
         self.lost = False          # logged as lost, not back yet
-        self.received = 0          # notices delivered (tests, status)
 
     def watch(self, channel: str, on_claim: OnClaim) -> None:
         """Deliver `channel`'s notices to `on_claim` (the newest callback for a channel wins)."""
@@ -128,7 +127,6 @@ class NoticeListener:
         notice = notices.decode(data) if on_claim is not None else None
         if notice is None or on_claim is None or notice.instance == self.instance:
             return
-        self.received += 1
         try:
             on_claim(notice)
         except Exception as e:  # the listener must outlive a bad callback
