@@ -1,32 +1,11 @@
 """What the loaded model lets the proxy reuse, decided from its GGUF header key/values.
 
-Why: llama-server can only roll a slot back to an earlier token if every layer still holds that token's
-state. Sliding-window (SWA) layers keep only the last `window` tokens, recurrent layers (Mamba, RWKV, the
-linear-attention halves of hybrids) keep one running state and nothing per token. For such models
-llama-server reuses a diverging prefix only from *context checkpoints* it keeps in RAM per slot, and an
-upstream slot file (`/slots/N?action=save|restore`) carries none of them: after a restore it logs "forcing
-full prompt re-processing due to lack of cache data" and prefills everything again (llama.cpp issues #25913,
-#27813). Prefix checkpoints and session pages are then disk writes that never pay back, so the proxy keeps
-them off and says which llama-server flag would change that. Builds that append the checkpoints to the
-file (PRs #20819/#26004 propose it; the Oct 2026 xllamacpp wheel does it) do resume:
-`file_has_checkpoints` recognises such a file from the size llama-server reports for it.
-
-Rule 1: pure and stdlib only. Input is the header's key/value mapping (`slotkeeper/drivers/gguf_io.read_header`
-        produces it); output is typed facts (`ModelFacts`), a typed verdict (`Reuse`) and log lines that
-        carry only names and numbers.
-Rule 2: mirror llama.cpp, not the model card. Which layers are SWA or recurrent is decided the way
-        llama.cpp decides it per architecture (src/llama-model.cpp `load_hparams`, src/models/<arch>.cpp
-        `load_arch_hparams`, src/llama-hparams.cpp `set_swa_pattern`, src/llama-arch.cpp
-        `llm_arch_is_recurrent`/`llm_arch_is_hybrid`): e.g. a `sliding_window` key on a `llama` or `qwen2`
-        model is ignored there, so it is ignored here.
-Rule 3: never raise on odd metadata. Missing or mistyped keys read as absent; a header without an
-        architecture gives `ReuseKind.UNKNOWN`, which changes nothing (`restore_helps` is True).
-
-Byte estimates follow llama.cpp's cache layout (src/llama-kv-cache.cpp): per token and attention layer,
-`n_head_kv × head_dim_k` K values plus `n_head_kv × head_dim_v` V values (no V for MLA models), each row
-`ggml_row_size(type, n)` bytes; SWA layers hold min(window, tokens) cells; recurrent layers one f32 state
-per sequence. A slot file (`llama_state_seq_save_file`) is that data for the saved tokens plus 4 bytes of
-token id and 12 bytes of cell metadata per token, and a few hundred bytes of headers.
+Why: sliding-window and recurrent layers cannot roll a slot back, and upstream slot files carry no context
+checkpoints, so for such models a restored slot file often prefills everything again; checkpoints and pages
+are then disk writes that never pay back. This module decides which kind of model is loaded (the way
+llama.cpp decides it per architecture, not from the model card) and estimates KV and slot-file bytes from
+llama.cpp's cache layout. Pure; odd metadata reads as absent, and an unknown model changes nothing.
+docs/model-capability.md has the layouts, the sources in llama.cpp and the measurements.
 """
 
 from __future__ import annotations
