@@ -1,19 +1,10 @@
-"""What every proxy process shares about one llama-server's slot space: the state file's content, as data.
+"""What every proxy process shares about one llama-server's slot space: the state document's content, as data.
 
-Rule 1: pure. The driver (`slotkeeper/drivers/store_file.py`) reads the JSON under a file lock, calls these
-        functions and writes the result back atomically; nothing here touches a file or a clock.
-Rule 2: tolerant. A state file written by another version, or damaged by hand, yields the parts that
-        make sense and drops the rest; it never raises.
-
-Two maps, both keyed so that any proxy process sharing the file can act on them:
-- slots:    slot id → the newest claim (`last_used`, `owner` session, the owner's request count and the
-            prefix signature of the content pinned there);
-- sessions: session key → the slot it was given, so a restarted proxy keeps its sessions on their slots.
-A session *owns* its slot while the slot's newest claim is its own. When another session takes the slot
-(after the TTL), the old session's entry remains, and on its return it sees it lost the slot and gets a
-new one through the ranking.
-
-The in-memory side of the same facts is `slotlogic.table.SessionTable`: the hot path reads it, never this.
+Pure: the stores read and write it under their lock. Tolerant: a document written by another version or
+another tool yields the parts that make sense, every value range-checked, and never raises. Two maps: `slots`
+(each slot's newest claim) and `sessions` (each session's slot, so a restarted proxy keeps its sessions); a
+session owns its slot while the newest claim is its own. The hot path reads `slotlogic.table.SessionTable`,
+never this.
 """
 
 from __future__ import annotations
