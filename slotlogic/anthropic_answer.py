@@ -1,16 +1,10 @@
 """llama-server chat completion answers → Anthropic Messages answers, as llama-server's `/v1/messages` sends them.
 
-The way back of `slotlogic.anthropic` (which translates the request): the client must receive what the
-native route would have sent. What it mirrors (llama.cpp, `tools/server/`; docs/anthropic.md names the
-commits read):
-- `from_chat`: `server_task_result_cmpl_final::to_json_anthropic()` in server-task.cpp.
-- `StreamConverter`: `server_task_result_cmpl_partial::to_json_anthropic()` per partial result and
-  `server_task_result_cmpl_final::to_json_anthropic_stream()` for the final one, with `format_anthropic_sse()`
-  framing (no `ping`, no `[DONE]`; a mid-stream error becomes `event: error`).
-- `error_body`: the native route answers errors in the OpenAI shape (`res->error()`), so the body passes as is.
-
-Rule 1: pure: standard library only, no I/O, no clock; `StreamConverter` is a state machine fed bytes.
-Rule 2: no prompt text in exception messages (they name keys and types only).
+The way back of `slotlogic.anthropic`: the client must receive what the native route would have sent.
+`from_chat` mirrors the final answer's `to_json_anthropic()`, `StreamConverter` (a state machine fed bytes)
+the partial and final stream events with their SSE framing; errors pass in the OpenAI shape, as the native
+route sends them. Pure; exceptions name keys and types, never text. docs/anthropic.md names the llama.cpp
+functions and commits.
 """
 
 from __future__ import annotations
