@@ -9,7 +9,6 @@ never this.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 from slotlogic import handover
 from slotlogic.handover import Handover
 from slotlogic.learned_prefix import MAX_LEARNED, Learned
-from slotlogic.numbers import MAX_SLOTS
+from slotlogic.numbers import MAX_SLOTS, count, integer, real
 from slotlogic.paging import FILE_RE as PAGE_FILE_RE
 from slotlogic.paging import PageRecord
 from slotlogic.ranking import SlotView
@@ -97,22 +96,6 @@ class ServerState:
 # (de)serialisation
 
 
-def _num(v: Any) -> float | None:
-    """A finite number (JSON from outside may say NaN or Infinity, which no comparison orders)."""
-    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-    return float(v) if ok else None
-
-
-def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
-def _count(v: Any, top: int) -> int | None:
-    """An integer in 0..top (a size, a count): anything else read from the store is not one of ours."""
-    n = _int(v)
-    return n if n is not None and 0 <= n <= top else None
-
-
 def _str(v: Any, longest: int = MAX_KEY) -> str | None:
     return v if isinstance(v, str) and len(v) <= longest else None
 
@@ -125,8 +108,7 @@ class Clock:
     latest: float = MAX_TIME
 
     def time(self, v: Any) -> float | None:
-        t = _num(v)
-        return t if t is not None and 0.0 <= t <= self.latest else None
+        return real(v, 0.0, self.latest)
 
 
 def from_dict(data: Any, upstream: str, now: float | None = None) -> ServerState:
@@ -139,9 +121,9 @@ def from_dict(data: Any, upstream: str, now: float | None = None) -> ServerState
     st.media_marker = _str(data.get("media_marker"), MAX_MARKER)
     marker = _str(data.get("idle_clearing"), MAX_MARKER)
     st.idle_clearing = marker or None
-    total = _int(data.get("total_slots"))
+    total = integer(data.get("total_slots"))
     st.total_slots = total if total and 0 < total <= MAX_SLOTS else None
-    st.n_ctx = _count(data.get("n_ctx"), MAX_TOKENS) or None
+    st.n_ctx = count(data.get("n_ctx"), MAX_TOKENS) or None
     _read_slots(st, data.get("slots"), clock)
     _read_sessions(st, data.get("sessions"), clock)
     _read_pages(st, data.get("pages"), clock)
@@ -153,7 +135,7 @@ def _read_slots(st: ServerState, slots: Any, clock: Clock) -> None:
     if not isinstance(slots, dict):
         return
     for k, v in list(slots.items())[:MAX_SLOTS]:
-        sid = _int(int(k)) if isinstance(k, str) and k.isdigit() and len(k) < 6 else None
+        sid = integer(int(k)) if isinstance(k, str) and k.isdigit() and len(k) < 6 else None
         if not isinstance(v, dict) or sid is None or not 0 <= sid < MAX_SLOTS:
             continue
         used = clock.time(v.get("last_used"))
@@ -161,8 +143,8 @@ def _read_slots(st: ServerState, slots: Any, clock: Clock) -> None:
             continue
         proxy = v.get("proxy")
         st.slots[sid] = SlotRecord(last_used=used, owner=_str(v.get("owner")),
-                                   requests=_count(v.get("requests"), MAX_REQUESTS) or 0, prefix=_str(v.get("prefix")),
-                                   epoch=_count(v.get("epoch"), MAX_EPOCH - 1) or 0,
+                                   requests=count(v.get("requests"), MAX_REQUESTS) or 0, prefix=_str(v.get("prefix")),
+                                   epoch=count(v.get("epoch"), MAX_EPOCH - 1) or 0,
                                    proxy=proxy if handover.valid_id(proxy) else None)
 
 
@@ -172,10 +154,10 @@ def _read_sessions(st: ServerState, sessions: Any, clock: Clock) -> None:
     for k, v in sessions.items():
         if not isinstance(k, str) or len(k) > MAX_KEY or not isinstance(v, dict):
             continue
-        slot, used = _int(v.get("slot")), clock.time(v.get("last_used"))
+        slot, used = integer(v.get("slot")), clock.time(v.get("last_used"))
         if slot is None or not 0 <= slot < MAX_SLOTS or used is None:
             continue
-        st.sessions[k] = SessionRecord(slot=slot, last_used=used, requests=_count(v.get("requests"), MAX_REQUESTS) or 0,
+        st.sessions[k] = SessionRecord(slot=slot, last_used=used, requests=count(v.get("requests"), MAX_REQUESTS) or 0,
                                        prefix=_str(v.get("prefix")), claimed=clock.time(v.get("claimed")))
     if len(st.sessions) > MAX_READ_SESSIONS:  # more than any proxy keeps: the most recent, the rest is not ours
         newest = sorted(st.sessions.items(), key=lambda kv: kv[1].last_used, reverse=True)[:MAX_READ_SESSIONS]
@@ -190,8 +172,8 @@ def _read_pages(st: ServerState, pages: Any, clock: Clock) -> None:
     for k, v in pages.items():
         if not isinstance(k, str) or len(k) > MAX_KEY or not isinstance(v, dict):
             continue
-        file, n, saved = _str(v.get("file")), _count(v.get("n_tokens"), MAX_TOKENS), clock.time(v.get("saved"))
-        size = _count(v.get("bytes", 0), MAX_PAGE_BYTES)
+        file, n, saved = _str(v.get("file")), count(v.get("n_tokens"), MAX_TOKENS), clock.time(v.get("saved"))
+        size = count(v.get("bytes", 0), MAX_PAGE_BYTES)
         if file is None or not PAGE_FILE_RE.match(file) or n is None or saved is None or size is None:
             continue
         st.pages[k] = PageRecord(file=file, n_tokens=n, saved=saved, bytes=size,
@@ -202,7 +184,7 @@ def _read_others(st: ServerState, data: dict[str, Any], clock: Clock) -> None:
     handovers = data.get("handovers")
     if isinstance(handovers, list):
         for v in handovers[:handover.MAX_HANDOVERS]:
-            sid = _int(v.get("slot")) if isinstance(v, dict) else None
+            sid = integer(v.get("slot")) if isinstance(v, dict) else None
             h = handover.from_dict(sid, v) if sid is not None and 0 <= sid < MAX_SLOTS else None
             if h is not None:
                 st.handovers[(h.slot, h.taker)] = h
@@ -228,7 +210,7 @@ def _read_others(st: ServerState, data: dict[str, Any], clock: Clock) -> None:
         for v in prefixes[:MAX_LEARNED]:
             if not isinstance(v, dict):
                 continue
-            ctx, n, dig, seen = (_str(v.get("context")), _count(v.get("length"), MAX_TOKENS), _str(v.get("digest")),
+            ctx, n, dig, seen = (_str(v.get("context")), count(v.get("length"), MAX_TOKENS), _str(v.get("digest")),
                                  clock.time(v.get("last_seen")))
             if ctx and n and dig and len(dig) == 64 and seen is not None:
                 st.prefixes.append(Learned(ctx, n, dig, seen))
@@ -466,7 +448,7 @@ def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
     placement of this process has chosen and not yet sent its request to: busy, as they soon are."""
     by_id: dict[int, dict[str, Any]] = {}
     for entry in live or []:
-        sid = _int(entry.get("id")) if isinstance(entry, dict) else None
+        sid = integer(entry.get("id")) if isinstance(entry, dict) else None
         if sid is not None:
             by_id[sid] = entry
     sessions = local.sessions if local is not None else {}
@@ -490,7 +472,7 @@ def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
                               requests=max(rec.requests, mine.requests))
             else:
                 mine = None
-        n_tokens = _int(entry.get("n_prompt_tokens"))
+        n_tokens = integer(entry.get("n_prompt_tokens"))
         if live is not None and entry and n_tokens is None:
             n_tokens = 0  # a slot that never ran a task lists no counters: it is empty
         out.append(SlotView(

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from slotlogic.numbers import integer
+
 
 class State(Enum):
     QUEUED = "queued"            # its slot (or every slot) runs other work first
@@ -55,14 +57,10 @@ class Progress:
     idle_for: float | None = None        # STALLED: how long every slot has been idle and unchanged
 
 
-def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
 def _decoded(entry: Mapping[str, Any]) -> int:
     nt = entry.get("next_token")
     first = nt[0] if isinstance(nt, list) and nt and isinstance(nt[0], dict) else nt
-    return (_int(first.get("n_decoded")) or 0) if isinstance(first, dict) else 0
+    return (integer(first.get("n_decoded")) or 0) if isinstance(first, dict) else 0
 
 
 def _snapshot(live: Sequence[Mapping[str, Any]]) -> tuple[tuple[Any, ...], ...]:
@@ -203,5 +201,6 @@ def _furthest(busy: list[Mapping[str, Any]]) -> Mapping[str, Any]:
 
 
 def _on(state: State, entry: Mapping[str, Any], waited: float) -> Progress:
-    return Progress(state, waited, slot=_int(entry.get("id")), processed=_int(entry.get("n_prompt_tokens_processed")),
-                    total=_int(entry.get("n_prompt_tokens")), decoded=_decoded(entry))
+    return Progress(state, waited, slot=integer(entry.get("id")),
+                    processed=integer(entry.get("n_prompt_tokens_processed")),
+                    total=integer(entry.get("n_prompt_tokens")), decoded=_decoded(entry))
