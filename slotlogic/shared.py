@@ -24,10 +24,7 @@ from slotlogic.server import ServerInfo
 from slotlogic.table import Assignment, SessionTable
 
 FORMAT_VERSION = 1
-# The most slots a shared state may speak of. Only `/props` says how many slots a server has; a count or a slot
-# id in the state (a file or Redis key any local process can write) is a hint for the hash fallback at most,
-# never the size of anything built. Beyond this it is junk and dropped (llama-server's own slot counts are a
-# few dozen at most in practice: each slot is a KV cache of its own). `MAX_SLOTS` is `slotlogic.numbers`'.
+# Only `/props` sizes anything: a slot count or id in the state is a hint at most, dropped past `MAX_SLOTS`.
 MAX_MARKER = 128  # a media_marker longer than this read from the store is not one
 
 
