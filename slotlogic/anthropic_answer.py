@@ -36,10 +36,6 @@ class PromptCounts:
     cache_n: int
     prompt_n: int
 
-    @property
-    def total(self) -> int:
-        return self.cache_n + self.prompt_n
-
 
 # --------------------------------------------------------------------------------------------------------
 # answer: chat completion → Anthropic message

@@ -356,10 +356,6 @@ class Orchestrator:
     def _note(self, kind: NoteKind, **kw: Any) -> None:
         self.notes.append(Note(kind, self.slot, **kw))
 
-    @property
-    def done(self) -> bool:
-        return self.phase is Phase.DONE
-
 
 def _int(data: Any, key: str) -> int | None:
     """A count of a server's answer, in range (`numbers.count`); None otherwise."""

@@ -189,22 +189,15 @@ class SessionTable:
     def forget_all(self, keep: Collection[str] = ()) -> None:
         """After a restart or resize: re-choose every session on its next request (but those in `keep`, whose
         slots hold what they left there since)."""
-        if keep:
-            for key in [k for k in self.sessions if k not in keep]:
-                self.forget(key)
-            for where in (self.holders, self.running, self.dispatched):
-                for slot in [s for s, k in where.items() if k not in keep]:
-                    del where[slot]
-            self.misplaced.clear()
-            self.foreign.clear()
-            return
-        self.sessions.clear()
-        self.dirty.clear()
+        for key in [k for k in self.sessions if k not in keep]:
+            self.forget(key)
+        for where in (self.holders, self.running, self.dispatched):
+            for slot in [s for s, k in where.items() if k not in keep]:
+                del where[slot]
         self.misplaced.clear()
         self.foreign.clear()
-        self.holders.clear()
-        self.running.clear()
-        self.dispatched.clear()
+        if not keep:
+            self.dirty.clear()
 
     def readmit(self, key: str, a: Assignment) -> None:
         """A session the restart's bookkeeping forgot whose slot still holds its conversation after all: known
