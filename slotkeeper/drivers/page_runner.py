@@ -267,8 +267,8 @@ class PageRunner:
 
     def _measured(self, action: str, data: dict[str, Any], asked: float | None) -> None:
         """One save or restore answer into the speeds; its wall time only when no request of ours ran while it
-        did (bench subagents seed 7: two restores queued behind a prefill priced every move at ~2.5 s more, so
-        none was made again and the estimate never came back down: 17 page-outs let go, 13 prefixes warmed)."""
+        did: a call queued behind a prefill would price every later move too high, and a move never made again
+        never brings the estimate back down."""
         wall = None if asked is None or self.server_busy() else (time.monotonic() - asked) * 1000
         answer = SlotFileAnswer.parse(action, data, wall)
         if answer is not None:
