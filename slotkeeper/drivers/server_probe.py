@@ -11,12 +11,14 @@ change means is the core's (`Keeper.props_seen`, `Keeper.note_server`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from slotkeeper.drivers import cache_mode
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.model_check import ModelCheck
 from slotkeeper.drivers.store import StateStore
@@ -24,13 +26,23 @@ from slotkeeper.drivers.tasks import Tasks
 from slotlogic import shared, wait
 from slotlogic.answers import Observation
 from slotlogic.decisions import Report, Ticket
-from slotlogic.events import Event, Failed, IdleSlotsCleared, MessagesProbed, ModelUnloaded, SlotsSlow, Stage
+from slotlogic.events import (
+    CacheModeFound,
+    Event,
+    Failed,
+    IdleSlotsCleared,
+    MessagesProbed,
+    ModelUnloaded,
+    SlotsSlow,
+    Stage,
+)
 from slotlogic.keeper import Keeper
 from slotlogic.ledger import Cause, tolerance
-from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
+from slotlogic.server import CacheMode, ServerInfo, probe_slot, slot_that_ran
 from slotlogic.settings import AnthropicMode, Settings
 
 PROBE_TIMEOUT = 30.0
+START_WAIT = 3.0    # seconds a request waits for the start-up cache-mode probe (two one-token requests)
 SLOW = 1.0          # seconds: a /props or /slots that failed after this long hung (the timeout is 3 s)
 BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the background probe may clear it)
 ASK_AGAIN = 1.0     # seconds between look-ups of a patient `ask` (a server with no facts yet)
@@ -61,6 +73,8 @@ class ServerProbe:
         self.client_came = False  # a client's request reached this server (the start-up probe steps aside)
         self._unified_told = False       # idle-slot clearing explained once
         self._clearing_shared: str | None = None  # the server process whose idle clearing the state was told of
+        self.starting = False                 # `start` runs: new requests wait for the cache mode (`mode_probed`)
+        self._started = asyncio.Event()
 
     async def facts_for(self, asked: Facts | None, arrived: float | None, bound: float
                         ) -> tuple[ServerInfo | None, dict[str, Any] | None, list[dict[str, Any]] | None]:
@@ -167,6 +181,8 @@ class ServerProbe:
         if self.keeper.messages_native is None:  # a restarted server may be another build; its slots are empty
             self._messages_probing = False
             self.probe_messages_once(step_aside=True)
+        if self.keeper.facts.cache_mode is None:  # and may run with other flags
+            self.tasks.spawn(self.probe_cache_mode())
 
     def probe_messages_once(self, *, step_aside: bool = False) -> None:
         if self.keeper.messages_native is None and not self._messages_probing:
@@ -175,16 +191,31 @@ class ServerProbe:
 
     async def start(self) -> None:
         """What can only be learned while the slots are empty (whether `/v1/messages` honours id_slot), then
-        the server itself (`/props`, which starts the model check and its start-up probe)."""
+        the server itself (`/props`, which starts the model check and its start-up probe). The `/v1/messages`
+        probe needs every slot empty, so it comes first; a client's first request, sent as the proxy starts, goes
+        before it (batched with the probe's two completions on a small server it took ~1 s instead of ~0.2 s),
+        and the probe is tried again with the first translated request. Then the server's cache mode: requests
+        that arrive while it is probed wait for it (`mode_probed`)."""
         if self.keeper.messages_native is None and not self._messages_probing:
             self._messages_probing = True
-            # First: it needs every slot empty, the model probe takes one. A client's first request, sent as the
-            # proxy starts, goes first: batched with the probe's two completions on a small server, it took
-            # ~1 s instead of ~0.2 s. The probe is tried again with the first translated request.
             await asyncio.sleep(START_QUIET)
             await self.probe_messages(step_aside=True)
+        self.starting = True
+        try:
+            if self.keeper.facts.cache_mode is None:
+                await self.probe_cache_mode()
+        finally:
+            self.starting = False
+            self._started.set()
         if self.keeper.server is None:
             await self.probe()
+
+    async def mode_probed(self) -> None:
+        """A request that comes while `start` runs waits for the cache mode, at most `START_WAIT` s: pinned
+        before it is known, on a server that clears idle slots, it would be placed into a slot soon emptied
+        (a proxy started together with its clients: the bench's first request raced the probe)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._started.wait(), START_WAIT)
 
     async def probe_messages(self, *, step_aside: bool = False) -> bool | None:
         """Whether the server honours `id_slot` on `/v1/messages` (upstream PR #26758): while every slot is
@@ -220,6 +251,16 @@ class ServerProbe:
             self.keeper.facts.messages_probed(honoured)
             self.emit(MessagesProbed(self.url, honoured))
         return honoured
+
+    async def probe_cache_mode(self, seen: str = "probe") -> CacheMode | None:
+        """Whether the server clears idle slots (`slotkeeper.drivers.cache_mode`). Unknown: the proxy places
+        requests as before, and a slot of ours found emptied later asks again (`_clearing_seen`)."""
+        mode = await cache_mode.probe(self.client)
+        if mode is not None and self.keeper.facts.cache_mode_found(mode):
+            self.emit(CacheModeFound(self.url, mode, seen))
+        if mode is CacheMode.IDLE_CLEARED:
+            await self._tell_clearing()
+        return mode
 
     async def learn_slot(self, ticket: Ticket, obs: Observation) -> bool:
         """Affinity on a route whose answer does not name the slot: read `/slots` once, right after it. True
@@ -280,11 +321,18 @@ class ServerProbe:
         return Cause.IDLE_CLEAR
 
     async def _clearing_seen(self, cleared: int) -> None:
-        """This server empties idle slots: said once, and told to the other proxies of a shared state."""
-        marker = self.keeper.server.media_marker if self.keeper.server else None
+        """This server seems to empty idle slots: said once, and confirmed by the probe before requests pass
+        through (a failed restore also leaves a slot empty), which tells the other proxies of a shared state."""
         if not self._unified_told:
             self._unified_told = True
             self.emit(IdleSlotsCleared(self.url, cleared))
+        if self.keeper.facts.cache_mode is not CacheMode.IDLE_CLEARED:
+            self.tasks.spawn(self.probe_cache_mode(seen="loss"))
+
+    async def _tell_clearing(self) -> None:
+        """Idle clearing confirmed: the other proxies of a shared state pass through too (`StateSync`), and
+        label their losses with it."""
+        marker = self.keeper.server.media_marker if self.keeper.server else None
         if self.store is not None and marker and marker != self._clearing_shared:
             self._clearing_shared = marker
             try:  # telling the other proxies is a courtesy: the cause found here stands either way
