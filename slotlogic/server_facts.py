@@ -53,6 +53,10 @@ class ServerFacts:
             return Unpinned.POLICY_OFF
         return Unpinned.IDLE_CLEARED if self.passes_through() else None
 
+    def mode_unknown(self) -> bool:
+        """The server's cache mode is not known yet (probe it)."""
+        return self.cache_mode is None
+
     def cache_mode_found(self, mode: CacheMode) -> bool:
         """What the probe or a loss showed; True when it is news (worth one log line)."""
         news, self.cache_mode = mode is not self.cache_mode, mode

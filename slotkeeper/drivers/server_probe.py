@@ -181,7 +181,7 @@ class ServerProbe:
         if self.keeper.messages_native is None:  # a restarted server may be another build; its slots are empty
             self._messages_probing = False
             self.probe_messages_once(step_aside=True)
-        if self.keeper.facts.cache_mode is None:  # and may run with other flags
+        if self.keeper.facts.mode_unknown():  # and may run with other flags
             self.tasks.spawn(self.probe_cache_mode())
 
     def probe_messages_once(self, *, step_aside: bool = False) -> None:
@@ -202,7 +202,7 @@ class ServerProbe:
             await self.probe_messages(step_aside=True)
         self.starting = True
         try:
-            if self.keeper.facts.cache_mode is None:
+            if self.keeper.facts.mode_unknown():
                 await self.probe_cache_mode()
         finally:
             self.starting = False
@@ -326,7 +326,7 @@ class ServerProbe:
         if not self._unified_told:
             self._unified_told = True
             self.emit(IdleSlotsCleared(self.url, cleared))
-        if self.keeper.facts.cache_mode is not CacheMode.IDLE_CLEARED:
+        if not self.keeper.facts.passes_through():
             self.tasks.spawn(self.probe_cache_mode(seen="loss"))
 
     async def _tell_clearing(self) -> None:
