@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -125,18 +125,33 @@ class CacheMode(Enum):
     IDLE_CLEARED = "idle-cleared"  # idle slots are moved to the RAM cache when any task starts: pass through
 
 
-def cache_probe_slots(live: Sequence[Mapping[str, Any]]) -> tuple[int, int, bool] | None:
+DEFAULT_SLOTS = 4  # llama-server's slot count when started without `-np` (docs/llama-server.md)
+
+
+def may_clear_idle_slots(info: ServerInfo) -> bool:
+    """Whether the server may be one started without `-np`, whose defaults clear idle slots (4 slots on one
+    unified KV cache, `--cache-idle-slots` on): requests wait for its cache mode at start. A server with another
+    slot count was given `-np`, and then clears idle slots only if `-kvu` was given too: its mode is probed all
+    the same, but no request waits for it."""
+    return info.total_slots == DEFAULT_SLOTS
+
+
+def cache_probe_slots(live: Sequence[Mapping[str, Any]], writable: Collection[int] | None = None
+                      ) -> tuple[int, int, bool] | None:
     """The slots of the cache-mode probe: (`witness`, `trigger`, `fill`). The witness is an idle slot holding
     tokens, else an idle empty one that gets a one-token request first (`fill`); the trigger an idle, empty other
     slot, which gets a one-token request; then the witness is looked at (`cache_mode_seen`). Only empty slots
-    are written, so the probe never overwrites a conversation whatever the mode. None: no such pair."""
+    are written, so the probe never overwrites a conversation whatever the mode; `writable`: the empty slots it
+    may write (none of ours, claimed or on its way; None: any). The highest ids are written, as llama-server's
+    own LRU tie-break fills them first, leaving the low ones to the placements. None: no such pair."""
     idle = [e for e in live if isinstance(e.get("id"), int) and not isinstance(e.get("id"), bool)
             and e.get("is_processing") is False]
     held = [e["id"] for e in idle if e.get("n_prompt_tokens")]
-    empty = sorted(e["id"] for e in idle if not e.get("n_prompt_tokens"))
+    empty = sorted((e["id"] for e in idle if not e.get("n_prompt_tokens")
+                    and (writable is None or e["id"] in writable)), reverse=True)
     if held and empty:
         return held[0], empty[0], False
-    return (empty[0], empty[1], True) if len(empty) >= 2 else None
+    return (empty[1], empty[0], True) if len(empty) >= 2 else None
 
 
 def cache_mode_seen(witness: int, before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]

@@ -11,7 +11,6 @@ change means is the core's (`Keeper.props_seen`, `Keeper.note_server`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -38,11 +37,10 @@ from slotlogic.events import (
 )
 from slotlogic.keeper import Keeper
 from slotlogic.ledger import Cause, tolerance
-from slotlogic.server import CacheMode, ServerInfo, probe_slot, slot_that_ran
+from slotlogic.server import CacheMode, ServerInfo, may_clear_idle_slots, probe_slot, slot_that_ran
 from slotlogic.settings import AnthropicMode, Settings
 
 PROBE_TIMEOUT = 30.0
-START_WAIT = 3.0    # seconds a request waits for the start-up cache-mode probe (two one-token requests)
 SLOW = 1.0          # seconds: a /props or /slots that failed after this long hung (the timeout is 3 s)
 BACKOFF = 30.0      # seconds a hung endpoint is not asked by new sessions (the background probe may clear it)
 ASK_AGAIN = 1.0     # seconds between look-ups of a patient `ask` (a server with no facts yet)
@@ -73,8 +71,9 @@ class ServerProbe:
         self.client_came = False  # a client's request reached this server (the start-up probe steps aside)
         self._unified_told = False       # idle-slot clearing explained once
         self._clearing_shared: str | None = None  # the server process whose idle clearing the state was told of
-        self.starting = False                 # `start` runs: new requests wait for the cache mode (`mode_probed`)
-        self._started = asyncio.Event()
+        self.hold = cache_mode.Hold()  # new requests wait for the start-up cache-mode probe
+        self._starting = False  # `start` runs: it learns the server (a first `/props` meanwhile leaves it to it)
+        self._mode_probing = False  # one cache-mode probe at a time
 
     async def facts_for(self, asked: Facts | None, arrived: float | None, bound: float
                         ) -> tuple[ServerInfo | None, dict[str, Any] | None, list[dict[str, Any]] | None]:
@@ -168,6 +167,7 @@ class ServerProbe:
         if info is None:
             return
         self._hung.pop("/props", None)  # it answers again: new sessions may ask it
+        first = self.keeper.server is None
         if not self.keeper.facts.props_seen(info):
             self.seen(info)
             return
@@ -178,11 +178,11 @@ class ServerProbe:
         for event in events:
             self.emit(event)
         self.seen(info)  # after the core noted the server: the model probe's fence is planned against its slots
+        if first and self._starting:  # `start` learns the rest
+            return
         if self.keeper.messages_native is None:  # a restarted server may be another build; its slots are empty
             self._messages_probing = False
-            self.probe_messages_once(step_aside=True)
-        if self.keeper.facts.mode_unknown():  # and may run with other flags
-            self.tasks.spawn(self.probe_cache_mode())
+        self.tasks.spawn(self._learn())
 
     def probe_messages_once(self, *, step_aside: bool = False) -> None:
         if self.keeper.messages_native is None and not self._messages_probing:
@@ -190,32 +190,35 @@ class ServerProbe:
             self.tasks.spawn(self.probe_messages(step_aside=step_aside))
 
     async def start(self) -> None:
-        """What can only be learned while the slots are empty (whether `/v1/messages` honours id_slot), then
-        the server itself (`/props`, which starts the model check and its start-up probe). The `/v1/messages`
-        probe needs every slot empty, so it comes first; a client's first request, sent as the proxy starts, goes
-        before it (batched with the probe's two completions on a small server it took ~1 s instead of ~0.2 s),
-        and the probe is tried again with the first translated request. Then the server's cache mode: requests
-        that arrive while it is probed wait for it (`mode_probed`)."""
+        """What can only be learned while the slots are empty (whether `/v1/messages` honours id_slot), then the
+        server's cache mode, then the server itself (`/props`, which starts the model check and its start-up
+        probe). The `/v1/messages` probe needs every slot empty, so it comes first; a client's first request,
+        sent as the proxy starts, goes before it (batched with the probe's two completions on a small server it
+        took ~1 s instead of ~0.2 s), and the probe is tried again with the first translated request. On a server
+        that may clear idle slots (`server.may_clear_idle_slots`) new requests are held until its mode is known
+        instead (`cache_mode.Hold`); on any other server none waits."""
+        self._starting = True
+        try:
+            info = self.server_info(await self.client.props()) if self.keeper.facts.mode_unknown() else None
+            self.hold.on = info is not None and may_clear_idle_slots(info)
+            await self._learn(quiet=START_QUIET if not self.hold.on else 0.0)
+            self.hold.end()
+            if self.keeper.server is None:
+                await self.probe()
+        finally:
+            self._starting = False
+            self.hold.end()
+
+    async def _learn(self, quiet: float = 0.0) -> None:
+        """A new server process (at start, after a restart): whether `/v1/messages` honours id_slot (while its
+        slots are empty: first, after `quiet` s that leave a client starting with the proxy to go first), then its
+        cache mode (whose probe writes empty slots)."""
         if self.keeper.messages_native is None and not self._messages_probing:
             self._messages_probing = True
-            await asyncio.sleep(START_QUIET)
+            await asyncio.sleep(quiet)
             await self.probe_messages(step_aside=True)
-        self.starting = True
-        try:
-            if self.keeper.facts.mode_unknown():
-                await self.probe_cache_mode()
-        finally:
-            self.starting = False
-            self._started.set()
-        if self.keeper.server is None:
-            await self.probe()
-
-    async def mode_probed(self) -> None:
-        """A request that comes while `start` runs waits for the cache mode, at most `START_WAIT` s: pinned
-        before it is known, on a server that clears idle slots, it would be placed into a slot soon emptied
-        (a proxy started together with its clients: the bench's first request raced the probe)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._started.wait(), START_WAIT)
+        if self.keeper.facts.mode_unknown():
+            await self.probe_cache_mode()
 
     async def probe_messages(self, *, step_aside: bool = False) -> bool | None:
         """Whether the server honours `id_slot` on `/v1/messages` (upstream PR #26758): while every slot is
@@ -255,7 +258,13 @@ class ServerProbe:
     async def probe_cache_mode(self, seen: str = "probe") -> CacheMode | None:
         """Whether the server clears idle slots (`slotkeeper.drivers.cache_mode`). Unknown: the proxy places
         requests as before, and a slot of ours found emptied later asks again (`_clearing_seen`)."""
-        mode = await cache_mode.probe(self.client)
+        if self._mode_probing:
+            return None
+        self._mode_probing = True
+        try:
+            mode = await cache_mode.probe(self.client, self.keeper.turns, erase=bool(self.settings.save_dir))
+        finally:
+            self._mode_probing = False
         if mode is not None and self.keeper.facts.cache_mode_found(mode):
             self.emit(CacheModeFound(self.url, mode, seen))
         if mode is CacheMode.IDLE_CLEARED:
