@@ -190,13 +190,11 @@ class ServerProbe:
             self.tasks.spawn(self.probe_messages(step_aside=step_aside))
 
     async def start(self) -> None:
-        """What can only be learned while the slots are empty (whether `/v1/messages` honours id_slot), then the
-        server's cache mode, then the server itself (`/props`, which starts the model check and its start-up
-        probe). The `/v1/messages` probe needs every slot empty, so it comes first; a client's first request,
-        sent as the proxy starts, goes before it (batched with the probe's two completions on a small server it
-        took ~1 s instead of ~0.2 s), and the probe is tried again with the first translated request. On a server
-        that may clear idle slots (`server.may_clear_idle_slots`) new requests are held until its mode is known
-        instead (`cache_mode.Hold`); on any other server none waits."""
+        """`_learn` (the `/v1/messages` probe, which needs every slot empty, then the cache mode), then `/props`
+        (the model check and its probe). A client's first request, sent as the proxy starts, goes before them
+        (batched with the probes on a small server it took ~1 s instead of ~0.2 s), except on a server that may
+        clear idle slots (`server.may_clear_idle_slots`): there new requests are held until its mode is known
+        (`cache_mode.Hold`)."""
         self._starting = True
         try:
             info = self.server_info(await self.client.props()) if self.keeper.facts.mode_unknown() else None
