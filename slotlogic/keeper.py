@@ -178,12 +178,12 @@ class Keeper:
         route = classify(facts.method, facts.path)
         if route is Route.OTHER:
             return Forward(Passed.NOT_COMPLETION, completion_route=False)
-        s = self.settings
         shape = self._intake.known(facts, route)  # the hot path: a known session's next turn, from its bytes
+        passing = self._facts.passing()  # observed only, sent as they came
         if shape is not None:
-            if s.policy is Policy.OFF:
+            if passing is not None:
                 self.ledger.marks.pop(shape.key.key, None)
-                return Observe(_known_ticket(shape, unpinned=Unpinned.POLICY_OFF))
+                return Observe(_known_ticket(shape, unpinned=passing))
             placed = self._placed(shape.key.key, shape.side, facts.now)
             if placed is not None:  # its last parsed request is not its previous one any more (this one is not parsed)
                 self.ledger.marks.pop(shape.key.key, None)
@@ -192,12 +192,12 @@ class Keeper:
         if not isinstance(arrival, Arrival):
             return arrival
         ticket, req = arrival.ticket, arrival.req
-        if s.policy is Policy.OFF:
-            return Observe(replace(ticket, unpinned=Unpinned.POLICY_OFF), arrival.original)
+        if passing is not None:  # the client's own bytes go to its own route (an Anthropic request natively)
+            return Observe(replace(ticket, unpinned=passing, translated=False), arrival.original)
         placed = self._placed(ticket.session.key, ticket.side, facts.now, req.body)
         if placed is not None:
             return self._pin(ticket, placed[1], req.body, req.content, placed[0], facts.now)
-        if s.policy is Policy.AFFINITY:
+        if self.settings.policy is Policy.AFFINITY:
             return self._pending(ticket, req.body, req.content, TRANSLATED_PATH if ticket.translated else facts.path,
                                  facts.now)
         displaced = _displaced_from(self._table, self.total_slots, ticket, facts.now)

@@ -65,16 +65,18 @@ class Cause(Enum):
     OTHER_PROCESS = "other-process"          # another proxy's session ran there
     UNPINNED = "unpinned"                    # a request the server placed itself ran there
     SIDE_CALL = "side-call"                  # a side call ran on the session's slot
-    IDLE_CLEAR = "idle-clear"                # the server emptied the idle slot (unified KV, --cache-idle-slots)
+    IDLE_CLEAR = "idle-clear"                # the server emptied the idle slot (unified KV, --cache-idle-slots):
+    #                                          the proxy pinned there before it knew the mode, so not expected
     UNKNOWN = "unknown"
 
     @property
     def expected(self) -> bool:
-        """Causes outside the proxy's control, or chosen knowingly (no page budget, no save dir)."""
+        """Causes outside the proxy's control, or chosen knowingly (no page budget, no save dir). Idle clearing is
+        not one: on such a server the proxy passes requests through, so a pin it lost there is its own miss."""
         return self in _EXPECTED
 
 
-_EXPECTED = frozenset({Cause.RESTART, Cause.MODEL_CHANGE, Cause.EVICTED, Cause.IDLE_CLEAR})
+_EXPECTED = frozenset({Cause.RESTART, Cause.MODEL_CHANGE, Cause.EVICTED})
 _EMPTIED = frozenset({Cause.RESTART, Cause.MODEL_CHANGE})  # every slot (and maybe every page) of the server
 _KEPT = _EMPTIED | {Cause.IDLE_CLEAR}  # gone before any write of ours: a later write cannot lose it again
 

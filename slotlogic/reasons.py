@@ -39,6 +39,7 @@ class Unpinned(Enum):
     """Why a request on a completion route goes out without a slot of ours (its answer is still observed)."""
 
     POLICY_OFF = "policy off"
+    IDLE_CLEARED = "passed through: the server clears idle slots into its RAM cache"
     ROUTE = "not pinnable on this server (/v1/messages drops id_slot)"
     UNTRANSLATABLE = "passed natively: not translatable to a chat completion"
     SERVER_UNKNOWN = "unpinned: server unknown"

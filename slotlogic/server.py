@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from slotlogic import numbers
@@ -109,6 +110,62 @@ def model_content(props: Mapping[str, Any]) -> str | None:
         return recorded if isinstance(recorded, str) and len(recorded) <= 64 else None
     wire = json.dumps(facts, sort_keys=True, default=str, ensure_ascii=False)
     return hashlib.sha256(wire.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+class CacheMode(Enum):
+    """What the server does with an idle slot's KV cache when another task starts (docs/llama-server.md).
+
+    Neither `/props` nor `/slots` says it: llama-server started without `-np` picks 4 slots and unified KV, and
+    with `--cache-idle-slots` (on by default) it saves every idle slot to its RAM prompt cache and clears it
+    whenever a task starts. Pinning a session to a slot then keeps nothing (the slot is empty at its next turn,
+    and a request pinned to an empty slot never looks in the RAM cache), and every page-in or prefix restore is
+    cleared before it is used. The server's own choice (prompt similarity, then its RAM cache) does better."""
+
+    KEEPS = "keeps"          # an idle slot keeps its conversation: pinning, paging and prefix restores work
+    IDLE_CLEARED = "idle-cleared"  # idle slots are moved to the RAM cache when any task starts: pass through
+
+
+DEFAULT_SLOTS = 4  # llama-server's slot count when started without `-np` (docs/llama-server.md)
+
+
+def may_clear_idle_slots(info: ServerInfo) -> bool:
+    """Whether the server may be one started without `-np`, whose defaults clear idle slots (4 slots on one
+    unified KV cache, `--cache-idle-slots` on): requests wait for its cache mode at start. A server with another
+    slot count was given `-np`, and then clears idle slots only if `-kvu` was given too: its mode is probed all
+    the same, but no request waits for it."""
+    return info.total_slots == DEFAULT_SLOTS
+
+
+def cache_probe_slots(live: Sequence[Mapping[str, Any]], writable: Collection[int] | None = None
+                      ) -> tuple[int, int, bool] | None:
+    """The slots of the cache-mode probe: (`witness`, `trigger`, `fill`). The witness is an idle slot holding
+    tokens, else an idle empty one that gets a one-token request first (`fill`); the trigger an idle, empty other
+    slot, which gets a one-token request; then the witness is looked at (`cache_mode_seen`). Only empty slots
+    are written, so the probe never overwrites a conversation whatever the mode; `writable`: the empty slots it
+    may write (none of ours, claimed or on its way; None: any). The highest ids are written, as llama-server's
+    own LRU tie-break fills them first, leaving the low ones to the placements. None: no such pair."""
+    idle = [e for e in live if isinstance(e.get("id"), int) and not isinstance(e.get("id"), bool)
+            and e.get("is_processing") is False]
+    held = [e["id"] for e in idle if e.get("n_prompt_tokens")]
+    empty = sorted((e["id"] for e in idle if not e.get("n_prompt_tokens")
+                    and (writable is None or e["id"] in writable)), reverse=True)
+    if held and empty:
+        return held[0], empty[0], False
+    return (empty[1], empty[0], True) if len(empty) >= 2 else None
+
+
+def cache_mode_seen(witness: int, before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, Any]]
+                    ) -> CacheMode | None:
+    """What the witness slot shows after a task started on another slot: `before` is `/slots` right after the
+    witness's own request, `after` right after the trigger's. Emptied: idle clearing; still holding its tokens:
+    slots keep. None (unknown, ask again later): the witness ran something else in between, or is busy."""
+    was = next((e for e in before if e.get("id") == witness), None)
+    now = next((e for e in after if e.get("id") == witness), None)
+    if was is None or now is None or not was.get("n_prompt_tokens") or now.get("is_processing") is not False:
+        return None
+    if now.get("id_task") != was.get("id_task"):
+        return None
+    return CacheMode.IDLE_CLEARED if not now.get("n_prompt_tokens") else CacheMode.KEEPS
 
 
 def slot_facts(live: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:

@@ -16,7 +16,9 @@ from slotlogic import kv_types, shared
 from slotlogic.events import Event, PoolResized, ServerRestarted
 from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
 from slotlogic.ledger import Cause, Entry, Holds, Ledger, written_since_restart
-from slotlogic.server import ServerInfo
+from slotlogic.ranking import Policy
+from slotlogic.reasons import Unpinned
+from slotlogic.server import CacheMode, ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
 from slotlogic.table import Assignment, SessionTable
 
@@ -35,6 +37,30 @@ class ServerFacts:
         # A restart noticed without `/slots`: each emptied slot's entry before it, its epoch after the reset and
         # its owner's table entry, until `/slots` can say which of them a request wrote on the new server.
         self._unconfirmed: dict[int, tuple[Entry, int, Assignment | None]] = {}
+        self.cache_mode: CacheMode | None = None  # probed at start and after a restart, or seen in a loss
+
+    def passes_through(self) -> bool:
+        """The one gate of the server's cache mode: on a server that clears idle slots into its RAM prompt cache
+        (`CacheMode.IDLE_CLEARED`) requests go out as the client sent them, with no pinning, paging or prefix
+        restores: every one of those is emptied before it is used, and the server's own slot choice with its RAM
+        cache serves the same traffic with fewer prefilled tokens (docs/performance.md, "Server defaults")."""
+        return self.cache_mode is CacheMode.IDLE_CLEARED
+
+    def passing(self) -> Unpinned | None:
+        """Why every request goes as it came (observed only): the policy is off, or the server's cache mode
+        empties any slot of ours; None: requests are placed."""
+        if self.settings.policy is Policy.OFF:
+            return Unpinned.POLICY_OFF
+        return Unpinned.IDLE_CLEARED if self.passes_through() else None
+
+    def mode_unknown(self) -> bool:
+        """The server's cache mode is not known yet (probe it)."""
+        return self.cache_mode is None
+
+    def cache_mode_found(self, mode: CacheMode) -> bool:
+        """What the probe or a loss showed; True when it is news (worth one log line)."""
+        news, self.cache_mode = mode is not self.cache_mode, mode
+        return news
 
     def with_kv(self, info: ServerInfo) -> ServerInfo:
         """`info` (a `/props` just parsed) with its KV cache types: what this server process's saves showed,
@@ -62,6 +88,7 @@ class ServerFacts:
         before = {s: self.ledger.entry(s) for s in range(self.ledger.total)} if live is None else {}
         self.ledger.resize(info.total_slots, Cause.RESTART, keep=kept)
         self.messages_native = None  # another build may be running now
+        self.cache_mode = None  # and may run with other flags
         self._unconfirmed = {s: (e, self.ledger.entry(s).epoch, self.table.sessions.get(e.owner or ""))
                              for s, e in before.items() if e.owner and e.holds is Holds.SESSION and s not in kept}
         if self.settings.checkpoints is not CheckpointMode.OFF or self.settings.paging:

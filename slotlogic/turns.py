@@ -20,6 +20,7 @@ from slotlogic.decisions import Ticket
 from slotlogic.events import StalePlan
 from slotlogic.handover import Handover
 from slotlogic.ledger import Cause, Fence, Holds, Ledger
+from slotlogic.server import cache_probe_slots
 from slotlogic.settings import Settings
 from slotlogic.table import SessionTable
 
@@ -48,18 +49,22 @@ class Turns:
     # ------------------------------------------------------------------------------------------- the probe
 
     def probe_slot(self, live: Sequence[Mapping[str, Any]] | None, total: int) -> Fence | None:
-        """The slot the start-up probe may write (`capability.probe_slot`: empty and idle in `/slots`) that no
-        session of ours holds, is being placed on or has a request on its way to; claimed for the probe, so that
-        placements rank it busy, with the fence each of its slot actions is checked against (`probe_may_write`).
+        """The slot the start-up probe may write (`capability.probe_slot` among `_probe_free`'s), claimed for it so
+        that placements rank it busy, with the fence each of its slot actions is checked against (`probe_may_write`).
         None: no such slot, no probe (it never writes over a conversation)."""
-        ledger, running = self.ledger, self.table.running
-        free = [e for e in live or () if isinstance(e, Mapping) and isinstance(e.get("id"), int)
-                and ledger.entry(e["id"]).owner is None and not ledger.claimed(e["id"]) and e["id"] not in running]
-        slot = capability.probe_slot(free, total)
+        slot = capability.probe_slot(_probe_free(self.ledger, self.table.running, live), total)
         if slot is None:
             return None
-        ledger.claim(slot, PROBE)
-        return ledger.fence(slot)
+        self.ledger.claim(slot, PROBE)
+        return self.ledger.fence(slot)
+
+    def mode_probe(self, live: Sequence[Mapping[str, Any]]) -> tuple[int, list[Fence]] | None:
+        """The cache-mode probe's witness and the claimed fences of the slots it writes (`cache_probe_slots`)."""
+        plan = cache_probe_slots(live, {e["id"] for e in _probe_free(self.ledger, self.table.running, live)})
+        written = () if plan is None else (plan[1], plan[0]) if plan[2] else (plan[1],)
+        for slot in written:
+            self.ledger.claim(slot, PROBE)
+        return None if plan is None else (plan[0], [self.ledger.fence(s) for s in written])
 
     def probe_may_write(self, fence: Fence) -> bool:
         """Nothing of ours went to the probe's slot since it was chosen (a placement that chose it anyway, every
@@ -331,3 +336,12 @@ class Turns:
         if entry.owner != key:  # the operator's move: the slot is its from now on, holding nothing of it yet
             self.ledger.write(slot, Holds.SESSION, key, 0, Cause.UNKNOWN)
         return prefix
+
+
+def _probe_free(ledger: Ledger, running: Collection[int], live: Sequence[Mapping[str, Any]] | None
+                ) -> list[Mapping[str, Any]]:
+    """The `/slots` entries a probe may write: no session of ours holds them, is being placed on them or has a
+    request on its way there."""
+    return [e for e in live or () if isinstance(e, Mapping) and isinstance(e.get("id"), int)
+            and not isinstance(e.get("id"), bool) and ledger.entry(e["id"]).owner is None
+            and not ledger.claimed(e["id"]) and e["id"] not in running]

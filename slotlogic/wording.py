@@ -24,6 +24,7 @@ from slotlogic.model_facts import (
     ReuseKind,
 )
 from slotlogic.scheduler import Candidate
+from slotlogic.server import CacheMode
 from slotlogic.stats import SessionStats
 from slotlogic.watch import End, State
 
@@ -224,6 +225,7 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
     ev.MessagesProbed: lambda e: (Level.INFO, f"{e.upstream} " + (
         "honours id_slot on /v1/messages: Anthropic requests go natively" if e.honoured else
         "ignores id_slot on /v1/messages: Anthropic requests are sent as chat completions")),
+    ev.CacheModeFound: lambda e: _cache_mode(e),
     ev.IdleSlotsCleared: lambda e: (Level.WARNING, f"{e.upstream} empties idle slots (slot {e.slot} was used by a "
                                                    "live session and now holds 0 tokens): the server runs with "
                                                    "unified KV and --cache-idle-slots (the default when -np is not "
@@ -280,9 +282,22 @@ _CAUSES = {
     "other-process": "another proxy's session ran on its slot",
     "unpinned": "a request the server placed itself ran on its slot",
     "side-call": "a side call ran on its slot",
-    "idle-clear": "the server emptied its idle slot (expected: unified KV with --cache-idle-slots)",
+    "idle-clear": "the server emptied its idle slot (unified KV with --cache-idle-slots): pinned before the mode was "
+                  "known; requests pass through from now on",
     "unknown": "cause unknown",
 }
+
+
+def _cache_mode(e: ev.CacheModeFound) -> tuple[Level, str]:
+    if e.mode is CacheMode.KEEPS:
+        return Level.INFO, f"{e.upstream} keeps idle slots' KV cache: sessions are pinned to slots"
+    how = {"loss": "a slot emptied after a request", "state": "another proxy of the shared state found it"}.get(
+        e.seen, "probed at start")
+    return (Level.WARNING, f"{e.upstream} clears idle slots into its RAM prompt cache when a task starts (unified KV "
+                           f"with --cache-idle-slots, the default without -np; {how}): requests pass through "
+                           "unpinned, with no paging or prefix restores, and the server's RAM cache keeps "
+                           "conversations. For pinning, start llama-server with -np N (without -kvu) or "
+                           "--no-cache-idle-slots.")
 
 
 def _lost(e: ev.TokensLost) -> str:

@@ -17,6 +17,7 @@ from slotlogic.answers import Observation
 from slotlogic.decisions import RequestFacts
 from slotlogic.events import Event, ModelDescribed, ModelHeader, Probed, SpeedsMeasured
 from slotlogic.model_facts import ModelFacts, ReuseKind
+from slotlogic.server import CacheMode
 from slotlogic.settings import CheckpointMode, Settings
 from tests.conftest import FakeLlama
 from tests.test_model_facts import common, write_gguf
@@ -125,6 +126,9 @@ async def start(tmp_path: Path, llama: FakeLlama, **settings: Any) -> tuple[Upst
     events: list[Event] = []
     s = Settings(save_dir=str(save), paging=True, checkpoints=CheckpointMode.DISK, **settings)
     up = Upstream("http://up", s, tmp_path / "state", events.append, client=llama)
+    # a server whose cache mode is known: that probe's own one-token requests are not this test's business (its
+    # slots are claimed as the model check's are: tests/test_keeper.py; both on a real server: test_real_model_check)
+    up.keeper.facts.cache_mode_found(CacheMode.KEEPS)
     await up.prober.probe()
     await up.settle()
     return up, events

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -52,4 +53,21 @@ def test_mitmproxy_is_imported_only_by_the_addons_room():
                 names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
                     [n.module or ""] if isinstance(n, ast.ImportFrom) else []
                 found += [f"{path.relative_to(ROOT)}:{n.lineno}" for m in names if m.split(".")[0] == "mitmproxy"]
+    assert found == []
+
+
+def test_no_function_over_60_lines():
+    """Size by cohesion: a function that does one thing fits a screen (docs/design.md, "Shape")."""
+    long = [f"{where} {n.name}: {n.end_lineno - n.lineno + 1}" for where, n in _nodes()
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and (n.end_lineno or 0) - n.lineno + 1 > 60]
+    assert long == []
+
+
+def test_product_comments_cite_no_bench_run_or_seed():
+    """Comments say why in general terms; the runs and seeds that showed it live in the tests and
+    docs/performance.md, where they assert their figures."""
+    cite = re.compile(r"mix-4|subagents-2x2|\bseeds? [0-9]{2,}\b|\bruns? [A-Z]{1,2}\b")
+    found = [f"{p.relative_to(ROOT)}:{i}" for room in ("slotkeeper", "slotlogic")
+             for p in sorted((ROOT / room).rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if cite.search(line)]
     assert found == []

@@ -15,7 +15,7 @@ from slotlogic.keeper import Keeper
 from slotlogic.ledger import Holds
 from slotlogic.ranking import Policy
 from slotlogic.reasons import Passed, Unpinned, Why
-from slotlogic.server import ServerInfo
+from slotlogic.server import CacheMode, ServerInfo, cache_mode_seen, cache_probe_slots, may_clear_idle_slots
 from slotlogic.settings import AnthropicMode, CheckpointMode, Settings
 
 SYS = "You are a coding agent. " * 4
@@ -371,3 +371,63 @@ def test_a_slot_whose_prefix_is_unknown_does_not_hold_a_session_whose_prefix_is_
     view = replace(placed.view, n_tokens=4689, owner=other.ticket.session.key, prefix=None)
     assert not k.pager.holds_prefix(need, view)
     assert k.pager.holds_prefix(replace(need, prefix="sig"), replace(view, prefix="sig"))
+
+
+def test_a_server_that_clears_idle_slots_gets_every_request_as_sent_until_it_restarts():
+    """Unified KV with --cache-idle-slots (llama-server without -np) empties every idle slot when a task starts:
+    a pin of ours would find its slot empty and skip the server's RAM cache, so requests pass through, a known
+    session's next turn too (the hot path), with the client's own bytes. A restart may bring other flags: asked
+    again (unknown: placed as before)."""
+    k = make()
+    first = place(k, k.request(facts()))
+    k.facts.cache_mode_found(CacheMode.IDLE_CLEARED)
+    body = chat()
+    later = body | {"messages": [*body["messages"], {"role": "assistant", "content": "done"}]}
+    for decision in (k.request(facts(later, now=5.0)), k.request(facts(chat("new session"), now=6.0))):
+        assert isinstance(decision, Observe) and decision.ticket.unpinned is Unpinned.IDLE_CLEARED
+        assert decision.ticket.slot is None and decision.body is None
+    assert first.ticket.slot is not None
+    k.facts.note_server(shared.ServerState("http://up"), server(4, "m2"))
+    assert k.facts.cache_mode is None and isinstance(k.request(facts(chat("after"), now=7.0)), NeedSlot)
+
+
+def test_the_cache_mode_probe_reads_an_emptied_witness_as_idle_clearing():
+    """Witness and trigger are idle, empty slots (the probe never writes over a conversation); after the
+    trigger's task started, the witness emptied is idle clearing, still holding its tokens is a server whose
+    slots keep; the witness running another task in between, or busy, proves nothing."""
+    live = [{"id": 0, "is_processing": False, "n_prompt_tokens": 40}, *FREE[1:]]
+    assert cache_probe_slots(live) == (0, 3, False)                          # a held slot is only read
+    assert cache_probe_slots(FREE) == (2, 3, True) and cache_probe_slots(FREE[:1]) is None
+    assert cache_probe_slots(live, {1}) == (0, 1, False) and cache_probe_slots(FREE, {1}) is None
+    assert cache_probe_slots([live[0], {**FREE[1], "is_processing": True}]) is None
+    before = [{"id": 1, "id_task": 7, "is_processing": False, "n_prompt_tokens": 2}]
+    assert cache_mode_seen(1, before, [{**before[0], "n_prompt_tokens": 0}]) is CacheMode.IDLE_CLEARED
+    assert cache_mode_seen(1, before, before) is CacheMode.KEEPS
+    assert cache_mode_seen(1, before, [{**before[0], "id_task": 9, "n_prompt_tokens": 0}]) is None
+    assert cache_mode_seen(1, before, [{**before[0], "is_processing": True}]) is None
+    assert cache_mode_seen(1, [{**before[0], "n_prompt_tokens": 0}], before) is None  # nothing to lose
+
+
+def test_the_cache_mode_probe_writes_only_slots_no_session_of_ours_is_on_and_claims_them_meanwhile():
+    """The probe's one-token requests go to empty slots that no session of ours holds or is being placed on
+    (a placement may pick an empty slot that `/slots` still shows empty); while it runs, they are claimed like
+    the model check's probe slot, so placements rank them busy; done, an erased slot is empty in the ledger."""
+    k = make()
+    place(k, k.request(facts()))          # a session of ours on slot 3 (the highest empty one)
+    live = [dict(e) for e in FREE]        # /slots read before that session's request reached the server
+    witness, fences = k.turns.mode_probe(live)
+    mine = k.table.slot_of(next(iter(k.table.sessions)))
+    assert mine not in {f.slot for f in fences} | {witness} and len(fences) == 2
+    assert all(k.ledger.claimed(f.slot) for f in fences)
+    assert k.turns.mode_probe(live) is None   # one empty slot left: no pair
+    for f in fences:
+        assert k.turns.probe_may_write(f)
+        k.turns.probe_done(f, erased=True)
+    assert not any(k.ledger.claimed(f.slot) for f in fences)
+
+
+def test_requests_wait_for_the_cache_mode_only_on_a_server_that_may_run_llama_servers_defaults():
+    """Without -np llama-server runs 4 slots (and unified KV, whose idle slots it clears): only then do the first
+    requests wait for the start-up probe; a server given another -np is probed without holding anyone."""
+    assert may_clear_idle_slots(server(4)) and not may_clear_idle_slots(server(2))
+    assert not may_clear_idle_slots(server(1)) and not may_clear_idle_slots(server(8))

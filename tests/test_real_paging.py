@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
+from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from slotkeeper.launch.llama_server import LlamaServer
@@ -62,10 +66,12 @@ def test_an_evicted_session_is_paged_back_in_instead_of_prefilled(tmp_path):
 
 
 def test_a_page_out_that_finds_its_slot_emptied_labels_the_loss_idle_clearing(tmp_path):
-    """Unified KV with idle clearing, two slots, a save dir. B's launch empties A's idle slot; C, a new session,
-    then takes the coldest slot, A's, and our page-out of A saves nothing. That save is the evidence: the server
-    is asked (no restart), A's loss is labelled idle clearing, not after C's write (`evicted`), and no page of
-    0 tokens is recorded (it read as a page still being written, and A's placement waited for it)."""
+    """Unified KV with idle clearing, two slots, a save dir, and a cache mode the start-up probe could not tell
+    (another client's requests ran on both slots while the proxy started), so sessions are pinned. B's launch
+    empties A's idle slot; C, a new session, then takes the coldest slot, A's, and our page-out of A saves
+    nothing. That save is the evidence: the server is asked (no restart), A's loss is labelled idle clearing,
+    not after C's write (`evicted`), and no page of 0 tokens is recorded (it read as a page still being written,
+    and A's placement waited for it)."""
     save = tmp_path / "slots"
     save.mkdir()
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),
@@ -76,23 +82,59 @@ def test_a_page_out_that_finds_its_slot_emptied_labels_the_loss_idle_clearing(tm
              for c, msgs in ((c, conversation(f"Task {c}: idle clearing under paging.")) for c in "ABC")}
     with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=2048, kv_unified=True, slot_save_path=str(save),
                      cache_ram_mib=8,  # room for one conversation: A's is pushed out of the RAM cache by B's
-                     log_path=str(tmp_path / "s.log")) as srv, \
-            MitmProxy(srv.url, opts, log_path=str(log)) as px:
-        first_a = ask(px.url, convs["A"])
-        ask(px.url, convs["B"])  # its launch empties A's idle slot
-        time.sleep(3.5)  # A is the coldest owner
-        c = ask(px.url, convs["C"])
-        extend(convs["A"], 1)
-        back_a = ask(px.url, convs["A"])
-        deadline = time.monotonic() + 15
-        while " lost " not in log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.2)
+                     log_path=str(tmp_path / "s.log")) as srv:
+        with _busy(srv.url, 2):  # another client's requests run on every slot while the proxy starts
+            px = MitmProxy(srv.url, opts, log_path=str(log)).__enter__()
+            time.sleep(1.5)
+        with px:
+            first_a, c, back_a = _emptied_under_paging(px.url, convs, log)
     records = jsonl(tmp_path / "req.jsonl")
     a_key = next(r["session"] for r in records if r["kind"] == "request")
     out_a = [r for r in records if r["kind"] == "page" and r["out"] == a_key[:8]]
     assert c.slot == first_a.slot and out_a and out_a[0]["out_tokens"] == 0, (records, c, first_a)
     assert back_a.cache_n < first_a.cache_n + first_a.prompt_n - 16, back_a
     line = next(x for x in log.read_text().splitlines() if " lost " in x)
-    assert f"session={a_key[:8]}" in line and "the server emptied its idle slot (expected" in line, line
+    assert f"session={a_key[:8]}" in line and "the server emptied its idle slot" in line, line
     state = json.loads(next((tmp_path / "state").glob("state-*.json")).read_text())
     assert all(p["n_tokens"] > 0 for p in state["pages"].values()), state["pages"]
+
+
+@contextlib.contextmanager
+def _busy(url: str, slots: int) -> Iterator[None]:
+    """Long streamed completions on every slot until the block ends (closing a stream ends its task)."""
+    stop = threading.Event()
+
+    def run(slot: int) -> None:
+        body = {"prompt": "Count.", "n_predict": 4000, "ignore_eos": True, "stream": True, "id_slot": slot}
+        with httpx.stream("POST", url + "/completion", json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+    threads = [threading.Thread(target=run, args=(s,), daemon=True) for s in range(slots)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while sum(e.get("is_processing") is True for e in httpx.get(url + "/slots", timeout=10).json()) < slots:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        while any(e.get("is_processing") for e in httpx.get(url + "/slots", timeout=10).json()):
+            time.sleep(0.1)
+
+
+def _emptied_under_paging(url: str, convs: dict, log) -> tuple:
+    first_a = ask(url, convs["A"])
+    ask(url, convs["B"])  # its launch empties A's idle slot
+    time.sleep(3.5)  # A is the coldest owner
+    c = ask(url, convs["C"])
+    extend(convs["A"], 1)
+    back_a = ask(url, convs["A"])
+    deadline = time.monotonic() + 15
+    while " lost " not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return first_a, c, back_a

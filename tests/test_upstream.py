@@ -14,8 +14,9 @@ from slotkeeper.drivers import store_file
 from slotkeeper.drivers.upstream import Upstream
 from slotlogic import events as ev
 from slotlogic.answers import Observation
-from slotlogic.decisions import Pin, Replay, RequestFacts
-from slotlogic.reasons import Why
+from slotlogic.decisions import Observe, Pin, Replay, RequestFacts
+from slotlogic.reasons import Unpinned, Why
+from slotlogic.server import CacheMode
 from slotlogic.settings import Settings
 from tests.conftest import UP, FakeLlama, chat
 
@@ -197,8 +198,9 @@ async def test_the_start_up_messages_probe_steps_aside_for_a_client_that_starts_
     await asyncio.sleep(0.05)
     up.request(facts(now=0.0))                      # a client's request, during the start-up's quiet moment
     await started
-    assert [c for c in server.calls if c.startswith("post")] == [] and up.keeper.messages_native is None
-    assert await up.prober.probe_messages() is True  # asked again later (a translated request), it runs
+    # (the cache-mode probe's one-token /completion requests follow: tests/test_upstream.py's ModeServer tests)
+    messages = [c for c in server.calls if c.startswith("post") and "/completion" not in c]
+    assert messages == [] and up.keeper.messages_native is None  # asked again with a translated request
 
 
 async def test_a_new_session_waits_for_the_slot_it_would_copy_while_that_slot_is_being_placed(tmp_path, fake_llama,
@@ -266,3 +268,79 @@ async def test_two_requests_of_one_session_at_once_are_placed_once_and_both_pinn
     assert isinstance(first, Pin) and isinstance(second, Pin)
     assert first.ticket.session.key == second.ticket.session.key and first.ticket.slot == second.ticket.slot
     assert {first.ticket.why, second.ticket.why} == {Why.FREE_EMPTY, Why.KNOWN}, (first.ticket.why, second.ticket.why)
+
+
+class ModeServer(FakeLlama):
+    """A one-token `/completion` fills its slot; on a server that clears idle slots (unified KV with
+    `--cache-idle-slots`) its launch empties every other idle slot, task ids unchanged, as llama-server does.
+    `POST /slots/N?action=erase` answers 501 without a slot save path, as llama-server does."""
+
+    def __init__(self, total: int, clears: bool, save_path: bool) -> None:
+        super().__init__(total=total)
+        self.clears, self.save_path, self.task = clears, save_path, 0
+        self.posts: list[tuple[str, float]] = []
+
+    async def slots(self):
+        self.calls.append("slots")
+        return [dict(s) for s in self.slots_data]
+
+    async def post_json(self, path, body, timeout):
+        self.posts.append((path, time.monotonic()))
+        if path.endswith("action=erase"):
+            if not self.save_path:
+                return 501, {"error": {"code": 501}}
+            self.slots_data[int(path.split("/")[2].split("?")[0])]["n_prompt_tokens"] = 0
+            return 200, {}
+        if path != "/completion" or "id_slot" not in body:
+            return 0, None
+        self.task += 1
+        for s in self.slots_data:
+            if s["id"] == body["id_slot"]:
+                s.update(id_task=self.task, n_prompt_tokens=2)
+            elif self.clears:
+                s["n_prompt_tokens"] = 0
+        return 200, {}
+
+
+@pytest.mark.parametrize(("clears", "save_path"), [(False, True), (False, False), (True, True)])
+async def test_the_cache_mode_probe_erases_the_slots_it_wrote_where_the_server_allows_it(tmp_path, seen, clears,
+                                                                                         save_path):
+    """Found either way; the slots it wrote are empty again with a save path (the next request, the model
+    check's probe and the /v1/messages probe need empty slots), left as they are without one (erase is
+    refused), and free for placements once it is over."""
+    server = ModeServer(2, clears, save_path)
+    save = tmp_path / "slots"
+    save.mkdir()
+    settings = Settings(probe_interval=0, save_dir=str(save) if save_path else None)
+    up = Upstream(UP, settings, tmp_path / "state", seen.append, client=server)
+    mode = await up.prober.probe_cache_mode()
+    assert mode is (CacheMode.IDLE_CLEARED if clears else CacheMode.KEEPS)
+    erased = [p for p, _ in server.posts if p.endswith("action=erase")]
+    assert len(erased) == (2 if save_path else 0)
+    assert [s["n_prompt_tokens"] for s in server.slots_data] == ([0, 0] if save_path else [2, 2])
+    assert not any(up.keeper.ledger.claimed(s) for s in range(2))
+
+
+@pytest.mark.parametrize(("total", "held"), [(4, True), (2, False)])
+async def test_first_requests_wait_for_the_cache_mode_only_on_a_server_with_llama_servers_default_slots(
+        tmp_path, seen, total, held):
+    """A client that starts with the proxy on a server that clears idle slots: with 4 slots (llama-server
+    without -np) its request waits for the start-up probe and passes through; with another slot count (-np
+    given) it is placed at once, the probe following in the background."""
+    server = ModeServer(total, clears=True, save_path=False)
+    up = Upstream(UP, Settings(probe_interval=0), tmp_path / "state", seen.append, client=server)
+    started = asyncio.create_task(up.prober.start())
+    await asyncio.sleep(0)
+    decision = await up.decide(facts(now=0.0), "f1")
+    decided = time.monotonic()
+    if isinstance(decision, Pin):  # its request ran there (the probe reads that slot, never writes it)
+        server.slots_data[decision.ticket.slot].update(id_task=99, n_prompt_tokens=50)
+    await started
+    probe = [t for p, t in server.posts if p == "/completion"]
+    if held:
+        assert isinstance(decision, Observe) and decision.ticket.unpinned is Unpinned.IDLE_CLEARED
+        assert probe and max(probe) <= decided
+    else:
+        assert isinstance(decision, Pin) and decision.ticket.slot is not None
+        assert probe and min(probe) >= decided
+    assert up.keeper.facts.cache_mode is CacheMode.IDLE_CLEARED

@@ -5,8 +5,9 @@ A request of session S lost `min(expected, n-1) - cache_n` tokens, where `expect
 S's previous request left in the slot it ran on (`bench.sim.llama.Done`). The cause is read from what happened
 between S's two requests (the simulated slots' event log) and from what the proxy said about the request
 (its `why`): a restart or unified-KV idle clearing are expected and labelled so; a session the proxy placed
-anew or called displaced without paging on (an eviction it chose) is given away knowingly. Anything else is a
-loss the product must not have:
+anew or called displaced without paging on (an eviction it chose) is given away knowingly; a request the proxy
+passed through on a server that clears idle slots was placed by the server (`server-placed`), as with no
+proxy. Anything else is a loss the product must not have:
 - the proxy said `known`/`resumed`, yet something wrote over the slot: `prefix-restore-over-owner`,
   `page-in-over-owner`, `side-call-over-owner`, `proxy-request-over-owner`,
   `other-proxy-request-over-owner`, `overwritten`, `erased`;
@@ -23,7 +24,9 @@ from dataclasses import dataclass, field
 from bench.sim.harness import Outcome, Rig
 from bench.sim.llama import SlotEvent, common_prefix
 
-EXPECTED = frozenset({"restart", "idle-clear", "given-away"})
+EXPECTED = frozenset({"restart", "idle-clear", "given-away", "server-placed"})
+# What the proxy says when it passes a request through on a server that clears idle slots (Unpinned.IDLE_CLEARED)
+PASSED = "passed through"
 KNOWN = ("known", "resumed")  # the proxy's word for "your slot still holds your conversation"
 # what the proxy itself decided to send with id_slot -1 (its record's `unpinned`): held to its client's patience,
 # or its server unknown
@@ -91,6 +94,10 @@ def _explain(rig: Rig, o: Outcome, prev: Outcome) -> Loss:
         loss.cause = "restart"
     elif any(e.kind == "idle-clear" for e in on_prev):
         loss.cause = "idle-clear"
+    elif why.startswith(PASSED):
+        # sent as the client sent it, on a server that clears idle slots: the server chose the slot, as with no
+        # proxy (the simulated server has no RAM prompt cache, which is what serves these on a real one)
+        loss.cause = "server-placed"
     elif _given_away(rig, on_prev, o.tag) or o.meta.get("unpinned") in GIVEN_UP:
         # written over by a request the proxy itself sent with id_slot -1, or this request is one: held to its
         # client's patience (or its server unknown), it went where it could start, its own page-in given up

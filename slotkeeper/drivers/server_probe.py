@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from slotkeeper.drivers import cache_mode
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.model_check import ModelCheck
 from slotkeeper.drivers.store import StateStore
@@ -24,10 +25,19 @@ from slotkeeper.drivers.tasks import Tasks
 from slotlogic import shared, wait
 from slotlogic.answers import Observation
 from slotlogic.decisions import Report, Ticket
-from slotlogic.events import Event, Failed, IdleSlotsCleared, MessagesProbed, ModelUnloaded, SlotsSlow, Stage
+from slotlogic.events import (
+    CacheModeFound,
+    Event,
+    Failed,
+    IdleSlotsCleared,
+    MessagesProbed,
+    ModelUnloaded,
+    SlotsSlow,
+    Stage,
+)
 from slotlogic.keeper import Keeper
 from slotlogic.ledger import Cause, tolerance
-from slotlogic.server import ServerInfo, probe_slot, slot_that_ran
+from slotlogic.server import CacheMode, ServerInfo, may_clear_idle_slots, probe_slot, slot_that_ran
 from slotlogic.settings import AnthropicMode, Settings
 
 PROBE_TIMEOUT = 30.0
@@ -61,6 +71,9 @@ class ServerProbe:
         self.client_came = False  # a client's request reached this server (the start-up probe steps aside)
         self._unified_told = False       # idle-slot clearing explained once
         self._clearing_shared: str | None = None  # the server process whose idle clearing the state was told of
+        self.hold = cache_mode.Hold()  # new requests wait for the start-up cache-mode probe
+        self._starting = False  # `start` runs: it learns the server (a first `/props` meanwhile leaves it to it)
+        self._mode_probing = False  # one cache-mode probe at a time
 
     async def facts_for(self, asked: Facts | None, arrived: float | None, bound: float
                         ) -> tuple[ServerInfo | None, dict[str, Any] | None, list[dict[str, Any]] | None]:
@@ -154,6 +167,7 @@ class ServerProbe:
         if info is None:
             return
         self._hung.pop("/props", None)  # it answers again: new sessions may ask it
+        first = self.keeper.server is None
         if not self.keeper.facts.props_seen(info):
             self.seen(info)
             return
@@ -164,9 +178,11 @@ class ServerProbe:
         for event in events:
             self.emit(event)
         self.seen(info)  # after the core noted the server: the model probe's fence is planned against its slots
+        if first and self._starting:  # `start` learns the rest
+            return
         if self.keeper.messages_native is None:  # a restarted server may be another build; its slots are empty
             self._messages_probing = False
-            self.probe_messages_once(step_aside=True)
+        self.tasks.spawn(self._learn())
 
     def probe_messages_once(self, *, step_aside: bool = False) -> None:
         if self.keeper.messages_native is None and not self._messages_probing:
@@ -174,17 +190,33 @@ class ServerProbe:
             self.tasks.spawn(self.probe_messages(step_aside=step_aside))
 
     async def start(self) -> None:
-        """What can only be learned while the slots are empty (whether `/v1/messages` honours id_slot), then
-        the server itself (`/props`, which starts the model check and its start-up probe)."""
+        """`_learn` (the `/v1/messages` probe, which needs every slot empty, then the cache mode), then `/props`
+        (the model check and its probe). A client's first request, sent as the proxy starts, goes before them
+        (batched with the probes on a small server it took ~1 s instead of ~0.2 s), except on a server that may
+        clear idle slots (`server.may_clear_idle_slots`): there new requests are held until its mode is known
+        (`cache_mode.Hold`)."""
+        self._starting = True
+        try:
+            info = self.server_info(await self.client.props()) if self.keeper.facts.mode_unknown() else None
+            self.hold.on = info is not None and may_clear_idle_slots(info)
+            await self._learn(quiet=START_QUIET if not self.hold.on else 0.0)
+            self.hold.end()
+            if self.keeper.server is None:
+                await self.probe()
+        finally:
+            self._starting = False
+            self.hold.end()
+
+    async def _learn(self, quiet: float = 0.0) -> None:
+        """A new server process (at start, after a restart): whether `/v1/messages` honours id_slot (while its
+        slots are empty: first, after `quiet` s that leave a client starting with the proxy to go first), then its
+        cache mode (whose probe writes empty slots)."""
         if self.keeper.messages_native is None and not self._messages_probing:
             self._messages_probing = True
-            # First: it needs every slot empty, the model probe takes one. A client's first request, sent as the
-            # proxy starts, goes first: batched with the probe's two completions on a small server, it took
-            # ~1 s instead of ~0.2 s. The probe is tried again with the first translated request.
-            await asyncio.sleep(START_QUIET)
+            await asyncio.sleep(quiet)
             await self.probe_messages(step_aside=True)
-        if self.keeper.server is None:
-            await self.probe()
+        if self.keeper.facts.mode_unknown():
+            await self.probe_cache_mode()
 
     async def probe_messages(self, *, step_aside: bool = False) -> bool | None:
         """Whether the server honours `id_slot` on `/v1/messages` (upstream PR #26758): while every slot is
@@ -220,6 +252,22 @@ class ServerProbe:
             self.keeper.facts.messages_probed(honoured)
             self.emit(MessagesProbed(self.url, honoured))
         return honoured
+
+    async def probe_cache_mode(self, seen: str = "probe") -> CacheMode | None:
+        """Whether the server clears idle slots (`slotkeeper.drivers.cache_mode`). Unknown: the proxy places
+        requests as before, and a slot of ours found emptied later asks again (`_clearing_seen`)."""
+        if self._mode_probing:
+            return None
+        self._mode_probing = True
+        try:
+            mode = await cache_mode.probe(self.client, self.keeper.turns, erase=bool(self.settings.save_dir))
+        finally:
+            self._mode_probing = False
+        if mode is not None and self.keeper.facts.cache_mode_found(mode):
+            self.emit(CacheModeFound(self.url, mode, seen))
+        if mode is CacheMode.IDLE_CLEARED:
+            await self._tell_clearing()
+        return mode
 
     async def learn_slot(self, ticket: Ticket, obs: Observation) -> bool:
         """Affinity on a route whose answer does not name the slot: read `/slots` once, right after it. True
@@ -280,11 +328,18 @@ class ServerProbe:
         return Cause.IDLE_CLEAR
 
     async def _clearing_seen(self, cleared: int) -> None:
-        """This server empties idle slots: said once, and told to the other proxies of a shared state."""
-        marker = self.keeper.server.media_marker if self.keeper.server else None
+        """This server seems to empty idle slots: said once, and confirmed by the probe before requests pass
+        through (a failed restore also leaves a slot empty), which tells the other proxies of a shared state."""
         if not self._unified_told:
             self._unified_told = True
             self.emit(IdleSlotsCleared(self.url, cleared))
+        if not self.keeper.facts.passes_through():
+            self.tasks.spawn(self.probe_cache_mode(seen="loss"))
+
+    async def _tell_clearing(self) -> None:
+        """Idle clearing confirmed: the other proxies of a shared state pass through too (`StateSync`), and
+        label their losses with it."""
+        marker = self.keeper.server.media_marker if self.keeper.server else None
         if self.store is not None and marker and marker != self._clearing_shared:
             self._clearing_shared = marker
             try:  # telling the other proxies is a courtesy: the cause found here stands either way

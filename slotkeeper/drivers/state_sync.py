@@ -18,9 +18,10 @@ from typing import Protocol
 from slotkeeper.drivers.store import StateStore
 from slotkeeper.drivers.tasks import Tasks
 from slotlogic import shared
-from slotlogic.events import DisplacedElsewhere, Event, Failed, SlotShared, Stage, Via
+from slotlogic.events import CacheModeFound, DisplacedElsewhere, Event, Failed, SlotShared, Stage, Via
 from slotlogic.keeper import Keeper
 from slotlogic.notices import ClaimNotice
+from slotlogic.server import CacheMode
 from slotlogic.settings import Settings
 
 
@@ -116,6 +117,9 @@ class StateSync:
 
     def _reconciled(self, state: shared.ServerState) -> None:
         self.last_reconcile = time.monotonic()
+        marker = self.keeper.server.media_marker if self.keeper.server else None
+        if shared.clears_idle_slots(state, marker) and self.keeper.facts.cache_mode_found(CacheMode.IDLE_CLEARED):
+            self.emit(CacheModeFound(self.url, CacheMode.IDLE_CLEARED, seen="state"))  # another proxy probed it
         for key in self.keeper.turns.reconcile(state, time.time()):
             self.emit(SlotShared(self.url, key[:8], self.keeper.table.slot_of(key)))
 

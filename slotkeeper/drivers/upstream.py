@@ -186,6 +186,8 @@ class Upstream:
 
     async def decide(self, facts: RequestFacts, flow_id: str) -> Decision:
         """The decision for one request; a `NeedSlot` is placed here, so the result is never one."""
+        if self.prober.hold.on:  # only in the first moments, on a server that may clear idle slots
+            await self.prober.hold.wait()
         decision = self.request(facts)
         if isinstance(decision, NeedSlot):
             placed = await self.place(decision, facts, flow_id)

