@@ -184,9 +184,10 @@ class Change(Enum):
     CAME_BACK = "came-back"
 
 
-def backoff(failures: int) -> float:
-    """Seconds before a down server is asked again after `failures` failed probes in a row."""
-    return min(PROBE_MAX, PROBE_MIN * (2 ** max(0, failures - 1)))
+def backoff(failures: int, low: float = PROBE_MIN, high: float = PROBE_MAX) -> float:
+    """Seconds before a down server (or store) is asked again after `failures` failures in a row: doubling
+    from `low` to at most `high`."""
+    return min(high, low * (2 ** max(0, failures - 1)))
 
 
 @dataclass

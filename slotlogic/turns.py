@@ -258,10 +258,6 @@ class Turns:
             table.holders[slot] = other
         return out
 
-    def ledger_view(self) -> tuple[object, ...]:
-        """What the proxy believes each slot holds (`slotlogic.ledger.Entry`, in slot order)."""
-        return self.ledger.view()
-
     def unpin(self, ticket: Ticket, why: wait.WaitWhy, holder: str | None) -> Ticket:
         """The request goes out with `id_slot: -1` after its wait (`slotlogic.wait.unpin`): its new ticket."""
         return wait.unpin(ticket, why, holder, self.table, self.ledger)

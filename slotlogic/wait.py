@@ -108,16 +108,10 @@ def hold_cap(bound: float) -> float:
     return scheduler.patience(bound)
 
 
-def idle_slots(ledger: Ledger, total: int | None, avoid: int | None, busy: Collection[int], mine: str = "") -> int:
-    """How many slots other than `avoid` run nothing of ours (`busy`: the slots with requests of ours open) and
-    have no placement under way but `mine`'s (a held request's idle check). Unknown slot count: 1 (the server
-    may well have one)."""
-    return 1 if not total else len(idle_set(ledger, total, avoid, busy, mine))
-
-
 def idle_set(ledger: Ledger, total: int | None, avoid: int | None, busy: Collection[int], mine: str = ""
              ) -> frozenset[int]:
-    """The slots `idle_slots` counts (a waiting placement watches it grow); unknown slot count: none."""
+    """The slots other than `avoid` that run nothing of ours (`busy`: the slots with requests of ours open) and
+    have no placement under way but `mine`'s (a waiting placement watches it grow); unknown slot count: none."""
     return frozenset(s for s in range(min(total or 0, MAX_SLOTS)) if s != avoid and s not in busy
                      and all(claimant == mine for claimant in ledger.claims_on(s)))
 
