@@ -74,10 +74,6 @@ class Turns:
         if erased and self.ledger.current(fence):
             self.ledger.write(fence.slot, Holds.EMPTY, None)
 
-    def slot_fence(self, slot: int) -> Fence:
-        """The slot's epoch now: a move planned now is performed only while it holds (`slot_written`)."""
-        return self.ledger.fence(slot)
-
     def turn(self, fence: Fence) -> Fence:
         """A placement's turn on its slot has come (it holds the slot's lock and every request sent there
         before has reached the server): the fence of its moves, the slot's epoch now (earlier placements on

@@ -1,16 +1,11 @@
 """A request held in the proxy while our own earlier requests run on its slot: the facts the scheduler decides
-it by, and the bookkeeping of what it decides.
+it by (`plan`, `free_slot`, `idle_set`, `stay_past`), and the ledger and table bookkeeping of what it decides
+(`move`, `unpin`).
 
-Why hold at all: llama-server queues a request pinned to a busy slot until that slot is free, however long the
-work ahead takes and however many other slots are idle, and a client gives up after its own timeout
-(docs/clients.md). Held here, the request can still go elsewhere. What it does, and when, is one pick of
-`slotlogic.scheduler` (`plan`); this module says which slots are free of promises (`free_slot`), which run
-nothing of ours (`idle_set`), and writes a move or an unpinned send into the ledger and the table before the
-request goes (`move`, `unpin`). Only our own open requests count as ahead: this path asks the server nothing.
-The times: the bound counts from the request's arrival, its placement included; a placement whose slot's turn
-has come while our earlier request still runs there keeps its turn while that request is expected to end
-sooner than its own prompt would take elsewhere (`stay_past`); a placement past its bound with every slot
-running our work waits for one that runs none (the driver places it again then), oldest first.
+Why hold at all: llama-server queues a request pinned to a busy slot until that slot frees, however many other
+slots are idle, and a client gives up after its own timeout (docs/clients.md); held here, it can still go
+elsewhere. Only our own open requests count as ahead: this path asks the server nothing. The times (bound,
+patience, staying past the bound): docs/scheduler.md.
 """
 
 from __future__ import annotations
