@@ -22,9 +22,6 @@ from slotlogic.reasons import Unpinned, Why
 from slotlogic.scheduler import Action
 from slotlogic.table import SessionTable
 
-CHARS_PER_TOKEN = 4  # a body's bytes per prompt token, roughly (JSON and English text)
-
-
 UNPINNED = (Unpinned.WAIT_BOUND, Unpinned.SIDE_BUSY)  # the requests this module sent with id_slot -1
 
 
@@ -61,11 +58,6 @@ class Plan:
     pick: scheduler.Pick | None = None  # the scheduler's pick it comes from (the decision record)
 
 
-def estimate(chars: int, rate: float | None) -> float | None:
-    """Seconds to prefill `chars` of body at `rate` prompt tokens a second (None: no rate measured yet)."""
-    return scheduler.seconds(chars, rate)
-
-
 @dataclass(frozen=True)
 class Elsewhere:
     """What the rest of the server offers a held request: `free`, a slot that could run it without writing over
@@ -87,7 +79,7 @@ def plan(ahead: Ahead, waited: float, bound: float, *, side: bool, own_chars: in
     chosen = scheduler.decide_held(scheduler.Held(ahead.count, ahead.chars, waited, bound, own_chars, rate, free,
                                                   idle, exposed, soonest))
     c = chosen.chosen
-    wait = estimate(ahead.chars, rate)
+    wait = scheduler.seconds(ahead.chars, rate)
     if c.action is Action.HOLD:
         return Plan(Verdict.WAIT, None, wait, until=c.until, pick=chosen)
     if c.action is Action.MOVE_FREE:
@@ -98,11 +90,6 @@ def plan(ahead: Ahead, waited: float, bound: float, *, side: bool, own_chars: in
     return Plan(Verdict.GO, None, wait, pick=chosen)
 
 
-def hold_cap(bound: float) -> float:
-    """The longest any request is held in the proxy: the client's patience (`scheduler.patience`)."""
-    return scheduler.patience(bound)
-
-
 def idle_set(ledger: Ledger, total: int | None, avoid: int | None, busy: Collection[int], mine: str = ""
              ) -> frozenset[int]:
     """The slots other than `avoid` that run nothing of ours (`busy`: the slots with requests of ours open) and
@@ -111,29 +98,21 @@ def idle_set(ledger: Ledger, total: int | None, avoid: int | None, busy: Collect
                      and all(claimant == mine for claimant in ledger.claims_on(s)))
 
 
-def queued_sooner(wait: float | None, own: float | None, waited: float) -> bool:
-    """At the hold's cap with no slot idle: the work ahead on its own slot still to run is no longer
-    than prefilling the request from nothing elsewhere would take. Unknown speeds: no."""
-    return wait is not None and own is not None and max(0.0, wait - waited) <= own
+def hold_cap(bound: float) -> float:
+    """The longest any request is held in the proxy: the client's patience (`scheduler.patience`)."""
+    return scheduler.patience(bound)
 
 
 def stay_past(ahead: Ahead, own_chars: int, rate: float | None, bound: float) -> float:
-    """For a placement whose slot still runs our earlier request when its bound passes: the
-    seconds past the bound it keeps its turn on the slot (its lock and claim), while that request is expected
-    to end no later than the placement's own prompt would take to prefill elsewhere; 0: it goes at the bound.
-    Letting go a moment before the request ahead ends hands the slot to whichever placement comes next, for as
-    long as its moves and its turn take."""
-    if ahead.count <= 0 or bound <= 0:
+    """For a placement whose slot still runs our earlier request when its bound passes: the seconds past the
+    bound it keeps its turn on the slot (its lock and claim), while the work ahead still to run (started no
+    later than the placement arrived) is no longer than the placement's own prompt would take to prefill
+    elsewhere; 0: it goes at the bound (so too with unknown speeds). Letting go a moment before the request
+    ahead ends hands the slot to whichever placement comes next, for as long as its moves and its turn take."""
+    left, own = scheduler.seconds(ahead.chars, rate), scheduler.seconds(own_chars, rate)
+    if ahead.count <= 0 or bound <= 0 or left is None or not own or left - bound > own:
         return 0.0
-    left, own = estimate(ahead.chars, rate), estimate(own_chars, rate)
-    return scheduler.stay_limit(own, bound) - bound if stays_sooner(left, own, bound, bound) else 0.0
-
-
-def stays_sooner(wait: float | None, own: float | None, waited: float, bound: float) -> bool:
-    """Past its bound, a request stays while its own slot is expected to reach its first token no later than
-    any other: the work ahead still to run (its estimate less the time waited; it started no later
-    than this request arrived) is no longer than the request's own prefill. Unknown speeds: it goes."""
-    return waited < scheduler.stay_limit(own or 0.0, bound) and queued_sooner(wait, own, waited)
+    return scheduler.stay_limit(own, bound) - bound
 
 
 _FREE_RANK = {Holds.EMPTY: 0, Holds.UNKNOWN: 2, Holds.PREFIX: 3, Holds.SEED: 3, Holds.SESSION: 4, Holds.PAGE: 4}
