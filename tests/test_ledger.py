@@ -517,10 +517,10 @@ def test_a_parents_conversation_on_a_slot_another_placement_claimed_is_a_page_to
     free = k.assign(second, state, server(), FREE, 2.0).slot  # placed: its session and lead are in the table
     assert free != where
     ask = PageAsk(free, second.ticket.session.key, SlotView(free, 0), views=[SlotView(i) for i in range(4)])
-    assert k.pager.page_coming(ask, None) is None and not k.pager.taken(parent, free)  # nobody claimed its slot
+    assert k.pager.page_coming(ask, None) is None and not k.pager.seeds.taken(parent, free)  # nobody claimed its slot
     k.ledger.claim(where, first.ticket.session.key)  # the first subagent's placement took the parent's slot
-    assert k.pager.taken(parent, free) and k.pager.page_coming(ask, None) == parent
-    assert not k.pager.taken(parent, where)  # the placement on the parent's own slot pages it out itself
+    assert k.pager.seeds.taken(parent, free) and k.pager.page_coming(ask, None) == parent
+    assert not k.pager.seeds.taken(parent, where)  # the placement on the parent's own slot pages it out itself
 
 
 def test_a_page_out_that_finds_the_owner_s_slot_empty_keeps_the_cause_whatever_writes_it_next():
