@@ -265,8 +265,7 @@ class Turns:
                               writable=lambda s: not self.handing_over(s))
 
     def idle_set(self, avoid: int | None, busy: Collection[int], mine: str = "") -> frozenset[int]:
-        """Slots other than `avoid` that run nothing of ours and no placement but `mine`'s (`slotlogic.wait`,
-        Rules 8 and 10)."""
+        """Slots other than `avoid` that run nothing of ours and no placement but `mine`'s (`wait.idle_set`)."""
         return wait.idle_set(self.ledger, self.host.total_slots, avoid, busy, mine)
 
     def exposed(self, avoid: int, busy: Collection[int]) -> int:
