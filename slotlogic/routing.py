@@ -108,7 +108,7 @@ class GoBack:
 
 
 def go_back(knows: Sequence[bool], first: int | None, first_knows: bool, first_up: bool) -> GoBack | None:
-    """Rule 2 for a session a server still holds live (`knows`, one per candidate server): another candidate
+    """Where a session a server still holds live goes back (`knows`, one per candidate server): another candidate
     than the server its request was parsed for (`first`, its candidate index or None) wins, since the parsing
     server would have placed it from memory; else the parsing server while it is up. None: the session is new
     to every candidate, and `choose` places it."""

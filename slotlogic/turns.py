@@ -118,7 +118,7 @@ class Turns:
         return key
 
     def may_write(self, state: shared.ServerState, slot: int) -> bool:
-        """The shared state names this process as the slot's writer (`slotlogic.handover`, Rule 2), and it is not
+        """The shared state names this process as the slot's writer (`slotlogic.handover`), and it is not
         handing the slot to another proxy right now (a state read before that answer was written is stale)."""
         if self.handing_over(slot):
             return False

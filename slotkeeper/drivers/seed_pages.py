@@ -25,7 +25,7 @@ COMING_WAIT = 2.0  # seconds a placement waits for the page-out of a seed's sour
 
 async def save_begun(mover: SlotMover, source: str, slot: int, by: float | None) -> bool:
     """Whether `source`'s page-out by this process is under way. When a placement of ours has claimed its slot
-    (`Pager.taken`), that placement pages it out first, so its save starts within moments: waited for at most
+    (`Seeds.taken`), that placement pages it out first, so its save starts within moments: waited for at most
     `COMING_WAIT` (within the request's bound), or until a page of it is there already."""
     if source not in mover.pages.saving and not mover.keeper.pager.seeds.taken(source, slot):
         return False
