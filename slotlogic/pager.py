@@ -9,7 +9,7 @@ index (as of the last state transaction) and the counter that makes its page fil
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Protocol
 
 from slotlogic import costs, handover, paging, shared
@@ -25,6 +25,11 @@ from slotlogic.table import SessionTable
 
 class PagerHost(Protocol):
     """What the pager reads of its keeper: the server as last seen, this process's name, the prefill speed."""
+
+    @property
+    def seeds(self) -> Seeds:
+        """Where a new session's start comes from (slotlogic/seeds.py)."""
+        return self._seeds
 
     @property
     def page_identity(self) -> str: ...
@@ -48,7 +53,12 @@ class Pager:
         self.host = host
         self.index: dict[str, paging.PageRecord] = {}  # the page index as of the last state transaction
         self._seq = 0
-        self.seeds = Seeds(self)  # where a new session's start comes from (slotlogic/seeds.py)
+        self._seeds = Seeds(self)
+
+    @property
+    def seeds(self) -> Seeds:
+        """Where a new session's start comes from (slotlogic/seeds.py)."""
+        return self._seeds
 
     @property
     def page_identity(self) -> str:
@@ -127,7 +137,7 @@ class Pager:
             live = self._current_page(plan, session_key, salt)
             if live is not plan:
                 return live, holder, tokens
-        seed = self.seeds.any_seed(ask, holder)
+        seed = self._seeds.any_seed(ask, holder)
         seeded = paging.seeded(plan, seed, self.index, self.upstream, salt) if seed is not None else plan
         return seeded, holder, tokens
 
@@ -168,35 +178,11 @@ class Pager:
         """The busy slot worth waiting for before the paging lock (`Seeds.busy_source`)."""
         if not ask.views or ask.session_key in self.index:
             return None
-        return self.seeds.busy_source(ask, self._holder(ask.slot, ask.view, ask.sent)[0])
-
-    def source_idle(self, source: int, live: Sequence[object]) -> bool:
-        return self.seeds.source_idle(source, live)
-
-    def source_for(self, need: NeedSlot, total: int, before: int | None) -> tuple[paging.Seed, bool] | None:
-        return self.seeds.source_for(need, total, before)
-
-    def order(self, key: str) -> int | None:
-        """The pool's number of `key`'s placement here (which of two placements came first)."""
-        return self.table.order(key)
+        return self._seeds.busy_source(ask, self._holder(ask.slot, ask.view, ask.sent)[0])
 
     def page_coming(self, ask: paging.PageAsk, have: paging.Seed | None) -> str | None:
         """The session whose page, being written now, would seed `ask` better than `have` (`Seeds.page_coming`)."""
-        return self.seeds.page_coming(ask, self._holder(ask.slot, ask.view, ask.sent)[0], have)
-
-    def taken(self, key: str, slot: int) -> bool:
-        """`key`'s conversation is on a slot other than `slot` that a placement of ours has claimed: its page-out
-        comes first (`Seeds.taken`)."""
-        return self.seeds.taken(key, slot)
-
-    def wait_worth(self, slot: int, gain: int) -> paging.SourceWait | None:
-        return self.seeds.wait_worth(slot, gain)
-
-    def worth(self, gain: int) -> float:
-        return self.seeds.worth(gain)
-
-    def share(self, need: NeedSlot) -> int:
-        return self.seeds.share(need)
+        return self._seeds.page_coming(ask, self._holder(ask.slot, ask.view, ask.sent)[0], have)
 
     def pages_seen(self, state: shared.ServerState, session_key: str, now: float, wait: float) -> bool:
         """Take the page index of a fresh read of the shared state; True while `session_key`'s own page is

@@ -57,7 +57,7 @@ class PageAsk:
     cold: StablePrefix | None = None
     base_chars: int = 0
     copy_live: bool = True
-    elsewhere: Seed | None = None  # the best live source on another server of the pool (`Pager.source_for`)
+    elsewhere: Seed | None = None  # the best live source on another server of the pool (`Seeds.source_for`)
     paging_out: frozenset[str] = frozenset()  # sessions this process is paging out now (their pages to come)
     given: Handover | None = None
     ours: tuple[str, float] | None = None

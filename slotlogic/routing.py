@@ -1,27 +1,11 @@
-"""Which llama-server a request goes to, when the proxy fronts several (`slots_upstreams`).
+"""Which llama-server a request goes to, when the proxy fronts several (`slots_upstreams`), and when a server
+counts as down and is asked again (`Health`, `backoff`).
 
-A request's destination is (server, slot). Inside one server the slot is chosen as always (`placement`,
-`ranking`); this module chooses the server, and says when a server counts as down and when to ask it again.
-
-Rule 1: pure. The driver (`slotkeeper/drivers/pool.py`) gathers one `ServerView` per server (health, `/slots`, the
-        shared state's claims, this proxy's in-flight requests) and calls `choose`; the clock comes in.
-Rule 2: a session stays where it is. A known session goes back to its server (`go_back`) while that server
-        is up; a session the shared state says still owns a slot on some server goes back there, and so does one
-        whose conversation is on a server as a page or still in a slot (`kept`: paged back in there instead
-        of prefilled on another). Only a new session (or one whose server went down) is placed by cost.
-Rule 3: never a down server, while any server is up. With none up, `choose` returns None and the driver
-        forwards the request where the client sent it (fail open: the server may be back).
-Rule 4: a new session's cost, cheapest first: a free slot that already holds its stable prefix (nothing to
-        prefill but its own turn); then a server with a free slot where another session holds (or is computing)
-        more of its prompt than a checkpoint would give (`source`: it is copied there, not prefilled again; the
-        most shared first); then a server that can restore the prefix from a checkpoint file it can
-        read; then the least loaded server: most free slots (no live claim of any proxy, not processing),
-        most idle slots, fewest queued requests, fewest slots prefilling; then the order of `slots_upstreams`.
-        A side call (nobody's conversation) goes to the least loaded server, whose reserved slot takes it.
-
-Health (`Health`): a refused connection, a failed `/health` or a time-out marks a server down at once (one
-log line); a down server is asked again after `backoff(n)` seconds, doubling from `PROBE_MIN` to `PROBE_MAX`;
-the first good answer marks it up again (one log line).
+Pure: the driver (`slotkeeper/drivers/pool.py`) gathers one `ServerView` per server and calls `choose`; the
+clock comes in. A session stays where its conversation is; only a new session (or one whose server went down)
+is placed by cost; never on a down server while any is up (none up: the request goes where the client sent
+it). The order of the costs and the health rules: docs/scale-out.md ("Several servers", "Health and
+failover").
 """
 
 from __future__ import annotations
@@ -124,7 +108,7 @@ class GoBack:
 
 
 def go_back(knows: Sequence[bool], first: int | None, first_knows: bool, first_up: bool) -> GoBack | None:
-    """Rule 2 for a session a server still holds live (`knows`, one per candidate server): another candidate
+    """Where a session a server still holds live goes back (`knows`, one per candidate server): another candidate
     than the server its request was parsed for (`first`, its candidate index or None) wins, since the parsing
     server would have placed it from memory; else the parsing server while it is up. None: the session is new
     to every candidate, and `choose` places it."""
@@ -184,9 +168,10 @@ class Change(Enum):
     CAME_BACK = "came-back"
 
 
-def backoff(failures: int) -> float:
-    """Seconds before a down server is asked again after `failures` failed probes in a row."""
-    return min(PROBE_MAX, PROBE_MIN * (2 ** max(0, failures - 1)))
+def backoff(failures: int, low: float = PROBE_MIN, high: float = PROBE_MAX) -> float:
+    """Seconds before a down server (or store) is asked again after `failures` failures in a row: doubling
+    from `low` to at most `high`."""
+    return min(high, low * (2 ** max(0, failures - 1)))
 
 
 @dataclass

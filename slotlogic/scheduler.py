@@ -5,28 +5,8 @@ Rule 1: pure. The caller passes a snapshot (what runs ahead, the measured rates,
 Rule 2: filters keep promises and never weigh seconds; the score weighs seconds and never keeps promises.
 Rule 3: one cost, in expected seconds: this request's time to first token plus what the plan costs others.
 
-Theory of operation
--------------------
-Candidates. Each is an `Action` on a slot with two estimates at the measured rates: `ttft`, this request's
-time to first token (the work ahead of it still to run, then its own prefill after what it reuses there), and
-`others`, the seconds the plan costs other sessions (the tokens of theirs it writes over, prefilled again at
-their next turn). An estimate is None where no rate is measured yet.
-
-Filters (`Held` decisions; a filter names why it removed a candidate):
-- promise: the server's own choice (`id_slot: -1`) lands on whichever idle slot it likes, or, with none
-  idle, on the first that frees. It is never taken while that could be a conversation promised to another
-  session, unless the request has been held as long as its client's patience allows: it is then given away
-  (the loss is labelled so where it lands).
-- patience: the proxy holds a request at most until its client's patience is spent (`patience`). Past the
-  hold's bound a hold goes on only while nothing better can run it: while its own slot is expected to be the
-  soonest, and a move elsewhere is possible, for no longer than its own prefill would take elsewhere (at most
-  two bounds: after that the estimate that kept it has failed); while its own slot is the only place it may
-  run without breaking a promise, until the patience is spent.
-
-Score: `ttft + others`; the lowest wins; unknown estimates rank after every known one. Ties go to the action
-listed first in `Action` (holding keeps every option open; its own slot writes nothing of anyone else's), then
-to the lowest slot. The `Pick` keeps the winner and the runner-up with their seconds, and each filter's
-removals: the decision line and the JSON-lines record print them.
+Candidates (an `Action` on a slot, with `ttft` and `others` estimates), the promise and patience filters, the
+score's ties and the decision record: docs/scheduler.md.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 Qwen Code's memory extraction after every turn).
 
 Each would otherwise be a new "session", evicting a working session's slot (OpenCode's title call even
-carries the main session's headers). Seed 003 sends them to one reserved slot; we do the same when there are
-≥ 2 slots. Calls of one kind share their long system prompt, so that slot mostly keeps it warm for the next;
-each kind has a home of its own (`home`): with paging, another kind's content there is paged out first and
-this kind's paged back in, so OpenCode's title calls and Qwen Code's memory calls no longer erase each other.
+carries the main session's headers), so with ≥ 2 slots they go to a reserved slot (credits: docs/design.md).
+Calls of one kind share their long system prompt, so that slot mostly keeps it warm for the next; each kind
+has a home of its own (`home`): with paging, another kind's content there is paged out first and this kind's
+paged back in, so OpenCode's title calls and Qwen Code's memory calls no longer erase each other.
 What each client sends: docs/clients.md.
 """
 
@@ -83,28 +83,30 @@ def side_slots(total_slots: int, configured: int = -1) -> tuple[int, ...]:
 def home_slot(slots: Sequence[int], key: str, ledger: Ledger, writes: Callable[[int], bool], paging: bool,
               paged: bool) -> int | None:
     """The side slot a side call of home `key` goes to from memory (`at_home`): the one holding its home's
-    content; else, without paging, its home's own (a stable hash, so kinds spread over the side slots)."""
+    content; else, without paging, its home's own (`_own`)."""
     if not slots:
         return None
     for slot in slots:
         if ledger.conversation_on(slot) == key and at_home(slot, key, ledger, writes(slot), paging, paged):
             return slot
-    mine = slots[int(key[:8], 16) % len(slots)] if _hex(key) else slots[0]
+    mine = _own(slots, key)
     return mine if at_home(mine, key, ledger, writes(mine), paging, paged) else None
 
 
 def choose_side_slot(slots: Sequence[int], key: str, owners: Mapping[int, str | None],
                      idle: Callable[[int], bool], last_used: Callable[[int], float]) -> int:
     """A side call's placement: the side slot its home claimed (the shared state's `owners`), else an idle one,
-    the least recently used first, else its home's own (a stable hash)."""
+    the least recently used first, else its home's own (`_own`)."""
     for slot in slots:
         if owners.get(slot) == key:
             return slot
     free = [s for s in slots if idle(s)]
     if free:
         return min(free, key=lambda s: (last_used(s), s))
-    return slots[int(key[:8], 16) % len(slots)] if _hex(key) else slots[0]
+    return _own(slots, key)
 
 
-def _hex(key: str) -> bool:
-    return len(key) >= 8 and all(c in "0123456789abcdef" for c in key[:8])
+def _own(slots: Sequence[int], key: str) -> int:
+    """Its home's own side slot: a stable hash of the home's key, so kinds spread over the side slots."""
+    hexed = len(key) >= 8 and all(c in "0123456789abcdef" for c in key[:8])
+    return slots[int(key[:8], 16) % len(slots)] if hexed else slots[0]

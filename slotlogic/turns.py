@@ -79,10 +79,6 @@ class Turns:
         if erased and self.ledger.current(fence):
             self.ledger.write(fence.slot, Holds.EMPTY, None)
 
-    def slot_fence(self, slot: int) -> Fence:
-        """The slot's epoch now: a move planned now is performed only while it holds (`slot_written`)."""
-        return self.ledger.fence(slot)
-
     def turn(self, fence: Fence) -> Fence:
         """A placement's turn on its slot has come (it holds the slot's lock and every request sent there
         before has reached the server): the fence of its moves, the slot's epoch now (earlier placements on
@@ -127,7 +123,7 @@ class Turns:
         return key
 
     def may_write(self, state: shared.ServerState, slot: int) -> bool:
-        """The shared state names this process as the slot's writer (`slotlogic.handover`, Rule 2), and it is not
+        """The shared state names this process as the slot's writer (`slotlogic.handover`), and it is not
         handing the slot to another proxy right now (a state read before that answer was written is stale)."""
         if self.handing_over(slot):
             return False
@@ -263,10 +259,6 @@ class Turns:
             table.holders[slot] = other
         return out
 
-    def ledger_view(self) -> tuple[object, ...]:
-        """What the proxy believes each slot holds (`slotlogic.ledger.Entry`, in slot order)."""
-        return self.ledger.view()
-
     def unpin(self, ticket: Ticket, why: wait.WaitWhy, holder: str | None) -> Ticket:
         """The request goes out with `id_slot: -1` after its wait (`slotlogic.wait.unpin`): its new ticket."""
         return wait.unpin(ticket, why, holder, self.table, self.ledger)
@@ -278,8 +270,7 @@ class Turns:
                               writable=lambda s: not self.handing_over(s))
 
     def idle_set(self, avoid: int | None, busy: Collection[int], mine: str = "") -> frozenset[int]:
-        """Slots other than `avoid` that run nothing of ours and no placement but `mine`'s (`slotlogic.wait`,
-        Rules 8 and 10)."""
+        """Slots other than `avoid` that run nothing of ours and no placement but `mine`'s (`wait.idle_set`)."""
         return wait.idle_set(self.ledger, self.host.total_slots, avoid, busy, mine)
 
     def exposed(self, avoid: int, busy: Collection[int]) -> int:

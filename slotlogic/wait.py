@@ -1,16 +1,11 @@
 """A request held in the proxy while our own earlier requests run on its slot: the facts the scheduler decides
-it by, and the bookkeeping of what it decides.
+it by (`plan`, `free_slot`, `idle_set`, `stay_past`), and the ledger and table bookkeeping of what it decides
+(`move`, `unpin`).
 
-Why hold at all: llama-server queues a request pinned to a busy slot until that slot is free, however long the
-work ahead takes and however many other slots are idle, and a client gives up after its own timeout
-(docs/clients.md). Held here, the request can still go elsewhere. What it does, and when, is one pick of
-`slotlogic.scheduler` (`plan`); this module says which slots are free of promises (`free_slot`), which run
-nothing of ours (`idle_set`), and writes a move or an unpinned send into the ledger and the table before the
-request goes (`move`, `unpin`). Only our own open requests count as ahead: this path asks the server nothing.
-The times: the bound counts from the request's arrival, its placement included; a placement whose slot's turn
-has come while our earlier request still runs there keeps its turn while that request is expected to end
-sooner than its own prompt would take elsewhere (`stay_past`); a placement past its bound with every slot
-running our work waits for one that runs none (the driver places it again then), oldest first.
+Why hold at all: llama-server queues a request pinned to a busy slot until that slot frees, however many other
+slots are idle, and a client gives up after its own timeout (docs/clients.md); held here, it can still go
+elsewhere. Only our own open requests count as ahead: this path asks the server nothing. The times (bound,
+patience, staying past the bound): docs/scheduler.md.
 """
 
 from __future__ import annotations
@@ -26,9 +21,6 @@ from slotlogic.ledger import MAX_SLOTS, Holds, Ledger, put_back
 from slotlogic.reasons import Unpinned, Why
 from slotlogic.scheduler import Action
 from slotlogic.table import SessionTable
-
-CHARS_PER_TOKEN = 4  # a body's bytes per prompt token, roughly (JSON and English text)
-
 
 UNPINNED = (Unpinned.WAIT_BOUND, Unpinned.SIDE_BUSY)  # the requests this module sent with id_slot -1
 
@@ -66,11 +58,6 @@ class Plan:
     pick: scheduler.Pick | None = None  # the scheduler's pick it comes from (the decision record)
 
 
-def estimate(chars: int, rate: float | None) -> float | None:
-    """Seconds to prefill `chars` of body at `rate` prompt tokens a second (None: no rate measured yet)."""
-    return scheduler.seconds(chars, rate)
-
-
 @dataclass(frozen=True)
 class Elsewhere:
     """What the rest of the server offers a held request: `free`, a slot that could run it without writing over
@@ -92,7 +79,7 @@ def plan(ahead: Ahead, waited: float, bound: float, *, side: bool, own_chars: in
     chosen = scheduler.decide_held(scheduler.Held(ahead.count, ahead.chars, waited, bound, own_chars, rate, free,
                                                   idle, exposed, soonest))
     c = chosen.chosen
-    wait = estimate(ahead.chars, rate)
+    wait = scheduler.seconds(ahead.chars, rate)
     if c.action is Action.HOLD:
         return Plan(Verdict.WAIT, None, wait, until=c.until, pick=chosen)
     if c.action is Action.MOVE_FREE:
@@ -103,48 +90,29 @@ def plan(ahead: Ahead, waited: float, bound: float, *, side: bool, own_chars: in
     return Plan(Verdict.GO, None, wait, pick=chosen)
 
 
+def idle_set(ledger: Ledger, total: int | None, avoid: int | None, busy: Collection[int], mine: str = ""
+             ) -> frozenset[int]:
+    """The slots other than `avoid` that run nothing of ours (`busy`: the slots with requests of ours open) and
+    have no placement under way but `mine`'s (a waiting placement watches it grow); unknown slot count: none."""
+    return frozenset(s for s in range(min(total or 0, MAX_SLOTS)) if s != avoid and s not in busy
+                     and all(claimant == mine for claimant in ledger.claims_on(s)))
+
+
 def hold_cap(bound: float) -> float:
     """The longest any request is held in the proxy: the client's patience (`scheduler.patience`)."""
     return scheduler.patience(bound)
 
 
-def idle_slots(ledger: Ledger, total: int | None, avoid: int | None, busy: Collection[int], mine: str = "") -> int:
-    """How many slots other than `avoid` run nothing of ours (`busy`: the slots with requests of ours open) and
-    have no placement under way but `mine`'s (a held request's idle check). Unknown slot count: 1 (the server
-    may well have one)."""
-    return 1 if not total else len(idle_set(ledger, total, avoid, busy, mine))
-
-
-def idle_set(ledger: Ledger, total: int | None, avoid: int | None, busy: Collection[int], mine: str = ""
-             ) -> frozenset[int]:
-    """The slots `idle_slots` counts (a waiting placement watches it grow); unknown slot count: none."""
-    return frozenset(s for s in range(min(total or 0, MAX_SLOTS)) if s != avoid and s not in busy
-                     and all(claimant == mine for claimant in ledger.claims_on(s)))
-
-
-def queued_sooner(wait: float | None, own: float | None, waited: float) -> bool:
-    """At the hold's cap with no slot idle: the work ahead on its own slot still to run is no longer
-    than prefilling the request from nothing elsewhere would take. Unknown speeds: no."""
-    return wait is not None and own is not None and max(0.0, wait - waited) <= own
-
-
 def stay_past(ahead: Ahead, own_chars: int, rate: float | None, bound: float) -> float:
-    """For a placement whose slot still runs our earlier request when its bound passes: the
-    seconds past the bound it keeps its turn on the slot (its lock and claim), while that request is expected
-    to end no later than the placement's own prompt would take to prefill elsewhere; 0: it goes at the bound.
-    Letting go a moment before the request ahead ends hands the slot to whichever placement comes next, for as
-    long as its moves and its turn take."""
-    if ahead.count <= 0 or bound <= 0:
+    """For a placement whose slot still runs our earlier request when its bound passes: the seconds past the
+    bound it keeps its turn on the slot (its lock and claim), while the work ahead still to run (started no
+    later than the placement arrived) is no longer than the placement's own prompt would take to prefill
+    elsewhere; 0: it goes at the bound (so too with unknown speeds). Letting go a moment before the request
+    ahead ends hands the slot to whichever placement comes next, for as long as its moves and its turn take."""
+    left, own = scheduler.seconds(ahead.chars, rate), scheduler.seconds(own_chars, rate)
+    if ahead.count <= 0 or bound <= 0 or left is None or not own or left - bound > own:
         return 0.0
-    left, own = estimate(ahead.chars, rate), estimate(own_chars, rate)
-    return scheduler.stay_limit(own, bound) - bound if stays_sooner(left, own, bound, bound) else 0.0
-
-
-def stays_sooner(wait: float | None, own: float | None, waited: float, bound: float) -> bool:
-    """Past its bound, a request stays while its own slot is expected to reach its first token no later than
-    any other: the work ahead still to run (its estimate less the time waited; it started no later
-    than this request arrived) is no longer than the request's own prefill. Unknown speeds: it goes."""
-    return waited < scheduler.stay_limit(own or 0.0, bound) and queued_sooner(wait, own, waited)
+    return scheduler.stay_limit(own, bound) - bound
 
 
 _FREE_RANK = {Holds.EMPTY: 0, Holds.UNKNOWN: 2, Holds.PREFIX: 3, Holds.SEED: 3, Holds.SESSION: 4, Holds.PAGE: 4}

@@ -213,7 +213,7 @@ def test_a_known_session_whose_slot_got_another_write_is_placed_again_not_pinned
     k.outcomes.answered(pin.ticket, Observation(cache_n=0, prompt_n=856), path=CHAT, seconds=1, now=1.0)
     assert isinstance(k.request(facts(chat("a"), now=2.0)), Pin)  # known: the slot holds its conversation
     # A prefix restore for another session's placement writes that slot (the first loss of issue 19):
-    k.turns.slot_written(k.turns.slot_fence(placed.slot), Holds.PREFIX, "other", 763, over=Cause.PREFIX_OVER_OWNER)
+    k.turns.slot_written(k.turns.ledger.fence(placed.slot), Holds.PREFIX, "other", 763, over=Cause.PREFIX_OVER_OWNER)
     again = k.request(facts(chat("a"), now=3.0))
     assert isinstance(again, NeedSlot) and again.ticket.displaced
 
@@ -237,7 +237,7 @@ def test_the_keeper_reports_a_loss_and_warns_once():
 
 def test_a_stale_fence_refuses_the_write_and_names_both_epochs():
     k = make()
-    old = k.turns.slot_fence(0)
+    old = k.turns.ledger.fence(0)
     k.ledger.ran_unpinned(0, "y" * 16)  # the server put a request there after this plan was made
     assert not k.turns.fence_holds(old) and k.turns.slot_written(old, Holds.PAGE, "x", 5) is None
     assert k.ledger.entry(0).holds is not Holds.PAGE
@@ -254,7 +254,7 @@ def test_a_side_call_never_overwrites_a_conversation_without_its_page_out():
     for paging, expected in ((True, NeedSlot), (False, Pin)):
         k = make(paging=paging)
         # a session's conversation on the side slot
-        k.turns.slot_written(k.turns.slot_fence(3), Holds.PAGE, "s" * 16, 1342)
+        k.turns.slot_written(k.turns.ledger.fence(3), Holds.PAGE, "s" * 16, 1342)
         decision = k.request(facts(side))
         assert isinstance(decision, expected)
         if paging:
@@ -518,10 +518,10 @@ def test_a_parents_conversation_on_a_slot_another_placement_claimed_is_a_page_to
     free = k.assign(second, state, server(), FREE, 2.0).slot  # placed: its session and lead are in the table
     assert free != where
     ask = PageAsk(free, second.ticket.session.key, SlotView(free, 0), views=[SlotView(i) for i in range(4)])
-    assert k.pager.page_coming(ask, None) is None and not k.pager.taken(parent, free)  # nobody claimed its slot
+    assert k.pager.page_coming(ask, None) is None and not k.pager.seeds.taken(parent, free)  # nobody claimed its slot
     k.ledger.claim(where, first.ticket.session.key)  # the first subagent's placement took the parent's slot
-    assert k.pager.taken(parent, free) and k.pager.page_coming(ask, None) == parent
-    assert not k.pager.taken(parent, where)  # the placement on the parent's own slot pages it out itself
+    assert k.pager.seeds.taken(parent, free) and k.pager.page_coming(ask, None) == parent
+    assert not k.pager.seeds.taken(parent, where)  # the placement on the parent's own slot pages it out itself
 
 
 def test_a_page_out_that_finds_the_owner_s_slot_empty_keeps_the_cause_whatever_writes_it_next():

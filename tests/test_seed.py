@@ -296,11 +296,11 @@ def test_the_awaited_slot_is_idle_only_once_slots_says_so_and_its_answer_came():
     p = k.assign(d, state, info(), LIVE, 0.0)
     pinned = k.pin(p, 0.0)
     busy = [{**e, "is_processing": e["id"] == p.slot} for e in LIVE]
-    assert not k.pager.source_idle(p.slot, LIVE)            # /slots idle, but its answer has not come yet
+    assert not k.pager.seeds.source_idle(p.slot, LIVE)            # /slots idle, but its answer has not come yet
     k.outcomes.answered(pinned.ticket, Observation(cache_n=0, prompt_n=900), path="/v1/chat/completions", seconds=1.0,
                         now=1.0)
-    pager = k.pager
-    assert pager.source_idle(p.slot, LIVE) and not pager.source_idle(p.slot, busy) and not pager.source_idle(p.slot, [])
+    seeds = k.pager.seeds
+    assert seeds.source_idle(p.slot, LIVE) and not seeds.source_idle(p.slot, busy) and not seeds.source_idle(p.slot, [])
 
 
 def test_a_source_still_prefilling_what_would_be_copied_is_waited_for_past_the_budget():

@@ -30,11 +30,12 @@ def movers(page: dict[str, PageRecord], tmp_path: Any) -> tuple[Any, Any]:
     """(this server's mover, the peer's): the peer's page index is `page`, which the test fills in."""
     peer_pages = PageRunner(client=None, save_dir=str(tmp_path), max_bytes=1 << 30, emit=lambda e: None)  # type: ignore[arg-type]
     peer = SimpleNamespace(pages=peer_pages, keeper=SimpleNamespace(pager=SimpleNamespace(
-        page_of=page.get, taken=lambda source, slot: False)))
+        page_of=page.get, seeds=SimpleNamespace(taken=lambda source, slot: False))))
     recorded: list[Any] = []
     mover = SimpleNamespace(
         pages=Pages(), elsewhere=SimpleNamespace(peer=lambda url: peer if url == PEER else None),
-        keeper=SimpleNamespace(page_identity=IDENTITY, pager=SimpleNamespace(worth=lambda gain: 5.0),
+        keeper=SimpleNamespace(page_identity=IDENTITY,
+                               pager=SimpleNamespace(seeds=SimpleNamespace(worth=lambda gain: 5.0)),
                                turns=SimpleNamespace(fence_holds=lambda fence: True)),
         record_pages=lambda plan, out: recorded.append(plan))
     mover.recorded = recorded

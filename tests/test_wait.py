@@ -138,12 +138,12 @@ def test_a_slot_counts_as_idle_only_with_nothing_of_ours_on_it_and_no_placement_
 
     ledger = Ledger()
     ledger.resize(3)
-    assert wait.idle_slots(ledger, 3, None, busy=[0, 1]) == 1
+    assert wait.idle_set(ledger, 3, None, busy=[0, 1]) == {2}
     ledger.claim(2, "other")
-    assert wait.idle_slots(ledger, 3, None, busy=[0, 1]) == 0
-    assert wait.idle_slots(ledger, 3, None, busy=[0, 1], mine="other") == 1  # its own claim does not count
-    assert wait.idle_slots(ledger, 3, 2, busy=[0, 1], mine="other") == 0  # the slot it is held on does not count
-    assert wait.idle_slots(ledger, None, None, busy=[]) == 1  # no slot count known: the server may have one
+    assert wait.idle_set(ledger, 3, None, busy=[0, 1]) == set()
+    assert wait.idle_set(ledger, 3, None, busy=[0, 1], mine="other") == {2}  # its own claim does not count
+    assert wait.idle_set(ledger, 3, 2, busy=[0, 1], mine="other") == set()  # the slot it is held on does not count
+    assert wait.idle_set(ledger, None, None, busy=[]) == set()  # no slot count known: none to wait for
 
 
 def test_a_side_call_never_waits_behind_longer_work_than_its_own_prefill_when_a_free_slot_can_run_it():

@@ -2,7 +2,7 @@
 
 Two beliefs are checked. The session table (`SessionTable.holders`: the session whose answer completed on a slot
 last, and `live`/`displaced`): a live, undisplaced holder's slot must still hold all that session left there.
-The slot ledger (`Turns.ledger_view()`: per slot an entry with `epoch`, `owner`, `tokens`): an entry's owner
+The slot ledger (`Ledger.view()`: per slot an entry with `epoch`, `owner`, `tokens`): an entry's owner
 must find at least `tokens` of its conversation in the slot, and epochs never go back. And the loss meter
 (`Report.loss`): every unlabelled loss of the ground truth must have been metered. Expected changes the proxy
 cannot know yet (a restart, unified-KV idle clearing) are not violations.
@@ -79,7 +79,7 @@ class Checker:
 
     def _ledger(self, pi: int, url: str, up: Any, sim: Any, tags: dict[str, str]) -> list[str]:
         out = []
-        view = up.keeper.turns.ledger_view()
+        view = up.keeper.turns.ledger.view()
         items = view.items() if isinstance(view, dict) else enumerate(view)
         for slot, entry in items:
             epoch = getattr(entry, "epoch", None)

@@ -235,6 +235,17 @@ class CheckpointRunner:
         best = self.longest_base(prefix, info, name)
         return best[1] if best else None
 
+    async def unbuilt(self, prefix: pfx.StablePrefix, info: ServerInfo) -> int | None:
+        """No checkpoint file holds `prefix` yet (so a warm-up would prefill it): how much of it the longest
+        shorter checkpoint gives (a family's base prompt; 0: none). None: it is built, or being built."""
+        if not self.persist:
+            return None
+        name = pfx.file_name(self.fingerprint(prefix, info))
+        if name in self.building or await asyncio.to_thread(self.file_known, name, info):
+            return None
+        base = await asyncio.to_thread(self.longest_base, prefix, info, name)
+        return base[0] if base is not None else 0
+
     def longest_base(self, prefix: pfx.StablePrefix, info: ServerInfo, name: str | None = None
                      ) -> tuple[int, str] | None:
         """The known file that holds the most of `prefix` (same route, tools and template arguments), when it is

@@ -147,7 +147,7 @@ class Handovers:
 
     async def take(self, slot: int, key: str, fence: Fence | None,
                    state: shared.ServerState) -> tuple[Handover | None, bool]:
-        """Make this process the slot's writer before its moves (`slotlogic.handover`, Rule 2): at once when it is
+        """Make this process the slot's writer before its moves (`slotlogic.handover`): at once when it is
         already, nobody's or its writer is gone; else the writer is asked and its answer awaited (read from the
         store every HANDOVER_POLL seconds, at most `handover.WAIT`; without it the slot is taken anyway). The
         answer (None: none needed or none came), and whether this placement went stale meanwhile (we handed

@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 from slotlogic import notices
 from slotlogic.events import Event, Failed, NoticesBack, NoticesLost, Stage
 from slotlogic.notices import ClaimNotice
+from slotlogic.routing import backoff
 
 READ_SECONDS = 0.5     # one wait for a message; new channels are subscribed between waits
 CONNECT_TIMEOUT = 2.0
@@ -31,10 +32,6 @@ RETRY_MAX = 5.0
 ERRORS = (RedisError, OSError, TimeoutError)
 Emit = Callable[[Event], None]
 OnClaim = Callable[[ClaimNotice], None]
-
-
-def retry_after(failures: int) -> float:
-    return min(RETRY_MAX, RETRY_MIN * 2 ** max(0, failures - 1))
 
 
 class NoticeListener:
@@ -87,7 +84,7 @@ class NoticeListener:
                 if not self.lost:
                     self.lost = True
                     self.emit(NoticesLost("", self.shown, type(e).__name__))
-                await asyncio.sleep(retry_after(failures))
+                await asyncio.sleep(backoff(failures, RETRY_MIN, RETRY_MAX))
             else:
                 failures = 0
             finally:

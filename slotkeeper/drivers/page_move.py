@@ -19,7 +19,7 @@ from slotkeeper.drivers.page_runner import PageOutcome
 from slotkeeper.drivers.seed_pages import save_begun, seed_from_its_page, seed_from_peer_page
 from slotkeeper.drivers.slot_gate import WAIT as QUIET_WAIT
 from slotkeeper.drivers.source_wait import await_idle
-from slotlogic import shared, wait
+from slotlogic import scheduler, shared
 from slotlogic.decisions import NeedSlot
 from slotlogic.events import CostWeighed, Failed, Paged, Stage
 from slotlogic.handover import Handover
@@ -259,7 +259,7 @@ class PageMove:
         if watch is None or self.m.freed is None:
             return await waiting
         slot, flow_id, key, arrived, own = watch
-        after = wait.estimate(own, self.m.keeper.prefill_estimate()) or 0.0
+        after = scheduler.seconds(own, self.m.keeper.prefill_estimate()) or 0.0
         mine = asyncio.ensure_future(waiting)
         other = asyncio.ensure_future(self.m.freed(slot, flow_id, key, arrived, after))
         try:

@@ -310,7 +310,7 @@ class Pool:
             with contextlib.suppress(OSError, ValueError):
                 name = pfx.file_name(up.checkpoints.fingerprint(need.stable, info))
                 checkpoint = await asyncio.to_thread(up.checkpoints.file_known, name, info)
-        source = routing.beyond(up.keeper.pager.share(need) if up.pages is not None else 0,
+        source = routing.beyond(up.keeper.pager.seeds.share(need) if up.pages is not None else 0,
                                 len(need.stable.text) if checkpoint and need.stable is not None else 0)
         return ServerView(i, total_slots=info.total_slots, free=free, idle=idle, busy=busy,
                           queued=max(0, self.inflight.get(up.url, 0) - busy),

@@ -47,7 +47,7 @@ class PoolSeeds:
             total = peer.keeper.total_slots
             if not total or peer.pages is None or peer.keeper.page_identity != me.page_identity:
                 continue
-            found = peer.keeper.pager.source_for(need, total, me.pager.order(need.ticket.session.key))
+            found = peer.keeper.pager.seeds.source_for(need, total, me.table.order(need.ticket.session.key))
             if found is not None and (best is None or found[0].chars > best[0].chars):
                 best = (*found, peer)
         if best is None:
@@ -63,7 +63,7 @@ class PoolSeeds:
         if busy and not wait:
             return ask
         if busy:
-            wait = self.mover.keeper.pager.wait_worth(seed.slot, gain)
+            wait = self.mover.keeper.pager.seeds.wait_worth(seed.slot, gain)
             if wait is None or not await self._wait(seed, peer, wait, ask.slot):
                 return ask
         return replace(ask, elsewhere=seed)
@@ -78,7 +78,7 @@ class PoolSeeds:
             live = await peer.client.slots()
             if live is None:
                 break
-            idle = peer.keeper.pager.source_idle(seed.slot, live)
+            idle = peer.keeper.pager.seeds.source_idle(seed.slot, live)
             entry = next((e for e in live if isinstance(e, dict) and e.get("id") == seed.slot), None)
         self.mover.emit(SourceAwaited(self.mover.url, slot, seed.slot, time.monotonic() - started, idle, peer.url))
         return idle

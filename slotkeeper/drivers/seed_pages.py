@@ -25,9 +25,9 @@ COMING_WAIT = 2.0  # seconds a placement waits for the page-out of a seed's sour
 
 async def save_begun(mover: SlotMover, source: str, slot: int, by: float | None) -> bool:
     """Whether `source`'s page-out by this process is under way. When a placement of ours has claimed its slot
-    (`Pager.taken`), that placement pages it out first, so its save starts within moments: waited for at most
+    (`Seeds.taken`), that placement pages it out first, so its save starts within moments: waited for at most
     `COMING_WAIT` (within the request's bound), or until a page of it is there already."""
-    if source not in mover.pages.saving and not mover.keeper.pager.taken(source, slot):
+    if source not in mover.pages.saving and not mover.keeper.pager.seeds.taken(source, slot):
         return False
 
     def recorded() -> bool:
@@ -102,5 +102,5 @@ def worth_until(mover: SlotMover, gain: int, by: float | None) -> float:
     """Until when (monotonic) a page that would spare `gain` characters of prefill is worth waiting for: twice
     what prefilling them takes at the measured rate, as for a busy live source (`paging.keep_waiting`), never
     past the request's bound `by`. A save waits for the other slots' prompt batch, so a page may come late."""
-    until = time.monotonic() + 2 * mover.keeper.pager.worth(gain)
+    until = time.monotonic() + 2 * mover.keeper.pager.seeds.worth(gain)
     return until if by is None else min(by, until)

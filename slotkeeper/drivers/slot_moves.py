@@ -24,7 +24,6 @@ from slotkeeper.drivers.pool_seeds import PoolSeeds
 from slotkeeper.drivers.slot_gate import SlotGate
 from slotkeeper.drivers.source_wait import await_source
 from slotkeeper.drivers.store import StateStore
-from slotlogic import prefix as pfx
 from slotlogic import wait
 from slotlogic.checkpoint_machine import Outcome
 from slotlogic.costs import SlotFileAnswer
@@ -144,9 +143,10 @@ class SlotMover:
         holds = self.keeper.pager.holds_prefix(need, placement.view)
         if self.pages is None:
             return Moved.NOTHING, placement.fence, holds
-        stable_chars = len(need.stable.text) if need.stable is not None and self.checkpoints is not None else 0
-        base = await unbuilt(self.checkpoints, need, info) if not holds else None
-        cold = need.stable if base is not None else None
+        cp, stable = self.checkpoints, need.stable
+        stable_chars = len(stable.text) if stable is not None and cp is not None else 0
+        base = await cp.unbuilt(stable, info) if cp is not None and stable is not None and not holds else None
+        cold = stable if base is not None else None
         ask = PageAsk(placement.slot, key, placement.view, views=placement.views, stable_chars=stable_chars, cold=cold,
                       base_chars=base or 0)
         ask = await await_source(self, ask, by)
@@ -235,15 +235,3 @@ async def drop_page(mover: SlotMover, key: str, file: str) -> None:
     async with mover.store.transaction() as state:
         doomed = mover.keeper.pager.page_dropped(state, key, file)
     mover.delete_pages(doomed)
-
-
-async def unbuilt(cp: CheckpointRunner | None, need: NeedSlot, info: ServerInfo) -> int | None:
-    """No checkpoint file holds the session's stable prefix yet (so a warm-up would prefill it): how much of it
-    the longest shorter checkpoint gives (a family's base prompt; 0: none). None: it is built, or being built."""
-    if cp is None or need.stable is None or not cp.persist:
-        return None
-    name = pfx.file_name(cp.fingerprint(need.stable, info))
-    if name in cp.building or await asyncio.to_thread(cp.file_known, name, info):
-        return None
-    base = await asyncio.to_thread(cp.longest_base, need.stable, info, name)
-    return base[0] if base is not None else 0

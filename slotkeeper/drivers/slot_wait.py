@@ -130,14 +130,14 @@ class SlotWaits:
         """A slot other than `slot` that a held request may move to (the core's rule; None: none, or no keeper)."""
         if self.keeper is None:
             return None
-        return self.keeper.turns.free_slot(slot, [s for s, flows in self.open.items() if flows])
+        return self.keeper.turns.free_slot(slot, self.open)
 
     def exposed(self, slot: int) -> int:
         """The promised tokens a request held on `slot` could write over if the server chose its slot (the
         core's count; 0 without a keeper)."""
         if self.keeper is None:
             return 0
-        return self.keeper.turns.exposed(slot, [s for s, flows in self.open.items() if flows])
+        return self.keeper.turns.exposed(slot, self.open)
 
     def soonest(self, slot: int, flow_id: str) -> int | None:
         """Our work on the other slot expected to free first, in prompt characters (None: no other runs ours)."""
@@ -212,7 +212,7 @@ class SlotWaits:
             return frozenset()
         now = self.clock()
         self.told = {s: (t, f) for s, (t, f) in self.told.items() if now - t < TOLD_FOR}
-        idle = self.keeper.turns.idle_set(avoid, [s for s, flows in self.open.items() if flows], mine)
+        idle = self.keeper.turns.idle_set(avoid, self.open, mine)
         return frozenset(s for s in idle if s not in self.told and self.keeper.turns.writes(s))
 
     def told_to(self, flow_id: str) -> int | None:

@@ -59,7 +59,7 @@ async def await_source(mover: SlotMover, ask: PageAsk, by: float | None = None) 
         live = await mover.client.slots()
         if live is None:
             break
-        idle = not pages.busy(source) and mover.keeper.pager.source_idle(source, live)
+        idle = not pages.busy(source) and mover.keeper.pager.seeds.source_idle(source, live)
         entry = next((e for e in live if isinstance(e, dict) and e.get("id") == source), None)
     mover.emit(SourceAwaited(mover.url, slot, source, time.monotonic() - started, idle or paged))
     return replace(ask, views=[replace(v, busy=False) if v.id == source else v for v in views]) if idle else ask
