@@ -81,6 +81,9 @@ class SlotView:
 
 
 SPAWN_WINDOW = 3.0  # seconds: a new session this soon after a session's answer is likely its subagent
+TURN_GAP = 5.0      # seconds between an agent's calls: an owner idle n gaps is worth 1 / (1 + n) of one active now
+PAGE_SHARE = 0.1    # a save and a restore, against prefilling the same tokens again (paging on)
+UNSEEN_TOKENS = 1000.0  # a used slot whose count `/slots` did not give: some conversation, priced as a typical one
 COLD_AFTER = 5.0    # seconds idle before a live owner's slot may be taken over by a displaced session
 
 
@@ -113,23 +116,59 @@ def holds_prefix(view: SlotView, prefix: str | None) -> bool:
     return prefix is not None and view.prefix == prefix and _tokens(view) > 0
 
 
-def auto_key(view: SlotView, now: float, ttl: float, prefix: str | None,
-             reserved: Collection[int], spawn: bool = True, paging: bool = False) -> tuple[object, ...]:
-    claimed = is_claimed(view, now, ttl)
-    side = view.id in reserved
-    same_prefix = holds_prefix(view, prefix)
-    if not claimed:
-        content = 0 if same_prefix else 1 if _empty(view) else 2
-        inner: tuple[object, ...] = (content, _tokens(view), view.last_used or 0.0)
-    else:
-        inner = (0 if spawn and _spawned_from(view, now) else 1, activity(view), view.owner_requests,
-                 0 if same_prefix else 1, _tokens(view))
-    # busy last; when every slot is busy, the lowest expected time to first token first, the side slot last
-    wait = (float("inf") if view.wait_tokens is None else view.wait_tokens) if view.busy else 0.0
-    side_busy = side and view.busy
-    if paging:
-        return (view.busy, side_busy, wait, side, claimed, *inner, view.id)
-    return (view.busy, side_busy, wait, claimed, side, *inner, view.id)
+@dataclass(frozen=True)
+class Asking:
+    """What the ranking of one new session weighs slots by, besides the slots themselves. `spawn=False` for a
+    displaced session: it is no subagent, so "the owner that just answered is its parent" is void. `paging`: an
+    evicted session is paged out and back in."""
+
+    now: float
+    ttl: float
+    prefix: str | None = None
+    reserved: Collection[int] = ()
+    spawn: bool = True
+    paging: bool = False
+    prefix_tokens: float = 0.0    # the length of the stable prefix `prefix` names, in tokens
+
+    def key(self, view: SlotView) -> tuple[object, ...]:
+        """Smallest first: idle slots before busy ones (a filter, not a price: llama-server defers a request
+        pinned to a busy slot, and unpinned requests starve behind it); among idle slots the lowest `cost`; among
+        busy ones the shortest expected wait, the reserved side slot last. Ties: a slot nobody claims, then the
+        fewest tokens, then the lowest id."""
+        claimed = is_claimed(view, self.now, self.ttl)
+        if view.busy:
+            wait = float("inf") if view.wait_tokens is None else view.wait_tokens
+            return (1, view.id in self.reserved, wait, claimed, _tokens(view), view.id)
+        return (0, False, self.cost(view), claimed, _tokens(view), view.id)
+
+    def cost(self, view: SlotView) -> float:
+        """What placing the session on an idle slot costs, in prefill tokens (seconds at the server's one rate):
+        its own prefill beyond what the slot spares, plus the tokens of another conversation it writes over,
+        weighed by how soon that conversation is wanted again (`return_weight`). With paging a live session's
+        conversation is saved and restored instead of prefilled again: `PAGE_SHARE` of its tokens."""
+        claimed = is_claimed(view, self.now, self.ttl)
+        # a live owner's prefix is no saving: an empty slot gets the same prefix from its checkpoint or prefill,
+        # and taking it would page out, or prefill again, a conversation promised to its owner
+        held = holds_prefix(view, self.prefix) and not claimed
+        tokens = float(_tokens(view)) if view.n_tokens is not None or _empty(view) else UNSEEN_TOKENS
+        spared = min(float(self.prefix_tokens), tokens) if held else 0.0
+        if view.id in self.reserved:  # the side calls' prompt, prefilled again at the next side call, which comes
+            weight = 1.0
+        elif claimed:
+            parent = self.spawn and _spawned_from(view, self.now)  # returns only once its subagent is done
+            weight = return_weight(self.now - self.ttl if parent else activity(view), self.now)
+            weight *= PAGE_SHARE if self.paging else 1.0
+        else:
+            weight = return_weight(view.last_used, self.now) if view.last_used is not None else 0.0
+        return max(0.0, tokens - spared) * weight - spared
+
+
+def return_weight(last_seen: float, now: float) -> float:
+    """How much a conversation last seen at `last_seen` is worth keeping, 1 for one seen just now: an agent
+    calls again within a turn's gap, and the longer one has been idle the later it is likely to come back (a
+    user who left, a parent waiting for its subagent), so the more likely its slot would be needed by someone
+    else before then anyway: the farthest return is the cheapest eviction (Belady's choice, estimated)."""
+    return 1.0 / (1.0 + max(0.0, now - last_seen) / TURN_GAP)
 
 
 def activity(view: SlotView) -> float:
@@ -178,20 +217,17 @@ def _reason(view: SlotView, now: float, ttl: float, prefix: str | None, spawn: b
     return Why.FREE_FEWEST_TOKENS
 
 
-def choose(policy: Policy, slots: Sequence[SlotView], now: float, ttl: float, *,
-           prefix: str | None = None, reserved: Collection[int] = (), spawn: bool = True,
-           paging: bool = False) -> Choice:
-    """The slot for a new session. `slots` must be non-empty and list every slot id once. `spawn=False`
-    for a displaced session: it is no subagent, so "the owner that just answered is its parent" is void.
-    `paging`: an evicted session is paged out and back in (the reserved slot then ranks after claimed ones)."""
+def choose(policy: Policy, slots: Sequence[SlotView], asking: Asking) -> Choice:
+    """The slot for a new session. `slots` must be non-empty and list every slot id once."""
     if not slots:
         raise ValueError("no slots to choose from")
+    now, ttl = asking.now, asking.ttl
     if policy is Policy.SEED:
         best = min(slots, key=lambda v: seed_key(v, now, ttl))
         return Choice(best.id, Why.SEED_CLAIMED_COLDEST if is_claimed(best, now, ttl) else Why.SEED_FREE)
     if policy is Policy.AUTO:
-        best = min(slots, key=lambda v: auto_key(v, now, ttl, prefix, reserved, spawn, paging))
-        return Choice(best.id, _reason(best, now, ttl, prefix, spawn))
+        best = min(slots, key=asking.key)
+        return Choice(best.id, _reason(best, now, ttl, asking.prefix, asking.spawn))
     raise ValueError(f"policy {policy.value!r} does not choose slots")
 
 
