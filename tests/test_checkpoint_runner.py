@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -218,10 +219,8 @@ class FileWritingServer(ScriptedServer):
         cleanup runs in a worker thread) no longer counts."""
         total = 0
         for path in self.save_dir.glob("prefix-*.bin"):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 total += path.stat().st_size
-            except FileNotFoundError:
-                pass
         return total
 
 
