@@ -1,6 +1,7 @@
 """Slot choice for a session the proxy has not pinned yet.
 
-Rule 1: everything that decides *which slot a new session gets* lives in this file.
+Rule 1: what a slot costs a session not pinned yet is priced here; `placement.assign` keeps the promises
+        before it (a session resumes its own slot, a side call gets the reserved one) and claims the choice.
 Rule 2: no I/O. Inputs are snapshots (`SlotView` per slot: live `/slots` numbers merged with what the
         state file says about claims); the output is a `Choice`: the slot and a `Why`.
 Rule 3: never return a slot outside `0 … total_slots-1`.
@@ -13,35 +14,16 @@ TTL; otherwise it is *free*, whatever it still holds. Policies:
 `seed` (the design's first ranking, verbatim): free before claimed; among free, fewest cached tokens, then
 lowest id; among claimed, oldest `last_used`, then fewest tokens, then lowest id.
 
-`auto` (default) ranks by a tuple, smallest first, each element a reason llama-server gives us:
-  1. busy slots last: a request pinned to a busy slot is *deferred* until that slot frees (docs/llama-server.md),
-     and deferred unpinned requests can starve behind it. When every slot is busy, the lowest expected time
-     to first token first (`SlotView.wait_tokens`, `placement.waits`: the work `/slots` shows left there, in
-     prefill tokens, less the shared prefix the slot would spare; a slot whose work nobody can size comes
-     last), the way cache-aware routers weigh a cache hit against the queue in front of it; the reserved
-     side-call slot after every other busy slot: its short side calls made it the shortest wait, sessions
-     queued there, and the next side call of its home waited behind their prefills and page moves until its
-     client gave up;
-  2. free before claimed: a live session's cache is worth more than an expired one's;
-  3. the reserved side-call slot after every other free slot (sessions use it only when nothing else is
-     free); with session paging, after the claimed slots too: evicting a live session then costs a save
-     and a later restore (milliseconds), while a session placed there overwrites the side calls' prompt,
-     which nobody pages, and the next side call prefills all of it again (Qwen Code's memory extraction:
-     6,200 tokens after every turn, docs/clients.md);
-  4. among free slots: one whose last content starts with the same shared prefix (system prompt +
-     tools) first — the new session reuses that prefix in-slot, while a request pinned to an *empty*
-     slot never even consults llama-server's RAM prompt cache (#28139) — then empty slots (nothing
-     lost), then the fewest cached tokens (least lost);
-     among claimed slots (we must evict a live session): first an idle owner whose answer completed
-     within SPAWN_WINDOW — a new session right after an answer is that agent's subagent, and the agent
-     waits for it, so its next request is the furthest away (and a subagent never evicts another
-     agent's working session while its own parent sits idle); then the coldest owner (last request or
-     answer longest ago; spreads new sessions over the slots instead of piling them onto one), then the
-     fewest requests, then the same prefix, then the fewest tokens;
-  5. lowest id, for determinism.
-
-A *displaced* session (its slot ran another session since its last request) is ranked like a new one,
-but leaves its slot only when `worth_moving` says the target costs little (see there).
+`auto` (default) ranks by one cost (`Asking.cost`, docs/scheduler.md), in prefill tokens, which at the
+server's one prefill rate are seconds: the session's own prefill beyond what the slot spares (a free slot
+still holding its shared prefix), plus the tokens of whatever conversation it writes over, weighed by how soon
+that conversation is wanted again (`return_weight`: 1 for an owner seen just now, less the longer it has been
+idle, as little as an expired claim for a parent waiting for the subagent that just started; with paging a
+save and a restore instead of a prefill). The reserved side slot's prompt weighs 1: the next side call comes.
+One filter stays outside the price: a busy slot only when every slot is busy (llama-server defers a request
+pinned to a busy slot and unpinned requests starve behind it), then the shortest expected wait
+(`SlotView.wait_tokens`), the side slot last. A displaced session (its slot ran another session since) is
+ranked by the same cost, and leaves its own slot only where `worth_moving` says the target costs little.
 
 `affinity` ranks nothing here: a new session's first request goes out with `id_slot: -1` and llama-server
 chooses (prompt similarity, then LRU); the slot it chose is pinned from then on (`slotlogic.affinity`).
