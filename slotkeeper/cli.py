@@ -4,11 +4,9 @@
                [-- mitmproxy options, e.g. --set slots_policy=seed]
     slotkeeper --addon-path        # the addon file, for `mitmdump -s`
 
-The flags are `make run`'s (`slotkeeper.launch.mitmdump.mitm_argv`): reverse mode with the upstream's scheme and
-an explicit listen host, `connection_strategy=lazy`, `flow_detail=0`, `termlog_verbosity=alert`. mitmdump is
-the one next to this interpreter (the venv's `bin/`), else the one on PATH. The process becomes mitmdump
-(`exec`), so Ctrl-C, signals and the exit status are mitmdump's own. Before that, exit status 2 and one line
-on stderr for a malformed `--upstream` or `--listen`, 1 when no mitmdump is found.
+The flags are `make run`'s (`slotkeeper.launch.mitmdump.mitm_argv`). The process becomes mitmdump (`exec`), so
+signals and the exit status are its own; before that, a malformed `--upstream` or `--listen` exits 2 and a
+missing mitmdump 1, with one line on stderr.
 """
 
 from __future__ import annotations

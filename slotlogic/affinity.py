@@ -1,23 +1,10 @@
 """Pending, then pinned (`slots_policy=affinity`): llama-server chooses a new session's slot, the proxy keeps it.
 
-Rule 1: a session with no live slot of its own — its first request, its first after a pool resize or a
-        restart, and its first after another session took its slot — goes out *pending*: `id_slot: -1` and
-        `cache_prompt: true`, so llama-server chooses the slot by prompt similarity (or LRU), where its RAM
-        prompt cache can also bring back an evicted conversation (docs/llama-server.md, slot selection).
-Rule 2: the slot that ran it is learned from the answer without changing what the client receives, and the
-        session is pinned there for the rest of its life (the hot path, as with `auto`).
-Rule 3: only a slot in `0 … total_slots-1`, from an answer without an error, is ever learned.
-
-How the slot is learned depends on the route (`Learn`), measured on llama-server (xllamacpp 2026.10):
-- `/completion`, `/completions`, `/infill` echo `id_slot` themselves (streams: in the final event);
-- chat and `/v1/completions` do not, but a request with `"verbose": true` gets a `"__verbose"` member (the
-  native final answer, with `id_slot`); the proxy adds the field and strips the member from the answer
-  (`slotlogic.verbose`): ~2 KB plus the prompt's text, once per session;
-- `/v1/responses` ignores `verbose`: after the answer, `/slots` is read once and the idle slot whose token
-  count is the answer's total (prompt + generated − 1, the last token is never evaluated) is the one. With
-  two such slots nothing is learned and the next request is pending again.
-A client that sent its own `verbose` keeps it: `true` is read and left in the answer; `false` makes the
-proxy fall back to `/slots`.
+A session with no live slot of its own goes out pending (`id_slot: -1`), so llama-server chooses by prompt
+similarity and its RAM cache; the slot that ran it is learned from the answer, without changing what the
+client receives, and the session stays pinned there. How depends on the route (`Learn`): an echoed `id_slot`,
+the `__verbose` member the proxy asks for and strips (`slotlogic.verbose`), or one `/slots` read matching the
+answer's token total. Only a valid slot from an answer without an error is learned. See docs/behaviour.md.
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ class Observation:
     prompt_per_second: float | None = None
     decode_per_second: float | None = None   # timings.predicted_per_second: generated tokens a second
     error_type: str | None = None
-    error_message: str | None = None
     n_prompt_tokens: int | None = None  # from exceed_context_size_error
     n_ctx: int | None = None
     tokens_total: int | None = None   # usage.total_tokens: prompt + generated (affinity's `/slots` match)
@@ -108,8 +107,6 @@ def absorb(obs: Observation, obj: Any) -> None:
     err = obj.get("error")
     if isinstance(err, dict):
         obs.error_type = str(err.get("type") or err.get("code") or "error")
-        msg = err.get("message")
-        obs.error_message = msg[:300] if isinstance(msg, str) else None
         obs.n_prompt_tokens = count(err.get("n_prompt_tokens"))
         obs.n_ctx = count(err.get("n_ctx"), numbers.MAX_CTX)
 

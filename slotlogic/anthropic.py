@@ -1,23 +1,11 @@
 """Anthropic Messages → llama-server chat completions, exactly as llama-server's own `/v1/messages` does it.
 
-Why: llama-server's `/v1/messages` converts the body with a fixed list of keys, and `id_slot`/`cache_prompt`
-are not among them (upstream PR #26758), so Claude Code traffic cannot be pinned to a slot. The proxy sends
-such a request as `POST /v1/chat/completions` instead, carrying the conversation exactly as llama-server's
-converter would have built it, plus the pinning keys, and converts the answer back. The translated request
-must render the SAME prompt tokens as the native route (that is what makes the slot's cache hit), and the
-client must receive what `/v1/messages` would have sent.
-
-What it mirrors (llama.cpp, `tools/server/`; see docs/anthropic.md for the commits read):
-- `to_chat`: `server_chat_convert_anthropic_to_oai()` in server-chat.cpp, incl. the `x-anthropic-billing-header`
-  `cch=` normalisation (PR #21793), then adds what the translated route needs to rebuild the answer
-  (`timings_per_token`, `stream_options.include_usage`, `verbose` when stop sequences are set).
-- `nl_dump`: nlohmann's `dump()`, for the tool-call arguments the chat template renders.
-The answer's way back is `slotlogic.anthropic_answer`.
-
-Rule 1: pure: standard library only, no I/O, no clock; `StreamConverter` is a state machine fed bytes.
-Rule 2: never guess. Input the server's converter would reject, or that this module cannot reproduce exactly,
-        raises `TranslationError` (the caller then sends the request to `/v1/messages` untouched).
-Rule 3: no prompt text in exception messages (they name keys and types only).
+Why: llama-server's `/v1/messages` drops `id_slot`, so Claude Code traffic cannot be pinned there. The proxy
+sends such a request to `/v1/chat/completions`, built as llama-server's converter would build it (so it
+renders the same prompt tokens and hits the same cache) plus the pinning keys, and converts the answer back
+(`slotlogic.anthropic_answer`). Never guess: input the server would reject, or that cannot be reproduced
+exactly, raises `TranslationError` (naming keys and types, never text) and the request goes to `/v1/messages`
+untouched. docs/anthropic.md names the llama.cpp functions mirrored and the commits read.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """llama-server chat completion answers → Anthropic Messages answers, as llama-server's `/v1/messages` sends them.
 
-The way back of `slotlogic.anthropic` (which translates the request): the client must receive what the
-native route would have sent. What it mirrors (llama.cpp, `tools/server/`; docs/anthropic.md names the
-commits read):
-- `from_chat`: `server_task_result_cmpl_final::to_json_anthropic()` in server-task.cpp.
-- `StreamConverter`: `server_task_result_cmpl_partial::to_json_anthropic()` per partial result and
-  `server_task_result_cmpl_final::to_json_anthropic_stream()` for the final one, with `format_anthropic_sse()`
-  framing (no `ping`, no `[DONE]`; a mid-stream error becomes `event: error`).
-- `error_body`: the native route answers errors in the OpenAI shape (`res->error()`), so the body passes as is.
-
-Rule 1: pure: standard library only, no I/O, no clock; `StreamConverter` is a state machine fed bytes.
-Rule 2: no prompt text in exception messages (they name keys and types only).
+The way back of `slotlogic.anthropic`: the client must receive what the native route would have sent.
+`from_chat` mirrors the final answer's `to_json_anthropic()`, `StreamConverter` (a state machine fed bytes)
+the partial and final stream events with their SSE framing; errors pass in the OpenAI shape, as the native
+route sends them. Pure; exceptions name keys and types, never text. docs/anthropic.md names the llama.cpp
+functions and commits.
 """
 
 from __future__ import annotations
@@ -41,10 +35,6 @@ class PromptCounts:
 
     cache_n: int
     prompt_n: int
-
-    @property
-    def total(self) -> int:
-        return self.cache_n + self.prompt_n
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -149,12 +139,6 @@ def _from_chat(answer: dict[str, Any], model: str | None) -> dict[str, Any]:
         "stop_sequence": _stopping_word(answer) if reason is not StopReason.MAX_TOKENS else None,
         "usage": {"cache_read_input_tokens": cached, "input_tokens": prompt - cached, "output_tokens": output},
     }
-
-
-def counts(answer: dict[str, Any]) -> PromptCounts:
-    """cache_n/prompt_n of a non-streamed chat answer, for the proxy's log."""
-    prompt, cached, _ = _usage(answer)
-    return PromptCounts(cache_n=cached, prompt_n=prompt - cached)
 
 
 MAX_CALLS = 1 << 16  # a tool call's index in a chat stream: past this it is not one

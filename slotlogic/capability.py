@@ -1,19 +1,10 @@
 """What the loaded model and the start-up probe mean for this proxy: slot files on or off, the page budget in
 tokens, the measured speeds.
 
-Rule 1: pure. In: the model's facts (`slotlogic.model_facts`, from its GGUF header), the settings, what the
-        probe measured. Out: typed verdicts and the numbers of the status view; the log lines come from
-        `slotlogic.wording`.
-Rule 2: slot files (session pages, prefix checkpoints on disk) stay off only where a restore cannot resume:
-        `ModelFacts.restore_helps(swa_full, checkpoints_in_files)` says no. Unknown stays as before (on).
-Rule 3: whether this llama-server writes its context checkpoints into slot files is a property of the build,
-        not of the model (docs/model-capability.md). It decides only for sliding-window and recurrent models
-        on a server without `--swa-full`; there one probe save tells (`file_has_checkpoints`), and until it
-        has, files stay off (a page written before the answer could be a page that can never resume).
-
-The probe (`probe_request`) is one short completion of the proxy's own text (never a client's) into an empty
-idle slot: it measures prefill and decode speed (option `slots_throughput_probe`) and, when Rule 3 needs it,
-is saved once to learn whether the file carries checkpoints; then the file is deleted and the slot erased.
+Pure. Slot files stay off only where a restore cannot resume (`ModelFacts.restore_helps`); unknown stays on.
+Whether this build writes context checkpoints into slot files is the server's property, not the model's: for
+sliding-window and recurrent models one probe save (`probe_request`, the proxy's own text into an empty slot,
+also measuring prefill and decode) tells, and until it has, files stay off. docs/model-capability.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""Which checkpoint files to delete from the server's --slot-save-path (the design's cleanup, made pure).
+"""Which checkpoint files to delete from the server's --slot-save-path (pure).
 
-Rules, in order:
-1. Only files named `prefix-<16 hex>.bin` are ever candidates: anything else in the directory is the
-   operator's and is never touched.
-2. An index that could not be read (corrupt) disables deletion entirely: never delete against an index
-   that cannot be trusted (a new file then goes only where it fits the cap as it is). A missing index is an
-   empty one.
-3. Keep = the current fingerprints' files ∪ files used within `ttl_days` ∪ the `keep_recent` most
-   recently used (last use from the index, else the file's mtime).
-4. Then, with `max_bytes` > 0, the least recently used kept files go (never one in use now: `protect`) until
-   the rest, plus the `incoming` bytes of a file about to be written, fit the cap (`make_room`). The cap holds
-   at every moment: room is made before a save, and a file that cannot fit is not saved.
+Only `prefix-<16 hex>.bin` files are candidates (the rest is the operator's); a corrupt index disables
+deletion. Kept: the current fingerprints' files, those used within `ttl_days` and the `keep_recent` newest;
+then, with a cap, the least recently used go until the rest and an incoming file fit (`make_room`), never one
+in use. docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
-"""Prefix-checkpoint orchestration as a sans-IO state machine (restore, verify, rebuild; wired into slot choice).
+"""Prefix checkpoints as a sans-IO state machine: restore, verify, rebuild a shared prefix before a new session.
 
-Rule 1: everything that decides *what to do to a slot so a new session starts warm* lives here.
-Rule 2: no I/O. `Orchestrator.next_action()` returns an action (restore, verify, warm, save, erase) for
-        the driver to perform against llama-server; the driver feeds the HTTP outcome back with `feed()`.
-        Tests replay recorded server answers (success, 400 on restore, 501 without --slot-save-path,
-        timeouts, failed verification) without a server.
-Rule 3: fail open. Whatever happens, the machine ends in DONE and the user's request goes out as it
-        would without checkpoints; a failure only costs the prefill the request would have paid anyway.
-
-Theory of operation
--------------------
-START:    the slot already holds the prefix (in-process knowledge, confirmed alive) → DONE (hit);
-          persistence on and a matching file known → RESTORING; otherwise cold: → RESTORING_BASE when a file
-          holding a part of it is known (a shorter prefix it starts with: a family's prefix extends the shared
-          one, only the difference is then prefilled; or a longer one that starts with it: a family's file
-          holds the shared role whole) and the slot holds no copy of a conversation that starts with the
-          prefix (a seed: the warm-up then reuses all of it), else → WARMING.
-RESTORING_BASE → WARMING, whatever the answer (a failed restore only wipes the slot).
-RESTORING → VERIFY_IDENTICAL on 200. Any failure → WARMING (a failed restore wipes the slot).
-VERIFY_IDENTICAL: the warm-up request re-sent must come back ≥ `gate` (90%) from cache, else the file is
-          bad → ERASING → WARMING (then SAVING overwrites the file).
-VERIFY_DIVERGENT: the prefix plus a non-empty user message must show `cache_n > 0`; if not, say so
-          loudly and keep the restore (a rebuild would produce the same state).
-          Both gates run once per file and server process: a file that passed them on this process, unchanged
-          since, restored to the same token count again (`verified_tokens`), is DONE at RESTORING (each gate
-          prefills a few tokens: about 12 per restore, a few % of an agent workload's limit, and waits its turn in
-          the server's batch loop). A file the driver saved itself on that process, from the slot it had just
-          warmed, counts as passed (`slotkeeper.drivers.checkpoint_runner`).
-WARMING → SAVING when persistence is on, else DONE. SAVING failure (501: no --slot-save-path) → DONE with
-          a warning; the slot is warm anyway.
+Why sans-IO: `Orchestrator.next_action()` returns the step (restore, verify, warm, save, erase) and the driver
+(`slotkeeper/drivers/checkpoint_runner.py`) feeds the server's answer back with `feed()`, so every failure
+(400 on restore, 501 without --slot-save-path, time-outs, a failed verification) is tested without a server.
+Fail open: every path ends in DONE, and the request goes out as it would without checkpoints.
+`TRANSITIONS` is the whole graph; docs/checkpoints.md explains the gates and when each runs.
 """
 
 from __future__ import annotations
@@ -379,10 +355,6 @@ class Orchestrator:
 
     def _note(self, kind: NoteKind, **kw: Any) -> None:
         self.notes.append(Note(kind, self.slot, **kw))
-
-    @property
-    def done(self) -> bool:
-        return self.phase is Phase.DONE
 
 
 def _int(data: Any, key: str) -> int | None:

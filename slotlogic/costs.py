@@ -1,26 +1,10 @@
 """Page or recompute: what a slot move costs, from the speeds measured on the running server.
 
-Why: a page-in is not always cheaper than prefilling the conversation again. SmolLM2 on two CPU cores keeps
-23 KB of KV per token and prefills ~100 tokens a second, so a restore always wins; an 8B model on a GPU keeps
-128 KiB a token and prefills 10,000+ tokens a second, so a short conversation is recomputed faster than its
-file is read back. Each move is therefore decided by its two estimates: bytes over the measured save/restore
-throughput against tokens over the measured prefill speed.
-
-Rule 1: pure. The driver feeds every slot save/restore answer in (`SlotFileAnswer.parse`: llama-server's
-        `n_saved`/`n_written` or `n_restored`/`n_read` and `timings.save_ms|restore_ms`); the decisions take a
-        `Rates` snapshot and sizes as facts.
-Rule 2: until a speed is measured, nothing changes: every decision is `None` (today's behaviour, page
-        whenever possible).
-Rule 3: no prompt text: counts, bytes and seconds only.
-
-The estimates. A move of B bytes takes `overhead + B / throughput` (the overhead: the call's fixed wall time
-beyond the server's own `timings`, the smallest of the last few restores: the rest is queueing behind the batch
-running then, which a prefill started at that moment waits for too). Prefilling n tokens from an empty slot
-takes `a·n + b·n²/2`: every token costs `a` plus `b` per token before it (attention reads the whole context so
-far), so long conversations prefill slower per token while their files grow only linearly: on a GPU a short
-conversation is recomputed and a long one restored. `a` and `b` are fitted to the answers' own `prompt_n`,
-`cache_n` and prompt speed (`PrefillFit`, least squares with forgetting); until the fit has depth to go on, `b`
-is 0 and `a` is the keeper's measured tokens a second.
+Why: a page-in is not always cheaper than a prefill (a small model on a CPU keeps little KV and prefills
+slowly; a large one on a GPU the reverse), so each move compares its two estimates: `overhead + bytes /
+throughput` against `a·n + b·n²/2` for the prefill, with `a` and `b` fitted to the answers' own counts and
+speeds (`PrefillFit`). Until a speed is measured every decision is `None` (page whenever possible). Pure,
+counts and seconds only. docs/paging.md ("Page or recompute") explains the estimates.
 """
 
 from __future__ import annotations

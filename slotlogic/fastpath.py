@@ -1,25 +1,12 @@
 """A known session's next chat request, recognised from its bytes without parsing them.
 
-Why: `json.loads` of the request body was half the hot path's cost, and it grows with the conversation
-(an agent's body is soon 100 KB+, ~350 µs to parse). But an agent's next request repeats the bytes of its
-previous one: the same *head* (every top-level key before `messages`, the system prompt and the messages
-up to the first user message: the whole conversation root), the same *tail* (everything after the
-`messages` array: tools, stream options), and, in between, the messages it sent last time followed by new
-ones. A body like that has the session's key, side-call status and top-level fields; what it adds is only
-messages.
-
-Rule 1: pure. `ShapeIndex.learn` runs after a full parse on the slow path; `match` runs on the hot path.
-Rule 2: only a body that provably continues the messages array is taken: its middle must start with the
-        middle the session sent last time (bytes compared, no parse), and the new bytes after it must be
-        `, {message}` items and nothing else, checked with the JSON scanner. Anything else (a top-level key
-        between the messages and the tail, invalid JSON, a backslash-u escape anywhere in the new bytes, messages
-        that were edited rather than appended) takes the full parse. So a match always names the session, and
-        carries exactly the top-level fields, that the full parse would find.
-Rule 3: only sessions recognised by their conversation root on a chat route, with no session header
-        (headers and body keys name sessions the content cannot), are learned; anything unusual is simply
-        not learned and keeps taking the full parse. Memory is bounded: at most `MAX_SHAPES` sessions and
-        `MAX_BYTES` of everything a shape keeps (head, middle, tail, key and a fixed overhead), the least
-        recently matched forgotten first; a body bigger than the cap on its own is not learned at all.
+Why: `json.loads` of a growing agent body was half the hot path's cost, yet an agent's next request repeats
+its previous one: the same head (keys before `messages`, up to the first user message), the same tail (after
+the array) and the messages it sent last time, followed by new ones. `ShapeIndex.learn` runs after a full
+parse; `match` takes a body only when it provably continues the array (the old middle byte for byte, then
+only `, {message}` items, no backslash-u escape), so a match names the same session and fields the parse would.
+Sessions named by headers are not learned; memory is bounded (`MAX_SHAPES`, `MAX_BYTES`). See
+docs/behaviour.md ("Hot path").
 """
 
 from __future__ import annotations

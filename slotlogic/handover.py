@@ -1,28 +1,11 @@
 """Handing a slot over between proxies that share one state: the giver lets go before the taker moves in.
 
-Why: a proxy answers its known sessions from memory (the hot path: no network, no lock), so it cannot see at
-once that another proxy sharing the state has claimed one of its slots. If the taker paged that slot out and
-its own session in right away, a request the giver had already sent there (or sends before it hears of the
-claim) would run on top of the page-in, or the page-out would miss the giver's last turn: a conversation lost
-between two processes that each did the right thing.
-
-Rule 1: pure. The shared state (`slotlogic.shared.ServerState`) carries the requests and the answers; the
-        drivers read and write it under the store's lock and poll for changes.
-Rule 2: one writer per slot, handed on. The shared state names the proxy that may write each slot (`writers`).
-        A placement whose turn comes on a slot another live proxy writes (`turn`) records a `Handover` for that
-        giver and waits. The giver keeps its sessions off the slot, waits until every request it sent there
-        has reached the server and no move of its own is under way, and answers (`acknowledge`): the taker is
-        the writer now, and `last` says whose conversation the giver's last write left there. Only then does
-        the taker plan its page-out, with the later of `last` and its own last request as the slot's holder
-        (`holder`): the save waits behind that request at the server and keeps the whole conversation, which
-        its session pages back in from on its next turn. The giver's own placements on the slot, queued
-        meanwhile, ask in their turn: the slot goes back and forth whole, never written by two at once.
-Rule 3: a dead giver answers nobody. Every proxy with live sessions on a server beats (`beat`) in its state at
-        least every `BEAT` seconds; one not heard of for `DEAD` seconds is gone (killed, or cut off from the
-        store), and nothing is asked of it. A giver that does not answer within the taker's wait costs a
-        labelled loss at worst (the meter says `other-process`), never a wrong answer.
-Rule 4: bounded. At most one handover per slot and taker (its newer ask replaces it), `MAX_HANDOVERS` in all,
-        `MAX_PROXIES` beats; ids are the processes' random hex names, never client input.
+Why: a proxy answers its known sessions from memory, so it learns late that another proxy claimed one of its
+slots; a taker that paged at once could write under a request the giver already sent there. So each slot has
+one writer, named in the shared state: the taker records a `Handover` and waits, the giver answers once its
+requests there have reached the server, and only then does the taker page. A giver not heard of for `DEAD`
+seconds is gone and asked nothing; everything is bounded and named by random process ids. Pure: the drivers
+read and write the state under the store's lock. docs/scale-out.md ("Handing a slot over") tells the protocol.
 """
 
 from __future__ import annotations

@@ -322,18 +322,18 @@ class Keeper:
         return Placement(choice.slot, choice.why, before[choice.slot], dropped, events, tuple(before), fence,
                          replace(need, ticket=ticket), serial)
 
-    def fallback(self, need: NeedSlot, now: float, last_known_total: int | None) -> tuple[Pin | Observe, Event]:
-        """The server did not answer `/props`: pin by a stable hash over the last known slot count (every
-        proxy process agrees without asking), or send the request unpinned when no count was ever known."""
+    def fallback(self, need: NeedSlot, now: float, known: int | None, path: str = "") -> tuple[Pin | Observe, Event]:
+        """The server did not answer `/props`: pin by a stable hash over the last known slot count (every proxy
+        agrees without asking), or, with no count ever known, send it unpinned, asking where it ran (`unplaced`)."""
         if not isinstance(need, NeedSlot):
             raise ProtocolError(f"fallback takes a NeedSlot, not {type(need).__name__}")
-        total = self.total_slots or last_known_total  # a hash's modulus only: never the size of anything
+        total = self.total_slots or known  # the last known count: a hash's modulus only, never the size of anything
         ticket = need.ticket
         self._placements.drop(ticket.session.key)
         choice = placement.fallback(ticket.session.key, total)
         if choice is None or total is None:
-            return Observe(replace(ticket, unpinned=Unpinned.SERVER_UNKNOWN)), Unreachable(self.upstream,
-                                                                                          ticket.session.short)
+            out = unplaced(replace(ticket, unpinned=Unpinned.SERVER_UNKNOWN), need, path, self.settings.override_client)
+            return out, Unreachable(self.upstream, ticket.session.short)
         self._table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix)
         pin = self._pin(ticket, choice.why, need.body, need.content, choice.slot, now)
         return pin, Unreachable(self.upstream, ticket.session.short, choice.slot, total)
@@ -391,6 +391,20 @@ def _displaced_from(table: SessionTable, total: int | None, ticket: Ticket, now:
     if live is not None and (total is None or live.slot < total):
         return live.slot
     return None
+
+
+def unplaced(ticket: Ticket, need: NeedSlot, path: str, override_client: bool) -> Pin | Observe:
+    """A request sent with `id_slot: -1` because the server cannot be asked asks its answer which slot ran it, as
+    a pending one does (`slotlogic.affinity`): its session is then recorded there, so its next turn goes back to
+    its conversation instead of being placed anew beside it (a slot the server gave it no longer looks free).
+    Sent as it came (`Observe`) when its route names the slot only through `/slots`, which cannot be read now,
+    when the client chose its own slot, or when it is translated. `path`: the client's."""
+    how = affinity.method(path, need.body) if path and not ticket.translated else affinity.Learn.SLOTS
+    result = rewrite.pend(need.body, None, verbose=how is affinity.Learn.VERBOSE, override_client=override_client)
+    if how is affinity.Learn.SLOTS or result.client_slot_kept:
+        return Observe(ticket)
+    return _rewritten(replace(ticket, learn=how, client={**ticket.client, "verbose": need.body.get("verbose")}),
+                      need.content, need.body, result)
 
 
 def _known_ticket(shape: Shape, **fields: Any) -> Ticket:

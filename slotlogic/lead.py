@@ -1,23 +1,10 @@
 """Leads: how far a new session's prompt runs along another session's conversation, message by message.
 
-Why: sessions of one client in one folder share much more than a system prompt. Codex sends two developer
-items and an environment block before the user's words (4,577 of a new session's 4,600 tokens are another
-session's); aider sends its system prompt and fixed example messages. llama-server's own slot choice finds
-that by handing the new session the other session's slot, and overwrites that conversation; a new session
-that slotkeeper gives a slot of its own would prefill it all again, or all but a checkpointed system prompt.
-A conversation moves between slots in milliseconds (save, restore), so a new session can start from the
-conversation it shares the most with (`paging.Seed`): the other session keeps its slot, the new one skips
-the shared part's prefill.
-
-Rule 1: digests only. A lead is a chain of digests over the leading messages (each digest covers every
-        message before it, the tools and the template kwargs) and their cumulative text lengths: no text is
-        kept. Fields the server does not render (`id`) are left out, so Codex's per-session item ids do not
-        hide equal items.
-Rule 2: whole messages. Two leads share the messages up to the first that differs; llama-server reuses the
-        exact common token prefix after a restore, so an estimate too high costs a save and a restore
-        (milliseconds), never a wrong answer.
-Rule 3: bounded: `MAX_ITEMS` leading messages per session; a request's conversation mark only for at most
-        `MAX_MESSAGES` messages.
+Why: sessions of one client in one folder share far more than a system prompt, and a conversation moves
+between slots in milliseconds, so a new session can start from a copy of the one it shares the most with
+(`paging.Seed`). A lead is a chain of digests over the leading messages (no text; unrendered `id` fields left
+out) with their cumulative lengths, bounded by `MAX_ITEMS`. Too high an estimate costs a save and a restore,
+never a wrong answer. docs/paging.md ("Seeds") explains when a seed is used.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Stable prefixes learned from traffic, for clients whose system prompt has no known marker.
 
-Why: a prefix checkpoint needs to know where the part every session shares ends. pi marks it (`\\n<cwd>`),
-most clients do not: Claude Code, OpenCode, Codex and Qwen Code put their per-session part (working
-directory, date, git status, environment block) wherever they like, or in a later message. Two sessions of
-one client show it anyway: their first system messages agree up to the first per-session byte.
-
-Rule 1: pure and private. Learned prefixes are kept, and persisted in the shared state, as a context digest
-        (role, tools, template kwargs), a length and a SHA-256 of the text: never the text. The sample texts
-        that learning compares live only in memory, bounded.
-Rule 2: learned only from two sessions: the longest common prefix of their first system/developer messages,
-        in the same context, cut back to the end of a line (a line break is a token boundary for every
-        tokenizer the server uses, so the cut never splits a token the real prompt would render), at least
-        `min_chars` long. A system message that two sessions send identically is its own stable prefix.
-Rule 3: a new session gets the longest learned prefix its system message starts with (checked by length and
-        digest), so several clients, and several projects of one client, each get theirs.
-Rule 4: bounded: `MAX_LEARNED` prefixes (the least recently seen forgotten first), `MAX_SAMPLES` distinct
-        sample texts per context, `MAX_CONTEXTS` contexts, and `MAX_SAMPLE_BYTES` of sample text in all (the
-        least recently observed text goes first), so 60 sessions with 8 MB system prompts cannot keep 60 × 8. A
-        system message past `MAX_TEXT_BYTES` (4 MB: a million tokens, more than any slot's context) is neither
-        compared nor kept.
-Rule 5: a text is kept once, with the sessions that sent it (`MAX_SENDERS` at most, the latest): a session that
-        sends a text seen before (a subagent started with its parent's system prompt) keeps that text, and so
-        its first sender, among the samples. Kept per session, a burst of subagents pushed their parent's
-        text out, and `sharers` no longer knew the one live conversation that held their family's part of the
-        prompt (its part was warmed up from the base checkpoint instead of copied).
+Why: a prefix checkpoint needs to know where the part every session shares ends, and most clients put their
+per-session part anywhere; two sessions of one client show it anyway. A prefix is learned from two sessions'
+first system messages in one context (their common prefix, cut back to a line end), kept as a digest and a
+length, never the text; the sample texts compared live only in memory, bounded in count and bytes, each kept
+once with its latest senders. docs/checkpoints.md explains the rules.
 """
 
 from __future__ import annotations

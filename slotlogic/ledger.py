@@ -107,6 +107,18 @@ class Promise:
     conversation: int          # the session's prompt tokens at its previous answer (0: none known)
     page_tokens: int | None    # the page it was paged in from, when it was
     placed_before: int = 0     # requests sent for the server to place before this one was pinned
+    undo: Undo | None = None   # what the pin wrote over, put back if its request leaves the slot unrun (`put_back`)
+
+
+@dataclass(frozen=True)
+class Undo:
+    """What a pin replaced: the slot's entry, the former owner's `gone` and the pinned session's `latest` before
+    it, and the epoch the pin wrote (nothing else wrote the slot while that is still the slot's)."""
+
+    entry: Entry
+    epoch: int
+    gone: Cause | None
+    latest: int | None
 
 
 @dataclass(frozen=True)
@@ -305,11 +317,12 @@ class Ledger:
         old = self.entry(slot)
         own = old.owner == key and old.holds in (Holds.SESSION, Holds.PREFIX, Holds.PAGE)
         promised = old.tokens if own else 0
+        undo = Undo(old, old.epoch + 1, self.gone.get(old.owner) if old.owner else None, self.latest.get(key))
         # a side call's home (`sidecalls.home`) owns what it leaves there, as a session does
         self.write(slot, Holds.SESSION, key, promised, (Cause.SIDE_CALL if paging else Cause.EVICTED) if side
                    else Cause.EVICTED)
         page = old.tokens if own and old.holds is Holds.PAGE else None
-        return Promise(slot, promised, self.conversations.get(key, 0), page, self.placed.sent)
+        return Promise(slot, promised, self.conversations.get(key, 0), page, self.placed.sent, undo)
 
     def settle(self, key: str, promise: Promise | None, slot: int | None, cache_n: int | None,
                prompt_n: int | None, extends: bool | None) -> Loss | None:
@@ -433,6 +446,30 @@ class Ledger:
         self._slots[slot] = e
         if slot >= self.total:
             self.total = min(slot + 1, MAX_SLOTS)
+
+
+def put_back(ledger: Ledger, promise: Promise | None, key: str) -> None:
+    """`key`'s request pinned by `promise` left its slot before it ran there (the wait moved it to another slot
+    or sent it with `id_slot: -1`): it wrote nothing there, so what the pin replaced is the slot's again, its
+    owner's conversation not gone (else the owner's next turn is placed as displaced and a prefix or page is
+    moved in over the conversation still there). Only while nothing else wrote the slot since the pin; the
+    epoch moves on all the same (a plan fenced by the pin's epoch is stale)."""
+    if promise is None or promise.undo is None:
+        return
+    undo, now = promise.undo, ledger.entry(promise.slot)
+    if now.epoch != undo.epoch or now.owner != key:
+        return
+    ledger._put(promise.slot, replace(undo.entry, epoch=now.epoch + 1))
+    owner = undo.entry.owner
+    if owner and owner != key:
+        if undo.gone is None:
+            ledger.gone.pop(owner, None)
+        else:
+            ledger.gone[owner] = undo.gone
+    if undo.latest is None:
+        ledger.latest.pop(key, None)
+    else:
+        ledger.latest[key] = undo.latest
 
 
 def found_empty(ledger: Ledger, slot: int, key: str, saved: int) -> bool | None:

@@ -1,32 +1,11 @@
 """What the loaded model lets the proxy reuse, decided from its GGUF header key/values.
 
-Why: llama-server can only roll a slot back to an earlier token if every layer still holds that token's
-state. Sliding-window (SWA) layers keep only the last `window` tokens, recurrent layers (Mamba, RWKV, the
-linear-attention halves of hybrids) keep one running state and nothing per token. For such models
-llama-server reuses a diverging prefix only from *context checkpoints* it keeps in RAM per slot, and an
-upstream slot file (`/slots/N?action=save|restore`) carries none of them: after a restore it logs "forcing
-full prompt re-processing due to lack of cache data" and prefills everything again (llama.cpp issues #25913,
-#27813). Prefix checkpoints and session pages are then disk writes that never pay back, so the proxy keeps
-them off and says which llama-server flag would change that. Builds that append the checkpoints to the
-file (PRs #20819/#26004 propose it; the Oct 2026 xllamacpp wheel does it) do resume:
-`file_has_checkpoints` recognises such a file from the size llama-server reports for it.
-
-Rule 1: pure and stdlib only. Input is the header's key/value mapping (`slotkeeper/drivers/gguf_io.read_metadata`
-        produces it); output is typed facts (`ModelFacts`), a typed verdict (`Reuse`) and log lines that
-        carry only names and numbers.
-Rule 2: mirror llama.cpp, not the model card. Which layers are SWA or recurrent is decided the way
-        llama.cpp decides it per architecture (src/llama-model.cpp `load_hparams`, src/models/<arch>.cpp
-        `load_arch_hparams`, src/llama-hparams.cpp `set_swa_pattern`, src/llama-arch.cpp
-        `llm_arch_is_recurrent`/`llm_arch_is_hybrid`): e.g. a `sliding_window` key on a `llama` or `qwen2`
-        model is ignored there, so it is ignored here.
-Rule 3: never raise on odd metadata. Missing or mistyped keys read as absent; a header without an
-        architecture gives `ReuseKind.UNKNOWN`, which changes nothing (`restore_helps` is True).
-
-Byte estimates follow llama.cpp's cache layout (src/llama-kv-cache.cpp): per token and attention layer,
-`n_head_kv × head_dim_k` K values plus `n_head_kv × head_dim_v` V values (no V for MLA models), each row
-`ggml_row_size(type, n)` bytes; SWA layers hold min(window, tokens) cells; recurrent layers one f32 state
-per sequence. A slot file (`llama_state_seq_save_file`) is that data for the saved tokens plus 4 bytes of
-token id and 12 bytes of cell metadata per token, and a few hundred bytes of headers.
+Why: sliding-window and recurrent layers cannot roll a slot back, and upstream slot files carry no context
+checkpoints, so for such models a restored slot file often prefills everything again; checkpoints and pages
+are then disk writes that never pay back. This module decides which kind of model is loaded (the way
+llama.cpp decides it per architecture, not from the model card) and estimates KV and slot-file bytes from
+llama.cpp's cache layout. Pure; odd metadata reads as absent, and an unknown model changes nothing.
+docs/model-capability.md has the layouts, the sources in llama.cpp and the measurements.
 """
 
 from __future__ import annotations
@@ -133,8 +112,6 @@ class Reuse:
 
     kind: ReuseKind
     flags_for_restore: tuple[str, ...] = ()   # llama-server flags that make a restored slot file resume
-    flags_for_reuse: tuple[str, ...] = ()     # flags that widen in-process prefix reuse
-    issues: tuple[str, ...] = ()              # upstream references that explain the limit
     restore_fixable: bool = True              # False: no flag makes slot files resume (needs upstream)
 
 
@@ -145,9 +122,7 @@ class ModelFacts:
     architecture: str = ""
     name: str = ""
     context_length: int = 0          # trained context (`<arch>.context_length`)
-    embedding_length: int = 0
     n_vocab: int = 0
-    head_count: int = 0              # attention heads of layer 0 (derives head dims when key_length is absent)
     kv_heads: tuple[int, ...] = ()   # KV heads per layer (0: no attention in that layer)
     head_dim_k: int = 0
     head_dim_v: int = 0
@@ -276,14 +251,9 @@ class ModelFacts:
         if self.architecture in NO_MEMORY_ARCHS:
             return Reuse(ReuseKind.NO_MEMORY, restore_fixable=False)
         if self.n_recurrent_layers or self.architecture in RECURRENT_ARCHS | HYBRID_ARCHS:
-            return Reuse(ReuseKind.CHECKPOINTS_ONLY,
-                         flags_for_reuse=(f"--ctx-checkpoints N (default {DEFAULT_CTX_CHECKPOINTS}, never 0)",
-                                          f"--checkpoint-min-step N (default {DEFAULT_CHECKPOINT_MIN_STEP})"),
-                         issues=("llama.cpp #25913", "#27813", "PR #20819", "PR #26004"),
-                         restore_fixable=False)
+            return Reuse(ReuseKind.CHECKPOINTS_ONLY, restore_fixable=False)
         if self.n_swa_layers:
-            return Reuse(ReuseKind.NEEDS_SWA_FULL, flags_for_restore=("--swa-full",),
-                         flags_for_reuse=("--swa-full",), issues=("llama.cpp PR #13194", "#25913"))
+            return Reuse(ReuseKind.NEEDS_SWA_FULL, flags_for_restore=("--swa-full",))
         return Reuse(ReuseKind.FULL)
 
     def restore_helps(self, swa_full: bool | None = None, checkpoints_in_files: bool | None = None) -> bool:
@@ -386,10 +356,9 @@ def _from_metadata(meta: Mapping[str, Any]) -> ModelFacts:
 
     return ModelFacts(
         architecture=arch, name=meta.get("general.name") if isinstance(meta.get("general.name"), str) else "",
-        context_length=_int(key("context_length")), embedding_length=n_embd, n_vocab=n_vocab,
-        head_count=n_head0, kv_heads=tuple(kv), head_dim_k=dk, head_dim_v=dv, head_dim_k_swa=dk_swa,
-        head_dim_v_swa=dv_swa, mla=mla, window=window, chunked=chunked, swa=tuple(swa),
-        recurrent=tuple(recurrent), has_kv=tuple(has_kv),
+        context_length=_int(key("context_length")), n_vocab=n_vocab, kv_heads=tuple(kv), head_dim_k=dk,
+        head_dim_v=dv, head_dim_k_swa=dk_swa, head_dim_v_swa=dv_swa, mla=mla, window=window, chunked=chunked,
+        swa=tuple(swa), recurrent=tuple(recurrent), has_kv=tuple(has_kv),
         recurrent_state_floats=_recurrent_state_floats(arch, meta, n_embd, n_head0) if any(recurrent) else 0,
         mrope=arch in _MROPE_ARCHS, modelled=modelled and arch != "deepseek4")
 

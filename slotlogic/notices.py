@@ -1,23 +1,10 @@
 """Claim notices: what one proxy tells the others, at once, when it claims a slot of a server they share.
 
-Several proxies on one Redis store learn about each other's use of a slot from the store's newest claim,
-which the background flush reads every half second at best; meanwhile a session whose slot another proxy
-took goes back there from memory (the hot path) and prefills its whole conversation again. So every
-transaction that changes a slot's owner also publishes one notice per change (`changes`), and every proxy
-marks the session of its own that believed it held that slot as displaced the moment the notice arrives
-(`slotlogic.table.SessionTable.claimed_elsewhere`): its next request is placed again, and paged back in.
-
-Rule 1: pure. The driver (`slotkeeper/drivers/store_redis.py`) diffs, encodes, publishes and subscribes; this module
-        only says what changed and what a notice means.
-Rule 2: no prompt text can travel: a notice holds a slot number, two session keys (digests), the sending
-        process's random id and a time. A payload that is not exactly that shape is dropped, never raised on.
-Rule 3: a notice only ever makes a session take the slow path once more (placed again, paged in); a late,
-        repeated or spurious one costs a placement, never a wrong answer.
-
-Two moments send one: the claim (the transaction that gives the slot away), and the send (`sent`: the
-claimant's request has reached the server, under the slot's paging lock shared by the proxies). Claims and
-sends may come in different orders when two proxies page one slot (the second claim's pager may get the lock
-first); llama-server runs a slot's work in the order it arrives, so the send says who is on top.
+Why: without them a proxy learns of another's claim only at its next flush, and meanwhile sends a session back
+to a slot that no longer holds its conversation. A notice is sent at the claim and at the send (the request
+reached the slot, which says whose conversation is on top); it holds a slot, two session digests, a process
+id and a time, never text, and any other shape is dropped. A late or spurious notice costs one placement,
+never a wrong answer. Pure: the Redis driver publishes and subscribes. See docs/scale-out.md.
 """
 
 from __future__ import annotations

@@ -25,6 +25,11 @@ def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def integer(v: Any) -> int | None:
+    """`v` when it is an int (not a bool); None otherwise."""
+    return v if is_int(v) else None
+
+
 def count(v: Any, top: int = MAX_COUNT) -> int | None:
     """A count (tokens, bytes): an int in [0, top]; None otherwise."""
     return v if is_int(v) and 0 <= v <= top else None

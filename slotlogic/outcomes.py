@@ -191,9 +191,7 @@ class Outcomes:
     def queued_behind(self, slot: int, key: str) -> bool:
         """A request the server placed on `slot` ran there while another session's request pinned there was
         still open (it ran first: the server places a request only on an idle slot): that request runs after
-        it, so the slot holds the other session's conversation, not `key`'s (bench agents under `affinity`: a
-        session learned a slot a known session's turn was queued for, and its next turn lost 355 tokens there,
-        `unknown`)."""
+        it, so the slot holds the other session's conversation, not `key`'s."""
         running = self.table.running.get(slot)
         return running is not None and running != key
 

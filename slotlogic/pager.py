@@ -305,9 +305,8 @@ class Pager:
         holder = self.table.dispatched.get(view.id) or view.owner
         prefix = view.prefix
         if view.owner in self.table.sessions and view.owner != holder:
-            # a claim of ours whose request has not gone out: the slot still holds what was sent there last
-            # (bench subagents seed 7: a sibling's claim named the family prefix over another family's
-            # conversation, and 177 tokens were prefilled beside the sibling that was computing them)
+            # a claim of ours whose request has not gone out: the slot still holds what was sent there last,
+            # not the prefix the claim names
             prefix = self.table.sessions[holder].prefix if holder in self.table.sessions else None
         # Two unknown prefixes are no match: a session displaced from its slot with no signature, finding
         # another client's conversation with none either, would take it for "holding its prefix", skip the

@@ -1,29 +1,12 @@
 """Session paging: a session's whole conversation leaves its slot as a file and comes back the same way.
 
-Why: 6 agent sessions and their subagents on 4 slots must share slots, and pinning alone can only choose
-*whose* conversation is overwritten; the evicted session then prefills its whole conversation again
-(seconds to minutes). llama-server can write a slot's KV cache to a file and read it back into any idle
-slot (`POST /slots/{id}?action=save|restore`): on SmolLM2, 1,353 tokens took 15 ms to save and 8 ms to
-restore, against 8.3 s to prefill. So before a slot is handed to another session, its holder is *paged
-out*; when a session comes back to a slot that no longer holds its conversation, it is *paged in*.
-
-Rule 1: pure. `holder_of` says whose conversation a slot holds, `plan` which file to save and which to
-        restore; the driver (`slotkeeper/drivers/pager.py`) performs the calls under the slot's lock, deciding only
-        once it holds the lock (what ran on the slot before is settled then), and records the outcome
-        with `saved` in the page index (in the shared state file).
-Rule 2: never a wrong answer. A restored file only sets what the slot holds: llama-server still compares
-        the request's tokens with the restored ones and reuses just the common prefix. A stale or foreign
-        file therefore costs prefill, never correctness; only a file from another model, build or server
-        configuration could mislead, so a page is restored only when its identity (`ServerInfo.page_identity`:
-        model path, file size and mtime, build, per-slot n_ctx, slot count, `slots_server_id`) matches the
-        running server, and the restore is checked afterwards (`restore_checked`, `doubtful`).
-Rule 3: bounded, at every moment. `max_bytes` bounds every page file in the save dir: ours, other servers'
-        and proxies' sharing it, orphans, replaced pages waiting for their deletion (`disk_room`). Room is made
-        before a save is sent (its size estimated) and again once it is written; the least recently saved go
-        first, whoever wrote them. Pages of sessions the state forgets are deleted with them.
-Rule 4: recorded before written. A page is entered in the index (`intent`, not restorable yet) before its
-        save is sent, so a process killed between the save and its record leaves no file the state does
-        not know; the record becomes restorable only with the save's answer (`saved`).
+Why: sessions that outnumber slots must share them, and pinning only chooses whose conversation is
+overwritten; a slot save and restore brings it back in milliseconds instead of a prefill of seconds to
+minutes. Pure: `holder_of` says whose conversation a slot holds, `plan` what to save and restore; the driver
+performs it under the slot's lock. A restore only sets what the slot holds (llama-server still reuses just the
+common prefix), so a stale page costs prefill, never correctness; pages are restored only under the identity
+that wrote them, bounded on disk at every moment, and recorded before they are written.
+docs/paging.md explains each rule.
 """
 
 from __future__ import annotations
@@ -173,7 +156,7 @@ class PagePlan:
 
 def restorable(rec: PageRecord | None, identity: str, min_tokens: int = MIN_TOKENS) -> bool:
     """A page that can stand for its conversation here: written under this model, build and KV layout
-    (`identity`, `model_id`), and long enough to be worth a restore (the one rule for pages, seeds and routing)."""
+    (`identity`), and long enough to be worth a restore (the one rule for pages, seeds and routing)."""
     return rec is not None and rec.model == identity and rec.n_tokens >= min_tokens
 
 
@@ -182,10 +165,6 @@ def page_file(upstream: str, session_key: str, salt: str = "") -> str:
     servers that share one save directory, and, with a salt unique to the save, never a file that two
     processes write at once (each save writes its own file, which only its own record names)."""
     return "page-" + hashlib.sha256(f"{upstream}\n{session_key}\n{salt}".encode()).hexdigest()[:20] + ".bin"
-
-
-def model_id(props: Mapping[str, object]) -> str:
-    return f"{props.get('model_path')}|{props.get('build_info')}"
 
 
 class Moved(Enum):

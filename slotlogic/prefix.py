@@ -1,15 +1,9 @@
 """The stable prefix every session of one agent shares, and the fingerprint that names its checkpoint.
 
-Stable prefix (docs/checkpoints.md): the first `system`/`developer` message up to the
-earliest marker that starts the per-window part — newer pi puts `\\n<cwd>` there, pi 0.58 puts
-`\\nCurrent date: …` then `\\nCurrent working directory: …` — with trailing whitespace stripped; together
-with `tools` and `chat_template_kwargs`, which the chat template renders into the same prefix. No marker:
-no stable prefix (the caller logs once and uses no checkpoint: fail open).
-
-Fingerprint: SHA-256 over canonical JSON (sorted keys, array order kept) of a format tag, the model's
-identity (`/props` model_path, plus size and mtime when that file exists locally), the server's identity
-(`build_info` and the operator's `slots_server_id`), the addon version, tools, template kwargs and the
-prefix text. A change to any of them names a different file, so a stale checkpoint is never restored.
+The prefix is the first system/developer message up to the earliest per-window marker, with the tools and
+template kwargs the chat template renders into it; no marker, no prefix (fail open). The fingerprint hashes
+everything that could make a checkpoint stale (model, server build, addon version, tools, kwargs, text), so a
+stale one is never restored. docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Two proxy processes, one slot: which of this process's sessions to place again, decided off the hot path.
 
-Why: a known session's request is answered from this process's memory, so a process never learns that a
-session of another process (sharing the state file) was placed onto its session's slot. That placement is
-right when every slot is claimed, but the slot that made it so may free up a moment later (a one-shot
-request ends, a session is released), and then two live sessions keep evicting each other on one slot while
-another stands empty, for as long as both live.
-
-Rule 1: pure, and never on the hot path. The driver calls `misplaced` from its background flush, with the
-        state as just written (or read); the result only marks sessions in memory (`SessionTable.misplace`),
-        so their *next* request takes the slow path and is placed again (a free slot wins the ranking).
-Rule 2: exactly one side moves, without talking to the other process: among the live sessions on one slot,
-        the one claimed first stays; every later one is *misplaced*, and only the process that holds a
-        misplaced session marks it. Ties fall to the session key, so both processes agree.
-Rule 3: only while a slot is free (no live session on it, no live claim, not the reserved side-call slot in
-        use): with every slot claimed, sharing is the least bad choice the ranking already made.
+Why: a process answers its known sessions from memory, so it never learns that another process placed a
+session on the same slot; once a slot frees up, the two would keep evicting each other. From the background
+flush, `misplaced` marks every live session claimed later than the first on a shared slot, only while a slot
+is free; ties fall to the session key, so both processes agree without talking, and a marked session is just
+placed again on its next request. docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -129,6 +129,14 @@ class ServerFacts:
             self.server, self.total_slots = info, info.total_slots
         return changed
 
+    def _taught(self, total: int) -> dict[int, Entry]:
+        """Before the first `/props` of this server, the slots whose answers named them (requests sent with
+        `id_slot: -1` while it could not be asked) and hold their session's conversation: sizing the ledger
+        keeps them, else each of those sessions is placed anew beside its own conversation. (A restart the
+        `/props` shows is handled as any restart.)"""
+        return {s: e for s in range(min(self.ledger.total, total))
+                if (e := self.ledger.entry(s)).owner and self.ledger.conversation_on(s) == e.owner}
+
     def note_server(self, state: shared.ServerState, info: ServerInfo,
                     live: Sequence[Mapping[str, Any]] | None = None, *, me: str | None = None,
                     now: float | None = None) -> list[Event]:
@@ -153,7 +161,10 @@ class ServerFacts:
             events.append(PoolResized(self.upstream, info.total_slots))
             self.table.forget_all()
         if change.resized or (self.ledger.total != min(info.total_slots, MAX_LEDGER) and not change.restarted):
+            taught = self._taught(info.total_slots) if self.server is None and not change.resized else {}
             self.ledger.resize(info.total_slots, Cause.MODEL_CHANGE if change.resized else None)
+            for slot, e in taught.items():
+                self.ledger.write(slot, e.holds, e.owner, e.tokens)
         self.server = info
         self.total_slots = info.total_slots
         return events

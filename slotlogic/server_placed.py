@@ -1,17 +1,10 @@
 """Requests the proxy sent for llama-server to place (`id_slot: -1`), and whether it learned where they ran.
 
-Why: under `slots_policy=affinity` a new session's first request goes with `id_slot: -1`. When its answer never
-says which slot ran it, it may have overwritten any idle slot, so a conversation later found short with no other
-recorded cause is blamed on it (`unpinned`). Only on a request that could have done it, though: one numbered
-before the short request was pinned, and answered without its slot being learned after the short session's
-previous answer. A request whose slot was learned is accounted on the slot it ran on (`Ledger.ran_unpinned`),
-and one still running when the short request is answered runs on another slot (a slot runs one request at a
-time), so neither is blamed, and a fault of another kind in the same window stays `unknown`.
-
-Rule 1: pure; numbers in, a yes or no out.
-Rule 2: bounded: at most `CAP` open and `CAP` unlearned requests are remembered, the oldest forgotten first.
-        A forgotten unlearned answer is still blamed (`blamed` answers yes for any window that reaches back
-        past it), so forgetting never turns a loss it could explain into `unknown`.
+Why: such a request whose answer never names its slot may have overwritten any idle slot, so a conversation
+later found short with no other cause is blamed on it (`unpinned`), but only on one that could have done it:
+sent before the short request, and answered unlearned after the short session's previous answer. Pure and
+bounded (`CAP` open and `CAP` unlearned); a forgotten unlearned answer is still blamed, so forgetting never
+turns an explained loss into `unknown`. docs/ledger.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""Who sent this request: the session key (docs/clients.md).
+"""Who sent this request: the session key, from a header, then the body's ids, then the content.
 
-Sources, most to least reliable:
-1. a header from a configurable list (Claude Code, pi with affinity headers, OpenCode, …);
-2. the body: `metadata.user_id` (JSON with `session_id`, or the legacy `…_session_<uuid>` form),
-   `prompt_cache_key` / `promptCacheKey`, `user`;
-3. the content. Chat-like bodies: the *conversation root* = leading system/developer messages + tools +
-   the first user message. Two windows of one project share the system prompt but not the first user
-   message; a subagent starts a fresh conversation and so is its own session. Clients that open every
-   conversation with the same scripted exchange (Qwen Code: an environment message and a canned reply)
-   give all their sessions one root: `Threads` tells those apart by their user messages. Prompt-like bodies
-   (`/completion`, `/infill`): the *continuation rule* (this prompt extends the last prompt a known
-   session sent), else the prompt itself starts a new session.
-
-Keys are SHA-256 digests (16 hex): no prompt text or raw header value is ever stored or logged.
-The same module computes the *prefix signature* (system prompt + tools) that lets the slot chooser
-prefer a slot already holding the same shared prefix.
+The content rule keys a chat body by its conversation root (system prompt, tools, first user message), told
+apart by user messages where a client opens every conversation alike (`Threads`), and a raw prompt by the
+continuation rule. Keys are SHA-256 digests: no prompt text or raw header value is ever stored or logged.
+The prefix signature (system prompt + tools) lets the slot chooser prefer a slot holding the same prefix.
+docs/behaviour.md ("Sessions") and docs/clients.md say what each client sends.
 """
 
 from __future__ import annotations

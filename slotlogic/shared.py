@@ -1,24 +1,14 @@
-"""What every proxy process shares about one llama-server's slot space: the state file's content, as data.
+"""What every proxy process shares about one llama-server's slot space: the state document's content, as data.
 
-Rule 1: pure. The driver (`slotkeeper/drivers/store_file.py`) reads the JSON under a file lock, calls these
-        functions and writes the result back atomically; nothing here touches a file or a clock.
-Rule 2: tolerant. A state file written by another version, or damaged by hand, yields the parts that
-        make sense and drops the rest; it never raises.
-
-Two maps, both keyed so that any proxy process sharing the file can act on them:
-- slots:    slot id → the newest claim (`last_used`, `owner` session, the owner's request count and the
-            prefix signature of the content pinned there);
-- sessions: session key → the slot it was given, so a restarted proxy keeps its sessions on their slots.
-A session *owns* its slot while the slot's newest claim is its own. When another session takes the slot
-(after the TTL), the old session's entry remains, and on its return it sees it lost the slot and gets a
-new one through the ranking.
-
-The in-memory side of the same facts is `slotlogic.table.SessionTable`: the hot path reads it, never this.
+Pure: the stores read and write it under their lock. Tolerant: a document written by another version or
+another tool yields the parts that make sense, every value range-checked, and never raises. Two maps: `slots`
+(each slot's newest claim) and `sessions` (each session's slot, so a restarted proxy keeps its sessions); a
+session owns its slot while the newest claim is its own. The hot path reads `slotlogic.table.SessionTable`,
+never this.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,7 +16,7 @@ from typing import Any
 from slotlogic import handover
 from slotlogic.handover import Handover
 from slotlogic.learned_prefix import MAX_LEARNED, Learned
-from slotlogic.numbers import MAX_SLOTS
+from slotlogic.numbers import MAX_SLOTS, count, integer, real
 from slotlogic.paging import FILE_RE as PAGE_FILE_RE
 from slotlogic.paging import PageRecord
 from slotlogic.ranking import SlotView
@@ -34,10 +24,7 @@ from slotlogic.server import ServerInfo
 from slotlogic.table import Assignment, SessionTable
 
 FORMAT_VERSION = 1
-# The most slots a shared state may speak of. Only `/props` says how many slots a server has; a count or a slot
-# id in the state (a file or Redis key any local process can write) is a hint for the hash fallback at most,
-# never the size of anything built. Beyond this it is junk and dropped (llama-server's own slot counts are a
-# few dozen at most in practice: each slot is a KV cache of its own). `MAX_SLOTS` is `slotlogic.numbers`'.
+# Only `/props` sizes anything: a slot count or id in the state is a hint at most, dropped past `MAX_SLOTS`.
 MAX_MARKER = 128  # a media_marker longer than this read from the store is not one
 
 
@@ -106,22 +93,6 @@ class ServerState:
 # (de)serialisation
 
 
-def _num(v: Any) -> float | None:
-    """A finite number (JSON from outside may say NaN or Infinity, which no comparison orders)."""
-    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-    return float(v) if ok else None
-
-
-def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
-def _count(v: Any, top: int) -> int | None:
-    """An integer in 0..top (a size, a count): anything else read from the store is not one of ours."""
-    n = _int(v)
-    return n if n is not None and 0 <= n <= top else None
-
-
 def _str(v: Any, longest: int = MAX_KEY) -> str | None:
     return v if isinstance(v, str) and len(v) <= longest else None
 
@@ -134,8 +105,7 @@ class Clock:
     latest: float = MAX_TIME
 
     def time(self, v: Any) -> float | None:
-        t = _num(v)
-        return t if t is not None and 0.0 <= t <= self.latest else None
+        return real(v, 0.0, self.latest)
 
 
 def from_dict(data: Any, upstream: str, now: float | None = None) -> ServerState:
@@ -148,9 +118,9 @@ def from_dict(data: Any, upstream: str, now: float | None = None) -> ServerState
     st.media_marker = _str(data.get("media_marker"), MAX_MARKER)
     marker = _str(data.get("idle_clearing"), MAX_MARKER)
     st.idle_clearing = marker or None
-    total = _int(data.get("total_slots"))
+    total = integer(data.get("total_slots"))
     st.total_slots = total if total and 0 < total <= MAX_SLOTS else None
-    st.n_ctx = _count(data.get("n_ctx"), MAX_TOKENS) or None
+    st.n_ctx = count(data.get("n_ctx"), MAX_TOKENS) or None
     _read_slots(st, data.get("slots"), clock)
     _read_sessions(st, data.get("sessions"), clock)
     _read_pages(st, data.get("pages"), clock)
@@ -162,7 +132,7 @@ def _read_slots(st: ServerState, slots: Any, clock: Clock) -> None:
     if not isinstance(slots, dict):
         return
     for k, v in list(slots.items())[:MAX_SLOTS]:
-        sid = _int(int(k)) if isinstance(k, str) and k.isdigit() and len(k) < 6 else None
+        sid = integer(int(k)) if isinstance(k, str) and k.isdigit() and len(k) < 6 else None
         if not isinstance(v, dict) or sid is None or not 0 <= sid < MAX_SLOTS:
             continue
         used = clock.time(v.get("last_used"))
@@ -170,8 +140,8 @@ def _read_slots(st: ServerState, slots: Any, clock: Clock) -> None:
             continue
         proxy = v.get("proxy")
         st.slots[sid] = SlotRecord(last_used=used, owner=_str(v.get("owner")),
-                                   requests=_count(v.get("requests"), MAX_REQUESTS) or 0, prefix=_str(v.get("prefix")),
-                                   epoch=_count(v.get("epoch"), MAX_EPOCH - 1) or 0,
+                                   requests=count(v.get("requests"), MAX_REQUESTS) or 0, prefix=_str(v.get("prefix")),
+                                   epoch=count(v.get("epoch"), MAX_EPOCH - 1) or 0,
                                    proxy=proxy if handover.valid_id(proxy) else None)
 
 
@@ -181,10 +151,10 @@ def _read_sessions(st: ServerState, sessions: Any, clock: Clock) -> None:
     for k, v in sessions.items():
         if not isinstance(k, str) or len(k) > MAX_KEY or not isinstance(v, dict):
             continue
-        slot, used = _int(v.get("slot")), clock.time(v.get("last_used"))
+        slot, used = integer(v.get("slot")), clock.time(v.get("last_used"))
         if slot is None or not 0 <= slot < MAX_SLOTS or used is None:
             continue
-        st.sessions[k] = SessionRecord(slot=slot, last_used=used, requests=_count(v.get("requests"), MAX_REQUESTS) or 0,
+        st.sessions[k] = SessionRecord(slot=slot, last_used=used, requests=count(v.get("requests"), MAX_REQUESTS) or 0,
                                        prefix=_str(v.get("prefix")), claimed=clock.time(v.get("claimed")))
     if len(st.sessions) > MAX_READ_SESSIONS:  # more than any proxy keeps: the most recent, the rest is not ours
         newest = sorted(st.sessions.items(), key=lambda kv: kv[1].last_used, reverse=True)[:MAX_READ_SESSIONS]
@@ -199,8 +169,8 @@ def _read_pages(st: ServerState, pages: Any, clock: Clock) -> None:
     for k, v in pages.items():
         if not isinstance(k, str) or len(k) > MAX_KEY or not isinstance(v, dict):
             continue
-        file, n, saved = _str(v.get("file")), _count(v.get("n_tokens"), MAX_TOKENS), clock.time(v.get("saved"))
-        size = _count(v.get("bytes", 0), MAX_PAGE_BYTES)
+        file, n, saved = _str(v.get("file")), count(v.get("n_tokens"), MAX_TOKENS), clock.time(v.get("saved"))
+        size = count(v.get("bytes", 0), MAX_PAGE_BYTES)
         if file is None or not PAGE_FILE_RE.match(file) or n is None or saved is None or size is None:
             continue
         st.pages[k] = PageRecord(file=file, n_tokens=n, saved=saved, bytes=size,
@@ -211,7 +181,7 @@ def _read_others(st: ServerState, data: dict[str, Any], clock: Clock) -> None:
     handovers = data.get("handovers")
     if isinstance(handovers, list):
         for v in handovers[:handover.MAX_HANDOVERS]:
-            sid = _int(v.get("slot")) if isinstance(v, dict) else None
+            sid = integer(v.get("slot")) if isinstance(v, dict) else None
             h = handover.from_dict(sid, v) if sid is not None and 0 <= sid < MAX_SLOTS else None
             if h is not None:
                 st.handovers[(h.slot, h.taker)] = h
@@ -237,7 +207,7 @@ def _read_others(st: ServerState, data: dict[str, Any], clock: Clock) -> None:
         for v in prefixes[:MAX_LEARNED]:
             if not isinstance(v, dict):
                 continue
-            ctx, n, dig, seen = (_str(v.get("context")), _count(v.get("length"), MAX_TOKENS), _str(v.get("digest")),
+            ctx, n, dig, seen = (_str(v.get("context")), count(v.get("length"), MAX_TOKENS), _str(v.get("digest")),
                                  clock.time(v.get("last_seen")))
             if ctx and n and dig and len(dig) == 64 and seen is not None:
                 st.prefixes.append(Learned(ctx, n, dig, seen))
@@ -475,7 +445,7 @@ def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
     placement of this process has chosen and not yet sent its request to: busy, as they soon are."""
     by_id: dict[int, dict[str, Any]] = {}
     for entry in live or []:
-        sid = _int(entry.get("id")) if isinstance(entry, dict) else None
+        sid = integer(entry.get("id")) if isinstance(entry, dict) else None
         if sid is not None:
             by_id[sid] = entry
     sessions = local.sessions if local is not None else {}
@@ -499,7 +469,7 @@ def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
                               requests=max(rec.requests, mine.requests))
             else:
                 mine = None
-        n_tokens = _int(entry.get("n_prompt_tokens"))
+        n_tokens = integer(entry.get("n_prompt_tokens"))
         if live is not None and entry and n_tokens is None:
             n_tokens = 0  # a slot that never ran a task lists no counters: it is empty
         out.append(SlotView(

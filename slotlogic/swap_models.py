@@ -1,18 +1,10 @@
 """Which models behind a llama-swap get a server of their own, and which of those to forget.
 
-Why: behind llama-swap each model is its own llama-server (`/upstream/<model>/`), named by the request body's
-`model`, a value any client chooses. One upstream per name would let a client grow the proxy without bound
-(unbounded, a thousand model names made a thousand upstreams and state files, and kept a core busy while idle).
-
-Rule 1: pure. The driver (`slotkeeper/drivers/pool.py`) asks llama-swap's `GET /v1/models` (the models its config lists;
-        llama-swap's own handler leaves out `unlisted` ones, and lists aliases only with `includeAliasesInList`)
-        and `GET /running` (the loaded ones), and hands the answers here.
-Rule 2: only a listed (or running) model gets an upstream; any other request passes through untouched,
-        unpinned. The list is asked again at most every `REFRESH_SECONDS` when an unknown name comes, so a
-        flood of names costs one look-up per interval, and a model added to llama-swap's config is seen soon.
-Rule 3: bounded: at most `max_models` model upstreams per llama-swap; one that had no request for
-        `IDLE_SECONDS` and has none in flight is forgotten (its state stays in the state file, so its sessions
-        resume their slots when they come back); past the cap the least recently used idle one goes first.
+Why: the model is named by the request body, any client's choice, and one upstream per name would let a client
+grow the proxy without bound. So only a model llama-swap lists (or runs) gets an upstream, the list is asked
+again at most every `REFRESH_SECONDS`, at most `max_models` are kept and an idle one is forgotten (its state
+stays, so its sessions resume). Any other request passes through unpinned. Pure: the pool driver asks
+llama-swap. docs/scale-out.md ("llama-swap").
 """
 
 from __future__ import annotations

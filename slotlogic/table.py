@@ -1,19 +1,12 @@
 """This process's sessions on one server, in memory: the hot path is a lookup here.
 
-Rule 1: pure; the clock is passed in.
-Rule 2: a live entry (used within the TTL, not displaced) answers a known session's request with no I/O.
-        Its `last_used` touches collect in `dirty` and the driver flushes them to the shared state at most
-        every few seconds.
-Rule 3: bounded. At most `max_sessions` entries: when a new one would pass the cap, the least recently used
-        go (expired ones first, as they are older); a forgotten session is placed again on its next request,
-        through the state file (which keeps its claim), so forgetting costs a look-up, never a wrong slot.
+Pure, the clock passed in. A live entry answers its session with no I/O; its touches collect in `dirty` for
+the driver's periodic flush. At most `max_sessions` entries, least recently used (expired first) forgotten: a
+forgotten session is placed again through the shared state, which keeps its claim.
 
-Three slot maps follow three moments of a request, because llama-server runs a slot's work in arrival order
-and a request pinned to a busy slot waits:
-- `running`:    slot -> the session whose request was assigned there last (set when the slot is chosen);
-- `dispatched`: slot -> the session whose request left the proxy for it last (for a side call its home,
-                `sidecalls.home`); what a save on that slot would write;
-- `holders`:    slot -> the session whose answer completed there last: the conversation the slot holds.
+Three slot maps follow a request's three moments, since llama-server runs a slot's work in arrival order:
+`running` (assigned there last), `dispatched` (left the proxy for it last: what a save would write; a side
+call's home) and `holders` (answered there last: the conversation the slot holds).
 """
 
 from __future__ import annotations
@@ -196,22 +189,15 @@ class SessionTable:
     def forget_all(self, keep: Collection[str] = ()) -> None:
         """After a restart or resize: re-choose every session on its next request (but those in `keep`, whose
         slots hold what they left there since)."""
-        if keep:
-            for key in [k for k in self.sessions if k not in keep]:
-                self.forget(key)
-            for where in (self.holders, self.running, self.dispatched):
-                for slot in [s for s, k in where.items() if k not in keep]:
-                    del where[slot]
-            self.misplaced.clear()
-            self.foreign.clear()
-            return
-        self.sessions.clear()
-        self.dirty.clear()
+        for key in [k for k in self.sessions if k not in keep]:
+            self.forget(key)
+        for where in (self.holders, self.running, self.dispatched):
+            for slot in [s for s, k in where.items() if k not in keep]:
+                del where[slot]
         self.misplaced.clear()
         self.foreign.clear()
-        self.holders.clear()
-        self.running.clear()
-        self.dispatched.clear()
+        if not keep:
+            self.dirty.clear()
 
     def readmit(self, key: str, a: Assignment) -> None:
         """A session the restart's bookkeeping forgot whose slot still holds its conversation after all: known

@@ -264,7 +264,7 @@ class Turns:
 
     def unpin(self, ticket: Ticket, why: wait.WaitWhy, holder: str | None) -> Ticket:
         """The request goes out with `id_slot: -1` after its wait (`slotlogic.wait.unpin`): its new ticket."""
-        return wait.unpin(ticket, why, holder, self.table)
+        return wait.unpin(ticket, why, holder, self.table, self.ledger)
 
     def free_slot(self, avoid: int, busy: Collection[int]) -> int | None:
         """A slot a held request may move to without writing over anything promised (`slotlogic.wait.free_slot`);

@@ -1,19 +1,9 @@
 """Remove llama-server's `__verbose` member from an answer, byte for byte, so the client gets what it would
-have got without `"verbose": true`.
+have got without `"verbose": true` (which affinity adds to learn the slot: docs/llama-server.md).
 
-Why: the OpenAI-style routes do not say which slot ran a request; with `"verbose": true` llama-server adds
-`"__verbose": {…}` (its native final answer, with `id_slot`) to the JSON answer, and to the last data event
-of a chat stream (to every event of a `/v1/completions` stream) — see docs/llama-server.md. The proxy adds
-that field only to a pending request under `slots_policy=affinity` (`slotlogic.affinity`) and strips the
-member again here.
-
-Rule 1: every other byte stays as it was (no re-serialising: the same rule as the request rewrite).
-Rule 2: a stream is never held back: bytes before a `"__verbose":` key go out at once; only the member itself
-        (which is dropped anyway) and at most the last 12 bytes of an unfinished line (a key may be split
-        across two chunks) wait for the next chunk.
-Rule 3: anything unexpected leaves the bytes unchanged (a stray `__verbose` reaches the client: harmless).
-
-`"__verbose":` can only occur as a structural key: inside a JSON string its quotes are escaped.
+Every other byte stays as it was; a stream is never held back beyond the member itself and the last 12 bytes
+of an unfinished line (a key split across chunks); anything unexpected leaves the bytes unchanged. The key can
+only occur as a structural key: inside a JSON string its quotes are escaped.
 """
 
 from __future__ import annotations

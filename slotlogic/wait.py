@@ -22,7 +22,7 @@ from enum import Enum
 
 from slotlogic import rewrite, scheduler
 from slotlogic.decisions import Observe, Ticket
-from slotlogic.ledger import MAX_SLOTS, Holds, Ledger
+from slotlogic.ledger import MAX_SLOTS, Holds, Ledger, put_back
 from slotlogic.reasons import Unpinned, Why
 from slotlogic.scheduler import Action
 from slotlogic.table import SessionTable
@@ -188,12 +188,12 @@ def body_with_slot(raw: bytes, slot: int = -1) -> bytes | None:
     return rewrite.set_fields(raw, rewrite.Rewrite(body=out, slot=slot, changed=True, client_slot_kept=False))
 
 
-def unpin(ticket: Ticket, why: WaitWhy, holder: str | None, table: SessionTable) -> Ticket:
+def unpin(ticket: Ticket, why: WaitWhy, holder: str | None, table: SessionTable, ledger: Ledger) -> Ticket:
     """The bookkeeping of a pinned request that goes out with `id_slot: -1` after all, and the ticket it goes
     with. The slot's last dispatch is its `holder`'s again (the request ahead, None unknown);
     the session stays where it was (its conversation is still on that slot), and its answer says where the
     server ran it."""
-    _leave(ticket, holder, table)
+    _leave(ticket, holder, table, ledger)
     return replace(ticket, slot=None, why=None, paged_in=False, seeded=False, promise=None,
                    unpinned=Unpinned.WAIT_BOUND if why is WaitWhy.BOUND else Unpinned.SIDE_BUSY)
 
@@ -212,7 +212,7 @@ def move(ticket: Ticket, slot: int, why: WaitWhy, holder: str | None, ledger: Le
     table say where it runs now, so nothing promised to anyone else is on `slot` and its session (not a side
     call) is at home there."""
     key, side = ticket.session.key, ticket.why is Why.SIDE_CALL
-    _leave(ticket, holder, table)
+    _leave(ticket, holder, table, ledger)
     promise = ledger.pin(slot, key, side=side, paging=paging)
     table.dispatch(key, slot)
     known = table.sessions.get(key)
@@ -222,12 +222,14 @@ def move(ticket: Ticket, slot: int, why: WaitWhy, holder: str | None, ledger: Le
     return replace(ticket, slot=slot, promise=promise, why=held, paged_in=False, seeded=False, displaced=False)
 
 
-def _leave(ticket: Ticket, holder: str | None, table: SessionTable) -> None:
+def _leave(ticket: Ticket, holder: str | None, table: SessionTable, ledger: Ledger) -> None:
     """A held request leaves the slot it was pinned to: the slot's last dispatch, and what runs there, are its
-    `holder`'s again (the request ahead, None unknown)."""
+    `holder`'s again (the request ahead, None unknown), and the slot's ledger entry what it was before the pin
+    (`ledger.put_back`: the request wrote nothing there)."""
     slot, key = ticket.slot, ticket.session.key
     if slot is None:
         return
+    put_back(ledger, ticket.promise, key)
     for marks, mine in ((table.dispatched, (key, "")), (table.running, (key,))):
         if marks.get(slot) in mine:
             if holder is None:

@@ -1,32 +1,11 @@
 """While a request waits for its first byte: what llama-server's `/slots` says about it, and when to end it.
 
-A request can sit silent for minutes: queued behind another request on its slot (llama-server defers a
-request pinned to a busy slot, and a stream gets no headers until its slot starts), prefilling a long
-prompt, or stuck (a wedged server loop, an HTTP layer that never handed it over). The driver
-(`slotkeeper/drivers/watcher.py`) polls `/slots` every `interval` seconds while the first byte has not come, and this
-module says which of those it is, so the log and the status view can tell the user.
-
-Rule 1: pure; the clock is passed in with every call (the driver's monotonic clock).
-Rule 2: a poll that times out is no verdict: `/slots` hangs while a slot evaluates a big prompt
-        (docs/llama-server.md), so it reads as BUSY, and BUSY is activity.
-Rule 3: only a server that answers, with every slot idle and nothing changed since the previous answer, for
-        `first_token_timeout` seconds is STALLED long enough to end the request (End.STALLED: a 504). Any
-        change, any busy slot, any timed-out poll restarts that clock.
-Rule 4: the deadline ends a request `deadline` seconds after it left the proxy, first byte or not.
-Rule 5: 0 turns each off: `interval` the watch (no polls, no lines), `first_token_timeout` the 504, `deadline`
-        the deadline, `wedged_timeout` the wedge verdict.
-Rule 6: a request running on its own slot (pinned there, nothing of ours ahead) whose task shows no progress at
-        all (same task, same prompt tokens processed, same tokens decoded) for `wedged_timeout` seconds, or for
-        three prompt batches at the measured speed when that is longer (a slow server's batch is one step of its
-        counters), is WEDGED: ended like a stall, so llama-server cancels the task and frees the slot for the
-        requests queued behind it (a server can spin on one slot for many minutes with its progress stuck,
-        while every request pinned to that slot waits behind it).
-
-Which slot is "ours": a pinned request names it (`slot`). Whether that slot is busy with our request or with
-an earlier one is told by `ahead` (requests this proxy sent to the same slot before ours, still open) and, for
-a stream, by tokens already decoded there (our first token would have reached us). A pending or unpinned
-request (`slot` None) runs on some slot: with an idle slot left it started at once, so a busy slot that has
-decoded nothing yet is prefilling it; with every slot busy it is queued.
+Why: a silent request may be queued, prefilling a long prompt, or stuck, and the user cannot tell which.
+The driver (`slotkeeper/drivers/watcher.py`) polls; this module names the state and decides an end: STALLED
+(every slot idle, nothing changed, for `first_token_timeout`), WEDGED (its own slot makes no progress for
+`wedged_timeout` or three prompt batches), or the deadline. A poll that times out reads as BUSY (`/slots`
+hangs during a long prefill), and BUSY is activity; 0 turns each limit off. Pure: the clock is passed in.
+docs/behaviour.md shows the lines and the ends.
 """
 
 from __future__ import annotations
@@ -35,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
+
+from slotlogic.numbers import integer
 
 
 class State(Enum):
@@ -76,14 +57,10 @@ class Progress:
     idle_for: float | None = None        # STALLED: how long every slot has been idle and unchanged
 
 
-def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
 def _decoded(entry: Mapping[str, Any]) -> int:
     nt = entry.get("next_token")
     first = nt[0] if isinstance(nt, list) and nt and isinstance(nt[0], dict) else nt
-    return (_int(first.get("n_decoded")) or 0) if isinstance(first, dict) else 0
+    return (integer(first.get("n_decoded")) or 0) if isinstance(first, dict) else 0
 
 
 def _snapshot(live: Sequence[Mapping[str, Any]]) -> tuple[tuple[Any, ...], ...]:
@@ -224,5 +201,6 @@ def _furthest(busy: list[Mapping[str, Any]]) -> Mapping[str, Any]:
 
 
 def _on(state: State, entry: Mapping[str, Any], waited: float) -> Progress:
-    return Progress(state, waited, slot=_int(entry.get("id")), processed=_int(entry.get("n_prompt_tokens_processed")),
-                    total=_int(entry.get("n_prompt_tokens")), decoded=_decoded(entry))
+    return Progress(state, waited, slot=integer(entry.get("id")),
+                    processed=integer(entry.get("n_prompt_tokens_processed")),
+                    total=integer(entry.get("n_prompt_tokens")), decoded=_decoded(entry))

@@ -215,7 +215,6 @@ def test_from_chat_text_answer() -> None:
                    "content": [{"type": "text", "text": "Hi"}], "model": "m", "stop_reason": "end_turn",
                    "stop_sequence": None,
                    "usage": {"cache_read_input_tokens": 31, "input_tokens": 1, "output_tokens": 5}}
-    assert R.counts(_answer({}, "stop")) == R.PromptCounts(cache_n=31, prompt_n=1)
     assert R.from_chat(_answer({"content": "x"}, "length"), model="claude-x")["model"] == "claude-x"
     assert R.from_chat(_answer({"content": "x"}, "length"))["stop_reason"] == "max_tokens"
 

@@ -91,7 +91,7 @@ class ProbeLlama(FakeLlama):
         self.props_data["model_path"] = str(path)  # type: ignore[index]
         self.extra = extra_bytes
         self.posts: list[tuple[str, Any]] = []
-        self.facts = ModelFacts.from_metadata(gguf_io.read_metadata(path) or {})
+        self.facts = ModelFacts.from_metadata(gguf_io.read_header(path).metadata or {})
 
     async def post_json(self, path: str, body: Any, timeout: float) -> tuple[int, Any]:
         if path == "/v1/messages":  # the Anthropic route probe (not this test's business)

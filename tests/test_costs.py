@@ -222,7 +222,7 @@ def eight_b(tmp_path: Path) -> ModelFacts:
     def fill(w: gguf.GGUFWriter) -> None:
         common(w, layers=32, embd=4096, heads=32)
         w.add_head_count_kv(8)
-    return ModelFacts.from_metadata(gguf_io.read_metadata(write_gguf(tmp_path / "m.gguf", "llama", fill)) or {})
+    return ModelFacts.from_metadata(gguf_io.read_header(write_gguf(tmp_path / "m.gguf", "llama", fill)).metadata or {})
 
 
 def test_a_saves_size_tells_the_cache_type_and_a_page_under_another_is_not_restored(tmp_path):

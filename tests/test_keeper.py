@@ -190,6 +190,34 @@ def test_the_fallback_pins_by_hash_or_sends_unpinned():
     assert isinstance(pin, Pin) and pin.ticket.why is Why.HASH_FALLBACK and event.total_slots == 4
 
 
+def test_a_request_sent_unpinned_while_the_server_cannot_be_asked_learns_the_slot_that_ran_it():
+    """Sim seed 1953: `/props` timed out (a loaded server), a session's turns went with id_slot -1 and the server
+    put them on slot 5; the proxy never learned it, placed the session anew on an empty slot once `/props`
+    answered, and restored the prefix there, beside the conversation (88 of 286 tokens). The answer now names
+    the slot (`verbose`, stripped from what the client gets, as for a pending request), and the session's
+    next turn goes back there, also after the first `/props` sizes the slot ledger."""
+    k = Keeper(Settings(), "http://up")  # never saw the server
+    decision, event = k.fallback(k.request(facts()), 0.0, None, CHAT)
+    assert isinstance(decision, Pin) and decision.ticket.reason == "unpinned: server unknown"
+    assert (sent(decision)["id_slot"], sent(decision)["verbose"]) == (-1, True)
+    assert decision.ticket.slot is None and event == Unreachable("http://up", decision.ticket.session.short)
+    k.outcomes.answered(decision.ticket, Observation(cache_n=0, prompt_n=40, id_slot=2), path=CHAT, seconds=1.0,
+                        now=1.0)
+    again = k.request(facts(now=2.0))  # the server still unasked: pinned where its conversation is
+    assert isinstance(again, Pin) and (again.ticket.slot, again.ticket.why) == (2, Why.KNOWN)
+    k.outcomes.answered(again.ticket, Observation(cache_n=39, prompt_n=5), path=CHAT, seconds=1.0, now=3.0)
+    k.facts.note_server(shared.ServerState("http://up"), server(4))
+    later = k.request(facts(now=4.0))
+    assert isinstance(later, Pin) and (later.ticket.slot, later.ticket.why) == (2, Why.KNOWN)
+    # a route whose answer names no slot (only `/slots` would, unreadable now), or a client's own slot: as sent
+    other = Keeper(Settings(), "http://up")
+    responses, _ = other.fallback(other.request(facts(path="/v1/responses")), 0.0, None, "/v1/responses")
+    assert isinstance(responses, Observe) and responses.ticket.reason == "unpinned: server unknown"
+    trusted = Keeper(Settings(override_client=False), "http://up")
+    own, _ = trusted.fallback(trusted.request(facts(chat("x", id_slot=1))), 0.0, None, CHAT)
+    assert isinstance(own, Observe)
+
+
 def test_a_saved_flow_is_decided_from_its_recorded_facts_and_the_clients_own_bytes():
     k = make()
     live = place(k, k.request(facts()))

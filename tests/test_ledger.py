@@ -6,7 +6,16 @@ from slotlogic import shared
 from slotlogic.answers import Observation
 from slotlogic.decisions import NeedSlot, Pin
 from slotlogic.events import TokensLost
-from slotlogic.ledger import MAX_SLOTS, Cause, Holds, Ledger, found_empty, tolerance, written_since_restart
+from slotlogic.ledger import (
+    MAX_SLOTS,
+    Cause,
+    Holds,
+    Ledger,
+    found_empty,
+    put_back,
+    tolerance,
+    written_since_restart,
+)
 from slotlogic.paging import PageAsk
 from slotlogic.reasons import Why
 from slotlogic.server_placed import ServerPlaced
@@ -545,3 +554,29 @@ def test_what_wrote_over_sessions_never_answered_here_is_bounded():
     assert len(ledger.gone) <= 2 * 2 + 1 and "mine" in ledger.gone
     ledger.emptied("never-seen", Cause.IDLE_CLEAR)
     assert "never-seen" not in ledger.gone
+
+
+def test_a_pin_whose_request_leaves_the_slot_before_running_there_puts_back_what_it_replaced():
+    """Sim seed 2670: a title call pinned by hash (the server could not be asked) onto the slot a session's turn
+    ran on was moved by the wait to a free slot before it ran. Its pin had written the slot as the call's and the
+    session's conversation as gone, so the session's next turn was placed as displaced and a prefix restored
+    over the conversation still there (205 of 391 tokens). What the pin replaced is put back (`put_back`)."""
+    ledger = Ledger()
+    ledger.resize(2)
+    ledger.settle("a", ledger.pin(1, "a"), 1, 0, 300, None)
+    call = ledger.pin(1, "title", side=True)
+    assert not ledger.holds(1, "a") and ledger.gone["a"] is Cause.SIDE_CALL  # the pin's own bookkeeping
+    epoch = ledger.entry(1).epoch
+    put_back(ledger, call, "title")
+    assert ledger.holds(1, "a") and ledger.conversation_on(1) == "a" and "a" not in ledger.gone
+    assert ledger.entry(1).epoch == epoch + 1 and "title" not in ledger.latest  # epochs never go back
+    turn = ledger.pin(1, "a")
+    assert turn.tokens == 300 and ledger.settle("a", turn, 1, 299, 20, True) is None
+    # once anything else wrote the slot after the pin, nothing is put back
+    call = ledger.pin(1, "title", side=True)
+    ledger.ran_unpinned(1, "b")
+    put_back(ledger, call, "title")
+    assert ledger.conversation_on(1) == "b" and ledger.gone["a"] is Cause.SIDE_CALL
+    put_back(ledger, None, "b")  # a request never pinned: nothing to put back
+    assert ledger.conversation_on(1) == "b"
+

@@ -186,10 +186,19 @@ async def test_an_internal_error_fails_open_and_logs_no_prompt_text(proxy, fake_
 
 
 async def test_an_unreachable_server_sends_unpinned_until_a_slot_count_is_known(proxy, fake_llama, caplog):
+    """Unpinned, but its answer asked which slot ran it (`verbose`, stripped from what the client gets): the
+    session's next turn goes back there (sim seed 1953: never learned, the session was placed anew once
+    `/props` answered, beside its own conversation)."""
     fake_llama.props_data = None
     with caplog.at_level(logging.WARNING):
         f = await proxy.request(flow(chat()))
-    assert "id_slot" not in sent(f) and "passes unpinned" in caplog.text
+    assert (sent(f)["id_slot"], sent(f)["verbose"]) == (-1, True) and "passes unpinned" in caplog.text
+    answer = {"choices": [{"message": {"content": "ok"}}], "id": "x", "__verbose": {"id_slot": 2, "prompt": "p"},
+              "timings": {"cache_n": 0, "prompt_n": 40}}
+    await proxy.answer(f, http.Response.make(200, json.dumps(answer), {"content-type": "application/json"}))
+    assert "__verbose" not in json.loads(f.response.content)
+    g = await proxy.request(flow(chat()))  # the server still unreachable: back to the slot that ran it
+    assert sent(g)["id_slot"] == 2 and "verbose" not in sent(g)
 
 
 async def test_an_unreachable_server_pins_by_hash_over_the_last_known_count(proxy, fake_llama, caplog):

@@ -19,6 +19,14 @@ def test_garbage_never_raises():
         assert s.slots == {} and s.sessions == {} and s.total_slots is None
 
 
+def test_a_stamp_past_a_floats_range_is_dropped_not_raised():
+    """JSON integers have no size limit; a stamp no float can hold drops its record like any other bad value."""
+    big = 10**400
+    s = st.from_dict({"slots": {"0": {"last_used": big}, "1": {"last_used": 5.0}},
+                      "sessions": {"a": {"slot": 0, "last_used": big}}}, "u")
+    assert list(s.slots) == [1] and s.sessions == {}
+
+
 def test_restart_forgets_content_but_keeps_claims():
     s = st.ServerState("u", media_marker="m1", total_slots=2)
     st.claim(s, "a", 1, 10.0, prefix="P")

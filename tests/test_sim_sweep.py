@@ -105,12 +105,18 @@ CAUSES = [
          "anew and wrote over it unsaved: 40 of 254 (found when the loaded draws became client patiences; fixed: "
          "until `/slots` answers, an owner goes back to its emptied slot, which may hold its conversation, "
          "and the ledger holds it there on trust)"),
-    (1953, "moved-slot: a loaded server (90 tok/s, patience 6 s), two stalls; a turn resumed on the slot the state "
-           "file gave it while its previous request, sent with id_slot -1 at its patience, had run on another "
-           "(found when the loaded draws became client patiences): 88 of 286"),
-    (2670, "not-paged-in: a loaded server (288 tok/s, patience 15 s), a restart and two stalls; a session kept on "
-           "its own slot (`displaced:shared`) got the prefix restored over the conversation still there (found "
-           "when the loaded draws became client patiences): 205 of 391"),
+    (1953, "moved-slot: a loaded server (90 tok/s, patience 6 s), two stalls; a session's turns went with id_slot -1 "
+           "while `/props` timed out (`unpinned: server unknown`) and ran on slot 5; the proxy never learned it, "
+           "placed the session anew once `/props` answered and restored the prefix on an empty slot beside its "
+           "conversation (found when the loaded draws became client patiences): 88 of 286 (fixed: such a request "
+           "asks its answer for its slot, `verbose` as a pending one, and its session is recorded there; the first "
+           "`/props` keeps what answers taught the ledger)"),
+    (2670, "not-paged-in: a loaded server (288 tok/s, patience 15 s), a restart and two stalls; a title call pinned "
+           "by hash onto the slot a session's turn had just run on was moved by the wait to a free slot before it "
+           "ran, but its pin had already written the slot as the call's in the ledger; the session came back "
+           "`displaced:shared` and got the prefix restored over the conversation still there (found when the "
+           "loaded draws became client patiences): 205 of 391 (fixed: a pinned request that leaves its slot "
+           "unrun puts back what its pin replaced, `ledger.put_back`)"),
     (590, "not-paged-in: a loaded server (183 tok/s, bound 1 s), two one-slot servers; two placements past their "
           "bound both claimed the one slot and each waited for a slot with no claim but its own until the 3 s cap, "
           "then went with id_slot -1 over the sessions the slot held (fixed: a waiting placement lets go of its "
@@ -125,7 +131,7 @@ CAUSES = [
 # keeps a session's conversation, and its page restored on another server of the pool when it must go there;
 # two proxies hand a slot over (slotlogic/handover.py): one writer per slot, the giver answers before the taker moves
 FIXED = {77, 185, 62, 59, 79, 6, 9, 129, 389, 54, 37, 201, 993, 277, 261, 98, 153, 381, 633, 984, 1224, 2034,
-         352, 131, 627, 15, 2438, 590, 1000}
+         352, 131, 627, 15, 2438, 590, 1000, 1953, 2670}
 
 
 # Seeds whose loaded draw showed a cause of its own, besides the one its first draw showed (in CAUSES).

@@ -14,7 +14,7 @@ from slotkeeper.drivers import store_file
 from slotkeeper.drivers.upstream import Upstream
 from slotlogic import events as ev
 from slotlogic.answers import Observation
-from slotlogic.decisions import Observe, Pin, Replay, RequestFacts
+from slotlogic.decisions import Pin, Replay, RequestFacts
 from slotlogic.reasons import Why
 from slotlogic.settings import Settings
 from tests.conftest import UP, FakeLlama, chat
@@ -61,7 +61,9 @@ async def test_an_unreachable_server_falls_back_to_the_slot_count_in_the_file(tm
     assert isinstance(pin, Pin) and pin.ticket.why is Why.HASH_FALLBACK
     assert seen[-1] == ev.Unreachable(UP, pin.ticket.session.short, pin.ticket.slot, 4)
     never = Upstream(UP, Settings(), tmp_path / "empty", seen.append, client=dead)
-    assert isinstance(await never.decide(facts(), "f3"), Observe)
+    unpinned = await never.decide(facts(), "f3")  # no count known: the server chooses, its answer says where
+    assert unpinned.ticket.slot is None and unpinned.ticket.reason == "unpinned: server unknown"
+    assert isinstance(unpinned, Pin) and json.loads(unpinned.body)["id_slot"] == -1
 
 
 async def test_the_probe_notices_a_restart_and_a_resize(up, fake_llama, seen):
@@ -244,7 +246,8 @@ async def test_a_huge_slot_count_in_the_state_sizes_nothing_while_the_server_is_
     status = await up.status()
     assert [s["id"] for s in status["slots"]] == [3] and time.monotonic() - t0 < 1
     decision = await up.decide(facts(), "f1")
-    assert isinstance(decision, Observe) and up.keeper.total_slots is None
+    assert decision.ticket.slot is None and up.keeper.total_slots is None  # unpinned: the server chooses
+    assert isinstance(decision, Pin) and json.loads(decision.body)["id_slot"] == -1
     await up.sync.reconcile()  # the background look for shared slots ranges over nothing the state says
 
 

@@ -230,6 +230,35 @@ def test_a_moved_request_is_written_where_it_runs_and_its_old_slot_is_its_holder
     assert 2 not in table.dispatched and turn.promise is not None and turn.promise.tokens == 0
 
 
+def test_a_held_request_that_leaves_another_sessions_slot_leaves_that_session_known_there():
+    """A title call pinned by hash (the server could not be asked) onto the idle slot of a session whose turn
+    had just ended there, then moved by the wait to a free slot, or sent with id_slot -1, before it ran: the slot
+    still holds the session's conversation (sim seed 2670: taken for displaced, its next turn got a prefix
+    restored over it, 205 of 391 tokens lost)."""
+    from slotlogic.decisions import Ticket
+    from slotlogic.endpoints import Route
+    from slotlogic.ledger import Holds, Ledger
+    from slotlogic.reasons import Why
+    from slotlogic.session import SessionId
+    from slotlogic.table import SessionTable
+
+    for leave in ("move", "unpin"):
+        ledger, table = Ledger(), SessionTable(ttl=120)
+        ledger.resize(3)
+        table.assign("owner", 2, 0.0, prefix=None)
+        ledger.write(2, Holds.SESSION, "owner", 900)
+        table.dispatch("title", 2)
+        title = Ticket(SessionId("title", "side:prompt"), Route.PINNABLE, side=True, slot=2, why=Why.HASH_FALLBACK,
+                       promise=ledger.pin(2, "title", side=True))
+        assert not ledger.holds(2, "owner")
+        if leave == "move":
+            wait.move(title, 0, WaitWhy.SIDE_BUSY, "owner", ledger, table, 1.0, paging=True)
+        else:
+            wait.unpin(title, WaitWhy.SIDE_BUSY, "owner", table, ledger)
+        assert ledger.holds(2, "owner") and ledger.conversation_on(2) == "owner", leave
+        assert ledger.entry(2).tokens == 900 and "owner" not in ledger.gone, leave
+
+
 def test_bound_zero_turns_the_hold_off():
     assert wait.plan(Ahead(3, 10**9), 999.0, 0.0, side=True, own_chars=1, rate=1.0).verdict is Verdict.GO
 

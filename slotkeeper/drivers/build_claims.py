@@ -1,18 +1,10 @@
 """One prefix checkpoint build for all the proxies that share a Redis store (docs/scale-out.md).
 
-Every proxy of a shared store would otherwise prefill the same stable prefix cold once each, whether it
-fronts one server or a pool of them. Before a new session's slot is warmed (`Upstream._warm`, the only caller:
-new-session placement, never a known session's turn), `claim` asks the store who builds the file:
-
-- nobody: this proxy claims the build marker (`RedisConnection.claim_build`) and builds; `finish` then
-  turns the marker into `BUILT` if the file was saved, or lets it go;
-- another proxy is building it: a future in the checkpoint runner's `building` makes the runner wait for
-  that build (polling the marker, at most `BUILD_WAIT` in all) and then restore the file instead of building;
-- another proxy built it (`BUILT`): the runner restores it first (`elsewhere`), although this state dir's
-  index does not know it, and warms only if the restore fails.
-
-Fails open: with the store down the claim answers None and each proxy builds locally (the connection logs
-one line). Only file names (hashes) and random tokens reach the store, never prompt text.
+Otherwise every proxy would prefill the same prefix cold once. Before a new session's slot is warmed, `claim`
+asks the store: nobody builds it (this proxy claims the marker, builds, and `finish` marks it built or lets it
+go), another proxy is building it (the runner waits, at most `BUILD_WAIT`, then restores), or it is built (the
+runner restores it first and warms only if that fails). With the store down each proxy builds locally. Only
+file names (hashes) and random tokens reach the store.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Runs `slotlogic.checkpoint_machine.Orchestrator` against llama-server: prefix checkpoints.
 
-It performs the actions the pure state machine asks for (`POST /slots/{id}?action=restore|save|erase`,
-pinned warm-up and verification requests, each with a 120 s timeout), keeps the checkpoint index (one
-private JSON file in the state dir: per file the fingerprint, `build_info`, `model_path`, `total_slots`,
-per-slot `n_ctx`, created and last-used times), refuses files whose sidecar does not match the running
-server, and runs the stale-file cleanup once per process, after each new file and on command. The cap on the
-save dir's prefix files (`slots_checkpoint_max_mb`) holds at every moment: before a save, the least recently
-used files go to make room for it (its size: the warmed tokens at the measured KV bytes per token), and a
-file that cannot fit is not saved (the prefix stays warm in its slot only).
+It performs the machine's actions (slot restore, save, erase, pinned warm-up and verification requests, each
+with a time-out), keeps the private checkpoint index, never restores a file whose entry does not match the
+running server, runs the cleanup, and holds the cap on prefix files at every moment (room made before a save;
+a file that cannot fit is not saved). docs/checkpoints.md.
 """
 
 from __future__ import annotations

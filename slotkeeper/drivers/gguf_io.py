@@ -1,27 +1,11 @@
 """Read the key/value header of the model file llama-server loaded, with the `gguf` package's `GGUFReader`.
 
-Why: `slotlogic.model_facts` decides from the header whether slot files can ever resume (SWA and recurrent
-models cannot); the proxy learns the file's path from `/props` `model_path` and reads it once. The file may
-live on another machine (a remote server): then there is nothing to read, and the caller logs that in one
-line.
-
-Why `GGUFReader`: it is the llama.cpp project's own reader (gguf-py), maintained with the format; a
-hand-written parser would have to follow every format change itself. Its cost is real, though: it memory-maps
-the whole file and builds a numpy view for every key, every array element (a 49,152-token vocabulary is
-~100,000 small arrays) and every tensor before it returns. Measured on SmolLM2-135M (98 MB, 49,152 tokens,
-48,900 merges, 272 tensors): 1.76 s and +168 MB peak RSS, of which ~16 MB stay with the allocator after the
-reader is dropped. So:
-- `read_header_async` runs it in a worker thread, never on the event loop. The thread still shares the GIL:
-  with the cyclic garbage collector on, its full passes over the reader's ~200,000 fresh objects held the
-  GIL for up to 340 ms at a time (the event loop's longest gap while reading SmolLM2); the collector is
-  paused for the read (the reader builds no cycles; reference counting frees it all), which leaves gaps of
-  ~20 ms and one of ~80 ms when the reader is dropped;
-- a file is read once: results are cached by (real path, size, mtime), so a restart of llama-server with the
-  same model costs nothing and a changed file is read again;
-- only what `model_facts` needs is kept: scalars and short arrays as Python values; long arrays (the
-  vocabulary, token types, merges) as `UnreadArray(item_type, length)`, without converting their elements.
-
-Rule: never raise. Every failure is a `ReadStatus`; the detail names the exception type, never content.
+Why: `slotlogic.model_facts` decides from it whether slot files can ever resume. `GGUFReader` is the format's
+own maintained reader, but it builds a numpy view of every key, array element and tensor (seconds and
+100+ MB on a small model), so a file is read once per (real path, size, mtime), in a worker thread with the
+cyclic garbage collector paused (its passes held the GIL for hundreds of ms), and long arrays are kept as
+`UnreadArray`. A model on another machine has nothing to read. Never raises: every failure is a `ReadStatus`
+naming the exception type, never content. docs/model-capability.md has the measurements.
 """
 
 from __future__ import annotations
@@ -134,7 +118,7 @@ def _open(path: str | os.PathLike[str]) -> tuple[BinaryIO | None, HeaderRead | N
 
 def read_header(path: str | os.PathLike[str] | None) -> HeaderRead:
     """The header's key/values of the GGUF at `path`, read once per (real path, size, mtime). Blocking: call it
-    from a worker thread (`read_header_async`). No lock is held while the file is opened or read: a caller
+    from a worker thread (`model_facts_async`). No lock is held while the file is opened or read: a caller
     asking for a file another thread is reading waits for that answer at most `READ_WAIT` seconds."""
     if path is None or str(path) == "":
         return HeaderRead(ReadStatus.NO_PATH)
@@ -168,16 +152,6 @@ def read_header(path: str | os.PathLike[str] | None) -> HeaderRead:
             with _lock:
                 _reading.pop(key, None)
             mine.set()
-
-
-async def read_header_async(path: str | os.PathLike[str] | None) -> HeaderRead:
-    """`read_header` in a worker thread (the reader holds the GIL in Python loops for ~1-2 s per 100 MB model)."""
-    return await asyncio.to_thread(read_header, path)
-
-
-def read_metadata(path: str | os.PathLike[str] | None) -> dict[str, Any] | None:
-    """The header's key/values, or None when the file is missing, unreadable or not a GGUF."""
-    return read_header(path).metadata
 
 
 def model_facts(model_path: str | None) -> tuple[ModelFacts | None, HeaderRead]:

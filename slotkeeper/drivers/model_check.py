@@ -1,15 +1,10 @@
 """The model checks of one llama-server, at start and after a restart with another model: the I/O half.
 
-What it does (the decisions are `slotlogic.capability` and `slotlogic.model_facts`):
-1. read the GGUF header of `/props` `model_path` when that file is on this machine (`slotkeeper.drivers.gguf_io`: the
-   `gguf` package's reader, in a worker thread, once per file);
-2. when it matters (a sliding-window or recurrent model with slot files wanted) or when asked
-   (`slots_throughput_probe`), run the start-up probe: one short completion of the proxy's own text into an
-   empty idle slot, then (only for the first case) one save of that slot to learn whether this llama-server
-   writes its context checkpoints into slot files; the probe file is deleted and the slot erased;
-3. log what it found (`ModelHeader`, `ModelDescribed`, `Probed`) and keep the verdict: slot files on or off.
-
-Fails open: anything that goes wrong leaves the proxy as it was (files on, no measured speed), with one line.
+It reads the GGUF header when the model file is on this machine, runs the start-up probe when it matters (a
+sliding-window or recurrent model with slot files wanted: does this build put checkpoints into slot files?)
+or when asked (`slots_throughput_probe`), logs what it found and keeps the verdict. `slotlogic.capability` and
+`slotlogic.model_facts` decide. Fails open: anything that goes wrong leaves files on and no measured speed,
+with one line. docs/model-capability.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""The subscriber side of claim notices (`slotlogic/notices.py`): one background task per proxy process (per
-event loop) that listens to the claim channel of every server this proxy fronts, through Redis pub/sub
-(`redis.asyncio` PubSub), and hands each notice another proxy sent to that server's callback
-(`slotkeeper.drivers.upstream.Upstream.claimed_elsewhere`, which marks the displaced session in memory).
+"""The subscriber side of claim notices (`slotlogic/notices.py`): one background task per proxy process that
+listens, through Redis pub/sub, to the claim channel of every server this proxy fronts and hands other
+proxies' notices to that server's callback.
 
-- Off every request's path: the task runs beside the proxy; a request never waits for it, and nothing it does
-  is a round trip of a request (the hot path stays free of network).
-- Its own connection (a subscribed connection can do nothing else), with a short read time-out, so a new
-  server's channel is subscribed within a second and a stop is noticed.
-- Fail open: when the connection is lost (the store restarts, the network drops) it logs one line, and tries
-  again with back-off (`RETRY_MIN` doubling to `RETRY_MAX`); meanwhile displacement is learned as before, from
-  the store's newest claims at the background flush. One line says when notices flow again. Pub/sub delivers
-  at most once and never replays, so what was claimed while it was away is also left to the flush.
+Off every request's path, on its own connection (a subscribed one can do nothing else) with a short read
+time-out so new channels and a stop are noticed. Fail open: a lost connection is one line and a retry with
+back-off; pub/sub never replays, so what was missed meanwhile is found by the background flush.
 """
 
 from __future__ import annotations
@@ -55,7 +49,6 @@ class NoticeListener:
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.connected = False
         self.lost = False          # logged as lost, not back yet
-        self.received = 0          # notices delivered (tests, status)
 
     def watch(self, channel: str, on_claim: OnClaim) -> None:
         """Deliver `channel`'s notices to `on_claim` (the newest callback for a channel wins)."""
@@ -128,7 +121,6 @@ class NoticeListener:
         notice = notices.decode(data) if on_claim is not None else None
         if notice is None or on_claim is None or notice.instance == self.instance:
             return
-        self.received += 1
         try:
             on_claim(notice)
         except Exception as e:  # the listener must outlive a bad callback

@@ -1,19 +1,11 @@
 """Performs a `slotlogic.paging.PagePlan` against llama-server: session paging's slot saves and restores.
 
-Order matters more than speed here (a save or restore takes milliseconds): llama-server runs slot tasks and
-completions of one slot one after another, deferring whatever arrives while the slot is busy, so a page-in
-is only useful if the session's own request reaches the slot before anybody else's. Hence one lock per slot:
-taken before the save/restore and held until that request's response headers arrive (by then the server
-has queued it). Only slow-path requests (new, displaced or paged sessions) take it; the hot path never does.
-And a save is only the conversation it stands for if every request sent to the slot before it has reached
-the server: the placement waits for that (`slotkeeper.drivers.slot_gate.SlotGate.quiet`) after the lock. The core's
-claim keeps new hot-path requests off a slot from the moment a placement chooses it, so that wait has an end.
-
-With a store shared by proxies on several machines (Redis) the lock is also taken in the store
-(`shared`, `slotkeeper.drivers.store_redis.RedisSlotLocks`), so that two proxies never page one slot at once, and the
-pager learns which session the slot's previous pager, of any proxy, sent there (`last_sent`): the
-conversation its save will write. Let go at the same moment, recording this request's session. A store that
-cannot be reached, or a wait that runs out, leaves only the local lock (fail open).
+Order matters more than speed: llama-server runs one slot's work in arrival order, so a page-in helps only if
+its session's request reaches the slot next. Hence one lock per slot, held from the save or restore until that
+request's response headers (slow-path requests only), and a save waits until every earlier request sent there
+has reached the server (`SlotGate.quiet`), so it writes the conversation it stands for. With Redis the lock is
+also taken in the store, so proxies on several machines never page one slot at once; an unreachable store or
+a wait that runs out leaves the local lock (fail open). docs/paging.md, docs/scale-out.md.
 """
 
 from __future__ import annotations
@@ -275,8 +267,8 @@ class PageRunner:
 
     def _measured(self, action: str, data: dict[str, Any], asked: float | None) -> None:
         """One save or restore answer into the speeds; its wall time only when no request of ours ran while it
-        did (bench subagents seed 7: two restores queued behind a prefill priced every move at ~2.5 s more, so
-        none was made again and the estimate never came back down: 17 page-outs let go, 13 prefixes warmed)."""
+        did: a call queued behind a prefill would price every later move too high, and a move never made again
+        never brings the estimate back down."""
         wall = None if asked is None or self.server_busy() else (time.monotonic() - asked) * 1000
         answer = SlotFileAnswer.parse(action, data, wall)
         if answer is not None:

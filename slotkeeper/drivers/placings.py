@@ -118,7 +118,7 @@ class Placing:
             await up.pages.settled(key, left(by))  # its page-out is in flight: page it back in after
         info, props, live = await self.server_facts(asked, tries)
         if info is None:
-            decision, event = up.keeper.fallback(need, now, await up.sync.last_known_total())
+            decision, event = up.keeper.fallback(need, now, await up.sync.last_known_total(), self.facts.path)
             up.emit(event)
             return decision
         if live is None and props is not None and not up.offline and "no-slots" not in up.warned:

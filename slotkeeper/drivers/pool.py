@@ -1,26 +1,9 @@
 """Several llama-servers behind one proxy (`slots_upstreams`): which server each request goes to.
 
-Each server keeps its own `slotkeeper.drivers.upstream.Upstream` (probe, restart detection, checkpoints, pages,
-warnings work per server as with one); this pool adds what is between them:
-
-- One shape index and one prompt memory for all their keepers, so a known session's next turn is
-  recognised once, whatever server it is on, and `where` says which: the hot path stays a memory look-up
-  (no parse, no network, no lock).
-- The pool only gathers facts and performs; `slotlogic.routing` decides. A session a server still holds goes
-  back there (`go_back`); a new session (or one whose server went down, `failed_over`) is routed by `choose`
-  from each server's `/props`, `/slots` and shared state, then placed inside that server by its own
-  `Upstream`, as with one server. The claim is made under that server's state lock, where `accept` checks
-  that a free slot is still there when one was seen (`wants_free`; another proxy may have taken it since the
-  look-up); if not, that server counts as full (`full`) and the choice is made again.
-- Health (`slotkeeper.drivers.pool_health`): a background task asks every server's `/health` (`slots_health_interval`),
-  a down one with back-off (`routing.Health`); a connection that cannot be opened marks the server down at
-  once (`connect_failed`, from mitmproxy's `server_connect` hook), and that request goes to another server
-  before anything was sent (`Pinning.server_connect`).
-- llama-swap: a URL that answers `GET /running` is llama-swap. Each model behind it is its own server,
-  reached through `/upstream/<model>/` for `/props`, `/slots` and slot save/restore; the model comes from
-  the request body. A model llama-swap unloaded is not probed (that would load it) and counts as restarted.
-  Only a model llama-swap lists gets a server (`slotlogic.swap_models`: any other request passes through
-  unpinned), at most `slots_swap_max_models` of them, and one idle for a while is forgotten.
+Each server keeps its own `Upstream`; the pool adds one shape index and prompt memory for all of them (a known
+session stays a memory look-up), gathers each server's facts for `slotlogic.routing` to decide, re-chooses
+when a free slot seen is gone by the claim (`full`), tracks health (`pool_health`), and treats each model
+behind a llama-swap URL as a server of its own. docs/scale-out.md explains pools and llama-swap.
 """
 
 from __future__ import annotations

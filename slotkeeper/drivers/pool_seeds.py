@@ -1,14 +1,11 @@
 """Seeds from another server of the pool: a new session copies a slot of another server instead of prefilling
 what that slot holds (or is computing) again.
 
-Why: with several servers behind one proxy, the sessions of one client land on all of them; the first on each
-server would prefill the shared system prompt once more (the bench's 2 x 2 workloads: every new prompt computed
-once per server, 1.28-1.36x the limit). The servers of a pool share one slot save dir, so the other server's
-slot is saved under its own paging lock into a file that this server restores (`PageRunner.run`), and the file
-goes once restored: it is nobody's page. A session merely placed there is a source only when it was placed
-first (the pool numbers its placements, so two never wait for each other); only servers whose slot files this
-one can restore count (the same model, build and layout: `Keeper.page_identity`). What a source is, and whether
-it is worth it, is the core's (`slotlogic.seeds.Seeds.source_for`, `Seeds.any_seed`).
+Why: a client's sessions land on every server of a pool, and the first on each would prefill the shared
+prompt once more. The servers share one save dir, so the other server's slot is saved under its own paging
+lock into a file this server restores, deleted once restored (nobody's page). Only servers whose files this
+one can restore count, and a merely placed session is a source only when placed first, so two never wait for
+each other. What a source is and whether it pays is `slotlogic.seeds`'s.
 """
 
 from __future__ import annotations

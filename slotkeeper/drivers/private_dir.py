@@ -1,20 +1,10 @@
 """The proxy's own private directories (the state dir): created 0700, checked when they already exist.
 
-Why: the state dir holds session digests, slot claims and page records that other local users have no
-business reading or changing, and a state file another user can replace could point a restore at the wrong
-page. The old code `chmod 0700`-ed the directory on every lock, through symlinks: with
-`slots_state_dir=/tmp`, run as root, that made `/tmp` private.
-
-Rules:
-- a directory we create (and any missing parent) is made 0700, by us, right after `mkdir`, through a file
-  descriptor opened with O_NOFOLLOW: a symlink swapped in between is never followed;
-- an existing directory is never chmod-ed: it must be ours (same uid) and not writable by group or others,
-  otherwise it is refused with `UnsafeDir` (the options layer turns that into a clear OptionsError);
-- stale temporary files of an atomic write (left by a `kill -9` between the temp file and the rename) are
-  removed once per process, only ours by name and only when older than `STALE_TMP_SECONDS`;
-- a file we open by name (`open_regular`: the JSONL log, a state document) is opened without following a
-  symlink and without blocking, and used only when it is a regular file: a link planted under its name must not
-  get our records appended to its target, and a FIFO there must not hang the thread that opens it.
+Why: the state dir holds digests, claims and page records other local users must not read or change. A
+directory we create is made 0700 through an O_NOFOLLOW descriptor; an existing one is never chmod-ed (that
+once made `/tmp` private) but refused (`UnsafeDir`) unless ours and closed to others; our own stale temp files
+are removed once; a file opened by name is used only when it is a regular file, so a planted link or FIFO
+neither redirects our writes nor hangs a thread. docs/reliability.md lists each case.
 """
 
 from __future__ import annotations

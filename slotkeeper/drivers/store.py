@@ -1,21 +1,9 @@
 """Where the shared state lives: the interface every store keeps (`slotkeeper.drivers.stores` opens the named one).
 
-`slotkeeper.drivers.upstream.Upstream` talks to its server's state through `StateStore` only:
-- `transaction()`: an exclusive read-modify-write of the server's `ServerState` (the claim of a slot is made
-  inside one, so two proxies never claim the same slot at once); the state is written back when the body
-  completes;
-- `aread()` / `read()`: a read without the lock (status views, the hash fallback); `read()` may answer from
-  memory where a read would need the network;
-- `last`: the state as of this process's last transaction (sync views, commands);
-- `transaction_sync()`: the blocking variant for shutdown (mitmproxy's `done` must stay sync);
-- `watch(on_claim)`: other proxies' claims on the server's slots, as they are made (Redis: pub/sub notices,
-  `slotlogic/notices.py`; the file store calls nothing: the proxies of one machine keep its own reconcile);
-- `slot_locks`: each slot's paging lock shared by every proxy, with the slot's last paged send (Redis); None
-  for the file store (each process pages under its own locks, as before).
-
-`file://DIR` (the default: `slots_state_dir`) is `slotkeeper.drivers.store_file.StateFile`: one locked JSON file per
-server, shared by the proxies of one machine. `redis://host:port/db` and `rediss://…` is
-`slotkeeper.drivers.store_redis.RedisState`: one document per server in Redis or Valkey, shared by proxies anywhere.
+`Upstream` reaches its server's state only through `StateStore`: `transaction()` is the exclusive
+read-modify-write every claim is made in (`transaction_sync()` for shutdown), `read()`/`aread()` read without
+the lock, `last` is this process's last copy, `watch` hears other proxies' claims and `slot_locks` are the
+paging locks shared across proxies (Redis only; None for the file store, whose proxies share a machine).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Private JSON files shared by every proxy process on this machine: the per-server state and the checkpoint
 index.
 
-- Cross-process safety: `filelock.AsyncFileLock`, a *fresh object per acquisition* (one shared instance is
-  re-entrant per instance, so two coroutines would both "hold" it: docs/mitmproxy.md), plus an asyncio
-  lock so coroutines of one process queue politely instead of spinning on the file.
-- Atomic writes: temp file in the same directory, `os.replace` (a `kill -9` at any moment leaves the old file
-  or the new one, never a mix). The checkpoint index is fsync-ed too; the state file is not (an fsync cost
-  ~12 ms of every new session's locked transaction on a busy disk; a power cut may lose its last writes,
-  which only costs a re-placement). Mode 0600; the directory is created
-  0700 and an existing one is checked, never chmod-ed (`slotkeeper/drivers/private_dir.py`); temp files a `kill -9`
-  left behind are removed on first use.
-- A damaged file (not JSON, nested too deep to parse, or larger than `MAX_BYTES`, which is never read) is
-  moved aside (`.corrupt-<time>`) and logged, never silently lost, never a crash.
+A fresh `filelock.AsyncFileLock` per acquisition (one instance is re-entrant, so two coroutines would both
+"hold" it) plus an asyncio lock; atomic writes (temp file, `os.replace`), fsync-ed for the index but not for
+the state (it cost ~12 ms of every new session's transaction; a lost write costs a re-placement); files 0600
+in a checked private dir; a damaged or oversized file is moved aside and logged, never lost or a crash.
 """
 
 from __future__ import annotations

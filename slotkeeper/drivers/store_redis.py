@@ -1,36 +1,9 @@
-"""The shared state in Redis or Valkey (`slots_state_url=redis://host:port/db`, `rediss://…` for TLS), for
-proxies on several machines. The client is the maintained asyncio one of the `redis` package
-(`redis.asyncio`); any server that speaks the protocol works (Redis ≥ 6, Valkey).
+"""The shared state in Redis or Valkey (`slots_state_url=redis://…`), for proxies on several machines.
 
-The model is the file store's (`slotlogic.shared.ServerState`: claims, owners, last use, the page index, the
-server's identity), one JSON document per server under `slotkeeper:v1:<sha256(url)[:16]>:state`:
-
-- Atomic claims: every transaction holds the server's lock, `redis.asyncio.lock.Lock` (acquired with
-  `SET NX PX` and a random token, released and extended by Lua scripts that check the token, so a proxy
-  never releases another proxy's lock), around GET and SET of the document. Two proxies claiming a slot of
-  one server queue on it exactly as on the file lock.
-- TTLs instead of sweeps: the lock expires by itself (`LOCK_SECONDS`) if its holder dies; the document
-  expires `SESSION_KEEP_SECONDS` (7 days) after its last write, so a server nobody uses leaves nothing
-  behind; a claim is live while its last use is within `slots_ttl` (read, never swept). Per-session entries
-  inside the document follow the file store's prune rule (Redis 7.0, Debian's, has no per-field TTL).
-- Fail open: when the server cannot be reached (refused, time-out, an error reply), the transaction runs on
-  this process's last copy of the state and writes nothing; one line is logged, the connection is tried
-  again after a back-off, and one line says when it is back. Requests keep flowing on local decisions.
-- No network on the hot path: a known session is decided from memory; only a new session's placement, a
-  paging step and the background flush (every 0.5 s, coalesced) talk to Redis.
-- Its contents are another writer's until checked (any client of the server can write the keys): the state is
-  read by a script that answers its size instead when it is over `MAX_STATE_BYTES` (no megabytes read) or
-  nothing when the key is not a string; it is parsed in a worker thread and every value range-checked
-  (`shared.from_dict`, with this machine's clock: no stamp from the future). A refused value is one line;
-  the transaction runs on this process's last good copy and its write replaces the value.
-- The lock is ours or expires: a lock key with no expiry, a longer one than a proxy sets, or another type is
-  taken over at once, and a holder seen for longer than `LOCK_SECONDS` (a proxy's lock lives that long at
-  most) is one that renews it: taken over too. A transaction waits `LOCK_WAIT` for it at most, then runs on
-  the last copy; the store stays "reachable" (it answered).
-- Claim notices: a transaction that gives a slot to another session publishes one notice per change on the
-  server's channel (`slotkeeper:v1:<sha256(url)[:16]>:claims`, in the same round trip as the write), and
-  `slotkeeper.drivers.notice_listener` hands the notices of other proxies to `watch`'s callback at once, so a proxy
-  learns that its session's slot was taken before that session's next request, not at its next flush.
+The model is the file store's (`slotlogic.shared.ServerState`), one JSON document per server, changed only
+under the server's lock, with TTLs instead of sweeps. The keys are anyone's to write, so every value read is
+checked, a foreign or stale lock is taken over, and an unreachable store fails open to this process's last
+copy. Claim notices tell other proxies at once that a slot changed hands. docs/scale-out.md explains each rule.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """Ending a live request from outside its hooks: a clear error for the client, a closed upstream connection.
 
-Why this is needed: the first-token watch and the deadline decide while mitmproxy waits for llama-server's
-answer, when no hook runs and `flow.response` can no longer be set; `flow.kill()` only takes effect at the
-next hook. mitmproxy's proxyserver addon can inject an event into a live connection (`inject_event`, what
-its `inject.websocket` / `inject.tcp` commands use). The HTTP layer hands an injected event straight to the
-flow's stream, and a stream that receives a `ResponseProtocolError` does what it does when the server
-fails: the `error` hook runs, the client gets an error answer (`make_error_response(status, message)`) when
-no response has started, and its connection is closed; closing the client connection closes the upstream
-connection too, which is how llama-server learns to cancel the task ("srv stop: cancel task"). An injected
-`ResponseData` first, for a stream that has started, goes through the flow's stream callable to the client
-like any chunk: that is the error event a streaming client can read before the connection closes.
-
-Internals used (checked on mitmproxy 11.0.2 and 12.x, the two supported lines; `tests/test_real_watch.py`
-runs it on whichever one is installed): `Proxyserver.inject_event`, `Proxyserver.connections`, the layer
-attributes `layer`/`child_layer`/`streams` to find the flow's stream id, and the constructor-free use of the
-two event classes. `ResponseProtocolError.code` is the HTTP status on 11 and an `ErrorCode` whose
-`http_status_code()` gives it on 12. Anything unexpected returns False, and the request simply goes on.
-
-The error answer's body: mitmproxy's HTTP/1 layer builds it with the module-level `make_error_response` of
-`mitmproxy.proxy.layers.http._http1` (an HTML page, `text/html`), from the injected event's `message`, which it
-receives unchanged. Clients of these routes parse an error body as OpenAI or Anthropic JSON, so `end_flow`
-passes its message as an `ErrorPage` (a `str` carrying the JSON body) and `install_json_errors` wraps that
-function once: an `ErrorPage` becomes the same answer with the JSON body and `application/json`; any other
-call (mitmproxy's own errors) goes to the original untouched. Where the wrapper cannot be installed, or on an
-HTTP/2 or HTTP/3 client connection (whose layers build their page inline; only reachable through a TLS or QUIC
-listener), the message is still a `str` and the client gets mitmproxy's page with it.
+Why: the watch and the deadline decide while mitmproxy awaits llama-server's answer, when no hook runs and
+`flow.kill()` would only act at the next one. The proxyserver's `inject_event` hands a `ResponseProtocolError`
+(and first, for a started stream, an error chunk) to the flow's stream, which fails it as if the server had:
+the client gets an error answer and the upstream connection closes, so llama-server cancels the task.
+`install_json_errors` makes that answer JSON in the route's shape. The mitmproxy internals this relies on
+(checked on 11 and 12) are listed in docs/mitmproxy.md; anything unexpected returns False and the request goes on.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Request bodies with a Content-Encoding, decoded with a cap, and never inflated at length on the event loop.
 
-Why: mitmproxy's `get_content()` inflates the whole body in one call on the event loop. A 194 KB gzip body
-that inflates to 200 MB took the proxy from 370 MB to over 1 GB and stalled every other flow for seconds
-(and was then parsed, pinned and gzipped again). Here:
-- the decoded size is capped (`limit`, the option `slots_max_body_mb`): past it, decoding stops at once and
-  the caller passes the request through untouched (llama-server answers it as it would without us);
-- a small body (`INLINE_IN` encoded bytes, `INLINE_OUT` decoded) is decoded inline; anything larger goes to a
-  worker thread (zlib, brotli and zstandard release the GIL while they work), and so does re-encoding a
-  large rewritten body.
-gzip/deflate use zlib's `max_length`; zstd a bounded read (`zstandard`, which mitmproxy 11 uses, or the
-`compression.zstd` API that mitmproxy 12 uses, `max_length`); brotli uses `output_buffer_limit` where the
-binding has it (1.2+, with mitmproxy 12), else (1.1, mitmproxy 11's pin) it is fed one byte per call, so the
-cap is passed by at most one brotli block (~8-16 MB) before decoding stops.
+Why: mitmproxy's `get_content()` inflates the whole body on the event loop; a small gzip bomb took the
+proxy past 1 GB and stalled every flow. Here decoding stops at `limit` (`slots_max_body_mb`; the request then
+passes untouched), and anything but a small body is decoded, and re-encoded, in a worker thread (the codecs
+release the GIL). Each codec's bound: zlib's `max_length`, a bounded zstd read, brotli's
+`output_buffer_limit` where the binding has it, else one byte per call (the cap overshoots by one block).
 """
 
 from __future__ import annotations

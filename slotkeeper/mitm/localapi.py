@@ -1,17 +1,10 @@
 """The local API addon: `GET /_slots/` (the live slot page), `/_slots/health`, `/_slots/status` and
 `/_slots/metrics` (Prometheus), answered by the proxy itself.
 
-Any request whose path starts with `/_slots/` is ours and never reaches llama-server. Only GET is served
-(anything else: 405), only to the clients `slots_api_allow` admits (loopback by default: the status names
-sessions and servers), and every error is answered as JSON here, never forwarded.
-
-Only for its own host, too: a web page whose name an attacker re-points at 127.0.0.1 (DNS rebinding) reaches
-the proxy from a loopback address, with its own name in `Host`. The API answers a `Host` that is an IP address,
-`localhost` (or a `*.localhost` name), the listen host, or a name in `slots_api_hosts`; any other: 403. In
-reverse mode mitmproxy replaces `Host` with the server's before any request hook, so the client's own is read
-from the first request head of its connection (`next_layer`; a browser keeps one connection per host name).
-Every answer carries a content security policy (the page's one script by its hash, fetches to itself only, no
-framing), `nosniff` and `no-store`.
+A `/_slots/` path never reaches llama-server. GET only, for the clients `slots_api_allow` admits, errors as
+JSON, and only for its own host names (against DNS rebinding): reverse mode rewrites `Host` before any hook,
+so the client's own is read from its connection's first request head (`next_layer`). Every answer carries a
+strict content security policy. docs/reliability.md ("the local API").
 """
 
 from __future__ import annotations

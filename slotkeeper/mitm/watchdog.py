@@ -1,24 +1,9 @@
 """The watch addon: a request that waits for its first byte is watched; a stalled or overdue one is ended.
 
-Without it, a user whose request sits silent for two minutes cannot tell whether it is queued behind another
-request, prefilling a long prompt, or stuck. While a completion request waits for its first byte (a
-stream's first body chunk: llama-server sends a stream's headers as soon as its slot starts, before the
-prompt is evaluated; an answer that is not streamed comes whole), `/slots` is polled every
-`slots_watch_interval_ms` and what it shows is logged, kept for `/_slots/status` and `slots.status`, and
-shown as the flow's comment in mitmweb (`slotlogic.watch` decides, `slotkeeper.drivers.watcher` polls).
-
-`slots_first_token_timeout`: when every slot stays idle and nothing moves that long, the request gets a 504
-and its upstream connection is closed, so llama-server cancels it. `slots_request_deadline`: a request still
-running that long after it left the proxy is ended the same way (a stream that has started gets an error
-event before the close). Both go through `slotkeeper/mitm/abort.py`; the 504's body is JSON in the route's shape.
-
-No hook runs per request: one sweeper task (started at `running`) finds, every tick, the open requests
-(`Runtime.open`, with their flows) that have waited `slots_watch_interval_ms` (or reached their deadline)
-and gives each a `slotkeeper.drivers.watcher.RequestWatch`. A request answered sooner (nearly all) costs the watch
-nothing; a timer per request (`loop.call_later` plus its cancel) measured ~6 µs on the hot path, and even
-a request hook that only noted the flow ~1 µs. Whether the first byte has come is read at each wake: an
-answer that is not streamed has its response; a stream's observer (`Pinning`'s SSE tap) has seen part of
-its body. A watch ends when its request leaves `Runtime.open` (answered, failed, or ended by it).
+`slotlogic.watch` decides, `slotkeeper.drivers.watcher` polls `/slots`, `slotkeeper/mitm/abort.py` ends a
+request (docs/behaviour.md). No hook runs per request: a timer per request cost microseconds on the hot path,
+so one sweeper task gives a `RequestWatch` only to the open requests (`Runtime.open`) that have waited an
+interval or reached their deadline; nearly all are answered sooner and cost the watch nothing.
 """
 
 from __future__ import annotations
