@@ -94,7 +94,7 @@ def assign(cfg: Settings, state: shared.ServerState, who: Seeker, slots: SlotsSe
                                                              cfg.paging, who.prefix_chars / CHARS_PER_TOKEN))
     requests = 1
     if displaced_from is not None and displaced_from < total_slots:
-        if (os.environ.get("XA") != "1" or cfg.paging) and choice.slot != displaced_from and not ranking.worth_moving(views[choice.slot], views[displaced_from],
+        if choice.slot != displaced_from and not ranking.worth_moving(views[choice.slot], views[displaced_from],
                                                                       now, cfg.ttl, paging=cfg.paging):
             choice = Choice(displaced_from, Why.SHARED)
         rec = state.sessions.get(session_key)
