@@ -11,13 +11,13 @@ Rule 2: a session stays where it is. A known session goes back to its server (`g
         of prefilled on another). Only a new session (or one whose server went down) is placed by cost.
 Rule 3: never a down server, while any server is up. With none up, `choose` returns None and the driver
         forwards the request where the client sent it (fail open: the server may be back).
-Rule 4: a new session goes where it costs least (`cost`), in prefill tokens as in `ranking`: its own prefill
-        beyond what the server spares (a free slot holding its stable prefix; a copy from a session there that
-        holds more of its prompt, `source`; a checkpoint of the prefix it can restore), slowed by the slots busy
-        there (they share the server's compute, and each is slowed as much by this one), plus the work queued
-        ahead when no slot there is idle, plus the conversation it would write over there (`evict`, priced by
-        `ranking`). Ties go to the least loaded server, then the order of `slots_upstreams`. A side call
-        (nobody's conversation) goes to the least loaded server, whose reserved slot takes it.
+Rule 4: a new session's cost, cheapest first: a free slot that already holds its stable prefix (nothing to
+        prefill but its own turn); then a server with a free slot where another session holds (or is computing)
+        more of its prompt than a checkpoint would give (`source`: it is copied there, not prefilled again; the
+        most shared first); then a server that can restore the prefix from a checkpoint file it can
+        read; then the least loaded server: most free slots (no live claim of any proxy, not processing),
+        most idle slots, fewest queued requests, fewest slots prefilling; then the order of `slots_upstreams`.
+        A side call (nobody's conversation) goes to the least loaded server, whose reserved slot takes it.
 
 Health (`Health`): a refused connection, a failed `/health` or a time-out marks a server down at once (one
 log line); a down server is asked again after `backoff(n)` seconds, doubling from `PROBE_MIN` to `PROBE_MAX`;
@@ -30,8 +30,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from slotlogic.paging import CHARS_PER_TOKEN, SEED_MIN_CHARS
-from slotlogic.ranking import PAGE_SHARE, SlotView, holds_prefix, is_claimed
+from slotlogic.paging import SEED_MIN_CHARS
+from slotlogic.ranking import SlotView, holds_prefix, is_claimed
 
 PROBE_MIN = 1.0     # seconds before a down server is asked again
 PROBE_MAX = 30.0    # the back-off never waits longer than this
@@ -69,15 +69,6 @@ class ServerView:
     owned: bool = False              # the session owns a slot there (shared state)
     kept: bool = False               # the session's conversation is there: a restorable page, or still a slot's
     source: int = 0                  # characters of its prompt a session there gives beyond a checkpoint (a copy)
-    evict: float = 0.0               # no free slot: the cheapest conversation there it would write over (`ranking`)
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """A new session's request, in prompt tokens: all of it, and its stable prefix (what a server may spare)."""
-
-    own: float = 0.0
-    prefix: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -92,7 +83,7 @@ def load_key(v: ServerView) -> tuple[int, int, int, int, int]:
 
 
 def choose(servers: Sequence[ServerView], *, side: bool = False, home: int | None = None,
-           was_down: bool = False, sizes: Sizes = Sizes()) -> RouteChoice | None:
+           was_down: bool = False) -> RouteChoice | None:
     """The server for one request; None when no server is up. `home`: the server a known session is on;
     `was_down`: the session's server is down (the reason says failover)."""
     up = [v for v in servers if v.up]
@@ -111,23 +102,13 @@ def choose(servers: Sequence[ServerView], *, side: bool = False, home: int | Non
     kept = [v for v in up if v.kept]
     if kept:
         return RouteChoice(min(kept, key=load_key).index, RouteWhy.KEPT)
-    best = min(up, key=lambda v: (cost(v, sizes)[0], *load_key(v)))
-    why = cost(best, sizes)[1]
-    return RouteChoice(best.index, RouteWhy.FAILOVER if was_down and why is RouteWhy.LEAST_LOADED else why)
-
-
-def cost(v: ServerView, sizes: Sizes) -> tuple[float, RouteWhy]:
-    """A new session's cost on server `v` in prefill tokens, and what spared the most of its prefill there."""
-    spared, why = 0.0, RouteWhy.LEAST_LOADED
-    if v.free > 0:
-        for amount, reason in ((sizes.prefix if v.same_prefix else 0.0, RouteWhy.SAME_PREFIX),
-                               (v.source / CHARS_PER_TOKEN * (1 - PAGE_SHARE), RouteWhy.SOURCE),
-                               (sizes.prefix * (1 - PAGE_SHARE) if v.checkpoint else 0.0, RouteWhy.CHECKPOINT)):
-            if amount > spared:
-                spared, why = amount, reason
-    mine = max(0.0, sizes.own - spared)
-    queued = v.queued * sizes.own if v.free == 0 and v.idle == 0 else 0.0
-    return mine * (1 + 2 * v.busy) + queued + v.evict, why
+    for flag, why in ((lambda v: v.same_prefix and v.free > 0, RouteWhy.SAME_PREFIX),
+                      (lambda v: v.source > 0 and v.free > 0, RouteWhy.SOURCE),
+                      (lambda v: v.checkpoint and v.free > 0, RouteWhy.CHECKPOINT)):
+        hits = [v for v in up if flag(v)]
+        if hits:
+            return RouteChoice(min(hits, key=lambda v: (-v.source, *load_key(v))).index, why)
+    return RouteChoice(least.index, RouteWhy.FAILOVER if was_down else RouteWhy.LEAST_LOADED)
 
 
 @dataclass(frozen=True)

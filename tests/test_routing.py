@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -30,28 +28,13 @@ def test_a_known_session_stays_home_while_its_server_is_up():
 
 
 def test_a_new_session_prefers_its_prefix_then_a_checkpoint_then_the_least_loaded():
-    sizes = routing.Sizes(own=1000, prefix=500)
-    assert choose([ServerView(0, free=2), ServerView(1, free=1, same_prefix=True)], sizes=sizes
-                  ).why is RouteWhy.SAME_PREFIX
-    assert choose([ServerView(0, free=2), ServerView(1, free=1, checkpoint=True)], sizes=sizes).index == 1
-    assert choose([ServerView(0, free=1, idle=2), ServerView(1, free=2, idle=2)], sizes=sizes).index == 1
-    assert choose([ServerView(0, free=1, queued=3), ServerView(1, free=1, queued=0)], sizes=sizes).index == 1
-    assert choose([ServerView(0, free=1, owned=True), ServerView(1, free=2)], sizes=sizes).why is RouteWhy.OWNED
+    assert choose([ServerView(0, free=2), ServerView(1, free=1, same_prefix=True)]).why is RouteWhy.SAME_PREFIX
+    assert choose([ServerView(0, free=2), ServerView(1, free=1, checkpoint=True)]) .index == 1
+    assert choose([ServerView(0, free=1, idle=2), ServerView(1, free=2, idle=2)]).index == 1
+    assert choose([ServerView(0, free=1, queued=3), ServerView(1, free=1, queued=0)]).index == 1
+    assert choose([ServerView(0, free=1, owned=True), ServerView(1, free=2)]).why is RouteWhy.OWNED
     full_prefix = [ServerView(0, free=0, same_prefix=True), ServerView(1, free=1)]
-    assert choose(full_prefix, sizes=sizes).why is RouteWhy.LEAST_LOADED
-
-
-def test_a_new_session_weighs_what_a_server_spares_against_the_load_there():
-    """The server holding the prefix is not worth any load: its busy slots share its compute with this prefill
-    (and are slowed by it), so a long prompt goes to the idle server and a prompt mostly spared stays."""
-    warm_but_busy = [ServerView(0, free=1, idle=1, busy=3, same_prefix=True), ServerView(1, free=4, idle=4)]
-    assert choose(warm_but_busy, sizes=routing.Sizes(own=6000, prefix=500)).index == 1
-    assert choose(warm_but_busy, sizes=routing.Sizes(own=550, prefix=500)
-                  ) == routing.RouteChoice(0, RouteWhy.SAME_PREFIX)
-    cheap_to_evict = [ServerView(0, free=0, idle=2, busy=0, evict=50.0), ServerView(1, free=1, idle=1, busy=2)]
-    assert choose(cheap_to_evict, sizes=routing.Sizes(own=1000)).index == 0
-    assert choose([replace(cheap_to_evict[0], evict=9000.0), cheap_to_evict[1]], sizes=routing.Sizes(own=1000)
-                  ).index == 1
+    assert choose(full_prefix).why is RouteWhy.LEAST_LOADED
 
 
 def test_side_calls_go_to_the_least_loaded_and_nothing_goes_to_a_down_server():
@@ -126,14 +109,12 @@ def test_a_new_session_goes_where_another_session_holds_more_of_its_prompt_than_
     """A subagent whose sibling is prefilling their family prompt on server 0 (one free slot left) goes there to
     copy it, not to the idle server 1 to prefill it again; the most shared wins; only with a free slot; a share a
     checkpoint gives anyway (or too small to be worth a save and a restore) is no source."""
-    sizes = routing.Sizes(own=1100, prefix=1000)
     sibling = [ServerView(0, free=1, busy=1, source=4000), ServerView(1, free=2)]
-    assert choose(sibling, sizes=sizes) == routing.RouteChoice(0, RouteWhy.SOURCE)
+    assert choose(sibling) == routing.RouteChoice(0, RouteWhy.SOURCE)
     both = [ServerView(0, free=1, source=3000), ServerView(1, free=2, source=4000)]
-    assert choose(both, sizes=sizes).index == 1
-    assert choose([ServerView(0, free=0, busy=2, source=4000), ServerView(1, free=2)], sizes=sizes
-                  ).why is RouteWhy.LEAST_LOADED
-    assert choose([ServerView(0, free=1, source=4000, same_prefix=True), ServerView(1, free=2, same_prefix=True)],
-                  sizes=sizes).why is RouteWhy.SAME_PREFIX  # a copy of what the prefix gives costs its I/O
+    assert choose(both).index == 1
+    assert choose([ServerView(0, free=0, busy=2, source=4000), ServerView(1, free=2)]).why is RouteWhy.LEAST_LOADED
+    assert choose([ServerView(0, free=1, source=4000, same_prefix=True), ServerView(1, free=2, same_prefix=True)]
+                  ).why is RouteWhy.SAME_PREFIX                      # nothing to copy beats a copy
     assert routing.beyond(4000, 3000) == 4000 and routing.beyond(3100, 3000) == 0 and routing.beyond(200, 0) == 0
     assert routing.full(sibling[0]).source == 0

@@ -21,12 +21,11 @@ from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.origins import base_of
 from slotkeeper.drivers.pool_health import Member, PoolHealth
 from slotkeeper.drivers.upstream import Upstream
-from slotlogic import json_scan, ranking, routing, shared, swap_models
+from slotlogic import json_scan, routing, shared, swap_models
 from slotlogic import prefix as pfx
 from slotlogic.decisions import Decision, Forward, NeedSlot, Pin, RequestFacts
 from slotlogic.events import Event
 from slotlogic.intake import MAX_ITEMS, Recognition
-from slotlogic.paging import CHARS_PER_TOKEN
 from slotlogic.ranking import SlotView
 from slotlogic.reasons import Passed
 from slotlogic.routing import RouteWhy, ServerView
@@ -264,7 +263,7 @@ class Pool:
                          else ServerView(i, up=False))
         shown = list(views)
         for _ in range(len(cands)):
-            choice = routing.choose(shown, side=need.ticket.side, was_down=was_down, sizes=_sizes(need))
+            choice = routing.choose(shown, side=need.ticket.side, was_down=was_down)
             if choice is None:
                 break
             up = cands[choice.index]
@@ -306,7 +305,6 @@ class Pool:
         state = await up.store.aread()
         ttl = up.settings.ttl
         views, (free, idle, busy) = _slot_counts(up, state, info, live, now)
-        evict = 0.0 if free else _cheapest_eviction(up, views, need, now)
         checkpoint = False
         if up.checkpoints is not None and need.stable is not None and up.checkpoints.persist:
             with contextlib.suppress(OSError, ValueError):
@@ -318,7 +316,7 @@ class Pool:
                           queued=max(0, self.inflight.get(up.url, 0) - busy),
                           same_prefix=routing.holds_prefix_free(views, need.prefix, now, ttl),
                           checkpoint=checkpoint, owned=shared.owned_slot(state, need.ticket.session.key) is not None,
-                          kept=up.keeper.pager.keeps(state, need.ticket.session.key), source=source, evict=evict)
+                          kept=up.keeper.pager.keeps(state, need.ticket.session.key), source=source)
 
     async def _page_anywhere(self, key: str, cands: list[Upstream]) -> Any:
         """The session's restorable page on any server of the pool (their slot files share one save dir): the
@@ -342,20 +340,6 @@ def _slot_counts(up: Upstream, state: shared.ServerState, info: ServerInfo, live
     views = shared.views(state, info.total_slots, live, up.keeper.table)
     reserved = up.keeper.table.reserved_slots(info.total_slots, up.settings.side_slot, now)
     return views, routing.slot_counts(views, now, up.settings.ttl, exclude=reserved)
-
-
-def _sizes(need: NeedSlot) -> routing.Sizes:
-    """The request's prompt and stable prefix in tokens, from their characters."""
-    prefix = len(need.stable.text) if need.stable is not None else 0
-    return routing.Sizes(own=len(need.content) / CHARS_PER_TOKEN, prefix=prefix / CHARS_PER_TOKEN)
-
-
-def _cheapest_eviction(up: Upstream, views: list[SlotView], need: NeedSlot, now: float) -> float:
-    """What the cheapest idle slot of a server with no free slot costs to write over, as `ranking` prices it."""
-    reserved = up.keeper.table.reserved_slots(len(views), up.settings.side_slot, now)
-    asking = ranking.Asking(now, up.settings.ttl, need.prefix, reserved, paging=up.settings.paging,
-                            prefix_tokens=_sizes(need).prefix)
-    return min((asking.cost(v) for v in views if not v.busy and v.id not in reserved), default=0.0)
 
 
 def _model_of_body(body: Any) -> str:
