@@ -90,8 +90,8 @@ def assign(cfg: Settings, state: shared.ServerState, who: Seeker, slots: SlotsSe
             shared.claim(state, session_key, owned, now, prefix=prefix, requests=(rec.requests if rec else 0) + 1)
             return Choice(owned, Why.RESUMED)
     held_back = reserved if cfg.policy is Policy.AUTO and (local is None or local.reserving(now)) else ()
-    choice = ranking.choose(cfg.policy, views, now, cfg.ttl, prefix=prefix, reserved=held_back,
-                            spawn=displaced_from is None, paging=cfg.paging)
+    choice = ranking.choose(cfg.policy, views, ranking.Asking(now, cfg.ttl, prefix, held_back, displaced_from is None,
+                                                             cfg.paging, who.prefix_chars / CHARS_PER_TOKEN))
     requests = 1
     if displaced_from is not None and displaced_from < total_slots:
         if choice.slot != displaced_from and not ranking.worth_moving(views[choice.slot], views[displaced_from],

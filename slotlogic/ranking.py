@@ -1,6 +1,7 @@
 """Slot choice for a session the proxy has not pinned yet.
 
-Rule 1: everything that decides *which slot a new session gets* lives in this file.
+Rule 1: what a slot costs a session not pinned yet is priced here; `placement.assign` keeps the promises
+        before it (a session resumes its own slot, a side call gets the reserved one) and claims the choice.
 Rule 2: no I/O. Inputs are snapshots (`SlotView` per slot: live `/slots` numbers merged with what the
         state file says about claims); the output is a `Choice`: the slot and a `Why`.
 Rule 3: never return a slot outside `0 … total_slots-1`.
@@ -13,35 +14,16 @@ TTL; otherwise it is *free*, whatever it still holds. Policies:
 `seed` (the design's first ranking, verbatim): free before claimed; among free, fewest cached tokens, then
 lowest id; among claimed, oldest `last_used`, then fewest tokens, then lowest id.
 
-`auto` (default) ranks by a tuple, smallest first, each element a reason llama-server gives us:
-  1. busy slots last: a request pinned to a busy slot is *deferred* until that slot frees (docs/llama-server.md),
-     and deferred unpinned requests can starve behind it. When every slot is busy, the lowest expected time
-     to first token first (`SlotView.wait_tokens`, `placement.waits`: the work `/slots` shows left there, in
-     prefill tokens, less the shared prefix the slot would spare; a slot whose work nobody can size comes
-     last), the way cache-aware routers weigh a cache hit against the queue in front of it; the reserved
-     side-call slot after every other busy slot: its short side calls made it the shortest wait, sessions
-     queued there, and the next side call of its home waited behind their prefills and page moves until its
-     client gave up;
-  2. free before claimed: a live session's cache is worth more than an expired one's;
-  3. the reserved side-call slot after every other free slot (sessions use it only when nothing else is
-     free); with session paging, after the claimed slots too: evicting a live session then costs a save
-     and a later restore (milliseconds), while a session placed there overwrites the side calls' prompt,
-     which nobody pages, and the next side call prefills all of it again (Qwen Code's memory extraction:
-     6,200 tokens after every turn, docs/clients.md);
-  4. among free slots: one whose last content starts with the same shared prefix (system prompt +
-     tools) first — the new session reuses that prefix in-slot, while a request pinned to an *empty*
-     slot never even consults llama-server's RAM prompt cache (#28139) — then empty slots (nothing
-     lost), then the fewest cached tokens (least lost);
-     among claimed slots (we must evict a live session): first an idle owner whose answer completed
-     within SPAWN_WINDOW — a new session right after an answer is that agent's subagent, and the agent
-     waits for it, so its next request is the furthest away (and a subagent never evicts another
-     agent's working session while its own parent sits idle); then the coldest owner (last request or
-     answer longest ago; spreads new sessions over the slots instead of piling them onto one), then the
-     fewest requests, then the same prefix, then the fewest tokens;
-  5. lowest id, for determinism.
-
-A *displaced* session (its slot ran another session since its last request) is ranked like a new one,
-but leaves its slot only when `worth_moving` says the target costs little (see there).
+`auto` (default) ranks by one cost (`Asking.cost`, docs/scheduler.md), in prefill tokens, which at the
+server's one prefill rate are seconds: the session's own prefill beyond what the slot spares (a free slot
+still holding its shared prefix), plus the tokens of whatever conversation it writes over, weighed by how soon
+that conversation is wanted again (`return_weight`: 1 for an owner seen just now, less the longer it has been
+idle, as little as an expired claim for a parent waiting for the subagent that just started; with paging a
+save and a restore instead of a prefill). The reserved side slot's prompt weighs 1: the next side call comes.
+One filter stays outside the price: a busy slot only when every slot is busy (llama-server defers a request
+pinned to a busy slot and unpinned requests starve behind it), then the shortest expected wait
+(`SlotView.wait_tokens`), the side slot last. A displaced session (its slot ran another session since) is
+ranked by the same cost, and leaves its own slot only where `worth_moving` says the target costs little.
 
 `affinity` ranks nothing here: a new session's first request goes out with `id_slot: -1` and llama-server
 chooses (prompt similarity, then LRU); the slot it chose is pinned from then on (`slotlogic.affinity`).
@@ -81,6 +63,9 @@ class SlotView:
 
 
 SPAWN_WINDOW = 3.0  # seconds: a new session this soon after a session's answer is likely its subagent
+TURN_GAP = 5.0      # seconds between an agent's calls: an owner idle n gaps is worth 1 / (1 + n) of one active now
+PAGE_SHARE = 0.1    # a save and a restore, against prefilling the same tokens again (paging on)
+UNSEEN_TOKENS = 1000.0  # a used slot whose count `/slots` did not give: some conversation, priced as a typical one
 COLD_AFTER = 5.0    # seconds idle before a live owner's slot may be taken over by a displaced session
 
 
@@ -113,23 +98,59 @@ def holds_prefix(view: SlotView, prefix: str | None) -> bool:
     return prefix is not None and view.prefix == prefix and _tokens(view) > 0
 
 
-def auto_key(view: SlotView, now: float, ttl: float, prefix: str | None,
-             reserved: Collection[int], spawn: bool = True, paging: bool = False) -> tuple[object, ...]:
-    claimed = is_claimed(view, now, ttl)
-    side = view.id in reserved
-    same_prefix = holds_prefix(view, prefix)
-    if not claimed:
-        content = 0 if same_prefix else 1 if _empty(view) else 2
-        inner: tuple[object, ...] = (content, _tokens(view), view.last_used or 0.0)
-    else:
-        inner = (0 if spawn and _spawned_from(view, now) else 1, activity(view), view.owner_requests,
-                 0 if same_prefix else 1, _tokens(view))
-    # busy last; when every slot is busy, the lowest expected time to first token first, the side slot last
-    wait = (float("inf") if view.wait_tokens is None else view.wait_tokens) if view.busy else 0.0
-    side_busy = side and view.busy
-    if paging:
-        return (view.busy, side_busy, wait, side, claimed, *inner, view.id)
-    return (view.busy, side_busy, wait, claimed, side, *inner, view.id)
+@dataclass(frozen=True)
+class Asking:
+    """What the ranking of one new session weighs slots by, besides the slots themselves. `spawn=False` for a
+    displaced session: it is no subagent, so "the owner that just answered is its parent" is void. `paging`: an
+    evicted session is paged out and back in."""
+
+    now: float
+    ttl: float
+    prefix: str | None = None
+    reserved: Collection[int] = ()
+    spawn: bool = True
+    paging: bool = False
+    prefix_tokens: float = 0.0    # the length of the stable prefix `prefix` names, in tokens
+
+    def key(self, view: SlotView) -> tuple[object, ...]:
+        """Smallest first: idle slots before busy ones (a filter, not a price: llama-server defers a request
+        pinned to a busy slot, and unpinned requests starve behind it); among idle slots the lowest `cost`; among
+        busy ones the shortest expected wait, the reserved side slot last. Ties: a slot nobody claims, then the
+        fewest tokens, then the lowest id."""
+        claimed = is_claimed(view, self.now, self.ttl)
+        if view.busy:
+            wait = float("inf") if view.wait_tokens is None else view.wait_tokens
+            return (1, view.id in self.reserved, wait, claimed, _tokens(view), view.id)
+        return (0, False, self.cost(view), claimed, _tokens(view), view.id)
+
+    def cost(self, view: SlotView) -> float:
+        """What placing the session on an idle slot costs, in prefill tokens (seconds at the server's one rate):
+        its own prefill beyond what the slot spares, plus the tokens of another conversation it writes over,
+        weighed by how soon that conversation is wanted again (`return_weight`). With paging a live session's
+        conversation is saved and restored instead of prefilled again: `PAGE_SHARE` of its tokens."""
+        claimed = is_claimed(view, self.now, self.ttl)
+        # a live owner's prefix is no saving: an empty slot gets the same prefix from its checkpoint or prefill,
+        # and taking it would page out, or prefill again, a conversation promised to its owner
+        held = holds_prefix(view, self.prefix) and not claimed
+        tokens = float(_tokens(view)) if view.n_tokens is not None or _empty(view) else UNSEEN_TOKENS
+        spared = min(float(self.prefix_tokens), tokens) if held else 0.0
+        if view.id in self.reserved:  # the side calls' prompt, prefilled again at the next side call, which comes
+            weight = 1.0
+        elif claimed:
+            parent = self.spawn and _spawned_from(view, self.now)  # returns only once its subagent is done
+            weight = return_weight(self.now - self.ttl if parent else activity(view), self.now)
+            weight *= PAGE_SHARE if self.paging else 1.0
+        else:
+            weight = return_weight(view.last_used, self.now) if view.last_used is not None else 0.0
+        return max(0.0, tokens - spared) * weight - spared
+
+
+def return_weight(last_seen: float, now: float) -> float:
+    """How much a conversation last seen at `last_seen` is worth keeping, 1 for one seen just now: an agent
+    calls again within a turn's gap, and the longer one has been idle the later it is likely to come back (a
+    user who left, a parent waiting for its subagent), so the more likely its slot would be needed by someone
+    else before then anyway: the farthest return is the cheapest eviction (Belady's choice, estimated)."""
+    return 1.0 / (1.0 + max(0.0, now - last_seen) / TURN_GAP)
 
 
 def activity(view: SlotView) -> float:
@@ -178,20 +199,17 @@ def _reason(view: SlotView, now: float, ttl: float, prefix: str | None, spawn: b
     return Why.FREE_FEWEST_TOKENS
 
 
-def choose(policy: Policy, slots: Sequence[SlotView], now: float, ttl: float, *,
-           prefix: str | None = None, reserved: Collection[int] = (), spawn: bool = True,
-           paging: bool = False) -> Choice:
-    """The slot for a new session. `slots` must be non-empty and list every slot id once. `spawn=False`
-    for a displaced session: it is no subagent, so "the owner that just answered is its parent" is void.
-    `paging`: an evicted session is paged out and back in (the reserved slot then ranks after claimed ones)."""
+def choose(policy: Policy, slots: Sequence[SlotView], asking: Asking) -> Choice:
+    """The slot for a new session. `slots` must be non-empty and list every slot id once."""
     if not slots:
         raise ValueError("no slots to choose from")
+    now, ttl = asking.now, asking.ttl
     if policy is Policy.SEED:
         best = min(slots, key=lambda v: seed_key(v, now, ttl))
         return Choice(best.id, Why.SEED_CLAIMED_COLDEST if is_claimed(best, now, ttl) else Why.SEED_FREE)
     if policy is Policy.AUTO:
-        best = min(slots, key=lambda v: auto_key(v, now, ttl, prefix, reserved, spawn, paging))
-        return Choice(best.id, _reason(best, now, ttl, prefix, spawn))
+        best = min(slots, key=asking.key)
+        return Choice(best.id, _reason(best, now, ttl, asking.prefix, asking.spawn))
     raise ValueError(f"policy {policy.value!r} does not choose slots")
 
 

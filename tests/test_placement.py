@@ -121,19 +121,24 @@ def test_with_every_slot_busy_a_new_session_queues_where_it_reaches_its_first_to
     assert (choice.slot, choice.why) == (0, Why.ALL_BUSY_SHORTEST)
 
 
+def rank(views, **asking):
+    ranking = placement.ranking
+    return ranking.choose(ranking.Policy.AUTO, views, ranking.Asking(0.0, 300.0, **asking))
+
+
 def test_a_busy_slot_holding_the_session_s_prefix_spares_its_prefill_and_unknown_work_ranks_last():
     views = [placement.ranking.SlotView(0, 3000, busy=True, prefix="p"), placement.ranking.SlotView(1, 10, busy=True)]
     # 2,000 tokens left on both; slot 0 holds the new session's 1,600-token (6,400 chars) prefix: 400 to wait
     live = [_busy(0, prompt=5000, done=3000), _busy(1, prompt=2100, done=100)]
     got = placement.waits(views, placement.SlotsSeen(live, 2), "p", 6400)
     assert [v.wait_tokens for v in got] == [400.0, 2000.0]
-    assert placement.ranking.choose(placement.ranking.Policy.AUTO, got, 0.0, 300.0, prefix="p").slot == 0
+    assert rank(got, prefix="p").slot == 0
     # without /slots, the prompts of ours open there are the wait; a slot with none of ours is unknown
     got = placement.waits(views, placement.SlotsSeen(None, 2, ahead={1: (800,)}), "p", 6400)
     assert [v.wait_tokens for v in got] == [None, 200.0]
-    choice = placement.ranking.choose(placement.ranking.Policy.AUTO, got, 0.0, 300.0, prefix="p")
+    choice = rank(got, prefix="p")
     assert (choice.slot, choice.why) == (1, Why.ALL_BUSY_SHORTEST)
-    unknown = placement.ranking.choose(placement.ranking.Policy.AUTO, views, 0.0, 300.0)
+    unknown = rank(views)
     assert unknown.why is Why.ALL_BUSY                    # nothing sized: as before, by the owners' claims
 
 
@@ -147,7 +152,7 @@ def test_the_requests_of_ours_queued_behind_a_busy_slot_count_in_its_wait():
     assert [v.wait_tokens for v in alone] == [100.0, 1000.0]  # the running one: /slots sizes it
     queued = placement.waits(views, placement.SlotsSeen(live, 2, ahead={0: (12_400, 36_000, 36_000)}), None, 0)
     assert [v.wait_tokens for v in queued] == [18_100.0, 1000.0]
-    choice = placement.ranking.choose(placement.ranking.Policy.AUTO, queued, 0.0, 300.0)
+    choice = rank(queued)
     assert (choice.slot, choice.why) == (1, Why.ALL_BUSY_SHORTEST)
 
 

@@ -1,8 +1,10 @@
 """Slot ranking: seed 000's rule as a table, and the auto policy's levers."""
 
+from dataclasses import replace
+
 import pytest
 
-from slotlogic.ranking import Choice, Policy, SlotView, choose, hash_slot, worth_moving
+from slotlogic.ranking import Asking, Choice, Policy, SlotView, choose, hash_slot, worth_moving
 from slotlogic.reasons import Why
 
 NOW, TTL = 1000.0, 120.0
@@ -29,12 +31,12 @@ SEED_CASES = [
 
 @pytest.mark.parametrize(("slots", "expected", "why"), SEED_CASES, ids=[c[2] for c in SEED_CASES])
 def test_seed_ranking_table(slots, expected, why):
-    assert choose(Policy.SEED, slots, NOW, TTL).slot == expected, why
+    assert choose(Policy.SEED, slots, Asking(NOW, TTL)).slot == expected, why
 
 
 def test_seed_reason_says_free_or_claimed():
-    assert choose(Policy.SEED, [v(0)], NOW, TTL) == Choice(0, Why("seed-free"))
-    assert choose(Policy.SEED, [v(0, 1, FRESH)], NOW, TTL) == Choice(0, Why("seed-claimed-coldest"))
+    assert choose(Policy.SEED, [v(0)], Asking(NOW, TTL)) == Choice(0, Why("seed-free"))
+    assert choose(Policy.SEED, [v(0, 1, FRESH)], Asking(NOW, TTL)) == Choice(0, Why("seed-claimed-coldest"))
 
 
 AUTO_CASES = [
@@ -55,27 +57,34 @@ AUTO_CASES = [
 
 @pytest.mark.parametrize(("slots", "expected", "reason", "why"), AUTO_CASES, ids=[c[3] for c in AUTO_CASES])
 def test_auto_ranking(slots, expected, reason, why):
-    assert choose(Policy.AUTO, slots, NOW, TTL, prefix="P") == Choice(expected, Why(reason)), why
+    chosen = choose(Policy.AUTO, slots, Asking(NOW, TTL, prefix="P", prefix_tokens=200))
+    assert chosen == Choice(expected, Why(reason)), why
 
 
 def test_auto_uses_reserved_side_slot_last():
     slots = [v(0, 500, FRESH, owner="a", reqs=5), v(1), v(2)]
-    assert choose(Policy.AUTO, slots, NOW, TTL, reserved=(2,)).slot == 1
+    assert choose(Policy.AUTO, slots, Asking(NOW, TTL, reserved=(2,))).slot == 1
     only_reserved_free = [v(0, 500, FRESH, owner="a", reqs=5), v(1, 500, FRESH, owner="b", reqs=5), v(2)]
-    assert choose(Policy.AUTO, only_reserved_free, NOW, TTL, reserved=(2,)).slot == 2
+    assert choose(Policy.AUTO, only_reserved_free, Asking(NOW, TTL, reserved=(2,))).slot == 2
 
 
 def test_with_paging_a_session_is_paged_out_before_the_side_slot_is_taken():
     """Paging makes an eviction cost a save and a restore; the side calls' prompt on the reserved slot is
-    nobody's page, so a session placed there would cost the next side call its whole prefill."""
+    nobody's page, so a session placed there would cost the next side call its whole prefill. Without paging
+    both are prefilled again: the side prompt surely (the next side call comes), a live conversation less surely
+    the longer its owner has been idle, so the cost weighs the two."""
     only_reserved_free = [v(0, 500, FRESH, owner="a", reqs=5), v(1, 500, NOW - 30, owner="b", reqs=5), v(2, 900)]
-    assert choose(Policy.AUTO, only_reserved_free, NOW, TTL, reserved=(2,)).slot == 2
-    paged = choose(Policy.AUTO, only_reserved_free, NOW, TTL, reserved=(2,), paging=True)
+    assert choose(Policy.AUTO, only_reserved_free, Asking(NOW, TTL, reserved=(2,))).slot == 1  # 900 sure, 500 idle
+    short_side = [v(0, 500, NOW - 1, owner="a", reqs=5), v(1, 500, NOW - 2, owner="b", reqs=5), v(2, 100)]
+    side_held = Asking(NOW, TTL, reserved=(2,))
+    assert choose(Policy.AUTO, short_side, side_held).slot == 2  # a short side prompt, busy agents
+    assert choose(Policy.AUTO, short_side, replace(side_held, paging=True)).slot == 1  # their pages are cheap
+    paged = choose(Policy.AUTO, only_reserved_free, Asking(NOW, TTL, reserved=(2,), paging=True))
     assert paged == Choice(1, Why("evict-cheapest"))  # the coldest owner
     all_busy_but_reserved = [v(0, 500, FRESH, owner="a", busy=True), v(1, 500, FRESH, owner="b", busy=True), v(2)]
-    assert choose(Policy.AUTO, all_busy_but_reserved, NOW, TTL, reserved=(2,), paging=True).slot == 2
+    assert choose(Policy.AUTO, all_busy_but_reserved, Asking(NOW, TTL, reserved=(2,), paging=True)).slot == 2
     two = [v(0, 500, FRESH, owner="a"), v(1), v(2)]
-    assert choose(Policy.AUTO, two, NOW, TTL, reserved=(2,), paging=True).slot == 1
+    assert choose(Policy.AUTO, two, Asking(NOW, TTL, reserved=(2,), paging=True)).slot == 1
 
 
 def test_with_every_slot_busy_sessions_queue_on_the_side_slot_last():
@@ -86,30 +95,31 @@ def test_with_every_slot_busy_sessions_queue_on_the_side_slot_last():
     busy = [SlotView(0, 3000, busy=True, wait_tokens=3000), SlotView(1, 4600, busy=True, wait_tokens=4600),
             SlotView(2, 590, busy=True, wait_tokens=590)]
     for paging in (False, True):
-        chosen = choose(Policy.AUTO, busy, NOW, TTL, reserved=(2,), paging=paging)
+        chosen = choose(Policy.AUTO, busy, Asking(NOW, TTL, reserved=(2,), paging=paging))
         assert chosen == Choice(0, Why("all-busy-shortest-wait"))
-        assert choose(Policy.AUTO, busy, NOW, TTL, paging=paging).slot == 2  # no side slot held back: the shortest
-    assert choose(Policy.AUTO, busy[2:], NOW, TTL, reserved=(2,)).slot == 2
+        assert choose(Policy.AUTO, busy, Asking(NOW, TTL, paging=paging)).slot == 2  # none held back: the shortest
+    assert choose(Policy.AUTO, busy[2:], Asking(NOW, TTL, reserved=(2,))).slot == 2
 
 
 def test_auto_beats_seed_on_the_empty_slot_trap():
     """Seed picks the empty slot (fewest tokens); auto picks the free slot that already holds the prefix."""
     slots = [v(0, 0), v(1, 700, STALE, prefix="P")]
-    assert choose(Policy.SEED, slots, NOW, TTL).slot == 0
-    assert choose(Policy.AUTO, slots, NOW, TTL, prefix="P").slot == 1
+    assert choose(Policy.SEED, slots, Asking(NOW, TTL)).slot == 0
+    assert choose(Policy.AUTO, slots, Asking(NOW, TTL, prefix="P", prefix_tokens=300)).slot == 1
+    assert choose(Policy.AUTO, slots, Asking(NOW, TTL, prefix="P", prefix_tokens=5)).slot == 0  # too short to pay
 
 
 def test_unknown_token_counts_do_not_crash():
     slots = [SlotView(0, None, last_used=FRESH), SlotView(1, None)]
-    assert choose(Policy.AUTO, slots, NOW, TTL).slot == 1
-    assert choose(Policy.SEED, slots, NOW, TTL).slot == 1
+    assert choose(Policy.AUTO, slots, Asking(NOW, TTL)).slot == 1
+    assert choose(Policy.SEED, slots, Asking(NOW, TTL)).slot == 1
 
 
 def test_off_and_empty_are_refused():
     with pytest.raises(ValueError):
-        choose(Policy.OFF, [v(0)], NOW, TTL)
+        choose(Policy.OFF, [v(0)], Asking(NOW, TTL))
     with pytest.raises(ValueError):
-        choose(Policy.AUTO, [], NOW, TTL)
+        choose(Policy.AUTO, [], Asking(NOW, TTL))
 
 
 def test_hash_slot_is_stable_and_in_range():
@@ -125,9 +135,9 @@ def test_auto_gives_a_subagent_its_waiting_parents_slot():
     slots = [SlotView(0, 900, last_used=NOW - 60, owner="a", owner_requests=1, owner_done=NOW - 50),
              SlotView(1, 900, busy=True, last_used=NOW - 2, owner="b", owner_requests=9, owner_done=NOW - 0.5),
              SlotView(2, 1200, last_used=NOW - 3, owner="p", owner_requests=9, owner_done=NOW - 1)]
-    assert choose(Policy.AUTO, slots, NOW, TTL) == Choice(2, Why("evict-waiting-parent"))
+    assert choose(Policy.AUTO, slots, Asking(NOW, TTL)) == Choice(2, Why("evict-waiting-parent"))
     stale = [*slots[:2], SlotView(2, 1200, last_used=NOW - 3, owner="p", owner_requests=9, owner_done=NOW - 10)]
-    assert choose(Policy.AUTO, stale, NOW, TTL) == Choice(0, Why("evict-cheapest"))
+    assert choose(Policy.AUTO, stale, Asking(NOW, TTL)) == Choice(0, Why("evict-cheapest"))
 
 
 def test_worth_moving_only_to_free_or_long_idle_slots():
