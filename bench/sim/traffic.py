@@ -113,6 +113,21 @@ def issue_shape(seed: int, servers: int = 1, slots: int = 4, prefill_speed: floa
                  system_words=500, output_words=(60, 200))
 
 
+def crowd_shape(seed: int, *, stock: bool = False) -> Shape:
+    """More sessions than slots and no save dir (most users start llama-server without `--slot-save-path`):
+    2-3 slots, one or two sessions more, 4-8 turns each, prefill 100-1,000 tokens/s, think times 0-3 s.
+    `stock`: the same traffic with the proxy observing only."""
+    r = random.Random(seed)
+    slots = r.choice([2, 2, 3])
+    sessions = tuple(SessionShape(turns=r.randint(4, 8), marker=r.random() < 0.5, stream=r.random() < 0.5,
+                                  start=r.uniform(0, 2), think=tuple(r.choice([0.0, 0.2, 1.0, 3.0]) for _ in range(10)))
+                     for _ in range(slots + r.choice([1, 1, 2])))
+    setup = Setup(slots=slots, paging=False, prefill_speed=r.choice([100.0, 300.0, 1000.0]), n_ctx=32768,
+                  options=(("slots_policy", "off"),) if stock else ())
+    return Shape(seed, setup, sessions, system_words=r.choice([120, 400]),
+                 output_words=(r.randint(20, 60), r.randint(80, 200)))
+
+
 def shape_for(seed: int, *, load: bool = True, stalls: bool = True) -> Shape:
     """The sweep's workload for `seed`: every tenth (seed % 10 == 9) the issue-19 traffic on 1 x 4 or 2 x 2
     slots, the others drawn by `shape_from_seed`."""
