@@ -10,6 +10,7 @@ pure core (slotlogic/keeper.py) and performs what it decides.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import Any
 
@@ -73,7 +74,8 @@ class Pinning:
     def _web_port_clear(self) -> None:
         """mitmweb's UI port defaults to 8081, the port a proxy in front of llama-server usually listens on: the
         UI's listen then failed once the proxy's had succeeded, and mitmweb exited ("address already in use").
-        It moves to the next port no mode of this proxy listens on (said in the `WebUi` line)."""
+        It moves to the next port no mode of this proxy listens on and nothing else holds now (said in the `WebUi`
+        line)."""
         o = ctx.options
         port = getattr(o, "web_port", None)
         if not isinstance(port, int):
@@ -82,7 +84,7 @@ class Pinning:
         if port not in taken:
             return
         new = port + 1
-        while new in taken:
+        while new in taken or (new < port + 64 and not _bindable(getattr(o, "web_host", "127.0.0.1"), new)):
             new += 1
         self._web_moved = port
         o.update(web_port=new)
@@ -349,3 +351,12 @@ def observe_response(response: http.Response, stream: StreamObserver | None) -> 
     if response.status_code >= 400 and obs.error_type is None:
         obs.error_type = f"http-{response.status_code}"
     return obs
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether a listening socket can be opened on (host, port) now (another process may hold the port)."""
+    try:
+        with socket.create_server((host or "127.0.0.1", port)):
+            return True
+    except OSError:
+        return False
