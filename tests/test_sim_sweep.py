@@ -249,7 +249,7 @@ def test_a_server_whose_props_and_slots_time_out_loses_nothing(seed):
                    "the other owner has been idle 5 s (`worth_moving`), so one session keeps its slot while two "
                    "displace each other every turn; on these 16 shapes 1.78 of the limit against stock's 1.72 "
                    "(crowd seed 7: 2.35 against 1.47); pricing the move by the ranking's cost spreads the loss "
-                   "(1.71 on 120 shapes) but raised the 3,000-seed sweep's worst (docs/performance.md)")
+                   "but raised the 3,000-seed sweep's worst and lost tokens unlabelled (docs/performance.md)")
 def test_more_sessions_than_slots_without_a_save_dir_prefill_less_than_stock():
     """Three sessions on two slots without a save dir, and shapes around it (`crowd_shape`): the proxy should
     prefill less than stock, the server's own similarity and LRU choice, and lose nothing unlabelled."""
