@@ -21,9 +21,13 @@ class Tasks:
         task.add_done_callback(self._running.discard)
 
     async def settle(self) -> None:
-        """Wait until every task started, and every task those started, has ended."""
+        """Wait until every task started, and every task those started, has ended. An ended task leaves the set
+        here, not only by its done callback: Python 3.12's `gather` of tasks that have all ended returns without
+        yielding to the loop, so the callback would never run and this loop would spin."""
         while self._running:
-            await asyncio.gather(*list(self._running), return_exceptions=True)
+            self._running.difference_update([t for t in self._running if t.done()])
+            if self._running:
+                await asyncio.gather(*list(self._running), return_exceptions=True)
 
     def cancel(self) -> None:
         for task in list(self._running):
