@@ -18,12 +18,19 @@ from slotkeeper.launch.mitmdump import ROOT
 pytestmark = pytest.mark.real
 
 
+def as_a_foreground_job() -> None:
+    # A terminal's foreground job starts with SIGINT at its default action. A parent that ignores it (a shell's
+    # background job, a CI runner) would pass SIG_IGN on through exec, and a signal sent before the launcher
+    # blocks it would be dropped by the kernel: not the case under test.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def launcher(port: int) -> subprocess.Popen[bytes]:
     """The launcher as a terminal runs it: the leader of its own process group (the foreground group)."""
     return subprocess.Popen([sys.executable, "-m", "slotkeeper.launch.llama_server", "--port", str(port),
                              "--slots", "1", "--ctx-per-slot", "512", "--threads", "1"],
                             cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=as_a_foreground_job)
 
 
 def serving(port: int) -> bool:
@@ -44,13 +51,15 @@ def stops_within(proc: subprocess.Popen[bytes], seconds: float) -> float | None:
     return time.monotonic() - t0
 
 
-@pytest.mark.parametrize("when", ["starting", "serving"])
+@pytest.mark.parametrize("when", ["just-started", "starting", "serving"])
 @pytest.mark.parametrize("to", ["process", "group"])
 def test_sigint_stops_the_launcher_within_5_s(when, to):
     port = free_port()
     proc = launcher(port)
-    if when == "starting":
-        time.sleep(0.5)  # Python is up (its SIGINT handler installed), the model not loaded yet
+    if when == "just-started":
+        time.sleep(0.05)  # Python still starting: the launcher has not blocked its stop signals yet
+    elif when == "starting":
+        time.sleep(0.5)  # Python is up, the model not loaded yet
     else:
         deadline = time.monotonic() + 120
         while not serving(port):

@@ -22,8 +22,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -194,6 +192,8 @@ class LlamaServer:
         return self
 
     def wait_healthy(self, timeout: float) -> None:
+        import httpx  # here, not at the top: the server process blocks its stop signals before any slow import
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
