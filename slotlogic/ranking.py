@@ -56,7 +56,6 @@ class SlotView:
     busy: bool = False               # `/slots` is_processing
     last_used: float | None = None   # newest claim by any session, from the state file
     owner: str | None = None         # session key of that claim
-    owner_requests: int = 0          # how many requests the owner sent (short-lived owners are cheap)
     prefix: str | None = None        # prefix signature of the last content pinned here
     owner_done: float | None = None  # when the owner's last response completed (this process's knowledge)
     wait_tokens: float | None = None  # busy: its expected time to first token in prefill tokens (None: unknown)

@@ -459,14 +459,12 @@ def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
                 and (rec is None or rec.owner == holder or rec.last_used <= mine.last_used)):
             same = rec is not None and rec.owner == holder
             rec = SlotRecord(last_used=max(mine.last_used, rec.last_used if same and rec else 0.0), owner=holder,
-                             requests=max(mine.requests, rec.requests if same and rec else 0),
                              # another owner's signature says nothing of what the holder left there
                              prefix=mine.prefix if mine.prefix is not None else (rec.prefix if same and rec else None))
         else:  # the file's owner, with what this process knows about it (fresher last use, answer time)
             mine = sessions.get(rec.owner) if rec is not None and rec.owner else None
             if mine is not None and mine.slot == sid and rec is not None:
-                rec = replace(rec, last_used=max(rec.last_used, mine.last_used),
-                              requests=max(rec.requests, mine.requests))
+                rec = replace(rec, last_used=max(rec.last_used, mine.last_used))
             else:
                 mine = None
         n_tokens = integer(entry.get("n_prompt_tokens"))
@@ -478,7 +476,6 @@ def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
             busy=bool(entry.get("is_processing", False)) or sid in pending,
             last_used=rec.last_used if rec else None,
             owner=rec.owner if rec else None,
-            owner_requests=rec.requests if rec else 0,
             prefix=rec.prefix if rec else None,
             owner_done=mine.done if mine is not None else None,
         ))

@@ -11,9 +11,8 @@ NOW, TTL = 1000.0, 120.0
 FRESH, STALE = NOW - 10, NOW - 500  # claimed (within TTL) / abandoned
 
 
-def v(i, tokens=0, last=None, busy=False, owner=None, reqs=0, prefix=None):
-    return SlotView(id=i, n_tokens=tokens, busy=busy, last_used=last, owner=owner, owner_requests=reqs,
-                    prefix=prefix)
+def v(i, tokens=0, last=None, busy=False, owner=None, prefix=None):
+    return SlotView(id=i, n_tokens=tokens, busy=busy, last_used=last, owner=owner, prefix=prefix)
 
 
 SEED_CASES = [
@@ -45,11 +44,11 @@ AUTO_CASES = [
     ([v(0, 800, STALE, prefix="Q"), v(1)], 1, "free-empty", "empty beats a free slot with other content"),
     ([v(0, 800, STALE, prefix="Q"), v(1, 300, STALE, prefix="Q")], 1, "free-fewest-tokens",
      "free, foreign content: lose the fewest tokens"),
-    ([v(0, 100, FRESH, owner="a", reqs=9), v(1, 900, STALE, prefix="Q")], 1, "free-fewest-tokens",
+    ([v(0, 100, FRESH, owner="a"), v(1, 900, STALE, prefix="Q")], 1, "free-fewest-tokens",
      "free before claimed"),
-    ([v(0, 900, NOW - 50, owner="a", reqs=12), v(1, 200, NOW - 5, owner="b", reqs=2)], 0, "evict-cheapest",
+    ([v(0, 900, NOW - 50, owner="a"), v(1, 200, NOW - 5, owner="b")], 0, "evict-cheapest",
      "all claimed: the coldest owner, which spreads new sessions over the slots"),
-    ([v(0, 900, NOW - 20, owner="a", reqs=12), v(1, 200, NOW - 20, owner="b", reqs=2)], 1, "evict-cheapest",
+    ([v(0, 900, NOW - 20, owner="a"), v(1, 200, NOW - 20, owner="b")], 1, "evict-cheapest",
      "all claimed, equally cold: a short-lived owner before a long-lived one"),
     ([v(0, 1, busy=True), v(1, 1, busy=True)], 0, "all-busy", "everything busy: still a valid slot"),
 ]
@@ -62,9 +61,9 @@ def test_auto_ranking(slots, expected, reason, why):
 
 
 def test_auto_uses_reserved_side_slot_last():
-    slots = [v(0, 500, FRESH, owner="a", reqs=5), v(1), v(2)]
+    slots = [v(0, 500, FRESH, owner="a"), v(1), v(2)]
     assert choose(Policy.AUTO, slots, Asking(NOW, TTL, reserved=(2,))).slot == 1
-    only_reserved_free = [v(0, 500, FRESH, owner="a", reqs=5), v(1, 500, FRESH, owner="b", reqs=5), v(2)]
+    only_reserved_free = [v(0, 500, FRESH, owner="a"), v(1, 500, FRESH, owner="b"), v(2)]
     assert choose(Policy.AUTO, only_reserved_free, Asking(NOW, TTL, reserved=(2,))).slot == 2
 
 
@@ -73,9 +72,9 @@ def test_with_paging_a_session_is_paged_out_before_the_side_slot_is_taken():
     nobody's page, so a session placed there would cost the next side call its whole prefill. Without paging
     both are prefilled again: the side prompt surely (the next side call comes), a live conversation less surely
     the longer its owner has been idle, so the cost weighs the two."""
-    only_reserved_free = [v(0, 500, FRESH, owner="a", reqs=5), v(1, 500, NOW - 30, owner="b", reqs=5), v(2, 900)]
+    only_reserved_free = [v(0, 500, FRESH, owner="a"), v(1, 500, NOW - 30, owner="b"), v(2, 900)]
     assert choose(Policy.AUTO, only_reserved_free, Asking(NOW, TTL, reserved=(2,))).slot == 1  # 900 sure, 500 idle
-    short_side = [v(0, 500, NOW - 1, owner="a", reqs=5), v(1, 500, NOW - 2, owner="b", reqs=5), v(2, 100)]
+    short_side = [v(0, 500, NOW - 1, owner="a"), v(1, 500, NOW - 2, owner="b"), v(2, 100)]
     side_held = Asking(NOW, TTL, reserved=(2,))
     assert choose(Policy.AUTO, short_side, side_held).slot == 2  # a short side prompt, busy agents
     assert choose(Policy.AUTO, short_side, replace(side_held, paging=True)).slot == 1  # their pages are cheap
@@ -132,16 +131,16 @@ def test_hash_slot_is_stable_and_in_range():
 def test_auto_gives_a_subagent_its_waiting_parents_slot():
     """All slots claimed; the owner of slot 2 answered 1 s ago and is idle: it is waiting for the subagent that
     just started, so its next request is the furthest away. A busy or long-ago answer does not count."""
-    slots = [SlotView(0, 900, last_used=NOW - 60, owner="a", owner_requests=1, owner_done=NOW - 50),
-             SlotView(1, 900, busy=True, last_used=NOW - 2, owner="b", owner_requests=9, owner_done=NOW - 0.5),
-             SlotView(2, 1200, last_used=NOW - 3, owner="p", owner_requests=9, owner_done=NOW - 1)]
+    slots = [SlotView(0, 900, last_used=NOW - 60, owner="a", owner_done=NOW - 50),
+             SlotView(1, 900, busy=True, last_used=NOW - 2, owner="b", owner_done=NOW - 0.5),
+             SlotView(2, 1200, last_used=NOW - 3, owner="p", owner_done=NOW - 1)]
     assert choose(Policy.AUTO, slots, Asking(NOW, TTL)) == Choice(2, Why("evict-waiting-parent"))
-    stale = [*slots[:2], SlotView(2, 1200, last_used=NOW - 3, owner="p", owner_requests=9, owner_done=NOW - 10)]
+    stale = [*slots[:2], SlotView(2, 1200, last_used=NOW - 3, owner="p", owner_done=NOW - 10)]
     assert choose(Policy.AUTO, stale, Asking(NOW, TTL)) == Choice(0, Why("evict-cheapest"))
 
 
 def test_worth_moving_only_to_free_or_long_idle_slots():
-    own = SlotView(0, 900, last_used=NOW - 2, owner="c", owner_requests=1, owner_done=NOW - 1)
+    own = SlotView(0, 900, last_used=NOW - 2, owner="c", owner_done=NOW - 1)
     assert not worth_moving(own, own, NOW, TTL)
     assert worth_moving(SlotView(1, 900), own, NOW, TTL)  # nobody's
     assert worth_moving(SlotView(1, 900, last_used=STALE, owner="x"), own, NOW, TTL)  # expired claim
