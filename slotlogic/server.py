@@ -70,11 +70,6 @@ class ServerInfo:
                    build_info=_str(props.get("build_info")), model_path=_str(props.get("model_path")),
                    raw=raw, model_content=content)
 
-    @property
-    def model_id(self) -> str:
-        """Which model and build wrote a slot file: a page is restored only into the same."""
-        return f"{self.model_path}|{self.build_info}"
-
     def page_identity(self, server_id: str = "") -> str:
         """What a session page must match to be restored: the checkpoint sidecar's facts plus the model file's
         size and mtime, the operator's `slots_server_id` and the KV cache types (`kv_cache`: configured, or read

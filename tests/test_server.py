@@ -9,7 +9,7 @@ PROPS = {"total_slots": 4, "media_marker": "<m>", "build_info": "b1", "model_pat
 def test_props():
     info = ServerInfo.parse(PROPS)
     assert info is not None and (info.total_slots, info.media_marker, info.n_ctx) == (4, "<m>", 8192)
-    assert info.model_id == "/m.gguf|b1"
+    assert (info.model_path, info.build_info) == ("/m.gguf", "b1")
     assert info.identity == {"build_info": "b1", "model_path": "/m.gguf", "total_slots": 4, "n_ctx": 8192,
                              "model_content": info.model_content}
     assert "chat_template" not in info.raw and info.raw["total_slots"] == 4  # only the recorded facts

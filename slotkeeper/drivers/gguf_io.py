@@ -164,9 +164,3 @@ def model_facts(model_path: str | None) -> tuple[ModelFacts | None, HeaderRead]:
 
 async def model_facts_async(model_path: str | None) -> tuple[ModelFacts | None, HeaderRead]:
     return await asyncio.to_thread(model_facts, model_path)
-
-
-def clear_cache() -> None:
-    """Forget every read (tests)."""
-    with _lock:
-        _cache.clear()
