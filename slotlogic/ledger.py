@@ -1,29 +1,9 @@
 """The slot ledger: what this proxy believes each slot of one server holds, and the loss meter behind it.
 
-Why: a slot's KV cache is overwritten by whatever reaches it next — a pinned request, a page-in, a prefix
-restore or warm-up, a seed copy, an unpinned request the server places itself, a restart. The session table
-says who *claimed* a slot; the ledger says what the slot *holds* after every write, so a session is only
-"known" (its next turn pinned without a page-in) while the slot still holds its own conversation, and every
-answer can be checked against what was promised for it.
-
-Rule 1: pure. Facts in (a write planned or done, an answer's token counts), typed values out.
-Rule 2: every write goes through a fence. Each slot has an `epoch` that every write and every claim increments;
-        a move is planned against a `Fence` (slot, epoch) and performed only if the epoch is unchanged when it
-        starts (`admit`). A stale plan is dropped (the caller logs `StalePlan` and plans again).
-Rule 3: a promise per request. When a request is pinned, the ledger says how many tokens the slot holds for
-        its session (`Promise`); when the answer comes, `settle` compares the server's `cache_n` with the
-        session's conversation as of its previous answer and, for a shortfall beyond `tolerance`, names the
-        cause from the slot's history (a prefix written over the owner, a page older than the conversation,
-        a restart, another process, an unpinned request, an eviction). Expected causes are labelled so.
-Rule 4: claims queue, they do not overwrite. A placement that chooses a slot `claim`s it: from then on no session
-        is "known" there (its next request is placed like a displaced one, never sent over the moves) and the
-        slot counts as busy for other placements, until the placement's own request is pinned (`pin`) or it
-        gives up (`unclaim`). The claim moves no epoch: placements on one slot take their turns (the driver's
-        slot lock), each fencing its moves by the epoch as it is when its turn comes (`fence`), so an earlier
-        placement's moves are never made stale by a later one's choice; only writes (and other processes'
-        claims) move epochs.
-Rule 5: bounded. At most `MAX_SLOTS` entries per server (only `/props` sizes the ledger; more is capped) and
-        `MAX_SESSIONS` remembered conversations, the least recently answered forgotten first.
+The session table says who *claimed* a slot; the ledger says what it *holds* after every write, so a session is
+"known" (its next turn pinned without a page-in) only while its slot still holds its conversation, and every
+answer is checked against what was promised for it. Pure; every write is fenced by the slot's epoch (`admit`);
+claims queue behind each other and move no epoch; bounded (`MAX_SLOTS`, `MAX_SESSIONS`). docs/ledger.md.
 """
 
 from __future__ import annotations
@@ -396,8 +376,7 @@ class Ledger:
 
     def emptied(self, key: str, cause: Cause) -> None:
         """`key`'s conversation was gone before a move of ours (`found_empty`), for `cause`: whatever
-        writes the slot next loses nothing of it (sim seed 6: a prefix restore over a slot idle clearing had
-        emptied was called `prefix-over-owner`)."""
+        writes the slot next loses nothing of it (else it takes the blame)."""
         if key in self.conversations:  # (another proxy's session: its own proxy says)
             self._gone(key, cause, keep=_EMPTIED)
 
