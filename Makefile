@@ -33,11 +33,11 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m slotkeeper.launch.stack --llama-url '$(LLAMA_URL)' --llama-port $(LLAMA_PORT) \
+	$(BIN)/python -m bench.real.stack --llama-url '$(LLAMA_URL)' --llama-port $(LLAMA_PORT) \
 		--proxy-port $(PROXY_PORT) --slots $(SLOTS) $(ARGS)
 
 web: $(STAMP)
-	$(BIN)/python -m slotkeeper.launch.stack --web --llama-url '$(LLAMA_URL)' --llama-port $(LLAMA_PORT) \
+	$(BIN)/python -m bench.real.stack --web --llama-url '$(LLAMA_URL)' --llama-port $(LLAMA_PORT) \
 		--proxy-port $(PROXY_PORT) --slots $(SLOTS) $(ARGS)
 
 # What the suite starts besides Python (redis-server, headless Chromium, Node.js): installed from Debian's

@@ -44,10 +44,10 @@ from bench import limit, loss
 from bench.client import RequestRecord
 from bench.configs import BenchConfig, Stack
 from bench.real.clients import CLIENTS, ClientSession, ClientUnavailable, node_available
+from bench.real.llama_server import LlamaServer
+from bench.real.mitmdump import MitmProxy
 from bench.responses import ResponsesError
 from bench.responses import to_chat as responses_to_chat
-from slotkeeper.launch.llama_server import LlamaServer
-from slotkeeper.launch.mitmdump import MitmProxy
 from slotlogic import anthropic
 from slotlogic.endpoints import ANTHROPIC_PATHS, CHAT_PATHS, RESPONSES_PATHS, normalise_path
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from slotkeeper.launch.llama_server import LlamaServer
-from slotkeeper.launch.mitmdump import MitmProxy
+from bench.real.llama_server import LlamaServer
+from bench.real.mitmdump import MitmProxy
 
 SLOTS = 4
 CTX_PER_SLOT = 8192
@@ -41,7 +41,7 @@ def default_threads() -> int:
 @dataclass(frozen=True)
 class Server:
     """The llama-server the bench runs on. Default: the embedded one with SmolLM2
-    (slotkeeper/launch/llama_server.py)."""
+    (bench/real/llama_server.py)."""
 
     binary: str | None = None        # a llama-server binary (LLAMA_SERVER_BIN), else the embedded xllamacpp
     model: str | None = None         # a GGUF, else SmolLM2
@@ -66,7 +66,7 @@ def use_server(server: Server) -> None:
     global SERVER
     SERVER = server
     if server.binary:
-        # slotkeeper.launch.llama_server reads it for every server it starts
+        # bench.real.llama_server reads it for every server it starts
         os.environ["LLAMA_SERVER_BIN"] = server.binary
 
 

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.llama_url:
         url, save_dir = a.llama_url.rstrip("/"), a.save_dir
     else:
-        from slotkeeper.launch.llama_server import LlamaServer
+        from bench.real.llama_server import LlamaServer
         if a.llama_server:
             os.environ["LLAMA_SERVER_BIN"] = a.llama_server
         model = a.model

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="messages: the body as an Anthropic /v1/messages request (the translation's cost)")
     ap.add_argument("--state-url", default="", help="slots_state_url (e.g. redis://127.0.0.1:6379/0)")
     a = ap.parse_args(argv)
-    from slotkeeper.launch.llama_server import free_port
+    from slotkeeper.launch.mitmdump import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "bench.fake_upstream", "--port", str(port)], cwd=str(ROOT),

@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 
 from slotkeeper.drivers.store_file import state_file_name
-from slotkeeper.launch.llama_server import free_port
+from slotkeeper.launch.mitmdump import free_port
 
 CAP_MB = 300.0        # every attack's bound on peak RSS growth (issue 20)
 HEALTH_S = 1.0        # every health answer within this

@@ -36,9 +36,9 @@ from typing import Any
 import httpx
 
 from bench.memory_bounds import Attack, Sizes, Watch, cpu_seconds, measure
+from bench.real.mitmdump import ROOT
 from bench.stub_llama import StubLlama
-from slotkeeper.launch.llama_server import free_port
-from slotkeeper.launch.mitmdump import ROOT
+from slotkeeper.launch.mitmdump import free_port
 
 QUIET = {"slots_probe_interval": 0}
 NPROBS_ITEM = b'{"id":1,"token":"a","logprob":-0.1,"bytes":[97]},'

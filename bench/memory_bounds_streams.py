@@ -32,10 +32,10 @@ from typing import Any
 import httpx
 
 from bench.memory_bounds import Attack, Sizes, Watch, measure
+from bench.real.mitmdump import ROOT
 from bench.stub_llama import StubLlama
 from slotkeeper.drivers.store_file import state_file_name
-from slotkeeper.launch.llama_server import free_port
-from slotkeeper.launch.mitmdump import ROOT
+from slotkeeper.launch.mitmdump import free_port
 
 MB = 1 << 20
 PIECE = 1 << 20            # the stub writes its body in pieces this large

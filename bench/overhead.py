@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.real.mitmdump import MitmProxy
 from bench.workload import anthropic_body
-from slotkeeper.launch.llama_server import free_port
-from slotkeeper.launch.mitmdump import MitmProxy
+from slotkeeper.launch.mitmdump import free_port
 
 NOOP_ADDON = Path(__file__).resolve().parent / "noop_addon.py"
 ROOT = Path(__file__).resolve().parent.parent

@@ -29,8 +29,8 @@ from typing import Any
 import httpx
 
 from bench.real.browser import Browser
-from slotkeeper.launch.llama_server import free_port
-from slotkeeper.launch.mitmdump import ROOT, MitmProxy
+from bench.real.mitmdump import ROOT, MitmProxy
+from slotkeeper.launch.mitmdump import free_port
 
 CAUSES = ("evicted", "other-process", "restart", "side-call")
 KINDS = ("page-out", "page-in", "seed", "prefix", "loss")

@@ -64,8 +64,9 @@ import httpx
 from mitmproxy.net import encoding
 
 from bench import disk_budget, memory_bounds, reliability_store
-from slotkeeper.launch.llama_server import LlamaServer, free_port
-from slotkeeper.launch.mitmdump import ROOT, MitmProxy, mitm_argv
+from bench.real.llama_server import LlamaServer
+from bench.real.mitmdump import ROOT, MitmProxy
+from slotkeeper.launch.mitmdump import free_port, mitm_argv
 from slotlogic import paging
 
 RESULTS = ROOT / "bench" / "results" / "reliability.json"

@@ -37,9 +37,9 @@ from typing import Any
 import httpx
 
 from bench.memory_bounds import Attack, BoundsRow, StandIn, Watch, measure, run_attacks
+from bench.real.mitmdump import ROOT
 from bench.stub_llama import StubLlama
-from slotkeeper.launch.llama_server import free_port
-from slotkeeper.launch.mitmdump import ROOT
+from slotkeeper.launch.mitmdump import free_port
 
 REDIS_CAP_MB = 50.0  # the acceptance figure: what a hostile value may cost the proxy
 QUIET = {"slots_log_requests": "off"}

@@ -27,11 +27,12 @@ from typing import Any
 
 from bench import loss
 from bench.client import RequestRecord, run_session
+from bench.real.llama_server import LlamaServer
+from bench.real.mitmdump import MitmProxy
 from bench.real.redis_server import RedisServer
 from bench.report import run_row
 from bench.workload import Workload
-from slotkeeper.launch.llama_server import LlamaServer, free_port
-from slotkeeper.launch.mitmdump import MitmProxy
+from slotkeeper.launch.mitmdump import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOTS = 2

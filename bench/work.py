@@ -51,8 +51,8 @@ def measure_depth(threads: int = 2, chunk: int = 2048, chunks: int = 15) -> dict
     here would weigh the deep chunks over the shallow ones."""
     import httpx
 
+    from bench.real.llama_server import LlamaServer
     from bench.real.long_context import filler_prompt, long_context_model
-    from slotkeeper.launch.llama_server import LlamaServer
 
     points: list[tuple[float, float]] = []
     with LlamaServer(slots=1, ctx_per_slot=chunk * (chunks + 1), threads=threads,

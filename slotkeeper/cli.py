@@ -121,7 +121,7 @@ def command(argv: list[str]) -> tuple[list[str], list[str]]:
     options: dict[str, object] = {}
     if a.save_dir:
         options["slots_save_dir"] = str(Path(a.save_dir).expanduser().resolve())
-    from slotkeeper.launch.mitmdump import mitm_argv  # after the arguments are checked: it imports httpx
+    from slotkeeper.launch.mitmdump import mitm_argv
 
     mitm = mitm_argv(upstream, port, options, web=a.web, web_port=web_port, extra=extra, host=host)
     shown = f"[{host}]" if ":" in host else host

@@ -16,7 +16,7 @@ import os
 import signal
 from pathlib import Path
 
-from slotkeeper.launch.llama_server import LlamaServer, ServerConfig, model_path
+from bench.real.llama_server import LlamaServer, ServerConfig, model_path
 
 TEMPLATE = Path(__file__).with_name("hermes_tools.jinja")
 THINK_TEMPLATE = Path(__file__).with_name("hermes_think.jinja")

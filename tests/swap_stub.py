@@ -20,7 +20,8 @@ from typing import Any
 
 import httpx
 
-from slotkeeper.launch.llama_server import LlamaServer, free_port
+from bench.real.llama_server import LlamaServer
+from slotkeeper.launch.mitmdump import free_port
 
 MODEL_ROUTES = ("/v1/chat/completions", "/v1/completions", "/completion", "/v1/messages")
 

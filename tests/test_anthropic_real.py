@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from slotkeeper.launch.llama_server import LlamaServer
+from bench.real.llama_server import LlamaServer
 from slotlogic import anthropic as A
 from slotlogic import anthropic_answer as R
 from tests.hermes_server import THINK_TEMPLATE, HermesServer

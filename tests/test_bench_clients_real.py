@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from bench import limit, responses
-from slotkeeper.launch.llama_server import LlamaServer
+from bench.real.llama_server import LlamaServer
 from tests.hermes_server import HermesServer
 from tests.test_bench_clients import CODEX_TURN_2
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench import costs as bench_costs
-from slotkeeper.launch.llama_server import LlamaServer
+from bench.real.llama_server import LlamaServer
 from tests.real_helpers import THREADS
 
 

@@ -31,9 +31,9 @@ from bench.real.clients import (
     QwenCodeSession,
     node_available,
 )
+from bench.real.llama_server import LlamaServer
 from bench.real.long_context import long_context_model
-from slotkeeper.launch.llama_server import LlamaServer
-from slotkeeper.launch.mitmdump import MitmProxy
+from bench.real.mitmdump import MitmProxy
 from tests.real_helpers import THREADS
 
 ROOT = Path(__file__).resolve().parent.parent

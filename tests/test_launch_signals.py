@@ -1,4 +1,4 @@
-"""`python -m slotkeeper.launch.llama_server` stops on Ctrl-C in every case: a terminal sends SIGINT to its whole
+"""`python -m bench.real.llama_server` stops on Ctrl-C in every case: a terminal sends SIGINT to its whole
 foreground process group, whether the server is still loading its model or already serving."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from slotkeeper.launch.llama_server import free_port
-from slotkeeper.launch.mitmdump import ROOT
+from bench.real.mitmdump import ROOT
+from slotkeeper.launch.mitmdump import free_port
 
 pytestmark = pytest.mark.real
 
@@ -27,7 +27,7 @@ def as_a_foreground_job() -> None:
 
 def launcher(port: int) -> subprocess.Popen[bytes]:
     """The launcher as a terminal runs it: the leader of its own process group (the foreground group)."""
-    return subprocess.Popen([sys.executable, "-m", "slotkeeper.launch.llama_server", "--port", str(port),
+    return subprocess.Popen([sys.executable, "-m", "bench.real.llama_server", "--port", str(port),
                              "--slots", "1", "--ctx-per-slot", "512", "--threads", "1"],
                             cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, preexec_fn=as_a_foreground_job)

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from slotkeeper.launch.mitmdump import MitmProxy
+from bench.real.mitmdump import MitmProxy
 from tests.real_helpers import conversation, extend, jsonl
 from tests.swap_stub import SwapStub
 

@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from slotkeeper.launch.llama_server import free_port
-from slotkeeper.launch.mitmdump import ROOT, mitm_binary
+from bench.real.mitmdump import ROOT
+from slotkeeper.launch.mitmdump import free_port, mitm_binary
 
 pytestmark = pytest.mark.real
 

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from bench.real.llama_server import LlamaServer, model_path
 from slotkeeper.drivers import gguf_io
-from slotkeeper.launch.llama_server import LlamaServer, model_path
 from slotlogic.model_facts import ModelFacts, ReuseKind
 from slotlogic.wording import describe
 from tests import tiny_models

@@ -9,8 +9,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from bench.real.llama_server import LlamaServer
 from bench.real.pi import PiSession, PiUnavailable, ensure_pi_installed, node_available
-from slotkeeper.launch.llama_server import LlamaServer
 from tests.real_helpers import THREADS
 
 pytestmark = [

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slotkeeper.launch.llama_server import LlamaServer
-from slotkeeper.launch.mitmdump import MitmProxy
+from bench.real.llama_server import LlamaServer
+from bench.real.mitmdump import MitmProxy
 from tests.real_helpers import SYSTEM, THREADS
 
 pytestmark = pytest.mark.real

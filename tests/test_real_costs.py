@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from slotkeeper.launch.llama_server import LlamaServer
-from slotkeeper.launch.mitmdump import MitmProxy
+from bench.real.llama_server import LlamaServer
+from bench.real.mitmdump import MitmProxy
 from slotlogic.costs import Move
 from tests import tiny_models
 from tests.real_helpers import THREADS, ask, jsonl

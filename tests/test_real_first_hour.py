@@ -12,8 +12,9 @@ import time
 import httpx
 import pytest
 
-from slotkeeper.launch.llama_server import LlamaServer, free_port
-from slotkeeper.launch.mitmdump import ROOT, MitmProxy, mitm_argv
+from bench.real.llama_server import LlamaServer
+from bench.real.mitmdump import ROOT, MitmProxy
+from slotkeeper.launch.mitmdump import free_port, mitm_argv
 from tests.real_helpers import THREADS, conversation
 
 pytestmark = pytest.mark.real

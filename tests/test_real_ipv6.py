@@ -10,9 +10,9 @@ import sys
 import httpx
 import pytest
 
+from bench.real.mitmdump import ROOT, MitmProxy
 from slotkeeper.drivers import origins
-from slotkeeper.launch.llama_server import free_port
-from slotkeeper.launch.mitmdump import ROOT, MitmProxy
+from slotkeeper.launch.mitmdump import free_port
 from slotkeeper.mitm import options
 
 

@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from slotkeeper.launch.llama_server import LlamaServer
-from slotkeeper.launch.mitmdump import MitmProxy
+from bench.real.llama_server import LlamaServer
+from bench.real.mitmdump import MitmProxy
 from tests.real_helpers import THREADS, Turn, ask, conversation, extend, jsonl
 
 pytestmark = pytest.mark.real

@@ -10,8 +10,8 @@ import sys
 import httpx
 import pytest
 
-from slotkeeper.launch.llama_server import free_port
-from slotkeeper.launch.mitmdump import ROOT, MitmProxy
+from bench.real.mitmdump import ROOT, MitmProxy
+from slotkeeper.launch.mitmdump import free_port
 
 pytestmark = pytest.mark.real
 

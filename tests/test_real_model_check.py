@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slotkeeper.launch.llama_server import LlamaServer
-from slotkeeper.launch.mitmdump import MitmProxy
+from bench.real.llama_server import LlamaServer
+from bench.real.mitmdump import MitmProxy
 from tests import tiny_models
 
 pytestmark = pytest.mark.real

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from slotkeeper.launch.llama_server import LlamaServer
-from slotkeeper.launch.mitmdump import MitmProxy
+from bench.real.llama_server import LlamaServer
+from bench.real.mitmdump import MitmProxy
 from slotlogic import paging
 from tests.real_helpers import THREADS, ask, conversation, extend, jsonl
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slotkeeper.launch.llama_server import LlamaServer, free_port
-from slotkeeper.launch.mitmdump import MitmProxy
+from bench.real.llama_server import LlamaServer
+from bench.real.mitmdump import MitmProxy
+from slotkeeper.launch.mitmdump import free_port
 from tests.real_helpers import ask, conversation, extend, jsonl
 
 pytestmark = pytest.mark.real

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from slotkeeper.launch.llama_server import LlamaServer
-from slotkeeper.launch.mitmdump import MitmProxy
+from bench.real.llama_server import LlamaServer
+from bench.real.mitmdump import MitmProxy
 from tests.real_helpers import THREADS, jsonl
 
 pytestmark = pytest.mark.real

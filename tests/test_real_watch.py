@@ -22,8 +22,9 @@ from typing import Any, ClassVar
 import httpx
 import pytest
 
-from slotkeeper.launch.llama_server import LlamaServer, free_port
-from slotkeeper.launch.mitmdump import MitmProxy
+from bench.real.llama_server import LlamaServer
+from bench.real.mitmdump import MitmProxy
+from slotkeeper.launch.mitmdump import free_port
 from tests.real_helpers import jsonl
 
 pytestmark = pytest.mark.real
@@ -254,7 +255,8 @@ def test_mitmweb_shows_what_a_waiting_request_is_doing_as_its_comment(tmp_path):
 
     from mitmproxy import version
 
-    from slotkeeper.launch.mitmdump import ROOT, mitm_argv
+    from bench.real.mitmdump import ROOT
+    from slotkeeper.launch.mitmdump import mitm_argv
 
     shim = ThreadingHTTPServer(("127.0.0.1", free_port()), Canned)
     threading.Thread(target=shim.serve_forever, daemon=True).start()

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from slotkeeper.launch.llama_server import LlamaServer
-from slotkeeper.launch.mitmdump import MitmProxy
+from bench.real.llama_server import LlamaServer
+from bench.real.mitmdump import MitmProxy
 from tests.real_helpers import ask, conversation, extend, jsonl
 from tests.redis_fixtures import new_redis
 

@@ -21,8 +21,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.real import browser
-from slotkeeper.launch.llama_server import LlamaServer
-from slotkeeper.launch.mitmdump import MitmProxy
+from bench.real.llama_server import LlamaServer
+from bench.real.mitmdump import MitmProxy
 from tests.real_helpers import THREADS, ask, conversation, extend
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from slotkeeper.launch.llama_server import free_port
-from slotkeeper.launch.mitmdump import ROOT, MitmProxy, mitm_argv
+from bench.real.mitmdump import ROOT, MitmProxy
+from slotkeeper.launch.mitmdump import free_port, mitm_argv
 
 BODY = {"model": "m", "messages": [{"role": "system", "content": "You are a coding agent."},
                                    {"role": "user", "content": "Fix the bug."}], "max_tokens": 4}

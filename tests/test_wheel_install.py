@@ -21,7 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slotkeeper.launch.llama_server import LlamaServer, free_port
+from bench.real.llama_server import LlamaServer
+from slotkeeper.launch.mitmdump import free_port
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 
@@ -72,6 +73,7 @@ def test_the_wheel_installs_into_a_fresh_venv_and_its_command_answers_through_a_
 
         sp = site_packages(venv)
         assert sorted(p.name for p in sp.iterdir() if p.name in NOT_INSTALLED) == []
+        assert sorted(p.name for p in (sp / "slotkeeper" / "launch").glob("*.py")) == ["__init__.py", "mitmdump.py"]
         assert (sp / "slotkeeper" / "mitm" / "page" / "slots.html").is_file()
         addon = quiet([str(venv / "bin" / "slotkeeper"), "--addon-path"], env=env, cwd=str(tmp_path)).stdout.strip()
         assert Path(addon) == sp / "slotkeeper" / "addon.py" and Path(addon).is_file()

@@ -16,7 +16,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from slotkeeper.launch.llama_server import model_path
+from bench.real.llama_server import model_path
 
 EMBD = 64
 

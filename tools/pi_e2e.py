@@ -24,8 +24,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.real.llama_server import LlamaServer  # noqa: E402
 from bench.real.pi import PiSession, ensure_pi_installed, run_sessions_concurrently  # noqa: E402
-from slotkeeper.launch.llama_server import LlamaServer, free_port  # noqa: E402
+from slotkeeper.launch.mitmdump import free_port  # noqa: E402
 
 TOPICS = ["a hash map", "a linked list", "a binary heap", "a trie", "a bloom filter"]
 FOLLOW_UPS = ["Reply with one short sentence: when is it a bad choice?",

@@ -57,11 +57,12 @@ from bench.real.clients import (  # noqa: E402
     OpenCodeSession,
     QwenCodeSession,
 )
+from bench.real.llama_server import LlamaServer  # noqa: E402
 from bench.real.long_context import long_context_model  # noqa: E402
+from bench.real.mitmdump import MitmProxy  # noqa: E402
 from bench.real.pi import PI_VERSION, PiSession, ensure_pi_installed, run_sessions_concurrently  # noqa: E402
 from bench.workload import SessionScript, Workload, generate  # noqa: E402
-from slotkeeper.launch.llama_server import LlamaServer  # noqa: E402
-from slotkeeper.launch.mitmdump import MitmProxy, mitm_argv  # noqa: E402
+from slotkeeper.launch.mitmdump import mitm_argv  # noqa: E402
 
 OUT = ROOT / "recordings"
 PREFERRED_PORT = 8080
@@ -295,7 +296,7 @@ def record(name: str, port: int | None, work_root: Path) -> dict[str, Any]:
             "server": {"url": server.url, "build_info": props.get("build_info"),
                        "model": Path(str(props.get("model_path"))).name, "total_slots": props.get("total_slots"),
                        "n_ctx_per_slot": (props.get("default_generation_settings") or {}).get("n_ctx"),
-                       "runner": f"xllamacpp {metadata.version('xllamacpp')} (slotkeeper/launch/llama_server.py)"},
+                       "runner": f"xllamacpp {metadata.version('xllamacpp')} (bench/real/llama_server.py)"},
             "proxy": {"mitmproxy": mitmproxy.version.VERSION, "python": sys.version.split()[0],
                       "command": proxy_command(server.url, rec)},
             "recorded": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from slotkeeper.launch.llama_server import LlamaServer, model_path
+from bench.real.llama_server import LlamaServer, model_path
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE_DIR = ROOT / "run" / "models"

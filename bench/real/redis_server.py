@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from slotkeeper.launch.llama_server import free_port
+from slotkeeper.launch.mitmdump import free_port
 
 MISSING = ("redis-server (or valkey-server) is not installed: `make test` installs it when it may "
            "(root or passwordless sudo), else sudo apt-get install redis-server")

@@ -79,13 +79,9 @@ class ServerProbe:
                         ) -> tuple[ServerInfo | None, dict[str, Any] | None, list[dict[str, Any]] | None]:
         """What a new placement decides with: the parsed `/props`, `/props` and `/slots` (`asked`: the router's,
         else asked now; `arrived`: when its request came, monotonic; `bound`: its wait bound). A `/props` that
-        does not answer leaves this process's last answer standing: it answered past its 3 s time-out on a
-        loaded machine (many client processes, the proxy and the server's threads on two cores),
-        and the hash fallback used then pinned a new session outside the slot's plan, onto a slot in the middle
-        of another placement's warm-up, whose prefix file then saved that session's conversation under the other
-        prefix's name. A restart or resize is the background probe's to notice. A server never heard from is
-        asked again up to the hold's cap; only then the caller falls back. A server that refuses is down: the
-        caller falls back at once (a pool sends the request to another server)."""
+        hangs leaves this process's last answer standing (a loaded server answers late; the hash fallback would
+        pin outside the slots' plans); a restart or resize is the background probe's to notice. A server never
+        heard from is asked again up to the hold's cap; one that refuses is down: the caller falls back at once."""
         known = self.keeper.server
         patient = None if known is not None else (arrived or time.monotonic()) + wait.hold_cap(bound)
         props, live = asked if asked is not None else await self.ask(patient)
@@ -191,10 +187,8 @@ class ServerProbe:
 
     async def start(self) -> None:
         """`_learn` (the `/v1/messages` probe, which needs every slot empty, then the cache mode), then `/props`
-        (the model check and its probe). A client's first request, sent as the proxy starts, goes before them
-        (batched with the probes on a small server it took ~1 s instead of ~0.2 s), except on a server that may
-        clear idle slots (`server.may_clear_idle_slots`): there new requests are held until its mode is known
-        (`cache_mode.Hold`)."""
+        (the model check and its probe). A client's first request goes before them, except on a server that may
+        clear idle slots (`server.may_clear_idle_slots`): there it is held until the mode is known."""
         self._starting = True
         try:
             info = self.server_info(await self.client.props()) if self.keeper.facts.mode_unknown() else None
@@ -295,14 +289,14 @@ class ServerProbe:
     async def explain_cache_loss(self, slot: int, *, cold: bool = True) -> Cause | None:
         """A known session's pinned slot came back cold: a restart? idle clearing (unified KV)? say which.
         `cold`: it found (next to) nothing there, as idle clearing leaves a slot."""
-        before = self.keeper.server.media_marker if self.keeper.server else None
+        before = self._marker()
         await self.probe()
-        if (self.keeper.server.media_marker if self.keeper.server else None) != before:
+        if self._marker() != before:
             return Cause.RESTART  # already logged
         live = await self.client.slots()
         if live is None:
             return None
-        marker = self.keeper.server.media_marker if self.keeper.server else None
+        marker = self._marker()
         cleared, state = self.keeper.outcomes.idle_cleared(live, slot, time.time()), None
         if cleared is None and self.store is not None:
             # The evidence may be on slots only another proxy of this state uses, or that proxy may have seen it
@@ -320,12 +314,15 @@ class ServerProbe:
         """Our page-out found `slot` idle and empty where our session's conversation was (`Outcomes.found_empty`):
         the server restarted, or it empties idle slots (unified KV + `--cache-idle-slots`), as an idle slot
         found empty on `/slots` shows in `explain_cache_loss`."""
-        before = self.keeper.server.media_marker if self.keeper.server else None
+        before = self._marker()
         await self.probe()
-        if (self.keeper.server.media_marker if self.keeper.server else None) != before:
+        if self._marker() != before:
             return Cause.RESTART
         await self._clearing_seen(slot)
         return Cause.IDLE_CLEAR
+
+    def _marker(self) -> str | None:
+        return self.keeper.server.media_marker if self.keeper.server else None
 
     async def _clearing_seen(self, cleared: int) -> None:
         """This server seems to empty idle slots: said once, and confirmed by the probe before requests pass
@@ -339,7 +336,7 @@ class ServerProbe:
     async def _tell_clearing(self) -> None:
         """Idle clearing confirmed: the other proxies of a shared state pass through too (`StateSync`), and
         label their losses with it."""
-        marker = self.keeper.server.media_marker if self.keeper.server else None
+        marker = self._marker()
         if self.store is not None and marker and marker != self._clearing_shared:
             self._clearing_shared = marker
             try:  # telling the other proxies is a courtesy: the cause found here stands either way

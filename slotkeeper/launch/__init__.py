@@ -1,4 +1,2 @@
-"""Starting the processes around the proxy: llama-server, mitmdump/mitmweb and real agent clients.
-
-Shared by `make run`, the tests, the benchmark and the recording tool; nothing here runs inside the proxy.
-"""
+"""The mitmdump command line the `slotkeeper` command runs; nothing here runs inside the proxy. The launchers of
+llama-server and of mitmdump as a child process are the tests' and the bench's (`bench.real`)."""

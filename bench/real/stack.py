@@ -15,8 +15,9 @@ import signal
 import subprocess
 import sys
 
-from slotkeeper.launch.llama_server import LlamaServer
-from slotkeeper.launch.mitmdump import ROOT, mitm_argv
+from bench.real.llama_server import LlamaServer
+from bench.real.mitmdump import ROOT
+from slotkeeper.launch.mitmdump import mitm_argv
 
 
 def _interrupt(*_: object) -> None:
