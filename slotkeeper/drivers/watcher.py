@@ -1,9 +1,8 @@
 """The timer of one open request: `/slots` polls while it waits for its first byte, and its deadline.
 
-The first wake is armed by the addon with one `loop.call_later` per request (a known session's request must
-stay cheap, `bench/hotpath.py`); a request answered before it fires never builds anything else. A request
-still waiting gets a `RequestWatch`, which polls `/slots` (`LlamaClient.poll_slots`, the watch's own
-timeout), asks the pure `slotlogic.watch.Watch` what the answer means, reports it, and arms the next wake.
+The watch addon's sweeper gives a `RequestWatch` only to a request still waiting after an interval: it polls
+`/slots` (`LlamaClient.poll_slots`, the watch's own timeout), asks the pure `slotlogic.watch.Watch` what the
+answer means, reports it, and arms the next wake.
 
 Fails open: an error inside a wake is reported as its type and the watch stops; the request goes on.
 """
@@ -39,23 +38,17 @@ class WatchHost(Protocol):
 
 
 class RequestWatch:
-    def __init__(self, watch: Watch, client: LlamaClient, host: WatchHost, clock: Clock = time.monotonic) -> None:
+    def __init__(self, watch: Watch, client: LlamaClient, host: WatchHost) -> None:
         self.watch = watch
         self.client = client
         self.host = host
-        self.on_progress = host.progress
-        self.on_end = host.ended
-        self.on_error = host.failed
-        self.ahead = host.ahead
-        self.first_byte = host.first_byte
-        self.alive = host.alive
-        self.clock = clock
+        self.clock: Clock = time.monotonic
         self._handle: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self.stopped = False
 
     def wake_now(self) -> None:
-        """Run one wake at once (the addon's first timer fired)."""
+        """Run one wake at once (the sweeper found the request still waiting)."""
         self._wake()
 
     def arm(self) -> None:
@@ -86,34 +79,34 @@ class RequestWatch:
 
     async def _run(self) -> None:
         try:
-            if not self.alive():
+            if not self.host.alive():
                 self.stopped = True
                 return
             if self.watch.due(self.clock()) is End.DEADLINE:
                 self.stopped = True
-                self.on_end(End.DEADLINE)
+                self.host.ended(End.DEADLINE)
                 return
-            if not self.watch.first_byte and self.first_byte():
+            if not self.watch.first_byte and self.host.first_byte():
                 self.watch.got_first_byte()
             if self.watch.poll_due(self.clock()):
                 timed_out, live = await self.client.poll_slots(self.watch.settings.poll_timeout)
-                if self.stopped or not self.alive():
+                if self.stopped or not self.host.alive():
                     self.stopped = True
                     return
-                if self.first_byte():
+                if self.host.first_byte():
                     self.watch.got_first_byte()
                 else:
                     progress, end = self.watch.polled(Poll.TIMEOUT if timed_out else live, self.clock(),
-                                                      ahead=self.ahead())
+                                                      ahead=self.host.ahead())
                     if end is not None:  # the end's own line says it all: no last "waiting" line
                         self.stopped = True
-                        self.on_end(end)
+                        self.host.ended(end)
                         return
-                    self.on_progress(progress)
+                    self.host.progress(progress)
             self.arm()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the watch must never take the request down with it
             self.stopped = True
             with contextlib.suppress(Exception):
-                self.on_error(type(e).__name__)
+                self.host.failed(type(e).__name__)
