@@ -29,6 +29,14 @@ class StopReason(Enum):
 _STOP = {"length": StopReason.MAX_TOKENS, "stop": StopReason.END_TURN, "tool_calls": StopReason.TOOL_USE}
 
 
+def _stop_reason(finish: Any, calls: bool) -> StopReason:
+    """Only `length` is kept as it came; any other end is a tool use when the answer has calls."""
+    reason = _STOP.get(finish, StopReason.MAX_TOKENS)
+    if reason is StopReason.MAX_TOKENS:
+        return reason
+    return StopReason.TOOL_USE if calls else StopReason.END_TURN
+
+
 @dataclass(frozen=True)
 class PromptCounts:
     """What the slot cache did for this request: `cache_n` reused tokens, `prompt_n` prefilled ones."""
@@ -96,12 +104,10 @@ def _tool_use_block(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
     return {"type": "tool_use", "id": call_id, "name": name, "input": _parse_input(arguments)}
 
 
-def from_chat(answer: dict[str, Any], *, model: str | None = None, request: dict[str, Any] | None = None
-              ) -> dict[str, Any]:
+def from_chat(answer: dict[str, Any], *, model: str | None = None) -> dict[str, Any]:
     """A non-streamed chat answer as the message `/v1/messages` returns. `model` overrides the answer's
     model (the native route reports the server's model, which is what the answer carries when the request
-    named none, as `to_chat` ensures). `request` is the Anthropic request (reserved; not needed today)."""
-    del request
+    named none, as `to_chat` ensures)."""
     try:
         return _from_chat(answer, model)
     except (KeyError, IndexError, TypeError, AttributeError, ValueError):
@@ -125,9 +131,7 @@ def _from_chat(answer: dict[str, Any], model: str | None) -> dict[str, Any]:
     for call in calls:
         fn = call.get("function") or {}
         blocks.append(_tool_use_block(call.get("id", ""), fn.get("name", ""), fn.get("arguments", "")))
-    reason = _STOP.get(finish, StopReason.MAX_TOKENS)
-    if reason is not StopReason.MAX_TOKENS:
-        reason = StopReason.TOOL_USE if calls else StopReason.END_TURN
+    reason = _stop_reason(finish, bool(calls))
     prompt, cached, output = _usage(answer)
     return {
         "id": answer.get("id", ""),
@@ -423,10 +427,7 @@ class StreamConverter:
             out.append(_block_stop(text_index))
         base = (1 if has_thinking else 0) + (1 if has_text else 0)
         out.extend(_block_stop(base + i) for i in range(n_calls))
-        finish = finish_obj["choices"][0]["finish_reason"]
-        reason = _STOP.get(finish, StopReason.MAX_TOKENS)
-        if reason is not StopReason.MAX_TOKENS:
-            reason = StopReason.TOOL_USE if self._calls else StopReason.END_TURN
+        reason = _stop_reason(finish_obj["choices"][0]["finish_reason"], bool(self._calls))
         self.stop_reason = reason
         if reason is StopReason.MAX_TOKENS:
             self.stop_sequence = None
