@@ -7,7 +7,6 @@ background transaction: a command never blocks the event loop on the file lock.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 from mitmproxy import command
@@ -52,7 +51,3 @@ class Commands:
             if up.checkpoints is not None:
                 deleted += up.checkpoints.cleanup_sync()
         return "deleted: " + (", ".join(deleted) or "nothing")
-
-    async def settle(self) -> None:
-        """Wait for the state-file work the commands started (tests)."""
-        await asyncio.gather(*(up.settle() for up in self.rt.upstreams.values()))
