@@ -11,9 +11,8 @@ import redis
 from mitmproxy.test import taddons
 
 from slotkeeper import addon as addon_module
-from slotkeeper.drivers.store import BUILT, parse_url, redacted
+from slotkeeper.drivers.store import BUILT, Stores, parse_url, redacted
 from slotkeeper.drivers.store_redis import KEEP_MS, RedisConnection, RedisState, state_key
-from slotkeeper.drivers.stores import Stores
 from slotlogic import prefix as pfx
 from slotlogic import shared
 from slotlogic.events import StoreBack, StoreUnavailable

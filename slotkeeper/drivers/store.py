@@ -1,4 +1,6 @@
-"""Where the shared state lives: the interface every store keeps (`slotkeeper.drivers.stores` opens the named one).
+"""Where the shared state lives: the interface every store keeps, and `Stores`, which opens the one
+`slots_state_url` names for each server: files in a directory on this machine (`store_file`), or Redis/Valkey
+shared by proxies anywhere (`store_redis`, one connection per proxy).
 
 `Upstream` reaches its server's state only through `StateStore`: `transaction()` is the exclusive
 read-modify-write every claim is made in (`transaction_sync()` for shutdown), `read()`/`aread()` read without
@@ -11,12 +13,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import unquote, urlsplit
 
 from slotlogic import shared
 from slotlogic.events import Event
 from slotlogic.notices import ClaimNotice
+
+if TYPE_CHECKING:
+    from slotkeeper.drivers.build_claims import BuildClaims
 
 Emit = Callable[[Event], None]
 SCHEMES = ("file", "redis", "rediss")
@@ -74,3 +79,34 @@ def redacted(url: str) -> str:
     host = parts.hostname or ""
     port = f":{parts.port}" if parts.port else ""
     return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
+class Stores:
+    """The store of each server, all from one `slots_state_url`; the Redis connection is shared by them."""
+
+    def __init__(self, url: str, state_dir: Path, emit: Emit) -> None:
+        self.kind, where = parse_url(url, state_dir)
+        self.url = url
+        self.state_dir = where if isinstance(where, Path) else state_dir
+        self.emit = emit
+        self.redis = None
+        self.builds: BuildClaims | None = None  # one prefix build for all proxies: only with a shared store
+        if self.kind == "redis":  # the client is imported only when used
+            from slotkeeper.drivers.build_claims import BuildClaims
+            from slotkeeper.drivers.store_redis import RedisConnection
+
+            self.redis = RedisConnection(str(where), emit)
+            self.builds = BuildClaims(self.redis)
+
+    def for_server(self, upstream: str) -> StateStore:
+        if self.redis is not None:
+            from slotkeeper.drivers.store_redis import RedisState
+
+            return RedisState(self.redis, upstream)
+        from slotkeeper.drivers.store_file import StateFile
+
+        return StateFile(self.state_dir, upstream, self.emit)
+
+    def close_sync(self) -> None:
+        if self.redis is not None:
+            self.redis.close_sync()

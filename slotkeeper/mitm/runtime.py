@@ -24,8 +24,8 @@ from mitmproxy.log import ALERT
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.one_server import OneServer
 from slotkeeper.drivers.pool import Pool, base_of
+from slotkeeper.drivers.store import Stores
 from slotkeeper.drivers.store_file import default_state_dir
-from slotkeeper.drivers.stores import Stores
 from slotkeeper.drivers.upstream import Shared, Upstream
 from slotlogic import wording
 from slotlogic.answers import StreamObserver
