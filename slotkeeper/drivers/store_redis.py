@@ -266,30 +266,30 @@ class Squat:
         return False
 
 
-class StateLock(aredis.lock.Lock):
+class _Squatted:
     """redis-py's lock (token, Lua release) taken by ACQUIRE_LUA: a squatted key does not hold it up."""
 
-    def __init__(self, client: aredis.Redis, name: str, squat: Squat) -> None:
-        super().__init__(client, name, timeout=LOCK_SECONDS, sleep=0.05, blocking_timeout=LOCK_WAIT)
+    name: Any
+
+    def __init__(self, client: Any, name: str, squat: Squat) -> None:
+        super().__init__(client, name, timeout=LOCK_SECONDS, sleep=0.05,  # type: ignore[call-arg]
+                         blocking_timeout=LOCK_WAIT)
         self.squat = squat
 
+    def acquire_args(self, token: str | bytes) -> tuple[Any, ...]:
+        return (ACQUIRE_LUA, 1, self.name, token, int(LOCK_SECONDS * 1000), *self.squat.args())
+
+
+class StateLock(_Squatted, aredis.lock.Lock):
     async def do_acquire(self, token: str | bytes) -> bool:
-        held, breaks = self.squat.args()
-        return self.squat.saw(await self.redis.eval(ACQUIRE_LUA, 1, self.name, token, int(LOCK_SECONDS * 1000),
-                                                    held, breaks))
+        return self.squat.saw(await self.redis.eval(*self.acquire_args(token)))
 
 
-class StateLockSync(redis.lock.Lock):
+class StateLockSync(_Squatted, redis.lock.Lock):
     """`StateLock` for the blocking client of the shutdown flush."""
 
-    def __init__(self, client: redis.Redis, name: str, squat: Squat) -> None:
-        super().__init__(client, name, timeout=LOCK_SECONDS, sleep=0.05, blocking_timeout=LOCK_WAIT)
-        self.squat = squat
-
     def do_acquire(self, token: str | bytes) -> bool:
-        held, breaks = self.squat.args()
-        return self.squat.saw(self.redis.eval(ACQUIRE_LUA, 1, self.name, token, int(LOCK_SECONDS * 1000),
-                                              held, breaks))
+        return self.squat.saw(self.redis.eval(*self.acquire_args(token)))
 
 
 @dataclass(frozen=True)
