@@ -10,11 +10,7 @@ Rule 3: everything else that needs the server or the shared state comes out as `
         server cannot be asked. The values are frozen; a call out of order raises `ProtocolError`.
 Rule 4: the answer comes back through `outcomes.answered` (`slotlogic.outcomes`), which moves the slot
         bookkeeping on (whose conversation a slot holds now) and returns the `Report` every view is rendered from.
-
-Theory of operation: a request is classified by route (`endpoints`), its session resolved from headers, body
-or content (`session`), side calls spotted (`sidecalls`), and the session table consulted (`table`). A session
-whose slot ran another session since its last answer is *displaced* and is placed again like a new one
-(`placement`, `ranking`). The rewrite (`rewrite`) only ever adds `id_slot` and `cache_prompt`.
+docs/design.md ("One request, stop by stop") follows a request through it.
 """
 
 from __future__ import annotations

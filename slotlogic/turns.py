@@ -2,12 +2,9 @@
 of a slot between proxies that share one state.
 
 Why apart: the keeper decides requests and the pager what to move; this part says whether a planned move is still
-valid when it is performed (`fence_holds`, `slot_written`: docs/ledger.md, "Fenced moves") and whose turn it is
-to write a slot when several proxies share it (`may_write`, `writer_turn`, the giver's `hand_over_*`:
-`slotlogic.handover`), which of this process's sessions share a slot with another's (`reconcile`), and the
-operator's commands that move or release a session (`move`, `forget`). Pure: the driver passes the shared
-state it has just read or is writing, and the clock. It reads the session table and the ledger it is given, and
-the keeper's name for this process and slot count (`TurnsHost`).
+valid when it is performed (docs/ledger.md, "Fenced moves") and whose turn it is to write a slot that several
+proxies share (`slotlogic.handover`). Pure: the driver passes the shared state it has just read or is writing,
+and the clock.
 """
 
 from __future__ import annotations
