@@ -84,32 +84,47 @@ class Keeper:
         self.settings = settings
         self.upstream = upstream
         self.ledger = Ledger()  # what each slot holds, fenced by its epoch; the loss meter (slotlogic/ledger.py)
-        self.instance = instance  # unique to this process ("" offline), so its page file names are its own
+        self._instance = instance  # unique to this process ("" offline), so its page file names are its own
         self._intake = Intake(settings, self.ledger, self, recognition)
         self.learner = self._intake.recognition.learner  # stable prefixes of marker-less clients (one per pool)
-        # The parts the drivers read and call (the core alone changes what they hold):
-        self.table = SessionTable(ttl=settings.ttl, placements=self._intake.recognition.placements)
-        # the server as last seen; what a new `/props` means (`note_server`, `props_seen`, `messages_probed`)
-        self.facts = ServerFacts(settings, upstream, self.table, self.ledger)
-        # page-outs, page-ins and seeds around a slot's new owner
-        self.pager = Pager(settings, upstream, self.table, self.ledger, self.learner, self)
-        # whether a planned move may happen now, and whose turn a slot shared with other proxies is
-        self.turns = Turns(settings, upstream, self.table, self.ledger, self)
-        # what this server's answers taught: session counters, losses settled, the prefill rate, learned slots
-        self.outcomes = Outcomes(upstream, self.table, self.ledger, self)
+        self._table = SessionTable(ttl=settings.ttl, placements=self._intake.recognition.placements)
+        self._facts = ServerFacts(settings, upstream, self._table, self.ledger)  # `/props` as last seen
+        self._pager = Pager(settings, upstream, self._table, self.ledger, self.learner, self)
+        self._turns = Turns(settings, upstream, self._table, self.ledger, self)
+        self._outcomes = Outcomes(upstream, self._table, self.ledger, self)
         self._placements = OpenPlacements(self.ledger)  # assigned, not pinned yet (slotlogic/placements.py)
+
+    # What the drivers and the core's parts may read (values; the core alone changes them).
+
+    @property
+    def table(self) -> SessionTable:
+        return self._table
+
+    @property
+    def facts(self) -> ServerFacts:
+        """The server as last seen; what a new `/props` means (`note_server`, `props_seen`, `messages_probed`)."""
+        return self._facts
 
     @property
     def server(self) -> ServerInfo | None:
-        return self.facts.server
+        return self._facts.server
 
     @property
     def total_slots(self) -> int | None:
-        return self.facts.total_slots
+        return self._facts.total_slots
 
     @property
     def messages_native(self) -> bool | None:
-        return self.facts.messages_native
+        return self._facts.messages_native
+
+    @property
+    def instance(self) -> str:
+        return self._instance
+
+    @property
+    def outcomes(self) -> Outcomes:
+        """What this server's answers taught: session counters, losses settled, the prefill rate, learned slots."""
+        return self._outcomes
 
     @property
     def recognition(self) -> Recognition:
@@ -117,30 +132,40 @@ class Keeper:
         return self._intake.recognition
 
     @property
+    def pager(self) -> Pager:
+        """This server's pager: page-outs, page-ins and seeds around a slot's new owner (`slotlogic.pager`)."""
+        return self._pager
+
+    @property
+    def turns(self) -> Turns:
+        """Whether a planned move may happen now, and whose turn a slot shared with other proxies is."""
+        return self._turns
+
+    @property
     def page_identity(self) -> str:
-        return self.facts.page_identity()
+        return self._facts.page_identity()
 
     def prefill_estimate(self) -> float | None:
         """Prompt tokens a second on this server: its recent answers', else the start-up probe's."""
-        return self.outcomes.prefill_estimate()
+        return self._outcomes.prefill_estimate()
 
     @property
     def speeds(self) -> costs.Speeds:
         """Slot save/restore throughput and KV bytes a token, measured (the drivers feed it every answer)."""
-        return self.outcomes.speeds
+        return self._outcomes.speeds
 
     def rates(self) -> costs.Rates:
         """The measured speeds the cost of a slot move is weighed with (`slotlogic.costs`)."""
-        return self.outcomes.rates()
+        return self._outcomes.rates()
 
     def reconfigure(self, settings: Settings) -> None:
         """A changed option: the new settings replace the old whole; what the proxy learned stays."""
         self.settings = settings
-        self.pager.settings = settings
-        self.turns.settings = settings
-        self.facts.settings = settings
+        self._pager.settings = settings
+        self._turns.settings = settings
+        self._facts.settings = settings
         self._intake.settings = settings
-        self.table.ttl = settings.ttl
+        self._table.ttl = settings.ttl
         self.learner.min_chars = settings.prefix_min_chars
 
     # ------------------------------------------------------------------------------------------- requests
@@ -150,7 +175,7 @@ class Keeper:
         if route is Route.OTHER:
             return Forward(Passed.NOT_COMPLETION, completion_route=False)
         shape = self._intake.known(facts, route)  # the hot path: a known session's next turn, from its bytes
-        passing = self.facts.passing()  # observed only, sent as they came
+        passing = self._facts.passing()  # observed only, sent as they came
         if shape is not None:
             if passing is not None:
                 self.ledger.marks.pop(shape.key.key, None)
@@ -171,7 +196,7 @@ class Keeper:
         if self.settings.policy is Policy.AFFINITY:
             return self._pending(ticket, req.body, req.content, TRANSLATED_PATH if ticket.translated else facts.path,
                                  facts.now)
-        displaced = _displaced_from(self.table, self.total_slots, ticket, facts.now)
+        displaced = _displaced_from(self._table, self.total_slots, ticket, facts.now)
         ticket = replace(ticket, displaced=True) if displaced is not None else ticket
         return self._intake.need_slot(ticket, req, facts.now, displaced)
 
@@ -182,14 +207,14 @@ class Keeper:
         total = self.total_slots
         if side and total:
             slots = sidecalls.side_slots(total, self.settings.side_slot)
-            writes = self.ledger.writing.__contains__ if self.instance else bool  # no other proxy may write it
-            slot = sidecalls.home_slot(slots, key, self.ledger, writes, self.settings.paging, self.pager.has(key))
+            writes = self.ledger.writing.__contains__ if self._instance else bool  # no other proxy may write it
+            slot = sidecalls.home_slot(slots, key, self.ledger, writes, self.settings.paging, self._pager.has(key))
             if slot is not None:
                 return slot, Why.SIDE_CALL
             if slots:
                 return None  # a placement is under way there, a conversation to page out first, or another writer
-        live = self.table.live(key, now)
-        if (live is not None and (total is None or live.slot < total) and not self.table.displaced(key, live.slot)
+        live = self._table.live(key, now)
+        if (live is not None and (total is None or live.slot < total) and not self._table.displaced(key, live.slot)
                 and self.ledger.holds(live.slot, key)):
             client = rewrite.trusted_client_slot(body, total, self.settings.override_client) if body else None
             if client is not None and client != live.slot:
@@ -208,13 +233,13 @@ class Keeper:
             if not ticket.side:  # the claim follows the slot used (in memory; the next flush writes it)
                 self._follow(key, result.slot, now)
         promise = self.ledger.pin(result.slot, key, side=why is Why.SIDE_CALL, paging=self.settings.paging)
-        self.turns.pinned(result.slot)
+        self._turns.pinned(result.slot)
         self._placements.drop(key)  # its placement's moves are done: the slot is its session's now
-        self.table.dispatch(key, result.slot, holds=why is Why.SIDE_CALL)
+        self._table.dispatch(key, result.slot, holds=why is Why.SIDE_CALL)
         if ticket.side:
-            self.table.side_call(now)
-        if key in self.table.sessions:  # side calls on the reserved slot are not sessions
-            self.table.use(key, now)
+            self._table.side_call(now)
+        if key in self._table.sessions:  # side calls on the reserved slot are not sessions
+            self._table.use(key, now)
         pinned = (_known_ticket(ticket, slot=result.slot, why=why, promise=promise) if isinstance(ticket, Shape)
                   else replace(ticket, slot=result.slot, why=why, promise=promise, paged_in=paged_in, seeded=seeded))
         return _rewritten(pinned, content, body, result)
@@ -229,20 +254,20 @@ class Keeper:
                              promise=self.ledger.pin(result.slot, ticket.session.key))
             if not ticket.side:
                 self._follow(ticket.session.key, result.slot, now)
-                self.table.use(ticket.session.key, now)
-            self.table.dispatch(ticket.session.key, result.slot)
+                self._table.use(ticket.session.key, now)
+            self._table.dispatch(ticket.session.key, result.slot)
         else:
             ticket = replace(ticket, why=Why.PENDING, learn=how, placed=self.ledger.sent_unpinned(),
                              client={**ticket.client, "verbose": body.get("verbose")})
         if ticket.side:
-            self.table.side_call(now)
+            self._table.side_call(now)
         return _rewritten(ticket, content, body, result)
 
     def _follow(self, key: str, slot: int, now: float) -> None:
         """A trusted client ran its session on `slot`: the session is recorded there (the slot's former holder
         is displaced, and the slot the proxy would have used is left alone)."""
-        known = self.table.sessions.get(key)
-        self.table.assign(key, slot, now, prefix=known.prefix if known else None,
+        known = self._table.sessions.get(key)
+        self._table.assign(key, slot, now, prefix=known.prefix if known else None,
                           requests=known.requests if known else 0)
 
     # ------------------------------------------------------------------------------------------- new slots
@@ -255,7 +280,7 @@ class Keeper:
         again, only the new `Placement` may be pinned (not back on a slot it let go of while that is locked)."""
         if not isinstance(need, NeedSlot):
             raise ProtocolError(f"assign takes a NeedSlot, not {type(need).__name__}")
-        events = self.facts.note_server(state, info, live, me=self.instance, now=now)
+        events = self._facts.note_server(state, info, live, me=self._instance, now=now)
         self.learner.load(state.prefixes)
         if not need.ticket.side and need.displaced_from is None:
             found = self.learner.find(need.body, now)  # learned elsewhere, before a restart, or since it came
@@ -265,26 +290,26 @@ class Keeper:
         total = info.total_slots
         self._placements.drop(need.ticket.session.key)
         pending = self.ledger.claimed_slots() | frozenset(locked)  # placements under way: busy, as they soon are
-        before = shared.views(state, total, list(live) if live is not None else None, self.table, pending)
+        before = shared.views(state, total, list(live) if live is not None else None, self._table, pending)
         ticket = replace(need.ticket, facts={"props": dict(info.raw or {}), "slots": slot_facts(live)})
         who = placement.Seeker(ticket.session.key, need.prefix, ticket.side, need.displaced_from,
-                               resume=ticket.session.key not in self.table.misplaced,
+                               resume=ticket.session.key not in self._table.misplaced,
                                client_slot=rewrite.trusted_client_slot(need.body, total, self.settings.override_client),
                                prefix_chars=len(need.stable.text) if need.stable is not None else 0)
-        seen = placement.SlotsSeen(live, total, self.table, pending, self.facts.written_over, dict(ahead or {}),
+        seen = placement.SlotsSeen(live, total, self._table, pending, self._facts.written_over, dict(ahead or {}),
                                    self.rates().decode_cost)
         choice = placement.assign(self.settings, state, who, seen, now)
-        if choice.why is Why.RESUMED and self.facts.may_still_hold(choice.slot, ticket.session.key):
-            self.facts.go_back(choice.slot)
+        if choice.why is Why.RESUMED and self._facts.may_still_hold(choice.slot, ticket.session.key):
+            self._facts.go_back(choice.slot)
         dropped = shared.compact(state, now, SESSION_KEEP_SECONDS, self.settings.state_max_sessions)
-        self.pager.load(state.pages)
+        self._pager.load(state.pages)
         if choice.why is not Why.SIDE_CALL:
-            self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix, lead=leads.of(need.body))
+            self._table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix, lead=leads.of(need.body))
         record = state.slots.get(choice.slot)
-        if record is not None and record.owner == ticket.session.key and self.instance:
-            record = state.slots[choice.slot] = replace(record, proxy=self.instance)
-        if self.instance:
-            handover.beat(state.beats, self.instance, now)
+        if record is not None and record.owner == ticket.session.key and self._instance:
+            record = state.slots[choice.slot] = replace(record, proxy=self._instance)
+        if self._instance:
+            handover.beat(state.beats, self._instance, now)
             handover.prune(state.handovers, state.beats, now)
         serial = self._placements.open(ticket.session.key, choice.slot)
         fence = Fence(choice.slot, self.ledger.entry(choice.slot).epoch,
@@ -305,7 +330,7 @@ class Keeper:
         if choice is None or total is None:
             out = unplaced(replace(ticket, unpinned=Unpinned.SERVER_UNKNOWN), need, path, self.settings.override_client)
             return out, Unreachable(self.upstream, ticket.session.short)
-        self.table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix)
+        self._table.assign(ticket.session.key, choice.slot, now, prefix=need.prefix)
         pin = self._pin(ticket, choice.why, need.body, need.content, choice.slot, now)
         return pin, Unreachable(self.upstream, ticket.session.short, choice.slot, total)
 
@@ -316,7 +341,7 @@ class Keeper:
         placed = self._placed(need.ticket.session.key, need.ticket.side, now, need.body)
         if placed is not None:
             return self._pin(need.ticket, placed[1], need.body, need.content, placed[0], now)
-        live = self.table.live(need.ticket.session.key, now)
+        live = self._table.live(need.ticket.session.key, now)
         if live is not None and need.displaced_from is None and (self.total_slots is None
                                                                    or live.slot < self.total_slots):
             return replace(need, ticket=replace(need.ticket, displaced=True), displaced_from=live.slot)
@@ -346,13 +371,13 @@ class Keeper:
         slot, key = ticket.slot, ticket.session.key
         self._placements.drop(key)
         if ticket.why is not Why.SIDE_CALL:
-            self.table.forget(key)
-        if slot is not None and self.table.dispatched.get(slot) in (key, ""):
-            del self.table.dispatched[slot]
+            self._table.forget(key)
+        if slot is not None and self._table.dispatched.get(slot) in (key, ""):
+            del self._table.dispatched[slot]
         return replace(ticket, slot=None, why=None, paged_in=False, seeded=False, unpinned=Unpinned.FAILED)
 
     def status(self, state: shared.ServerState, now: float) -> dict[str, Any]:
-        return self.outcomes.status(state, now, self.server)  # the status view: hashes and counts only
+        return self._outcomes.status(state, now, self.server)  # the status view: hashes and counts only
 
 
 def _displaced_from(table: SessionTable, total: int | None, ticket: Ticket, now: float) -> int | None:
