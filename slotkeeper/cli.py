@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-ADDON = Path(__file__).resolve().parent / "addon.py"
+from slotkeeper.launch.mitmdump import ADDON, mitm_argv
+
 USAGE_ERROR = 2
 NOT_FOUND = 1
 
@@ -121,8 +122,6 @@ def command(argv: list[str]) -> tuple[list[str], list[str]]:
     options: dict[str, object] = {}
     if a.save_dir:
         options["slots_save_dir"] = str(Path(a.save_dir).expanduser().resolve())
-    from slotkeeper.launch.mitmdump import mitm_argv
-
     mitm = mitm_argv(upstream, port, options, web=a.web, web_port=web_port, extra=extra, host=host)
     shown = f"[{host}]" if ":" in host else host
     ui = f", mitmweb UI on http://127.0.0.1:{web_port}" if a.web else ""
