@@ -77,7 +77,7 @@ class Watch:
         self.settings = settings
         # Rule 6: a prompt batch at the measured speed (0: not measured) is one step of a slot's counters
         self.wedge_limit = max(settings.wedged_timeout, 3 * batch_seconds) if settings.wedged_timeout > 0 else 0.0
-        self.stuck: tuple[Any, ...] | None = None  # our slot's task and counters, unchanged since `stuck_since`
+        self.stuck: tuple[Any, ...] | None = None  # the busy slots' tasks and counters, unchanged since `stuck_since`
         self.stuck_since = 0.0
         self.started = started
         self.slot = slot
@@ -152,15 +152,18 @@ class Watch:
         return progress, None
 
     def _wedged(self, live: list[Mapping[str, Any]], progress: Progress, now: float) -> bool:
-        """Rule 6: our own slot runs our request (nothing of ours ahead) and its task has not moved for the
-        wedge limit."""
+        """Our own slot runs our request (nothing of ours ahead), and neither its task nor any other busy slot's
+        has moved for the wedge limit."""
         mine = next((e for e in live if e.get("id") == self.slot), None) if self.slot is not None else None
         if (self.wedge_limit <= 0 or mine is None or self.ahead > 0 or progress.slot != self.slot
                 or progress.state not in (State.PREFILLING, State.GENERATING)):
             self.stuck = None
             return False
+        # The server fills each prompt batch slot by slot, so our slot may wait while another one's long prompt
+        # is evaluated: progress anywhere means the server is working through its queue, not stuck.
+        others = _snapshot([e for e in live if e.get("id") != self.slot and e.get("is_processing")])
         task = (mine.get("id_task"), mine.get("n_prompt_tokens"), mine.get("n_prompt_tokens_processed"),
-                _decoded(mine))
+                _decoded(mine), others)
         if task != self.stuck:
             self.stuck, self.stuck_since = task, now
             return False

@@ -115,6 +115,23 @@ def test_our_own_slot_running_our_task_with_no_progress_for_the_wedge_limit_is_w
     assert (p.state, end, w.next_wake()) == (State.PREFILLING, End.WEDGED, None)
 
 
+def test_our_slot_waiting_while_the_server_evaluates_another_slots_prompt_is_no_wedge():
+    """The server fills each prompt batch slot by slot: on a loaded machine our slot's counters stood still for
+    186 s while another slot's long prompt was evaluated, and the watchdog ended our request as wedged (bench
+    mix-4 under a load of 10 on 2 cores). Progress on any busy slot is the server working; with every other
+    slot idle or frozen too, it is still a wedge."""
+    s = WatchSettings(interval=15, wedged_timeout=60)
+    ours = slot(1, busy=True, prompt=9000, processed=0, task=700)
+    w = Watch(s, 0.0, 1)
+    for i, t in enumerate(range(15, 300, 15)):
+        other = slot(0, busy=True, prompt=30000, processed=512 * (i + 1), task=699)
+        assert w.polled([other, ours], float(t))[1] is None, t
+    stuck = Watch(s, 0.0, 1)
+    other = slot(0, busy=True, prompt=30000, processed=512, task=699)
+    ends = [stuck.polled([other, ours], float(t))[1] for t in range(15, 90, 15)]
+    assert ends[-1] is End.WEDGED
+
+
 def test_progress_a_request_ahead_or_a_slow_batch_is_no_wedge():
     s = WatchSettings(interval=15, wedged_timeout=60)
     moving = Watch(s, 0.0, 1)
