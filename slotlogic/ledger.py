@@ -154,6 +154,9 @@ class Ledger:
         self.total = 0
         self.conversations: OrderedDict[str, int] = OrderedDict()  # session -> prompt tokens at its last answer
         self.gone: dict[str, Cause] = {}  # session -> what last wrote over its conversation
+        # sessions whose conversation the proxy chose not to page out (prefilling it again measured cheaper than
+        # its save and restore): a page older than it is that choice, not a fault
+        self.let_go: set[str] = set()
         self.marks = Marks()  # session -> (messages, digest) of its last parsed request
         self.max_sessions = max_sessions
         self.stale = 0   # plans dropped because their slot moved on
@@ -347,6 +350,7 @@ class Ledger:
                     overtaken = key in self.gone
             self.conversations[key] = tokens
             self.conversations.move_to_end(key)
+            self.let_go.discard(key)
             self._unpinned_at[key] = self.placed.answers
             if not overtaken:
                 self.gone.pop(key, None)
@@ -357,6 +361,7 @@ class Ledger:
             while len(self.conversations) > self.max_sessions:
                 old, _ = self.conversations.popitem(last=False)
                 self.gone.pop(old, None)
+                self.let_go.discard(old)
                 self.marks.pop(old, None)
                 self.latest.pop(old, None)
                 self._unpinned_at.pop(old, None)
@@ -405,7 +410,13 @@ class Ledger:
         self._from_outside(slot)
         self.write(slot, Holds.SESSION, claimant, 0, cause)
 
+    def not_paged(self, key: str) -> None:
+        """`key`'s conversation leaves its slot unsaved, by a cost decision (`slotlogic.costs.judge`)."""
+        if key in self.conversations:
+            self.let_go.add(key)
+
     def forget(self, key: str) -> None:
+        self.let_go.discard(key)
         self.latest.pop(key, None)
         self.conversations.pop(key, None)
         self.gone.pop(key, None)
@@ -425,6 +436,8 @@ class Ledger:
     def _found_cause(self, key: str, promise: Promise) -> Cause:
         if self.gone.get(key) in _EMPTIED:  # a page made before a restart may be short for the same reason
             return self.gone[key]
+        if key in self.let_go:  # whatever wrote over it then, or however old its page is: chosen
+            return Cause.EVICTED
         if promise.page_tokens is not None and promise.page_tokens + tolerance(promise.conversation) \
                 < promise.conversation:
             return Cause.STALE_PAGE
