@@ -54,10 +54,10 @@ MACHINES = {
 }
 
 
-def gpu_shape(seed: int, machine: Machine) -> Shape:
+def gpu_shape(seed: int, machine: Machine, budget_mb: int | None = None) -> Shape:
     """More sessions than slots with paging on, at `machine`'s speeds: 2-4 slots, one to three sessions more,
     3-7 turns, think times from a fraction of a second to half a minute, some subagents and side calls, shared
-    system prompts of 300-1,500 words."""
+    system prompts of 1,000-12,000 words. `budget_mb`: the page budget (None: the shipped default)."""
     r = random.Random(seed * 31 + len(machine.name))
     slots = r.randint(2, 4)
     sessions = tuple(SessionShape(turns=(turns := r.randint(3, 7)), marker=r.random() < 0.5,
@@ -69,7 +69,8 @@ def gpu_shape(seed: int, machine: Machine) -> Shape:
     disk = Disk(machine.kv_bytes_per_token, r.uniform(*machine.disk_bps))
     setup = Setup(slots=slots, paging=True, prefill_speed=r.uniform(*machine.prefill), n_ctx=65536,
                   disk=disk, decode_speed=r.uniform(*machine.decode), ttl=r.choice((60, 120)),
-                  prefill_depth=r.uniform(*machine.depth))
+                  prefill_depth=r.uniform(*machine.depth),
+                  options=(("slots_page_max_mb", budget_mb),) if budget_mb else ())
     return Shape(seed, setup, sessions, system_words=r.randint(1000, 12000), output_words=(100, 600))
 
 
@@ -125,17 +126,17 @@ def _moves_made(rig: Rig, server: SimServer) -> Hindsight:
         f = server.files.get(e.tag or "")
         read = any(r.tag == e.tag and r.t >= e.t for r in restored)
         back = f is not None and any(o.tag == f.writer and o.started > e.t for o in rig.outcomes)
-        wasted = not read and back
-        out += Hindsight(saves=1, wrong=int(wasted), lost_s=cost if wasted else 0.0, saved_s=-cost,
-                         unread=int(not read and not back))
+        wasted, judged = not read and back, read or back
+        out += Hindsight(saves=1, wrong=int(wasted), lost_s=cost if wasted else 0.0,
+                         saved_s=-cost if judged else 0.0, unread=int(not judged))
     return out
 
 
-def run(seeds: range, machine: Machine) -> tuple[Hindsight, int]:
+def run(seeds: range, machine: Machine, budget_mb: int | None = None) -> tuple[Hindsight, int]:
     """The hindsight totals over `seeds` and the number of seeds whose run lost tokens no cause explains."""
     total, failing = Hindsight(), 0
     for seed in seeds:
-        result, rig = run_shape(gpu_shape(seed, machine))
+        result, rig = run_shape(gpu_shape(seed, machine, budget_mb))
         total += judge(rig)
         failing += bool(result.lost or result.error)
     return total, failing
@@ -145,15 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.sim.gpu", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=100)
     ap.add_argument("--machines", default=",".join(MACHINES))
+    ap.add_argument("--budgets-mb", default="0,65536", help="page budgets to run (0: the shipped default)")
     a = ap.parse_args(argv)
     logging.getLogger("slotkeeper").setLevel(logging.ERROR)
-    print("| machine | seeds | restores | saves | declined | wrong choices | time lost s | time moves saved s | "
-          "lost / saved | saves not judged | failing seeds |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| machine | page budget | seeds | restores | saves | declined | wrong choices | time lost s | "
+          "time moves saved s | lost / saved | saves not judged | failing seeds |\n" + "|---" * 12 + "|")
     for name in a.machines.split(","):
-        h, failing = run(range(a.seeds), MACHINES[name])
-        share = h.lost_s / h.saved_s if h.saved_s > 0 else float("inf")
-        print(f"| {name} | {a.seeds} | {h.restores} | {h.saves} | {h.declined} | {h.wrong} | {h.lost_s:.2f} | "
-              f"{h.saved_s:.2f} | {share:.1%} | {h.unread} | {failing} |")
+        for mb in (int(b) for b in a.budgets_mb.split(",")):
+            h, failing = run(range(a.seeds), MACHINES[name], mb or None)
+            share = h.lost_s / h.saved_s if h.saved_s > 0 else float("inf")
+            budget = f"{mb // 1024} GB" if mb else "default"
+            print(f"| {name} | {budget} | {a.seeds} | {h.restores} | {h.saves} | {h.declined} | {h.wrong} | "
+                  f"{h.lost_s:.2f} | {h.saved_s:.2f} | {share:.1%} | {h.unread} | {failing} |", flush=True)
     return 0
 
 
