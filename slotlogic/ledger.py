@@ -67,6 +67,8 @@ class Cause(Enum):
     SIDE_CALL = "side-call"                  # a side call ran on the session's slot
     IDLE_CLEAR = "idle-clear"                # the server emptied the idle slot (unified KV, --cache-idle-slots):
     #                                          the proxy pinned there before it knew the mode, so not expected
+    LET_GO = "let-go"                        # not paged by choice: prefilling it again measured cheaper, or
+    #                                          its page went to keep the save dir within the page budget
     UNKNOWN = "unknown"
 
     @property
@@ -76,9 +78,9 @@ class Cause(Enum):
         return self in _EXPECTED
 
 
-_EXPECTED = frozenset({Cause.RESTART, Cause.MODEL_CHANGE, Cause.EVICTED})
+_EXPECTED = frozenset({Cause.RESTART, Cause.MODEL_CHANGE, Cause.EVICTED, Cause.LET_GO})
 _EMPTIED = frozenset({Cause.RESTART, Cause.MODEL_CHANGE})  # every slot (and maybe every page) of the server
-_KEPT = _EMPTIED | {Cause.IDLE_CLEAR}  # gone before any write of ours: a later write cannot lose it again
+_KEPT = _EMPTIED | {Cause.IDLE_CLEAR, Cause.LET_GO}  # gone before a write of ours: a later write cannot lose it again
 
 
 @dataclass(frozen=True)
@@ -154,9 +156,6 @@ class Ledger:
         self.total = 0
         self.conversations: OrderedDict[str, int] = OrderedDict()  # session -> prompt tokens at its last answer
         self.gone: dict[str, Cause] = {}  # session -> what last wrote over its conversation
-        # sessions whose conversation the proxy chose not to page out (prefilling it again measured cheaper than
-        # its save and restore): a page older than it is that choice, not a fault
-        self.let_go: set[str] = set()
         self.marks = Marks()  # session -> (messages, digest) of its last parsed request
         self.max_sessions = max_sessions
         self.stale = 0   # plans dropped because their slot moved on
@@ -350,7 +349,6 @@ class Ledger:
                     overtaken = key in self.gone
             self.conversations[key] = tokens
             self.conversations.move_to_end(key)
-            self.let_go.discard(key)
             self._unpinned_at[key] = self.placed.answers
             if not overtaken:
                 self.gone.pop(key, None)
@@ -361,7 +359,6 @@ class Ledger:
             while len(self.conversations) > self.max_sessions:
                 old, _ = self.conversations.popitem(last=False)
                 self.gone.pop(old, None)
-                self.let_go.discard(old)
                 self.marks.pop(old, None)
                 self.latest.pop(old, None)
                 self._unpinned_at.pop(old, None)
@@ -369,10 +366,8 @@ class Ledger:
 
     def ran_unpinned(self, slot: int, key: str, *, side: bool = False, queued: bool = False) -> None:
         """An unpinned request (the server chose) ran on `slot`: it holds `key`'s prompt now. A side call's home
-        whose content another slot holds stays there (two calls of one home are independent: the one that ran
-        elsewhere leaves a copy nobody is promised, and its home's slot is still paged out before another
-        writes it). `queued`: the owner's own pinned request waits behind it there, so the slot stays the
-        owner's (what was there is gone all the same; `key`'s is too once that request runs: `overrun`)."""
+        whose content another slot holds stays there (the copy that ran elsewhere is nobody's). `queued`: the
+        owner's own pinned request waits behind it there, so the slot stays the owner's (`overrun`)."""
         self._from_outside(slot)
         if queued:
             old = self.entry(slot)
@@ -394,15 +389,12 @@ class Ledger:
             self._gone(key, Cause.UNPINNED)
 
     def sent_unpinned(self) -> int:
-        """A request goes out for the server to choose its slot (`slots_policy=affinity`): its number. Answered
-        without its slot learned, a conversation found short with nothing else to blame is its doing
-        (`slotlogic.server_placed`)."""
+        """A request goes out for the server to choose its slot: its number (`slotlogic.server_placed`)."""
         return self.placed.send()
 
     def emptied(self, key: str, cause: Cause) -> None:
         """`key`'s conversation was gone before a move of ours (`found_empty`), for `cause`: whatever
-        writes the slot next loses nothing of it (sim seed 6: a prefix restore over a slot idle clearing had
-        emptied was called `prefix-over-owner`)."""
+        writes the slot next loses nothing of it."""
         if key in self.conversations:  # (another proxy's session: its own proxy says)
             self._gone(key, cause, keep=_EMPTIED)
 
@@ -411,12 +403,11 @@ class Ledger:
         self.write(slot, Holds.SESSION, claimant, 0, cause)
 
     def not_paged(self, key: str) -> None:
-        """`key`'s conversation leaves its slot unsaved, by a cost decision (`slotlogic.costs.judge`)."""
+        """`key`'s conversation leaves its slot unsaved by choice (`Cause.LET_GO`)."""
         if key in self.conversations:
-            self.let_go.add(key)
+            self._gone(key, Cause.LET_GO)
 
     def forget(self, key: str) -> None:
-        self.let_go.discard(key)
         self.latest.pop(key, None)
         self.conversations.pop(key, None)
         self.gone.pop(key, None)
@@ -434,10 +425,8 @@ class Ledger:
         return cause
 
     def _found_cause(self, key: str, promise: Promise) -> Cause:
-        if self.gone.get(key) in _EMPTIED:  # a page made before a restart may be short for the same reason
+        if self.gone.get(key) in _EMPTIED | {Cause.LET_GO}:  # a page made before may be short for that reason
             return self.gone[key]
-        if key in self.let_go:  # whatever wrote over it then, or however old its page is: chosen
-            return Cause.EVICTED
         if promise.page_tokens is not None and promise.page_tokens + tolerance(promise.conversation) \
                 < promise.conversation:
             return Cause.STALE_PAGE

@@ -319,8 +319,8 @@ def test_a_page_another_slot_is_about_to_restore_is_never_deleted_to_make_room()
 
 def test_a_conversation_let_go_by_a_cost_decision_is_lost_by_choice_not_by_fault():
     """When prefilling a conversation again measures cheaper than saving and restoring it, the proxy lets it go:
-    its next turn finds an older page, or a slot a prefix was restored over, and the meter names the eviction it
-    chose (expected), not `stale-page` or `prefix-over-owner`."""
+    its next turn finds an older page, or a slot a prefix was restored over, and the meter names the choice
+    (`let-go`, expected), not `stale-page` or `prefix-over-owner`."""
     for cost_decision in (False, True):
         ledger = Ledger()
         ledger.total = 2
@@ -333,5 +333,5 @@ def test_a_conversation_let_go_by_a_cost_decision_is_lost_by_choice_not_by_fault
         back = ledger.pin(1, "a")
         loss = ledger.settle("a", back, 1, 600, 450, True)
         assert loss is not None and loss.tokens == 400
-        assert loss.cause is (Cause.EVICTED if cost_decision else Cause.STALE_PAGE)
+        assert loss.cause is (Cause.LET_GO if cost_decision else Cause.STALE_PAGE)
         assert loss.cause.expected is cost_decision

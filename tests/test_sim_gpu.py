@@ -33,9 +33,17 @@ def test_at_gpu_speeds_no_token_is_lost_unlabelled_and_no_restore_reads_a_delete
 
 
 @pytest.mark.parametrize("machine", sorted(MACHINES))
-def test_with_a_page_budget_sized_for_the_model_wrong_page_or_recompute_choices_cost_under_5_percent(machine):
+def test_wrong_page_or_recompute_choices_cost_under_5_percent_of_what_the_moves_save(machine):
     """The choices the proxy makes from its measured speeds, against the better one in hindsight: the time the
-    wrong ones lost is under 5% of the time the moves saved."""
-    h, _ = runs(machine, 64 * 1024)
+    wrong ones lost is under 5% of the time the moves saved. With the fixed 8 GB page budget it was 9.8% (8B)
+    and 25.6% (70B) over 40 shapes: pages pushed out before their sessions came back; the budget is now sized
+    from the model's KV and the slots."""
+    h, _ = runs(machine, None)
     assert h.restores > 0 and h.saved_s > 0
     assert h.lost_s < 0.05 * h.saved_s, h
+
+
+def test_a_page_budget_the_user_set_is_kept_even_when_small():
+    """A budget of the user's is never resized: at 70B speeds 8 GB holds a few pages, and pages go unread."""
+    h, _ = runs("70b", 8192)
+    assert h.wrong > 0 and h.lost_s > 0

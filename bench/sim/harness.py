@@ -17,6 +17,7 @@ import functools
 import inspect
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,6 +176,10 @@ class Rig:
         lock = functools.partial(_ProcessFileLock, {})  # the rig's own locks, one per lock path
         self._stack.enter_context(mock.patch.object(store_file, "AsyncFileLock", lock))
         self._stack.enter_context(mock.patch.object(page_runner, "os", _SeenDeletes(self.deleted)))
+        if self.setup.disk is not None:  # the modelled disk's free space, not the simulator's scratch file system
+            free = self.setup.disk.free_bytes
+            usage = shutil._ntuple_diskusage(free, 0, free)  # type: ignore[attr-defined]
+            self._stack.enter_context(mock.patch.object(page_runner.shutil, "disk_usage", lambda path: usage))
         for _ in range(self.setup.proxies):
             addons = addon_module.make_addons()
             addons[0].rt.make_client = lambda url: LlamaClient(url, transport=transport(self.servers[url]))

@@ -166,6 +166,7 @@ class Disk:
     bytes_per_token: int
     bps: float
     overhead_s: float = 0.002
+    free_bytes: int = 2 << 40     # what the save dir's file system reports free (a 2 TiB NVMe disk)
 
     def size(self, tokens: int) -> int:
         return 4096 + self.bytes_per_token * tokens

@@ -179,7 +179,7 @@ class PageMove:
             if plan.saves:  # the holder's page-out and a live seed's save: both recorded before they are written
                 files = await asyncio.to_thread(self.m.pages.files)
                 async with self.m.store.transaction() as state:
-                    room, fits = self.m.keeper.pager.page_room(state, plan, time.time(), self.m.pages.max_bytes, files)
+                    room, fits = self.m.keeper.pager.page_room(state, plan, time.time(), self.m.pages.budget(), files)
                     plan = plan if fits else plan.without_saves()  # what it would write cannot fit the budget
                     replaced = self.m.keeper.pager.page_intent(state, plan, time.time())
                 self.m.pages.delete(room)  # the budget holds while the saves are written
