@@ -197,6 +197,7 @@ class Choice:
     move_s: float       # the save and/or restore
     prefill_s: float    # prefilling the same tokens (now, or when the conversation comes back)
     session: str = ""   # the session key whose conversation moves ("": a prefix)
+    spares: int = 0     # tokens the move spares prefilling, when fewer than it moves (0: all of them)
 
     @property
     def worth(self) -> bool:
@@ -271,7 +272,7 @@ def judge(plan: PagePlan, rates: Rates, *, holder_tokens: int | None, restore_by
         live = plan.seed is not None and plan.seed.slot is not None
         c = live_seed(seed_tokens, rates) if live else page_in(plan.restore_tokens, restore_bytes, rates)
         if c is not None and plan.seed is not None and not live and 0 < seed_tokens < c.tokens:
-            c = replace(c, prefill_s=rates.prefill_s(seed_tokens))  # a page seed spares only what it shares
+            c = replace(c, prefill_s=rates.prefill_s(seed_tokens), spares=seed_tokens)  # only what it shares
         if c is not None:
             choices.append(replace(c, session=plan.restore_for or ""))
             if not c.worth:

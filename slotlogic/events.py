@@ -362,6 +362,8 @@ class ModelDescribed(Event):
     swa_full: bool
     checkpoints_in_files: bool | None
     files_wanted: bool
+    page_budget_bytes: int = 0     # session pages' budget (0: paging off)
+    slots: int = 0                 # the server's slots
 
 
 @dataclass(frozen=True)

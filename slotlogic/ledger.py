@@ -47,6 +47,8 @@ class Cause(Enum):
     SIDE_CALL = "side-call"                  # a side call ran on the session's slot
     IDLE_CLEAR = "idle-clear"                # the server emptied the idle slot (unified KV, --cache-idle-slots):
     #                                          the proxy pinned there before it knew the mode, so not expected
+    LET_GO = "let-go"                        # not paged by choice: prefilling it again measured cheaper, or
+    #                                          its page went to keep the save dir within the page budget
     UNKNOWN = "unknown"
 
     @property
@@ -56,9 +58,9 @@ class Cause(Enum):
         return self in _EXPECTED
 
 
-_EXPECTED = frozenset({Cause.RESTART, Cause.MODEL_CHANGE, Cause.EVICTED})
+_EXPECTED = frozenset({Cause.RESTART, Cause.MODEL_CHANGE, Cause.EVICTED, Cause.LET_GO})
 _EMPTIED = frozenset({Cause.RESTART, Cause.MODEL_CHANGE})  # every slot (and maybe every page) of the server
-_KEPT = _EMPTIED | {Cause.IDLE_CLEAR}  # gone before any write of ours: a later write cannot lose it again
+_KEPT = _EMPTIED | {Cause.IDLE_CLEAR, Cause.LET_GO}  # gone before a write of ours: a later write cannot lose it again
 
 
 @dataclass(frozen=True)
@@ -344,10 +346,8 @@ class Ledger:
 
     def ran_unpinned(self, slot: int, key: str, *, side: bool = False, queued: bool = False) -> None:
         """An unpinned request (the server chose) ran on `slot`: it holds `key`'s prompt now. A side call's home
-        whose content another slot holds stays there (two calls of one home are independent: the one that ran
-        elsewhere leaves a copy nobody is promised, and its home's slot is still paged out before another
-        writes it). `queued`: the owner's own pinned request waits behind it there, so the slot stays the
-        owner's (what was there is gone all the same; `key`'s is too once that request runs: `overrun`)."""
+        whose content another slot holds stays there (the copy that ran elsewhere is nobody's). `queued`: the
+        owner's own pinned request waits behind it there, so the slot stays the owner's (`overrun`)."""
         self._from_outside(slot)
         if queued:
             old = self.entry(slot)
@@ -369,9 +369,7 @@ class Ledger:
             self._gone(key, Cause.UNPINNED)
 
     def sent_unpinned(self) -> int:
-        """A request goes out for the server to choose its slot (`slots_policy=affinity`): its number. Answered
-        without its slot learned, a conversation found short with nothing else to blame is its doing
-        (`slotlogic.server_placed`)."""
+        """A request goes out for the server to choose its slot: its number (`slotlogic.server_placed`)."""
         return self.placed.send()
 
     def emptied(self, key: str, cause: Cause) -> None:
@@ -383,6 +381,11 @@ class Ledger:
     def claimed_elsewhere(self, slot: int, claimant: str, cause: Cause = Cause.OTHER_PROCESS) -> None:
         self._from_outside(slot)
         self.write(slot, Holds.SESSION, claimant, 0, cause)
+
+    def not_paged(self, key: str) -> None:
+        """`key`'s conversation leaves its slot unsaved by choice (`Cause.LET_GO`)."""
+        if key in self.conversations:
+            self._gone(key, Cause.LET_GO)
 
     def forget(self, key: str) -> None:
         self.latest.pop(key, None)
@@ -402,7 +405,7 @@ class Ledger:
         return cause
 
     def _found_cause(self, key: str, promise: Promise) -> Cause:
-        if self.gone.get(key) in _EMPTIED:  # a page made before a restart may be short for the same reason
+        if self.gone.get(key) in _EMPTIED | {Cause.LET_GO}:  # a page made before may be short for that reason
             return self.gone[key]
         if promise.page_tokens is not None and promise.page_tokens + tolerance(promise.conversation) \
                 < promise.conversation:

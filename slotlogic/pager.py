@@ -9,6 +9,7 @@ index (as of the last state transaction) and the counter that makes its page fil
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -52,6 +53,9 @@ class Pager:
         self.learner = learner
         self.host = host
         self.index: dict[str, paging.PageRecord] = {}  # the page index as of the last state transaction
+        # files a plan of this process is about to restore, with how many plans: another slot's plan making room
+        # for its saves must not delete them between that plan's start and its restore
+        self.reading: Counter[str] = Counter()
         self._seq = 0
         self._seeds = Seeds(self)
 
@@ -192,6 +196,17 @@ class Pager:
         rec = state.pages.get(session_key)
         return rec is not None and rec.n_tokens == 0 and now - rec.saved < wait
 
+    def reads(self, plan: paging.PagePlan) -> frozenset[str]:
+        """The file `plan` will restore (its session's page or a seed's), kept from every budget sweep until
+        `read_done`."""
+        files = frozenset(f for f in (plan.restore_file,) if f)
+        self.reading.update(files)
+        return files
+
+    def read_done(self, files: frozenset[str]) -> None:
+        self.reading.subtract(files)
+        self.reading = +self.reading  # counts at zero dropped
+
     def page_intent(self, state: shared.ServerState, plan: paging.PagePlan, now: float) -> list[str]:
         """Before the save is sent: its page is in the index (not restorable yet), so a kill between the save
         and `pages_recorded` leaves no file the state does not know. Returns the replaced page's file."""
@@ -231,7 +246,9 @@ class Pager:
             doomed.append(plan.restore_file)
         keep = frozenset(k for k in (plan.save_for, plan.restore_for) if k)
         if files is None:  # the save dir not read: our records alone
-            doomed += [state.pages.pop(gone).file for gone in paging.over_budget(state.pages, budget, keep=keep)]
+            for gone in paging.over_budget(state.pages, budget, keep=keep):
+                doomed.append(state.pages.pop(gone).file)
+                self._dropped(gone)
         else:  # the page just saved is the newest: it goes only when it alone is over the budget
             doomed += self._room(state, {n: f for n, f in files.items() if n not in doomed}, budget, now, 0,
                                  keep - {plan.save_for})[0]
@@ -256,11 +273,20 @@ class Pager:
 
     def _room(self, state: shared.ServerState, files: Mapping[str, paging.PageFile], budget: int, now: float,
               incoming: int, keep: frozenset[str], keep_files: frozenset[str] = frozenset()) -> tuple[list[str], bool]:
+        keep_files |= frozenset(self.reading)
+        keep |= frozenset(k for k, rec in state.pages.items() if rec.file in self.reading)
         drop, doomed, fits = paging.disk_room(files, state.pages, budget, now, keep_seconds=SESSION_KEEP_SECONDS,
                                               incoming=incoming, keep=keep, keep_files=keep_files)
         for key in drop:
             state.pages.pop(key, None)
+            self._dropped(key)
         return doomed, fits
+
+    def _dropped(self, key: str) -> None:
+        """`key`'s page goes to keep the save dir within its budget: with its conversation in no slot, its next
+        turn prefills it again by that choice."""
+        if self.ledger.where(key) is None:
+            self.ledger.not_paged(key)
 
     def page_doubtful(self, report: Report) -> paging.PageCheck | None:
         """The request that followed a page-in reused less than half of the page: drop the page."""

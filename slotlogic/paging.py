@@ -315,6 +315,23 @@ def doubtful(restored_tokens: int, cache_n: int | None) -> PageCheck | None:
     return PageCheck.LOW_CACHE if cache_n < restored_tokens // 2 else None
 
 
+AUTO_FLOOR = 8192 << 20  # the automatic page budget never goes below this (the fixed default it replaced)
+
+
+def auto_budget(slots: int | None, n_ctx: int | None, kv_bytes_per_token: float | None,
+                free_bytes: int | None) -> int:
+    """The page budget when the user set none: room for two full contexts a slot of this model's KV (a page of
+    each slot's conversation and one of a session waiting to come back), so that long conversations' pages are
+    not pushed out before they are read; at least `AUTO_FLOOR`, at most half the save dir's free space (never
+    below the floor: the floor is what the budget was before). Unknown sizes: the floor."""
+    if not slots or not n_ctx or not kv_bytes_per_token or kv_bytes_per_token <= 0:
+        return AUTO_FLOOR
+    wanted = int(2 * slots * n_ctx * kv_bytes_per_token)
+    if free_bytes is not None:
+        wanted = min(wanted, free_bytes // 2)
+    return max(AUTO_FLOOR, wanted)
+
+
 def over_budget(pages: Mapping[str, PageRecord], max_bytes: int, *, keep: frozenset[str] = frozenset()
                 ) -> list[str]:
     """Session keys whose pages to drop, least recently saved first, until the rest fit `max_bytes`.

@@ -53,6 +53,7 @@ class Settings:
     save_dir: str | None = None        # llama-server's --slot-save-path, as this machine sees it
     paging: bool = False               # session paging through save_dir (needs it)
     page_max_bytes: int = 8192 << 20
+    page_budget_auto: bool = False     # the budget sized from the model's KV and the slots (`paging.auto_budget`)
     server_id: str = ""
     checkpoint_ttl_days: float = 30.0
     checkpoint_keep: int = 3

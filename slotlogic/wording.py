@@ -8,6 +8,7 @@ Rule 2: only what the records hold can be printed, and they hold no prompt text 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterable
 from enum import Enum
@@ -372,7 +373,25 @@ def _described(e: ev.ModelDescribed) -> str:
         return f"model on {e.upstream}: not described"
     lines = describe(e.facts, cache_type_k=e.cache_type_k, cache_type_v=e.cache_type_v, n_ctx=e.n_ctx,
                      swa_full=e.swa_full, checkpoints_in_files=e.checkpoints_in_files, files_wanted=e.files_wanted)
+    if e.page_budget_bytes and e.slots and e.n_ctx and e.facts.restore_helps(e.swa_full, e.checkpoints_in_files):
+        try:
+            per_token = e.facts.kv_bytes_per_token(e.cache_type_k, e.cache_type_v, e.n_ctx)
+        except ValueError:  # a cache type the model table does not know
+            per_token = 0.0
+        lines += _budget_fit(per_token, e.n_ctx, e.slots, e.page_budget_bytes)
     return ("\n" + PREFIX).join(map(printable, lines))
+
+
+def _budget_fit(per_token: float, n_ctx: int, slots: int, budget: int) -> list[str]:
+    """A page budget that holds less than two full contexts a slot makes pages push each other out before their
+    sessions come back: each such save is I/O for nothing. Said once, with the size that would hold them."""
+    wanted = 2 * slots * n_ctx * per_token
+    if per_token <= 0 or budget >= wanted:
+        return []
+    return [f"the page budget (slots_page_max_mb {budget >> 20:,}) holds ~{int(budget / per_token):,} tokens "
+            f"of this model's KV, less than two full contexts a slot ({slots} × {n_ctx:,}): long conversations' "
+            f"pages will push each other out before they are read; slots_page_max_mb={math.ceil(wanted / 2**20)} "
+            "keeps them"]
 
 
 def _speeds(e: ev.SpeedsMeasured) -> str:

@@ -81,6 +81,28 @@ def test_the_page_budget_in_tokens_and_the_status_view():
     json.dumps(out)
 
 
+def test_a_page_budget_too_small_for_the_model_is_said_once_with_the_size_that_holds_two_contexts_a_slot():
+    """At GPU speeds a 70B-class model's page (320 KiB a token) is ~2 GB at 6K tokens: the 8 GB default holds four,
+    and pages pushed out before their sessions came back were a third of the time paging cost in the simulator
+    (bench/sim/gpu.py). The model's start-up lines say so and name the size that holds two full contexts a slot."""
+    big = facts(LLAMA | {"llama.block_count": 80, "llama.embedding_length": 8192, "llama.attention.head_count": 64,
+                         "llama.attention.head_count_kv": 8})
+    per_token = big.kv_bytes_per_token("f16", "f16", 32768)
+    assert per_token == 320 * 1024
+
+    def lines(budget_mb: int, model: ModelFacts) -> str:
+        e = ModelDescribed("http://s", model, "f16", "f16", 32768, False, None, True, budget_mb << 20, 4)
+        return wording.event_line(e)[1]
+
+    said = lines(8192, big)
+    assert "the page budget (slots_page_max_mb 8,192) holds ~26,214 tokens" in said
+    assert "(4 × 32,768)" in said and f"slots_page_max_mb={2 * 4 * 32768 * 320 // 1024} keeps them" in said
+    assert "page budget" not in lines(81920, big)                     # two contexts a slot fit
+    assert "page budget" not in lines(8192, facts(LLAMA))             # SmolLM2's 23 KB a token: 8 GB is plenty
+    paging_off = ModelDescribed("http://s", big, "f16", "f16", 32768, False, None, True, 0, 4)
+    assert "page budget" not in wording.event_line(paging_off)[1]
+
+
 # --- the driver: header, probe, gate ---------------------------------------------------------------------------
 
 class ProbeLlama(FakeLlama):

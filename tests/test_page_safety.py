@@ -18,6 +18,7 @@ from slotlogic.answers import Observation
 from slotlogic.decisions import RequestFacts, Ticket
 from slotlogic.endpoints import Route
 from slotlogic.keeper import Keeper
+from slotlogic.ledger import Cause, Holds, Ledger
 from slotlogic.paging import PageAsk, PageCheck, PageDone, PageFile, PagePlan, PageRecord
 from slotlogic.ranking import SlotView
 from slotlogic.reasons import Why
@@ -289,3 +290,48 @@ async def test_the_page_budget_holds_on_disk_at_every_moment(tmp_path):
     assert not theirs.exists()  # the oldest file went first, whoever wrote it
     pages = state_of(tmp_path)["pages"]
     assert pages and all((slots.save_dir / p["file"]).exists() for p in pages.values() if p["n_tokens"])
+
+
+def test_a_page_another_slot_is_about_to_restore_is_never_deleted_to_make_room():
+    """Two slots page at once on a small budget (a 70B-class model: 2 GB a page): slot 0's plan restores B's page;
+    slot 1's plan, saving its holder, made room by deleting that very page between slot 0's start and its
+    restore, which then failed and B's turn prefilled all of it (simulator, GPU speeds). A page a plan of this
+    process is about to restore now stays until that plan ends."""
+    k = Keeper(Settings(paging=True, save_dir="/x"), UP)
+    s = st.ServerState(UP)
+    b_page = paging.page_file(UP, "b", "x")
+    s.pages["b"] = PageRecord(b_page, 900, 10.0, 1000)
+    files = {b_page: PageFile(10.0, 1000)}
+    restoring = PagePlan(0, restore_for="b", restore_file=b_page, restore_tokens=900)
+    saving = k.pager.page_plan(PageAsk(1, "c", SlotView(1, 900, owner="a")))
+    assert saving.save_for == "a"
+
+    def room() -> list[str]:
+        state = st.ServerState(UP, pages=dict(s.pages))
+        return k.pager.page_room(state, saving, 20.0, 1500, files)[0]
+
+    assert room() == [b_page]            # nothing restoring it: the oldest page goes for the incoming save
+    reading = k.pager.reads(restoring)
+    assert room() == []                   # slot 0's plan is under way: B's page stays
+    k.pager.read_done(reading)
+    assert room() == [b_page]
+
+
+def test_a_conversation_let_go_by_a_cost_decision_is_lost_by_choice_not_by_fault():
+    """When prefilling a conversation again measures cheaper than saving and restoring it, the proxy lets it go:
+    its next turn finds an older page, or a slot a prefix was restored over, and the meter names the choice
+    (`let-go`, expected), not `stale-page` or `prefix-over-owner`."""
+    for cost_decision in (False, True):
+        ledger = Ledger()
+        ledger.total = 2
+        first = ledger.pin(0, "a")
+        ledger.settle("a", first, 0, 0, 1000, None)          # a's conversation: 1,000 tokens on slot 0
+        ledger.pin(0, "b")                                     # b takes slot 0; a's page is older (600 tokens)
+        if cost_decision:
+            ledger.not_paged("a")
+        ledger.write(1, Holds.PAGE, "a", 600)                 # a's page restored into slot 1
+        back = ledger.pin(1, "a")
+        loss = ledger.settle("a", back, 1, 600, 450, True)
+        assert loss is not None and loss.tokens == 400
+        assert loss.cause is (Cause.LET_GO if cost_decision else Cause.STALE_PAGE)
+        assert loss.cause.expected is cost_decision

@@ -85,3 +85,16 @@ def test_damaged_page_entries_are_dropped():
                       "b": {"file": paging.page_file(U, "b"), "n_tokens": "x", "saved": 1.0},
                       "c": "no", "d": {"file": paging.page_file(U, "d"), "n_tokens": 70, "saved": 2.0}}}
     assert set(st.from_dict(junk, U).pages) == {"d"}
+
+
+def test_the_page_budget_with_none_set_holds_two_full_contexts_a_slot_within_half_the_free_space():
+    """8 GB held four 6K-token pages of a 70B-class model (320 KiB a token): pages went before they were read."""
+    floor = paging.AUTO_FLOOR
+    assert floor == 8192 << 20
+    assert paging.auto_budget(4, 32768, 320 * 1024, 4 << 40) == 2 * 4 * 32768 * 320 * 1024     # ~80 GB
+    assert paging.auto_budget(4, 32768, 320 * 1024, 100 << 30) == 50 << 30                    # half the free space
+    assert paging.auto_budget(4, 8192, 23 * 1024, 4 << 40) == floor                             # SmolLM2: the floor
+    assert paging.auto_budget(4, 32768, 320 * 1024, 1 << 30) == floor       # a small disk: never below the floor
+    assert paging.auto_budget(None, 32768, 320 * 1024, None) == floor       # sizes not known yet
+    assert paging.auto_budget(4, None, 320 * 1024, None) == floor
+    assert paging.auto_budget(4, 32768, None, None) == floor

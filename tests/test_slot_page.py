@@ -10,6 +10,7 @@ from mitmproxy import http
 
 from bench.page import render_times, serve_page, synthetic_status
 from bench.real import browser
+from slotlogic.ledger import Cause
 from tests.conftest import UP, chat, flow
 from tests.test_localapi import api
 from tests.test_metrics import samples
@@ -52,7 +53,7 @@ async def test_the_status_carries_what_the_page_draws_and_the_metrics_the_saving
     assert got[("slotkeeper_client_requests_total", on)] == 3
     lost = {k[1]: v for k, v in got.items() if k[0] == "slotkeeper_tokens_lost_total"}
     by_client = {k[1]: v for k, v in got.items() if k[0] == "slotkeeper_client_tokens_lost_total"}
-    assert len(by_client) == len(lost) == 11  # every cause present, 0 when none
+    assert len(by_client) == len(lost) == len(Cause)  # every cause present, 0 when none
     for cause in ("unknown", "evicted"):  # one client: its losses are the server's
         expected = ("expected", "true" if cause == "evicted" else "false")
         assert by_client[(("cause", cause), ("client", on[0][1]), expected, on[1])] == lost[(("cause", cause),

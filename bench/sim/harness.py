@@ -17,6 +17,7 @@ import functools
 import inspect
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,11 +29,12 @@ from mitmproxy import http
 from mitmproxy.flow import Error as FlowError
 from mitmproxy.test import taddons, tflow
 
-from bench.sim.llama import Done, Down, SimServer, answer_body, chat_stream
+from bench.sim.llama import Disk, Done, Down, SimServer, answer_body, chat_stream
 from bench.sim.transport import transport
 from slotkeeper import addon as addon_module
-from slotkeeper.drivers import store_file
+from slotkeeper.drivers import page_runner, store_file
 from slotkeeper.drivers.llama_http import LlamaClient
+from slotlogic.events import CostWeighed
 
 PORT0 = 8080
 _FAST_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None  # tmpfs: no fsync cost
@@ -56,6 +58,10 @@ class _ProcessFileLock:
         except TimeoutError:
             raise filelock.Timeout(self.path) from None
         return self
+
+    def _heard(self, event: Any) -> None:
+        if isinstance(event, CostWeighed):
+            self.weighed.append((SimServer.now(), event))
 
     async def __aexit__(self, *exc: Any) -> None:
         self.lock.release()
@@ -84,6 +90,9 @@ class Setup:
     ttl: int = 120
     prefill_speed: float = 2000.0
     options: tuple[tuple[str, Any], ...] = ()
+    disk: Disk | None = None      # a modelled machine's slot-file costs (None: the small CPU model's)
+    decode_speed: float = 100.0
+    prefill_depth: float | None = None  # context depth at which a prefilled token costs twice (None: flat)
 
 
 @dataclass
@@ -119,6 +128,22 @@ class Proxy:
         return self.rt.upstreams.get(url)
 
 
+class _SeenDeletes:
+    """`os` for the pagers' driver, with each page file it deletes noted (name -> virtual time): the ground
+    truth tells a page the budget dropped from one never written."""
+
+    def __init__(self, deleted: dict[str, float]) -> None:
+        self._deleted = deleted
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def unlink(self, path: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # no loop: a deletion at shutdown
+            self._deleted.setdefault(Path(path).name, SimServer.now())
+        os.unlink(path)
+
+
 class Rig:
     """Simulated servers and 1-2 proxies on one state dir. Use `async with Rig(setup) as rig:` on a virtual loop
     (`bench.sim.clock.run`)."""
@@ -133,6 +158,8 @@ class Rig:
         left: dict[str, list[int]] = {}  # one ground truth across servers: a session may move between them
         self.servers = {server_url(i): SimServer(setup.slots, setup.n_ctx, save_dir=self.save_dir if setup.paging
                                                  else None, prefill_speed=setup.prefill_speed,
+                                                 decode_speed=setup.decode_speed, disk=setup.disk,
+                                                 prefill_depth=setup.prefill_depth,
                                                  unified_idle_clear=setup.unified, name=f"s{i}")
                         for i in range(setup.servers)}
         files: dict[str, Any] = {}  # one save dir for the pool: any server reads the files another wrote
@@ -141,16 +168,24 @@ class Rig:
             s.files = files
         self.proxies: list[Proxy] = []
         self.outcomes: list[Outcome] = []
+        self.weighed: list[tuple[float, CostWeighed]] = []  # every move the proxies weighed by its cost, and when
+        self.deleted: dict[str, float] = {}  # page files the proxies deleted, and when
         self._stack = contextlib.ExitStack()
 
     async def __aenter__(self) -> Rig:
         lock = functools.partial(_ProcessFileLock, {})  # the rig's own locks, one per lock path
         self._stack.enter_context(mock.patch.object(store_file, "AsyncFileLock", lock))
+        self._stack.enter_context(mock.patch.object(page_runner, "os", _SeenDeletes(self.deleted)))
+        if self.setup.disk is not None:  # the modelled disk's free space, not the simulator's scratch file system
+            free = self.setup.disk.free_bytes
+            usage = shutil._ntuple_diskusage(free, 0, free)  # type: ignore[attr-defined]
+            self._stack.enter_context(mock.patch.object(page_runner.shutil, "disk_usage", lambda path: usage))
         for _ in range(self.setup.proxies):
             addons = addon_module.make_addons()
             addons[0].rt.make_client = lambda url: LlamaClient(url, transport=transport(self.servers[url]))
             tctx = self._stack.enter_context(taddons.context(*addons))
             p = Proxy(tctx, addons)
+            p.rt.listeners.append(self._heard)
             opts: dict[str, Any] = {"slots_state_dir": str(self.state_dir), "slots_log_requests": "off",
                                     "slots_ttl": self.setup.ttl, "mode": [f"reverse:{server_url(0)}@127.0.0.1:1"]}
             if self.setup.servers > 1:
@@ -161,6 +196,10 @@ class Rig:
             tctx.configure(addons[0], **opts)
             self.proxies.append(p)
         return self
+
+    def _heard(self, event: Any) -> None:
+        if isinstance(event, CostWeighed):
+            self.weighed.append((SimServer.now(), event))
 
     async def __aexit__(self, *exc: Any) -> None:
         for p in self.proxies:

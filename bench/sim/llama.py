@@ -157,12 +157,34 @@ class Task:
     generation: int
 
 
+@dataclass(frozen=True)
+class Disk:
+    """A slot file's true costs on a modelled machine: KV bytes a token, the disk's bytes a second both ways, and a
+    call's fixed time beyond the server's own (HTTP, queueing aside). Without one the simulator keeps its
+    original small-CPU-model costs: 256 bytes a token, a microsecond a token, and every answer timed 1 ms."""
+
+    bytes_per_token: int
+    bps: float
+    overhead_s: float = 0.002
+    free_bytes: int = 2 << 40     # what the save dir's file system reports free (a 2 TiB NVMe disk)
+
+    def size(self, tokens: int) -> int:
+        return 4096 + self.bytes_per_token * tokens
+
+    def seconds(self, n_bytes: int) -> float:
+        """The server's own time for a file of `n_bytes` (its `save_ms`/`restore_ms`)."""
+        return n_bytes / self.bps
+
+
 class SimServer:
     def __init__(self, n_slots: int = 4, n_ctx: int = 8192, *, save_dir: str | Path | None = None,
                  prefill_speed: float = 2000.0, decode_speed: float = 100.0, sps: float = 0.1,
                  unified_idle_clear: bool = False, model_path: str = "/models/sim.gguf", build: str = "b1-sim",
-                 honour_messages_slot: bool = False, name: str = "sim", n_batch: int = 2048) -> None:
+                 honour_messages_slot: bool = False, name: str = "sim", n_batch: int = 2048,
+                 disk: Disk | None = None, prefill_depth: float | None = None) -> None:
         self.n_slots, self.n_ctx, self.n_batch = n_slots, n_ctx, n_batch
+        self.disk = disk
+        self.prefill_depth = prefill_depth  # the context depth at which a token costs twice (None: never slower)
         self.save_dir = Path(save_dir) if save_dir else None
         self.prefill_speed, self.decode_speed, self.sps = prefill_speed, decode_speed, sps
         self.unified_idle_clear = unified_idle_clear
@@ -323,9 +345,10 @@ class SimServer:
         slot.tokens, slot.n_prompt, slot.writer = tokens[:cache_n], len(tokens), tag
         self.events.append(SlotEvent(started, slot.id, "request", tag, before, len(tokens), cache_n))
         self.prefill_tokens += prompt_n
-        slot.prefill = (started, started + prompt_n / self.prefill_speed)
+        prefill_s = self.prefill_seconds(prompt_n, cache_n)
+        slot.prefill = (started, started + prefill_s)
         try:
-            await asyncio.sleep(prompt_n / self.prefill_speed)
+            await asyncio.sleep(prefill_s)
         finally:
             slot.prefill = None
         if gen != self.generation:
@@ -345,13 +368,20 @@ class SimServer:
                     len(left_before) if left_before is not None else 0, started, self.now(), gen,
                     bool(p["cache_prompt"]), tokens)
         self.done.append(done)
-        prompt_ms = prompt_n / self.prefill_speed * 1000
+        prompt_ms = prefill_s * 1000
+        tok_s = prompt_n / prefill_s if self.prefill_depth else self.prefill_speed
         return {"content": text, "id_slot": slot.id, "tokens_cached": cache_n, "n_prompt": len(tokens),
                 "n_gen": n_gen, "timings": {
                     "cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-                    "prompt_per_token_ms": 1000 / self.prefill_speed, "prompt_per_second": self.prefill_speed,
+                    "prompt_per_token_ms": 1000 / tok_s, "prompt_per_second": tok_s,
                     "predicted_n": n_gen, "predicted_ms": n_gen / self.decode_speed * 1000,
                     "predicted_per_token_ms": 1000 / self.decode_speed, "predicted_per_second": self.decode_speed}}
+
+    def prefill_seconds(self, prompt_n: int, cache_n: int = 0) -> float:
+        """Prefilling `prompt_n` tokens after `cache_n` in the slot: each token's cost grows with its depth
+        (attention reads every token before it), doubling at `prefill_depth`."""
+        deeper = (cache_n + prompt_n / 2) / self.prefill_depth if self.prefill_depth else 0.0
+        return prompt_n / self.prefill_speed * (1 + deeper)
 
     def batch_left(self) -> float:
         """Seconds until the prompt batch in progress ends: the server's loop takes queued tasks (slot saves,
@@ -384,6 +414,8 @@ class SimServer:
             return 400, {"error": {"code": 400, "type": "invalid_request_error", "message": "Invalid filename"}}
         path = self.save_dir / name
         n = len(slot.tokens)
+        if self.disk is not None:
+            return await self._file_action(kind, name, slot)
         await asyncio.sleep(0.001 + n / 1_000_000)
         if kind == "save":
             size = 4096 + 256 * n
@@ -406,6 +438,36 @@ class SimServer:
             self.events.append(SlotEvent(t, slot.id, "restore", name, n, len(f.tokens)))
             return 200, {"id_slot": slot.id, "filename": name, "n_restored": len(f.tokens),
                          "n_read": 4096 + 256 * len(f.tokens), "timings": {"restore_ms": 1.0}}
+        return 400, {"error": {"code": 400, "type": "invalid_request_error", "message": "Invalid action"}}
+
+    async def _file_action(self, kind: str, name: str, slot: Slot) -> tuple[int, dict[str, Any]]:
+        """A save or restore on a modelled disk (`Disk`): it takes the file's bytes at the disk's speed, and the
+        answer's timing says so."""
+        assert self.disk is not None and self.save_dir is not None
+        path, n = self.save_dir / name, len(slot.tokens)
+        f = self.files.get(name) if kind == "restore" else None
+        size = self.disk.size(n if kind == "save" else len(f.tokens) if f is not None else 0)
+        await asyncio.sleep(self.disk.overhead_s + self.disk.seconds(size))
+        t, ms = self.now(), self.disk.seconds(size) * 1000
+        if kind == "save":
+            self.files[name] = SimFile(list(slot.tokens), slot.writer, self.identity)
+            with open(path, "wb") as out:
+                out.truncate(size)
+            wall = time.time()
+            os.utime(path, (wall, wall))
+            self.events.append(SlotEvent(t, slot.id, "save", name, n, n))
+            return 200, {"id_slot": slot.id, "filename": name, "n_saved": n, "n_written": size,
+                         "timings": {"save_ms": ms}}
+        if kind == "restore":
+            if f is None or not path.exists() or f.identity != self.identity:
+                self.events.append(SlotEvent(t, slot.id, "restore-failed", name, n, 0))
+                slot.tokens, slot.writer = [], None
+                return 400, {"error": {"code": 400, "type": "invalid_request_error",
+                                       "message": "failed to restore slot state from file"}}
+            slot.tokens, slot.writer = list(f.tokens), f.writer
+            self.events.append(SlotEvent(t, slot.id, "restore", name, n, len(f.tokens)))
+            return 200, {"id_slot": slot.id, "filename": name, "n_restored": len(f.tokens), "n_read": size,
+                         "timings": {"restore_ms": ms}}
         return 400, {"error": {"code": 400, "type": "invalid_request_error", "message": "Invalid action"}}
 
     @property

@@ -13,6 +13,9 @@ proxy. Anything else is a loss the product must not have:
   `other-proxy-request-over-owner`, `overwritten`, `erased`;
 - it paged the session in from the wrong file: `stale-page` (older than the conversation),
   `page-of-another-conversation`, `page-in-overwritten`;
+- (labelled `recomputed`) the proxy weighed a page-out or page-in of the session by the measured speeds and
+  declined it, prefilling being the cheaper: it chose to prefill those tokens again; (labelled `page-budget`)
+  its newest page was deleted before it came back, to keep the save dir within the page budget;
 - it moved the session without paging it in (`not-paged-in`, paging on), to another slot (`moved-slot`) or
   server (`moved-server`); `unknown` otherwise.
 """
@@ -22,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bench.sim.harness import Outcome, Rig
-from bench.sim.llama import SlotEvent, common_prefix
+from bench.sim.llama import SimServer, SlotEvent, common_prefix
 
-EXPECTED = frozenset({"restart", "idle-clear", "given-away", "server-placed"})
+EXPECTED = frozenset({"restart", "idle-clear", "given-away", "server-placed", "recomputed", "page-budget"})
 # What the proxy says when it passes a request through on a server that clears idle slots (Unpinned.IDLE_CLEARED)
 PASSED = "passed through"
 KNOWN = ("known", "resumed")  # the proxy's word for "your slot still holds your conversation"
@@ -92,6 +95,10 @@ def _explain(rig: Rig, o: Outcome, prev: Outcome) -> Loss:
     loss.steps.append(f"this request: slot {d.slot}, why={why}, cache_n={d.cache_n} of {loss.expected} expected")
     if any(p.ended <= t <= d.started for t in server.restarts) or d.generation != p.generation:
         loss.cause = "restart"
+    elif _declined(rig, o, p.ended, d.started):
+        loss.cause = "recomputed"
+    elif "paged-in" not in why and _page_deleted(rig, server, o.tag, p.ended, d.started):
+        loss.cause = "page-budget"
     elif any(e.kind == "idle-clear" for e in on_prev):
         loss.cause = "idle-clear"
     elif why.startswith(PASSED):
@@ -131,6 +138,21 @@ def _explain(rig: Rig, o: Outcome, prev: Outcome) -> Loss:
     else:
         loss.cause = _overwritten(rig, on_prev, o.tag)
     return loss
+
+
+def _declined(rig: Rig, o: Outcome, since: float, until: float) -> bool:
+    """The proxy weighed moving `o`'s session's conversation (a page-out, or its page-in) between its two
+    requests and declined it by cost."""
+    key = str(o.meta.get("session", ""))[:8]
+    return bool(key) and any(since <= t <= until and w.session == key and not w.choice.worth
+                             for t, w in rig.weighed)
+
+
+def _page_deleted(rig: Rig, server: SimServer, tag: str, since: float, until: float) -> bool:
+    """`tag`'s newest page saved between its two requests was deleted before the second."""
+    saves = [e for e in server.events if e.kind == "save" and since <= e.t <= until
+             and (f := server.files.get(e.tag or "")) is not None and f.writer == tag]
+    return bool(saves) and rig.deleted.get(saves[-1].tag or "", until + 1) <= until
 
 
 def _given_away(rig: Rig, events: list[SlotEvent], tag: str) -> bool:

@@ -97,8 +97,11 @@ class ModelCheck:
                              in_files, wanted)
                 if described != self._described:
                     self._described = described
+                    paging = settings.page_max_bytes if settings.paging and settings.save_dir \
+                        and not settings.page_budget_auto else 0  # a budget of the user's: said if too small
                     self.emit(ModelDescribed(self.upstream, facts, settings.cache_type_k, settings.cache_type_v,
-                                             info.n_ctx, settings.swa_full, in_files, wanted))
+                                             info.n_ctx, settings.swa_full, in_files, wanted, paging,
+                                             info.total_slots))
             if blocked != self.files_blocked:
                 self.files_blocked = blocked
                 on_change()

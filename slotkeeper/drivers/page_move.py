@@ -20,6 +20,7 @@ from slotkeeper.drivers.seed_pages import save_begun, seed_from_its_page, seed_f
 from slotkeeper.drivers.slot_gate import WAIT as QUIET_WAIT
 from slotkeeper.drivers.source_wait import await_idle
 from slotlogic import scheduler, shared
+from slotlogic.costs import Move
 from slotlogic.decisions import NeedSlot
 from slotlogic.events import CostWeighed, Failed, Paged, Stage
 from slotlogic.handover import Handover
@@ -63,6 +64,8 @@ class PageMove:
         plan, ask = await self._settled_plan(ask, by)
         for choice in plan.choices:
             self.m.emit(CostWeighed(self.m.url, slot, choice.session[:8] or None, choice))
+            if choice.move is Move.PAGE_OUT and not choice.worth:
+                self.m.keeper.ledger.not_paged(choice.session)
         if plan.empty:
             return Moved.NOTHING, fence  # nothing to move, but our request must still go after the page-in before it
         if plan.restore_file is not None and not self.m.keeper.turns.fence_holds(fence):
@@ -171,11 +174,12 @@ class PageMove:
         copy_source = plan.seed.source if plan.seed is not None and plan.seed.local_slot is not None \
             and plan.seed_file is not None and plan.seed.source not in (key, plan.save_for) else None
         copying = self.m.pages.save_starts(copy_source) if copy_source is not None else None
+        reading = self.m.keeper.pager.reads(plan)
         try:
             if plan.saves:  # the holder's page-out and a live seed's save: both recorded before they are written
                 files = await asyncio.to_thread(self.m.pages.files)
                 async with self.m.store.transaction() as state:
-                    room, fits = self.m.keeper.pager.page_room(state, plan, time.time(), self.m.pages.max_bytes, files)
+                    room, fits = self.m.keeper.pager.page_room(state, plan, time.time(), self.m.pages.budget(), files)
                     plan = plan if fits else plan.without_saves()  # what it would write cannot fit the budget
                     replaced = self.m.keeper.pager.page_intent(state, plan, time.time())
                 self.m.pages.delete(room)  # the budget holds while the saves are written
@@ -195,6 +199,7 @@ class PageMove:
             self.m.emit(Failed(self.m.url, Stage.PAGING, type(e).__name__, slot=plan.slot))
             return Moved.NOTHING, fence
         finally:
+            self.m.keeper.pager.read_done(reading)
             if saving is not None:
                 self.m.pages.save_ends(holder or "", saving)
             if copying is not None:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import shutil
 import stat
 import time
 from collections.abc import Awaitable, Callable
@@ -24,7 +25,7 @@ from typing import Any
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.slot_gate import SlotGate
 from slotkeeper.drivers.store import SlotLocks
-from slotlogic import numbers
+from slotlogic import numbers, paging
 from slotlogic.checkpoint_machine import Failure
 from slotlogic.costs import SlotFileAnswer
 from slotlogic.events import Event, Failed, PageFailed, PageGone, PageRejected, PagingLockTimeout, Stage
@@ -73,6 +74,12 @@ class PageRunner:
         self.server_busy: Callable[[], bool] = lambda: False
         # a seed's slot on another server of the pool saved there (`pool_seeds.PoolSeeds.copy`)
         self.copy_from: Callable[[str, int, str, str], Awaitable[tuple[int, int] | None]] = _no_copy
+        # With no budget set (`paging.auto_budget`): the slots, a slot's context and the KV bytes a token as
+        # known now; the save dir's free space is read once, here (never on a request's path).
+        self.sizes: Callable[[], tuple[int | None, int | None, float | None]] | None = None
+        self._free: int | None = None
+        with contextlib.suppress(OSError):
+            self._free = shutil.disk_usage(self.save_dir).free
         # whether `slot` holds `session`'s current conversation, as the ledger has it (a copy's fence)
         self.holds: Callable[[int, str], bool] = lambda slot, session: True
 
@@ -316,6 +323,10 @@ class PageRunner:
         """At shutdown: the files `delete_later` still keeps go now (else only the next orphan sweep finds them)."""
         names, self._doomed = list(self._doomed), set()
         self.delete(names)
+
+    def budget(self) -> int:
+        """The page budget in bytes: the user's, or sized from the model and the slots."""
+        return self.max_bytes if self.sizes is None else paging.auto_budget(*self.sizes(), self._free)
 
     def delete(self, names: list[str]) -> None:
         for name in names:

@@ -297,11 +297,16 @@ class Upstream:
 
     async def status(self) -> dict[str, Any]:
         """The status view, from a fresh read of the state file (in a worker thread)."""
-        return status_view(self.keeper, self.model, self.settings, await self.store.aread())
+        return status_view(self.keeper, self.model, self._shown(), await self.store.aread())
 
     def status_now(self) -> dict[str, Any]:
         """The status view from memory (the state as of the last transaction): for sync callers."""
-        return status_view(self.keeper, self.model, self.settings, self.store.last)
+        return status_view(self.keeper, self.model, self._shown(), self.store.last)
+
+    def _shown(self) -> Settings:
+        """The settings as the status view shows them: the page budget in force (sized from the model, unless set)."""
+        pages = self.mover.pages
+        return self.settings if pages is None else replace(self.settings, page_max_bytes=pages.budget())
 
     async def settle(self) -> None:
         """Wait for the background work a command or an answer started (tests, shutdown)."""

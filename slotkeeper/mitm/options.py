@@ -19,7 +19,7 @@ from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from slotkeeper.drivers import origins, private_dir
 from slotkeeper.drivers.store_file import default_state_dir
-from slotlogic import checkpoint_cleanup, sidecalls
+from slotlogic import checkpoint_cleanup, paging, sidecalls
 from slotlogic import prefix as pfx
 from slotlogic import session as sess
 from slotlogic.model_facts import CACHE_TYPES
@@ -73,8 +73,9 @@ OPTIONS: tuple[Option, ...] = (
            "Session paging (needs slots_save_dir): before a slot goes to another session, save "
            "its holder's conversation there; when that session returns, restore it instead of "
            "prefilling it again."),
-    Option("slots_page_max_mb", int, 8192,
-           "Cap on session page files in slots_save_dir; the least recently saved go first."),
+    Option("slots_page_max_mb", int, 0,
+           "Cap on session page files in slots_save_dir; the least recently saved go first. 0 = sized "
+           "from the model: two full contexts a slot, at least 8192, at most half the free space."),
     Option("slots_server_id", str, "",
            "Your name for the llama-server build; part of the checkpoint fingerprint (bump it "
            "after an upgrade to force one clean rebuild)."),
@@ -162,7 +163,7 @@ MINIMUMS: dict[str, tuple[int, str]] = {
     "slots_prefix_min_chars": (1, "≥ 1"),
     "slots_seed_wait": (0, "≥ 0 (0 = never wait)"),
     "slots_client_patience": (0, "≥ 0 (0 = never hold)"),
-    "slots_page_max_mb": (1, "≥ 1 (turn paging off with slots_paging)"),
+    "slots_page_max_mb": (0, "0 (sized from the model) or a size in MB (turn paging off with slots_paging)"),
     "slots_checkpoint_ttl_days": (0, "≥ 0"),
     "slots_checkpoint_keep": (0, "≥ 0"),
     "slots_checkpoint_max_mb": (-1, "-1 (a quarter of slots_page_max_mb), 0 (no cap) or a size in MB"),
@@ -205,9 +206,10 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
         session_headers=tuple(h.strip().lower() for h in o.slots_session_headers if h.strip()),
         side_patterns=patterns, side_slot=o.slots_side_slot, markers=markers or pfx.DEFAULT_MARKERS,
         checkpoints=mode, save_dir=save_dir, paging=bool(o.slots_paging and save_dir),
-        page_max_bytes=o.slots_page_max_mb << 20, server_id=o.slots_server_id,
+        page_max_bytes=(o.slots_page_max_mb << 20) or paging.AUTO_FLOOR, page_budget_auto=not o.slots_page_max_mb,
+        server_id=o.slots_server_id,
         checkpoint_ttl_days=float(o.slots_checkpoint_ttl_days), checkpoint_keep=o.slots_checkpoint_keep,
-        checkpoint_max_bytes=checkpoint_cleanup.default_cap(o.slots_page_max_mb << 20)
+        checkpoint_max_bytes=checkpoint_cleanup.default_cap((o.slots_page_max_mb << 20) or paging.AUTO_FLOOR)
         if o.slots_checkpoint_max_mb < 0 else o.slots_checkpoint_max_mb << 20,
         probe_interval=float(o.slots_probe_interval),
         keep_streams=o.slots_keep_streams, anthropic=_choice(o, "slots_anthropic", AnthropicMode, o.slots_anthropic),
