@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,9 +159,22 @@ def serve_embedded(cfg: ServerConfig) -> None:
     if cfg.n_predict is not None:
         p.n_predict = cfg.n_predict
     _embedded_extra(p, cfg.extra)
-    server = xllamacpp.Server(p)
-    print(f"llama-server (xllamacpp) listening on {server.listening_address}", flush=True)
+    started: list[object] = []
+
+    def start() -> None:  # loading the model takes seconds; a stop signal meanwhile must not wait for it
+        try:
+            server = xllamacpp.Server(p)
+        except Exception as e:  # the server did not start: say why and exit, as the main thread would have
+            print(f"llama-server (xllamacpp) failed to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            os._exit(1)
+        started.append(server)
+        print(f"llama-server (xllamacpp) listening on {server.listening_address}", flush=True)
+
+    loader = threading.Thread(target=start, daemon=True)
+    loader.start()
     signal.sigwait(stop)
+    if not started:
+        os._exit(130)  # still loading: nothing served yet, nothing to shut down cleanly
 
 
 class LlamaServer:
