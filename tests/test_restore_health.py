@@ -3,6 +3,9 @@ two in a row that kept nothing turn paging and prefix restores off for that serv
 
 from __future__ import annotations
 
+import time
+
+from slotkeeper.drivers.upstream import Upstream
 from slotlogic import shared, wording
 from slotlogic.answers import Observation
 from slotlogic.decisions import Ticket
@@ -14,6 +17,8 @@ from slotlogic.restore_health import Health, RestoreHealth, RestoreKind
 from slotlogic.server import ServerInfo
 from slotlogic.session import SessionId
 from slotlogic.settings import CheckpointMode, Settings
+from tests.test_page_safety import FileSlots, PagingLlama, paging_upstream
+from tests.test_page_safety import facts as page_facts
 
 UP = "http://up:1"
 PAGE, PREFIX = RestoreKind.PAGE, RestoreKind.PREFIX
@@ -90,3 +95,43 @@ def test_a_restarted_server_is_asked_again():
     assert k.facts.restores.broken
     events = k.facts.note_server(shared.ServerState(UP), ServerInfo(total_slots=2, media_marker="m2"))
     assert events and k.facts.restores.health is Health.UNKNOWN and not k.facts.restores.broken
+
+
+async def _turns(tmp_path, kept_share: float, n: int = 8) -> tuple[Upstream, FileSlots, list]:
+    """Two sessions taking turns on one slot: each turn pages the other out and its own page in. The server's
+    answer finds `kept_share` of what the restore answered it put there (0: a restore that keeps nothing)."""
+    slots, seen = FileSlots(tmp_path / "slots", per_token=10), []  # writes its page files, as llama-server does
+    up = paging_upstream(tmp_path, PagingLlama(slots), seen)
+    now = time.time()
+    for turn in range(n):
+        d = await up.decide(page_facts("AB"[turn % 2], now + turn * 10), f"f{turn}")
+        up.unlock(f"f{turn}")
+        kept = int(d.ticket.restore[1] * kept_share) if d.ticket.restore else 0
+        up.answered(d.ticket, Observation(cache_n=kept, prompt_n=900), path="/v1/chat/completions", seconds=1.0)
+        await up.settle()
+    return up, slots, seen
+
+
+async def test_restores_that_keep_nothing_stop_after_two(tmp_path):
+    """The no-op restore (answers with the saved counts, the next request prefills everything): the proxy used to
+    page in at every turn (6 restores and 7 saves in 8 turns here), each a save, a restore and the whole prefill
+    anyway. Now the second page-in that kept nothing ends paging on that server: no restore and no save after it,
+    one line."""
+    up, slots, seen = await _turns(tmp_path, 0.0)
+    broken = [e for e in seen if isinstance(e, RestoresBroken)]
+    assert len(broken) == 1 and up.pages is None
+    # turn 1 saves A; turns 2 and 3 each save one and restore the other; after the verdict nothing is sent
+    assert slots.calls.count("restore") == 2 and len(slots.peaks) == 3
+    assert up.status_now()["restores"]["health"] == "broken"
+    # a new server process (another build, other flags) is asked again
+    up.client.props_data = {**up.client.props_data, "media_marker": "<restarted>"}  # type: ignore[attr-defined]
+    await up.prober.probe()
+    await up.settle()
+    assert up.pages is not None and up.status_now()["restores"]["health"] == "unknown"
+
+
+async def test_restores_that_take_keep_paging(tmp_path):
+    up, slots, seen = await _turns(tmp_path, 0.99)
+    assert not any(isinstance(e, RestoresBroken) for e in seen) and up.pages is not None
+    assert slots.calls.count("restore") == 6 and len(slots.peaks) == 7
+    assert up.status_now()["restores"]["health"] == "takes"
