@@ -351,7 +351,7 @@ def _no_save_path(e: ev.NoSavePath) -> str:
 
 
 def _restores_broken(e: ev.RestoresBroken) -> str:
-    seen = ", ".join(f"{kind} of {n} tokens, {cached} cached after"
+    seen = "; ".join(f"{kind} of {n} tokens: {cached} found cached by the next request"
                      for kind, n, cached in zip(e.kinds, e.restored, e.cached, strict=False))
     if e.reuse is ReuseKind.NEEDS_SWA_FULL and not e.swa_full:
         fix = ("start llama-server with --swa-full (and set slots_swa_full), or run a build whose slot files keep "
