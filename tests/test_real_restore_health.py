@@ -9,11 +9,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.restore_faults import RestoreFault
 from slotkeeper.launch.llama_server import LlamaServer
 from slotkeeper.launch.mitmdump import MitmProxy
 from tests import tiny_models
 from tests.real_helpers import THREADS, ask, conversation, extend, jsonl
-from tests.restore_standin import RestoreFault
 from tests.test_real_model_check import wait_for_line
 
 pytestmark = pytest.mark.real
@@ -33,7 +33,8 @@ def take_turns(url: str, turns: int = TURNS) -> list[tuple[str, int, int]]:
     return seen
 
 
-def run(tmp_path: Path, mode: str | None, ready: str = "", **more: object) -> tuple[list[dict], str, RestoreFault | None, dict]:
+def run(tmp_path: Path, mode: str | None, ready: str = "", **more: object
+        ) -> tuple[list[dict], str, RestoreFault | None, dict]:
     save = tmp_path / "slots"
     save.mkdir()
     opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(tmp_path / "req.jsonl"),

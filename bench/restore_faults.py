@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ class RestoreFault:
     def __init__(self, upstream: str, mode: str, save_dir: Path) -> None:
         assert mode in ("noop", "no_checkpoints", "pass")
         self.upstream, self.mode, self.save_dir = upstream, mode, save_dir
-        self.restores: list[tuple[int, int]] = []  # (slot, n_restored) of every restore answered 200
+        self.restores: list[tuple[int, int, float]] = []  # (slot, n_restored, when) of each restore answered 200
         self.client = httpx.Client(base_url=upstream, timeout=600)
         self.lock = threading.Lock()
         self.port = free_port()
@@ -101,7 +102,8 @@ class RestoreFault:
                     r = fault.forward(method, self.path, body, headers)
                 if method == "POST" and action == "restore" and r.status_code == 200:
                     with fault.lock:
-                        fault.restores.append((int(parts.path.rsplit("/", 1)[1]), r.json().get("n_restored", 0)))
+                        fault.restores.append((int(parts.path.rsplit("/", 1)[1]), r.json().get("n_restored", 0),
+                                               time.time()))
                 out = r.content
                 self.send_response(r.status_code)
                 for k, v in r.headers.items():
