@@ -13,7 +13,7 @@ from bench.restore_faults import RestoreFault
 from slotkeeper.launch.llama_server import LlamaServer
 from slotkeeper.launch.mitmdump import MitmProxy
 from tests import tiny_models
-from tests.real_helpers import THREADS, ask, conversation, extend, jsonl
+from tests.real_helpers import SYSTEM, THREADS, ask, conversation, extend, jsonl
 from tests.test_real_model_check import wait_for_line
 
 pytestmark = pytest.mark.real
@@ -106,3 +106,28 @@ def test_restores_on_the_real_server_take_and_paging_goes_on(tmp_path):
     judged = [r for r in records if r["kind"] == "restore-judged"]
     assert len(judged) == TURNS - 2 and all(j["took"] for j in judged), judged
     assert BROKEN not in text and status["restores"]["health"] == "takes"
+
+
+def test_prefix_restores_that_keep_nothing_stop_after_two(tmp_path):
+    """The same no-op restore under prefix checkpoints: each new session's prefix file is restored and its
+    verification finds nothing cached. Two such restores, then new sessions warm their prefix in memory with
+    no restore sent (the proxy restored and rebuilt the file for every new session before)."""
+    save = tmp_path / "slots"
+    save.mkdir()
+    log = tmp_path / "p.log"
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_save_dir": str(save),
+            "slots_log_file": str(tmp_path / "req.jsonl"), "slots_probe_interval": 0}
+    with LlamaServer(threads=THREADS, slots=4, ctx_per_slot=4096, slot_save_path=str(save),
+                     log_path=str(tmp_path / "s.log")) as srv, RestoreFault(srv.url, "noop", save) as fault, \
+            MitmProxy(fault.url, opts, log_path=str(log)) as px:
+        for i in range(4):
+            ask(px.url, [{"role": "system", "content": SYSTEM + f"\n<cwd>/srv/p{i}</cwd>"},
+                         {"role": "user", "content": f"Task {i}: a new window."}])
+        status = httpx.get(px.url + "/_slots/status", timeout=10).json()["servers"][0]
+    records = jsonl(tmp_path / "req.jsonl")
+    judged = [(r["move"], r["took"]) for r in records if r["kind"] == "restore-judged"]
+    assert judged == [("prefix", False), ("prefix", False)], judged
+    assert len(fault.restores) == 2 and after_verdict(records) == ([], [])
+    outcomes = [r["outcome"] for r in records if r["kind"] == "checkpoint"]
+    assert outcomes[-1] == "warmed", outcomes          # after the verdict: warmed in memory, nothing restored
+    assert log.read_text().count(BROKEN) == 1 and status["restores"]["health"] == "broken"
