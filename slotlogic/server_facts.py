@@ -17,7 +17,7 @@ from slotlogic.answers import Observation
 from slotlogic.decisions import Ticket
 from slotlogic.events import Event, PoolResized, RestoreJudged, RestoresBroken, ServerRestarted
 from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
-from slotlogic.ledger import Cause, Entry, Holds, Ledger, written_since_restart
+from slotlogic.ledger import Cause, Entry, Holds, Ledger, pages_void, written_since_restart
 from slotlogic.model_facts import ReuseKind
 from slotlogic.ranking import Policy
 from slotlogic.reasons import Unpinned
@@ -155,6 +155,7 @@ class ServerFacts:
         last = health.last
         events: list[Event] = [RestoreJudged(self.upstream, slot, kind.value, last.restored, last.cached, last.took)]
         if news:
+            pages_void(self.ledger)
             seen = health.broken_by
             events.append(RestoresBroken(self.upstream, tuple(j.kind.value for j in seen),
                                          tuple(j.restored for j in seen), tuple(j.cached for j in seen), reuse,

@@ -84,6 +84,7 @@ class Setup:
     ttl: int = 120
     prefill_speed: float = 2000.0
     options: tuple[tuple[str, Any], ...] = ()
+    restores_keep_nothing: bool = False  # the servers' restores answer and keep nothing (a broken build)
 
 
 @dataclass
@@ -133,7 +134,8 @@ class Rig:
         left: dict[str, list[int]] = {}  # one ground truth across servers: a session may move between them
         self.servers = {server_url(i): SimServer(setup.slots, setup.n_ctx, save_dir=self.save_dir if setup.paging
                                                  else None, prefill_speed=setup.prefill_speed,
-                                                 unified_idle_clear=setup.unified, name=f"s{i}")
+                                                 unified_idle_clear=setup.unified, name=f"s{i}",
+                                                 restores_keep_nothing=setup.restores_keep_nothing)
                         for i in range(setup.servers)}
         files: dict[str, Any] = {}  # one save dir for the pool: any server reads the files another wrote
         for s in self.servers.values():
