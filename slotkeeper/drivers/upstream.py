@@ -97,7 +97,8 @@ class Upstream:
         store, builds, recognition = shared_with.store, shared_with.builds, shared_with.recognition
         self.url = url
         self.offline = offline  # replaying saved flows: no network, no background task, no slot files
-        self.emit = emit
+        self._out = emit
+        self.emit: Emit = self._event  # what the core's placements and answers report (a restart is acted on)
         self.client = client or LlamaClient(url)
         # A pool's servers share one recognition; this process's page file names are its own.
         self.keeper = Keeper(settings, url, recognition, instance=os.urandom(8).hex())
@@ -120,7 +121,7 @@ class Upstream:
         self.mover.server_busy = self.waits.any_open
         self.tasks = Tasks()  # background work an answer or a command started
         self.placings = Placings()  # one placement of a session at a time
-        self.prober = ServerProbe(url, self.client, self.keeper, self._server_event, self.model, self.tasks,
+        self.prober = ServerProbe(url, self.client, self.keeper, self._event, self.model, self.tasks,
                                  loaded=loaded, on_checked=lambda: self._runners(self.settings))
         self.prober.store = self.store
         self.mover.explain_emptied = self.prober.explain_emptied
@@ -302,10 +303,11 @@ class Upstream:
             if isinstance(event, RestoresBroken):  # no paging, no prefix restores here until a restart
                 self._runners(self.settings)
 
-    def _server_event(self, event: Event) -> None:
-        """What the prober saw. A restarted server may be another build or run with other flags: its restores
-        are asked again (the core forgot the verdict), and paging and prefix restores come back."""
-        self.emit(event)
+    def _event(self, event: Event) -> None:
+        """An event out. A restarted server (seen by the prober or by a placement) may be another build or run
+        with other flags: its restores are asked again (the core forgot the verdict), paging and prefix restores
+        come back."""
+        self._out(event)
         if isinstance(event, ServerRestarted):
             self._runners(self.settings)
 
