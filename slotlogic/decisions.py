@@ -26,6 +26,7 @@ from slotlogic.endpoints import Route
 from slotlogic.ledger import Loss, Promise
 from slotlogic.prefix import StablePrefix
 from slotlogic.reasons import Passed, Unpinned, Why, render
+from slotlogic.restore_health import RestoreKind
 from slotlogic.session import SessionId
 
 Fields = tuple[tuple[bytes, bytes], ...]
@@ -70,6 +71,7 @@ class Ticket:
     placed: int | None = None    # pending: its number among the requests the server places (`Ledger.placed`)
     promise: Promise | None = None   # what the slot ledger said its slot holds for it when it was pinned
     extends: bool | None = None      # its messages start with all of its previous request's (None: unknown)
+    restore: tuple[RestoreKind, int] | None = None  # a restore put this many tokens of its prompt in its slot
 
     @property
     def reason(self) -> str:

@@ -15,7 +15,7 @@ from slotlogic.affinity import Learn
 from slotlogic.checkpoint_machine import Failure, Note, Outcome
 from slotlogic.costs import Choice
 from slotlogic.ledger import Cause
-from slotlogic.model_facts import ModelFacts
+from slotlogic.model_facts import ModelFacts, ReuseKind
 from slotlogic.paging import PageCheck
 from slotlogic.reasons import Passed
 from slotlogic.scheduler import Pick
@@ -115,6 +115,30 @@ class PageFailed(Event):
 @dataclass(frozen=True)
 class PageGone(Event):
     file: str
+
+
+@dataclass(frozen=True)
+class RestoreJudged(Event):
+    """The request after a restore showed whether it took (the JSONL log only)."""
+
+    slot: int
+    kind: str
+    restored: int
+    cached: int
+    took: bool
+
+
+@dataclass(frozen=True)
+class RestoresBroken(Event):
+    """Restores on this server answer but do not take (`slotlogic.restore_health`): the restores that showed it
+    (kind, tokens restored, tokens the next request found cached) and what the model check knows of the model
+    (None: not known), which says the fix."""
+
+    kinds: tuple[str, ...]
+    restored: tuple[int, ...]
+    cached: tuple[int, ...]
+    reuse: ReuseKind | None
+    swa_full: bool
 
 
 @dataclass(frozen=True)

@@ -52,11 +52,14 @@ from slotlogic.pager import Pager
 from slotlogic.placements import OpenPlacements, ProtocolError
 from slotlogic.ranking import Policy, SlotView
 from slotlogic.reasons import Passed, Unpinned, Why
+from slotlogic.restore_health import RestoreKind
 from slotlogic.server import ServerInfo, slot_facts
 from slotlogic.server_facts import ServerFacts
 from slotlogic.settings import SESSION_KEEP_SECONDS, Settings
 from slotlogic.table import SessionTable
 from slotlogic.turns import Turns
+
+Restore = tuple[RestoreKind, int] | None  # what a restore put in the slot for the request (`Ticket.restore`)
 
 
 @dataclass(frozen=True)
@@ -223,7 +226,7 @@ class Keeper:
         return None
 
     def _pin(self, ticket: Ticket | Shape, why: Why | None, body: dict[str, Any], content: bytes, slot: int,
-             now: float, *, paged_in: bool = False, seeded: bool = False) -> Pin:
+             now: float, **moved: Any) -> Pin:
         """The rewrite for `slot` and the pin's bookkeeping; one new ticket (a hot path `Shape`'s only one)."""
         total = self.total_slots or slot + 1
         result = rewrite.pin(body, slot, total, override_client=self.settings.override_client)
@@ -241,7 +244,7 @@ class Keeper:
         if key in self._table.sessions:  # side calls on the reserved slot are not sessions
             self._table.use(key, now)
         pinned = (_known_ticket(ticket, slot=result.slot, why=why, promise=promise) if isinstance(ticket, Shape)
-                  else replace(ticket, slot=result.slot, why=why, promise=promise, paged_in=paged_in, seeded=seeded))
+                  else replace(ticket, slot=result.slot, why=why, promise=promise, **moved))
         return _rewritten(pinned, content, body, result)
 
     def _pending(self, ticket: Ticket, body: dict[str, Any], content: bytes, path: str, now: float) -> Pin:
@@ -347,15 +350,15 @@ class Keeper:
             return replace(need, ticket=replace(need.ticket, displaced=True), displaced_from=live.slot)
         return need
 
-    def pin(self, placed: Placement, now: float, *, paged_in: bool = False, seeded: bool = False) -> Pin:
+    def pin(self, placed: Placement, now: float, *, seeded: bool = False, restore: Restore = None) -> Pin:
         """The rewrite of a placed request, once its slot's moves are done: only the newest `Placement` of its
         session, once (a placement made again, pinned already, or abandoned raises)."""
         need = placed.need if isinstance(placed, Placement) else None
         if need is None:
             raise ProtocolError(f"pin takes a Placement from assign, not {type(placed).__name__}")
         self._placements.close(need.ticket.session.key, placed.serial)
-        return self._pin(need.ticket, placed.why, need.body, need.content, placed.slot, now, paged_in=paged_in,
-                         seeded=seeded)
+        return self._pin(need.ticket, placed.why, need.body, need.content, placed.slot, now, seeded=seeded,
+                         restore=restore, paged_in=restore is not None and restore[0] is RestoreKind.PAGE)
 
     # ------------------------------------------------------------------------------------------- answers
 

@@ -489,3 +489,14 @@ def written_since_restart(ledger: Ledger, live: Sequence[Mapping[str, object]] |
         if running_ours or left_there:
             out.add(sid)
     return frozenset(out)
+
+
+def pages_void(ledger: Ledger) -> None:
+    """The server's restores do not take, so no page of it is restored from now on: a conversation that only its
+    page kept (paged out: its loss was `unknown` until then) is gone, as one evicted with no save dir (known, not a
+    fault of the proxy)."""
+    held = {e.owner for s in range(ledger.total) if (e := ledger.entry(s)).owner
+            and ledger.latest.get(e.owner) == e.mark and e.holds in (Holds.SESSION, Holds.PAGE)}
+    for key in list(ledger.conversations):
+        if key not in held and ledger.gone.get(key) in (None, Cause.UNKNOWN):
+            ledger.gone[key] = Cause.EVICTED

@@ -13,11 +13,15 @@ from dataclasses import replace
 from typing import Any
 
 from slotlogic import kv_types, shared
-from slotlogic.events import Event, PoolResized, ServerRestarted
+from slotlogic.answers import Observation
+from slotlogic.decisions import Ticket
+from slotlogic.events import Event, PoolResized, RestoreJudged, RestoresBroken, ServerRestarted
 from slotlogic.ledger import MAX_SLOTS as MAX_LEDGER
-from slotlogic.ledger import Cause, Entry, Holds, Ledger, written_since_restart
+from slotlogic.ledger import Cause, Entry, Holds, Ledger, pages_void, written_since_restart
+from slotlogic.model_facts import ReuseKind
 from slotlogic.ranking import Policy
 from slotlogic.reasons import Unpinned
+from slotlogic.restore_health import RestoreHealth, RestoreKind
 from slotlogic.server import CacheMode, ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
 from slotlogic.table import Assignment, SessionTable
@@ -38,6 +42,7 @@ class ServerFacts:
         # its owner's table entry, until `/slots` can say which of them a request wrote on the new server.
         self._unconfirmed: dict[int, tuple[Entry, int, Assignment | None]] = {}
         self.cache_mode: CacheMode | None = None  # probed at start and after a restart, or seen in a loss
+        self.restores = RestoreHealth()  # whether this server process's restores take (judged from answers)
 
     def passes_through(self) -> bool:
         """The one gate of the server's cache mode: on a server that clears idle slots into its RAM prompt cache
@@ -89,6 +94,7 @@ class ServerFacts:
         self.ledger.resize(info.total_slots, Cause.RESTART, keep=kept)
         self.messages_native = None  # another build may be running now
         self.cache_mode = None  # and may run with other flags
+        self.restores.reset()  # whose restores may take
         self._unconfirmed = {s: (e, self.ledger.entry(s).epoch, self.table.sessions.get(e.owner or ""))
                              for s, e in before.items() if e.owner and e.holds is Holds.SESSION and s not in kept}
         if self.settings.checkpoints is not CheckpointMode.OFF or self.settings.paging:
@@ -135,6 +141,41 @@ class ServerFacts:
     def written_over(self, slot: int, key: str) -> bool:
         """`slot` no longer holds `key`'s conversation as far as this process knows (its claim is not resumed)."""
         return self.ledger.moved_on(slot, key) and not self.may_still_hold(slot, key)
+
+    def restore_judged(self, slot: int, kind: RestoreKind, restored: int, cache_n: int | None,
+                       reuse: ReuseKind | None = None) -> list[Event]:
+        """A restore of `restored` tokens into `slot` and what the request on them found cached (`cache_n`):
+        its judgement for the JSONL log, and one `RestoresBroken` when it made this server's restores broken
+        (`reuse`: what the model check knows of the model, which names the fix)."""
+        health = self.restores
+        was = health.last
+        news = health.judge(kind, restored, cache_n)
+        if health.last is was or health.last is None:
+            return []
+        last = health.last
+        events: list[Event] = [RestoreJudged(self.upstream, slot, kind.value, last.restored, last.cached, last.took)]
+        if news:
+            pages_void(self.ledger)
+            seen = health.broken_by
+            events.append(RestoresBroken(self.upstream, tuple(j.kind.value for j in seen),
+                                         tuple(j.restored for j in seen), tuple(j.cached for j in seen), reuse,
+                                         bool(self.settings.swa_full)))
+        return events
+
+    def served_with(self, settings: Settings) -> Settings:
+        """The settings this server is served with (`RestoreHealth.effective`)."""
+        return self.restores.effective(settings)
+
+    def restores_view(self) -> dict[str, object]:
+        return self.restores.view()
+
+    def answer_after_restore(self, ticket: Ticket, obs: Observation, reuse: ReuseKind | None = None) -> list[Event]:
+        """The answer of a request a restore was made for (`Ticket.restore`): judged, unless it failed, or its
+        prompt does not start with its previous request's (an edited conversation reuses less of any page)."""
+        if ticket.restore is None or ticket.slot is None or obs.error_type is not None or ticket.extends is False:
+            return []
+        kind, restored = ticket.restore
+        return self.restore_judged(ticket.slot, kind, restored, obs.cache_n, reuse)
 
     def page_identity(self) -> str:
         """What a page written now must match to be restored later (`ServerInfo.page_identity`)."""

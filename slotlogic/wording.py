@@ -187,6 +187,7 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
     ev.PageFailed: lambda e: (Level.WARNING, f"page-{e.direction} on slot {e.slot} failed ({failure(e.failure)}); "
                                              "that session will prefill"),
     ev.PageGone: lambda e: (Level.INFO, f"page {e.file} is gone from the save dir; the session prefills"),
+    ev.RestoresBroken: lambda e: (Level.WARNING, _restores_broken(e)),
     ev.PageRejected: lambda e: (Level.WARNING, f"page restored into slot {e.slot} dropped: {e.check.value}"),
     ev.SlotShared: lambda e: (Level.INFO, f"session {e.session} shares slot {e.slot} with an earlier session of "
                                           "another proxy while a slot is free: its next request is placed again"),
@@ -348,6 +349,22 @@ def _no_save_path(e: ev.NoSavePath) -> str:
                 "slots_save_dir, or set slots_paging=false")
     return ("llama-server has no --slot-save-path (save/restore answered 501): start it with --slot-save-path DIR "
             "and set slots_save_dir=DIR, or use slots_prefix_cache=memory")
+
+
+def _restores_broken(e: ev.RestoresBroken) -> str:
+    seen = "; ".join(f"{kind} of {n} tokens: {cached} found cached by the next request"
+                     for kind, n, cached in zip(e.kinds, e.restored, e.cached, strict=False))
+    if e.reuse is ReuseKind.NEEDS_SWA_FULL and not e.swa_full:
+        fix = ("start llama-server with --swa-full (and set slots_swa_full), or run a build whose slot files keep "
+               "the context checkpoints of sliding-window layers")
+    elif e.reuse is ReuseKind.CHECKPOINTS_ONLY:
+        fix = "run a llama-server build whose slot files keep the context checkpoints of recurrent layers"
+    else:
+        fix = ("run a llama-server build whose restored slots are reused; on a sliding-window or hybrid model, "
+               "one whose slot files keep the context checkpoints, or start it with --swa-full (and set "
+               "slots_swa_full)")
+    return (f"{e.upstream} restores answer but do not take ({seen}): paging and prefix restores are off for this "
+            f"server until it restarts, its conversations are prefilled instead. Fix: {fix}")
 
 
 _HEADER_NOT_READ = {
@@ -577,6 +594,12 @@ def event_record(event: ev.Event) -> dict[str, Any] | None:
     if isinstance(event, ev.TokensLost):
         return {"kind": "lost", "upstream": event.upstream, "slot": event.slot, "session": event.session,
                 "tokens": event.tokens, "cause": event.cause.value, "expected": event.expected}
+    if isinstance(event, ev.RestoreJudged):
+        return {"kind": "restore-judged", "upstream": event.upstream, "slot": event.slot, "move": event.kind,
+                "restored": event.restored, "cached": event.cached, "took": event.took}
+    if isinstance(event, ev.RestoresBroken):
+        return {"kind": "restores-broken", "upstream": event.upstream,
+                "moves": list(event.kinds), "restored": list(event.restored), "cached": list(event.cached)}
     if isinstance(event, ev.StalePlan):
         return {"kind": "stale-plan", "upstream": event.upstream, "slot": event.slot, "session": event.session,
                 "move": event.move, "planned": event.planned, "now": event.now}

@@ -93,6 +93,7 @@ class Setup:
     disk: Disk | None = None      # a modelled machine's slot-file costs (None: the small CPU model's)
     decode_speed: float = 100.0
     prefill_depth: float | None = None  # context depth at which a prefilled token costs twice (None: flat)
+    restores_keep_nothing: bool = False  # the servers' restores answer and keep nothing (a broken build)
 
 
 @dataclass
@@ -160,7 +161,8 @@ class Rig:
                                                  else None, prefill_speed=setup.prefill_speed,
                                                  decode_speed=setup.decode_speed, disk=setup.disk,
                                                  prefill_depth=setup.prefill_depth,
-                                                 unified_idle_clear=setup.unified, name=f"s{i}")
+                                                 unified_idle_clear=setup.unified, name=f"s{i}",
+                                                 restores_keep_nothing=setup.restores_keep_nothing)
                         for i in range(setup.servers)}
         files: dict[str, Any] = {}  # one save dir for the pool: any server reads the files another wrote
         for s in self.servers.values():

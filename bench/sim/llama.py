@@ -181,7 +181,8 @@ class SimServer:
                  prefill_speed: float = 2000.0, decode_speed: float = 100.0, sps: float = 0.1,
                  unified_idle_clear: bool = False, model_path: str = "/models/sim.gguf", build: str = "b1-sim",
                  honour_messages_slot: bool = False, name: str = "sim", n_batch: int = 2048,
-                 disk: Disk | None = None, prefill_depth: float | None = None) -> None:
+                 disk: Disk | None = None, prefill_depth: float | None = None,
+                 restores_keep_nothing: bool = False) -> None:
         self.n_slots, self.n_ctx, self.n_batch = n_slots, n_ctx, n_batch
         self.disk = disk
         self.prefill_depth = prefill_depth  # the context depth at which a token costs twice (None: never slower)
@@ -190,6 +191,8 @@ class SimServer:
         self.unified_idle_clear = unified_idle_clear
         self.model_path, self.build, self.name = model_path, build, name
         self.honour_messages_slot = honour_messages_slot
+        # a build whose restores answer the file's counts and leave the slot empty (llama.cpp #26676)
+        self.restores_keep_nothing = restores_keep_nothing
         self.slots = [Slot(i) for i in range(n_slots)]
         self.files: dict[str, SimFile] = {}
         self.queue: deque[Task] = deque()
@@ -434,8 +437,8 @@ class SimServer:
                 slot.tokens, slot.writer = [], None
                 return 400, {"error": {"code": 400, "type": "invalid_request_error",
                                        "message": "failed to restore slot state from file"}}
-            slot.tokens, slot.writer = list(f.tokens), f.writer
-            self.events.append(SlotEvent(t, slot.id, "restore", name, n, len(f.tokens)))
+            slot.tokens, slot.writer = ([], None) if self.restores_keep_nothing else (list(f.tokens), f.writer)
+            self.events.append(SlotEvent(t, slot.id, "restore", name, n, len(slot.tokens)))
             return 200, {"id_slot": slot.id, "filename": name, "n_restored": len(f.tokens),
                          "n_read": 4096 + 256 * len(f.tokens), "timings": {"restore_ms": 1.0}}
         return 400, {"error": {"code": 400, "type": "invalid_request_error", "message": "Invalid action"}}
@@ -464,7 +467,7 @@ class SimServer:
                 slot.tokens, slot.writer = [], None
                 return 400, {"error": {"code": 400, "type": "invalid_request_error",
                                        "message": "failed to restore slot state from file"}}
-            slot.tokens, slot.writer = list(f.tokens), f.writer
+            slot.tokens, slot.writer = ([], None) if self.restores_keep_nothing else (list(f.tokens), f.writer)
             self.events.append(SlotEvent(t, slot.id, "restore", name, n, len(f.tokens)))
             return 200, {"id_slot": slot.id, "filename": name, "n_restored": len(f.tokens), "n_read": size,
                          "timings": {"restore_ms": ms}}

@@ -26,6 +26,7 @@ from slotlogic.events import CostWeighed, Failed, Paged, Stage
 from slotlogic.handover import Handover
 from slotlogic.ledger import Cause, Fence, Holds
 from slotlogic.paging import Moved, PageAsk, PagePlan
+from slotlogic.restore_health import RestoreKind
 
 if TYPE_CHECKING:
     from slotkeeper.drivers.slot_moves import SlotMover
@@ -216,6 +217,7 @@ class PageMove:
         if out.restored_tokens is None:
             return Moved.NOTHING, fence
         if plan.seed is None or plan.seed.source == key:  # its own page (a fresh one, saved from its live slot)
+            self.m.restored[plan.slot] = (RestoreKind.PAGE, out.restored_tokens)  # judged by the answer after it
             return Moved.OWN, self.m.keeper.turns.slot_written(fence, Holds.PAGE, key, out.restored_tokens)
         moved = Moved.PREFIX if plan.seed.prefix else Moved.SEED
         return moved, self.m.keeper.turns.slot_written(fence, Holds.SEED, key, 0, over=Cause.SEED_OVER_OWNER)

@@ -158,12 +158,13 @@ class Placing:
         if placement.side:  # no prefix of its own to warm (a side call whose page step went stale: placed again)
             return up.keeper.pin(placement, now)
         fence = await self.warm(need, placement, info, moved, fence, holds)
+        restore = up.mover.restored.pop(placement.slot, None)  # judged by this request's answer
         if fence is not None and not up.keeper.turns.fence_holds(fence) and tries.retries > 0:
             # Another placement claimed the slot while this one's moves ran: plan this request again.
             up.emit(up.keeper.turns.stale_plan(fence, "pin", key))
             up.mover.stopped(self.flow_id)
             return Again(need, by, tries.again())
-        return up.keeper.pin(placement, now, paged_in=moved is Moved.OWN, seeded=moved in (Moved.SEED, Moved.PREFIX))
+        return up.keeper.pin(placement, now, seeded=moved in (Moved.SEED, Moved.PREFIX), restore=restore)
 
     async def server_facts(self, asked: Facts | None, tries: Tries
                            ) -> tuple[ServerInfo | None, dict[str, Any] | None, list[dict[str, Any]] | None]:

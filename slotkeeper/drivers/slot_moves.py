@@ -25,7 +25,7 @@ from slotkeeper.drivers.slot_gate import SlotGate
 from slotkeeper.drivers.source_wait import await_source
 from slotkeeper.drivers.store import StateStore
 from slotlogic import wait
-from slotlogic.checkpoint_machine import Outcome
+from slotlogic.checkpoint_machine import Orchestrator, Outcome, Phase
 from slotlogic.costs import SlotFileAnswer
 from slotlogic.decisions import NeedSlot, Observe
 from slotlogic.events import (
@@ -38,6 +38,7 @@ from slotlogic.events import (
 from slotlogic.keeper import Keeper, Placement
 from slotlogic.ledger import Cause, Fence, Holds
 from slotlogic.paging import Moved, PageAsk, PageDone, PagePlan
+from slotlogic.restore_health import RestoreKind
 from slotlogic.server import ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
 
@@ -73,6 +74,10 @@ class SlotMover:
         self.stay: Callable[[int, int, float], float] = lambda slot, chars, by: by
         # a slot that freed elsewhere while a placement waits for its own (`SlotWaits.freed`)
         self.freed: Callable[[int, str, str, float, float], Awaitable[int]] | None = None
+        # what a restore just put in a slot for the request placed there (`Ticket.restore`), until it is pinned
+        self.restored: dict[int, tuple[RestoreKind, int]] = {}
+        # a prefix restore judged by its own verification: (slot, tokens restored, cache_n of the verification)
+        self.on_restore: Callable[[int, int, int], None] = lambda slot, restored, cached: None
 
     def join(self, peers: Callable[[], Sequence[SlotMover]]) -> None:
         """The server is one of a pool's: a new session here may start from a copy of another server's slot."""
@@ -222,6 +227,7 @@ class SlotMover:
         finally:
             if claim is not None and self.builds is not None:
                 await self.builds.finish(cp, info, claim)
+        self._restore_seen(slot, orch)
         if orch.outcome is not None:
             self.emit(CheckpointDone(self.url, slot, orch.outcome, orch.spent_prefill, orch.identical,
                                      orch.divergent, time.monotonic() - started))
@@ -230,6 +236,16 @@ class SlotMover:
                 fence = self.keeper.turns.slot_written(fence, Holds.PREFIX, key, tokens, over=Cause.PREFIX_OVER_OWNER) \
                     or fence
         return fence
+
+    def _restore_seen(self, slot: int, orch: Orchestrator) -> None:
+        """A prefix restore is judged by its verification when one ran (the same prompt: most of it must be
+        cached), else by the answer of the request it was made for."""
+        if not orch.restored_tokens or orch.phase is not Phase.DONE:
+            return
+        if orch.identical is not None:
+            self.on_restore(slot, orch.restored_tokens, orch.identical[0])
+        elif orch.outcome is Outcome.RESTORED:
+            self.restored[slot] = (RestoreKind.PREFIX, orch.restored_tokens)
 
 
 async def drop_page(mover: SlotMover, key: str, file: str) -> None:

@@ -60,9 +60,13 @@ from slotlogic.decisions import Decision, NeedSlot, Observe, Pin, Report, Reques
 from slotlogic.events import (
     Event,
     PageRejected,
+    RestoresBroken,
+    ServerRestarted,
 )
 from slotlogic.intake import Recognition
 from slotlogic.keeper import Keeper
+from slotlogic.model_facts import ReuseKind
+from slotlogic.restore_health import RestoreKind
 from slotlogic.server import ServerInfo
 from slotlogic.settings import CheckpointMode, Settings
 
@@ -93,7 +97,8 @@ class Upstream:
         store, builds, recognition = shared_with.store, shared_with.builds, shared_with.recognition
         self.url = url
         self.offline = offline  # replaying saved flows: no network, no background task, no slot files
-        self.emit = emit
+        self._out = emit
+        self.emit: Emit = self._event  # what the core's placements and answers report (a restart is acted on)
         self.client = client or LlamaClient(url)
         # A pool's servers share one recognition; this process's page file names are its own.
         self.keeper = Keeper(settings, url, recognition, instance=os.urandom(8).hex())
@@ -116,10 +121,11 @@ class Upstream:
         self.mover.server_busy = self.waits.any_open
         self.tasks = Tasks()  # background work an answer or a command started
         self.placings = Placings()  # one placement of a session at a time
-        self.prober = ServerProbe(url, self.client, self.keeper, emit, self.model, self.tasks, loaded=loaded,
-                                 on_checked=lambda: self._runners(self.settings))
+        self.prober = ServerProbe(url, self.client, self.keeper, self._event, self.model, self.tasks,
+                                 loaded=loaded, on_checked=lambda: self._runners(self.settings))
         self.prober.store = self.store
         self.mover.explain_emptied = self.prober.explain_emptied
+        self.mover.on_restore = self._prefix_verified
         self.mover.freed = None if offline else self.waits.freed
         self.mover.stay = lambda slot, chars, by: by + wait.stay_past(
             self.waits.ahead(slot), chars, self.keeper.prefill_estimate(), self.settings.wait_bound)
@@ -147,6 +153,8 @@ class Upstream:
             return
         self.handovers.store = self.mover.store = self.store
         self.mover.state_dir = self.state_dir
+        s = self.keeper.facts.served_with(s)  # restores that do not take: no slot files (until a restart)
+        self.keeper.reconfigure(s)
         self.mover.configure(s, files_blocked=self.model.files_blocked)
 
     @property
@@ -271,12 +279,41 @@ class Upstream:
         if not self.offline and report.slot is not None and (not report.settled
                                                              or self.keeper.outcomes.lost_cache(report)):
             self.tasks.spawn(self.prober.explain(report))
+        self._restore_answered(ticket, obs)
         check = self.keeper.pager.page_doubtful(report) if self.pages is not None else None
         page = self.keeper.pager.page_of(ticket.session.key)
         if check is not None and report.slot is not None and page is not None:
             self.emit(PageRejected(self.url, report.slot, check))
             self.tasks.spawn(drop_page(self.mover, ticket.session.key, page.file))
         return report
+
+    def _restore_answered(self, ticket: Ticket, obs: Observation) -> None:
+        """The answer of a request a restore was made for: whether the restore took (`slotlogic.restore_health`)."""
+        if ticket.restore is not None and not self.offline:
+            self._restore_events(self.keeper.facts.answer_after_restore(ticket, obs, self._reuse()))
+
+    def _prefix_verified(self, slot: int, restored: int, cached: int) -> None:
+        """A prefix restore's own verification showed whether it took."""
+        self._restore_events(self.keeper.facts.restore_judged(slot, RestoreKind.PREFIX, restored, cached,
+                                                              self._reuse()))
+
+    def _restore_events(self, events: list[Event]) -> None:
+        for event in events:
+            self.emit(event)
+            if isinstance(event, RestoresBroken):  # no paging, no prefix restores here until a restart
+                self._runners(self.settings)
+
+    def _event(self, event: Event) -> None:
+        """An event out. A restarted server (seen by the prober or by a placement) may be another build or run
+        with other flags: its restores are asked again (the core forgot the verdict), paging and prefix restores
+        come back."""
+        self._out(event)
+        if isinstance(event, ServerRestarted):
+            self._runners(self.settings)
+
+    def _reuse(self) -> ReuseKind | None:
+        facts = self.model.facts
+        return facts.prefix_reuse().kind if facts is not None and facts.known else None
 
     def start(self) -> None:
         """At proxy start, before clients come (or at the first request): in the background, once, what can only
@@ -341,4 +378,5 @@ def status_view(keeper: Keeper, model: ModelCheck, settings: Settings, state: sh
     pps = keeper.prefill_estimate()
     return {**keeper.status(state, time.time()), **model.status(settings),
             "prefill_tok_s": round(pps, 1) if pps else None,
+            "restores": keeper.facts.restores_view(),
             "pages": {key[:8]: {"bytes": p.bytes, "tokens": p.n_tokens} for key, p in state.pages.items()}}
