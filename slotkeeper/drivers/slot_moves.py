@@ -94,8 +94,9 @@ class SlotMover:
         if files_blocked:
             s = replace(s, paging=False, checkpoints=CheckpointMode.MEMORY
                         if s.checkpoints is CheckpointMode.DISK else s.checkpoints)
-        if s.paging and s.save_dir:
-            if self.pages is None or self.pages.save_dir != Path(s.save_dir):
+        if s.paging and (s.save_dir or s.save_remote):
+            where = Path(s.save_dir) if s.save_dir else None  # None: the server's, out of this machine's reach
+            if self.pages is None or self.pages.save_dir != where:
                 self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
                 self.pages.gate = self.gate
             self.pages.on_answer, self.pages.server_busy = self.on_answer, self.server_busy
