@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import shutil
 import stat
 import time
 from collections.abc import Awaitable, Callable
@@ -23,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from slotkeeper.drivers.llama_http import LlamaClient
+from slotkeeper.drivers.page_budget import PageBudget
 from slotkeeper.drivers.slot_gate import SlotGate
 from slotkeeper.drivers.store import SlotLocks
-from slotlogic import numbers, paging
+from slotlogic import numbers
 from slotlogic.checkpoint_machine import Failure
 from slotlogic.costs import SlotFileAnswer
 from slotlogic.events import Event, Failed, PageFailed, PageGone, PageRejected, PagingLockTimeout, Stage
@@ -56,7 +56,7 @@ class PageRunner:
         # None: the server's save dir is out of this machine's reach; its files are named from a bounded ring
         # and overwritten, never listed, checked or deleted from here
         self.save_dir = Path(save_dir) if save_dir else None
-        self.max_bytes = max_bytes
+        self.budget = PageBudget(self.save_dir, max_bytes)  # the page budget in force, the ring's size
         self.emit = emit
         self.upstream = upstream
         self.locks: dict[int, asyncio.Lock] = {}
@@ -76,12 +76,6 @@ class PageRunner:
         self.server_busy: Callable[[], bool] = lambda: False
         # a seed's slot on another server of the pool saved there (`pool_seeds.PoolSeeds.copy`)
         self.copy_from: Callable[[str, int, str, str], Awaitable[tuple[int, int] | None]] = _no_copy
-        # With no budget set (`paging.auto_budget`): the slots, a slot's context and the KV bytes a token as
-        # known now; the save dir's free space is read once, here (never on a request's path).
-        self.sizes: Callable[[], tuple[int | None, int | None, float | None]] | None = None
-        self._free: int | None = None
-        with contextlib.suppress(OSError):
-            self._free = shutil.disk_usage(self.save_dir).free if self.save_dir is not None else None
         # whether `slot` holds `session`'s current conversation, as the ledger has it (a copy's fence)
         self.holds: Callable[[int, str], bool] = lambda slot, session: True
 
@@ -329,10 +323,6 @@ class PageRunner:
         """At shutdown: the files `delete_later` still keeps go now (else only the next orphan sweep finds them)."""
         names, self._doomed = list(self._doomed), set()
         self.delete(names)
-
-    def budget(self) -> int:
-        """The page budget in bytes: the user's, or sized from the model and the slots."""
-        return self.max_bytes if self.sizes is None else paging.auto_budget(*self.sizes(), self._free)
 
     def delete(self, names: list[str]) -> None:
         if self.save_dir is None:

@@ -103,9 +103,10 @@ class SlotMover:
             self.pages.holds = lambda slot, key: self.keeper.turns.holds_conversation_of(slot, key)
             if self.elsewhere is not None:
                 self.pages.copy_from = self.elsewhere.copy
-            self.pages.max_bytes = s.page_max_bytes
-            self.pages.sizes = (lambda: (self.keeper.total_slots, self.keeper.server and self.keeper.server.n_ctx,
-                                         self.keeper.rates().kv_bytes_per_token)) if s.page_budget_auto else None
+            self.pages.budget.max_bytes = s.page_max_bytes
+            self.pages.budget.sizes = lambda: (self.keeper.total_slots, self.keeper.server and self.keeper.server.n_ctx,
+                                        self.keeper.rates().kv_bytes_per_token)
+            self.pages.budget.auto = s.page_budget_auto
             self.pages.shared = self.store.slot_locks
         else:
             self.pages = None
@@ -197,7 +198,7 @@ class SlotMover:
         async with self.store.transaction() as state:
             seed = (out.seed_tokens, out.seed_bytes) if out.seed_tokens is not None else None
             done = PageDone(out.saved_tokens, out.saved_bytes, out.restore_failed, seed)
-            doomed = self.keeper.pager.pages_recorded(state, plan, done, time.time(), self.pages.budget(), files)
+            doomed = self.keeper.pager.pages_recorded(state, plan, done, time.time(), self.pages.budget.bytes(), files)
         self.pages.delete(doomed)
 
     async def warm(self, slot: int, need: NeedSlot, info: ServerInfo, holds: bool,
