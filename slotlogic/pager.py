@@ -9,7 +9,6 @@ index (as of the last state transaction) and the counter that makes its page fil
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -18,6 +17,7 @@ from slotlogic import lead as leads
 from slotlogic.decisions import NeedSlot, Report
 from slotlogic.learned_prefix import PrefixLearner
 from slotlogic.ledger import Ledger, tolerance
+from slotlogic.page_names import PageNames
 from slotlogic.ranking import SlotView
 from slotlogic.seeds import Seeds
 from slotlogic.settings import SESSION_KEEP_SECONDS, Settings
@@ -53,9 +53,7 @@ class Pager:
         self.learner = learner
         self.host = host
         self.index: dict[str, paging.PageRecord] = {}  # the page index as of the last state transaction
-        # files a plan of this process is about to restore, with how many plans: another slot's plan making room
-        # for its saves must not delete them between that plan's start and its restore
-        self.reading: Counter[str] = Counter()
+        self.names = PageNames(upstream)  # pages plans are about to restore; the ring of a save dir out of reach
         self._seq = 0
         self._seeds = Seeds(self)
 
@@ -131,21 +129,25 @@ class Pager:
                      and (view.n_tokens or 0) >= rec.n_tokens)  # a restarted proxy, its session still there
         self._seq += 1
         salt = f"{self.host.instance}:{self._seq}"
-        plan = paging.plan(slot, session_key, holder, tokens, self.index, paging.PageFiles(self.upstream, model, salt),
-                           holds_own=holds_own)
+        ring = self.names.ring(ask.ring, self.index) if self.settings.save_remote else None
+        plan = paging.plan(slot, session_key, holder, tokens, self.index,
+                           paging.PageFiles(self.upstream, model, salt, ring), holds_own=holds_own)
         if plan.restore_file is not None:
-            return (self._current_page(plan, session_key, salt) if ask.copy_live else plan), holder, tokens
+            return (self._current_page(plan, session_key, salt, ring) if ask.copy_live else plan), holder, tokens
         if holder == session_key or holds_own:
             return plan, holder, tokens
         if ask.copy_live:  # no page, but its conversation is whole in another slot (its claim there is still to run)
-            live = self._current_page(plan, session_key, salt)
+            live = self._current_page(plan, session_key, salt, ring)
             if live is not plan:
                 return live, holder, tokens
         seed = self._seeds.any_seed(ask, holder)
-        seeded = paging.seeded(plan, seed, self.index, self.upstream, salt) if seed is not None else plan
+        if seed is not None and ring is not None and seed.server is not None:
+            seed = None  # another server's file is out of reach
+        seeded = paging.seeded(plan, seed, self.index, self.upstream, salt, ring) if seed is not None else plan
         return seeded, holder, tokens
 
-    def _current_page(self, plan: paging.PagePlan, key: str, salt: str) -> paging.PagePlan:
+    def _current_page(self, plan: paging.PagePlan, key: str, salt: str,
+                      ring: tuple[str, ...] | None) -> paging.PagePlan:
         """A page older than the conversation it stands for (or no page at all) is not current: when the ledger
         says the whole conversation is still in another slot (its session displaced by a claim whose request has
         not run there yet), that slot is paged out again first and the new page restored; else the old page is
@@ -156,7 +158,8 @@ class Pager:
         for other in range(self.ledger.total):
             entry = self.ledger.entry(other)
             if other != plan.slot and self.ledger.conversation_on(other) == key and entry.tokens > plan.restore_tokens:
-                return paging.seeded(plan.without_seed(), paging.Seed(key, 0, other), self.index, self.upstream, salt)
+                return paging.seeded(plan.without_seed(), paging.Seed(key, 0, other), self.index, self.upstream, salt,
+                                     ring)
         return plan
 
     def _holder(self, slot: int, view: SlotView, sent: tuple[str, float] | None) -> tuple[str | None, int]:
@@ -196,22 +199,15 @@ class Pager:
         rec = state.pages.get(session_key)
         return rec is not None and rec.n_tokens == 0 and now - rec.saved < wait
 
-    def reads(self, plan: paging.PagePlan) -> frozenset[str]:
-        """The file `plan` will restore (its session's page or a seed's), kept from every budget sweep until
-        `read_done`."""
-        files = frozenset(f for f in (plan.restore_file,) if f)
-        self.reading.update(files)
-        return files
-
-    def read_done(self, files: frozenset[str]) -> None:
-        self.reading.subtract(files)
-        self.reading = +self.reading  # counts at zero dropped
-
     def page_intent(self, state: shared.ServerState, plan: paging.PagePlan, now: float) -> list[str]:
         """Before the save is sent: its page is in the index (not restorable yet), so a kill between the save
-        and `pages_recorded` leaves no file the state does not know. Returns the replaced page's file."""
+        and `pages_recorded` leaves no file the state does not know. Returns the replaced page's file. A name
+        of the bounded ring that another session's page had goes with its record (overwritten)."""
         replaced = []
         for key, file in plan.saves:
+            for other in [k for k, rec in state.pages.items() if k != key and rec.file == file]:
+                del state.pages[other]
+                self._dropped(other)
             old = paging.intent(state.pages, key, file, now, self.page_identity)
             if old:
                 replaced.append(old)
@@ -273,8 +269,8 @@ class Pager:
 
     def _room(self, state: shared.ServerState, files: Mapping[str, paging.PageFile], budget: int, now: float,
               incoming: int, keep: frozenset[str], keep_files: frozenset[str] = frozenset()) -> tuple[list[str], bool]:
-        keep_files |= frozenset(self.reading)
-        keep |= frozenset(k for k, rec in state.pages.items() if rec.file in self.reading)
+        keep_files |= frozenset(self.names.reading)
+        keep |= frozenset(k for k, rec in state.pages.items() if rec.file in self.names.reading)
         drop, doomed, fits = paging.disk_room(files, state.pages, budget, now, keep_seconds=SESSION_KEEP_SECONDS,
                                               incoming=incoming, keep=keep, keep_files=keep_files)
         for key in drop:

@@ -57,6 +57,7 @@ class PageAsk:
     cold: StablePrefix | None = None
     base_chars: int = 0
     copy_live: bool = True
+    ring: int = 0  # the save dir is out of reach: the number of page names the budget allows (`ring_file`)
     elsewhere: Seed | None = None  # the best live source on another server of the pool (`Seeds.source_for`)
     paging_out: frozenset[str] = frozenset()  # sessions this process is paging out now (their pages to come)
     given: Handover | None = None
@@ -71,6 +72,9 @@ class PageFiles:
     upstream: str
     model: str
     salt: str = ""
+    # With the save dir out of reach, a save takes a name from a bounded ring (`ring_file`) and overwrites it:
+    # the names it may take, best first (empty: none free now). None: a new name per save.
+    ring: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,11 @@ def restorable(rec: PageRecord | None, identity: str, min_tokens: int = MIN_TOKE
     return rec is not None and rec.model == identity and rec.n_tokens >= min_tokens
 
 
+def ring_file(upstream: str, i: int) -> str:
+    """The `i`th of a server's bounded set of page names (no session in it: any session's page may take it)."""
+    return "page-" + hashlib.sha256(f"{upstream}\nring\n{i}".encode()).hexdigest()[:20] + ".bin"
+
+
 def page_file(upstream: str, session_key: str, salt: str = "") -> str:
     """A private file name per (server, session, save): no session text in it, no collision between two
     servers that share one save directory, and, with a salt unique to the save, never a file that two
@@ -208,7 +217,9 @@ def plan(slot: int, session_key: str, holder: str | None, holder_tokens: int | N
     conversation already (it was the last to run there, or `holds_own`)."""
     save_for = save_file = None
     if holder not in (None, "", session_key) and (holder_tokens is None or holder_tokens >= min_tokens):
-        save_for, save_file = holder, page_file(files.upstream, holder, files.salt)
+        save_file = page_file(files.upstream, holder, files.salt) if files.ring is None else \
+            files.ring[0] if files.ring else None
+        save_for = holder if save_file is not None else None
     rec = pages.get(session_key)
     if not restorable(rec, files.model, min_tokens) or holds_own or holder == session_key:
         return PagePlan(slot, save_for, save_file)
@@ -280,12 +291,20 @@ def keep_waiting(wait: SourceWait, entry: Mapping[str, object] | None, waited: f
     return left is not None and left <= 2 * wait.tokens
 
 
-def seeded(plan: PagePlan, seed: Seed, pages: Mapping[str, PageRecord], upstream: str, salt: str) -> PagePlan:
-    """`plan` with `seed` restored into its slot after its save (a live seed's slot saved first)."""
+def seeded(plan: PagePlan, seed: Seed, pages: Mapping[str, PageRecord], upstream: str, salt: str,
+           ring: tuple[str, ...] | None = None) -> PagePlan:
+    """`plan` with `seed` restored into its slot after its save (a live seed's slot saved first, under a ring
+    name the holder's save does not take when names are bounded: none left, no seed)."""
     if seed.slot is None:
         rec = seed.page if seed.page is not None else pages[seed.source]
         return replace(plan, seed=seed, restore_for=seed.source, restore_file=rec.file, restore_tokens=rec.n_tokens)
-    file = page_file(upstream, seed.source, salt + ":seed")
+    if ring is not None:
+        free = [n for n in ring if n != plan.save_file]
+        if not free:
+            return plan
+        file = free[0]
+    else:
+        file = page_file(upstream, seed.source, salt + ":seed")
     return replace(plan, seed=seed, seed_file=file, restore_for=seed.source, restore_file=file, restore_tokens=0)
 
 

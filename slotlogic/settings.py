@@ -51,7 +51,9 @@ class Settings:
     seed_wait: float = 30.0            # seconds a new session may wait for the slot it would copy (paging.source_wait)
     checkpoints: CheckpointMode = CheckpointMode.OFF
     save_dir: str | None = None        # llama-server's --slot-save-path, as this machine sees it
-    paging: bool = False               # session paging through save_dir (needs it)
+    paging: bool = False               # session paging through save_dir (needs it, or save_remote)
+    save_remote: bool = False          # the server's save dir is out of this machine's reach: pages only through
+    #                                    its save and restore, names from a bounded ring, sizes from its answers
     page_max_bytes: int = 8192 << 20
     page_budget_auto: bool = False     # the budget sized from the model's KV and the slots (`paging.auto_budget`)
     server_id: str = ""

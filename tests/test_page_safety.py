@@ -189,7 +189,7 @@ async def test_a_request_that_reuses_little_of_its_restored_page_drops_the_page(
 async def test_unrecorded_page_files_are_swept_by_size(tmp_path):
     """A lost state file left pages behind: they count against slots_page_max_mb and go, oldest first."""
     up = paging_upstream(tmp_path, PagingLlama(Slots()))
-    up.pages.max_bytes = 10_000  # type: ignore[union-attr]
+    up.pages.budget.max_bytes = 10_000  # type: ignore[union-attr]
     old = time.time() - 3600
     orphans = [tmp_path / "slots" / paging.page_file(UP, f"lost{i}") for i in range(3)]
     for i, p in enumerate(orphans):
@@ -273,7 +273,7 @@ async def test_the_page_budget_holds_on_disk_at_every_moment(tmp_path):
     slots = FileSlots(tmp_path / "slots", per_token=100)  # 900 tokens: 90 KB a page
     up = paging_upstream(tmp_path, PagingLlama(slots))
     budget = 200_000
-    up.pages.max_bytes = budget  # type: ignore[union-attr]
+    up.pages.budget.max_bytes = budget  # type: ignore[union-attr]
     slots.save_dir.mkdir(exist_ok=True)
     theirs = slots.save_dir / paging.page_file("http://other:8080", "theirs")  # another server's page, 2 h old
     theirs.write_bytes(b"\0" * 90_000)
@@ -312,9 +312,9 @@ def test_a_page_another_slot_is_about_to_restore_is_never_deleted_to_make_room()
         return k.pager.page_room(state, saving, 20.0, 1500, files)[0]
 
     assert room() == [b_page]            # nothing restoring it: the oldest page goes for the incoming save
-    reading = k.pager.reads(restoring)
+    reading = k.pager.names.reads(restoring)
     assert room() == []                   # slot 0's plan is under way: B's page stays
-    k.pager.read_done(reading)
+    k.pager.names.read_done(reading)
     assert room() == [b_page]
 
 

@@ -32,7 +32,7 @@ from mitmproxy.test import taddons, tflow
 from bench.sim.llama import Disk, Done, Down, SimServer, answer_body, chat_stream
 from bench.sim.transport import transport
 from slotkeeper import addon as addon_module
-from slotkeeper.drivers import page_runner, store_file
+from slotkeeper.drivers import page_budget, page_runner, store_file
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotlogic.events import CostWeighed
 
@@ -94,6 +94,7 @@ class Setup:
     decode_speed: float = 100.0
     prefill_depth: float | None = None  # context depth at which a prefilled token costs twice (None: flat)
     restores_keep_nothing: bool = False  # the servers' restores answer and keep nothing (a broken build)
+    remote_save: bool = False     # with paging: the proxies cannot read the servers' save dir (slots_save_remote)
 
 
 @dataclass
@@ -181,7 +182,7 @@ class Rig:
         if self.setup.disk is not None:  # the modelled disk's free space, not the simulator's scratch file system
             free = self.setup.disk.free_bytes
             usage = shutil._ntuple_diskusage(free, 0, free)  # type: ignore[attr-defined]
-            self._stack.enter_context(mock.patch.object(page_runner.shutil, "disk_usage", lambda path: usage))
+            self._stack.enter_context(mock.patch.object(page_budget.shutil, "disk_usage", lambda path: usage))
         for _ in range(self.setup.proxies):
             addons = addon_module.make_addons()
             addons[0].rt.make_client = lambda url: LlamaClient(url, transport=transport(self.servers[url]))
@@ -192,7 +193,9 @@ class Rig:
                                     "slots_ttl": self.setup.ttl, "mode": [f"reverse:{server_url(0)}@127.0.0.1:1"]}
             if self.setup.servers > 1:
                 opts["slots_upstreams"] = [server_url(i) for i in range(1, self.setup.servers)]
-            if self.setup.paging:
+            if self.setup.paging and self.setup.remote_save:  # the server's save dir, out of the proxy's reach
+                opts["slots_save_remote"] = True
+            elif self.setup.paging:
                 opts["slots_save_dir"] = str(self.save_dir)
             opts.update(dict(self.setup.options))
             tctx.configure(addons[0], **opts)

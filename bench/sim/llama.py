@@ -136,6 +136,7 @@ class SlotEvent:
     before: int              # tokens before
     after: int               # tokens after
     reused: int = 0
+    writer: str | None = None  # a save: whose tokens it wrote (the slot's last writer)
 
 
 @dataclass
@@ -427,7 +428,7 @@ class SimServer:
                 f.truncate(size)
             wall = time.time()  # the virtual clock's: the pagers' orphan sweep compares file ages with it
             os.utime(path, (wall, wall))
-            self.events.append(SlotEvent(t, slot.id, "save", name, n, n))
+            self.events.append(SlotEvent(t, slot.id, "save", name, n, n, writer=slot.writer))
             return 200, {"id_slot": slot.id, "filename": name, "n_saved": n, "n_written": size,
                          "timings": {"save_ms": 1.0}}
         if kind == "restore":
@@ -458,7 +459,7 @@ class SimServer:
                 out.truncate(size)
             wall = time.time()
             os.utime(path, (wall, wall))
-            self.events.append(SlotEvent(t, slot.id, "save", name, n, n))
+            self.events.append(SlotEvent(t, slot.id, "save", name, n, n, writer=slot.writer))
             return 200, {"id_slot": slot.id, "filename": name, "n_saved": n, "n_written": size,
                          "timings": {"save_ms": ms}}
         if kind == "restore":

@@ -149,10 +149,15 @@ def _declined(rig: Rig, o: Outcome, since: float, until: float) -> bool:
 
 
 def _page_deleted(rig: Rig, server: SimServer, tag: str, since: float, until: float) -> bool:
-    """`tag`'s newest page saved between its two requests was deleted before the second."""
-    saves = [e for e in server.events if e.kind == "save" and since <= e.t <= until
-             and (f := server.files.get(e.tag or "")) is not None and f.writer == tag]
-    return bool(saves) and rig.deleted.get(saves[-1].tag or "", until + 1) <= until
+    """`tag`'s newest page saved between its two requests was deleted before the second, or overwritten by
+    another session's save (a save dir out of the proxy's reach reuses a bounded set of names)."""
+    saves = [e for e in server.events if e.kind == "save" and since <= e.t <= until and e.writer == tag]
+    if not saves:
+        return False
+    last = saves[-1]
+    overwritten = any(e.kind == "save" and e.tag == last.tag and e.writer != tag and last.t < e.t <= until
+                      for e in server.events)
+    return overwritten or rig.deleted.get(last.tag or "", until + 1) <= until
 
 
 def _given_away(rig: Rig, events: list[SlotEvent], tag: str) -> bool:

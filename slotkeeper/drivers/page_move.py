@@ -61,7 +61,7 @@ class PageMove:
             # Another server may hold the source by now: its session computed it while this one waited its turn.
             # Only a source there now: this slot's lock is held.
             ask = await self.m.elsewhere.find(need, ask, by, wait=False)
-        ask = replace(ask, given=given, paging_out=frozenset(self.m.pages.saving))
+        ask = replace(ask, given=given, paging_out=frozenset(self.m.pages.saving), ring=self.m.pages.budget.ring_size())
         plan, ask = await self._settled_plan(ask, by)
         for choice in plan.choices:
             self.m.emit(CostWeighed(self.m.url, slot, choice.session[:8] or None, choice))
@@ -168,6 +168,8 @@ class PageMove:
                          ) -> tuple[Moved, Fence | None]:
         """The plan's saves recorded, then run; the page index after it; what the slot holds for the session."""
         assert self.m.pages is not None
+        names = self.m.keeper.pager.names
+        plan, writing = names.writes(plan, self.m.pages.budget.ring_size(), self.m.keeper.pager.index)
         key = ask.session_key
         holder = plan.save_for
         saving = self.m.pages.save_starts(holder) if holder is not None else None
@@ -175,12 +177,12 @@ class PageMove:
         copy_source = plan.seed.source if plan.seed is not None and plan.seed.local_slot is not None \
             and plan.seed_file is not None and plan.seed.source not in (key, plan.save_for) else None
         copying = self.m.pages.save_starts(copy_source) if copy_source is not None else None
-        reading = self.m.keeper.pager.reads(plan)
+        reading = names.reads(plan)
         try:
             if plan.saves:  # the holder's page-out and a live seed's save: both recorded before they are written
-                files = await asyncio.to_thread(self.m.pages.files)
+                files, budget = await asyncio.to_thread(self.m.pages.files), self.m.pages.budget.bytes()
                 async with self.m.store.transaction() as state:
-                    room, fits = self.m.keeper.pager.page_room(state, plan, time.time(), self.m.pages.budget(), files)
+                    room, fits = self.m.keeper.pager.page_room(state, plan, time.time(), budget, files)
                     plan = plan if fits else plan.without_saves()  # what it would write cannot fit the budget
                     replaced = self.m.keeper.pager.page_intent(state, plan, time.time())
                 self.m.pages.delete(room)  # the budget holds while the saves are written
@@ -200,7 +202,8 @@ class PageMove:
             self.m.emit(Failed(self.m.url, Stage.PAGING, type(e).__name__, slot=plan.slot))
             return Moved.NOTHING, fence
         finally:
-            self.m.keeper.pager.read_done(reading)
+            names.read_done(reading)
+            names.write_done(writing)
             if saving is not None:
                 self.m.pages.save_ends(holder or "", saving)
             if copying is not None:

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import shutil
 import stat
 import time
 from collections.abc import Awaitable, Callable
@@ -23,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from slotkeeper.drivers.llama_http import LlamaClient
+from slotkeeper.drivers.page_budget import PageBudget
 from slotkeeper.drivers.slot_gate import SlotGate
 from slotkeeper.drivers.store import SlotLocks
-from slotlogic import numbers, paging
+from slotlogic import numbers
 from slotlogic.checkpoint_machine import Failure
 from slotlogic.costs import SlotFileAnswer
 from slotlogic.events import Event, Failed, PageFailed, PageGone, PageRejected, PagingLockTimeout, Stage
@@ -50,11 +50,13 @@ class PageOutcome:
 
 
 class PageRunner:
-    def __init__(self, client: LlamaClient, save_dir: str, max_bytes: int, emit: Callable[[Event], None],
+    def __init__(self, client: LlamaClient, save_dir: str | None, max_bytes: int, emit: Callable[[Event], None],
                  upstream: str = "") -> None:
         self.client = client
-        self.save_dir = Path(save_dir)
-        self.max_bytes = max_bytes
+        # None: the server's save dir is out of this machine's reach; its files are named from a bounded ring
+        # and overwritten, never listed, checked or deleted from here
+        self.save_dir = Path(save_dir) if save_dir else None
+        self.budget = PageBudget(self.save_dir, max_bytes)  # the page budget in force, the ring's size
         self.emit = emit
         self.upstream = upstream
         self.locks: dict[int, asyncio.Lock] = {}
@@ -74,12 +76,6 @@ class PageRunner:
         self.server_busy: Callable[[], bool] = lambda: False
         # a seed's slot on another server of the pool saved there (`pool_seeds.PoolSeeds.copy`)
         self.copy_from: Callable[[str, int, str, str], Awaitable[tuple[int, int] | None]] = _no_copy
-        # With no budget set (`paging.auto_budget`): the slots, a slot's context and the KV bytes a token as
-        # known now; the save dir's free space is read once, here (never on a request's path).
-        self.sizes: Callable[[], tuple[int | None, int | None, float | None]] | None = None
-        self._free: int | None = None
-        with contextlib.suppress(OSError):
-            self._free = shutil.disk_usage(self.save_dir).free
         # whether `slot` holds `session`'s current conversation, as the ledger has it (a copy's fence)
         self.holds: Callable[[int, str], bool] = lambda slot, session: True
 
@@ -212,7 +208,7 @@ class PageRunner:
             out.seed_tokens, out.seed_bytes = saved
             expected = out.seed_tokens
         if plan.restore_file is not None:
-            if not os.path.lexists(self.save_dir / plan.restore_file):
+            if self.save_dir is not None and not os.path.lexists(self.save_dir / plan.restore_file):
                 self.emit(PageGone(self.upstream, plan.restore_file))
                 out.restore_failed = True
             else:
@@ -289,6 +285,8 @@ class PageRunner:
         """A page holds a conversation's tokens: 0600, when this process owns the file (same user as the
         server); otherwise the server's umask decides and the README says to keep the directory private.
         Never through a symlink: one planted under a page's name must not make us chmod its target."""
+        if self.save_dir is None:
+            return
         with contextlib.suppress(OSError):
             fd = os.open(self.save_dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             try:
@@ -298,6 +296,8 @@ class PageRunner:
                 os.close(fd)
 
     def _size(self, name: str) -> int:
+        if self.save_dir is None:
+            return 0  # out of reach: the answer's byte count stands
         with contextlib.suppress(OSError):
             return os.lstat(self.save_dir / name).st_size
         return 0
@@ -324,11 +324,9 @@ class PageRunner:
         names, self._doomed = list(self._doomed), set()
         self.delete(names)
 
-    def budget(self) -> int:
-        """The page budget in bytes: the user's, or sized from the model and the slots."""
-        return self.max_bytes if self.sizes is None else paging.auto_budget(*self.sizes(), self._free)
-
     def delete(self, names: list[str]) -> None:
+        if self.save_dir is None:
+            return  # out of reach: the ring's names are overwritten instead
         for name in names:
             try:
                 os.unlink(self.save_dir / name)
@@ -340,6 +338,8 @@ class PageRunner:
     def files(self) -> dict[str, PageFile]:
         """Page-looking regular files in the save dir (not symlinks), for the orphan sweep."""
         out: dict[str, PageFile] = {}
+        if self.save_dir is None:
+            return out  # out of reach: the page records alone count against the budget
         with contextlib.suppress(OSError), os.scandir(self.save_dir) as entries:
             for entry in entries:
                 if entry.name.startswith("page-") and entry.is_file(follow_symlinks=False):

@@ -99,17 +99,19 @@ class SlotMover:
         if files_blocked:
             s = replace(s, paging=False, checkpoints=CheckpointMode.MEMORY
                         if s.checkpoints is CheckpointMode.DISK else s.checkpoints)
-        if s.paging and s.save_dir:
-            if self.pages is None or self.pages.save_dir != Path(s.save_dir):
+        if s.paging and (s.save_dir or s.save_remote):
+            where = Path(s.save_dir) if s.save_dir else None  # None: the server's, out of this machine's reach
+            if self.pages is None or self.pages.save_dir != where:
                 self.pages = PageRunner(self.client, s.save_dir, s.page_max_bytes, self.emit, self.url)
                 self.pages.gate = self.gate
             self.pages.on_answer, self.pages.server_busy = self.on_answer, self.server_busy
             self.pages.holds = lambda slot, key: self.keeper.turns.holds_conversation_of(slot, key)
             if self.elsewhere is not None:
                 self.pages.copy_from = self.elsewhere.copy
-            self.pages.max_bytes = s.page_max_bytes
-            self.pages.sizes = (lambda: (self.keeper.total_slots, self.keeper.server and self.keeper.server.n_ctx,
-                                         self.keeper.rates().kv_bytes_per_token)) if s.page_budget_auto else None
+            self.pages.budget.max_bytes = s.page_max_bytes
+            self.pages.budget.sizes = lambda: (self.keeper.total_slots, self.keeper.server and self.keeper.server.n_ctx,
+                                        self.keeper.rates().kv_bytes_per_token)
+            self.pages.budget.auto = s.page_budget_auto
             self.pages.shared = self.store.slot_locks
         else:
             self.pages = None
@@ -201,7 +203,7 @@ class SlotMover:
         async with self.store.transaction() as state:
             seed = (out.seed_tokens, out.seed_bytes) if out.seed_tokens is not None else None
             done = PageDone(out.saved_tokens, out.saved_bytes, out.restore_failed, seed)
-            doomed = self.keeper.pager.pages_recorded(state, plan, done, time.time(), self.pages.budget(), files)
+            doomed = self.keeper.pager.pages_recorded(state, plan, done, time.time(), self.pages.budget.bytes(), files)
         self.pages.delete(doomed)
 
     async def warm(self, slot: int, need: NeedSlot, info: ServerInfo, holds: bool,

@@ -343,7 +343,7 @@ class Upstream:
     def _shown(self) -> Settings:
         """The settings as the status view shows them: the page budget in force (sized from the model, unless set)."""
         pages = self.mover.pages
-        return self.settings if pages is None else replace(self.settings, page_max_bytes=pages.budget())
+        return self.settings if pages is None else replace(self.settings, page_max_bytes=pages.budget.bytes())
 
     async def settle(self) -> None:
         """Wait for the background work a command or an answer started (tests, shutdown)."""

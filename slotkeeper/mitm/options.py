@@ -64,13 +64,18 @@ OPTIONS: tuple[Option, ...] = (
            "server (0 = only when a cache loss needs explaining)."),
     Option("slots_prefix_cache", str, "",
            "Prefix checkpoints for new sessions: off, memory (warm, no disk), disk (save, "
-           "restore, verify). Empty = disk when slots_save_dir is set, else off.",
+           "restore, verify). Empty = disk when slots_save_dir is set, memory with slots_save_remote, "
+           "else off.",
            choices=["", *(m.value for m in CheckpointMode)]),
     Option("slots_save_dir", str, "",
            "llama-server's --slot-save-path (the same directory), for checkpoint files and their "
            "cleanup."),
+    Option("slots_save_remote", bool, False,
+           "llama-server has a --slot-save-path this machine cannot read (another host or container): "
+           "page conversations through its own save and restore, reusing a bounded set of file names "
+           "so its disk stays within slots_page_max_mb."),
     Option("slots_paging", bool, True,
-           "Session paging (needs slots_save_dir): before a slot goes to another session, save "
+           "Session paging (needs slots_save_dir or slots_save_remote): before a slot goes to another session, save "
            "its holder's conversation there; when that session returns, restore it instead of "
            "prefilling it again."),
     Option("slots_page_max_mb", int, 0,
@@ -191,7 +196,11 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
     """The options as one frozen `Settings` (and the state dir), or `OptionsError` naming the bad option."""
     check_minimums(o)
     save_dir = os.path.expanduser(o.slots_save_dir) if o.slots_save_dir else None
-    mode = _choice(o, "slots_prefix_cache", CheckpointMode, o.slots_prefix_cache or ("disk" if save_dir else "off"))
+    mode = _choice(o, "slots_prefix_cache", CheckpointMode, o.slots_prefix_cache or (
+        "disk" if save_dir else "memory" if o.slots_save_remote and o.slots_paging else "off"))
+    if mode is CheckpointMode.DISK and not save_dir and o.slots_save_remote:
+        raise exceptions.OptionsError("slots_prefix_cache=disk needs slots_save_dir: checkpoint files in a save dir "
+                                      "this machine cannot read could not be kept within their cap")
     if save_dir and (mode is CheckpointMode.DISK or o.slots_paging) and not os.path.isdir(save_dir):
         raise exceptions.OptionsError(f"slots_save_dir {o.slots_save_dir!r} is not a directory")
     try:
@@ -205,7 +214,8 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
         override_client=o.slots_override_client,
         session_headers=tuple(h.strip().lower() for h in o.slots_session_headers if h.strip()),
         side_patterns=patterns, side_slot=o.slots_side_slot, markers=markers or pfx.DEFAULT_MARKERS,
-        checkpoints=mode, save_dir=save_dir, paging=bool(o.slots_paging and save_dir),
+        checkpoints=mode, save_dir=save_dir, paging=bool(o.slots_paging and (save_dir or o.slots_save_remote)),
+        save_remote=bool(o.slots_save_remote and not save_dir),
         page_max_bytes=(o.slots_page_max_mb << 20) or paging.AUTO_FLOOR, page_budget_auto=not o.slots_page_max_mb,
         server_id=o.slots_server_id,
         checkpoint_ttl_days=float(o.slots_checkpoint_ttl_days), checkpoint_keep=o.slots_checkpoint_keep,
