@@ -116,3 +116,9 @@ def fingerprint(prefix: StablePrefix, *, model_path: str | None, model_size: int
 
 def file_name(fp: str) -> str:
     return f"prefix-{fp[:16]}.bin"
+
+
+def bucket_file(upstream: str, i: int) -> str:
+    """The `i`th of a server's bounded set of checkpoint names (a save dir out of reach: files are overwritten,
+    never deleted; the index says which fingerprint a name holds now)."""
+    return "prefix-" + hashlib.sha256(f"{upstream}\nbucket\n{i}".encode()).hexdigest()[:16] + ".bin"

@@ -54,17 +54,21 @@ SEEDS = [s for s in range(40) if (sh := shape_for(s)).setup.paging and sh.setup.
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_out_of_reach_pages_as_well_as_in_reach_with_checkpoints_in_memory(seed):
-    """The simulator's paging shapes, the proxy reading the save dir or not: the same tokens prefilled (prefix
-    checkpoints in memory both ways: their files need names the proxy can bound, not built yet), no token lost
-    unlabelled, and on the server's disk never more page files than the ring has names."""
+def test_out_of_reach_pages_and_checkpoints_as_well_as_in_reach(seed):
+    """The simulator's paging shapes, the proxy reading the save dir or not: at most 0.05 more tokens prefilled
+    against the limit, no token lost unlabelled, and on the server's disk never a page file outside the
+    ring's names (prefix checkpoints: a bounded set of names too, each kept by its checkpoint while it holds it;
+    before, a checkpoint took another name each time the count of names grew, and was built again)."""
     sh = shape_for(seed)
-    opts = (*sh.setup.options, ("slots_prefix_cache", "memory"), ("slots_page_max_mb", 64))
+    opts = (*sh.setup.options, ("slots_page_max_mb", 64))
     local, _ = run_shape(replace(sh, setup=replace(sh.setup, options=opts)))
     remote, rig = run_shape(replace(sh, setup=replace(sh.setup, options=opts, remote_save=True)))
     assert remote.error is None and remote.lost == 0, [x.line() for x in remote.losses]
-    assert abs(remote.ratio - local.ratio) <= 0.05, (remote.ratio, local.ratio)
+    assert remote.ratio <= local.ratio + 0.05, (remote.ratio, local.ratio)  # (the timing differs: some do better)
     full = sh.setup.n_ctx * 256 + 4096 + 4096   # the simulator's bytes a token, the file header, the bound's
     ring = {paging.ring_file(u, i) for u in rig.servers for i in range((64 << 20) // full)}
     written = {e.tag for s in rig.servers.values() for e in s.events if e.kind == "save"}
-    assert written <= ring, written - ring
+    pages = {w for w in written if w and w.startswith("page-")}
+    assert pages <= ring, pages - ring
+    checkpoints = {w for w in written if w and w.startswith("prefix-")}
+    assert len(checkpoints) <= max(1, (2048 << 20) // full), checkpoints

@@ -62,7 +62,7 @@ class BuildClaims:
         if not cp.persist:
             return None
         try:
-            name = pfx.file_name(cp.fingerprint(stable, info))
+            name = cp.name_of(cp.fingerprint(stable, info))
             if name in cp.building or name in self.claims or await asyncio.to_thread(cp.file_known, name, info):
                 return None  # built here (this process's runners wait for each other), or already on disk
         except (OSError, ValueError):

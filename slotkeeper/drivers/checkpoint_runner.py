@@ -81,6 +81,9 @@ class CheckpointRunner:
         self.verified: OrderedDict[str, tuple[str, tuple[int, int, int], int]] = OrderedDict()
         self.on_answer: Callable[[SlotFileAnswer], None] = lambda a: None  # each save/restore's size and time
         self.rates: Callable[[], costs.Rates] = costs.Rates  # the server's measured speeds (none: restore)
+        # With the save dir out of reach: how many checkpoint names the cap allows (`pfx.bucket_file`); 0: one
+        # name per fingerprint, kept within the cap by deletion
+        self.buckets: Callable[[], int] = lambda: 0
 
     @property
     def persist(self) -> bool:
@@ -97,6 +100,17 @@ class CheckpointRunner:
                                                                     if "kv_cache" in info.identity else ""),
                                addon_version=__version__)
 
+    def name_of(self, fp: str) -> str:
+        """The file a fingerprint's checkpoint is saved as: named by it, or (save dir out of reach) one of a
+        bounded set of names, which a checkpoint of another fingerprint may take over."""
+        k = self.buckets()
+        if k <= 0:
+            return pfx.file_name(fp)
+        # a checkpoint keeps its name while it holds it (the count of names grows once the KV size is known)
+        held = [name for name, e in (self.read_index() or {}).items()
+                if isinstance(e, dict) and e.get("fingerprint") == fp]
+        return held[0] if held else pfx.bucket_file(self.upstream, int(fp[:12], 16) % k)
+
     def read_index(self) -> dict[str, Any] | None:
         """The index (empty when missing); None when corrupt."""
         try:
@@ -105,10 +119,13 @@ class CheckpointRunner:
             return None
         return data if isinstance(data, dict) else {}
 
-    def file_known(self, name: str, info: ServerInfo, built_elsewhere: bool = False) -> bool:
-        """Whether `name` is worth a restore: this state dir's index knows it for this server, or (no entry
-        here) another proxy built it for a server sharing the save dir (`built_elsewhere`)."""
+    def file_known(self, name: str, info: ServerInfo, built_elsewhere: bool = False, fp: str | None = None) -> bool:
+        """Whether `name` is worth a restore: this state dir's index knows it for this server (holding `fp`, when
+        names are shared by fingerprints), or (no entry here) another proxy built it for a server sharing the
+        save dir (`built_elsewhere`)."""
         entry = (self.read_index() or {}).get(name)
+        if isinstance(entry, dict) and fp is not None and self.buckets() > 0 and entry.get("fingerprint") != fp:
+            return False  # the name holds another prefix's checkpoint now
         if not isinstance(entry, dict):
             return built_elsewhere and (not self.settings.save_dir or (Path(self.settings.save_dir) / name).exists())
         mismatch = tuple(k for k, v in info.identity.items() if entry.get(k) != v)
@@ -122,7 +139,7 @@ class CheckpointRunner:
         """Make `slot` hold `prefix` before a new session's first request (`copied`: the slot holds a copy of a
         conversation that starts with it). Never raises for HTTP trouble."""
         fp = self.fingerprint(prefix, info)
-        name = pfx.file_name(fp)
+        name = self.name_of(fp)
         self.current.add(name)
         waited = False
         while self.persist and not holds_prefix and (pending := self.building.get(name)) is not None:
@@ -151,7 +168,7 @@ class CheckpointRunner:
                        holds_prefix: bool, built: bool, copied: bool = False) -> Orchestrator:
         """`built`: a build of this file just ended (here or in another proxy): restore it even if this state
         dir's index does not know it; a failed restore falls back to warming (and saving) as for a cold one."""
-        known = self.persist and self.file_known(name, info, built)
+        known = self.persist and self.file_known(name, info, built, fp)
         persist = self.persist
         if known and (choice := self._weigh(name, slot)) is not None and not choice.worth:
             known = persist = False  # warming the prefix up is quicker than reading its file: warm, keep the file
@@ -240,8 +257,9 @@ class CheckpointRunner:
         shorter checkpoint gives (a family's base prompt; 0: none). None: it is built, or being built."""
         if not self.persist:
             return None
-        name = pfx.file_name(self.fingerprint(prefix, info))
-        if name in self.building or await asyncio.to_thread(self.file_known, name, info):
+        fp = self.fingerprint(prefix, info)
+        name = self.name_of(fp)
+        if name in self.building or await asyncio.to_thread(self.file_known, name, info, False, fp):
             return None
         base = await asyncio.to_thread(self.longest_base, prefix, info, name)
         return base[0] if base is not None else 0
@@ -260,8 +278,9 @@ class CheckpointRunner:
                     or (other.role, other.route, other.tools, other.template_kwargs)
                     != (prefix.role, prefix.route, prefix.tools, prefix.template_kwargs)):
                 continue
-            file = pfx.file_name(self.fingerprint(other, info))
-            if self.file_known(file, info):
+            other_fp = self.fingerprint(other, info)
+            file = self.name_of(other_fp)
+            if self.file_known(file, info, False, other_fp):
                 best = (covered, file)
         return best
 

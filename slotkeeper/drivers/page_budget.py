@@ -44,3 +44,13 @@ class PageBudget:
         if not n_ctx or not per_token:
             return (slots or 0) + 1
         return max(1, min(MAX_RING, self.bytes() // int(n_ctx * per_token + FILE_HEADER_BYTES)))
+
+
+def checkpoint_buckets(cap: int, n_ctx: int | None, per_token: float | None) -> int:
+    """With the save dir out of reach, how many checkpoint names the checkpoint cap allows: that many files of a
+    full context fit (one until a save has shown the KV size; no cap: the page ring's bound)."""
+    if not n_ctx or not per_token:
+        return 1
+    if cap <= 0:
+        return MAX_RING
+    return max(1, min(MAX_RING, cap // int(n_ctx * per_token + FILE_HEADER_BYTES)))

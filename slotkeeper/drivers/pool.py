@@ -22,7 +22,6 @@ from slotkeeper.drivers.origins import base_of
 from slotkeeper.drivers.pool_health import Member, PoolHealth
 from slotkeeper.drivers.upstream import Upstream
 from slotlogic import json_scan, routing, shared, swap_models
-from slotlogic import prefix as pfx
 from slotlogic.decisions import Decision, Forward, NeedSlot, Pin, RequestFacts
 from slotlogic.events import Event
 from slotlogic.intake import MAX_ITEMS, Recognition
@@ -308,7 +307,7 @@ class Pool:
         checkpoint = False
         if up.checkpoints is not None and need.stable is not None and up.checkpoints.persist:
             with contextlib.suppress(OSError, ValueError):
-                name = pfx.file_name(up.checkpoints.fingerprint(need.stable, info))
+                name = up.checkpoints.name_of(up.checkpoints.fingerprint(need.stable, info))
                 checkpoint = await asyncio.to_thread(up.checkpoints.file_known, name, info)
         source = routing.beyond(up.keeper.pager.seeds.share(need) if up.pages is not None else 0,
                                 len(need.stable.text) if checkpoint and need.stable is not None else 0)

@@ -18,6 +18,7 @@ from slotkeeper.drivers.build_claims import BuildClaims
 from slotkeeper.drivers.checkpoint_runner import CheckpointRunner, PrefixRegistry
 from slotkeeper.drivers.handovers import Handovers
 from slotkeeper.drivers.llama_http import LlamaClient
+from slotkeeper.drivers.page_budget import checkpoint_buckets
 from slotkeeper.drivers.page_move import PageMove
 from slotkeeper.drivers.page_runner import PageOutcome, PageRunner
 from slotkeeper.drivers.pool_seeds import PoolSeeds
@@ -121,6 +122,10 @@ class SlotMover:
             self.checkpoints = CheckpointRunner(self.client, self.state_dir, s, self.emit, self.url, self.registry)
             self.checkpoints.on_answer = self.on_answer
             self.checkpoints.rates = self.keeper.rates
+            if s.save_remote and s.checkpoints is CheckpointMode.DISK:
+                self.checkpoints.buckets = lambda: checkpoint_buckets(
+                    s.checkpoint_max_bytes, self.keeper.server and self.keeper.server.n_ctx,
+                    self.keeper.rates().kv_bytes_per_token)
 
     def stopped(self, flow_id: str) -> None:
         """A placement planned again: its request did not go; the next pager of its slot may go."""

@@ -64,8 +64,7 @@ OPTIONS: tuple[Option, ...] = (
            "server (0 = only when a cache loss needs explaining)."),
     Option("slots_prefix_cache", str, "",
            "Prefix checkpoints for new sessions: off, memory (warm, no disk), disk (save, "
-           "restore, verify). Empty = disk when slots_save_dir is set, memory with slots_save_remote, "
-           "else off.",
+           "restore, verify). Empty = disk with slots_save_dir or slots_save_remote, else off.",
            choices=["", *(m.value for m in CheckpointMode)]),
     Option("slots_save_dir", str, "",
            "llama-server's --slot-save-path (the same directory), for checkpoint files and their "
@@ -197,10 +196,7 @@ def build_settings(o: Any) -> tuple[Settings, Path]:
     check_minimums(o)
     save_dir = os.path.expanduser(o.slots_save_dir) if o.slots_save_dir else None
     mode = _choice(o, "slots_prefix_cache", CheckpointMode, o.slots_prefix_cache or (
-        "disk" if save_dir else "memory" if o.slots_save_remote and o.slots_paging else "off"))
-    if mode is CheckpointMode.DISK and not save_dir and o.slots_save_remote:
-        raise exceptions.OptionsError("slots_prefix_cache=disk needs slots_save_dir: checkpoint files in a save dir "
-                                      "this machine cannot read could not be kept within their cap")
+        "disk" if save_dir or o.slots_save_remote else "off"))
     if save_dir and (mode is CheckpointMode.DISK or o.slots_paging) and not os.path.isdir(save_dir):
         raise exceptions.OptionsError(f"slots_save_dir {o.slots_save_dir!r} is not a directory")
     try:
