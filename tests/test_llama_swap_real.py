@@ -31,7 +31,7 @@ def test_each_model_behind_llama_swap_is_a_server_and_an_unloaded_model_a_restar
         opts = {"slots_upstreams": [swap.url], "slots_state_dir": str(tmp_path / "state"),
                 "slots_log_file": str(log), "slots_probe_interval": 1, "slots_prefix_cache": "off"}
         with MitmProxy(swap.url, opts, log_path=str(tmp_path / "p.log")) as px:
-            swap.model("m1")  # loaded before the first request: a load slower than /props' 3 s leaves it unpinned
+            swap.load("m1")  # loaded before the first request: a load slower than /props' 3 s leaves it unpinned
             conv = conversation("Task S: behind llama-swap.")
             slot1, _ = ask_model(px.url, conv, "m1")
             unlisted = httpx.post(px.url + "/v1/chat/completions", timeout=60, json={

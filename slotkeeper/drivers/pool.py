@@ -20,6 +20,7 @@ from slotkeeper.drivers.checkpoint_runner import PrefixRegistry
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.origins import base_of
 from slotkeeper.drivers.pool_health import Member, PoolHealth
+from slotkeeper.drivers.swap_guard import SwapGuard
 from slotkeeper.drivers.upstream import Upstream
 from slotlogic import json_scan, routing, shared, swap_models
 from slotlogic import prefix as pfx
@@ -55,6 +56,7 @@ class Pool:
         # and restored by the others, not built once per server (and, with a shared store, once for all proxies:
         # each server's `Upstream` claims the build, `slotkeeper.drivers.build_claims`).
         self.prefixes = PrefixRegistry()
+        self.guard = SwapGuard(emit)  # a request that swaps a model out waits for that model's page-outs
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------------------------------- membership
@@ -67,7 +69,8 @@ class Pool:
 
     def upstream(self, member: Member, model: str = "") -> Upstream:
         url = self._url(member, model)
-        up = self.make_upstream(url, self._loaded(member, model) if member.swap and model else None)
+        up = self.make_upstream(url, self.guard.loaded(member.url, member.client, model) if member.swap and model
+                                else None)  # what the probe asks first (`/props` loads the model)
         if url not in self.servers:
             self.servers[url] = (member, model if member.swap else "")
             if member.swap and model:
@@ -76,14 +79,10 @@ class Pool:
             up.mover.join(lambda up=up: [u.mover for u in self.known() if u is not up])  # seeds across servers
         return up
 
-    def _loaded(self, member: Member, model: str) -> Callable[[], Any]:
-        async def loaded() -> bool | None:
-            data = await member.client.get_json("/running")
-            if not isinstance(data, dict) or not isinstance(data.get("running"), list):
-                return None
-            return any(isinstance(e, dict) and e.get("model") == model and e.get("state") == "ready"
-                       for e in data["running"])
-        return loaded
+    async def before_swap(self, up: Upstream) -> None:
+        """A llama-swap model's request: the models it unloads are paged out first (`SwapGuard`)."""
+        member, model = self.servers.get(up.url, (None, ""))
+        await self.guard.before_llama_swap(member, model, self.servers, self.make_upstream)
 
     async def _detect(self, member: Member) -> None:
         if member.swap is None:
@@ -166,15 +165,18 @@ class Pool:
             if up is None:
                 return self.upstream(home), Forward(Passed.UNLISTED_MODEL, completion_route=True)
             self._note_use(up)
+            await self.before_swap(up)
             return up, await up.decide(facts, flow_id)
         if isinstance(first, Forward):  # through the first server that is up, as the client sent it
             home = next((m for m in self.members if m.health.up and m is not avoid), self.members[0])
             return self.upstream(home), first
         self._note_use(first)  # not idle while its request is placed
+        await self.before_swap(first)
         decision = first.request(facts)
         up = first
         if isinstance(decision, NeedSlot):
             up, decision = await self._route(decision, first, facts, flow_id, avoid)
+            await self.before_swap(up)  # another server of the pool: its model may not be loaded
         up.decided(decision)
         ticket = getattr(decision, "ticket", None)
         if ticket is not None:

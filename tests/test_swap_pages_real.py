@@ -1,0 +1,100 @@
+"""Conversations that survive a model swap: a llama-swap in front of one model at a time (its default, no groups),
+two conversations on the main model and a helper model's request after each round (a title or summary call) that
+swaps the main model out. Real llama-servers (one per model, started and stopped by the stand-in as llama-swap
+does, tests/swap_stub.py) and a real mitmdump with the addon."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from slotkeeper.launch.mitmdump import MitmProxy
+from tests.real_helpers import THREADS, conversation, extend, jsonl
+from tests.swap_stub import SwapStub
+
+pytestmark = pytest.mark.real
+HELPER_SYSTEM = "You write a five-word title for the conversation you are shown."
+
+
+def turn(base: str, msgs: list[dict[str, str]], model: str) -> dict:
+    r = httpx.post(base + "/v1/chat/completions", json={"model": model, "messages": msgs, "max_tokens": 4,
+                                                        "temperature": 0}, timeout=120)
+    r.raise_for_status()
+    return r.json()["timings"]
+
+
+def helper_call(base: str, n: int) -> None:
+    turn(base, [{"role": "system", "content": HELPER_SYSTEM}, {"role": "user", "content": f"Title {n}: setup."}],
+         "helper")
+
+
+def specs(tmp_path, save) -> dict[str, dict]:
+    common = {"threads": THREADS, "ctx_per_slot": 2048, "slot_save_path": str(save)}
+    return {"main": {**common, "slots": 2, "log_path": str(tmp_path / "main.log")},
+            "helper": {**common, "slots": 1, "log_path": str(tmp_path / "helper.log")}}
+
+
+def two_model_workflow(tmp_path, opts: dict, *, rounds: int = 2, save=None) -> tuple[list[float], SwapStub, str]:
+    """Each round: both conversations take a turn on `main`, then one helper request. Returns each conversation's
+    reuse after each swap back (the share of what its previous prompt left in its slot that its next turn found),
+    the stand-in, and the proxy's log."""
+    save = save or tmp_path / "slots"
+    save.mkdir(exist_ok=True)
+    convs = {c: conversation(f"Task {c}: a long refactor, keep the whole conversation.") for c in "AB"}
+    reuse: list[float] = []
+    with SwapStub(specs(tmp_path, save), exclusive=True) as swap:
+        with MitmProxy(swap.url, {"slots_upstreams": [swap.url], **opts}, log_path=str(tmp_path / "p.log")) as px:
+            swap.load("main")
+            left = {}
+            for c in "AB":  # two turns each: known sessions with a conversation worth a page
+                turn(px.url, convs[c], "main")
+                extend(convs[c], 1)
+                t = turn(px.url, convs[c], "main")
+                left[c] = t["cache_n"] + t["prompt_n"]
+            for r in range(rounds):
+                helper_call(px.url, r)
+                for c in "AB":
+                    extend(convs[c], r + 2)
+                    t = turn(px.url, convs[c], "main")
+                    reuse.append(t["cache_n"] / left[c])
+                    left[c] = t["cache_n"] + t["prompt_n"]
+            time.sleep(0.5)
+        text = (tmp_path / "p.log").read_text()
+    return reuse, swap, text
+
+
+def test_each_conversation_is_paged_out_before_its_model_is_swapped_out_and_back_in_after(tmp_path):
+    log = tmp_path / "p.jsonl"
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(log),
+            "slots_save_dir": str(tmp_path / "slots"), "slots_prefix_cache": "off"}
+    reuse, swap, text = two_model_workflow(tmp_path, opts)
+    records = jsonl(log)
+    swaps = [r for r in records if r["kind"] == "swap-out"]
+    assert all(x >= 0.9 for x in reuse), reuse  # stock: the shared system prompt only (about a quarter)
+    # the loads the traffic itself makes (main, then helper and main again each round): none added by the proxy
+    assert swap.load_log == ["main", "helper", "main", "helper", "main"], swap.load_log
+    main_out = [r for r in swaps if r["upstream"].endswith("/upstream/main")]
+    # each conversation saved, unless its page was current already (B's first turn started from a copy of A's
+    # slot, saved as A's page: the first swap finds it whole and does not write it again)
+    assert len(main_out) == 2 and all(r["saved"] >= 1 and r["lost"] == 0 for r in main_out), swaps
+    assert main_out[1]["saved"] == 2, swaps
+    assert "paged out first" in text
+
+
+def test_a_swap_with_no_room_to_save_still_serves_and_labels_the_loss(tmp_path):
+    """The save dir cannot take a page (a budget of 1 MB, where one page takes ~7): the helper request is served
+    at once, each conversation of the main model is labelled lost, and its next turn prefills (nothing restored
+    from elsewhere)."""
+    log = tmp_path / "p.jsonl"
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(log),
+            "slots_save_dir": str(tmp_path / "slots"), "slots_prefix_cache": "off", "slots_page_max_mb": 1}
+    reuse, swap, text = two_model_workflow(tmp_path, opts, rounds=1)
+    swaps = [r for r in jsonl(log) if r["kind"] == "swap-out" and r["upstream"].endswith("/upstream/main")]
+    # B's save fails; A's page (the copy B's first turn started from) was whole at the swap and is dropped by
+    # the budget when B's is recorded
+    assert swaps and swaps[0]["saved"] == 0 and swaps[0]["lost"] >= 1, swaps
+    assert "not paged out" in text
+    assert all(x < 0.9 for x in reuse), reuse
+    assert swap.load_log == ["main", "helper", "main"], swap.load_log
