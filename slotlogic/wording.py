@@ -251,7 +251,7 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
     ev.ServerUp: lambda e: (Level.WARNING, f"{e.upstream} is up again after {e.seconds_down:.0f} s"),
     ev.RetriedElsewhere: lambda e: (Level.INFO, f"a request that could not reach {e.upstream} went to {e.to} "
                                                 "before it had started"),
-    ev.ModelUnloaded: lambda e: (Level.INFO, f"{e.upstream} was unloaded by llama-swap: its slots are empty; "
+    ev.ModelUnloaded: lambda e: (Level.INFO, f"{e.upstream} was unloaded by its model swapper: its slots are empty; "
                                              "sessions prefill or page in once when it is loaded again"),
     ev.SwapPagedOut: lambda e: _swap_out(e),
     ev.StoreUnavailable: lambda e: (Level.WARNING, f"shared state {e.store} unreachable ({e.kind}): deciding from "

@@ -6,12 +6,14 @@ does, tests/swap_stub.py) and a real mitmdump with the addon."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import httpx
 import pytest
 
 from slotkeeper.launch.mitmdump import MitmProxy
 from tests.real_helpers import THREADS, conversation, extend, jsonl
+from tests.router_server import RouterServer, router_binary
 from tests.swap_stub import SwapStub
 
 pytestmark = pytest.mark.real
@@ -36,15 +38,17 @@ def specs(tmp_path, save) -> dict[str, dict]:
             "helper": {**common, "slots": 1, "log_path": str(tmp_path / "helper.log")}}
 
 
-def two_model_workflow(tmp_path, opts: dict, *, rounds: int = 2, save=None) -> tuple[list[float], SwapStub, str]:
+def two_model_workflow(tmp_path, opts: dict, *, rounds: int = 2, router: bool = False) -> tuple[list[float], Any, str]:
     """Each round: both conversations take a turn on `main`, then one helper request. Returns each conversation's
     reuse after each swap back (the share of what its previous prompt left in its slot that its next turn found),
-    the stand-in, and the proxy's log."""
-    save = save or tmp_path / "slots"
+    the swapper (the llama-swap stand-in, or the real router), and the proxy's log."""
+    save = tmp_path / "slots"
     save.mkdir(exist_ok=True)
     convs = {c: conversation(f"Task {c}: a long refactor, keep the whole conversation.") for c in "AB"}
     reuse: list[float] = []
-    with SwapStub(specs(tmp_path, save), exclusive=True) as swap:
+    swapper = RouterServer(tmp_path, ["main", "helper"], save) if router else \
+        SwapStub(specs(tmp_path, save), exclusive=True)
+    with swapper as swap:
         with MitmProxy(swap.url, {"slots_upstreams": [swap.url], **opts}, log_path=str(tmp_path / "p.log")) as px:
             swap.load("main")
             left = {}
@@ -98,3 +102,19 @@ def test_a_swap_with_no_room_to_save_still_serves_and_labels_the_loss(tmp_path):
     assert "not paged out" in text
     assert all(x < 0.9 for x in reuse), reuse
     assert swap.load_log == ["main", "helper", "main"], swap.load_log
+
+
+@pytest.mark.skipif(router_binary() is None, reason="router mode needs the llama-server binary (LLAMA_SERVER_BIN "
+                    "or `make llama-server`): xllamacpp refuses models_dir ('disabled the router server feature')")
+def test_router_mode_pages_each_conversation_out_before_an_eviction_and_back_in_after(tmp_path):
+    """llama-server's own router, `--models-max 1`: the helper request evicts the main model; its conversations
+    are paged out first through the router (`?model=`, `model` in the body) and paged back in after."""
+    log = tmp_path / "p.jsonl"
+    opts = {"slots_state_dir": str(tmp_path / "state"), "slots_log_file": str(log),
+            "slots_save_dir": str(tmp_path / "slots"), "slots_prefix_cache": "off"}
+    reuse, router, _ = two_model_workflow(tmp_path, opts, router=True)
+    swaps = [r for r in jsonl(log) if r["kind"] == "swap-out" and r["upstream"].endswith("?model=main")]
+    assert all(x >= 0.9 for x in reuse), reuse
+    assert router.load_log == ["main", "helper", "main", "helper", "main"], router.load_log
+    assert len(swaps) == 2 and all(r["saved"] >= 1 and r["lost"] == 0 for r in swaps), swaps
+

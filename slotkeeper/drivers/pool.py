@@ -14,13 +14,13 @@ import json
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import quote
 
 from slotkeeper.drivers.checkpoint_runner import PrefixRegistry
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.origins import base_of
 from slotkeeper.drivers.pool_health import Member, PoolHealth
 from slotkeeper.drivers.swap_guard import SwapGuard
+from slotkeeper.drivers.swappers import detect, model_url
 from slotkeeper.drivers.upstream import Upstream
 from slotlogic import json_scan, routing, shared, swap_models
 from slotlogic import prefix as pfx
@@ -69,7 +69,7 @@ class Pool:
 
     def upstream(self, member: Member, model: str = "") -> Upstream:
         url = self._url(member, model)
-        up = self.make_upstream(url, self.guard.loaded(member.url, member.client, model) if member.swap and model
+        up = self.make_upstream(url, self.guard.loaded(member, model) if member.swap and model
                                 else None)  # what the probe asks first (`/props` loads the model)
         if url not in self.servers:
             self.servers[url] = (member, model if member.swap else "")
@@ -82,12 +82,10 @@ class Pool:
     async def before_swap(self, up: Upstream) -> None:
         """A llama-swap model's request: the models it unloads are paged out first (`SwapGuard`)."""
         member, model = self.servers.get(up.url, (None, ""))
-        await self.guard.before_llama_swap(member, model, self.servers, self.make_upstream)
+        await self.guard.before_request(member, model, self.servers, self.make_upstream)
 
     async def _detect(self, member: Member) -> None:
-        if member.swap is None:
-            data = await member.client.get_json("/running")
-            member.swap = isinstance(data, dict) and isinstance(data.get("running"), list)
+        await detect(member)
 
     async def _served(self, member: Member, model: str) -> Upstream | None:
         """The server of `model` on `member`: a plain llama-server serves any; llama-swap only a model it
@@ -115,7 +113,7 @@ class Pool:
         return up
 
     def _url(self, member: Member, model: str) -> str:
-        return member.url + (f"/upstream/{quote(model, safe='')}" if member.swap and model else "")
+        return model_url(member, model)
 
     def _forget(self, urls: list[str]) -> None:
         """Forget llama-swap model servers (idle, or past the cap): the sessions they served are placed again

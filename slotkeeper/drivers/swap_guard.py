@@ -20,9 +20,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote
 
-from slotkeeper.drivers.llama_http import LlamaClient
+from slotkeeper.drivers import swappers
 from slotkeeper.drivers.page_runner import PageOutcome
 from slotkeeper.drivers.pool_health import Member
 from slotkeeper.drivers.slot_moves import REPLACED_GRACE
@@ -59,16 +58,6 @@ class Swapper:
         self.recency = [m for m in self.recency if m in loaded] + sorted(loaded - set(self.recency))
 
 
-def running_models(data: Any) -> frozenset[str] | None:
-    """The models llama-swap's `/running` shows loaded or loading (not those stopping); None when the answer is
-    not llama-swap's."""
-    run = data.get("running") if isinstance(data, dict) else None
-    if not isinstance(run, list):
-        return None
-    return frozenset(e["model"] for e in run if isinstance(e, dict) and isinstance(e.get("model"), str)
-                     and e.get("state") in ("ready", "starting"))
-
-
 class SwapGuard:
     def __init__(self, emit: Emit, hold: float = swap_out.HOLD_SECONDS) -> None:
         self.emit = emit
@@ -78,40 +67,35 @@ class SwapGuard:
     def swapper(self, url: str) -> Swapper:
         return self.swappers.setdefault(url, Swapper())
 
-    def seen(self, url: str, running: Any) -> None:
-        """A `/running` answer the probe got: what llama-swap holds now."""
-        loaded = running_models(running)
-        if loaded is not None:
-            self.swapper(url).seen(loaded)
-
-    def loaded(self, url: str, client: LlamaClient, model: str) -> Callable[[], Awaitable[bool | None]]:
-        """Whether llama-swap at `url` has `model` loaded and ready (None: it did not answer as llama-swap), asked
-        by the model's probe; what it shows loaded is kept (`seen`)."""
-        async def loaded() -> bool | None:
-            data = await client.get_json("/running")
-            self.seen(url, data)
-            if running_models(data) is None:
+    def loaded(self, member: Member, model: str) -> Callable[[], Awaitable[bool | None]]:
+        """Whether `member` (a swapper) has `model` loaded and ready (None: it did not answer as it does), asked
+        by the model's probe; what it shows loaded is kept for the next request's guard."""
+        async def ready() -> bool | None:
+            held = await swappers.loaded(member)
+            if held is None:
                 return None
-            return any(isinstance(e, dict) and e.get("model") == model and e.get("state") == "ready"
-                       for e in data["running"])
-        return loaded
+            self.swapper(member.url).seen(frozenset(held))
+            return held.get(model, False)
+        return ready
 
-    async def before_llama_swap(self, member: Member | None, model: str, servers: Mapping[str, Any],
-                                make: Callable[[str, Any], Upstream]) -> None:
-        """`before`, for a request to `model` on a pool's `member` (nothing unless it is a llama-swap): each of
-        its models the proxy has a server of (`servers`, by URL; `make` returns that server's driver) is reached
-        through `/upstream/<model>`."""
+    async def before_request(self, member: Member | None, model: str, servers: Mapping[str, Any],
+                             make: Callable[[str, Any], Upstream]) -> None:
+        """`before`, for a request to `model` on a pool's `member` (nothing unless it is a swapper): each of its
+        models the proxy has a server of (`servers`, by URL; `make` returns that server's driver) is paged out
+        before the request unloads it."""
         if member is None or not member.swap or not model:
             return
-        url, client = member.url, member.client
+        swapper = self.swapper(member.url)
+        swapper.max_loaded = member.max_loaded if member.router else None
 
         async def running() -> frozenset[str] | None:
-            return running_models(await client.get_json("/running"))
+            held = await swappers.loaded(member)
+            return None if held is None else frozenset(held)
 
         def server_of(name: str) -> Upstream | None:
-            at = f"{url}/upstream/{quote(name, safe='')}"
+            at = swappers.model_url(member, name)
             return make(at, None) if at in servers else None
-        await self.before(self.swapper(url), model, running, server_of)
+        await self.before(swapper, model, running, server_of)
 
     async def before(self, swapper: Swapper, model: str, running: Callable[[], Awaitable[frozenset[str] | None]],
                      server_of: Callable[[str], Upstream | None]) -> None:
