@@ -49,10 +49,10 @@ def test_slots_to_save_are_conversations_without_a_whole_page():
 def test_a_guard_whose_swapper_does_not_answer_lets_the_request_go():
     events = []
 
-    async def fails() -> frozenset[str] | None:
+    async def fails() -> dict[str, bool] | None:
         raise OSError("refused")
 
-    async def silent() -> frozenset[str] | None:
+    async def silent() -> dict[str, bool] | None:
         return None
 
     async def run() -> Swapper:
@@ -70,9 +70,9 @@ def test_a_guard_whose_swapper_does_not_answer_lets_the_request_go():
 def test_a_model_known_loaded_asks_nothing():
     asked = []
 
-    async def running() -> frozenset[str] | None:
+    async def running() -> dict[str, bool] | None:
         asked.append(1)
-        return frozenset({"main"})
+        return {"main": True}
 
     async def run() -> Swapper:
         sw = Swapper()
@@ -84,3 +84,42 @@ def test_a_model_known_loaded_asks_nothing():
     sw = asyncio.run(run())
     assert asked == [1] and sw.loaded == {"main"} and sw.recency == ["main"]
     assert swap_out.HOLD_SECONDS > 0
+
+
+def test_a_swap_under_way_is_not_learned_as_two_models_loaded_together():
+    sw = Swapper()
+    sw.seen({"main": True, "helper": False})  # helper starting while main is still listed: a swap, not a pair
+    assert sw.loaded == {"main", "helper"} and sw.together == frozenset()
+    sw.seen({"main": True, "embed": True})
+    assert sw.together == {frozenset({"main", "embed"})}
+
+
+class FakeClient:
+    def __init__(self, answers: dict[str, object]) -> None:
+        self.answers = answers
+
+    async def get_json(self, path: str) -> object:
+        return self.answers.get(path)
+
+
+def test_what_each_swapper_says_it_holds():
+    from slotkeeper.drivers.llama_http import LlamaClient, ModelClient, client_for
+    from slotkeeper.drivers.pool_health import Member
+    from slotkeeper.drivers.swappers import loaded, model_url
+
+    swap = Member("http://s:1", 0, FakeClient({"/running": {"running": [
+        {"model": "main", "state": "ready"}, {"model": "helper", "state": "starting"},
+        {"model": "old", "state": "stopping"}, {"model": 3, "state": "ready"}, "junk"]}}), swap=True)
+    router = Member("http://r:1", 1, FakeClient({"/models": {"data": [
+        {"id": "main", "status": {"value": "loaded"}}, {"id": "helper", "status": {"value": "unloaded"}},
+        {"id": "x", "status": {"value": "loading"}}, {"id": "y", "status": "loaded"}]}}), swap=True, router=True)
+    plain = Member("http://p:1", 2, FakeClient({}), swap=False)
+    assert asyncio.run(loaded(swap)) == {"main": True, "helper": False}
+    assert asyncio.run(loaded(router)) == {"main": True, "x": False}
+    assert asyncio.run(loaded(Member("http://r:1", 1, FakeClient({}), swap=True, router=True))) is None
+    assert model_url(swap, "a b") == "http://s:1/upstream/a%20b"
+    assert model_url(router, "a/b") == "http://r:1?model=a%2Fb"
+    assert model_url(plain, "main") == "http://p:1"
+    client = client_for(model_url(router, "a/b"))  # the router's model is named in each call of the proxy's
+    assert isinstance(client, ModelClient) and client.model == "a/b" and client.base_url == "http://r:1"
+    assert type(client_for("http://s:1/upstream/main")) is LlamaClient

@@ -52,9 +52,12 @@ class Swapper:
         self.recency.append(model)
         del self.recency[:-swap_out.MAX_TOGETHER]
 
-    def seen(self, loaded: frozenset[str]) -> None:
+    def seen(self, held: Mapping[str, bool]) -> None:
+        """What the swapper holds (model -> ready): models shown ready at once stay loaded together (one still
+        starting while another stops is a swap under way, not a pair)."""
+        loaded = frozenset(held)
         self.loaded = loaded
-        self.together = swap_out.learn(self.together, loaded)
+        self.together = swap_out.learn(self.together, [m for m, ready in held.items() if ready])
         self.recency = [m for m in self.recency if m in loaded] + sorted(loaded - set(self.recency))
 
 
@@ -74,7 +77,7 @@ class SwapGuard:
             held = await swappers.loaded(member)
             if held is None:
                 return None
-            self.swapper(member.url).seen(frozenset(held))
+            self.swapper(member.url).seen(held)
             return held.get(model, False)
         return ready
 
@@ -88,20 +91,19 @@ class SwapGuard:
         swapper = self.swapper(member.url)
         swapper.max_loaded = member.max_loaded if member.router else None
 
-        async def running() -> frozenset[str] | None:
-            held = await swappers.loaded(member)
-            return None if held is None else frozenset(held)
+        async def running() -> Mapping[str, bool] | None:
+            return await swappers.loaded(member)
 
         def server_of(name: str) -> Upstream | None:
             at = swappers.model_url(member, name)
             return make(at, None) if at in servers else None
         await self.before(swapper, model, running, server_of)
 
-    async def before(self, swapper: Swapper, model: str, running: Callable[[], Awaitable[frozenset[str] | None]],
+    async def before(self, swapper: Swapper, model: str, running: Callable[[], Awaitable[Mapping[str, bool] | None]],
                      server_of: Callable[[str], Upstream | None]) -> None:
         """Called before a request for `model` goes to the swapper: when it will unload models, their slots are
-        paged out first (within the hold). `running`: the swapper's loaded models, asked; `server_of`: the
-        proxy's server of a model, if it has one. Never raises."""
+        paged out first (within the hold). `running`: the swapper's loaded models (-> ready), asked; `server_of`:
+        the proxy's server of a model, if it has one. Never raises."""
         if not model or (swapper.loaded is not None and model in swapper.loaded):
             swapper.used(model)
             return
@@ -109,10 +111,11 @@ class SwapGuard:
             async with swapper.lock:
                 if swapper.loaded is not None and model in swapper.loaded:
                     return
-                loaded = await running()
-                if loaded is None:  # the swapper did not say: the request goes as it came
+                held = await running()
+                if held is None:  # the swapper did not say: the request goes as it came
                     return
-                swapper.seen(loaded)
+                swapper.seen(held)
+                loaded = frozenset(held)
                 facts = SwapFacts(model, loaded, swapper.max_loaded, tuple(swapper.recency), swapper.together)
                 gone = swap_out.unloads(facts)
                 deadline = time.monotonic() + self.hold
