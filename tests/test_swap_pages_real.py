@@ -84,6 +84,9 @@ def test_each_conversation_is_paged_out_before_its_model_is_swapped_out_and_back
     # slot, saved as A's page: the first swap finds it whole and does not write it again)
     assert len(main_out) == 2 and all(r["saved"] >= 1 and r["lost"] == 0 for r in main_out), swaps
     assert main_out[1]["saved"] == 2, swaps
+    # pages go back only where they came from: every page-in is on the main model's server, of a main session
+    ins = [r for r in records if r["kind"] == "page" and r["in"] and not r["seed"]]
+    assert len(ins) == 4 and all(r["upstream"].endswith("/upstream/main") for r in ins), ins
     assert "paged out first" in text
 
 
