@@ -100,6 +100,7 @@ def test_a_swap_with_no_room_to_save_still_serves_and_labels_the_loss(tmp_path):
     reuse, swap, text = two_model_workflow(tmp_path, opts, rounds=1, names="A")
     swaps = [r for r in jsonl(log) if r["kind"] == "swap-out" and r["upstream"].endswith("/upstream/main")]
     assert len(swaps) == 1 and swaps[0]["saved"] == 0 and swaps[0]["lost"] == 1, swaps
+    assert "page budget" in swaps[0]["why_lost"], swaps
     assert "not paged out" in text
     assert all(x < 0.9 for x in reuse), reuse
     assert swap.load_log == ["main", "helper", "main"], swap.load_log

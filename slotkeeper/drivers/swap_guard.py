@@ -32,6 +32,7 @@ from slotlogic.paging import PagePlan
 from slotlogic.swap_out import Held, SwapFacts
 
 Emit = Callable[[Event], None]
+OVER_BUDGET = "over the page budget, slots_page_max_mb"
 QUIET = 5.0  # seconds the probe leaves a model alone after a request of ours swapped it out
 
 
@@ -161,17 +162,17 @@ class SwapGuard:
             except TimeoutError:  # it goes on and records itself; the request does not wait for it
                 why = "hold ran out"
                 break
-            if n is None:
-                why = why or "save failed"
+            if isinstance(n, str):
+                why = why or n
             else:
                 saved, tokens = saved + 1, tokens + n
         seconds = time.monotonic() - started
         self.emit(SwapPagedOut(up.url, model, saved, len(todo) - saved, tokens, seconds,
                                why if len(todo) > saved else "") if todo else ModelUnloaded(up.url))
 
-    async def _save(self, up: Upstream, h: Held) -> int | None:
+    async def _save(self, up: Upstream, h: Held) -> int | str:
         """One slot's conversation saved as its session's page (recorded before it is written, as any page-out):
-        the tokens saved, or None."""
+        the tokens saved, or why not."""
         pages, pager, key = up.mover.pages, up.keeper.pager, h.session or ""
         assert pages is not None
         plan = PagePlan(h.slot, save_for=key, save_file=paging.page_file(up.url, key, secrets.token_hex(6)))
@@ -182,7 +183,7 @@ class SwapGuard:
                 room, fits = pager.page_room(state, plan, time.time(), pages.max_bytes, files)
                 if not fits:
                     pages.delete(room)
-                    return None
+                    return OVER_BUDGET
                 replaced = pager.page_intent(state, plan, time.time())
             pages.delete(room)
             pages.delete_later(replaced, REPLACED_GRACE)
@@ -190,8 +191,9 @@ class SwapGuard:
             await up.mover.record_pages(plan, out)
             self.emit(Paged(up.url, h.slot, key[:8], out.saved_tokens, None, None, out.seconds, out.server_ms))
             rec = pager.page_of(key)  # the budget may have dropped it as it was recorded
-            kept = rec is not None and rec.file == plan.save_file and rec.n_tokens > 0
-            return rec.n_tokens if kept and rec is not None else None
+            if rec is not None and rec.file == plan.save_file and rec.n_tokens > 0:
+                return rec.n_tokens
+            return "save failed" if out.saved_tokens is None else OVER_BUDGET
         finally:
             pages.save_ends(key, saving)
 
