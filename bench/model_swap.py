@@ -83,22 +83,37 @@ def _summary(name: str, turns: list[dict[str, Any]], loads: list[str], jsonl: Pa
             "errors": [t["error"] for t in turns if t["error"]]}
 
 
+def _swapper(kind: str, tmp: Path, save: Path, log_dir: Path, name: str, threads: int) -> Any:
+    """The llama-swap stand-in (real llama-servers; llama-swap installs from no registry here), or llama-server's
+    own router (`--models-max 1`, upstream's binary: xllamacpp refuses router mode)."""
+    if kind == "router":
+        from tests.router_server import RouterServer
+
+        return RouterServer(tmp, ["main", "helper"], save, slots=2, ctx=2 * configs.SERVER.ctx_per_slot,
+                            threads=threads)
+    from tests.swap_stub import SwapStub
+
+    common = {"ctx_per_slot": configs.SERVER.ctx_per_slot, "threads": threads, "slot_save_path": str(save)}
+    specs = {"main": {**common, "slots": 2, "log_path": str(log_dir / f"swap-{name}.main.log")},
+             "helper": {**common, "slots": 1, "log_path": str(log_dir / f"swap-{name}.helper.log")}}
+    return SwapStub(specs, exclusive=True)
+
+
 def measure(log_dir: Path, threads: int, seed: int = 0, rounds: int = 3, max_tokens: int = 4,
             ) -> list[dict[str, Any]]:
+    """Stock and the proxy behind the llama-swap stand-in, and behind the real router when its binary is here."""
     from slotkeeper.launch.mitmdump import MitmProxy
-    from tests.swap_stub import SwapStub  # the llama-swap stand-in (llama-swap installs from no registry here)
+    from tests.router_server import router_binary
 
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    for name in ("stock", "auto"):
+    kinds = ["llama-swap", *(["router"] if router_binary() else [])]
+    for kind, name in [(k, n) for k in kinds for n in ("stock", "auto")]:
         with tempfile.TemporaryDirectory(prefix=f"slotkeeper-swap-{name}-") as tmp:
             save = Path(tmp) / "slots"
             save.mkdir()
-            common = {"ctx_per_slot": configs.SERVER.ctx_per_slot, "threads": threads, "slot_save_path": str(save)}
-            specs = {"main": {**common, "slots": 2, "log_path": str(log_dir / f"swap-{name}.main.log")},
-                     "helper": {**common, "slots": 1, "log_path": str(log_dir / f"swap-{name}.helper.log")}}
-            jsonl = log_dir / f"swap-{name}.jsonl"
-            with SwapStub(specs, exclusive=True) as swap:
+            jsonl = log_dir / f"swap-{kind}-{name}.jsonl"
+            with _swapper(kind, Path(tmp), save, log_dir, f"{kind}-{name}", threads) as swap:
                 swap.load("main")
                 if name == "stock":
                     turns = _run(swap.url, name, seed, rounds, max_tokens)
@@ -107,31 +122,33 @@ def measure(log_dir: Path, threads: int, seed: int = 0, rounds: int = 3, max_tok
                     opts = {**configs.CONFIGS["auto"].options, "slots_upstreams": [swap.url],
                             "slots_state_dir": str(Path(tmp) / "state"), "slots_log_file": str(jsonl),
                             "slots_save_dir": str(save)}
-                    with MitmProxy(swap.url, opts, log_path=str(log_dir / f"swap-{name}.mitm.log")) as px:
+                    with MitmProxy(swap.url, opts, log_path=str(log_dir / f"swap-{kind}-{name}.mitm.log")) as px:
                         turns = _run(px.url, name, seed, rounds, max_tokens)
                 loads = list(swap.load_log)
-            rows.append(_summary(name, turns, loads, jsonl))
+            rows.append({"swapper": kind, **_summary(name, turns, loads, jsonl)})
     return rows
 
 
 def note(rows: list[dict[str, Any]]) -> str:
     """One line for the report's notes."""
     return "; ".join(
-        f"{r['config']}: reuse after each swap back min {r['reuse_min_pct']:.1f}% mean {r['reuse_mean_pct']:.1f}%, "
+        f"{r['swapper']} {r['config']}: reuse after each swap back min {r['reuse_min_pct']:.1f}% "
+        f"mean {r['reuse_mean_pct']:.1f}%, "
         f"{r['prefilled_after_swap']} tokens prefilled after swaps, {r['model_loads']} model loads, pages out "
         f"{r['save_s']:.2f} s and in {r['restore_s']:.2f} s" for r in rows if r["reuse_min_pct"] is not None)
 
 
 def text(rows: list[dict[str, Any]], markdown: bool = False) -> str:
-    head = ["config", "swap-backs", "prefilled after swap", "reuse min", "reuse mean", "model loads",
+    head = ["swapper", "config", "swap-backs", "prefilled after swap", "reuse min", "reuse mean", "model loads",
             "paged out", "lost", "save s", "restore s"]
     lines = []
     for r in rows:
         pct = [("-" if r[k] is None else f"{r[k]:.1f}%") for k in ("reuse_min_pct", "reuse_mean_pct")]
-        lines.append([r["config"], str(r["swap_backs"]), str(r["prefilled_after_swap"]), *pct, str(r["model_loads"]),
-                      str(r["saves"]), str(r["lost"]), f"{r['save_s']:.2f}", f"{r['restore_s']:.2f}"])
+        lines.append([r["swapper"], r["config"], str(r["swap_backs"]), str(r["prefilled_after_swap"]), *pct,
+                      str(r["model_loads"]), str(r["saves"]), str(r["lost"]), f"{r['save_s']:.2f}",
+                      f"{r['restore_s']:.2f}"])
     if markdown:
-        return "\n".join(["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+        return "\n".join(["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
                          + ["| " + " | ".join(c) + " |" for c in lines])
     widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in [head, *lines])
