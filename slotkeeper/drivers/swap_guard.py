@@ -90,6 +90,9 @@ class SwapGuard:
         if member is None or not member.swap or not model:
             return
         swapper = self.swapper(member.url)
+        if swapper.loaded is not None and model in swapper.loaded:  # the hot path: a memory look-up
+            swapper.used(model)
+            return
         swapper.max_loaded = member.max_loaded if member.router else None
 
         async def running() -> Mapping[str, bool] | None:
