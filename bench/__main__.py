@@ -79,8 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also run the server-restart scenario (auto vs auto+ckpt, ~30 s; kept out of the default "
                          "run so that it stays under 10 minutes on 2 cores)")
     ap.add_argument("--swap", action="store_true",
-                    help="also run the two-model workflow: a main and a helper model behind a llama-swap that holds "
-                         "one at a time, stock against the proxy (~2 min; docs/model-swaps.md)")
+                    help="also run the two-model workflow: a main and a helper model behind a swapper that holds "
+                         "one at a time (the llama-swap stand-in, and the router when upstream's binary is here), "
+                         "stock against the proxy (~4-8 min; docs/model-swaps.md)")
     ap.add_argument("--overhead-requests", type=int, default=1000, help="requests per overhead target")
     ap.add_argument("--scale", action="store_true",
                     help="also run the scale workload: agents on 2 servers x 2 slots through slotkeeper, round-robin, "
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.swap and configs.SERVER.own:
         notes.append("swap: not run on your own server (it starts its models behind a llama-swap stand-in)")
     elif a.swap:
-        log(t0, "two-model workflow: main + helper behind a llama-swap holding one at a time (stock, auto)")
+        log(t0, "two-model workflow: main + helper behind a swapper holding one at a time (stock, auto)")
         swap_rows = model_swap.measure(log_dir, a.threads, a.seed, max_tokens=a.max_tokens)
         notes.append("swap: " + model_swap.note(swap_rows))
 

@@ -8,7 +8,8 @@ tokens prefilled by each session's first turn after a swap back, the share of wh
 its slot that it found (`reuse`), the model loads the traffic made, and, through the proxy, the seconds its
 page-outs before each swap and its page-ins after took. llama-swap itself installs from no registry here: its
 stand-in is tests/swap_stub.py (its routes, a real llama-server per model, started and stopped as llama-swap
-does). Target (docs/model-swaps.md): reuse ≥ 90% after each swap back, no model load the traffic would not make.
+does); llama-server's own router (`--models-max 1`) runs beside it when upstream's binary is here. Target
+(docs/model-swaps.md): reuse ≥ 90% after each swap back, no model load the traffic would not make.
 """
 
 from __future__ import annotations
