@@ -31,6 +31,7 @@ from bench import (
     limit,
     loss,
     mix_workload,
+    model_swap,
     overhead,
     pi_workload,
     report,
@@ -77,6 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--restart", action="store_true",
                     help="also run the server-restart scenario (auto vs auto+ckpt, ~30 s; kept out of the default "
                          "run so that it stays under 10 minutes on 2 cores)")
+    ap.add_argument("--swap", action="store_true",
+                    help="also run the two-model workflow: a main and a helper model behind a swapper that holds "
+                         "one at a time (the llama-swap stand-in, and the router when upstream's binary is here), "
+                         "stock against the proxy (~4-8 min; docs/model-swaps.md)")
     ap.add_argument("--overhead-requests", type=int, default=1000, help="requests per overhead target")
     ap.add_argument("--scale", action="store_true",
                     help="also run the scale workload: agents on 2 servers x 2 slots through slotkeeper, round-robin, "
@@ -335,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"({lim['requests']} requests, {lim['prompt_tokens']} prompt tokens in total)")
 
     restart_rows = None
+    swap_rows: list[dict[str, Any]] = []
     if a.restart and configs.SERVER.url:
         notes.append("restart: not run on a running server (--llama-url): the bench restarts the servers it started")
     elif a.restart and any(configs.CONFIGS[c].checkpoints for c in a.configs):
@@ -342,6 +348,13 @@ def main(argv: list[str] | None = None) -> int:
         restart_rows = restart.measure(log_dir, a.threads, a.seed, a.max_tokens)
         notes.append("restart: a 2-session fits workload; llama-server restarted after the first turn; the "
                      "proxy's /props probe (1 s) noticed it before the next request")
+
+    if a.swap and configs.SERVER.own:
+        notes.append("swap: not run on your own server (it starts its models behind a llama-swap stand-in)")
+    elif a.swap:
+        log(t0, "two-model workflow: main + helper behind a swapper holding one at a time (stock, auto)")
+        swap_rows = model_swap.measure(log_dir, a.threads, a.seed, max_tokens=a.max_tokens)
+        notes.append("swap: " + model_swap.note(swap_rows))
 
     if a.scale and configs.SERVER.own:
         notes.append("scale: not run on your own server (it starts two default servers of its own)")
@@ -390,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     if restart_rows:
         print()
         print(restart.text(restart_rows))
+    if swap_rows:
+        print()
+        print(model_swap.text(swap_rows))
     if ov:
         print()
         print(report.overhead_text(ov))

@@ -463,6 +463,19 @@ class ModelUnloaded(Event):
 
 
 @dataclass(frozen=True)
+class SwapPagedOut(Event):
+    """A request was about to make the swapper unload this model: its conversations were paged out first (the
+    JSONL log's `swap-out` record)."""
+
+    loading: str                   # the model loaded in its place
+    saved: int                     # conversations paged out
+    lost: int                      # conversations not paged out (the hold ran out, a save failed, no save dir)
+    tokens: int
+    seconds: float
+    why_lost: str = ""
+
+
+@dataclass(frozen=True)
 class StoreUnavailable(Event):
     """The shared store (Redis/Valkey) cannot be reached: decisions stay local until it is back."""
 

@@ -86,6 +86,16 @@ class ServerFacts:
         self.server = replace(info, kv_cache=label)
         return True
 
+    def unloaded(self) -> None:
+        """Its model was unloaded (a model swap: llama-swap, a router's `--models-max`): the process is gone and
+        every slot with it, as after a restart, which `/props` can only show once the model is loaded again (by
+        then a returning session's placement would trust the slot it left). Every session passes the slow path
+        once, where its page, written before the swap, is restored."""
+        if self.ledger.total:
+            self.ledger.resize(self.ledger.total, Cause.RESTART)
+        self._unconfirmed = {}
+        self.table.forget_all()
+
     def _restarted(self, info: ServerInfo, live: Sequence[Mapping[str, Any]] | None) -> None:
         """Every slot emptied, but those `/slots` shows a request of ours wrote since (sent before the restart was
         noticed). Without `/slots` that is not known yet: what each slot held is kept aside until it is."""

@@ -253,8 +253,9 @@ _EVENTS: dict[type, Callable[[Any], tuple[Level, str]]] = {
     ev.ServerUp: lambda e: (Level.WARNING, f"{e.upstream} is up again after {e.seconds_down:.0f} s"),
     ev.RetriedElsewhere: lambda e: (Level.INFO, f"a request that could not reach {e.upstream} went to {e.to} "
                                                 "before it had started"),
-    ev.ModelUnloaded: lambda e: (Level.INFO, f"{e.upstream} was unloaded by llama-swap: its slots are empty; "
+    ev.ModelUnloaded: lambda e: (Level.INFO, f"{e.upstream} was unloaded by its model swapper: its slots are empty; "
                                              "sessions prefill or page in once when it is loaded again"),
+    ev.SwapPagedOut: lambda e: _swap_out(e),
     ev.StoreUnavailable: lambda e: (Level.WARNING, f"shared state {e.store} unreachable ({e.kind}): deciding from "
                                                    "this proxy's memory until it is back"),
     ev.StoreBack: lambda e: (Level.WARNING, f"shared state {e.store} reachable again"),
@@ -552,8 +553,23 @@ def _candidate_record(c: Candidate | None) -> dict[str, Any] | None:
             "given_away": c.given_away}
 
 
+def _swap_out(e: ev.SwapPagedOut) -> tuple[Level, str]:
+    s = e
+    head = f"{e.upstream} is unloaded to load {s.loading}: "
+    saved = (f"{s.saved} conversation(s) paged out first ({s.tokens} tokens, {s.seconds:.2f} s); they page back "
+             "in when it is loaded again")
+    lost = f"{s.lost} conversation(s) not paged out ({s.why_lost}): they prefill from zero when it is loaded again"
+    if not s.lost:
+        return Level.INFO, head + saved
+    return Level.WARNING, head + (f"{saved}; {lost}" if s.saved else lost)
+
+
 def event_record(event: ev.Event) -> dict[str, Any] | None:
     """The JSONL log's record of an event, for the ones it keeps (paging and checkpoint steps)."""
+    if isinstance(event, ev.SwapPagedOut):
+        s = event
+        return {"kind": "swap-out", "upstream": event.upstream, "loading": s.loading, "saved": s.saved,
+                "lost": s.lost, "tokens": s.tokens, "seconds": round(s.seconds, 3), "why_lost": s.why_lost or None}
     if isinstance(event, ev.Paged):
         return {"kind": "page", "upstream": event.upstream, "slot": event.slot, "out": event.out,
                 "out_tokens": event.out_tokens, "in": event.into, "in_tokens": event.in_tokens, "seed": event.seed,

@@ -31,7 +31,7 @@ def test_each_model_behind_llama_swap_is_a_server_and_an_unloaded_model_a_restar
         opts = {"slots_upstreams": [swap.url], "slots_state_dir": str(tmp_path / "state"),
                 "slots_log_file": str(log), "slots_probe_interval": 1, "slots_prefix_cache": "off"}
         with MitmProxy(swap.url, opts, log_path=str(tmp_path / "p.log")) as px:
-            swap.model("m1")  # loaded before the first request: a load slower than /props' 3 s leaves it unpinned
+            swap.load("m1")  # loaded before the first request: a load slower than /props' 3 s leaves it unpinned
             conv = conversation("Task S: behind llama-swap.")
             slot1, _ = ask_model(px.url, conv, "m1")
             unlisted = httpx.post(px.url + "/v1/chat/completions", timeout=60, json={
@@ -48,7 +48,7 @@ def test_each_model_behind_llama_swap_is_a_server_and_an_unloaded_model_a_restar
             time.sleep(0.3)  # that probe's last call has come and gone
             swap.unload()
             deadline = time.monotonic() + 15
-            while "unloaded by llama-swap" not in (tmp_path / "p.log").read_text() and time.monotonic() < deadline:
+            while "unloaded by its model" not in (tmp_path / "p.log").read_text() and time.monotonic() < deadline:
                 time.sleep(0.2)
             time.sleep(2.5)  # more probes pass: none may load the model again
             loads_while_unloaded = swap.loads
@@ -61,7 +61,7 @@ def test_each_model_behind_llama_swap_is_a_server_and_an_unloaded_model_a_restar
     assert not [p for p in swap.paths if "/upstream/nope" in p]  # no server made for it
     assert "GET /v1/models" in swap.paths
     assert loads_while_unloaded == 1 and swap.loads == 2  # probes never loaded it; the next request did
-    assert f"{swap.url}/upstream/m1 was unloaded by llama-swap" in text
+    assert f"{swap.url}/upstream/m1 was unloaded by its model swapper" in text
     assert slot3 is not None and t3["prompt_n"] > 0  # a new process: every slot empty
     recs = [r for r in jsonl(log) if r["kind"] == "request"]
     assert {r["upstream"] for r in recs} == {f"{swap.url}/upstream/m1"}

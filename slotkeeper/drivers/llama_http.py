@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 from typing import Any
+from urllib.parse import unquote
 
 import httpcore  # noqa: F401  (see below)
 import httpx
@@ -126,3 +127,35 @@ class LlamaClient:
         for c in clients:
             with contextlib.suppress(RuntimeError):  # its loop is gone
                 await c.aclose()
+
+
+class ModelClient(LlamaClient):
+    """One model of llama-server's router mode (`--models-dir`): the router runs each model in a process of its
+    own and routes a GET by its `?model=` and a POST by the body's `model` (upstream tools/server/README.md,
+    "Using multiple models"), so every call of the proxy's to that model names it."""
+
+    def __init__(self, base_url: str, model: str, **kw: Any) -> None:
+        super().__init__(base_url, **kw)
+        self.model = model
+
+    def _client(self) -> httpx.AsyncClient:
+        client = super()._client()
+        if self._name not in client.event_hooks["request"]:  # the path's own query stays (`?action=save`)
+            client.event_hooks["request"].append(self._name)
+        return client
+
+    async def _name(self, request: httpx.Request) -> None:
+        request.url = request.url.copy_merge_params({"model": self.model})
+
+    async def post_json(self, path: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
+        return await super().post_json(path, {**(body or {}), "model": self.model}, timeout)
+
+
+ROUTER_MODEL = "?model="  # a router model's server URL: the router's origin, then this and the quoted name
+
+
+def client_for(url: str) -> LlamaClient:
+    """The client of a server URL: a router model's (`<origin>?model=<name>`) names its model in every call."""
+    base, sep, name = url.partition(ROUTER_MODEL)
+    return ModelClient(base, unquote(name)) if sep and name else LlamaClient(url)
+

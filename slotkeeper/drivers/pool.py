@@ -14,12 +14,13 @@ import json
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import quote
 
 from slotkeeper.drivers.checkpoint_runner import PrefixRegistry
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.origins import base_of
 from slotkeeper.drivers.pool_health import Member, PoolHealth
+from slotkeeper.drivers.swap_guard import SwapGuard
+from slotkeeper.drivers.swappers import detect, model_url
 from slotkeeper.drivers.upstream import Upstream
 from slotlogic import json_scan, routing, shared, swap_models
 from slotlogic.decisions import Decision, Forward, NeedSlot, Pin, RequestFacts
@@ -54,6 +55,7 @@ class Pool:
         # and restored by the others, not built once per server (and, with a shared store, once for all proxies:
         # each server's `Upstream` claims the build, `slotkeeper.drivers.build_claims`).
         self.prefixes = PrefixRegistry()
+        self.guard = SwapGuard(emit)  # a request that swaps a model out waits for that model's page-outs
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------------------------------- membership
@@ -66,7 +68,8 @@ class Pool:
 
     def upstream(self, member: Member, model: str = "") -> Upstream:
         url = self._url(member, model)
-        up = self.make_upstream(url, self._loaded(member, model) if member.swap and model else None)
+        up = self.make_upstream(url, self.guard.loaded(member, model) if member.swap and model
+                                else None)  # what the probe asks first (`/props` loads the model)
         if url not in self.servers:
             self.servers[url] = (member, model if member.swap else "")
             if member.swap and model:
@@ -75,19 +78,13 @@ class Pool:
             up.mover.join(lambda up=up: [u.mover for u in self.known() if u is not up])  # seeds across servers
         return up
 
-    def _loaded(self, member: Member, model: str) -> Callable[[], Any]:
-        async def loaded() -> bool | None:
-            data = await member.client.get_json("/running")
-            if not isinstance(data, dict) or not isinstance(data.get("running"), list):
-                return None
-            return any(isinstance(e, dict) and e.get("model") == model and e.get("state") == "ready"
-                       for e in data["running"])
-        return loaded
+    async def before_swap(self, up: Upstream) -> None:
+        """A llama-swap model's request: the models it unloads are paged out first (`SwapGuard`)."""
+        member, model = self.servers.get(up.url, (None, ""))
+        await self.guard.before_request(member, model, self.servers, self.make_upstream)
 
     async def _detect(self, member: Member) -> None:
-        if member.swap is None:
-            data = await member.client.get_json("/running")
-            member.swap = isinstance(data, dict) and isinstance(data.get("running"), list)
+        await detect(member)
 
     async def _served(self, member: Member, model: str) -> Upstream | None:
         """The server of `model` on `member`: a plain llama-server serves any; llama-swap only a model it
@@ -115,7 +112,7 @@ class Pool:
         return up
 
     def _url(self, member: Member, model: str) -> str:
-        return member.url + (f"/upstream/{quote(model, safe='')}" if member.swap and model else "")
+        return model_url(member, model)
 
     def _forget(self, urls: list[str]) -> None:
         """Forget llama-swap model servers (idle, or past the cap): the sessions they served are placed again
@@ -165,15 +162,18 @@ class Pool:
             if up is None:
                 return self.upstream(home), Forward(Passed.UNLISTED_MODEL, completion_route=True)
             self._note_use(up)
+            await self.before_swap(up)
             return up, await up.decide(facts, flow_id)
         if isinstance(first, Forward):  # through the first server that is up, as the client sent it
             home = next((m for m in self.members if m.health.up and m is not avoid), self.members[0])
             return self.upstream(home), first
         self._note_use(first)  # not idle while its request is placed
+        await self.before_swap(first)
         decision = first.request(facts)
         up = first
         if isinstance(decision, NeedSlot):
             up, decision = await self._route(decision, first, facts, flow_id, avoid)
+            await self.before_swap(up)  # another server of the pool: its model may not be loaded
         up.decided(decision)
         ticket = getattr(decision, "ticket", None)
         if ticket is not None:

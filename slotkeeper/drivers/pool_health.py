@@ -29,7 +29,9 @@ class Member:
     index: int
     client: LlamaClient
     health: Health = field(default_factory=Health)
-    swap: bool | None = None   # None until asked
+    swap: bool | None = None   # None until asked: a model swapper (llama-swap, or llama-server's router mode)
+    router: bool = False       # llama-server's router mode (`--models-dir`): models named by `?model=`
+    max_loaded: int | None = None  # the router's `--models-max` (`max_instances` in its `/props`)
     checked: float = 0.0       # when `/health` was last asked
     models: frozenset[str] = frozenset()  # llama-swap: the models it lists (`/v1/models`, `/running`)
     models_asked: float | None = None     # when that list was last asked

@@ -20,6 +20,7 @@ from typing import Any
 from slotkeeper.drivers import cache_mode
 from slotkeeper.drivers.llama_http import LlamaClient
 from slotkeeper.drivers.model_check import ModelCheck
+from slotkeeper.drivers.model_unload import ModelUnload
 from slotkeeper.drivers.store import StateStore
 from slotkeeper.drivers.tasks import Tasks
 from slotlogic import shared, wait
@@ -31,7 +32,6 @@ from slotlogic.events import (
     Failed,
     IdleSlotsCleared,
     MessagesProbed,
-    ModelUnloaded,
     SlotsSlow,
     Stage,
 )
@@ -62,7 +62,7 @@ class ServerProbe:
         self.on_checked = on_checked  # the model check's verdict came: the driver's runners follow it
         self.settings: Settings = keeper.settings
         self.store: StateStore | None = None
-        self.unloaded = False
+        self.unload = ModelUnload(url, keeper, emit)  # a swapper's model: whether it is unloaded
         self.last_probe = 0.0
         self._hung: dict[str, float] = {}          # endpoint -> monotonic time until which it is not asked
         self._slow: dict[str, bool] = {}           # endpoint -> its last look-up hung (rather than was refused)
@@ -152,14 +152,15 @@ class ServerProbe:
         """`/props` only (never wakes a sleeping server): restart and resize detection. A model that
         llama-swap unloaded is not asked (asking would load it): its slots are empty, as after a restart."""
         self.last_probe = time.monotonic()
-        if self.loaded is not None and await self.loaded() is False:
-            if not self.unloaded:
-                self.unloaded = True
-                self.keeper.table.forget_all()
-                self.emit(ModelUnloaded(self.url))
+        # quiet: a request of ours swaps it out (or just did, maybe while the swapper was asked)
+        if self.loaded is not None and (self.unload.quiet_now() or await self.loaded() is False
+                                        or self.unload.quiet_now()):
+            if not self.unload.quiet_now():
+                self.unload.note()
             return
-        self.unloaded = False
-        info = self.server_info(await self.client.props())
+        self.unload.unloaded = False
+        async with self.unload.props_lock:  # a swap's guard waits for a `/props` already sent
+            info = None if self.unload.quiet_now() else self.server_info(await self.client.props())
         if info is None:
             return
         self._hung.pop("/props", None)  # it answers again: new sessions may ask it

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from mitmproxy.log import ALERT
 
-from slotkeeper.drivers.llama_http import LlamaClient
+from slotkeeper.drivers.llama_http import LlamaClient, client_for
 from slotkeeper.drivers.one_server import OneServer
 from slotkeeper.drivers.pool import Pool, base_of
 from slotkeeper.drivers.store import Stores
@@ -70,7 +70,7 @@ class Runtime:
     reports: OrderedDict[str, Report] = field(default_factory=OrderedDict)
     waiting: dict[str, dict[str, Any]] = field(default_factory=dict)  # flow id -> what its watch saw last
     listeners: list[Callable[[Event], None]] = field(default_factory=list)
-    make_client: Callable[[str], LlamaClient] = LlamaClient  # the seam for fault injection in tests
+    make_client: Callable[[str], LlamaClient] = client_for  # the seam for fault injection in tests
     stores: Stores | None = None                 # where the shared state lives (`slots_state_url`)
     pool: Pool | None = None                     # several servers (`slots_upstreams`)
     pending: dict[str, Any] = field(default_factory=dict)  # client connection id -> its flow being sent
