@@ -21,7 +21,7 @@ comma := ,
 PIP_INSTALL = @echo "$(BIN)/pip install -q $(1)"; \
 	$(BIN)/pip install -q $(1) 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: install services run web test test-all test-312 lint bench reliability record golden clean llama-server
+.PHONY: install services run web test test-all test-312 test-upstream lint bench reliability record golden clean llama-server
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,11 @@ bench: $(STAMP)
 LLAMA_BUILD ?= 11434
 llama-server: $(STAMP)
 	LLAMA_BUILD=$(LLAMA_BUILD) PYTHON=$(BIN)/python tools/build_llama_server.sh $(ARGS)
+
+# The real-server tier (`-m real`) on the upstream build that `make llama-server` built.
+test-upstream: $(STAMP)
+	LLAMA_SERVER_BIN=$$(LLAMA_BUILD=$(LLAMA_BUILD) tools/build_llama_server.sh --print) \
+		$(BIN)/pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile -m real $(ARGS)
 
 # The soak: upstream faults, 200+ kill -9, 3 proxies x 32 sessions, bad input, security; prints one table (~6-10 min).
 reliability: $(STAMP)

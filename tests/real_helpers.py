@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,9 @@ import httpx
 # another job on a CI runner). Measured beside one other busy process: four 1-token requests 4.3-4.6 s with two
 # threads, 0.7-1.0 s with one; 100 decoded tokens 20-24 s against 2.4-3.7 s; a 460-token prefill 4.7-6.7 s
 # against 3.2-4.1 s (bench/configs.py has the same finding). Two are faster only on an otherwise idle machine.
+# The upstream llama-server (LLAMA_SERVER_BIN, `make llama-server`: b11434) writes no context checkpoints into
+# slot files; the embedded xllamacpp build does. Tests of SWA and hybrid models expect what their build does.
+UPSTREAM_BINARY = bool(os.environ.get("LLAMA_SERVER_BIN"))
 THREADS = 1
 
 # A shared "agent system prompt" (deterministic, no randomness): 210 SmolLM2 tokens with the chat template, a
