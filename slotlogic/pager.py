@@ -28,6 +28,18 @@ class PagerHost(Protocol):
     """What the pager reads of its keeper: the server as last seen, this process's name, the prefill speed."""
 
     @property
+    def names(self) -> PageNames:
+        return self._names
+
+    def claim_names(self, plan: paging.PagePlan, ring: int) -> tuple[paging.PagePlan, frozenset[str]]:
+        """`plan` with the ring names its saves take held for it (`PageNames.writes`)."""
+        return self._names.writes(plan, ring, self.index)
+
+    def let_go(self, key: str) -> None:
+        """`key`'s conversation leaves its slot unsaved, by a cost decision: a loss by choice (`Cause.LET_GO`)."""
+        self.ledger.not_paged(key)
+
+    @property
     def seeds(self) -> Seeds:
         """Where a new session's start comes from (slotlogic/seeds.py)."""
         return self._seeds
@@ -53,9 +65,21 @@ class Pager:
         self.learner = learner
         self.host = host
         self.index: dict[str, paging.PageRecord] = {}  # the page index as of the last state transaction
-        self.names = PageNames(upstream)  # pages plans are about to restore; the ring of a save dir out of reach
+        self._names = PageNames(upstream)  # pages plans are about to restore; the ring of a save dir out of reach
         self._seq = 0
         self._seeds = Seeds(self)
+
+    @property
+    def names(self) -> PageNames:
+        return self._names
+
+    def claim_names(self, plan: paging.PagePlan, ring: int) -> tuple[paging.PagePlan, frozenset[str]]:
+        """`plan` with the ring names its saves take held for it (`PageNames.writes`)."""
+        return self._names.writes(plan, ring, self.index)
+
+    def let_go(self, key: str) -> None:
+        """`key`'s conversation leaves its slot unsaved, by a cost decision: a loss by choice (`Cause.LET_GO`)."""
+        self.ledger.not_paged(key)
 
     @property
     def seeds(self) -> Seeds:
@@ -85,14 +109,10 @@ class Pager:
         return self.index.get(key)
 
     def page_plan(self, ask: paging.PageAsk) -> paging.PagePlan:
-        """What to page out of and into `ask.slot` before `ask.session_key`'s request goes there. Asked once the
-        slot's paging lock is held: by then every request sent to the slot before has reached the server. A
-        session with no page of its own may start from another's conversation (a seed, from `ask.views`' idle
-        slots or the pages) when they share more than the slot gives it anyway (`ask.stable_chars`). With
-        `ask.cold` (its stable prefix, no checkpoint file holds it yet) a live session that starts with it is
-        copied in, and the checkpoint is built from that copy (a warm-up of a few tokens, not of the prefix).
-        With `ask.given` the later of it and `ask.ours` is the slot's holder (`handover.holder`). Each move is
-        then weighed by its cost once the server's speeds are measured (`slotlogic.costs.judge`)."""
+        """What to page out of and into `ask.slot` before `ask.session_key`'s request goes there, asked once the
+        slot's paging lock is held (every request sent to the slot before has reached the server). A session
+        with no page of its own may start from a seed: another's conversation it shares more with than the
+        slot gives it (docs/paging.md, "Seeds"). Each move is weighed by its cost (`slotlogic.costs.judge`)."""
         plan, holder, tokens = self._plan(ask)
         return self._judged(plan, holder, tokens)
 
@@ -129,7 +149,7 @@ class Pager:
                      and (view.n_tokens or 0) >= rec.n_tokens)  # a restarted proxy, its session still there
         self._seq += 1
         salt = f"{self.host.instance}:{self._seq}"
-        ring = self.names.ring(ask.ring, self.index) if self.settings.save_remote else None
+        ring = self._names.ring(ask.ring, self.index) if self.settings.save_remote else None
         plan = paging.plan(slot, session_key, holder, tokens, self.index,
                            paging.PageFiles(self.upstream, model, salt, ring), holds_own=holds_own)
         if plan.restore_file is not None:
@@ -269,8 +289,8 @@ class Pager:
 
     def _room(self, state: shared.ServerState, files: Mapping[str, paging.PageFile], budget: int, now: float,
               incoming: int, keep: frozenset[str], keep_files: frozenset[str] = frozenset()) -> tuple[list[str], bool]:
-        keep_files |= frozenset(self.names.reading)
-        keep |= frozenset(k for k, rec in state.pages.items() if rec.file in self.names.reading)
+        keep_files |= frozenset(self._names.reading)
+        keep |= frozenset(k for k, rec in state.pages.items() if rec.file in self._names.reading)
         drop, doomed, fits = paging.disk_room(files, state.pages, budget, now, keep_seconds=SESSION_KEEP_SECONDS,
                                               incoming=incoming, keep=keep, keep_files=keep_files)
         for key in drop:

@@ -66,7 +66,7 @@ class PageMove:
         for choice in plan.choices:
             self.m.emit(CostWeighed(self.m.url, slot, choice.session[:8] or None, choice))
             if choice.move is Move.PAGE_OUT and not choice.worth:
-                self.m.keeper.ledger.not_paged(choice.session)
+                self.m.keeper.pager.let_go(choice.session)
         if plan.empty:
             return Moved.NOTHING, fence  # nothing to move, but our request must still go after the page-in before it
         if plan.restore_file is not None and not self.m.keeper.turns.fence_holds(fence):
@@ -169,7 +169,7 @@ class PageMove:
         """The plan's saves recorded, then run; the page index after it; what the slot holds for the session."""
         assert self.m.pages is not None
         names = self.m.keeper.pager.names
-        plan, writing = names.writes(plan, self.m.pages.budget.ring_size(), self.m.keeper.pager.index)
+        plan, writing = self.m.keeper.pager.claim_names(plan, self.m.pages.budget.ring_size())
         key = ask.session_key
         holder = plan.save_for
         saving = self.m.pages.save_starts(holder) if holder is not None else None
