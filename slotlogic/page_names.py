@@ -46,16 +46,16 @@ class PageNames:
     def writes(self, plan: paging.PagePlan, size: int,
                index: Mapping[str, paging.PageRecord]) -> tuple[paging.PagePlan, frozenset[str]]:
         """Just before `plan` runs (nothing awaited between), its ring names held for it until `write_done`:
-        a name another plan of this process took since this one was made is swapped for a free one, or the save
-        is left out when none is. `size` 0: names are not bounded, nothing to hold."""
+        a name another plan of this process took since this one was made (or a name not of the ring) is swapped
+        for a free one, or the save is left out when none is. `size` 0: names are not bounded, nothing held."""
         if size <= 0:
             return plan, frozenset()
-        held = set(self.writing)
+        held, bounded = set(self.writing), {paging.ring_file(self.upstream, i) for i in range(max(1, size))}
         for attr in ("save_file", "seed_file"):
             name = getattr(plan, attr)
             if name is None:
                 continue
-            if name in held:
+            if name in held or name not in bounded:  # taken since the plan was made, or not one of the ring's
                 free = [n for n in self.ring(size, index) if n not in held]
                 if not free:
                     plan = plan.without_seed() if attr == "seed_file" else replace(plan, save_for=None, save_file=None)

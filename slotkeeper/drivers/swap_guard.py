@@ -179,11 +179,15 @@ class SwapGuard:
         pages, pager, key = up.mover.pages, up.keeper.pager, h.session or ""
         assert pages is not None
         plan = PagePlan(h.slot, save_for=key, save_file=paging.page_file(up.url, key, secrets.token_hex(6)))
+        # a save dir out of reach: one of the ring's names instead, held until the save is recorded
+        plan, writing = pager.claim_names(plan, pages.budget.ring_size())
+        if plan.save_file is None:
+            return OVER_BUDGET
         saving = pages.save_starts(key)
         try:
-            files = await asyncio.to_thread(pages.files)
+            files, budget = await asyncio.to_thread(pages.files), pages.budget.bytes()
             async with up.store.transaction() as state:
-                room, fits = pager.page_room(state, plan, time.time(), pages.max_bytes, files)
+                room, fits = pager.page_room(state, plan, time.time(), budget, files)
                 if not fits:
                     pages.delete(room)
                     return OVER_BUDGET
@@ -199,6 +203,7 @@ class SwapGuard:
             return "save failed" if out.saved_tokens is None else OVER_BUDGET
         finally:
             pages.save_ends(key, saving)
+            pager.names.write_done(writing)
 
 
 async def _run_locked(pages: Any, plan: PagePlan) -> PageOutcome:
