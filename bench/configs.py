@@ -91,6 +91,7 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("stock", proxy=False, description="llama-server defaults, no proxy"),
     BenchConfig("off", proxy=True, options={"slots_policy": "off"}, description="proxy, observe only"),
     BenchConfig("seed", proxy=True, options={"slots_policy": "seed"}, description="proxy, seed ranking"),
+    BenchConfig("defaults", proxy=True, description="proxy with the shipped defaults, the server without a save dir"),
     BenchConfig("auto-pin", proxy=True, options={"slots_policy": "auto", "slots_paging": "false"},
                 description="proxy, auto policy, pinning only (no save dir: no paging, no checkpoints)"),
     BenchConfig("auto", proxy=True, options={"slots_policy": "auto", "slots_prefix_cache": "off"},

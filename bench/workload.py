@@ -118,6 +118,10 @@ class WorkloadSpec:
 WORKLOADS: dict[str, WorkloadSpec] = {w.name: w for w in [
     WorkloadSpec("agents", 6, 3, True, "6 concurrent agent sessions on 4 slots, each with a 3-turn subagent"),
     WorkloadSpec("fits", 3, 2, False, "3 concurrent agent sessions on 4 slots, no subagents"),
+    # A newcomer's setup: one session more than slots and no --slot-save-path (most users start llama-server
+    # without one), so nothing can be paged: what each placement writes over is lost.
+    WorkloadSpec("crowd", 3, 6, False, "3 concurrent agent sessions on 2 slots, no subagents, no save dir",
+                 configs=("stock", "defaults"), slots=2),
     WorkloadSpec("pi", 3, 2, False, "3 concurrent real pi sessions (bench/pi_workload.py)"),
     WorkloadSpec("anthropic", 6, 3, True, "the agents workload sent as Anthropic Messages requests "
                  "(/v1/messages, as Claude Code does)", configs=("stock", "auto", "auto+ckpt")),

@@ -94,8 +94,11 @@ def assign(cfg: Settings, state: shared.ServerState, who: Seeker, slots: SlotsSe
                                                              cfg.paging, who.prefix_chars / CHARS_PER_TOKEN))
     requests = 1
     if displaced_from is not None and displaced_from < total_slots:
-        if choice.slot != displaced_from and not ranking.worth_moving(views[choice.slot], views[displaced_from],
-                                                                      now, cfg.ttl, paging=cfg.paging):
+        # with paging its conversation comes back from its page, older than what it left on its own slot when
+        # no one wrote over that yet (a placement chose the slot and has not run): it stays and runs there
+        still_there = written_over is not None and not written_over(displaced_from, session_key)
+        if choice.slot == displaced_from or (cfg.paging and still_there) or not ranking.worth_moving(
+                views[choice.slot], views[displaced_from], now, cfg.ttl, paging=cfg.paging):
             choice = Choice(displaced_from, Why.SHARED)
         rec = state.sessions.get(session_key)
         requests = (rec.requests if rec else 0) + 1

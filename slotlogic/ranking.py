@@ -16,14 +16,16 @@ lowest id; among claimed, oldest `last_used`, then fewest tokens, then lowest id
 
 `auto` (default) ranks by one cost (`Asking.cost`, docs/scheduler.md), in prefill tokens, which at the
 server's one prefill rate are seconds: the session's own prefill beyond what the slot spares (a free slot
-still holding its shared prefix), plus the tokens of whatever conversation it writes over, weighed by how soon
-that conversation is wanted again (`return_weight`: 1 for an owner seen just now, less the longer it has been
-idle, as little as an expired claim for a parent waiting for the subagent that just started; with paging a
-save and a restore instead of a prefill). The reserved side slot's prompt weighs 1: the next side call comes.
+still holding its shared prefix), plus the tokens of whatever conversation it writes over, weighed by how surely
+its owner is back soon (`owner_wanted`: by the owner's own turn gap, `slotlogic.returns`; the farthest return is
+the cheapest eviction; as little as an expired claim for a parent waiting for the subagent that just started;
+with paging a save and a restore instead of a prefill). The reserved side slot's prompt weighs 1: the next side
+call comes.
 One filter stays outside the price: a busy slot only when every slot is busy (llama-server defers a request
 pinned to a busy slot and unpinned requests starve behind it), then the shortest expected wait
 (`SlotView.wait_tokens`), the side slot last. A displaced session (its slot ran another session since) is
-ranked by the same cost, and leaves its own slot only where `worth_moving` says the target costs little.
+ranked by the same cost, and leaves its own slot only where `worth_moving` says the target's owner is far less
+surely back than the displacer it would otherwise write over.
 
 `affinity` ranks nothing here: a new session's first request goes out with `id_slot: -1` and llama-server
 chooses (prompt similarity, then LRU); the slot it chose is pinned from then on (`slotlogic.affinity`).
@@ -39,6 +41,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from slotlogic import returns
 from slotlogic.reasons import Why
 
 
@@ -59,13 +62,14 @@ class SlotView:
     prefix: str | None = None        # prefix signature of the last content pinned here
     owner_done: float | None = None  # when the owner's last response completed (this process's knowledge)
     wait_tokens: float | None = None  # busy: its expected time to first token in prefill tokens (None: unknown)
+    owner_gap: float | None = None   # the owner's turn gap, answer to next request (`returns`; None: not measured)
 
 
 SPAWN_WINDOW = 3.0  # seconds: a new session this soon after a session's answer is likely its subagent
-TURN_GAP = 5.0      # seconds between an agent's calls: an owner idle n gaps is worth 1 / (1 + n) of one active now
+TURN_GAP = 5.0      # seconds: an owner due back n of these from now is worth 1 / (1 + n) of one due now
 PAGE_SHARE = 0.1    # a save and a restore, against prefilling the same tokens again (paging on)
+STAY_SHARE = 0.5    # a displaced session moves only onto an owner at most this share as surely back as the displacer
 UNSEEN_TOKENS = 1000.0  # a used slot whose count `/slots` did not give: some conversation, priced as a typical one
-COLD_AFTER = 5.0    # seconds idle before a live owner's slot may be taken over by a displaced session
 
 
 @dataclass(frozen=True)
@@ -137,19 +141,26 @@ class Asking:
             weight = 1.0
         elif claimed:
             parent = self.spawn and _spawned_from(view, self.now)  # returns only once its subagent is done
-            weight = return_weight(self.now - self.ttl if parent else activity(view), self.now)
+            weight = return_weight(self.ttl) if parent else owner_wanted(view, self.now)
             weight *= PAGE_SHARE if self.paging else 1.0
         else:
-            weight = return_weight(view.last_used, self.now) if view.last_used is not None else 0.0
+            weight = return_weight(self.now - view.last_used) if view.last_used is not None else 0.0
         return max(0.0, tokens - spared) * weight - spared
 
 
-def return_weight(last_seen: float, now: float) -> float:
-    """How much a conversation last seen at `last_seen` is worth keeping, 1 for one seen just now: an agent
-    calls again within a turn's gap, and the longer one has been idle the later it is likely to come back (a
-    user who left, a parent waiting for its subagent), so the more likely its slot would be needed by someone
-    else before then anyway: the farthest return is the cheapest eviction (Belady's choice, estimated)."""
-    return 1.0 / (1.0 + max(0.0, now - last_seen) / TURN_GAP)
+def return_weight(distance: float) -> float:
+    """How much a conversation is worth keeping when its owner is expected back `distance` seconds from now
+    (an expired claim: its age; a waiting parent: the TTL), 1 for one due now: the farther its return, the
+    likelier its slot would be needed by someone else before then anyway, so the farthest return is the
+    cheapest eviction (Belady's choice, estimated)."""
+    return 1.0 / (1.0 + max(0.0, distance) / TURN_GAP)
+
+
+def owner_wanted(view: SlotView, now: float) -> float:
+    """How surely the slot's owner is back soon (`returns.wanted`): by its own turn gap after its last answer
+    when that is measured, else by its idle time."""
+    answered = view.owner_done is not None and view.owner_done >= (view.last_used or 0.0)
+    return returns.wanted(activity(view), view.owner_gap if answered else None, now, TURN_GAP)
 
 
 def activity(view: SlotView) -> float:
@@ -158,26 +169,27 @@ def activity(view: SlotView) -> float:
 
 
 def worth_moving(target: SlotView, own: SlotView, now: float, ttl: float, *, paging: bool = False) -> bool:
-    """Whether a displaced session (another session ran on its slot since) should move to `target`.
+    """Whether a displaced session (another session ran on its slot since) should move to `target`, the slot
+    its cost chose, rather than stay on its own slot `own`.
 
-    Its conversation is gone from its slot either way. Staying evicts the displacer, which just ran and
-    will be back soon; moving evicts `target`'s owner. So it moves only where that costs little: a free
-    slot, or one whose owner has been idle for a long time compared with the displacer (a parent waiting
-    for its subagent, an agent its user left). Otherwise two sessions share one slot, and the damage
-    stays on that slot instead of cascading through the others.
+    Its conversation is gone from its slot either way. Staying writes over the displacer, moving over
+    `target`'s owner, and whoever is written over displaces someone in turn when it comes back: moving spreads
+    that chain over every slot, staying keeps it between two sessions on one slot while the others keep
+    theirs. So it moves only where the target's owner is not coming back soon: a free slot, or an owner
+    whose return is much less sure than the displacer's (`owner_wanted`, by each owner's own turn
+    gap: half as sure, or less; a busy displacer counts as sure, as the session would queue behind it).
 
     With session paging, whoever is evicted comes back from a file in milliseconds, so what is left to
-    weigh is waiting: it moves to a free slot, or away from its own slot while that one is busy."""
+    weigh is waiting: it moves to a free slot, or away from its own slot while that one is busy. Staying
+    keeps the page moves on one slot."""
     if target.id == own.id or target.busy:
         return False
     if not is_claimed(target, now, ttl):
         return True
     if paging:
         return own.busy
-    idle_target = now - activity(target)
-    if own.busy:  # staying would also queue behind the displacer
-        return idle_target >= COLD_AFTER
-    return idle_target >= max(COLD_AFTER, 3 * (now - activity(own)))
+    displacer = 1.0 if own.busy else owner_wanted(own, now)
+    return owner_wanted(target, now) <= STAY_SHARE * displacer
 
 
 def _spawned_from(view: SlotView, now: float) -> bool:

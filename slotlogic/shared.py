@@ -478,6 +478,7 @@ def views(st: ServerState, total_slots: int, live: list[dict[str, Any]] | None,
             owner=rec.owner if rec else None,
             prefix=rec.prefix if rec else None,
             owner_done=mine.done if mine is not None else None,
+            owner_gap=mine.gap if mine is not None else None,
         ))
     return out
 

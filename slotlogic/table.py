@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
-from slotlogic import sidecalls
+from slotlogic import returns, sidecalls
 from slotlogic.lead import Lead
 
 MAX_SESSIONS = 4096  # live sessions of one server remembered in memory (100k one-shot sessions: 45 MB unbounded)
@@ -29,6 +29,7 @@ class Assignment:
     done: float | None = None  # when its last response completed
     lead: Lead | None = None   # its first request's leading messages, as digests (a new session's seed)
     order: int = 0             # its placement's number in the pool (`SessionTable.assign`): which came first
+    gap: float | None = None   # its turn gap: seconds from an answer's end to its next request (`returns.next_gap`)
 
 
 @dataclass
@@ -82,7 +83,7 @@ class SessionTable:
         self.placements[0] += 1
         a = Assignment(slot=slot, last_used=now, requests=requests, prefix=prefix,
                        lead=lead if lead is not None else old.lead if old is not None else None,
-                       order=self.placements[0])
+                       order=self.placements[0], gap=_gap(old, now))
         self.sessions[key] = a
         self.holders[slot] = key
         self.running[slot] = key
@@ -114,6 +115,7 @@ class SessionTable:
     def use(self, key: str, now: float) -> Assignment:
         """Record one request of a known session; marks it for the next coalesced flush."""
         a = self.sessions[key]
+        a.gap = _gap(a, now)
         a.last_used = now
         a.requests += 1
         self.running[a.slot] = key
@@ -216,3 +218,12 @@ class SessionTable:
                 if where.get(a.slot) == key:
                     del where[a.slot]
         return a is not None
+
+
+def _gap(a: Assignment | None, now: float) -> float | None:
+    """`a`'s turn gap after a request at `now`: one more gap seen when its last request was answered."""
+    if a is None:
+        return None
+    if a.done is None or a.done < a.last_used:
+        return a.gap
+    return returns.next_gap(a.gap, now - a.done)

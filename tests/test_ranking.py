@@ -139,21 +139,45 @@ def test_auto_gives_a_subagent_its_waiting_parents_slot():
     assert choose(Policy.AUTO, stale, Asking(NOW, TTL)) == Choice(0, Why("evict-cheapest"))
 
 
-def test_worth_moving_only_to_free_or_long_idle_slots():
-    own = SlotView(0, 900, last_used=NOW - 2, owner="c", owner_done=NOW - 1)
+def test_the_cost_writes_over_the_conversation_due_back_last():
+    """Of two idle owners with the same tokens, the one whose own turn gap says it is back later is the cheaper
+    to write over (a displaced session: no parent rule, it is no subagent). Unmeasured, an owner is taken to
+    come back at once: the longer idle, the cheaper."""
+    displacer = SlotView(0, 900, last_used=NOW - 0.5, owner="c", owner_done=NOW - 0.5, owner_gap=3.0)
+    due_now = SlotView(1, 900, last_used=NOW - 2.9, owner="b", owner_done=NOW - 2.9, owner_gap=3.0)
+    asking = Asking(NOW, TTL, spawn=False)
+    assert choose(Policy.AUTO, [displacer, due_now], asking) == Choice(0, Why.EVICT_CHEAPEST)  # c back in 2.5 s
+    quick = replace(displacer, owner_gap=0.5)  # c calls back within half a second: it is due now
+    assert choose(Policy.AUTO, [quick, due_now], asking).slot == 1
+    gone = replace(due_now, last_used=NOW - 4, owner_done=NOW - 4, owner_gap=0.3)  # silent 13 of its gaps
+    assert choose(Policy.AUTO, [quick, gone], asking).slot == 1
+    assert choose(Policy.AUTO, [quick, replace(gone, busy=True)], asking).slot == 0  # a busy slot only if all are
+    unmeasured = [replace(s, owner_gap=None) for s in (displacer, due_now)]  # back at once: the longer idle
+    assert choose(Policy.AUTO, unmeasured, asking).slot == 1
+
+
+def test_a_displaced_session_moves_only_onto_an_owner_not_due_back():
+    """It stays on its own slot (writing over the displacer) unless the target's owner is free or far less
+    surely back than the displacer, by each owner's own turn gap: a fixed idle time cannot tell an agent
+    between two calls from one that has finished."""
+    own = SlotView(0, 900, last_used=NOW - 1, owner="c", owner_done=NOW - 1, owner_gap=1.0)  # due now
     assert not worth_moving(own, own, NOW, TTL)
     assert worth_moving(SlotView(1, 900), own, NOW, TTL)  # nobody's
     assert worth_moving(SlotView(1, 900, last_used=STALE, owner="x"), own, NOW, TTL)  # expired claim
     assert not worth_moving(SlotView(1, 0, busy=True), own, NOW, TTL)
-    recent = SlotView(1, 900, last_used=NOW - 30, owner="b", owner_done=NOW - 4)
-    assert not worth_moving(recent, own, NOW, TTL)  # idle 4 s: an agent between two calls
-    cold = SlotView(1, 900, last_used=NOW - 30, owner="b", owner_done=NOW - 6)
-    assert worth_moving(cold, own, NOW, TTL)
-    idle_displacer = SlotView(0, 900, last_used=NOW - 10, owner="c", owner_done=NOW - 3)
-    assert not worth_moving(cold, idle_displacer, NOW, TTL)  # 6 s is not long next to the displacer's 3 s
+    thinking = SlotView(1, 900, last_used=NOW - 4, owner="b", owner_done=NOW - 4, owner_gap=4.5)
+    assert not worth_moving(thinking, own, NOW, TTL)  # silent 4 s, as it always is between two calls
+    finished = replace(thinking, owner_gap=0.5)  # silent 4 s where it calls back within half a second
+    assert worth_moving(finished, own, NOW, TTL)
+    unmeasured = replace(thinking, owner_gap=None)  # 4 s idle, no habit known: an agent between two calls
+    assert not worth_moving(unmeasured, own, NOW, TTL)
+    assert worth_moving(replace(unmeasured, last_used=NOW - 8, owner_done=NOW - 8), own, NOW, TTL)
+    late = replace(finished, owner_gap=2.0)  # overdue by one of its gaps: half as sure as one due now
+    assert worth_moving(late, own, NOW, TTL)
+    assert not worth_moving(late, replace(own, owner_gap=6.0), NOW, TTL)  # the displacer is back only in 5 s
     busy_displacer = SlotView(0, 900, busy=True, last_used=NOW - 1, owner="c")
-    assert worth_moving(cold, busy_displacer, NOW, TTL)  # staying would queue behind it
-    assert not worth_moving(recent, busy_displacer, NOW, TTL)
+    assert worth_moving(finished, busy_displacer, NOW, TTL)  # staying would also queue behind it
+    assert not worth_moving(thinking, busy_displacer, NOW, TTL)
 
 
 def test_with_paging_a_displaced_session_leaves_only_a_busy_slot_or_for_a_free_one():

@@ -15,6 +15,7 @@ import pytest
 
 from bench.real.llama_server import LlamaServer
 from bench.real.mitmdump import MitmProxy
+from slotlogic.ranking import STAY_SHARE, SlotView, owner_wanted
 from tests.real_helpers import THREADS, Turn, ask, conversation, extend, jsonl
 
 pytestmark = pytest.mark.real
@@ -203,17 +204,23 @@ def test_a_displaced_session_moves_to_a_cold_slot_or_shares_its_own(tmp_path):
     assert [s for _, s, _ in reasons[:5]] == [0, 1, 2, 3, 0], reasons
     assert reasons[4][2] == "evict-cheapest" and [r for _, _, r in reasons[5:7]] == ["known"] * 2, reasons
 
-    # Whether a displaced session moves is the ranking's cold rule (`ranking.worth_moving`): the target's owner
-    # idle for COLD_AFTER and 3x as long as its own slot's. On a loaded machine the turns of D and C take long
-    # enough to change the answer, so the rule is checked on the log's own clock, whichever way it went.
-    def moves(i: int, target: int, own: int) -> bool:
-        at = records[i]["t"] - records[i]["seconds"]
-        return at - records[target]["t"] >= max(5.0, 3 * (at - records[own]["t"]))
+    # Whether a displaced session moves is the ranking's rule (`ranking.worth_moving`): the target's owner at
+    # most half as surely back as its own slot's (`ranking.owner_wanted`, by each owner's turn gap: measured
+    # from its answer to its next request, here only A's, when B decides). On a loaded machine the turns of D
+    # and C take long enough to change the answer, so the rule is checked on the log's own clock.
+    def owner(j: int, gap_from: int | None = None) -> SlotView:
+        done, sent = records[j]["t"], records[j]["t"] - records[j]["seconds"]
+        gap = sent - records[gap_from]["t"] if gap_from is not None else None
+        return SlotView(j, 100, last_used=sent, owner=str(j), owner_done=done, owner_gap=gap)
 
-    if moves(7, target=1, own=4):  # A, from slot 0 (E's now) to B's slot
+    def moves(i: int, target: SlotView, own: SlotView) -> bool:
+        at = records[i]["t"] - records[i]["seconds"]
+        return owner_wanted(target, at) <= STAY_SHARE * owner_wanted(own, at)
+
+    if moves(7, target=owner(1), own=owner(4)):  # A, from slot 0 (E's now) to B's slot
         assert (again["A"].slot, reasons[7][2]) == (first["B"].slot, "displaced:evict-cheapest"), reasons
         assert again["A"].cache_n >= 140  # the system prompt B left in slot 1 (210 tokens)
-        b_moves = moves(8, target=4, own=7)  # B, from slot 1 (A's now) to E's
+        b_moves = moves(8, target=owner(4), own=owner(7, gap_from=0))  # B, from slot 1 (A's now) to E's
         expected_b = (first["A"].slot, "displaced:evict-cheapest") if b_moves else (first["B"].slot, "displaced:shared")
         assert (again["B"].slot, reasons[8][2]) == expected_b, reasons
     else:  # A stays and shares its slot with E; B's slot is untouched

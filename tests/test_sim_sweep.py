@@ -245,16 +245,18 @@ def test_a_server_whose_props_and_slots_time_out_loses_nothing(seed):
     assert result.error is None and result.lost == 0, [(x.tag, x.tokens, x.cause, x.why) for x in result.losses]
 
 
-@pytest.mark.xfail(strict=True, reason="open: without a save dir a displaced session stays on its own slot unless "
-                   "the other owner has been idle 5 s (`worth_moving`), so one session keeps its slot while two "
-                   "displace each other every turn; on these 16 shapes 1.78 of the limit against stock's 1.72 "
-                   "(crowd seed 7: 2.35 against 1.47); pricing the move by the ranking's cost spreads the loss "
-                   "but raised the 3,000-seed sweep's worst and lost tokens unlabelled (docs/performance.md)")
 def test_more_sessions_than_slots_without_a_save_dir_prefill_less_than_stock():
-    """Three sessions on two slots without a save dir, and shapes around it (`crowd_shape`): the proxy should
-    prefill less than stock, the server's own similarity and LRU choice, and lose nothing unlabelled."""
-    proxy = [run_shape(crowd_shape(seed))[0] for seed in range(16)]
-    stock = [run_shape(crowd_shape(seed, stock=True))[0] for seed in range(16)]
-    assert [r.error for r in proxy + stock] == [None] * 32 and sum(r.lost for r in proxy) == 0
+    """More sessions than slots without a save dir (`crowd_shape`: 3 sessions on 2 slots and shapes around it,
+    80 of them): the proxy prefills less than stock (the server's own similarity and LRU choice) in total and
+    on the 3-on-2 shapes alone, and loses nothing unlabelled. Before each owner's return time was measured, a
+    displaced session left its slot only for an owner idle 5 s, and agents call again within 0-3 s: one
+    session kept its slot while two displaced each other every turn (1.71 of the limit against stock's 1.68
+    on these shapes; crowd seed 7: 2.35 against 1.47)."""
+    proxy = [run_shape(crowd_shape(seed))[0] for seed in range(80)]
+    stock = [run_shape(crowd_shape(seed, stock=True))[0] for seed in range(80)]
+    assert [r.error for r in proxy + stock] == [None] * 160 and sum(r.lost for r in proxy) == 0
     assert sum(r.prefill for r in proxy) < sum(r.prefill for r in stock)
-    assert sum(r.prefill for r in proxy) / sum(r.limit for r in proxy) <= 1.85
+    three = [i for i in range(80) if crowd_shape(i).setup.slots == 2 and len(crowd_shape(i).sessions) == 3]
+    assert len(three) > 30
+    assert sum(proxy[i].prefill for i in three) < sum(stock[i].prefill for i in three)
+    assert sum(r.prefill for r in proxy) / sum(r.limit for r in proxy) <= 1.7
