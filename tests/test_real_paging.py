@@ -84,12 +84,11 @@ def test_a_page_out_that_finds_its_slot_emptied_labels_the_loss_idle_clearing(tm
              for c, msgs in ((c, conversation(f"Task {c}: idle clearing under paging.")) for c in "ABC")}
     with LlamaServer(threads=THREADS, slots=2, ctx_per_slot=2048, kv_unified=True, slot_save_path=str(save),
                      cache_ram_mib=8,  # room for one conversation: A's is pushed out of the RAM cache by B's
-                     log_path=str(tmp_path / "s.log")) as srv:
+                     log_path=str(tmp_path / "s.log")) as srv, contextlib.ExitStack() as proxies:
         with _busy(srv.url, 2):  # another client's requests run on every slot while the proxy starts
-            px = MitmProxy(srv.url, opts, log_path=str(log)).__enter__()
+            px = proxies.enter_context(MitmProxy(srv.url, opts, log_path=str(log)))
             time.sleep(1.5)
-        with px:
-            first_a, c, back_a = _emptied_under_paging(px.url, convs, log)
+        first_a, c, back_a = _emptied_under_paging(px.url, convs, log)
     records = jsonl(tmp_path / "req.jsonl")
     a_key = next(r["session"] for r in records if r["kind"] == "request")
     out_a = [r for r in records if r["kind"] == "page" and r["out"] == a_key[:8]]

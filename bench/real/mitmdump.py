@@ -35,6 +35,8 @@ class MitmProxy:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30.0) -> MitmProxy:
+        if self.proc is not None and self.proc.poll() is None:
+            return self  # already running (entered twice): a second process would be left running on exit
         argv = mitm_argv(self.upstream, self.port, self.options, addon=self.addon, extra=self.extra,
                           quiet=self.quiet)
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
@@ -51,6 +53,7 @@ class MitmProxy:
                 return self
             except httpx.HTTPError:
                 time.sleep(0.1)
+        self.stop()  # never left running when it did not come up
         raise TimeoutError(f"mitmdump on {self.url} not listening after {timeout}s")
 
     def stop(self) -> None:
