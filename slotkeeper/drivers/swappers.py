@@ -22,13 +22,20 @@ READY = {"ready": True, "starting": False, "loaded": True, "loading": False}  # 
 
 
 async def detect(member: Member) -> None:
-    """Whether `member` is a llama-swap (it answers `/running`), a router (its `/props` says so) or a
-    llama-server; asked once."""
+    """Whether `member` is a llama-swap (it answers `/running`), a router (its `/models` give each model a
+    `status`; its `/props` then says `role: router` and `max_instances`) or a llama-server; asked once. A plain
+    llama-server is never asked `/props` here: a busy one answers it only after a long prefill, and its own
+    upstream asks it anyway."""
     if member.swap is not None:
         return
     data = await member.client.get_json("/running")
     if isinstance(data, dict) and isinstance(data.get("running"), list):
         member.swap = True
+        return
+    models = await member.client.get_json("/models")
+    rows = models.get("data") if isinstance(models, dict) else None
+    if not (isinstance(rows, list) and any(isinstance(r, dict) and isinstance(r.get("status"), dict) for r in rows)):
+        member.swap = False
         return
     props = await member.client.get_json("/props")
     member.router = isinstance(props, dict) and props.get("role") == "router"
