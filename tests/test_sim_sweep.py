@@ -118,6 +118,13 @@ CAUSES = [
            "`displaced:shared` and got the prefix restored over the conversation still there (found when the "
            "loaded draws became client patiences): 205 of 391 (fixed: a pinned request that leaves its slot "
            "unrun puts back what its pin replaced, `ledger.put_back`)"),
+    (1912, "other-proxy-request-over-owner: two proxies, two servers, two stalls; the pool's swapper detection "
+           "asked every member's `/props`, which a stalled server answers only after the time-out, and the pool's "
+           "first placements went later: one proxy's session came back `known` to the slot the other proxy had "
+           "taken (found after the router-mode merge): 408 tokens (fixed: a router is told from `/models`, and a "
+           "plain llama-server is never asked `/props` by the detection)"),
+    (2055, "page-of-another-conversation: two proxies, two servers, a stall; the same timing shift as seed 1912: "
+           "40 of 149 (fixed with it)"),
     (590, "not-paged-in: a loaded server (183 tok/s, bound 1 s), two one-slot servers; two placements past their "
           "bound both claimed the one slot and each waited for a slot with no claim but its own until the 3 s cap, "
           "then went with id_slot -1 over the sessions the slot held (fixed: a waiting placement lets go of its "
@@ -132,7 +139,7 @@ CAUSES = [
 # keeps a session's conversation, and its page restored on another server of the pool when it must go there;
 # two proxies hand a slot over (slotlogic/handover.py): one writer per slot, the giver answers before the taker moves
 FIXED = {77, 185, 62, 59, 79, 6, 9, 129, 389, 54, 37, 201, 993, 277, 261, 98, 153, 381, 633, 984, 1224, 2034,
-         352, 131, 627, 15, 2438, 590, 1000, 1953, 2670}
+         352, 131, 627, 15, 2438, 590, 1000, 1953, 2670, 1912, 2055}
 
 
 # Seeds whose loaded draw showed a cause of its own, besides the one its first draw showed (in CAUSES).
