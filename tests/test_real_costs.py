@@ -37,9 +37,10 @@ def three_sessions(px: str) -> dict[str, list[dict[str, str]]]:
     convs = {c: conversation(f"Task {c}: cost model test, keep the whole conversation.") for c in "ABC"}
     for c in "AB":
         ask(px, convs[c])
+    time.sleep(3.0)  # A calls again after a pause of its own: its turn gap is 3 s (`slotlogic.returns`)
     extend(convs["A"], 1)
     ask(px, convs["A"])
-    time.sleep(3.5)  # A's answer is no longer "just now": B is the coldest owner
+    time.sleep(3.5)  # A is due back about now, B has been idle 6.5 s: B is the owner least surely back
     ask(px, convs["C"])
     return convs
 

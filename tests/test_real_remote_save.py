@@ -30,9 +30,10 @@ def test_an_evicted_session_is_paged_back_in_through_a_save_dir_the_proxy_cannot
                      log_path=str(tmp_path / "s.log")) as srv, \
             MitmProxy(srv.url, opts, log_path=str(tmp_path / "p.log")) as px:
         first = {c: ask(px.url, convs[c]) for c in "AB"}
+        time.sleep(3.0)  # A calls again after a pause of its own: its turn gap is 3 s (`slotlogic.returns`)
         extend(convs["A"], 1)
         ask(px.url, convs["A"])
-        time.sleep(3.5)  # A's answer is no longer "just now": B is the coldest owner
+        time.sleep(3.5)  # A is due back about now, B has been idle 6.5 s: B is the owner least surely back
         first["C"] = ask(px.url, convs["C"])
         extend(convs["B"], 2)
         back_b = ask(px.url, convs["B"])

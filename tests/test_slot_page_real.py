@@ -91,9 +91,10 @@ def stack(tmp_path_factory) -> Iterator[dict[str, Any]]:
         convs = {c: conversation(f"Task {c}: slot page test, keep the whole conversation.") for c in "ABC"}
         for c in "AB":
             ask(px.url, convs[c])
+        time.sleep(3.0)  # A calls again after a pause of its own: its turn gap is 3 s (`slotlogic.returns`)
         extend(convs["A"], 1)
         ask(px.url, convs["A"])
-        time.sleep(3.5)  # A's answer is no longer "just now": B is the coldest owner, C evicts it
+        time.sleep(3.5)  # A is due back about now, B idle 6.5 s: B is the owner least surely back, C evicts it
         for n, c in enumerate("CBCB", start=2):
             ask(px.url, convs[c])
             extend(convs[c], n)
