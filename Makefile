@@ -21,7 +21,7 @@ comma := ,
 PIP_INSTALL = @echo "$(BIN)/pip install -q $(1)"; \
 	$(BIN)/pip install -q $(1) 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: install services run web test test-all test-312 test-upstream lint bench reliability record golden clean llama-server
+.PHONY: install services run web test test-slow test-all test-312 test-upstream lint bench reliability record golden clean llama-server
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,7 +47,11 @@ services:
 
 test: services $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile $(ARGS)
+	$(BIN)/pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile -m "not slow" $(ARGS)
+
+# The real-server cases kept out of make test's time budget (each covered in part by a test make test runs).
+test-slow: services $(STAMP)
+	$(BIN)/pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile -m slow $(ARGS)
 
 # Both supported pairs: Python 3.11 + mitmproxy 11.0.2, Python 3.12 + mitmproxy 12.x.
 test-312:

@@ -85,6 +85,7 @@ def test_a_restore_that_answers_and_keeps_nothing_is_detected_at_the_second(tmp_
     print("\n".join(line for line in text.splitlines() if BROKEN in line))
 
 
+@pytest.mark.slow
 def test_a_sliding_window_restore_without_checkpoints_is_detected_at_the_second(tmp_path, monkeypatch):
     """PRs #24956/#26004: the slot file restored without its context checkpoints; the real server (gemma3,
     window 32) then prefills the next prompt from zero. The line names --swa-full (the model check read the
@@ -108,6 +109,7 @@ def test_restores_on_the_real_server_take_and_paging_goes_on(tmp_path):
     assert BROKEN not in text and status["restores"]["health"] == "takes"
 
 
+@pytest.mark.slow
 def test_prefix_restores_that_keep_nothing_stop_after_two(tmp_path):
     """The same no-op restore under prefix checkpoints: each new session's prefix file is restored and its
     verification finds nothing cached. Two such restores, then new sessions warm their prefix in memory with

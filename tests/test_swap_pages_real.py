@@ -91,6 +91,7 @@ def test_each_conversation_is_paged_out_before_its_model_is_swapped_out_and_back
     assert "paged out first" in text
 
 
+@pytest.mark.slow
 def test_a_swap_with_no_room_to_save_still_serves_and_labels_the_loss(tmp_path):
     """The save dir cannot take a page (a budget of 1 MB, where one page takes ~9): the helper request is served,
     the main model's conversation is labelled lost, and its next turn prefills (nothing restored from elsewhere)."""
@@ -106,6 +107,7 @@ def test_a_swap_with_no_room_to_save_still_serves_and_labels_the_loss(tmp_path):
     assert swap.load_log == ["main", "helper", "main"], swap.load_log
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(router_binary() is None, reason="router mode needs the llama-server binary (LLAMA_SERVER_BIN "
                     "or `make llama-server`): xllamacpp refuses models_dir ('disabled the router server feature')")
 def test_router_mode_pages_each_conversation_out_before_an_eviction_and_back_in_after(tmp_path):
