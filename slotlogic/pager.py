@@ -28,23 +28,6 @@ class PagerHost(Protocol):
     """What the pager reads of its keeper: the server as last seen, this process's name, the prefill speed."""
 
     @property
-    def names(self) -> PageNames:
-        return self._names
-
-    def claim_names(self, plan: paging.PagePlan, ring: int) -> tuple[paging.PagePlan, frozenset[str]]:
-        """`plan` with the ring names its saves take held for it (`PageNames.writes`)."""
-        return self._names.writes(plan, ring, self.index)
-
-    def let_go(self, key: str) -> None:
-        """`key`'s conversation leaves its slot unsaved, by a cost decision: a loss by choice (`Cause.LET_GO`)."""
-        self.ledger.not_paged(key)
-
-    @property
-    def seeds(self) -> Seeds:
-        """Where a new session's start comes from (slotlogic/seeds.py)."""
-        return self._seeds
-
-    @property
     def page_identity(self) -> str: ...
 
     @property
